@@ -1,0 +1,1 @@
+"""Code every hyssm process imports: config, messages, channels, logging. Never imports torch."""

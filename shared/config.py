@@ -1,0 +1,178 @@
+"""Frozen server configuration shared by every process.
+
+`ServerArgs` is built once by `launch.py` from the command line, validated at construction,
+and handed (msgspec-encoded) to every child process. Nothing mutates it afterwards; the CLI
+reads its defaults from the field defaults here so there is one source of truth.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Literal
+
+import msgspec
+
+BUILTIN_MODEL = "builtin"
+"""`--model-path` value that selects the tiny checkpoint shipped inside `worker_proc`."""
+
+
+class ConfigError(ValueError):
+    """An invalid flag value or combination; the message is one line naming the flag."""
+
+
+def builtin_model_dir() -> str:
+    """Directory of the checkpoint shipped with the package (config.json + safetensors + tokenizer)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    return os.path.join(os.path.dirname(here), "worker_proc", "builtin_model")
+
+
+@dataclass(frozen=True)
+class FaultConfig:
+    """Fault injection for tests. Off by default; only reachable through `--fault-*` CLI flags
+    or the HYSSM_FAULTS environment variable, never through the HTTP API."""
+
+    refuse_cow_fraction: float = 0.0  # workers refuse this fraction of copy-on-write ops
+    raise_at_step: int = -1  # worker raises inside this step number
+    delay_step_s: float = 0.0  # worker sleeps this long in every step (simulated slow device)
+    crash_process: str = ""  # "tokenizer" | "scheduler" | "worker-tp<N>"
+    crash_at_step: int = -1  # step at which crash_process exits abruptly
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.refuse_cow_fraction <= 1.0:
+            raise ConfigError("--fault-refuse-cow-fraction must be in [0, 1]")
+        if self.delay_step_s < 0:
+            raise ConfigError("--fault-delay-step-s must be >= 0")
+
+    @property
+    def enabled(self) -> bool:
+        return (
+            self.refuse_cow_fraction > 0
+            or self.raise_at_step >= 0
+            or self.delay_step_s > 0
+            or (bool(self.crash_process) and self.crash_at_step >= 0)
+        )
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    """Every flag of `launch.py`. Validated in `__post_init__`; raise ConfigError on bad values."""
+
+    model_path: str = BUILTIN_MODEL
+    served_model_name: str = ""
+    host: str = "127.0.0.1"
+    port: int = 30000
+    api_key: str = ""
+    tp_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str = ""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    base_gpu_id: int = 0
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    random_seed: int = 0
+    log_level: str = "info"
+    # capacities (0 = derive from the memory budget)
+    max_running_requests: int = 64
+    max_total_tokens: int = 0
+    max_mamba_cache_size: int = 0
+    mem_budget_gb: float = 0.0  # 0 = a default budget for the device
+    mamba_full_memory_ratio: float = 0.5
+    # scheduling
+    chunked_prefill_size: int = 512
+    max_prefill_tokens: int = 2048
+    disable_radix_cache: bool = False
+    schedule_policy: Literal["fcfs", "priority"] = "fcfs"
+    enable_priority_preemption: bool = False
+    mamba_checkpoint_interval: int = 0  # 0 = only branch-point checkpoints
+    # limits
+    context_length: int = 0  # 0 = the model's max_position_embeddings
+    max_new_tokens_limit: int = 4096
+    max_body_bytes: int = 4 * 1024 * 1024
+    # supervision
+    watchdog_timeout: float = 30.0
+    startup_timeout: float = 120.0
+    run_dir: str = ""  # where ipc:// endpoints live; launch.py fills it in
+    faults: FaultConfig = field(default_factory=FaultConfig)
+
+    def __post_init__(self) -> None:
+        positive = {
+            "--port": self.port,
+            "--tp-size": self.tp_size,
+            "--nnodes": self.nnodes,
+            "--max-running-requests": self.max_running_requests,
+            "--chunked-prefill-size": self.chunked_prefill_size,
+            "--max-prefill-tokens": self.max_prefill_tokens,
+            "--max-new-tokens-limit": self.max_new_tokens_limit,
+            "--max-body-bytes": self.max_body_bytes,
+        }
+        for flag, value in positive.items():
+            if value <= 0:
+                raise ConfigError(f"{flag} must be a positive integer, got {value}")
+        if self.port > 65535:
+            raise ConfigError(f"--port must be at most 65535, got {self.port}")
+        non_negative = {
+            "--max-total-tokens": self.max_total_tokens,
+            "--max-mamba-cache-size": self.max_mamba_cache_size,
+            "--base-gpu-id": self.base_gpu_id,
+            "--mamba-checkpoint-interval": self.mamba_checkpoint_interval,
+            "--context-length": self.context_length,
+            "--mem-budget-gb": self.mem_budget_gb,
+        }
+        for flag, value in non_negative.items():
+            if value < 0:
+                raise ConfigError(f"{flag} must be >= 0, got {value}")
+        if not 0.0 < self.mamba_full_memory_ratio < 1.0:
+            raise ConfigError("--mamba-full-memory-ratio must be in (0, 1)")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ConfigError(f"--node-rank must be in [0, {self.nnodes}), got {self.node_rank}")
+        if self.tp_size % self.nnodes != 0:
+            raise ConfigError(f"--tp-size {self.tp_size} must be divisible by --nnodes {self.nnodes}")
+        if self.nnodes > 1 and not self.dist_init_addr:
+            raise ConfigError("--dist-init-addr HOST:PORT is required when --nnodes > 1")
+        if self.dist_init_addr and not _valid_host_port(self.dist_init_addr):
+            raise ConfigError(f"--dist-init-addr must be HOST:PORT, got {self.dist_init_addr!r}")
+        if self.max_prefill_tokens < self.chunked_prefill_size:
+            raise ConfigError("--max-prefill-tokens must be >= --chunked-prefill-size")
+        if self.watchdog_timeout <= 0 or self.startup_timeout <= 0:
+            raise ConfigError("--watchdog-timeout and --startup-timeout must be positive")
+        if self.log_level.lower() not in ("debug", "info", "warning", "error", "critical"):
+            raise ConfigError(f"--log-level must be debug|info|warning|error|critical, got {self.log_level}")
+
+    # ---- derived values -------------------------------------------------------------------
+    @property
+    def resolved_model_path(self) -> str:
+        return builtin_model_dir() if self.model_path == BUILTIN_MODEL else self.model_path
+
+    @property
+    def model_name(self) -> str:
+        if self.served_model_name:
+            return self.served_model_name
+        if self.model_path == BUILTIN_MODEL:
+            return "hyssm-tiny"
+        return os.path.basename(os.path.normpath(self.model_path))
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.tp_size // self.nnodes
+
+    def local_ranks(self) -> range:
+        start = self.node_rank * self.ranks_per_node
+        return range(start, start + self.ranks_per_node)
+
+    def replace(self, **changes: object) -> ServerArgs:
+        return dataclasses.replace(self, **changes)
+
+    def to_bytes(self) -> bytes:
+        return msgspec.msgpack.encode(self)
+
+    @staticmethod
+    def from_bytes(data: bytes) -> ServerArgs:
+        return msgspec.msgpack.decode(data, type=ServerArgs)
+
+
+def _valid_host_port(value: str) -> bool:
+    host, sep, port = value.rpartition(":")
+    return bool(sep and host and port.isdigit() and 0 < int(port) < 65536)

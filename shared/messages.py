@@ -1,0 +1,189 @@
+"""Every message that crosses a process boundary, as tagged msgspec Structs.
+
+One union per channel (see `shared/channels.py`). Decoding is typed: a message of the wrong
+shape raises `msgspec.ValidationError` at the receiver instead of being accepted silently.
+Token ids travel as msgpack integer arrays (compact varints), never as pickles.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
+    """Per-request sampling. Validated by the tokenizer process before a request is accepted."""
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = -1  # -1 = all
+    min_p: float = 0.0
+    seed: int | None = None
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    logprobs: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+# ---------------------------------------------------------------- tokenizer -> scheduler
+class GenerateReq(msgspec.Struct, tag=True, kw_only=True):
+    rid: str
+    input_ids: list[int]
+    sampling: SamplingParams
+    priority: int = 0  # larger = more important (used with --schedule-policy priority)
+    arrival: float = 0.0  # time.monotonic() at the tokenizer
+
+
+class AbortReq(msgspec.Struct, tag=True, kw_only=True):
+    rid: str
+    reason: str = "client disconnected"
+
+
+class FlushCacheReq(msgspec.Struct, tag=True, kw_only=True):
+    req_id: int
+
+
+class GetInfoReq(msgspec.Struct, tag=True, kw_only=True):
+    req_id: int
+
+
+ToScheduler = GenerateReq | AbortReq | FlushCacheReq | GetInfoReq
+
+
+# ---------------------------------------------------------------- scheduler -> tokenizer
+class TokenOut(msgspec.Struct, kw_only=True, array_like=True):
+    """New tokens of one request since its previous TokenOut. Exactly one per request has
+    `finished=True`; nothing follows it."""
+
+    rid: str
+    token_ids: list[int]
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    matched_stop_token: int | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    logprobs: list[float] | None = None
+    error: str | None = None
+
+
+class TokenOutBatch(msgspec.Struct, tag=True, kw_only=True):
+    outs: list[TokenOut]
+
+
+class FlushCacheResp(msgspec.Struct, tag=True, kw_only=True):
+    req_id: int
+    ok: bool
+    message: str = ""
+
+
+class InfoResp(msgspec.Struct, tag=True, kw_only=True):
+    """Scheduler-side state for /get_server_info and /metrics."""
+
+    req_id: int
+    info: dict[str, Any]  # "metrics": {prometheus name (with {labels}) -> value}, plus config and pools
+
+
+class SchedulerDead(msgspec.Struct, tag=True, kw_only=True):
+    """Sent by the scheduler (or on its behalf by launch.py) when serving cannot continue."""
+
+    reason: str
+
+
+ToTokenizer = TokenOutBatch | FlushCacheResp | InfoResp | SchedulerDead
+
+
+# ---------------------------------------------------------------- scheduler -> workers
+class CopyOp(msgspec.Struct, array_like=True):
+    """Copy Mamba state (conv + ssm) of slot `src` into slot `dst` before the forward pass.
+    `rid` is set for a request's copy-on-write (the worker may refuse it, which refuses the
+    request for this step); None for a cache checkpoint (never refused)."""
+
+    src: int
+    dst: int
+    rid: str | None = None
+
+
+class ReqSlice(msgspec.Struct, kw_only=True, array_like=True):
+    """The part of one request computed in this step.
+
+    `input_ids` are the tokens at positions [start_pos, start_pos + len(input_ids)).
+    `kv_slots` holds the KV slot of every position [0, start_pos + len(input_ids)): the prefix
+    slots (already written) followed by the slots this step writes.
+    `mamba_slot` holds the recurrent state after position start_pos - 1 (zeros if start_pos
+    is 0 and the slot was cleared); the step advances it in place.
+    `sample`: produce a next token after the last input token (False for a non-final chunk).
+    """
+
+    rid: str
+    input_ids: list[int]
+    start_pos: int
+    kv_slots: list[int]
+    mamba_slot: int
+    sample: bool
+    sampling: SamplingParams | None = None
+    output_len: int = 0  # tokens generated so far (seeds sampling deterministically)
+
+
+class ForwardBatch(msgspec.Struct, tag=True, kw_only=True):
+    step: int
+    reqs: list[ReqSlice]
+    copies: list[CopyOp] = []
+    clears: list[int] = []  # Mamba slots to zero before the forward pass (after copies)
+
+
+class FlushWorker(msgspec.Struct, tag=True, kw_only=True):
+    step: int
+
+
+class Shutdown(msgspec.Struct, tag=True, kw_only=True):
+    reason: str = ""
+
+
+ToWorker = ForwardBatch | FlushWorker | Shutdown
+
+
+# ---------------------------------------------------------------- workers -> scheduler
+class WorkerReady(msgspec.Struct, tag=True, kw_only=True):
+    rank: int
+    kv_slots: int  # usable token slots (slot 0, padding, not counted)
+    mamba_slots: int  # usable state slots (slot 0, padding, not counted)
+    device: str
+    dtype: str
+
+
+class StepResult(msgspec.Struct, tag=True, kw_only=True):
+    """Reply of rank 0 to a ForwardBatch. `next_tokens[rid]` for every request that sampled
+    and was not refused. `refused` lists requests whose copy-on-write was refused (agreed by
+    every rank); their slices did not run and their slots were not written."""
+
+    step: int
+    next_tokens: dict[str, int] = {}
+    logprobs: dict[str, float] = {}
+    refused: list[str] = []
+    error: str | None = None
+    elapsed_s: float = 0.0
+
+
+ToSchedulerFromWorker = WorkerReady | StepResult
+
+
+# ---------------------------------------------------------------- children -> launch.py
+class ProcReady(msgspec.Struct, tag=True, kw_only=True):
+    name: str
+    info: dict[str, int | float | str | bool] = {}
+
+
+class ProcFailed(msgspec.Struct, tag=True, kw_only=True):
+    name: str
+    error: str
+
+
+ToLauncher = ProcReady | ProcFailed
