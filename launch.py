@@ -1,0 +1,250 @@
+"""hyssm launcher: parse flags, start every process, wait for readiness, supervise, tear down.
+
+Node 0 runs the tokenizer (HTTP), the scheduler and its worker ranks; other nodes run only
+their worker ranks. The launcher owns the children: it watches their sentinels, and when any
+of them dies it tells the tokenizer (so in-flight requests get a final error and /health
+turns 503), stops the rest and exits non-zero. SIGTERM/SIGINT shut down gracefully (exit 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import time
+from multiprocessing.connection import wait
+from typing import Any, Literal, get_args, get_origin, get_type_hints
+
+import zmq
+
+from shared.channels import SCHEDULER_TO_TOKENIZER, TO_LAUNCHER, ChannelTimeout, Receiver, Sender
+from shared.config import ConfigError, FaultConfig, ServerArgs
+from shared.errors import HyssmError
+from shared.log import setup_logging
+from shared.messages import ProcFailed, ProcReady, SchedulerDead
+from shared.model_info import ModelInfo
+from shared.proc import child_main
+
+logger = logging.getLogger("launch")
+
+_HELP = {
+    "model_path": "checkpoint directory (config.json + *.safetensors); 'builtin' = the shipped tiny model",
+    "max_total_tokens": "KV token slots per rank (0 = from the memory budget)",
+    "max_mamba_cache_size": "Mamba state slots per rank (0 = from the memory budget)",
+    "mem_budget_gb": "memory for KV + state pools per rank in GiB (0 = a default for the device)",
+}
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """Bad flags end with one line on stderr (no usage dump) and exit code 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Flags mirror ServerArgs fields (SGLang names where they exist); defaults come from it."""
+    parser = _OneLineParser(prog="hyssm-launch", description="Serve a hybrid SSM model.")
+    hints = get_type_hints(ServerArgs)
+    for f in dataclasses.fields(ServerArgs):
+        if f.name in ("faults", "run_dir"):
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        default = f.default
+        help_text = _HELP.get(f.name) or f"(default: {default!r})"
+        if isinstance(default, bool):
+            parser.add_argument(flag, action="store_true", default=default, help=help_text)
+        elif get_origin(hints[f.name]) is Literal:
+            parser.add_argument(flag, choices=get_args(hints[f.name]), default=default, help=help_text)
+        else:
+            parser.add_argument(flag, type=type(default), default=default, help=help_text)
+    for f in dataclasses.fields(FaultConfig):
+        flag = "--fault-" + f.name.replace("_", "-")
+        parser.add_argument(flag, type=type(f.default), default=f.default, help=argparse.SUPPRESS)
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> ServerArgs:
+    ns = vars(build_parser().parse_args(argv))
+    fault_kwargs = {k.removeprefix("fault_"): ns.pop(k) for k in list(ns) if k.startswith("fault_")}
+    env_faults = os.environ.get("HYSSM_FAULTS")
+    if env_faults:
+        for item in env_faults.split(","):
+            key, _, value = item.partition("=")
+            default = getattr(FaultConfig, key.strip(), None)
+            if default is None and key.strip() not in FaultConfig.__dataclass_fields__:
+                raise ConfigError(f"HYSSM_FAULTS: unknown fault {key!r}")
+            kind = type(FaultConfig.__dataclass_fields__[key.strip()].default)
+            fault_kwargs[key.strip()] = kind(value)
+    return ServerArgs(**ns, faults=FaultConfig(**fault_kwargs))
+
+
+def preflight(args: ServerArgs) -> ModelInfo:
+    """Checks that fail fast with one line before any process starts."""
+    info = ModelInfo.from_dir(args.resolved_model_path)
+    if args.node_rank == 0:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((args.host, args.port))
+            except OSError as e:
+                raise ConfigError(f"cannot listen on {args.host}:{args.port}: {e.strerror}") from e
+    if args.device == "cuda":
+        import torch  # only for the GPU count; children import torch themselves
+
+        n_gpus = torch.cuda.device_count()
+        if args.device == "cuda" and n_gpus < args.base_gpu_id + args.ranks_per_node:
+            raise ConfigError(
+                f"--tp-size {args.tp_size} needs {args.ranks_per_node} GPUs from --base-gpu-id "
+                f"{args.base_gpu_id} on this node, found {n_gpus}"
+            )
+    return info
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Launcher:
+    """Owns every child process of this node and the run directory."""
+
+    def __init__(self, args: ServerArgs) -> None:
+        self.args = args
+        self.ctx = zmq.Context()
+        self.procs: dict[str, mp.process.BaseProcess] = {}
+        self.ready_rx: Receiver = Receiver(self.ctx, TO_LAUNCHER, args)
+        self.stop_requested = False
+
+    def start(self) -> None:
+        spawn = mp.get_context("spawn")
+        data = self.args.to_bytes()
+        for rank in self.args.local_ranks():
+            name = f"worker-tp{rank}"
+            self.procs[name] = spawn.Process(target=child_main, args=("worker", data, rank), name=name)
+        if self.args.node_rank == 0:
+            self.procs["scheduler"] = spawn.Process(target=child_main, args=("scheduler", data), name="scheduler")
+            self.procs["tokenizer"] = spawn.Process(target=child_main, args=("tokenizer", data), name="tokenizer")
+        for proc in self.procs.values():
+            proc.start()
+
+    def wait_ready(self) -> dict[str, Any]:
+        """Block until every child reported ProcReady; raise StartupError naming the laggard."""
+        pending = set(self.procs)
+        info: dict[str, Any] = {}
+        deadline = time.monotonic() + self.args.startup_timeout
+        while pending:
+            dead = [n for n, p in self.procs.items() if not p.is_alive()]
+            if dead:
+                raise HyssmError(f"{dead[0]} exited during start-up (code {self.procs[dead[0]].exitcode})")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise HyssmError(f"not ready within {self.args.startup_timeout:.0f}s: {', '.join(sorted(pending))}")
+            try:
+                msg = self.ready_rx.recv(int(min(left, 0.5) * 1000))
+            except ChannelTimeout:
+                continue
+            if isinstance(msg, ProcFailed):
+                raise HyssmError(f"{msg.name}: {msg.error}")
+            if isinstance(msg, ProcReady):
+                pending.discard(msg.name)
+                info.update(msg.info)
+        return info
+
+    def supervise(self) -> int:
+        """Wait until a child dies (exit 1) or a stop signal arrives (exit 0)."""
+        sentinels = {p.sentinel: name for name, p in self.procs.items()}
+        while not self.stop_requested:
+            done = wait(list(sentinels), timeout=0.5)
+            if done:
+                name = sentinels[done[0]]
+                code = self.procs[name].exitcode
+                logger.error("%s exited unexpectedly (code %s); shutting down", name, code)
+                self.shutdown(f"{name} exited unexpectedly (code {code})")
+                return 1
+            self._drain_reports()
+        self.shutdown("")
+        return 0
+
+    def _drain_reports(self) -> None:
+        for msg in self.ready_rx.drain(16):
+            if isinstance(msg, ProcFailed):
+                logger.error("%s reported: %s", msg.name, msg.error)
+
+    def shutdown(self, failure: str) -> None:
+        """Tell the tokenizer (on failure), then stop children: tokenizer first so clients get their
+        answers, then scheduler and workers. Bounded: SIGKILL after the grace period."""
+        tok = self.procs.get("tokenizer")
+        if failure and tok is not None and tok.is_alive():
+            try:
+                tx = Sender(self.ctx, SCHEDULER_TO_TOKENIZER, self.args)
+                tx.send(SchedulerDead(reason=failure), 1000)
+                tx.close()
+            except ChannelTimeout:
+                pass
+        order = ["tokenizer", "scheduler"] + [n for n in self.procs if n.startswith("worker")]
+        for name in order:
+            proc = self.procs.get(name)
+            if proc is not None and proc.is_alive():
+                proc.terminate()
+                proc.join(5.0 if name == "tokenizer" else 3.0)
+        for proc in self.procs.values():
+            if proc.is_alive():
+                proc.kill()
+                proc.join(2.0)
+        self.ready_rx.close()
+        self.ctx.term()
+
+    def request_stop(self, signum: int, _frame: object) -> None:
+        logger.info("received %s, shutting down", signal.Signals(signum).name)
+        self.stop_requested = True
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = parse_args(argv)
+    except (ConfigError, ValueError, TypeError) as e:
+        print(f"hyssm-launch: error: {e}", file=sys.stderr)
+        return 2
+    setup_logging(f"launch-node{args.node_rank}", args.log_level)
+    try:
+        preflight(args)
+    except (ConfigError, HyssmError) as e:
+        print(f"hyssm-launch: error: {e}", file=sys.stderr)
+        return 2
+    run_dir = tempfile.mkdtemp(prefix="hyssm-")
+    changes: dict[str, Any] = {"run_dir": run_dir}
+    if args.tp_size > 1 and not args.dist_init_addr:
+        changes["dist_init_addr"] = f"127.0.0.1:{_free_port()}"
+    args = args.replace(**changes)
+    launcher = Launcher(args)
+    signal.signal(signal.SIGTERM, launcher.request_stop)
+    signal.signal(signal.SIGINT, launcher.request_stop)
+    try:
+        launcher.start()
+        info = launcher.wait_ready()
+    except HyssmError as e:
+        print(f"hyssm-launch: error: {e}", file=sys.stderr)
+        launcher.shutdown("")
+        shutil.rmtree(run_dir, ignore_errors=True)
+        return 1
+    if args.node_rank == 0:
+        logger.info("pools: %s", {k: v for k, v in info.items() if k.endswith("capacity")})
+        print(f"hyssm: serving {args.model_name} at http://{args.host}:{args.port}", flush=True)
+    else:
+        print(f"hyssm: node {args.node_rank} workers ready", flush=True)
+    try:
+        return launcher.supervise()
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,193 @@
+"""The scheduler process: the ZeroMQ event loop around `Scheduler` (pure logic).
+
+Owns: the sockets to the tokenizer and to every worker rank, the in-flight batch (at most one),
+and the watchdog on the workers' reply. Everything about requests, slots and the cache lives in
+`Scheduler`, which this loop calls from one thread only.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import zmq
+
+from scheduler_proc.scheduler import Scheduler
+from shared.channels import (
+    SCHEDULER_TO_TOKENIZER,
+    SCHEDULER_TO_WORKER,
+    TO_LAUNCHER,
+    TOKENIZER_TO_SCHEDULER,
+    WORKER_TO_SCHEDULER,
+    ChannelTimeout,
+    Receiver,
+    Sender,
+)
+from shared.config import ServerArgs
+from shared.errors import StartupError
+from shared.messages import (
+    AbortReq,
+    FlushCacheReq,
+    FlushCacheResp,
+    ForwardBatch,
+    GenerateReq,
+    GetInfoReq,
+    InfoResp,
+    ProcReady,
+    StepResult,
+    TokenOut,
+    TokenOutBatch,
+    WorkerReady,
+)
+from shared.model_info import ModelInfo
+
+logger = logging.getLogger(__name__)
+
+_IDLE_POLL_MS = 1000
+
+
+class SchedulerLoop:
+    """One round = drain requests, send one batch to every rank, wait for rank 0's StepResult
+    (serving requests meanwhile), apply it, send outputs. Single-threaded."""
+
+    def __init__(self, args: ServerArgs) -> None:
+        self.args = args
+        self.ctx = zmq.Context()
+        self.from_tok: Receiver = Receiver(self.ctx, TOKENIZER_TO_SCHEDULER, args)
+        self.from_workers: Receiver = Receiver(self.ctx, WORKER_TO_SCHEDULER, args)
+        self.to_workers = [Sender(self.ctx, SCHEDULER_TO_WORKER, args, rank) for rank in range(args.tp_size)]
+        self.to_tok: Sender = Sender(self.ctx, SCHEDULER_TO_TOKENIZER, args)
+        self.poller = zmq.Poller()
+        self.poller.register(self.from_tok.sock, zmq.POLLIN)
+        self.poller.register(self.from_workers.sock, zmq.POLLIN)
+        self.sched: Scheduler | None = None
+        self.in_flight: ForwardBatch | None = None
+        self.in_flight_since = 0.0
+
+    def wait_for_workers(self) -> dict[str, int]:
+        """Collect WorkerReady from every rank; capacities are the minimum across ranks."""
+        ready: dict[int, WorkerReady] = {}
+        deadline = time.monotonic() + self.args.startup_timeout
+        while len(ready) < self.args.tp_size:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                missing = sorted(set(range(self.args.tp_size)) - set(ready))
+                nodes = sorted({r // self.args.ranks_per_node for r in missing})
+                raise StartupError(f"worker ranks {missing} (nodes {nodes}) did not report ready in time")
+            try:
+                msg = self.from_workers.recv(int(min(left, 1.0) * 1000))
+            except ChannelTimeout:
+                continue
+            if isinstance(msg, WorkerReady):
+                ready[msg.rank] = msg
+        kv = min(r.kv_slots for r in ready.values())
+        mamba = min(r.mamba_slots for r in ready.values())
+        return {"kv_capacity": kv, "mamba_capacity": mamba}
+
+    def start(self) -> None:
+        caps = self.wait_for_workers()
+        model = ModelInfo.from_dir(self.args.resolved_model_path)
+        self.sched = Scheduler(self.args, model, caps["kv_capacity"], caps["mamba_capacity"])
+        logger.info("scheduler ready: %s", caps)
+        tx = Sender(self.ctx, TO_LAUNCHER, self.args)
+        tx.send(ProcReady(name="scheduler", info=caps))
+        tx.close()
+
+    # ------------------------------------------------------------------ loop
+    def run_forever(self) -> None:
+        assert self.sched is not None
+        while True:
+            if self.in_flight is None:
+                batch = self.sched.schedule()
+                if batch is not None:
+                    self._dispatch(batch)
+            timeout = self._poll_timeout_ms()
+            events = dict(self.poller.poll(timeout))
+            if self.from_tok.sock in events:
+                self._handle_requests()
+            if self.from_workers.sock in events:
+                self._handle_worker_msgs()
+            self._check_watchdog()
+
+    def _poll_timeout_ms(self) -> int:
+        assert self.sched is not None
+        if self.in_flight is not None:
+            return 100
+        return 0 if self.sched.has_work else _IDLE_POLL_MS
+
+    def _dispatch(self, batch: ForwardBatch) -> None:
+        crash = self.args.faults
+        if crash.crash_process == "scheduler" and batch.step == crash.crash_at_step:
+            logger.error("fault injection: scheduler crashing at step %d", batch.step)
+            os._exit(17)
+        for tx in self.to_workers:
+            tx.send(batch, int(self.args.watchdog_timeout * 1000))
+        self.in_flight = batch
+        self.in_flight_since = time.monotonic()
+
+    def _handle_requests(self) -> None:
+        assert self.sched is not None
+        outs: list[TokenOut] = []
+        for msg in self.from_tok.drain(4096):
+            if isinstance(msg, GenerateReq):
+                outs.extend(self.sched.add_request(msg))
+            elif isinstance(msg, AbortReq):
+                outs.extend(self.sched.abort(msg.rid, msg.reason))
+            elif isinstance(msg, GetInfoReq):
+                self.to_tok.send(InfoResp(req_id=msg.req_id, info=self._info()))
+            elif isinstance(msg, FlushCacheReq):
+                ok = self.in_flight is None and self.sched.flush_cache()
+                text = "" if ok else "cannot flush the cache while requests are running"
+                self.to_tok.send(FlushCacheResp(req_id=msg.req_id, ok=ok, message=text))
+        self._send_outs(outs)
+
+    def _handle_worker_msgs(self) -> None:
+        assert self.sched is not None
+        for msg in self.from_workers.drain(64):
+            if not isinstance(msg, StepResult):
+                continue
+            if self.in_flight is None or msg.step != self.in_flight.step:
+                logger.warning("ignoring StepResult for step %d", msg.step)
+                continue
+            self.in_flight = None
+            self._send_outs(self.sched.apply_result(msg))
+
+    def _check_watchdog(self) -> None:
+        if self.in_flight is None:
+            return
+        waited = time.monotonic() - self.in_flight_since
+        if waited > self.args.watchdog_timeout:
+            raise TimeoutError(
+                f"watchdog: no reply from the workers for step {self.in_flight.step} in {waited:.1f}s"
+            )
+
+    def _send_outs(self, outs: list[TokenOut]) -> None:
+        if outs:
+            self.to_tok.send(TokenOutBatch(outs=outs))
+
+    def _info(self) -> dict:
+        assert self.sched is not None
+        info = self.sched.info()
+        info["in_flight_step"] = self.in_flight.step if self.in_flight is not None else -1
+        return info
+
+    def fail_everything(self, reason: str) -> None:
+        """Best effort on the way down: one final error per unfinished request."""
+        if self.sched is not None:
+            try:
+                self._send_outs(self.sched.fail_all(reason))
+            except Exception:  # noqa: BLE001 - we are already failing
+                logger.exception("could not send final errors")
+
+
+def run(args: ServerArgs) -> None:
+    """Process entry: wait for the workers, report ready, serve until killed."""
+    loop = SchedulerLoop(args)
+    loop.start()
+    try:
+        loop.run_forever()
+    except Exception as e:
+        logger.error("scheduler failing: %s", e)
+        loop.fail_everything(str(e))
+        raise

@@ -1,0 +1,95 @@
+"""Child-process bootstrap used by launch.py: name the process, set up logging, die with the parent.
+
+Every child is started with the `spawn` method and enters through `child_main`, which resolves
+the process kind to its package's entry function. Only this module knows that mapping.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib
+import logging
+import os
+import signal
+import sys
+import threading
+import traceback
+
+import zmq
+
+from shared.channels import TO_LAUNCHER, Sender
+from shared.config import ServerArgs
+from shared.log import setup_logging
+from shared.messages import ProcFailed
+
+logger = logging.getLogger(__name__)
+
+_ENTRIES = {
+    "tokenizer": "tokenizer_proc",
+    "scheduler": "scheduler_proc.process",
+    "worker": "worker_proc.process",
+}
+_PR_SET_PDEATHSIG = 1
+
+
+def set_parent_death_signal(sig: int = signal.SIGKILL) -> None:
+    """Ask the kernel to kill this process when its parent dies (Linux). Elsewhere: a watcher
+    thread polls the parent pid and exits the process when it changes."""
+    parent = os.getppid()
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL("libc.so.6", use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
+            if os.getppid() != parent:  # the parent died before prctl took effect
+                os._exit(1)
+            return
+        except OSError:
+            pass
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            threading.Event().wait(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def process_title(kind: str, rank: int | None) -> str:
+    return f"hyssm::{kind}" if rank is None else f"hyssm::{kind}-tp{rank}"
+
+
+def child_main(kind: str, args_bytes: bytes, rank: int | None = None) -> None:
+    """Entry of every child process (target of multiprocessing.Process)."""
+    args = ServerArgs.from_bytes(args_bytes)
+    title = process_title(kind, rank)
+    try:
+        import setproctitle
+
+        setproctitle.setproctitle(title)
+    except ImportError:  # pragma: no cover - setproctitle is a dependency
+        pass
+    set_parent_death_signal()
+    setup_logging(title.removeprefix("hyssm::"), args.log_level)
+    # launch.py handles Ctrl-C for the whole group; children shut down when told or killed.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    module = importlib.import_module(_ENTRIES[kind])
+    try:
+        if rank is None:
+            module.run(args)
+        else:
+            module.run(args, rank)
+    except Exception as e:  # report the reason to the launcher in one line, then die
+        logger.error("%s failed: %s\n%s", title, e, traceback.format_exc())
+        report_failure(args, title.removeprefix("hyssm::"), f"{type(e).__name__}: {e}")
+        os._exit(1)
+
+
+def report_failure(args: ServerArgs, name: str, error: str) -> None:
+    """Best effort: tell launch.py why this process is about to exit."""
+    ctx = zmq.Context.instance()
+    try:
+        sender = Sender(ctx, TO_LAUNCHER, args)
+        sender.send(ProcFailed(name=name, error=error.splitlines()[0] if error else "unknown"), 1000)
+        sender.close()
+    except Exception:  # noqa: BLE001 - the launcher may be gone already
+        pass

@@ -1,0 +1,163 @@
+"""The worker process of one tensor-parallel rank: receive ForwardBatch, agree on refusals with
+every other rank, run the step on the model runtime, rank 0 replies with a StepResult.
+
+Owns: the model weights and the KV / Mamba state pools (inside `ModelRunner`), the
+torch.distributed process group of the ranks, and the fault-injection decisions of this rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import zmq
+
+from shared.channels import SCHEDULER_TO_WORKER, TO_LAUNCHER, WORKER_TO_SCHEDULER, ChannelTimeout, Receiver, Sender
+from shared.config import FaultConfig, ServerArgs
+from shared.errors import StartupError
+from shared.messages import FlushWorker, ForwardBatch, ProcReady, Shutdown, StepResult, WorkerReady
+from worker_proc.runtime import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+_DEFAULT_BUDGET_BYTES = {"cpu": 256 << 20, "cuda": 8 << 30}
+
+
+def resolve_device(args: ServerArgs, rank: int) -> str:
+    if args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available()):
+        return "cpu"
+    local = rank % args.ranks_per_node
+    return f"cuda:{args.base_gpu_id + local}"
+
+
+def set_cpu_threads(args: ServerArgs) -> None:
+    """Ranks of one node share its cores; never oversubscribe."""
+    cores = os.cpu_count() or 1
+    torch.set_num_threads(max(1, cores // args.ranks_per_node))
+
+
+def init_distributed(args: ServerArgs, rank: int, device: str) -> object | None:
+    if args.tp_size == 1:
+        return None
+    backend = "nccl" if device.startswith("cuda") else "gloo"
+    host, _, port = args.dist_init_addr.rpartition(":")
+    try:
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://{host}:{port}",
+            rank=rank,
+            world_size=args.tp_size,
+            timeout=timedelta(seconds=args.startup_timeout),
+        )
+    except Exception as e:  # noqa: BLE001 - re-raised with the address named
+        raise StartupError(f"rank {rank}: cannot join the process group at {args.dist_init_addr}: {e}") from e
+    return dist.group.WORLD
+
+
+class FaultInjector:
+    """This rank's fault decisions; deterministic in (seed, rank, step)."""
+
+    def __init__(self, faults: FaultConfig, rank: int) -> None:
+        self.faults = faults
+        self.rank = rank
+        self.name = f"worker-tp{rank}"
+
+    def refusals(self, batch: ForwardBatch) -> set[str]:
+        frac = self.faults.refuse_cow_fraction
+        if frac <= 0:
+            return set()
+        rng = random.Random(hash((self.faults.seed, self.rank, batch.step)))
+        return {op.rid for op in batch.copies if op.rid is not None and rng.random() < frac}
+
+    def before_step(self, step: int) -> None:
+        f = self.faults
+        if f.crash_process == self.name and step == f.crash_at_step:
+            logger.error("fault injection: %s crashing at step %d", self.name, step)
+            os._exit(17)
+        if f.delay_step_s > 0:
+            time.sleep(f.delay_step_s)  # simulated slow device, not synchronisation
+        if step == f.raise_at_step:
+            raise RuntimeError(f"fault injection: error in step {step}")
+
+
+def agree_refusals(batch: ForwardBatch, local: set[str], group: object | None) -> frozenset[str]:
+    """A request is refused on every rank if any rank refused it (all-reduce MAX of a mask)."""
+    if group is None:
+        return frozenset(local)
+    rids = [op.rid for op in batch.copies if op.rid is not None]
+    if not rids:
+        return frozenset()
+    mask = torch.tensor([1 if rid in local else 0 for rid in rids], dtype=torch.int32)
+    dist.all_reduce(mask, op=dist.ReduceOp.MAX, group=group)
+    return frozenset(rid for rid, m in zip(rids, mask.tolist(), strict=True) if m)
+
+
+def run(args: ServerArgs, rank: int) -> None:
+    """Process entry for one rank: load, report ready, serve batches until Shutdown or killed."""
+    set_cpu_threads(args)
+    device = resolve_device(args, rank)
+    if device.startswith("cuda"):
+        torch.cuda.set_device(device)
+    group = init_distributed(args, rank, device)
+    budget = int(args.mem_budget_gb * (1 << 30)) or _DEFAULT_BUDGET_BYTES["cuda" if "cuda" in device else "cpu"]
+    runner = ModelRunner(
+        args.resolved_model_path,
+        device=device,
+        dtype=args.dtype,
+        kv_slots=args.max_total_tokens,
+        mamba_slots=args.max_mamba_cache_size,
+        mem_budget_bytes=budget,
+        mamba_ratio=args.mamba_full_memory_ratio,
+        seed=args.random_seed,
+        tp_rank=rank,
+        tp_size=args.tp_size,
+        tp_group=group,
+    )
+    ctx = zmq.Context()
+    rx: Receiver = Receiver(ctx, SCHEDULER_TO_WORKER, args, rank)
+    tx: Sender = Sender(ctx, WORKER_TO_SCHEDULER, args)
+    ready = WorkerReady(
+        rank=rank,
+        kv_slots=runner.kv_capacity,
+        mamba_slots=runner.mamba_capacity,
+        device=device,
+        dtype=str(args.dtype),
+    )
+    tx.send(ready, int(args.startup_timeout * 1000))
+    to_launcher: Sender = Sender(ctx, TO_LAUNCHER, args)
+    to_launcher.send(ProcReady(name=f"worker-tp{rank}", info={f"rank{rank}_device": device}))
+    to_launcher.close()
+    logger.info("rank %d ready on %s: kv=%d mamba=%d", rank, device, runner.kv_capacity, runner.mamba_capacity)
+    serve(runner, rx, tx if rank == 0 else None, FaultInjector(args.faults, rank), group)
+
+
+def serve(
+    runner: ModelRunner, rx: Receiver, tx: Sender | None, faults: FaultInjector, group: object | None
+) -> None:
+    """The step loop. `tx` is None on ranks other than 0 (only rank 0 replies)."""
+    while True:
+        try:
+            msg = rx.recv(1000)
+        except ChannelTimeout:
+            continue
+        if isinstance(msg, Shutdown):
+            logger.info("shutdown: %s", msg.reason)
+            return
+        if isinstance(msg, FlushWorker):
+            continue
+        t0 = time.perf_counter()
+        try:
+            faults.before_step(msg.step)
+            refused = agree_refusals(msg, faults.refusals(msg), group)
+            result = runner.step(msg, refused)
+        except Exception as e:  # the step failed: its requests get an error, serving goes on
+            logger.exception("step %d failed", msg.step)
+            result = StepResult(step=msg.step, error=f"{type(e).__name__}: {e}")
+        result.elapsed_s = time.perf_counter() - t0
+        if tx is not None:
+            tx.send(result)
