@@ -1,0 +1,125 @@
+"""Start a real `launch.py` in its own process group, wait until it serves, stop exactly it.
+
+Every process of one launch shares the process group created for launch.py
+(`start_new_session=True`), so teardown kills that group and nothing else.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import httpx
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def group_pids(pgid: int) -> list[int]:
+    """Live processes of a process group (Linux /proc scan), zombies excluded."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            pids.append(int(entry))
+    return pids
+
+
+class Server:
+    """A launch.py subprocess. `output` accumulates its stdout+stderr (read by a thread)."""
+
+    def __init__(self, extra_args: list[str], port: int | None = None, env: dict[str, str] | None = None):
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, os.path.join(ROOT, "launch.py"), "--port", str(self.port), "--device", "cpu"]
+        self.proc = subprocess.Popen(
+            cmd + extra_args,
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+            env={**os.environ, **(env or {})},
+        )
+        self.pgid = self.proc.pid
+        self.lines: list[str] = []
+        self._ready = threading.Event()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            if "hyssm: serving" in line:
+                self._ready.set()
+        self._ready.set()
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        if not self._ready.wait(timeout) or self.proc.poll() is not None:
+            raise RuntimeError(f"server did not start (exit {self.proc.poll()}):\n{self.output[-4000:]}")
+
+    def wait_exit(self, timeout: float) -> int:
+        """Wait for launch.py to exit on its own; all of its output has been read afterwards."""
+        code = self.proc.wait(timeout)
+        self._reader.join(10)
+        return code
+
+    def client(self, timeout: float = 60.0, **kw: object) -> httpx.Client:
+        return httpx.Client(base_url=self.url, timeout=timeout, **kw)
+
+    def stop(self, timeout: float = 15.0) -> int | None:
+        """SIGTERM launch.py, wait; SIGKILL the whole group if anything is left."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                pass
+        self.kill_group()
+        return self.proc.returncode
+
+    def kill_group(self) -> None:
+        try:
+            os.killpg(self.pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            pass
+        deadline = time.monotonic() + 10
+        while group_pids(self.pgid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+
+@contextmanager
+def running_server(extra_args: list[str], ready_timeout: float = 120.0, **kw: object) -> Iterator[Server]:
+    server = Server(extra_args, **kw)  # type: ignore[arg-type]
+    try:
+        server.wait_ready(ready_timeout)
+        yield server
+    finally:
+        server.stop()
