@@ -33,6 +33,7 @@ from shared.messages import (
     ForwardBatch,
     GenerateReq,
     GetInfoReq,
+    Heartbeat,
     InfoResp,
     ProcReady,
     StepResult,
@@ -45,6 +46,7 @@ from shared.model_info import ModelInfo
 logger = logging.getLogger(__name__)
 
 _IDLE_POLL_MS = 1000
+_HEARTBEAT_S = 1.0
 
 
 class SchedulerLoop:
@@ -64,6 +66,7 @@ class SchedulerLoop:
         self.sched: Scheduler | None = None
         self.in_flight: ForwardBatch | None = None
         self.in_flight_since = 0.0
+        self.last_sent = 0.0
 
     def wait_for_workers(self) -> dict[str, int]:
         """Collect WorkerReady from every rank; capacities are the minimum across ranks."""
@@ -109,6 +112,7 @@ class SchedulerLoop:
             if self.from_workers.sock in events:
                 self._handle_worker_msgs()
             self._check_watchdog()
+            self._heartbeat()
 
     def _poll_timeout_ms(self) -> int:
         assert self.sched is not None
@@ -124,7 +128,14 @@ class SchedulerLoop:
         for tx in self.to_workers:
             tx.send(batch, int(self.args.watchdog_timeout * 1000))
         self.in_flight = batch
-        self.in_flight_since = time.monotonic()
+        self.in_flight_since = self.last_sent = time.monotonic()
+
+    def _heartbeat(self) -> None:
+        now = time.monotonic()
+        if self.in_flight is None and now - self.last_sent >= _HEARTBEAT_S:
+            for tx in self.to_workers:
+                tx.send(Heartbeat(sent_at=now), int(self.args.watchdog_timeout * 1000))
+            self.last_sent = now
 
     def _handle_requests(self) -> None:
         assert self.sched is not None

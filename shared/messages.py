@@ -147,7 +147,14 @@ class Shutdown(msgspec.Struct, tag=True, kw_only=True):
     reason: str = ""
 
 
-ToWorker = ForwardBatch | FlushWorker | Shutdown
+class Heartbeat(msgspec.Struct, tag=True, kw_only=True):
+    """Sent by an idle scheduler about once a second so that workers (on other nodes too)
+    notice a dead node 0 within the watchdog timeout."""
+
+    sent_at: float
+
+
+ToWorker = ForwardBatch | FlushWorker | Shutdown | Heartbeat
 
 
 # ---------------------------------------------------------------- workers -> scheduler

@@ -20,7 +20,7 @@ import zmq
 from shared.channels import SCHEDULER_TO_WORKER, TO_LAUNCHER, WORKER_TO_SCHEDULER, ChannelTimeout, Receiver, Sender
 from shared.config import FaultConfig, ServerArgs
 from shared.errors import StartupError
-from shared.messages import FlushWorker, ForwardBatch, ProcReady, Shutdown, StepResult, WorkerReady
+from shared.messages import FlushWorker, ForwardBatch, Heartbeat, ProcReady, Shutdown, StepResult, WorkerReady
 from worker_proc.runtime import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -133,22 +133,35 @@ def run(args: ServerArgs, rank: int) -> None:
     to_launcher.send(ProcReady(name=f"worker-tp{rank}", info={f"rank{rank}_device": device}))
     to_launcher.close()
     logger.info("rank %d ready on %s: kv=%d mamba=%d", rank, device, runner.kv_capacity, runner.mamba_capacity)
-    serve(runner, rx, tx if rank == 0 else None, FaultInjector(args.faults, rank), group)
+    serve(runner, rx, tx if rank == 0 else None, FaultInjector(args.faults, rank), group, args)
 
 
 def serve(
-    runner: ModelRunner, rx: Receiver, tx: Sender | None, faults: FaultInjector, group: object | None
+    runner: ModelRunner,
+    rx: Receiver,
+    tx: Sender | None,
+    faults: FaultInjector,
+    group: object | None,
+    args: ServerArgs,
 ) -> None:
-    """The step loop. `tx` is None on ranks other than 0 (only rank 0 replies)."""
+    """The step loop. `tx` is None on ranks other than 0 (only rank 0 replies). The scheduler
+    sends something at least every second; silence past the watchdog timeout (the start-up
+    timeout before the first message) means node 0 is gone, and this rank exits."""
+    silence_limit = args.startup_timeout
+    last_heard = time.monotonic()
     while True:
         try:
             msg = rx.recv(1000)
         except ChannelTimeout:
+            if time.monotonic() - last_heard > silence_limit:
+                raise TimeoutError(f"no message from the scheduler for {silence_limit:.0f}s") from None
             continue
+        last_heard = time.monotonic()
+        silence_limit = args.watchdog_timeout + 2.0
         if isinstance(msg, Shutdown):
             logger.info("shutdown: %s", msg.reason)
             return
-        if isinstance(msg, FlushWorker):
+        if isinstance(msg, FlushWorker | Heartbeat):
             continue
         t0 = time.perf_counter()
         try:
