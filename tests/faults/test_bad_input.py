@@ -1,0 +1,90 @@
+"""Malformed and hostile requests against a real server (issue 7): each gets a 4xx with a JSON
+error body, and a normal request afterwards still succeeds."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import pytest
+
+from tests.e2e.server import Server, running_server
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
+
+GEN = "/generate"
+COMP = "/v1/completions"
+CHAT = "/v1/chat/completions"
+MSGS = [{"role": "user", "content": "hi"}]
+
+# (name, path, raw body bytes or JSON-able object, headers)
+CASES: list[tuple[str, str, object]] = [
+    ("invalid json", COMP, b"{not json"),
+    ("truncated json", CHAT, b'{"model": "x", "messages": ['),
+    ("json array body", COMP, [1, 2, 3]),
+    ("json string body", GEN, "hello"),
+    ("empty body", COMP, b""),
+    ("invalid utf-8 body", COMP, b'{"model": "x", "prompt": "\xff\xfe"}'),
+    ("missing prompt", COMP, {"model": "x", "max_tokens": 3}),
+    ("missing messages", CHAT, {"model": "x"}),
+    ("empty prompt", COMP, {"model": "x", "prompt": ""}),
+    ("empty token list", COMP, {"model": "x", "prompt": []}),
+    ("empty messages", CHAT, {"model": "x", "messages": []}),
+    ("prompt wrong type", COMP, {"model": "x", "prompt": 42}),
+    ("max_tokens string", COMP, {"model": "x", "prompt": "a", "max_tokens": "ten"}),
+    ("max_tokens negative", COMP, {"model": "x", "prompt": "a", "max_tokens": -1}),
+    ("max_tokens zero", COMP, {"model": "x", "prompt": "a", "max_tokens": 0}),
+    ("max_tokens huge", COMP, {"model": "x", "prompt": "a", "max_tokens": 10**12}),
+    ("temperature negative", COMP, {"model": "x", "prompt": "a", "temperature": -0.5}),
+    ("temperature string", CHAT, {"model": "x", "messages": MSGS, "temperature": "hot"}),
+    ("top_p zero", COMP, {"model": "x", "prompt": "a", "top_p": 0}),
+    ("top_p above one", CHAT, {"model": "x", "messages": MSGS, "top_p": 1.5}),
+    ("top_k zero", GEN, {"text": "a", "sampling_params": {"top_k": 0}}),
+    ("n greater than one", COMP, {"model": "x", "prompt": "a", "n": 3}),
+    ("unknown field", COMP, {"model": "x", "prompt": "a", "frobnicate": True}),
+    ("unknown sampling field", GEN, {"text": "a", "sampling_params": {"warp_speed": 9}}),
+    ("token id out of vocab", COMP, {"model": "x", "prompt": [1, 2, 10**9]}),
+    ("negative token id", GEN, {"input_ids": [1, -5, 3]}),
+    ("prompt longer than context", GEN, {"input_ids": [1] * 5000, "sampling_params": {"max_new_tokens": 1}}),
+    ("text and input_ids both missing", GEN, {"sampling_params": {"max_new_tokens": 2}}),
+    ("message without role", CHAT, {"model": "x", "messages": [{"content": "hi"}]}),
+    ("message content wrong type", CHAT, {"model": "x", "messages": [{"role": "user", "content": 5}]}),
+    ("stop wrong type", COMP, {"model": "x", "prompt": "a", "stop": 12}),
+    ("stream wrong type", COMP, {"model": "x", "prompt": "a", "stream": "yes"}),
+    ("seed wrong type", COMP, {"model": "x", "prompt": "a", "seed": "lucky"}),
+    ("sampling_params not an object", GEN, {"text": "a", "sampling_params": [1, 2]}),
+]
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[Server]:
+    with running_server(["--max-body-bytes", "65536", "--context-length", "4096"]) as srv:
+        yield srv
+
+
+def _post(server: Server, path: str, body: object, **headers: str):
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    with server.client() as client:
+        return client.post(path, content=data, headers={"Content-Type": "application/json", **headers})
+
+
+@pytest.mark.parametrize(("name", "path", "body"), CASES, ids=[c[0] for c in CASES])
+def test_bad_request_gets_4xx_json(server: Server, name: str, path: str, body: object) -> None:
+    r = _post(server, path, body)
+    assert 400 <= r.status_code < 500, (name, r.status_code, r.text)
+    err = r.json()["error"]
+    assert isinstance(err["message"], str) and err["message"]
+    ok = _post(server, COMP, {"model": "x", "prompt": "ok", "max_tokens": 2})
+    assert ok.status_code == 200, ok.text
+
+
+def test_huge_body_is_413(server: Server) -> None:
+    r = _post(server, COMP, {"model": "x", "prompt": "a" * 200_000})
+    assert r.status_code == 413 and "error" in r.json()
+
+
+def test_error_names_the_field(server: Server) -> None:
+    r = _post(server, COMP, {"model": "x", "prompt": "a", "max_tokens": "ten"})
+    assert "max_tokens" in r.json()["error"]["message"]
+    r = _post(server, CHAT, {"model": "x", "messages": MSGS, "top_p": 1.5})
+    assert "top_p" in r.json()["error"]["message"]
