@@ -205,9 +205,7 @@ async def benchmark(cfg: BenchConfig) -> dict[str, object]:
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
     limits = httpx.Limits(max_connections=cfg.concurrency or max(cfg.num_prompts, cfg.warmup, 1))
     timeout = httpx.Timeout(cfg.timeout_s, connect=min(cfg.timeout_s, 30.0))
-    async with httpx.AsyncClient(
-        base_url=cfg.base_url, headers=headers, limits=limits, timeout=timeout
-    ) as client:
+    async with httpx.AsyncClient(base_url=cfg.base_url, headers=headers, limits=limits, timeout=timeout) as client:
         vocab, model = await _discover(client, cfg)
         logger.info("base_url=%s backend=%s vocab_size=%d model=%s", cfg.base_url, cfg.backend, vocab, model)
         if cfg.warmup > 0:
@@ -223,9 +221,7 @@ async def benchmark(cfg: BenchConfig) -> dict[str, object]:
                 logger.warning("%d/%d warm-up requests failed, first: %s", len(failed), len(warm), failed[0])
         runs = []
         for k in range(cfg.runs):
-            runs.append(
-                await _measured_run(client, cfg, vocab, model, cfg.seed + k, f"run {k + 1}/{cfg.runs}")
-            )
+            runs.append(await _measured_run(client, cfg, vocab, model, cfg.seed + k, f"run {k + 1}/{cfg.runs}"))
     metrics = median_metrics(runs) if len(runs) > 1 else runs[0]
     metrics["config"] = {**asdict(cfg), "vocab_size": vocab, "model": model}
     if len(runs) > 1:

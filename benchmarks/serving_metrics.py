@@ -168,9 +168,7 @@ def compute_metrics(results: Sequence[RequestResult], duration_s: float) -> dict
         "total_output_tokens": total_out,
         "total_cached_tokens": total_cached,
         "prefill_tokens_computed": total_in - total_cached,
-        "prefix_cache_hit_rate": prefix_hit_rate(
-            [r.cached_tokens for r in ok], [r.prompt_tokens for r in ok]
-        ),
+        "prefix_cache_hit_rate": prefix_hit_rate([r.cached_tokens for r in ok], [r.prompt_tokens for r in ok]),
         "request_throughput": per_s(len(ok)),
         "input_token_throughput": per_s(total_in),
         "output_token_throughput": per_s(total_out),
@@ -227,9 +225,7 @@ def format_report(m: dict[str, object], title: str = "Serving Benchmark Result")
     for key, name in (("ttft_ms", "TTFT (ms)"), ("itl_ms", "ITL (ms)"), ("e2e_ms", "E2E latency (ms)")):
         stats = m[key]
         assert isinstance(stats, dict)
-        rows.extend(
-            (f"{stat.capitalize()} {name}", f"{stats[stat]:.2f}") for stat in ("mean", "median", "p90", "p99")
-        )
+        rows.extend((f"{stat.capitalize()} {name}", f"{stats[stat]:.2f}") for stat in ("mean", "median", "p90", "p99"))
     width = 50
     lines = [f" {title} ".center(width, "="), *(f"{k + ':':<38}{v!s:>12}" for k, v in rows), "=" * width]
     return "\n".join(lines)
