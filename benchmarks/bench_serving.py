@@ -223,7 +223,8 @@ async def benchmark(cfg: BenchConfig) -> dict[str, object]:
         for k in range(cfg.runs):
             runs.append(await _measured_run(client, cfg, vocab, model, cfg.seed + k, f"run {k + 1}/{cfg.runs}"))
     metrics = median_metrics(runs) if len(runs) > 1 else runs[0]
-    metrics["config"] = {**asdict(cfg), "vocab_size": vocab, "model": model}
+    redacted = "<redacted>" if cfg.api_key else None  # the key never goes into a results file
+    metrics["config"] = {**asdict(cfg), "api_key": redacted, "vocab_size": vocab, "model": model}
     if len(runs) > 1:
         metrics["runs"] = runs
     return metrics
