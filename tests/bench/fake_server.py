@@ -37,6 +37,7 @@ class Seen:
     max_tokens: int
     cached_tokens: int
     body: dict[str, object]
+    auth: str = ""
 
 
 @dataclass
@@ -161,6 +162,7 @@ class FakeApp:
         seen = self._admit("openai", body.get("prompt"), body.get("max_tokens"), body)
         if isinstance(seen, Response):
             return seen
+        seen.auth = request.headers.get("authorization", "")
 
         async def stream() -> AsyncIterator[str]:
             for i in range(seen.max_tokens):

@@ -63,7 +63,18 @@ def test_generate_shared_prefix_reports_hit_rate(server: FakeServer, tmp_path: P
 
 
 def test_openai_backend_with_rate_and_length_spread(server: FakeServer, tmp_path: Path) -> None:
-    flags = ["--backend", "openai", "--num-prompts", "12", "--concurrency", "4", "--request-rate", "500"]
+    flags = [
+        "--backend",
+        "openai",
+        "--num-prompts",
+        "12",
+        "--concurrency",
+        "4",
+        "--request-rate",
+        "500",
+        "--api-key",
+        "k1",
+    ]
     rc, m = _run(server, tmp_path, *flags, "--input-len", "20", "--output-len", "8", "--range-ratio", "0.5")
     assert rc == 0
     seen = server.state.seen
@@ -74,6 +85,7 @@ def test_openai_backend_with_rate_and_length_spread(server: FakeServer, tmp_path
     assert m["total_output_tokens"] == sum(s.max_tokens for s in seen)  # from usage, not from text chunks
     assert m["total_input_tokens"] == sum(len(s.prompt_ids) for s in seen)
     assert m["config"]["model"] == MODEL_NAME  # type: ignore[index]
+    assert all(s.auth == "Bearer k1" for s in seen) and m["config"]["api_key"] == "<redacted>"  # type: ignore[index]
 
 
 def test_failures_are_counted_not_fatal(server: FakeServer, tmp_path: Path) -> None:
