@@ -1,0 +1,1 @@
+"""Worker process package: model runtime, state pools, kernels, checkpoint loading."""

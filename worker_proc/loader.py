@@ -1,0 +1,144 @@
+"""Checkpoint loading: `config.json` + single-file or sharded safetensors -> `HybridForCausalLM`.
+
+Owned by the worker runtime. Every failure is a `ModelLoadError` whose message names the file,
+the architecture or the tensor at fault. Tensors go through the model's per-parameter
+`shard_for_rank` hook, the single place tensor parallelism will slice them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Iterator
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from shared.errors import ModelLoadError
+from shared.model_info import read_config_json
+from worker_proc.model.config import HybridConfig
+from worker_proc.model.hybrid import HybridForCausalLM, TPInfo
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_ALIASES = (  # transformers>=5 in-memory names -> checkpoint names
+    (".block_sparse_moe.experts.gate_up_proj", ".block_sparse_moe.input_linear.weight"),
+    (".block_sparse_moe.experts.down_proj", ".block_sparse_moe.output_linear.weight"),
+    (".block_sparse_moe.router.weight", ".block_sparse_moe.router.layer.weight"),
+)
+_PROGRESS_MIN_BYTES = 256 * 2**20
+
+
+def resolve_dtype(name: str, device: torch.device, cfg: HybridConfig) -> torch.dtype:
+    """"auto" = the checkpoint's torch_dtype on CUDA, float32 on CPU."""
+    if name == "auto":
+        name = cfg.torch_dtype if device.type == "cuda" else "float32"
+    if name not in DTYPES:
+        raise ModelLoadError(f"unsupported dtype {name!r} (use one of {', '.join(DTYPES)} or auto)")
+    return DTYPES[name]
+
+
+def load_config(model_dir: str) -> HybridConfig:
+    return HybridConfig.from_dict(read_config_json(model_dir), os.path.join(model_dir, "config.json"))
+
+
+def weight_files(model_dir: str) -> dict[str, list[str]]:
+    """{file path: [tensor names]} from model.safetensors.index.json, else the single model.safetensors."""
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    single = os.path.join(model_dir, "model.safetensors")
+    if os.path.isfile(index):
+        try:
+            with open(index, encoding="utf-8") as f:
+                weight_map = json.load(f)["weight_map"]
+        except (OSError, ValueError, KeyError) as e:
+            raise ModelLoadError(f"{index}: unreadable shard index ({e})") from e
+        files: dict[str, list[str]] = {}
+        for name, shard in weight_map.items():
+            files.setdefault(os.path.join(model_dir, shard), []).append(name)
+        for path in files:
+            if not os.path.isfile(path):
+                raise ModelLoadError(f"missing shard {path} (listed in {index})")
+        return files
+    if not os.path.isfile(single):
+        raise ModelLoadError(f"missing {single} (and no model.safetensors.index.json in {model_dir})")
+    return {single: []}
+
+
+def _iter_tensors(files: dict[str, list[str]]) -> Iterator[tuple[str, str, torch.Tensor]]:
+    for path, names in files.items():
+        try:
+            with safe_open(path, framework="pt", device="cpu") as f:
+                keys = list(f.keys())
+                listed = set(names)
+                if listed and listed != set(keys):
+                    missing = sorted(listed - set(keys))
+                    if missing:
+                        raise ModelLoadError(f"{path} lacks tensor {missing[0]!r} listed in the shard index")
+                for key in keys:
+                    yield path, key, f.get_tensor(key)
+        except ModelLoadError:
+            raise
+        except Exception as e:  # safetensors raises its own error types for corrupt files
+            raise ModelLoadError(f"{path}: cannot read safetensors ({e})") from e
+
+
+def _canonical(name: str) -> str:
+    for new, old in _ALIASES:
+        if name.endswith(new):
+            return name[: -len(new)] + old
+    return name
+
+
+def load_weights(model: HybridForCausalLM, files: dict[str, list[str]]) -> None:
+    """Copy every checkpoint tensor into its parameter; raise on a missing, extra or misshapen one."""
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    total_bytes = sum(os.path.getsize(p) for p in files)
+    bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc="loading weights",
+               disable=total_bytes < _PROGRESS_MIN_BYTES)
+    with bar:
+        for path, raw_name, tensor in _iter_tensors(files):
+            bar.update(tensor.numel() * tensor.element_size())
+            name = _canonical(raw_name)
+            if name == "lm_head.weight" and model.lm_head is None:
+                continue  # tied head stored anyway: the embedding is the head
+            param = params.get(name)
+            if param is None:
+                raise ModelLoadError(f"unexpected tensor {raw_name!r} in {path} (not a parameter of the model)")
+            local = model.shard_for_rank(name, tensor)
+            if tuple(local.shape) != tuple(param.shape):
+                raise ModelLoadError(
+                    f"tensor {raw_name!r} in {path} has shape {tuple(local.shape)}, expected {tuple(param.shape)}"
+                )
+            with torch.no_grad():
+                param.copy_(local)
+            loaded.add(name)
+    missing = sorted(set(params) - loaded)
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ModelLoadError(f"checkpoint lacks tensor {missing[0]!r}{more}")
+
+
+def load_model(
+    model_dir: str,
+    *,
+    device: str | torch.device = "cpu",
+    dtype: str = "auto",
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    tp_group: object = None,
+) -> HybridForCausalLM:
+    """Build the model described by `model_dir/config.json` on `device` and load its weights."""
+    cfg = load_config(model_dir)
+    dev = torch.device(device)
+    torch_dtype = resolve_dtype(dtype, dev, cfg)
+    files = weight_files(model_dir)
+    model = HybridForCausalLM(cfg, torch_dtype, dev, TPInfo(tp_rank, tp_size, tp_group))
+    load_weights(model, files)
+    model.eval()
+    logger.info("loaded %s from %s: %d layers (%s), %s on %s", cfg.architecture, model_dir, cfg.num_layers,
+                "".join("M" if k == "mamba" else "A" for k in cfg.layer_kinds), torch_dtype, dev)
+    return model

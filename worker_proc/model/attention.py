@@ -1,0 +1,77 @@
+"""Grouped-query attention of GraniteMoeHybrid (`model.layers.N.self_attn.*`), NoPE or RoPE.
+
+Owned by the worker runtime. Softmax scale = `attention_multiplier` (not 1/sqrt(d)). K/V of this
+step's tokens are written into the worker's KV pool at their slots *before* attention reads it, so
+a request attends over its cached prefix and its own new tokens through the same slot list.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from worker_proc.kernels import KernelOps
+from worker_proc.model.batch import StepBatch
+from worker_proc.model.config import HybridConfig
+
+
+def rope_cos_sin(
+    positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Default RoPE tables for `positions` [T] -> (cos, sin) [T, 1, head_dim] in `dtype`."""
+    inv_freq = 1.0 / (
+        theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float() / head_dim)
+    )
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, d]; cos, sin: [T, 1, d]."""
+    return x * cos + _rotate_half(x) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: HybridConfig, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.cfg = cfg
+        hd, bias = cfg.head_dim, cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * hd, bias=bias, dtype=dtype, device=device)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * hd, bias=bias, dtype=dtype, device=device)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * hd, bias=bias, dtype=dtype, device=device)
+        self.o_proj = nn.Linear(cfg.num_heads * hd, cfg.hidden_size, bias=bias, dtype=dtype, device=device)
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        batch: StepBatch,
+        rope: tuple[torch.Tensor, torch.Tensor] | None,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        ops: KernelOps,
+    ) -> torch.Tensor:
+        """h: [T, hidden]; k_pool, v_pool: [S, kvh, d] of this layer; rope: (cos, sin) or None."""
+        cfg = self.cfg
+        t = h.shape[0]
+        q = self.q_proj(h).view(t, cfg.num_heads, cfg.head_dim)
+        k = self.k_proj(h).view(t, cfg.num_kv_heads, cfg.head_dim)
+        v = self.v_proj(h).view(t, cfg.num_kv_heads, cfg.head_dim)
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        k_pool.index_copy_(0, batch.new_kv_slots, k.to(k_pool.dtype))
+        v_pool.index_copy_(0, batch.new_kv_slots, v.to(v_pool.dtype))
+        out = torch.empty_like(q)
+        scale = cfg.attention_multiplier
+        if batch.dec_rows.numel():
+            rows = batch.dec_rows
+            out[rows] = ops.attn_decode(q[rows], k_pool, v_pool, batch.dec_kv_idx, batch.dec_kv_len, scale)
+        for seg in batch.prefill:
+            rows = slice(seg.row_start, seg.row_end)
+            out[rows] = ops.attn_prefill(q[rows], k_pool, v_pool, seg.kv_idx, seg.start_pos, scale)
+        return self.o_proj(out.view(t, -1))

@@ -1,0 +1,75 @@
+"""Mamba2 mixer of GraniteMoeHybrid (`model.layers.N.mamba.*`).
+
+Owned by the worker runtime. in_proj -> split (z | xBC | dt) -> causal depthwise conv1d + SiLU over
+xBC -> split (x | B | C) -> SSD scan (A = -exp(A_log), D skip, dt_bias, softplus, time_step_limit)
+-> gated RMSNorm grouped by n_groups -> out_proj. The conv and SSM states live in the worker's
+pools and are read/advanced in place by slot; this module owns no state of its own.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from worker_proc.kernels import KernelOps
+from worker_proc.model.batch import StepBatch
+from worker_proc.model.config import HybridConfig
+from worker_proc.model.layers import GatedRMSNorm, _empty
+
+
+class MambaMixer(nn.Module):
+    def __init__(self, cfg: HybridConfig, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.cfg = cfg
+        inner, heads = cfg.mamba_intermediate, cfg.mamba_n_heads
+        proj = inner + cfg.conv_dim + heads
+        self.in_proj = nn.Linear(cfg.hidden_size, proj, bias=cfg.mamba_proj_bias, dtype=dtype, device=device)
+        self.conv1d = nn.Module()
+        self.conv1d.weight = _empty(cfg.conv_dim, 1, cfg.mamba_d_conv, dtype=dtype, device=device)
+        self.conv1d.bias = _empty(cfg.conv_dim, dtype=dtype, device=device) if cfg.mamba_conv_bias else None
+        self.A_log = _empty(heads, dtype=dtype, device=device)
+        self.D = _empty(heads, dtype=dtype, device=device)
+        self.dt_bias = _empty(heads, dtype=dtype, device=device)
+        self.norm = GatedRMSNorm(inner, cfg.mamba_n_groups, cfg.rms_norm_eps, dtype, device)
+        self.out_proj = nn.Linear(inner, cfg.hidden_size, bias=cfg.mamba_proj_bias, dtype=dtype, device=device)
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        batch: StepBatch,
+        conv_pool: torch.Tensor,
+        ssm_pool: torch.Tensor,
+        ops: KernelOps,
+    ) -> torch.Tensor:
+        """h: [T, hidden]; conv_pool: [S, conv_dim, K-1] and ssm_pool: [S, H, P, N] of this layer."""
+        cfg = self.cfg
+        inner, heads, p = cfg.mamba_intermediate, cfg.mamba_n_heads, cfg.mamba_d_head
+        gn = cfg.mamba_n_groups * cfg.mamba_d_state
+        z, xbc, dt = self.in_proj(h).split([inner, cfg.conv_dim, heads], dim=-1)
+        weight = self.conv1d.weight[:, 0, :]
+        bias = self.conv1d.bias
+        a = -torch.exp(self.A_log.float())
+        y = torch.empty(h.shape[0], heads, p, dtype=torch.float32, device=h.device)
+
+        def groups(t: torch.Tensor) -> torch.Tensor:
+            return t.reshape(t.shape[0], cfg.mamba_n_groups, cfg.mamba_d_state)
+
+        if batch.dec_rows.numel():
+            rows = batch.dec_rows
+            slots = batch.dec_mamba_slots
+            conv_out = ops.conv_decode(xbc[rows], conv_pool, slots, weight, bias)
+            x, b, c = conv_out.split([inner, gn, gn], dim=-1)
+            y[rows] = ops.ssd_decode(
+                x.reshape(-1, heads, p), dt[rows], a, groups(b), groups(c),
+                self.D, self.dt_bias, cfg.time_step_limit, ssm_pool, slots,
+            )
+        for seg in batch.prefill:
+            rows = slice(seg.row_start, seg.row_end)
+            conv_out = ops.conv_prefill(xbc[rows], conv_pool, seg.mamba_slot, weight, bias)
+            x, b, c = conv_out.split([inner, gn, gn], dim=-1)
+            y[rows] = ops.ssd_prefill(
+                x.reshape(-1, heads, p), dt[rows], a, groups(b), groups(c), self.D, self.dt_bias,
+                cfg.time_step_limit, cfg.mamba_chunk_size, ssm_pool, seg.mamba_slot,
+            )
+        out = self.norm(y.view(h.shape[0], inner), z)
+        return self.out_proj(out.to(h.dtype))

@@ -1,0 +1,129 @@
+"""`StatePools`: the worker's attention KV pool and Mamba conv/SSM state pools.
+
+Owned by the worker (one instance per rank). The scheduler owns every slot *number*: it decides
+which slots a request uses, and the worker only reads/writes the tensors at those slots. Slot 0 of
+every pool is padding: never handed out, never written, always zero (checked by check_integrity).
+
+Layout (S = capacity + 1):
+  k, v : [attn_layers,  S_kv,    kv_heads, head_dim]            model dtype
+  conv : [mamba_layers, S_mamba, conv_dim, d_conv - 1]          model dtype
+  ssm  : [mamba_layers, S_mamba, heads, head_dim, d_state]      float32 (always)
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from worker_proc.model.config import HybridConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SlotBytes:
+    """Bytes one slot costs across all layers."""
+
+    kv_token: int  # one KV token slot (K and V, every attention layer)
+    mamba_state: int  # one Mamba state slot (conv + ssm, every Mamba layer)
+
+
+def slot_bytes(cfg: HybridConfig, dtype: torch.dtype, tp_size: int = 1) -> SlotBytes:
+    elt = torch.empty((), dtype=dtype).element_size()
+    kv_heads = max(1, cfg.num_kv_heads // tp_size)
+    kv = len(cfg.attn_layer_ids) * 2 * kv_heads * cfg.head_dim * elt
+    heads = max(1, cfg.mamba_n_heads // tp_size)
+    conv = (cfg.conv_dim // tp_size) * (cfg.mamba_d_conv - 1) * elt
+    ssm = heads * cfg.mamba_d_head * cfg.mamba_d_state * 4
+    return SlotBytes(kv_token=kv, mamba_state=len(cfg.mamba_layer_ids) * (conv + ssm))
+
+
+def plan_capacities(
+    cfg: HybridConfig, budget_bytes: int, mamba_ratio: float, dtype: torch.dtype, tp_size: int = 1
+) -> tuple[int, int]:
+    """Split `budget_bytes` into (kv_slots, mamba_slots), usable counts excluding padding slot 0.
+
+    `mamba_ratio` is the fraction of the budget given to the Mamba state pools (the rest to KV);
+    a model without Mamba layers (or without attention) gives the whole budget to the other pool.
+    Raises ValueError when the budget cannot hold one usable slot of each pool the model needs.
+    """
+    if not 0.0 < mamba_ratio < 1.0:
+        raise ValueError(f"mamba_ratio must be in (0, 1), got {mamba_ratio}")
+    sb = slot_bytes(cfg, dtype, tp_size)
+    if sb.mamba_state == 0:
+        mamba_ratio = 0.0
+    elif sb.kv_token == 0:
+        mamba_ratio = 1.0
+    kv_slots = int(budget_bytes * (1.0 - mamba_ratio)) // sb.kv_token - 1 if sb.kv_token else 0
+    mamba_slots = int(budget_bytes * mamba_ratio) // sb.mamba_state - 1 if sb.mamba_state else 0
+    if (sb.kv_token and kv_slots < 1) or (sb.mamba_state and mamba_slots < 1):
+        raise ValueError(
+            f"memory budget {budget_bytes} B too small: {sb.kv_token} B per KV token, "
+            f"{sb.mamba_state} B per Mamba state, ratio {mamba_ratio}"
+        )
+    return max(kv_slots, 0), max(mamba_slots, 0)
+
+
+class StatePools:
+    """KV and Mamba state tensors of one worker rank. See the module docstring for layout."""
+
+    def __init__(
+        self,
+        cfg: HybridConfig,
+        kv_slots: int,
+        mamba_slots: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        tp_size: int = 1,
+    ) -> None:
+        if kv_slots < 0 or mamba_slots < 0:
+            raise ValueError("pool capacities must be >= 0")
+        self.kv_capacity = kv_slots
+        self.mamba_capacity = mamba_slots
+        self.dtype = dtype
+        n_attn, n_mamba = len(cfg.attn_layer_ids), len(cfg.mamba_layer_ids)
+        kv_heads = max(1, cfg.num_kv_heads // tp_size)
+        heads = max(1, cfg.mamba_n_heads // tp_size)
+        kv_shape = (n_attn, kv_slots + 1, kv_heads, cfg.head_dim)
+        self.k = torch.zeros(kv_shape, dtype=dtype, device=device)
+        self.v = torch.zeros(kv_shape, dtype=dtype, device=device)
+        conv_shape = (n_mamba, mamba_slots + 1, cfg.conv_dim // tp_size, cfg.mamba_d_conv - 1)
+        self.conv = torch.zeros(conv_shape, dtype=dtype, device=device)
+        ssm_shape = (n_mamba, mamba_slots + 1, heads, cfg.mamba_d_head, cfg.mamba_d_state)
+        self.ssm = torch.zeros(ssm_shape, dtype=torch.float32, device=device)
+        logger.info(
+            "state pools: %d KV token slots (%d attention layers), %d Mamba slots (%d Mamba layers), %.1f MiB",
+            kv_slots, n_attn, mamba_slots, n_mamba, self.nbytes() / 2**20,
+        )
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.conv, self.ssm))
+
+    def _check_mamba_slot(self, slot: int, what: str) -> None:
+        if not 1 <= slot <= self.mamba_capacity:
+            raise ValueError(f"{what} Mamba slot {slot} outside [1, {self.mamba_capacity}]")
+
+    def copy_state(self, src: int, dst: int) -> None:
+        """Copy the Mamba state (conv + ssm, every layer) of slot `src` into slot `dst`."""
+        self._check_mamba_slot(src, "source")
+        self._check_mamba_slot(dst, "destination")
+        if src == dst:
+            return
+        self.conv[:, dst].copy_(self.conv[:, src])
+        self.ssm[:, dst].copy_(self.ssm[:, src])
+
+    def clear_state(self, slot: int) -> None:
+        """Zero the Mamba state of `slot` (a fresh request starts from zeros)."""
+        self._check_mamba_slot(slot, "cleared")
+        self.conv[:, slot].zero_()
+        self.ssm[:, slot].zero_()
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError if shapes/dtypes are off or padding slot 0 was ever written."""
+        assert self.k.shape == self.v.shape and self.k.shape[1] == self.kv_capacity + 1
+        assert self.conv.shape[:2] == self.ssm.shape[:2] and self.ssm.shape[1] == self.mamba_capacity + 1
+        assert self.ssm.dtype == torch.float32 and self.k.dtype == self.dtype == self.conv.dtype
+        for name, pool in (("k", self.k), ("v", self.v), ("conv", self.conv), ("ssm", self.ssm)):
+            assert not torch.any(pool[:, 0] != 0), f"padding slot 0 of the {name} pool was written"
