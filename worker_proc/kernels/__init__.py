@@ -15,9 +15,18 @@ from worker_proc.kernels import reference as ref
 
 
 class ReferenceOps:
-    """Pure-torch ops over pool slots; correct on every device, fast on none."""
+    """Pure-torch ops over pool slots; correct on every device, fast on none.
+
+    `batch_invariant`: decode attention runs request by request with exactly the computation a
+    request gets alone, so a request's logits do not depend on what it is batched with (CPU
+    default: tests compare batched serving with single-request references token for token).
+    Otherwise decode attention is one padded batched computation (faster, equal to ~1e-6).
+    """
 
     name = "reference"
+
+    def __init__(self, batch_invariant: bool = True) -> None:
+        self.batch_invariant = batch_invariant
 
     def conv_prefill(
         self, x: torch.Tensor, conv_pool: torch.Tensor, slot: int, weight: torch.Tensor, bias: torch.Tensor | None
@@ -106,6 +115,12 @@ class ReferenceOps:
         scale: float,
     ) -> torch.Tensor:
         """q: [Bt, h, d]; kv_idx: [Bt, T] int64 slots, padded with 0 past lengths[b]; returns [Bt, h, d]."""
+        if self.batch_invariant:
+            out = torch.empty_like(q)
+            for b, n in enumerate(lengths.tolist()):
+                idx = kv_idx[b, :n]
+                out[b : b + 1] = ref.attention_prefill(q[b : b + 1], k_pool[idx], v_pool[idx], n - 1, scale)
+            return out
         k = k_pool[kv_idx]
         v = v_pool[kv_idx]
         return ref.attention_decode(q, k, v, lengths, scale)
@@ -116,10 +131,9 @@ KernelOps = ReferenceOps
 
 
 def get_ops(device: torch.device | str) -> KernelOps:
-    """The kernel implementation for `device`. Today the reference everywhere; Triton kernels
-    for CUDA plug in here once they pass their checks against the reference."""
-    del device
-    return ReferenceOps()
+    """The kernel implementation for `device`. Today the reference everywhere (batch invariant on
+    CPU); Triton kernels for CUDA plug in here once they pass their checks against the reference."""
+    return ReferenceOps(batch_invariant=torch.device(device).type == "cpu")
 
 
 __all__ = ["KernelOps", "ReferenceOps", "get_ops"]

@@ -165,7 +165,8 @@ def ssd_state_step(
     c = c.float().repeat_interleave(heads // groups, dim=1)
     decay = torch.exp(dt * a.float()[None])  # [Bt, H]
     new_state = state.float() * decay[..., None, None] + (dt[..., None] * x)[..., None] * b[:, :, None, :]
-    y = torch.einsum("bhpn,bhn->bhp", new_state, c) + x * d.float()[None, :, None]
+    # a plain row reduction (not a batched GEMM) keeps each request's result independent of Bt
+    y = (new_state * c[:, :, None, :]).sum(-1) + x * d.float()[None, :, None]
     return y, new_state
 
 

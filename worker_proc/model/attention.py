@@ -13,16 +13,21 @@ from torch import nn
 from worker_proc.kernels import KernelOps
 from worker_proc.model.batch import StepBatch
 from worker_proc.model.config import HybridConfig
+from worker_proc.model.layers import Linear
 
 
 def rope_cos_sin(
     positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Default RoPE tables for `positions` [T] -> (cos, sin) [T, 1, head_dim] in `dtype`."""
+    """Default RoPE tables for `positions` [T] -> (cos, sin) [T, 1, head_dim] in `dtype`.
+
+    The angles are the float32 products transformers uses; cos/sin are taken in float64 and rounded,
+    so a position's table entry does not depend on which other positions share the call (SIMD vs
+    scalar tails of float32 cos/sin differ in the last bit, which would break batch invariance)."""
     inv_freq = 1.0 / (
         theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float() / head_dim)
     )
-    freqs = positions.float()[:, None] * inv_freq[None, :]
+    freqs = (positions.float()[:, None] * inv_freq[None, :]).double()
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
 
@@ -42,10 +47,10 @@ class Attention(nn.Module):
         super().__init__()
         self.cfg = cfg
         hd, bias = cfg.head_dim, cfg.attention_bias
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * hd, bias=bias, dtype=dtype, device=device)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * hd, bias=bias, dtype=dtype, device=device)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * hd, bias=bias, dtype=dtype, device=device)
-        self.o_proj = nn.Linear(cfg.num_heads * hd, cfg.hidden_size, bias=bias, dtype=dtype, device=device)
+        self.q_proj = Linear(cfg.hidden_size, cfg.num_heads * hd, bias=bias, dtype=dtype, device=device)
+        self.k_proj = Linear(cfg.hidden_size, cfg.num_kv_heads * hd, bias=bias, dtype=dtype, device=device)
+        self.v_proj = Linear(cfg.hidden_size, cfg.num_kv_heads * hd, bias=bias, dtype=dtype, device=device)
+        self.o_proj = Linear(cfg.num_heads * hd, cfg.hidden_size, bias=bias, dtype=dtype, device=device)
 
     def forward(
         self,

@@ -24,7 +24,7 @@ from worker_proc.kernels import KernelOps
 from worker_proc.model.attention import Attention, rope_cos_sin
 from worker_proc.model.batch import StepBatch
 from worker_proc.model.config import HybridConfig
-from worker_proc.model.layers import GatedMLP, RMSNorm, SparseMoE, _empty
+from worker_proc.model.layers import GatedMLP, Linear, RMSNorm, SparseMoE, _empty, linear
 from worker_proc.model.mamba import MambaMixer
 from worker_proc.pools import StatePools
 
@@ -107,7 +107,7 @@ class HybridForCausalLM(nn.Module):
         self.lm_head = (
             None
             if cfg.tie_word_embeddings
-            else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, device=device)
+            else Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, device=device)
         )
 
     def shard_for_rank(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
@@ -131,4 +131,4 @@ class HybridForCausalLM(nn.Module):
         for layer in self.model.layers:
             h = layer(h, batch, rope, pools, ops)
         h = self.model.norm(h[batch.logit_rows])
-        return F.linear(h, self.lm_head_weight()).float() / cfg.logits_scaling
+        return linear(h, self.lm_head_weight()).float() / cfg.logits_scaling

@@ -11,6 +11,26 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+MIN_GEMM_ROWS = 16
+"""Row count below which CPU BLAS switches to kernels whose rounding depends on the row count;
+padding small inputs up to it makes every row's result independent of what it is batched with."""
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear over [T, in] whose per-row result does not depend on T (batch invariance)."""
+    rows = x.shape[0]
+    if rows >= MIN_GEMM_ROWS or x.dim() != 2:
+        return F.linear(x, weight, bias)
+    padded = torch.cat([x, x.new_zeros(MIN_GEMM_ROWS - rows, x.shape[1])])
+    return F.linear(padded, weight, bias)[:rows]
+
+
+class Linear(nn.Linear):
+    """nn.Linear (same parameter names) computed through the batch-invariant `linear`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
 
 def _empty(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
@@ -52,8 +72,8 @@ class GatedMLP(nn.Module):
 
     def __init__(self, hidden: int, inner: int, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
-        self.input_linear = nn.Linear(hidden, 2 * inner, bias=False, dtype=dtype, device=device)
-        self.output_linear = nn.Linear(inner, hidden, bias=False, dtype=dtype, device=device)
+        self.input_linear = Linear(hidden, 2 * inner, bias=False, dtype=dtype, device=device)
+        self.output_linear = Linear(inner, hidden, bias=False, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.input_linear(x).chunk(2, dim=-1)
@@ -63,7 +83,7 @@ class GatedMLP(nn.Module):
 class Router(nn.Module):
     def __init__(self, hidden: int, experts: int, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
-        self.layer = nn.Linear(hidden, experts, bias=False, dtype=dtype, device=device)
+        self.layer = Linear(hidden, experts, bias=False, dtype=dtype, device=device)
 
 
 class SparseMoE(nn.Module):
@@ -101,8 +121,8 @@ class SparseMoE(nn.Module):
             sel = order[start : start + count]
             start += count
             tokens = sel // self.top_k
-            gate, up = F.linear(x[tokens], w_in[expert]).chunk(2, dim=-1)
-            h = F.linear(F.silu(gate) * up, w_out[expert])
+            gate, up = linear(x[tokens], w_in[expert]).chunk(2, dim=-1)
+            h = linear(F.silu(gate) * up, w_out[expert])
             h = h * top_w.flatten()[sel][:, None]
             out.index_add_(0, tokens, h)
         return out

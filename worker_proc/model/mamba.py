@@ -14,7 +14,7 @@ from torch import nn
 from worker_proc.kernels import KernelOps
 from worker_proc.model.batch import StepBatch
 from worker_proc.model.config import HybridConfig
-from worker_proc.model.layers import GatedRMSNorm, _empty
+from worker_proc.model.layers import GatedRMSNorm, Linear, _empty
 
 
 class MambaMixer(nn.Module):
@@ -23,7 +23,7 @@ class MambaMixer(nn.Module):
         self.cfg = cfg
         inner, heads = cfg.mamba_intermediate, cfg.mamba_n_heads
         proj = inner + cfg.conv_dim + heads
-        self.in_proj = nn.Linear(cfg.hidden_size, proj, bias=cfg.mamba_proj_bias, dtype=dtype, device=device)
+        self.in_proj = Linear(cfg.hidden_size, proj, bias=cfg.mamba_proj_bias, dtype=dtype, device=device)
         self.conv1d = nn.Module()
         self.conv1d.weight = _empty(cfg.conv_dim, 1, cfg.mamba_d_conv, dtype=dtype, device=device)
         self.conv1d.bias = _empty(cfg.conv_dim, dtype=dtype, device=device) if cfg.mamba_conv_bias else None
@@ -31,7 +31,7 @@ class MambaMixer(nn.Module):
         self.D = _empty(heads, dtype=dtype, device=device)
         self.dt_bias = _empty(heads, dtype=dtype, device=device)
         self.norm = GatedRMSNorm(inner, cfg.mamba_n_groups, cfg.rms_norm_eps, dtype, device)
-        self.out_proj = nn.Linear(inner, cfg.hidden_size, bias=cfg.mamba_proj_bias, dtype=dtype, device=device)
+        self.out_proj = Linear(inner, cfg.hidden_size, bias=cfg.mamba_proj_bias, dtype=dtype, device=device)
 
     def forward(
         self,

@@ -1,0 +1,91 @@
+"""State ops applied before the forward pass: copy (copy-on-write), clear, refusal."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shared.messages import CopyOp, ReqSlice
+from tests.worker.util import batch, max_diff, reference, req, runner
+
+
+def _snapshot(r, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return r.pools.conv[:, slot].clone(), r.pools.ssm[:, slot].clone()
+
+
+@pytest.mark.parametrize("name", ["nope_groups2", "rope_moe"])
+def test_resume_from_copied_state_equals_uninterrupted(name: str) -> None:
+    prompt = reference(name)["prompt"].tolist()
+    n, cut = len(prompt), 9
+    r = runner(name)
+    kv = list(range(1, n + 1))
+    whole = r.forward_all_logits(batch(0, [req("x", prompt, 0, list(range(30, 30 + n)), 4)], clears=[4]))["x"]
+    # a cached prefix: state after `cut` tokens in slot 1
+    r.forward_logits(batch(1, [req("p", prompt[:cut], 0, kv[:cut], 1, sample=False)], clears=[1]))
+    src_before = _snapshot(r, 1)
+    # a new request hits the prefix: CoW slot 1 -> slot 2, then computes the rest in slot 2
+    sl = req("y", prompt[cut:], cut, kv, 2)
+    rest = r.forward_all_logits(batch(2, [sl], copies=[CopyOp(src=1, dst=2, rid="y")]))["y"]
+    assert max_diff(rest, whole[cut:]) <= 1e-4  # same tolerance as chunked-prefill parity
+    src_after = _snapshot(r, 1)
+    assert torch.equal(src_before[0], src_after[0]) and torch.equal(src_before[1], src_after[1])
+    assert not torch.equal(r.pools.ssm[:, 2], r.pools.ssm[:, 1])  # the copy advanced, the source did not
+    assert max_diff(r.pools.ssm[:, 2], r.pools.ssm[:, 4]) <= 1e-4  # equals the uninterrupted state
+    r.check_integrity()
+
+
+def test_clear_zeroes_slot_and_padding_untouched() -> None:
+    r = runner("nope_groups2")
+    prompt = reference("nope_groups2")["prompt"].tolist()
+    r.forward_logits(batch(0, [req("a", prompt, 0, list(range(1, 20)), 3)], clears=[3]))
+    assert r.pools.ssm[:, 3].abs().sum() > 0 and r.pools.conv[:, 3].abs().sum() > 0
+    r.forward_logits(batch(1, [], clears=[3]))
+    assert not r.pools.ssm[:, 3].any() and not r.pools.conv[:, 3].any()
+    r.check_integrity()
+    r.pools.k[0, 0, 0, 0] = 1.0  # a write into padding slot 0 is caught
+    with pytest.raises(AssertionError, match="padding slot 0"):
+        r.check_integrity()
+
+
+def test_copies_apply_before_clears() -> None:
+    r = runner("nope_groups2")
+    prompt = reference("nope_groups2")["prompt"].tolist()
+    r.forward_logits(batch(0, [req("a", prompt[:5], 0, list(range(1, 6)), 1)], clears=[1]))
+    r.forward_logits(batch(1, [], copies=[CopyOp(src=1, dst=2)], clears=[1]))
+    assert not r.pools.ssm[:, 1].any()
+    assert r.pools.ssm[:, 2].any()
+
+
+def test_refused_request_does_not_run_or_copy() -> None:
+    r = runner("rope_moe")
+    prompt = reference("rope_moe")["prompt"].tolist()
+    r.forward_logits(batch(0, [req("p", prompt[:8], 0, list(range(1, 9)), 1, sample=False)], clears=[1]))
+    k_before, ssm_before = r.pools.k.clone(), r.pools.ssm.clone()
+    refused_slice = req("y", prompt[8:12], 8, list(range(1, 13)), 2)
+    ok_slice = req("z", prompt[:3], 0, list(range(40, 43)), 3)
+    b = batch(1, [refused_slice, ok_slice], copies=[CopyOp(src=1, dst=2, rid="y"), CopyOp(src=1, dst=4)],
+              clears=[3])
+    res = r.step(b, refused=frozenset({"y"}))
+    assert res.refused == ["y"] and set(res.next_tokens) == {"z"}
+    assert not r.pools.ssm[:, 2].any()  # the refused CoW was not applied, nor its slice run
+    assert torch.equal(r.pools.k[:, 9:13], k_before[:, 9:13])
+    assert torch.equal(r.pools.ssm[:, 4], ssm_before[:, 1])  # the checkpoint copy (rid None) was applied
+    r.check_integrity()
+
+
+def test_malformed_batches_rejected() -> None:
+    r = runner("nope_groups2", kv_slots=32, mamba_slots=4)
+    with pytest.raises(ValueError, match="kv_slots"):
+        r.step(batch(0, [ReqSlice(rid="a", input_ids=[5, 6], start_pos=1, kv_slots=[1, 2], mamba_slot=1,
+                                  sample=True)]))
+    with pytest.raises(ValueError, match="KV slot"):
+        r.step(batch(0, [req("a", [5, 6], 0, [1, 33], 1)]))
+    with pytest.raises(ValueError, match="KV slot"):
+        r.step(batch(0, [req("a", [5, 6], 0, [0, 1], 1)]))
+    with pytest.raises(ValueError, match="Mamba slot"):
+        r.step(batch(0, [req("a", [5], 0, [1], 5)]))
+    with pytest.raises(ValueError, match="duplicate Mamba"):
+        r.step(batch(0, [req("a", [5], 0, [1], 2), req("b", [6], 0, [2], 2)]))
+    with pytest.raises(ValueError, match="Mamba slot"):
+        r.step(batch(0, [], copies=[CopyOp(src=0, dst=1)]))
+    r.check_integrity()

@@ -1,0 +1,59 @@
+"""Helpers shared by the worker runtime tests (owned by the worker runtime, helper A)."""
+
+from __future__ import annotations
+
+import os
+
+import msgspec
+import torch
+from safetensors.torch import load_file
+
+from shared.messages import CopyOp, ForwardBatch, ReqSlice, SamplingParams, ToWorker
+from worker_proc.runtime import ModelRunner
+
+FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures")
+FIXTURE_NAMES = ("nope_groups2", "rope_moe", "blocktype_bias")
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def fixture_dir(name: str) -> str:
+    return os.path.join(FIXTURES, name)
+
+
+def reference(name: str) -> dict[str, torch.Tensor]:
+    return load_file(os.path.join(fixture_dir(name), "reference.safetensors"))
+
+
+def runner(name: str, kv_slots: int = 96, mamba_slots: int = 8, **kw: object) -> ModelRunner:
+    return ModelRunner(fixture_dir(name), kv_slots=kv_slots, mamba_slots=mamba_slots, **kw)
+
+
+def wire(batch: ForwardBatch) -> ForwardBatch:
+    """Round-trip through msgpack exactly as the scheduler -> worker channel does."""
+    out = msgspec.msgpack.decode(msgspec.msgpack.encode(batch), type=ToWorker)
+    assert isinstance(out, ForwardBatch)
+    return out
+
+
+def req(
+    rid: str,
+    ids: list[int],
+    start: int,
+    kv: list[int],
+    mamba: int,
+    sample: bool = True,
+    sampling: SamplingParams | None = GREEDY,
+    output_len: int = 0,
+) -> ReqSlice:
+    assert len(kv) == start + len(ids)
+    return ReqSlice(rid=rid, input_ids=list(ids), start_pos=start, kv_slots=list(kv), mamba_slot=mamba,
+                    sample=sample, sampling=sampling, output_len=output_len)
+
+
+def batch(step: int, reqs: list[ReqSlice], copies: list[CopyOp] | None = None,
+          clears: list[int] | None = None) -> ForwardBatch:
+    return wire(ForwardBatch(step=step, reqs=reqs, copies=copies or [], clears=clears or []))
+
+
+def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).abs().max())
