@@ -1,0 +1,179 @@
+"""`create_app(args, backend)`: the Starlette app of the tokenizer process, testable without
+processes (drive it with httpx.ASGITransport and a fake Backend).
+
+Routes: POST /generate (native.py); POST /v1/completions, POST /v1/chat/completions,
+GET /v1/models (openai_api.py); GET /health, GET /get_server_info, GET /get_model_info,
+GET|POST /flush_cache, GET /metrics (here). With `--api-key`, every route except /health and
+/metrics requires `Authorization: Bearer <key>` (401 otherwise). Every error body is
+`{"error": {"message", "type", "param", "code"}}`.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from typing import Any
+
+import msgspec
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from shared.config import ServerArgs
+from shared.model_info import ModelInfo
+from tokenizer_proc.context import AppContext, get_ctx
+from tokenizer_proc.errors import ApiError, unavailable
+from tokenizer_proc.generation import Backend, BackendUnavailable
+from tokenizer_proc.http_util import json_response
+from tokenizer_proc.metrics import render_metrics
+from tokenizer_proc.native import generate_endpoint
+from tokenizer_proc.openai_api import chat_endpoint, completions_endpoint, models_endpoint
+from tokenizer_proc.tokenizer import TextTokenizer
+from tokenizer_proc.validation import Limits
+
+logger = logging.getLogger(__name__)
+
+PUBLIC_PATHS = frozenset({"/health", "/metrics"})
+VERSION = "0.1.0"
+
+
+async def health(request: Request) -> Response:
+    if get_ctx(request).backend.healthy:
+        return json_response({"status": "ok"})
+    raise unavailable("the server is not healthy: the scheduler is gone")
+
+
+async def _backend_info(ctx: AppContext) -> dict[str, Any]:
+    try:
+        return await ctx.backend.info()
+    except (BackendUnavailable, TimeoutError) as e:
+        raise unavailable(f"the scheduler did not answer: {e}") from e
+
+
+async def server_info(request: Request) -> Response:
+    ctx = get_ctx(request)
+    info = await _backend_info(ctx)
+    args = msgspec.to_builtins(ctx.args)
+    if args.get("api_key"):
+        args["api_key"] = "<redacted>"
+    return json_response({
+        "version": VERSION,
+        "model_name": ctx.args.model_name,
+        "context_length": ctx.limits.context_length,
+        "vocab_size": ctx.limits.vocab_size,
+        "healthy": ctx.backend.healthy,
+        "server_args": args,
+        "tokenizer": {"in_flight_requests": len(ctx.in_flight)},
+        "scheduler": info,
+    })
+
+
+async def model_info(request: Request) -> Response:
+    ctx = get_ctx(request)
+    return json_response({"model_path": ctx.args.resolved_model_path, "model_name": ctx.args.model_name,
+                          "is_generation": True, "context_length": ctx.limits.context_length})
+
+
+async def flush_cache(request: Request) -> Response:
+    ctx = get_ctx(request)
+    try:
+        ok, message = await ctx.backend.flush_cache()
+    except (BackendUnavailable, TimeoutError) as e:
+        raise unavailable(f"the scheduler did not answer: {e}") from e
+    if not ok:
+        raise ApiError(400, f"cache not flushed: {message}", err_type="flush_failed")
+    return json_response({"success": True, "message": message or "cache flushed"})
+
+
+async def metrics(request: Request) -> Response:
+    ctx = get_ctx(request)
+    sched_metrics = None
+    if ctx.backend.healthy:
+        try:
+            sched_metrics = (await ctx.backend.info()).get("metrics")
+        except (BackendUnavailable, TimeoutError) as e:
+            logger.warning("/metrics without scheduler metrics: %s", e)
+    body = render_metrics(ctx.metrics, sched_metrics, len(ctx.in_flight), ctx.backend.healthy)
+    return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+
+async def _api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, ApiError)
+    return exc.response()
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    return ApiError(exc.status_code, f"{exc.detail}: {request.method} {request.url.path}").response()
+
+
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    logger.exception("unhandled error in %s %s", request.method, request.url.path, exc_info=exc)
+    return ApiError(500, f"internal error: {type(exc).__name__}", err_type="server_error").response()
+
+
+class ApiMiddleware:
+    """Bearer-key check and per-endpoint request counting (pure ASGI, so streaming is untouched)."""
+
+    def __init__(self, app: ASGIApp, ctx: AppContext, known_paths: frozenset[str]):
+        self.app, self.ctx, self.known = app, ctx, known_paths
+        self._key = f"Bearer {ctx.args.api_key}".encode() if ctx.args.api_key else None
+
+    def _authorized(self, scope: Scope) -> bool:
+        for name, value in scope.get("headers", []):
+            if name == b"authorization":
+                return hmac.compare_digest(value, self._key or b"")
+        return False
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"]
+        status = [500]
+
+        async def counting_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            if self._key is not None and path not in PUBLIC_PATHS and not self._authorized(scope):
+                err = ApiError(401, "missing or invalid API key (send Authorization: Bearer <key>)")
+                await err.response()(scope, receive, counting_send)
+                return
+            await self.app(scope, receive, counting_send)
+        finally:
+            self.ctx.metrics.record(path if path in self.known else "other", status[0])
+
+
+def create_app(args: ServerArgs, backend: Backend, tokenizer: TextTokenizer | None = None) -> Starlette:
+    """The HTTP app over `backend`. Loads the tokenizer from args.resolved_model_path unless given."""
+    model_dir = args.resolved_model_path
+    info = ModelInfo.from_dir(model_dir)
+    tok = tokenizer or TextTokenizer.from_dir(model_dir, info)
+    ctx = AppContext(args, backend, tok, Limits.from_args(args, info.max_position_embeddings, info.vocab_size))
+    routes = [
+        Route("/generate", generate_endpoint, methods=["POST"]),
+        Route("/v1/completions", completions_endpoint, methods=["POST"]),
+        Route("/v1/chat/completions", chat_endpoint, methods=["POST"]),
+        Route("/v1/models", models_endpoint, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/get_server_info", server_info, methods=["GET"]),
+        Route("/get_model_info", model_info, methods=["GET"]),
+        Route("/flush_cache", flush_cache, methods=["GET", "POST"]),
+        Route("/metrics", metrics, methods=["GET"]),
+    ]
+    known = frozenset(r.path for r in routes)
+    app = Starlette(
+        routes=routes,
+        middleware=[Middleware(ApiMiddleware, ctx=ctx, known_paths=known)],  # type: ignore[arg-type]
+        exception_handlers={ApiError: _api_error, HTTPException: _http_error, Exception: _internal_error},
+    )
+    app.state.ctx = ctx
+    return app

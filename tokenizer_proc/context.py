@@ -1,0 +1,49 @@
+"""What every handler of one app shares: config, backend, tokenizer, limits, in-flight set, metrics.
+
+One `AppContext` per app (created by `create_app`, stored at `app.state.ctx`); nothing global.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from starlette.requests import Request
+
+from shared.config import ServerArgs
+from tokenizer_proc.generation import Backend, InFlight
+from tokenizer_proc.metrics import HttpMetrics
+from tokenizer_proc.tokenizer import TextTokenizer
+from tokenizer_proc.validation import Limits, PreparedRequest
+
+B = TypeVar("B")
+
+# Bodies larger than this are tokenised in a worker thread so the event loop keeps streaming.
+THREAD_TOKENIZE_BYTES = 64 * 1024
+
+
+@dataclass
+class AppContext:
+    args: ServerArgs
+    backend: Backend
+    tok: TextTokenizer
+    limits: Limits
+    in_flight: InFlight = field(default_factory=InFlight)
+    metrics: HttpMetrics = field(default_factory=HttpMetrics)
+
+    async def prepare(
+        self, fn: Callable[[B, TextTokenizer, Limits], PreparedRequest], body: B, size: int
+    ) -> PreparedRequest:
+        if size > THREAD_TOKENIZE_BYTES:
+            return await asyncio.to_thread(fn, body, self.tok, self.limits)
+        return fn(body, self.tok, self.limits)
+
+    def check_integrity(self) -> None:
+        self.in_flight.check_integrity()
+        self.metrics.check_integrity()
+
+
+def get_ctx(request: Request) -> AppContext:
+    return request.app.state.ctx

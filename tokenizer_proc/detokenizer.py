@@ -1,0 +1,155 @@
+"""Incremental detokenisation of one request's output: token ids in, safe text out.
+
+Two rules hold for every piece of text returned by `IncrementalDetokenizer.push`:
+1. it is complete UTF-8: a multi-byte character split across tokens is held back until its
+   last byte arrives (an invalid byte sequence becomes U+FFFD, never raw bytes);
+2. it cannot be the start of a stop string: text that could still grow into a stop string is
+   held back; on a match the output is truncated before the stop string and nothing follows.
+`finish()` releases what was held (an unfinished character at the very end becomes U+FFFD).
+
+Per-token work is O(new bytes x stop strings), independent of the text produced so far: the
+byte-level path decodes through an incremental UTF-8 decoder over a per-token byte table; other
+tokenizers go through `tokenizers.decoders.DecodeStream`, which keeps a bounded window.
+"""
+
+from __future__ import annotations
+
+import codecs
+from collections.abc import Sequence
+
+from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
+
+
+class ByteTableStream:
+    """Token ids -> text through a table of each token's bytes (byte-level tokenizers).
+    Owns the incremental UTF-8 decoder state (at most 3 pending bytes) of one request."""
+
+    def __init__(self, table: Sequence[bytes]):
+        self._table = table
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def push(self, token_ids: Sequence[int]) -> str:
+        table, n = self._table, len(self._table)
+        data = b"".join(table[t] if 0 <= t < n else b"" for t in token_ids)
+        return self._decoder.decode(data)
+
+    def finish(self) -> str:
+        return self._decoder.decode(b"", final=True)
+
+    def check_integrity(self) -> None:
+        pending, _ = self._decoder.getstate()
+        assert len(pending) <= 3, "more than one partial UTF-8 character held back"
+
+
+class DecodeStreamAdapter:
+    """Token ids -> text for tokenizers whose decoder is not byte-level (SentencePiece style),
+    through the tokenizers library's DecodeStream (it holds back incomplete characters)."""
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool):
+        self._tokenizer = tokenizer
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        self._vocab = tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def push(self, token_ids: Sequence[int]) -> str:
+        out: list[str] = []
+        for t in token_ids:
+            if 0 <= t < self._vocab:
+                piece = self._stream.step(self._tokenizer, t)
+                if piece:
+                    out.append(piece)
+        return "".join(out)
+
+    def finish(self) -> str:
+        return ""
+
+    def check_integrity(self) -> None:
+        pass
+
+
+class StopStringMatcher:
+    """Finds stop strings in a stream of text pieces, across piece boundaries.
+
+    Owns the held-back tail: the longest suffix of the text seen so far that is a proper prefix
+    of some stop string (shorter than the longest stop string). Everything before it is safe."""
+
+    def __init__(self, stops: Sequence[str]):
+        self.stops = tuple(dict.fromkeys(s for s in stops if s))
+        self._held = ""
+        self.matched: str | None = None
+
+    def push(self, text: str) -> str:
+        """Return the text that is now safe to emit; sets `matched` on a stop string."""
+        if self.matched is not None or not text:
+            return ""
+        if not self.stops:
+            return text
+        buf = self._held + text
+        best_at, best = -1, ""
+        for stop in self.stops:
+            at = buf.find(stop)
+            if at >= 0 and (best_at < 0 or at < best_at):
+                best_at, best = at, stop
+        if best_at >= 0:
+            self.matched, self._held = best, ""
+            return buf[:best_at]
+        cut = min((self._partial_start(buf, stop) for stop in self.stops), default=len(buf))
+        self._held = buf[cut:]
+        return buf[:cut]
+
+    @staticmethod
+    def _partial_start(buf: str, stop: str) -> int:
+        """Smallest index i such that buf[i:] is a proper prefix of `stop` (len(buf) if none)."""
+        i = buf.find(stop[0], max(0, len(buf) - len(stop) + 1))
+        while i >= 0:
+            if stop.startswith(buf[i:]):
+                return i
+            i = buf.find(stop[0], i + 1)
+        return len(buf)
+
+    def finish(self) -> str:
+        """Release the held tail (the request ended without completing a stop string)."""
+        out, self._held = self._held, ""
+        return "" if self.matched is not None else out
+
+    def check_integrity(self) -> None:
+        assert self.matched is None or self._held == "", "text held after a stop-string match"
+        if self.stops:
+            assert len(self._held) < max(len(s) for s in self.stops), "held more than a stop prefix"
+            assert not self._held or any(s.startswith(self._held) for s in self.stops)
+        else:
+            assert self._held == ""
+
+
+class IncrementalDetokenizer:
+    """Per-request detokeniser: a token stream (byte table or DecodeStream) then stop strings.
+    Owned by the HTTP handler of one request; not shared between requests."""
+
+    def __init__(self, stream: ByteTableStream | DecodeStreamAdapter, stops: Sequence[str] = ()):
+        self._stream = stream
+        self._stops = StopStringMatcher(stops)
+        self._finished = False
+
+    @property
+    def matched_stop(self) -> str | None:
+        """The stop string that ended the output, if one did."""
+        return self._stops.matched
+
+    def push(self, token_ids: Sequence[int]) -> str:
+        """Text made safe by these tokens. After a stop-string match, always ""."""
+        if self._finished or self._stops.matched is not None:
+            return ""
+        return self._stops.push(self._stream.push(token_ids))
+
+    def finish(self) -> str:
+        """The request ended: release everything still held. Call once, last."""
+        if self._finished:
+            return ""
+        self._finished = True
+        if self._stops.matched is not None:
+            return ""
+        return self._stops.push(self._stream.finish()) + self._stops.finish()
+
+    def check_integrity(self) -> None:
+        self._stream.check_integrity()
+        self._stops.check_integrity()

@@ -1,0 +1,45 @@
+"""HTTP errors: one exception type, one OpenAI-style JSON body.
+
+Every rejected request gets `{"error": {"message", "type", "param", "code"}}` with a 4xx/5xx
+status; `message` names the offending field. Handlers raise `ApiError`; the app turns it into
+the response and counts it.
+"""
+
+from __future__ import annotations
+
+import msgspec
+from starlette.responses import Response
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "request_too_large",
+    503: "service_unavailable",
+}
+
+
+class ApiError(Exception):
+    """A request that cannot be served. `param` is the field at fault, when there is one."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, err_type: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.err_type = err_type or _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+
+    def body(self) -> dict[str, object]:
+        return {"error": {"message": self.message, "type": self.err_type, "param": self.param, "code": self.status}}
+
+    def response(self) -> Response:
+        return Response(msgspec.json.encode(self.body()), status_code=self.status, media_type="application/json")
+
+
+def bad_request(message: str, param: str | None = None) -> ApiError:
+    return ApiError(400, message, param)
+
+
+def unavailable(message: str) -> ApiError:
+    return ApiError(503, message)

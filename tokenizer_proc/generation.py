@@ -1,0 +1,151 @@
+"""The backend protocol and the per-request generation driver shared by every endpoint.
+
+`Backend` is what the HTTP layer needs from the scheduler side; `SchedulerClient` is the real
+one, tests use fakes. `generate()` submits one prepared request, detokenises its TokenOuts and
+yields `Piece`s; the endpoint modules only format them. Whatever way the consumer stops (normal
+end, stop string, client disconnect, cancellation), a request that has not finished at the
+scheduler is aborted there exactly once, in `generate()`'s `finally`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from shared.messages import GenerateReq, TokenOut
+from tokenizer_proc.errors import bad_request
+from tokenizer_proc.tokenizer import TextTokenizer
+from tokenizer_proc.validation import PreparedRequest
+
+
+class BackendUnavailable(Exception):
+    """The scheduler is gone (or not answering); the HTTP layer answers 503."""
+
+
+class Backend(Protocol):
+    """The scheduler, as seen by the HTTP layer. Implemented by SchedulerClient (zmq) and fakes."""
+
+    @property
+    def healthy(self) -> bool: ...
+
+    def submit(self, req: GenerateReq) -> AsyncIterator[TokenOut]:
+        """Send the request; iterate its TokenOuts up to and including the finished one.
+        Raises BackendUnavailable when the scheduler is gone."""
+        ...
+
+    def abort(self, rid: str, reason: str) -> None:
+        """Tell the scheduler to drop `rid` and stop routing its outputs. Idempotent, never blocks."""
+        ...
+
+    async def info(self) -> dict[str, Any]: ...
+
+    async def flush_cache(self) -> tuple[bool, str]: ...
+
+
+@dataclass
+class Finish:
+    """Why a request ended. reason: "stop" | "length" | "abort" | "error"."""
+
+    reason: str
+    matched: int | str | None = None
+    message: str | None = None
+
+
+@dataclass
+class Piece:
+    """New output of one request. `text` is safe (complete UTF-8, no stop-string prefix)."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[float | None] | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    finish: Finish | None = None
+
+
+@dataclass
+class InFlight:
+    """The rids this HTTP process has submitted and not yet seen finish. Owned by the app."""
+
+    rids: dict[str, float] = field(default_factory=dict)
+
+    def add(self, rid: str) -> None:
+        if rid in self.rids:
+            raise bad_request(f"a request with rid {rid!r} is already running", "rid")
+        self.rids[rid] = time.monotonic()
+
+    def discard(self, rid: str) -> None:
+        self.rids.pop(rid, None)
+
+    def __len__(self) -> int:
+        return len(self.rids)
+
+    def check_integrity(self) -> None:
+        assert all(isinstance(r, str) and r for r in self.rids)
+
+
+def _finish_of(out: TokenOut) -> Finish:
+    reason = out.finish_reason or ("error" if out.error else "stop")
+    if reason == "stop":
+        return Finish("stop", matched=out.matched_stop_token)
+    if reason in ("abort", "error"):
+        return Finish(reason, message=out.error or ("aborted" if reason == "abort" else "internal error"))
+    return Finish(reason)
+
+
+def precheck(backend: Backend, req: PreparedRequest, in_flight: InFlight) -> None:
+    """The checks `generate` repeats, done before a response starts: so that a streaming
+    request that cannot run gets a plain 4xx/503 instead of an error event."""
+    if not backend.healthy:
+        raise BackendUnavailable("the scheduler is not available")
+    if req.rid in in_flight.rids:
+        in_flight.add(req.rid)  # raises the 400
+
+
+async def generate(
+    backend: Backend, tok: TextTokenizer, req: PreparedRequest, in_flight: InFlight
+) -> AsyncIterator[Piece]:
+    """Run one request; the last Piece has `finish` set. Before the first Piece it may raise
+    BackendUnavailable or ApiError (duplicate rid)."""
+    if not backend.healthy:
+        raise BackendUnavailable("the scheduler is not available")
+    detok = tok.detokenizer(req.stops, req.skip_special_tokens)
+    msg = GenerateReq(rid=req.rid, input_ids=req.input_ids, sampling=req.sampling, priority=req.priority,
+                      arrival=time.monotonic())
+    done, completion, cached = False, 0, 0
+    in_flight.add(req.rid)
+    try:
+        async with contextlib.aclosing(backend.submit(msg)) as outs:  # type: ignore[type-var]
+            async for out in outs:
+                completion += len(out.token_ids)
+                cached = max(cached, out.cached_tokens)
+                text = detok.push(out.token_ids)
+                finish: Finish | None = None
+                if detok.matched_stop is not None:
+                    finish = Finish("stop", matched=detok.matched_stop)
+                    if not out.finished:
+                        backend.abort(req.rid, "stop string matched")
+                elif out.finished:
+                    finish = _finish_of(out)
+                    text += detok.finish()
+                logprobs = _aligned_logprobs(out) if req.return_logprobs else None
+                done = finish is not None
+                yield Piece(text, list(out.token_ids), logprobs, len(req.input_ids), completion, cached, finish)
+                if done:
+                    return
+        done = True
+        yield Piece(detok.finish(), [], None, len(req.input_ids), completion, cached,
+                    Finish("error", message="the scheduler ended the request without a final output"))
+    finally:
+        in_flight.discard(req.rid)
+        if not done:
+            backend.abort(req.rid, "client disconnected")
+
+
+def _aligned_logprobs(out: TokenOut) -> list[float | None]:
+    got = list(out.logprobs or [])
+    return got[: len(out.token_ids)] + [None] * max(0, len(out.token_ids) - len(got))

@@ -1,0 +1,136 @@
+"""POST /generate, SGLang's native API.
+
+Response: `{"text", "output_ids", "meta_info": {"id", "prompt_tokens", "completion_tokens",
+"cached_tokens", "finish_reason", "e2e_latency"}}`; finish_reason is `{"type": "stop", "matched":
+<token id or stop string>}`, `{"type": "length", "length": N}` or `{"type": "abort", "message": ...}`.
+With `return_logprob`, `meta_info.output_token_logprobs` is `[[logprob, token_id, null], ...]`.
+
+Streaming (`"stream": true`): server-sent events, each `data: <same object>` with CUMULATIVE
+`text` and `output_ids` (like SGLang; the last event's text is the whole output) and
+`finish_reason` null until the last one; then `data: [DONE]`. A backend failure is an event
+`data: {"error": {...}}` followed by `data: [DONE]`; without streaming it is HTTP 503.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from tokenizer_proc.context import get_ctx
+from tokenizer_proc.errors import ApiError, unavailable
+from tokenizer_proc.generation import BackendUnavailable, Finish, Piece, generate, precheck
+from tokenizer_proc.http_util import (
+    CLIENT_CLOSED,
+    SSE_DONE,
+    SSEResponse,
+    json_response,
+    read_body,
+    run_unless_disconnected,
+    sse,
+)
+from tokenizer_proc.prepare import prepare_generate
+from tokenizer_proc.schemas import GenerateBody
+from tokenizer_proc.validation import PreparedRequest, decode_body
+
+
+@dataclass
+class Accumulated:
+    """The output of one request so far (owned by its handler)."""
+
+    text: list[str] = field(default_factory=list)
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float | None] = field(default_factory=list)
+    last: Piece | None = None
+
+    def add(self, piece: Piece) -> None:
+        self.text.append(piece.text)
+        self.ids.extend(piece.token_ids)
+        if piece.logprobs is not None:
+            self.logprobs.extend(piece.logprobs)
+        self.last = piece
+
+
+async def collect(pieces: AsyncIterator[Piece]) -> Accumulated:
+    acc = Accumulated()
+    async with contextlib.aclosing(pieces) as it:  # type: ignore[type-var]
+        async for piece in it:
+            acc.add(piece)
+    return acc
+
+
+def native_finish(finish: Finish | None, completion_tokens: int) -> dict[str, Any] | None:
+    if finish is None:
+        return None
+    if finish.reason == "length":
+        return {"type": "length", "length": completion_tokens}
+    if finish.reason == "stop":
+        return {"type": "stop", "matched": finish.matched}
+    return {"type": finish.reason, "message": finish.message}
+
+
+def _payload(req: PreparedRequest, acc: Accumulated, started: float) -> dict[str, Any]:
+    last = acc.last
+    assert last is not None
+    meta: dict[str, Any] = {
+        "id": req.rid,
+        "prompt_tokens": last.prompt_tokens,
+        "completion_tokens": last.completion_tokens,
+        "cached_tokens": last.cached_tokens,
+        "finish_reason": native_finish(last.finish, last.completion_tokens),
+        "e2e_latency": time.monotonic() - started,
+    }
+    if req.return_logprobs:
+        meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(acc.logprobs, acc.ids, strict=False)]
+    return {"text": "".join(acc.text), "output_ids": list(acc.ids), "meta_info": meta}
+
+
+def error_of(finish: Finish | None) -> ApiError | None:
+    """Backend failures become errors (abort is a normal finish on the native API)."""
+    if finish is not None and finish.reason == "error":
+        return unavailable(finish.message or "the request failed")
+    return None
+
+
+async def _events(pieces: AsyncIterator[Piece], req: PreparedRequest, started: float) -> AsyncGenerator[bytes, None]:
+    acc = Accumulated()
+    try:
+        async with contextlib.aclosing(pieces) as it:  # type: ignore[type-var]
+            async for piece in it:
+                acc.add(piece)
+                err = error_of(piece.finish)
+                yield sse(err.body()) if err is not None else sse(_payload(req, acc, started))
+    except BackendUnavailable as e:
+        yield sse(unavailable(str(e)).body())
+    except ApiError as e:
+        yield sse(e.body())
+    yield SSE_DONE
+
+
+async def generate_endpoint(request: Request) -> Response:
+    ctx = get_ctx(request)
+    started = time.monotonic()
+    data = await read_body(request, ctx.args.max_body_bytes)
+    req = await ctx.prepare(prepare_generate, decode_body(data, GenerateBody), len(data))
+    try:
+        precheck(ctx.backend, req, ctx.in_flight)
+    except BackendUnavailable as e:
+        raise unavailable(str(e)) from e
+    pieces = generate(ctx.backend, ctx.tok, req, ctx.in_flight)
+    if req.stream:
+        return SSEResponse(_events(pieces, req, started))  # type: ignore[return-value]
+    try:
+        completed, acc = await run_unless_disconnected(collect(pieces), request)
+    except BackendUnavailable as e:
+        raise unavailable(str(e)) from e
+    if not completed or acc is None:
+        return Response(status_code=CLIENT_CLOSED)
+    err = error_of(acc.last.finish if acc.last else None)
+    if err is not None:
+        raise err
+    return json_response(_payload(req, acc, started))

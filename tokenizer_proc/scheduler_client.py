@@ -1,0 +1,177 @@
+"""`SchedulerClient`: the real Backend, over the tokenizer <-> scheduler zmq channels.
+
+It owns both sockets, the per-request output queues and ONE reader task that decodes every
+ToTokenizer message and routes it: TokenOut by rid to that request's queue, InfoResp /
+FlushCacheResp by req_id to the waiting future. `SchedulerDead` (or a broken channel) marks the
+client unhealthy and finishes every in-flight request with an error, so no request hangs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from shared.channels import SCHEDULER_TO_TOKENIZER, TOKENIZER_TO_SCHEDULER, ChannelTimeout
+from shared.channels_async import AsyncReceiver, AsyncSender
+from shared.config import ServerArgs
+from shared.messages import (
+    AbortReq,
+    FlushCacheReq,
+    FlushCacheResp,
+    GenerateReq,
+    GetInfoReq,
+    InfoResp,
+    SchedulerDead,
+    TokenOut,
+    TokenOutBatch,
+    ToScheduler,
+    ToTokenizer,
+)
+from tokenizer_proc.generation import BackendUnavailable
+
+logger = logging.getLogger(__name__)
+
+
+class SchedulerClient:
+    """Backend implementation. Create inside the event loop, `start()`, then `close()` last."""
+
+    def __init__(self, zctx: zmq.asyncio.Context, args: ServerArgs, control_timeout_s: float = 10.0):
+        self._rx: AsyncReceiver[ToTokenizer] = AsyncReceiver(zctx, SCHEDULER_TO_TOKENIZER, args)
+        self._tx: AsyncSender[ToScheduler] = AsyncSender(zctx, TOKENIZER_TO_SCHEDULER, args)
+        self._routes: dict[str, asyncio.Queue[TokenOut]] = {}
+        self._pending: dict[int, asyncio.Future[Any]] = {}
+        self._next_req_id = 0
+        self._dead: str | None = None
+        self._reader: asyncio.Task[None] | None = None
+        self._timeout = control_timeout_s
+
+    def start(self) -> None:
+        self._reader = asyncio.get_running_loop().create_task(self._read_loop(), name="scheduler-reader")
+
+    @property
+    def healthy(self) -> bool:
+        return self._dead is None and self._reader is not None and not self._reader.done()
+
+    @property
+    def dead_reason(self) -> str | None:
+        return self._dead
+
+    def _send(self, msg: ToScheduler) -> None:
+        try:
+            self._tx.send_nowait(msg)
+        except ChannelTimeout as e:
+            raise BackendUnavailable(str(e)) from e
+
+    async def submit(self, req: GenerateReq) -> AsyncIterator[TokenOut]:
+        if self._dead is not None:
+            raise BackendUnavailable(self._dead)
+        if req.rid in self._routes:
+            raise ValueError(f"rid {req.rid!r} is already in flight")
+        queue: asyncio.Queue[TokenOut] = asyncio.Queue()
+        self._routes[req.rid] = queue
+        try:
+            self._send(req)
+            while True:
+                out = await queue.get()
+                yield out
+                if out.finished:
+                    return
+        finally:
+            if self._routes.get(req.rid) is queue:
+                del self._routes[req.rid]
+
+    def abort(self, rid: str, reason: str) -> None:
+        self._routes.pop(rid, None)
+        if self._dead is None:
+            try:
+                self._tx.send_nowait(AbortReq(rid=rid, reason=reason))
+            except (ChannelTimeout, zmq.ZMQError) as e:
+                logger.warning("could not send abort of %s: %s", rid, e)
+
+    async def _control(self, make: type[GetInfoReq] | type[FlushCacheReq]) -> Any:
+        if self._dead is not None:
+            raise BackendUnavailable(self._dead)
+        self._next_req_id += 1
+        req_id = self._next_req_id
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._pending[req_id] = fut
+        try:
+            self._send(make(req_id=req_id))
+            return await asyncio.wait_for(fut, self._timeout)
+        except asyncio.TimeoutError as e:
+            raise TimeoutError(f"no answer from the scheduler within {self._timeout} s") from e
+        finally:
+            self._pending.pop(req_id, None)
+
+    async def info(self) -> dict[str, Any]:
+        resp: InfoResp = await self._control(GetInfoReq)
+        return resp.info
+
+    async def flush_cache(self) -> tuple[bool, str]:
+        resp: FlushCacheResp = await self._control(FlushCacheReq)
+        return resp.ok, resp.message
+
+    async def _read_loop(self) -> None:
+        try:
+            while True:
+                try:
+                    msg = await self._rx.recv()
+                except msgspec.ValidationError as e:
+                    logger.error("dropping a malformed message from the scheduler: %s", e)
+                    continue
+                self._dispatch(msg)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - any failure here means the scheduler is unreachable
+            logger.exception("scheduler channel failed")
+            self._fail(f"scheduler channel failed: {e}")
+
+    def _dispatch(self, msg: ToTokenizer) -> None:
+        if isinstance(msg, TokenOutBatch):
+            for out in msg.outs:
+                queue = self._routes.get(out.rid)
+                if queue is None:
+                    continue  # aborted here already, or not ours
+                queue.put_nowait(out)
+                if out.finished:
+                    del self._routes[out.rid]
+        elif isinstance(msg, (InfoResp, FlushCacheResp)):
+            fut = self._pending.get(msg.req_id)
+            if fut is not None and not fut.done():
+                fut.set_result(msg)
+        elif isinstance(msg, SchedulerDead):
+            logger.error("scheduler is dead: %s", msg.reason)
+            self._fail(msg.reason)
+
+    def _fail(self, reason: str) -> None:
+        """Unhealthy from now on; every in-flight request and control call ends with an error."""
+        self._dead = reason or "the scheduler is gone"
+        for rid, queue in self._routes.items():
+            queue.put_nowait(TokenOut(rid=rid, token_ids=[], finished=True, finish_reason="error",
+                                      error=f"server error: {self._dead}"))
+        self._routes.clear()
+        for fut in self._pending.values():
+            if not fut.done():
+                fut.set_exception(BackendUnavailable(self._dead))
+        self._pending.clear()
+
+    async def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+            await asyncio.gather(self._reader, return_exceptions=True)
+        self._rx.close()
+        self._tx.close()
+
+    def in_flight(self) -> int:
+        return len(self._routes)
+
+    def check_integrity(self) -> None:
+        if self._dead is not None:
+            assert not self._routes and not self._pending, "requests left routed after the scheduler died"
+        assert all(not f.done() for f in self._pending.values()), "a finished control future was kept"

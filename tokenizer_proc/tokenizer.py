@@ -1,0 +1,139 @@
+"""The tokenizer of the served model: encode, chat template, eos ids, detokeniser factory.
+
+Loaded once per tokenizer process from the model directory (`tokenizer.json`, optional
+`tokenizer_config.json` / `chat_template.jinja`) and immutable afterwards, so every request
+handler may share it. Vocabulary bounds for validation come from the model (`ModelInfo`), since
+a checkpoint's embedding may be larger than the tokenizer's vocabulary.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from tokenizers import Tokenizer
+
+from shared.errors import ModelLoadError
+from shared.model_info import ModelInfo
+from tokenizer_proc.chat_template import ChatTemplate, select_template
+from tokenizer_proc.detokenizer import ByteTableStream, DecodeStreamAdapter, IncrementalDetokenizer
+from tokenizer_proc.make_builtin_tokenizer import bytes_to_unicode
+
+logger = logging.getLogger(__name__)
+
+
+def _token_content(value: Any) -> str | None:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        return value["content"]
+    return None
+
+
+def _is_byte_level(tokenizer: Tokenizer) -> bool:
+    decoder = json.loads(tokenizer.to_str()).get("decoder") or {}
+    if decoder.get("type") == "Sequence":
+        return any(d.get("type") == "ByteLevel" for d in decoder.get("decoders", []))
+    return decoder.get("type") == "ByteLevel"
+
+
+def _byte_tables(tokenizer: Tokenizer) -> tuple[list[bytes], list[bytes]]:
+    """Each token id's bytes, with special tokens kept / skipped (empty). Added tokens that are
+    not special are stored verbatim (not byte-level encoded) and decode to their UTF-8."""
+    byte_of = {c: b for b, c in bytes_to_unicode().items()}
+    added = tokenizer.get_added_tokens_decoder()
+    size = tokenizer.get_vocab_size(with_added_tokens=True)
+    keep: list[bytes] = [b""] * size
+    skip: list[bytes] = [b""] * size
+    for tid in range(size):
+        tok = added.get(tid)
+        if tok is not None:
+            keep[tid] = tok.content.encode()
+            skip[tid] = b"" if tok.special else keep[tid]
+            continue
+        piece = tokenizer.id_to_token(tid)
+        if piece is None:
+            continue
+        if all(c in byte_of for c in piece):
+            keep[tid] = skip[tid] = bytes(byte_of[c] for c in piece)
+        else:
+            keep[tid] = skip[tid] = piece.encode()
+    return keep, skip
+
+
+class TextTokenizer:
+    """Owns the `tokenizers.Tokenizer`, the chat template and the per-token byte tables."""
+
+    def __init__(self, tokenizer: Tokenizer, config: dict[str, Any], model_dir: str, info: ModelInfo):
+        self.tokenizer = tokenizer
+        self.vocab_size = info.vocab_size
+        specials = {
+            key: content
+            for key in ("bos_token", "eos_token", "pad_token", "unk_token")
+            if (content := _token_content(config.get(key))) is not None
+        }
+        eos_ids = list(info.eos_token_ids)
+        cfg_eos = tokenizer.token_to_id(specials["eos_token"]) if "eos_token" in specials else None
+        if cfg_eos is not None and cfg_eos not in eos_ids:
+            eos_ids.append(cfg_eos)
+        self.eos_token_ids: tuple[int, ...] = tuple(eos_ids)
+        self.model_eos_ids: frozenset[int] = frozenset(info.eos_token_ids)
+        self.chat_template = ChatTemplate(select_template(config, model_dir), specials)
+        self._tables = _byte_tables(tokenizer) if _is_byte_level(tokenizer) else None
+
+    @staticmethod
+    def from_dir(model_dir: str, info: ModelInfo | None = None) -> TextTokenizer:
+        """Load from a model directory; raise ModelLoadError naming the file on failure."""
+        info = info or ModelInfo.from_dir(model_dir)
+        path = os.path.join(model_dir, "tokenizer.json")
+        if not os.path.isfile(path):
+            raise ModelLoadError(f"missing {path}")
+        try:
+            tokenizer = Tokenizer.from_file(path)
+        except Exception as e:  # noqa: BLE001 - the library raises a bare Exception
+            raise ModelLoadError(f"{path} cannot be loaded: {e}") from e
+        config: dict[str, Any] = {}
+        cfg_path = os.path.join(model_dir, "tokenizer_config.json")
+        if os.path.isfile(cfg_path):
+            try:
+                with open(cfg_path, encoding="utf-8") as f:
+                    config = json.load(f)
+            except (OSError, json.JSONDecodeError) as e:
+                raise ModelLoadError(f"{cfg_path} is not valid JSON: {e}") from e
+        return TextTokenizer(tokenizer, config, model_dir, info)
+
+    @property
+    def extra_stop_ids(self) -> tuple[int, ...]:
+        """EOS ids of the tokenizer config that the model config does not list (the scheduler
+        stops on the model's own EOS ids; these are sent as stop_token_ids unless ignore_eos)."""
+        return tuple(t for t in self.eos_token_ids if t not in self.model_eos_ids)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def render_chat(self, messages: Sequence[dict[str, Any]]) -> str:
+        return self.chat_template.render(messages, add_generation_prompt=True)
+
+    def detokenizer(self, stops: Sequence[str] = (), skip_special_tokens: bool = True) -> IncrementalDetokenizer:
+        if self._tables is not None:
+            stream: ByteTableStream | DecodeStreamAdapter = ByteTableStream(
+                self._tables[1] if skip_special_tokens else self._tables[0]
+            )
+        else:
+            stream = DecodeStreamAdapter(self.tokenizer, skip_special_tokens)
+        return IncrementalDetokenizer(stream, stops)
+
+    def token_text(self, token_id: int) -> str:
+        """Display text of one token (for logprobs); partial UTF-8 shows as U+FFFD."""
+        if self._tables is not None:
+            table = self._tables[0]
+            return table[token_id].decode("utf-8", "replace") if 0 <= token_id < len(table) else ""
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def token_bytes(self, token_id: int) -> list[int]:
+        if self._tables is not None and 0 <= token_id < len(self._tables[0]):
+            return list(self._tables[0][token_id])
+        return list(self.token_text(token_id).encode())

@@ -1,0 +1,190 @@
+"""From a request body to a `PreparedRequest`: typed decoding, range checks, tokenisation, limits.
+
+Every failure is an `ApiError` (400 naming the field) raised before anything reaches the
+scheduler: a request longer than the context never leaves this process.
+"""
+
+from __future__ import annotations
+
+import math
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import msgspec
+
+from shared.config import ServerArgs
+from shared.messages import SamplingParams
+from tokenizer_proc.errors import ApiError, bad_request
+from tokenizer_proc.tokenizer import TextTokenizer
+
+T = TypeVar("T")
+
+MAX_STOPS = 16
+MAX_STOP_CHARS = 256
+MAX_RID_CHARS = 256
+MAX_SEED = (1 << 63) - 1
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Request limits of this server (from ServerArgs and the model)."""
+
+    context_length: int
+    max_new_tokens_limit: int
+    vocab_size: int
+
+    @staticmethod
+    def from_args(args: ServerArgs, max_position_embeddings: int, vocab_size: int) -> Limits:
+        return Limits(args.context_length or max_position_embeddings, args.max_new_tokens_limit, vocab_size)
+
+
+@dataclass(frozen=True)
+class PreparedRequest:
+    """A validated request, ready to submit. `stops` are stop strings (matched here, not in
+    the scheduler); `sampling.stop_token_ids` are matched by the scheduler."""
+
+    rid: str
+    input_ids: list[int]
+    sampling: SamplingParams
+    stops: tuple[str, ...] = ()
+    skip_special_tokens: bool = True
+    stream: bool = False
+    include_usage: bool = False
+    return_logprobs: bool = False
+    priority: int = 0
+
+
+@dataclass(frozen=True)
+class SamplingFields:
+    """The sampling fields every endpoint shares, as sent (None = not sent)."""
+
+    max_new_tokens: int | None
+    temperature: float | None
+    top_p: float | None
+    top_k: int | None
+    min_p: float | None
+    stop: str | list[str] | None
+    stop_token_ids: list[int] | None
+    ignore_eos: bool
+    seed: int | None
+    max_tokens_name: str = "max_new_tokens"
+    prefix: str = ""
+
+
+def decode_body(data: bytes, body_type: type[T]) -> T:
+    """Typed JSON decoding; the error message names the field (msgspec's path)."""
+    if not data.strip():
+        raise bad_request("request body is empty; expected a JSON object")
+    try:
+        return msgspec.json.decode(data, type=body_type)
+    except msgspec.ValidationError as e:
+        raise bad_request(f"invalid request: {e}", _param_of(str(e))) from e
+    except msgspec.DecodeError as e:
+        raise bad_request(f"request body is not valid JSON: {e}") from e
+
+
+def _param_of(message: str) -> str | None:
+    marker = "at `$."
+    at = message.rfind(marker)
+    if at >= 0:
+        return message[at + len(marker):].rstrip("`")
+    if "unknown field `" in message:
+        return message.split("unknown field `", 1)[1].split("`", 1)[0]
+    if "missing required field `" in message:
+        return message.split("missing required field `", 1)[1].split("`", 1)[0]
+    return None
+
+
+def new_rid(prefix: str = "") -> str:
+    return f"{prefix}{uuid.uuid4().hex}"
+
+
+def check_rid(rid: str) -> str:
+    if not rid or len(rid) > MAX_RID_CHARS or not rid.isprintable():
+        raise bad_request(f"rid must be 1..{MAX_RID_CHARS} printable characters", "rid")
+    return rid
+
+
+def check_token_ids(ids: Sequence[int], vocab_size: int, param: str) -> list[int]:
+    if ids and (min(ids) < 0 or max(ids) >= vocab_size):
+        bad = next(t for t in ids if not 0 <= t < vocab_size)
+        raise bad_request(f"{param} contains token id {bad}, outside [0, {vocab_size})", param)
+    return list(ids)
+
+
+def _check_float(value: float | None, name: str, low: float, high: float, low_open: bool = False) -> None:
+    if value is None:
+        return
+    bad = not math.isfinite(value) or value > high or value < low or (low_open and value == low)
+    if bad:
+        lo = "(" if low_open else "["
+        raise bad_request(f"{name} must be in {lo}{low}, {high}], got {value}", name)
+
+
+def _stops(stop: str | list[str] | None, name: str) -> tuple[str, ...]:
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if len(stops) > MAX_STOPS:
+        raise bad_request(f"{name} has {len(stops)} strings; at most {MAX_STOPS} are allowed", name)
+    for s in stops:
+        if not s or len(s) > MAX_STOP_CHARS:
+            raise bad_request(f"{name} strings must be 1..{MAX_STOP_CHARS} characters long", name)
+    return tuple(stops)
+
+
+def build_sampling(
+    f: SamplingFields, prompt_len: int, default_max: int | None, limits: Limits, tok: TextTokenizer,
+    logprobs: bool = False,
+) -> tuple[SamplingParams, tuple[str, ...]]:
+    """Range checks, then SamplingParams. `default_max` None = as many as the context allows.
+    The prompt must already be non-empty and its length known."""
+    p = f.prefix
+    mt = p + f.max_tokens_name
+    if prompt_len >= limits.context_length:
+        raise bad_request(
+            f"the prompt has {prompt_len} tokens; the context length is {limits.context_length}", "prompt"
+        )
+    room = limits.context_length - prompt_len
+    if f.max_new_tokens is not None:
+        if not 0 < f.max_new_tokens <= limits.max_new_tokens_limit:
+            raise bad_request(f"{mt} must be in [1, {limits.max_new_tokens_limit}], got {f.max_new_tokens}", mt)
+        if f.max_new_tokens > room:
+            raise bad_request(
+                f"the prompt ({prompt_len} tokens) plus {mt} ({f.max_new_tokens}) exceeds the context "
+                f"length {limits.context_length}", mt
+            )
+        max_new = f.max_new_tokens
+    else:
+        max_new = min(room, limits.max_new_tokens_limit, default_max or limits.max_new_tokens_limit)
+    _check_float(f.temperature, p + "temperature", 0.0, 1e6)
+    _check_float(f.top_p, p + "top_p", 0.0, 1.0, low_open=True)
+    _check_float(f.min_p, p + "min_p", 0.0, 1.0)
+    if f.top_k is not None and (f.top_k < -1 or f.top_k == 0):
+        raise bad_request(f"{p}top_k must be -1 (disabled) or >= 1, got {f.top_k}", p + "top_k")
+    if f.seed is not None and not 0 <= f.seed <= MAX_SEED:
+        raise bad_request(f"{p}seed must be in [0, 2^63), got {f.seed}", p + "seed")
+    stop_ids = check_token_ids(f.stop_token_ids or [], limits.vocab_size, p + "stop_token_ids")
+    if not f.ignore_eos:
+        stop_ids += [t for t in tok.extra_stop_ids if t not in stop_ids]
+    params: dict[str, Any] = {
+        "max_new_tokens": max_new, "stop_token_ids": stop_ids, "ignore_eos": f.ignore_eos,
+        "seed": f.seed, "logprobs": logprobs,
+    }
+    for key in ("temperature", "top_p", "top_k", "min_p"):
+        if (value := getattr(f, key)) is not None:
+            params[key] = value
+    return SamplingParams(**params), _stops(f.stop, p + "stop")
+
+
+def require(condition: bool, message: str, param: str) -> None:
+    if not condition:
+        raise bad_request(message, param)
+
+
+def reject_unsupported(body: Any, checks: dict[str, Any]) -> None:
+    """Fields that are accepted for compatibility only at their default value."""
+    for name, default in checks.items():
+        value = getattr(body, name)
+        if value is not None and value != default:
+            raise ApiError(400, f"{name}={value!r} is not supported (only {default!r})", name)
