@@ -1,0 +1,75 @@
+"""BatchBuilder: collects one round's slices and state ops into a ForwardBatch, and remembers what
+it sent (`InFlight`) so the StepResult can be applied or rolled back slice by slice."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from scheduler_proc.request import Req
+from shared.messages import CopyOp, ForwardBatch, ReqSlice
+
+
+@dataclass(slots=True)
+class SliceEntry:
+    req: Req
+    start: int  # first position computed
+    n: int  # positions computed: [start, start + n)
+    sample: bool
+    prefill: bool  # prompt (or recomputed) tokens, not the one decode token
+    admitted: bool  # the request was admitted in this round (a refusal sends it back to waiting)
+
+
+@dataclass(slots=True)
+class InFlight:
+    step: int
+    entries: list[SliceEntry]
+    by_rid: dict[str, SliceEntry]
+
+
+@dataclass
+class BatchBuilder:
+    """Rule: checkpoint copies come before copy-on-write copies in `copies` (a checkpoint slot saved
+    this round may be a CoW source this round; workers apply copies in list order), and clears apply
+    after all copies (shared/messages.py)."""
+
+    step: int
+    entries: list[SliceEntry] = field(default_factory=list)
+    ckpt_copies: list[CopyOp] = field(default_factory=list)
+    cow_copies: list[CopyOp] = field(default_factory=list)
+    clears: list[int] = field(default_factory=list)
+
+    def add(self, req: Req, n: int, prefill: bool, admitted: bool = False) -> None:
+        start = req.computed
+        assert n >= 1 and start + n <= len(req.tokens) and len(req.kv_slots) == start + n, (req, n)
+        self.entries.append(SliceEntry(req, start, n, start + n == len(req.tokens), prefill, admitted))
+
+    def remove(self, req: Req) -> SliceEntry | None:
+        for i, entry in enumerate(self.entries):
+            if entry.req is req:
+                return self.entries.pop(i)
+        return None
+
+    @property
+    def empty(self) -> bool:
+        return not self.entries and not self.ckpt_copies
+
+    def build(self) -> tuple[ForwardBatch, InFlight]:
+        reqs = []
+        for e in self.entries:
+            r = e.req
+            reqs.append(
+                ReqSlice(
+                    rid=r.rid,
+                    input_ids=r.tokens[e.start : e.start + e.n],
+                    start_pos=e.start,
+                    kv_slots=list(r.kv_slots),
+                    mamba_slot=r.mamba_slot or 0,
+                    sample=e.sample,
+                    sampling=r.sampling if e.sample else None,
+                    output_len=r.num_output,
+                )
+            )
+        batch = ForwardBatch(
+            step=self.step, reqs=reqs, copies=self.ckpt_copies + self.cow_copies, clears=list(self.clears)
+        )
+        return batch, InFlight(self.step, list(self.entries), {e.req.rid: e for e in self.entries})

@@ -1,0 +1,130 @@
+"""Read-only views of a Scheduler: the global integrity check and /get_server_info + /metrics data."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import TYPE_CHECKING, Any
+
+from scheduler_proc.request import ReqStatus
+
+if TYPE_CHECKING:
+    from scheduler_proc.scheduler import Scheduler
+
+
+def check_scheduler(s: Scheduler) -> None:
+    """Every KV/state slot is free, owned by exactly one running request, or held by one tree node;
+    lock counts equal the holds of running requests; waiting requests hold nothing. Raises
+    AssertionError naming the first violation."""
+    res, cache = s.res, s.res.cache
+    res.kv_alloc.check_integrity()
+    res.state_alloc.check_integrity()
+    cache.check_integrity()
+    _check_requests(s)
+    kv_owner: dict[int, str] = {slot: "tree" for slot in cache.held_kv()}
+    st_owner: dict[int, str] = {slot: "tree" for slot in cache.held_states()}
+    for r in s.running.values():
+        for slot in r.kv_slots[r.tree_len :]:
+            assert slot not in kv_owner, f"kv slot {slot} owned by {r.rid} and {kv_owner[slot]}"
+            kv_owner[slot] = r.rid
+        if r.mamba_slot is not None:
+            assert r.mamba_slot not in st_owner, f"mamba slot {r.mamba_slot}: {r.rid} and {st_owner[r.mamba_slot]}"
+            st_owner[r.mamba_slot] = r.rid
+    _check_cover(res.kv_alloc, kv_owner, "kv slot")
+    _check_cover(res.state_alloc, st_owner, "mamba slot")
+    _check_locks(s)
+
+
+def _check_cover(alloc: Any, owner: dict[int, str], kind: str) -> None:
+    for slot in range(1, alloc.capacity + 1):
+        held = slot in owner
+        assert held != alloc.is_free(slot), (
+            f"{kind} {slot} is {'free and held by ' + owner[slot] if held else 'neither free nor held'}"
+        )
+    assert all(0 < slot <= alloc.capacity for slot in owner), f"{kind} id out of range"
+
+
+def _check_requests(s: Scheduler) -> None:
+    assert len(s.waiting) + len(s.running) == len(s.reqs), (
+        f"{len(s.waiting)} waiting + {len(s.running)} running != {len(s.reqs)} requests"
+    )
+    for r in s.waiting.items():
+        assert r.status is ReqStatus.WAITING and s.reqs.get(r.rid) is r, f"{r} queued but not waiting"
+        assert not r.kv_slots and r.node is None and r.mamba_slot is None and r.cow_node is None, (
+            f"waiting {r} still holds resources"
+        )
+    for rid, r in s.running.items():
+        assert r.status is ReqStatus.RUNNING and s.reqs.get(rid) is r, f"{r} in the running set"
+        assert r.node is not None and r.tree_len == r.node.end, f"{r}: tree_len {r.tree_len} != node end"
+        assert r.kv_slots[: r.tree_len] == s.res.cache.path_kv(r.node), f"{r}: prefix slots differ from the tree"
+        assert r.computed <= len(r.kv_slots) <= len(r.tokens), f"{r}: {len(r.kv_slots)} kv slots"
+        assert (r.mamba_slot is not None) == s.track_states, f"{r}: mamba slot {r.mamba_slot}"
+        if s.in_flight is None:
+            assert len(r.kv_slots) == r.computed, f"{r}: slots beyond computed with nothing in flight"
+            assert r.cow_node is None, f"{r}: copy-on-write lock held with nothing in flight"
+    if s.in_flight is not None:
+        for e in s.in_flight.entries:
+            assert s.running.get(e.req.rid) is e.req, f"in-flight {e.req} is not running"
+
+
+def _check_locks(s: Scheduler) -> None:
+    cache = s.res.cache
+    holds = Counter(id(r.node) for r in s.running.values() if r.node is not cache.root)
+    state_holds = Counter(id(r.cow_node) for r in s.running.values() if r.cow_node is not None)
+    for node in cache.nodes():
+        direct = cache.direct_kv_holds(node)
+        assert direct == holds.get(id(node), 0), f"{node}: {direct} direct KV locks, {holds.get(id(node), 0)} holders"
+        assert node.state_lock == state_holds.get(id(node), 0), f"{node}: state lock without a pending copy"
+
+
+def server_info(s: Scheduler) -> dict[str, Any]:
+    res, cache, m = s.res, s.res.cache, s.metrics
+    kv_req = sum(len(r.kv_slots) - r.tree_len for r in s.running.values())
+    st_req = sum(1 for r in s.running.values() if r.mamba_slot is not None)
+    queried = m.get("hyssm_prefix_cache_queried_tokens_total")
+    state_hit = m.get("hyssm_prefix_cache_hit_tokens_total", kind="state")
+    kv_only = m.get("hyssm_prefix_cache_hit_tokens_total", kind="kv_only")
+    server: dict[str, Any] = {
+        "kv_capacity": res.kv_alloc.capacity,
+        "kv_free": res.kv_alloc.num_free,
+        "kv_cached": cache.kv_total,
+        "kv_evictable": cache.kv_evictable,
+        "kv_used_by_requests": kv_req,
+        "mamba_capacity": res.state_alloc.capacity,
+        "mamba_free": res.state_alloc.num_free,
+        "mamba_cached": cache.states_total,
+        "mamba_evictable": cache.states_evictable,
+        "mamba_used_by_requests": st_req,
+        "num_running": len(s.running),
+        "num_waiting": len(s.waiting),
+        "num_cache_nodes": cache.num_nodes,
+        "num_locked_nodes": cache.num_locked_nodes,
+        "prefix_queried_tokens": queried,
+        "prefix_state_hit_tokens": state_hit,
+        "prefix_kv_only_tokens": kv_only,
+        "prefix_state_hit_rate": state_hit / queried if queried else 0.0,
+        "prefix_kv_match_rate": (state_hit + kv_only) / queried if queried else 0.0,
+        "checkpoints_saved": m.get("hyssm_checkpoints_total", result="saved"),
+        "checkpoints_skipped": m.get("hyssm_checkpoints_total", result="skipped"),
+        "retractions_kv": m.get("hyssm_retractions_total", cause="kv"),
+        "retractions_priority": m.get("hyssm_retractions_total", cause="priority"),
+        "batch_is_full": s.retry.batch_is_full,
+        "new_token_ratio": s.new_token_ratio,
+        "radix_cache": not s.args.disable_radix_cache,
+        "schedule_policy": s.args.schedule_policy,
+        "context_length": s.context_length,
+    }
+    gauges = [
+        ("hyssm_kv_slots", "KV token slots by state.", {"state": "free"}, res.kv_alloc.num_free),
+        ("hyssm_kv_slots", "KV token slots by state.", {"state": "cached"}, cache.kv_total),
+        ("hyssm_kv_slots", "KV token slots by state.", {"state": "requests"}, kv_req),
+        ("hyssm_kv_slots_capacity", "KV token slots in all.", {}, res.kv_alloc.capacity),
+        ("hyssm_mamba_slots", "Mamba state slots by state.", {"state": "free"}, res.state_alloc.num_free),
+        ("hyssm_mamba_slots", "Mamba state slots by state.", {"state": "cached"}, cache.states_total),
+        ("hyssm_mamba_slots", "Mamba state slots by state.", {"state": "requests"}, st_req),
+        ("hyssm_mamba_slots_capacity", "Mamba state slots in all.", {}, res.state_alloc.capacity),
+        ("hyssm_num_running_reqs", "Requests in the running batch.", {}, len(s.running)),
+        ("hyssm_num_waiting_reqs", "Requests in the waiting queue.", {}, len(s.waiting)),
+        ("hyssm_cache_locked_nodes", "Radix-cache nodes locked by running requests.", {}, cache.num_locked_nodes),
+        ("hyssm_new_token_ratio", "Share of max_new_tokens reserved for running requests.", {}, s.new_token_ratio),
+    ]
+    return {"server": server, "metrics": m.records([(n, h, dict(lb), float(v)) for n, h, lb, v in gauges])}

@@ -1,0 +1,68 @@
+"""Scheduler counters and their export as generic metric records for GET /metrics.
+
+Counters only go up; gauges are read from the live state when `info()` is called. Every record is
+`{"name", "type", "help", "labels", "value"}`; names start with `hyssm_`.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+REFUSAL_REASONS = ("kv", "mamba_state", "cow_alloc", "worker_refusal")
+
+_COUNTERS: dict[str, str] = {
+    "hyssm_admission_attempts_total": "Admission attempts of waiting requests (budget checks).",
+    "hyssm_admission_rounds_total": "Rounds in which admission was tried, by outcome of the latch.",
+    "hyssm_admission_refusals_total": "Admissions refused for memory, by reason.",
+    "hyssm_admission_deferred_total": "Admissions deferred because a per-round budget was used up.",
+    "hyssm_admitted_requests_total": "Requests admitted into the running batch (re-admissions included).",
+    "hyssm_prefix_cache_queried_tokens_total": "Prompt tokens looked up in the prefix cache at admission.",
+    "hyssm_prefix_cache_hit_tokens_total": "Tokens matched at admission: state = resumed from a cached "
+    "Mamba state, kv_only = KV matched past the deepest cached state (recomputed).",
+    "hyssm_prefill_tokens_total": "Prompt (and recomputed) tokens computed by the workers.",
+    "hyssm_generated_tokens_total": "Tokens sampled.",
+    "hyssm_checkpoints_total": "Mamba state checkpoints: saved into the cache, or skipped (no slot).",
+    "hyssm_retractions_total": "Running requests retracted, by cause (kv = decode memory, priority).",
+    "hyssm_retract_recomputed_tokens_total": "Tokens recomputed on re-admission after a retraction.",
+    "hyssm_requests_finished_total": "Requests finished, by finish reason.",
+}
+
+# label and the values every exposition shows (as zeros before the first event)
+_LABELS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "hyssm_admission_rounds_total": ("outcome", ("attempted", "latched")),
+    "hyssm_admission_refusals_total": ("reason", REFUSAL_REASONS),
+    "hyssm_admission_deferred_total": ("reason", ("running", "prefill")),
+    "hyssm_prefix_cache_hit_tokens_total": ("kind", ("state", "kv_only")),
+    "hyssm_checkpoints_total": ("result", ("saved", "skipped")),
+    "hyssm_retractions_total": ("cause", ("kv", "priority")),
+    "hyssm_requests_finished_total": ("reason", ("stop", "length", "abort", "error")),
+}
+
+
+class SchedulerMetrics:
+    def __init__(self) -> None:
+        self.counts: Counter[tuple[str, tuple[tuple[str, str], ...]]] = Counter()
+        for name in _COUNTERS:
+            label, values = _LABELS.get(name, ("", ()))
+            if not label:
+                self.counts[(name, ())] += 0
+            for value in values:
+                self.counts[(name, ((label, value),))] += 0
+
+    def inc(self, name: str, value: float = 1, **labels: str) -> None:
+        assert name in _COUNTERS, name
+        self.counts[(name, tuple(sorted(labels.items())))] += value
+
+    def get(self, name: str, **labels: str) -> float:
+        return self.counts[(name, tuple(sorted(labels.items())))]
+
+    def records(self, gauges: list[tuple[str, str, dict[str, str], float]]) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        for (name, labels), value in sorted(self.counts.items()):
+            out.append(
+                {"name": name, "type": "counter", "help": _COUNTERS[name], "labels": dict(labels), "value": value}
+            )
+        for name, help_text, labels, value in gauges:
+            out.append({"name": name, "type": "gauge", "help": help_text, "labels": labels, "value": value})
+        return out

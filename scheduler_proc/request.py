@@ -1,0 +1,143 @@
+"""Scheduler-side request state and the waiting queue.
+
+A `Req` is owned by the Scheduler's request table from `add_request` until its final TokenOut. While
+WAITING it holds no slot and no lock (retraction and rollbacks give everything back first); while
+RUNNING it owns kv_slots[tree_len:], its mamba_slot, one KV lock on `node` (whose path supplies
+kv_slots[:tree_len]) and, until the batch that copies it is applied, one state lock on `cow_node`.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from enum import Enum
+from typing import TYPE_CHECKING
+
+from shared.messages import SamplingParams
+
+if TYPE_CHECKING:
+    from scheduler_proc.radix_cache import PeekResult
+    from scheduler_proc.radix_node import TreeNode
+
+
+class ReqStatus(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Req:
+    __slots__ = (
+        "rid", "prompt_len", "tokens", "sampling", "priority", "seq", "status",
+        "kv_slots", "tree_len", "node", "mamba_slot", "computed", "cow_node", "splits",
+        "pending_ckpt", "cached_tokens", "admitted", "abort_reason", "peek", "queue_token",
+        "retracted_at", "admitted_round",
+    )  # fmt: skip
+
+    def __init__(self, rid: str, input_ids: list[int], sampling: SamplingParams, priority: int, seq: int) -> None:
+        self.rid = rid
+        self.prompt_len = len(input_ids)
+        self.tokens: list[int] = list(input_ids)  # prompt + generated tokens
+        self.sampling = sampling
+        self.priority = priority
+        self.seq = seq  # arrival order; the queue key, kept across requeues so a request keeps its place
+        self.status = ReqStatus.WAITING
+        self.kv_slots: list[int] = []  # KV slot of every position with KV (computed or being computed)
+        self.tree_len = 0  # kv_slots[:tree_len] belong to the radix tree
+        self.node: TreeNode | None = None  # KV-locked prefix node (tree_len == node.end)
+        self.mamba_slot: int | None = None
+        self.computed = 0  # positions whose KV and state are written (applied steps only)
+        self.cow_node: TreeNode | None = None  # state-locked CoW source until the copy has run
+        self.splits: list[int] = []  # ascending positions where a checkpoint is wanted
+        self.pending_ckpt = False  # computed reached a split point: save the state next round
+        self.cached_tokens = 0  # prefix served from the cache at the first admission
+        self.admitted = False  # has been admitted (and not refused) at least once
+        self.abort_reason: str | None = None  # abort requested while the request was in flight
+        self.peek: PeekResult | None = None  # last peek; reusable while the cache epoch is unchanged
+        self.queue_token = 0
+        self.retracted_at = -1  # `computed` when last retracted (to count recomputation), -1 if never
+        self.admitted_round = -1
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.tokens[self.prompt_len :]
+
+    @property
+    def num_output(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self.sampling.max_new_tokens
+
+    @property
+    def kv_target(self) -> int:
+        """Positions that will ever need KV: the final sampled token is never fed back."""
+        return self.prompt_len + self.max_new_tokens - 1
+
+    @property
+    def is_prefilling(self) -> bool:
+        """More than the one decode token left to compute (a prompt, or tokens lost to a retraction)."""
+        return len(self.tokens) - self.computed > 1
+
+    def __repr__(self) -> str:
+        return f"Req({self.rid!r}, {self.status.value}, computed={self.computed}/{len(self.tokens)})"
+
+
+class WaitingQueue:
+    """Waiting requests ordered by (-priority if by priority, arrival seq).
+
+    A heap with lazy removal: `remove` and `pop` invalidate the request's entry via its queue token,
+    so peek/pop are O(log n) amortised and a requeued request returns to its original place.
+    """
+
+    def __init__(self, by_priority: bool) -> None:
+        self.by_priority = by_priority
+        self._heap: list[tuple[int, int, int, Req]] = []
+        self._live = 0
+        self._tokens = itertools.count(1)
+
+    def __len__(self) -> int:
+        return self._live
+
+    def push(self, req: Req) -> None:
+        if req.queue_token:
+            raise AssertionError(f"{req} is already queued")
+        req.queue_token = next(self._tokens)
+        key = -req.priority if self.by_priority else 0
+        heapq.heappush(self._heap, (key, req.seq, req.queue_token, req))
+        self._live += 1
+
+    def peek(self) -> Req | None:
+        heap = self._heap
+        while heap:
+            _, _, token, req = heap[0]
+            if token == req.queue_token:
+                return req
+            heapq.heappop(heap)
+        return None
+
+    def pop(self) -> Req:
+        req = self.peek()
+        if req is None:
+            raise IndexError("pop from an empty waiting queue")
+        heapq.heappop(self._heap)
+        req.queue_token = 0
+        self._live -= 1
+        return req
+
+    def remove(self, req: Req) -> None:
+        if not req.queue_token:
+            raise AssertionError(f"{req} is not queued")
+        req.queue_token = 0
+        self._live -= 1
+        if len(self._heap) > 2 * self._live + 1024:
+            self._heap = [e for e in self._heap if e[2] == e[3].queue_token]
+            heapq.heapify(self._heap)
+
+    def __contains__(self, req: Req) -> bool:
+        return bool(req.queue_token)
+
+    def items(self) -> list[Req]:
+        """Live requests in queue order (O(n log n); for tests, info and fail_all)."""
+        return [e[3] for e in sorted(self._heap, key=lambda e: e[:3]) if e[2] == e[3].queue_token]

@@ -1,0 +1,180 @@
+"""ReqResources: acquires and gives back one request's slots and locks.
+
+Owns the KV and Mamba slot allocators and the HybridRadixCache. Every path that takes something from a
+request (finish, abort, retraction, refusal, failure) goes through here, so the ownership rules of
+request.py hold after each call. No tensors: state copies are only *described* (CopyOp) for the worker.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from scheduler_proc.allocators import KVAllocator, MambaSlotAllocator
+from scheduler_proc.batch import BatchBuilder, SliceEntry
+from scheduler_proc.radix_cache import CowMatch, HybridRadixCache, PeekResult
+from scheduler_proc.radix_node import TreeNode
+from scheduler_proc.request import Req
+from shared.messages import CopyOp
+
+logger = logging.getLogger(__name__)
+
+NO_SPLIT = 1 << 62
+
+
+class ReqResources:
+    def __init__(
+        self, kv_capacity: int, mamba_capacity: int, track_states: bool, cache_enabled: bool, ckpt_interval: int
+    ) -> None:
+        self.kv_alloc = KVAllocator(kv_capacity)
+        self.state_alloc = MambaSlotAllocator(mamba_capacity if track_states else 0)
+        self.cache = HybridRadixCache(self.kv_alloc, self.state_alloc, track_states)
+        self.track_states = track_states
+        self.cache_enabled = cache_enabled
+        self.ckpt_interval = ckpt_interval if (track_states and cache_enabled) else 0
+
+    # ------------------------------------------------------------------ capacity
+    def available_kv(self) -> int:
+        return self.kv_alloc.num_free + self.cache.kv_evictable
+
+    def available_states(self) -> int:
+        return self.state_alloc.num_free + self.cache.states_evictable
+
+    # ------------------------------------------------------------------ admission
+    def peek(self, req: Req) -> PeekResult:
+        """The request's match, re-walked only when the cache changed since the last one (O(1) retry)."""
+        cache = self.cache
+        if req.peek is not None and req.peek.epoch == cache.epoch:
+            return req.peek
+        if self.cache_enabled:
+            req.peek = cache.peek(req.tokens, len(req.tokens) - 1)
+        else:
+            req.peek = PeekResult(cache.root, 0, 0, 0, 0, cache.epoch)
+        return req.peek
+
+    def fresh_peek(self, req: Req) -> PeekResult:
+        """Admission ignoring any cached state (used only when nothing runs and the hit itself cannot
+        be afforded: e.g. one state slot in all, held by the matched node)."""
+        return PeekResult(self.cache.root, 0, 0, 0, 0, self.cache.epoch)
+
+    def plan_splits(self, req: Req, peek: PeekResult) -> list[int]:
+        """Positions where the prefill is cut and the state saved: the branch point (KV matched past
+        the deepest state) and every `ckpt_interval` tokens, strictly inside the tokens to compute."""
+        if not (self.cache_enabled and self.track_states):
+            return []
+        start, end = peek.prefix_len, len(req.tokens)
+        points = set()
+        if start < peek.kv_len < end:
+            points.add(peek.kv_len)
+        if self.ckpt_interval:
+            first = (start // self.ckpt_interval + 1) * self.ckpt_interval
+            points.update(range(first, end, self.ckpt_interval))
+        return sorted(points)
+
+    def start(self, req: Req, peek: PeekResult, chunk: int, b: BatchBuilder) -> str:
+        """Lock the match, take the request's state slot (CoW or fresh) and KV for the first chunk.
+        Returns "" on success or the refusal reason ("mamba_state", "kv") with everything undone;
+        MambaCowAllocError propagates from the cache (which has undone its locks)."""
+        assert peek.epoch == self.cache.epoch, "stale peek at admission"
+        if self.cache_enabled:
+            match = self.cache.match_and_cow(req.tokens, len(req.tokens) - 1, peek)
+        else:
+            match = CowMatch(self.cache.root, 0, [], None, None)
+        slot = match.dst_state
+        if self.track_states and slot is None:
+            slot = self.cache.alloc_state()
+            if slot is None:
+                self.cache.unlock(match.node)
+                return "mamba_state"
+        kv = self.cache.alloc_kv(chunk)
+        if kv is None:
+            if slot is not None:
+                self.state_alloc.free(slot)
+            if match.src_state is not None:
+                self.cache.unlock_state(match.node)
+            self.cache.unlock(match.node)
+            return "kv"
+        req.node, req.tree_len, req.computed = match.node, match.prefix_len, match.prefix_len
+        req.kv_slots = match.prefix_kv + kv
+        req.mamba_slot = slot
+        req.splits = self.plan_splits(req, peek)
+        if match.src_state is not None:
+            assert slot is not None
+            req.cow_node = match.node
+            b.cow_copies.append(CopyOp(match.src_state, slot, req.rid))
+        elif slot is not None:
+            b.clears.append(slot)
+        return ""
+
+    def next_split_cap(self, req: Req) -> int:
+        """Most tokens the next slice may compute without passing a split point."""
+        return req.splits[0] - req.computed if req.splits else NO_SPLIT
+
+    # ------------------------------------------------------------------ running
+    def grow(self, req: Req, n: int) -> bool:
+        kv = self.cache.alloc_kv(n)
+        if kv is None:
+            return False
+        req.kv_slots.extend(kv)
+        return True
+
+    def after_step(self, req: Req, entry: SliceEntry) -> None:
+        """The slice ran: its positions are computed, a pending copy-on-write has happened."""
+        req.computed = entry.start + entry.n
+        if req.cow_node is not None:
+            self.cache.unlock_state(req.cow_node)
+            req.cow_node = None
+        while req.splits and req.splits[0] <= req.computed:
+            req.pending_ckpt = req.splits.pop(0) == req.computed
+
+    def undo_slice(self, req: Req, entry: SliceEntry) -> None:
+        """The slice did not run (refused): give back the KV slots taken for it."""
+        extra = req.kv_slots[entry.start :]
+        del req.kv_slots[entry.start :]
+        self.kv_alloc.free_many(extra)
+
+    def checkpoint(self, req: Req, b: BatchBuilder) -> str:
+        """Save the request's state at `computed` into the tree through a copy into a fresh slot (the
+        copy runs before this round's forward, so it captures the state at the split point); the
+        request's prefix then comes from the tree. Returns "saved", "skipped" (no slot) or "exists"."""
+        req.pending_ckpt = False
+        assert req.mamba_slot is not None and req.node is not None
+        slot = self.cache.alloc_state()
+        if slot is None:
+            return "skipped"
+        n = req.computed
+        node = self.cache.insert(req.tokens, n, req.kv_slots, req.tree_len, slot)
+        taken = node.state == slot
+        self._move_prefix(req, node)
+        if taken:
+            b.ckpt_copies.append(CopyOp(req.mamba_slot, slot, None))
+        return "saved" if taken else "exists"
+
+    def _move_prefix(self, req: Req, node: TreeNode) -> None:
+        assert req.node is not None
+        self.cache.lock(node)
+        self.cache.unlock(req.node)
+        req.node = node
+        req.kv_slots[: node.end] = self.cache.path_kv(node)
+        req.tree_len = node.end
+
+    # ------------------------------------------------------------------ giving back
+    def release(self, req: Req, donate: bool) -> None:
+        """Give back everything a running request holds; with `donate`, its computed KV and its state
+        (which is the state after `computed` positions) move into the tree without a copy."""
+        cache = self.cache
+        if req.cow_node is not None:
+            cache.unlock_state(req.cow_node)
+            req.cow_node = None
+        n = req.computed
+        if donate and self.cache_enabled and req.node is not None and n > 0:
+            own_extra = req.kv_slots[n:]
+            cache.insert(req.tokens, n, req.kv_slots, req.tree_len, req.mamba_slot)
+            self.kv_alloc.free_many(own_extra)
+        else:
+            self.kv_alloc.free_many(req.kv_slots[req.tree_len :])
+            if req.mamba_slot is not None:
+                self.state_alloc.free(req.mamba_slot)
+        if req.node is not None:
+            cache.unlock(req.node)
+        req.kv_slots, req.tree_len, req.node, req.mamba_slot = [], 0, None, None
+        req.computed, req.splits, req.pending_ckpt, req.peek = 0, [], False, None

@@ -1,0 +1,389 @@
+"""Scheduler: the pure logic of the scheduler process (DESIGN.md "Scheduler", steps 2-3 of a round).
+
+Owns the request table, the waiting queue, the running set, the per-round PrefillAdder, the
+RetryPolicy and (through ReqResources) the slot allocators and the HybridRadixCache. No sockets, no
+tensors, single-threaded: `process.py` calls it. At most one batch is in flight: `schedule` is only
+called when none is, and `apply_result` applies it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from scheduler_proc.adder import AdderBudget, AddResult, PrefillAdder, RetryPolicy, reserve_new_tokens
+from scheduler_proc.batch import BatchBuilder, InFlight, SliceEntry
+from scheduler_proc.introspect import check_scheduler, server_info
+from scheduler_proc.metrics import SchedulerMetrics
+from scheduler_proc.radix_cache import HybridRadixCache, PeekResult
+from scheduler_proc.request import Req, ReqStatus, WaitingQueue
+from scheduler_proc.resources import ReqResources
+from shared.config import ServerArgs
+from shared.errors import MambaCowAllocError
+from shared.messages import FinishReason, ForwardBatch, GenerateReq, StepResult, TokenOut
+from shared.model_info import ModelInfo
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SchedulerTuning:
+    """KV reserved for a running request's future tokens = remaining max_new_tokens x ratio. The ratio
+    decays every round towards `min_ratio` and jumps up by `retract_step` after a retraction."""
+
+    init_ratio: float = 0.7
+    min_ratio: float = 0.1
+    decay: float = 0.001
+    retract_step: float = 0.2
+
+
+class Scheduler:
+    """Request table, waiting queue, running set, HybridRadixCache, KV and Mamba slot allocators,
+    PrefillAdder, RetryPolicy. No sockets, no tensors, single-threaded."""
+
+    def __init__(
+        self,
+        args: ServerArgs,
+        model: ModelInfo,
+        kv_capacity: int,
+        mamba_capacity: int,
+        tuning: SchedulerTuning | None = None,
+    ) -> None:
+        self.args = args
+        self.model = model
+        self.tuning = tuning or SchedulerTuning()
+        self.context_length = args.context_length or model.max_position_embeddings
+        self.track_states = model.has_mamba
+        self.res = ReqResources(
+            kv_capacity, mamba_capacity, self.track_states, not args.disable_radix_cache,
+            args.mamba_checkpoint_interval,
+        )  # fmt: skip
+        self.metrics = SchedulerMetrics()
+        self.retry = RetryPolicy.for_config(args, model)
+        # replaceable for scripted tests: builds the round's adder from its budget snapshot
+        self.adder_factory: Callable[[AdderBudget], PrefillAdder] = PrefillAdder
+        self.reqs: dict[str, Req] = {}
+        self.waiting = WaitingQueue(args.schedule_policy == "priority")
+        self.running: dict[str, Req] = {}
+        self.running_version = 0  # bumped whenever a request joins or leaves the running set
+        self.new_token_ratio = self.tuning.init_ratio
+        self._seq = itertools.count()
+        self._step = 0
+        self.in_flight: InFlight | None = None
+        self._eos = frozenset(model.eos_token_ids)
+
+    @property
+    def cache(self) -> HybridRadixCache:
+        return self.res.cache
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.running) or len(self.waiting) > 0
+
+    # ------------------------------------------------------------------ requests in and out
+    def add_request(self, req: GenerateReq) -> list[TokenOut]:
+        error = self._validate(req)
+        if error:
+            logger.info("rejecting request %s: %s", req.rid, error)
+            return [TokenOut(rid=req.rid, token_ids=[], finished=True, finish_reason="error", error=error,
+                             prompt_tokens=len(req.input_ids))]  # fmt: skip
+        r = Req(req.rid, req.input_ids, req.sampling, req.priority, next(self._seq))
+        if req.sampling.max_new_tokens == 0:
+            r.status = ReqStatus.FINISHED
+            return [self._out(r, [], "length")]
+        self.reqs[r.rid] = r
+        self.waiting.push(r)
+        return []
+
+    def _validate(self, req: GenerateReq) -> str:
+        n_prompt, n_new = len(req.input_ids), req.sampling.max_new_tokens
+        if req.rid in self.reqs:
+            return f"duplicate request id {req.rid!r}"
+        if n_prompt == 0:
+            return "empty prompt"
+        if n_new < 0:
+            return f"max_new_tokens must be >= 0, got {n_new}"
+        if n_prompt + n_new > self.context_length:
+            return f"prompt ({n_prompt}) + max_new_tokens ({n_new}) exceeds the context length {self.context_length}"
+        if n_prompt + n_new - 1 > self.res.kv_alloc.capacity:
+            return f"prompt ({n_prompt}) + max_new_tokens ({n_new}) exceeds the KV cache ({self.res.kv_alloc.capacity})"
+        if self.track_states and self.res.state_alloc.capacity < 1:
+            return "the Mamba state pool has no slot"
+        return ""
+
+    def abort(self, rid: str, reason: str = "") -> list[TokenOut]:
+        r = self.reqs.get(rid)
+        if r is None:
+            return []
+        if self.in_flight is not None and rid in self.in_flight.by_rid:
+            r.abort_reason = reason or "aborted"  # finished when its StepResult is applied
+            return []
+        return [self._finish(r, "abort")]
+
+    def fail_all(self, reason: str) -> list[TokenOut]:
+        """Final error for every unfinished request; everything they hold is freed (nothing donated:
+        the in-flight step may have half-written their slots) and the cache is flushed."""
+        self.in_flight = None
+        outs = [self._finish(r, "error", error=reason) for r in list(self.reqs.values())]
+        self.res.cache.flush()
+        return outs
+
+    def flush_cache(self) -> bool:
+        if self.running or self.in_flight is not None:
+            return False
+        self.res.cache.flush()
+        return True
+
+    # ------------------------------------------------------------------ one round
+    def schedule(self) -> ForwardBatch | None:
+        if self.in_flight is not None:
+            raise RuntimeError("schedule() called while a batch is in flight")
+        b = BatchBuilder(self._step + 1)
+        self._fit_running()
+        self._preempt_for_priority()
+        for r in list(self.running.values()):
+            if r.pending_ckpt:
+                result = self.res.checkpoint(r, b)
+                if result != "exists":
+                    self.metrics.inc("hyssm_checkpoints_total", result=result)
+        prefill_used = self._schedule_running(b)
+        self._admit(b, prefill_used)
+        self.new_token_ratio = max(self.tuning.min_ratio, self.new_token_ratio - self.tuning.decay)
+        if not b.entries:
+            assert not b.ckpt_copies and not b.cow_copies, "state ops without a request to run them"
+            return None
+        batch, self.in_flight = b.build()
+        self._step += 1
+        return batch
+
+    def _fit_running(self) -> None:
+        """Every running request must get at least one KV token this round; retract until they can."""
+        while len(self.running) > 1 and len(self.running) > self.res.available_kv():
+            self._retract(self._pick_victim(list(self.running.values())), "kv")
+
+    def _pick_victim(self, candidates: list[Req]) -> Req:
+        """Lowest priority (under the priority policy), then newest."""
+        if self.waiting.by_priority:
+            return min(candidates, key=lambda r: (r.priority, -r.seq))
+        return max(candidates, key=lambda r: r.seq)
+
+    def _retract(self, r: Req, cause: str) -> None:
+        r.retracted_at = r.computed
+        self.res.release(r, donate=True)
+        del self.running[r.rid]
+        self.running_version += 1
+        r.status = ReqStatus.WAITING
+        self.waiting.push(r)
+        self.metrics.inc("hyssm_retractions_total", cause=cause)
+        if cause == "kv":
+            self.new_token_ratio = min(1.0, self.new_token_ratio + self.tuning.retract_step)
+        logger.debug("retracted %s (%s)", r.rid, cause)
+
+    def _preempt_for_priority(self) -> None:
+        """With --enable-priority-preemption: retract lower-priority running requests while the
+        highest-priority waiting request does not fit and retracting them could make it fit."""
+        head = self.waiting.peek() if self.args.enable_priority_preemption else None
+        while head is not None:
+            victims = [r for r in self.running.values() if r.priority < head.priority]
+            if not victims:
+                return
+            budget = self._budget(0)
+            kv, states = PrefillAdder(budget).need(head, self.res.peek(head))
+            short_kv, short_states = kv - budget.kv, states - budget.states
+            short_running = 1 - budget.running_slots
+            if short_kv <= 0 and short_states <= 0 and short_running <= 0:
+                return
+            gain_kv = sum(len(r.kv_slots) - r.tree_len + self._reserve(r) for r in victims)
+            if short_kv > gain_kv or short_states > len(victims) or short_running > len(victims):
+                return
+            self._retract(self._pick_victim(victims), "priority")
+
+    def _reserve(self, r: Req) -> int:
+        """KV tokens held back for a running request's future: known tokens without a slot yet, plus
+        an estimate of the output still to come."""
+        rest_new = r.max_new_tokens - r.num_output - 1
+        return len(r.tokens) - len(r.kv_slots) + reserve_new_tokens(rest_new, self.new_token_ratio)
+
+    def _budget(self, prefill_used: int) -> AdderBudget:
+        reserved = sum(self._reserve(r) for r in self.running.values())
+        a = self.args
+        return AdderBudget(
+            kv=self.res.available_kv() - reserved,
+            states=self.res.available_states(),
+            prefill_tokens=a.max_prefill_tokens - prefill_used,
+            running_slots=a.max_running_requests - len(self.running),
+            chunk_size=a.chunked_prefill_size,
+            new_token_ratio=self.new_token_ratio,
+            needs_state=self.track_states,
+        )
+
+    def _schedule_running(self, b: BatchBuilder) -> int:
+        """Decode tokens first (one each), then continuations of chunked prefills. Returns the prefill
+        tokens scheduled."""
+        decoding = [r for r in self.running.values() if not r.is_prefilling]
+        for r in decoding:
+            if not self.res.grow(r, 1):
+                raise AssertionError(f"no KV slot for decoding {r} after _fit_running")
+            b.add(r, 1, prefill=False)
+        used = 0
+        for r in self.running.values():
+            if not r.is_prefilling:
+                continue
+            room = min(self.args.max_prefill_tokens - used, self.res.available_kv())
+            n = min(len(r.tokens) - r.computed, self.args.chunked_prefill_size, room, self.res.next_split_cap(r))
+            if n >= 1 and self.res.grow(r, n):
+                b.add(r, n, prefill=True)
+                used += n
+        return used
+
+    def _admit(self, b: BatchBuilder, prefill_used: int) -> None:
+        self.retry.begin_round(self.running_version, not self.running)
+        if not len(self.waiting):
+            return
+        if not self.retry.should_attempt():
+            self.metrics.inc("hyssm_admission_rounds_total", outcome="latched")
+            return
+        self.metrics.inc("hyssm_admission_rounds_total", outcome="attempted")
+        adder = self.adder_factory(self._budget(prefill_used))
+        while (r := self.waiting.peek()) is not None:
+            peek = self.res.peek(r)
+            self.metrics.inc("hyssm_admission_attempts_total")
+            result, grant = adder.add_one_req(r, peek, self._chunk_cap(r, peek))
+            if result is AddResult.NO_TOKEN and not self.running and peek.has_state:
+                peek = self.res.fresh_peek(r)  # idle and the hit itself cannot be afforded: start fresh
+                result, grant = adder.add_one_req(r, peek, self._chunk_cap(r, peek))
+            if result is AddResult.OTHER:
+                self.metrics.inc("hyssm_admission_deferred_total", reason=adder.refusal_reason)
+                return
+            if result is AddResult.NO_TOKEN or grant is None:
+                self._refused(adder.refusal_reason or "kv")
+                return
+            try:
+                reason = self.res.start(r, peek, grant.chunk, b)
+            except MambaCowAllocError as e:
+                logger.debug("admission of %s refused: %s", r.rid, e)
+                reason = "cow_alloc"
+            if reason:
+                adder.rollback(grant)
+                self._refused(reason)
+                return
+            self.waiting.pop()
+            r.status = ReqStatus.RUNNING
+            self.running[r.rid] = r
+            self.running_version += 1
+            b.add(r, grant.chunk, prefill=True, admitted=True)
+
+    def _chunk_cap(self, r: Req, peek: PeekResult) -> int:
+        splits = self.res.plan_splits(r, peek)
+        return splits[0] - peek.prefix_len if splits else len(r.tokens)
+
+    def _refused(self, reason: str) -> None:
+        self.metrics.inc("hyssm_admission_refusals_total", reason=reason)
+        self.retry.on_no_token()
+
+    # ------------------------------------------------------------------ results
+    def apply_result(self, result: StepResult) -> list[TokenOut]:
+        fl = self.in_flight
+        if fl is None or result.step != fl.step:
+            raise ValueError(f"StepResult for step {result.step}, in flight: {fl.step if fl else None}")
+        if result.error:
+            return self.fail_all(f"worker step {result.step} failed: {result.error}")
+        self.in_flight = None
+        refused = set(result.refused)
+        outs: list[TokenOut] = []
+        for e in fl.entries:
+            r = e.req
+            if r.rid in refused:
+                self._on_refused(e)
+                if r.abort_reason is not None:
+                    outs.append(self._finish(r, "abort"))
+                continue
+            self.res.after_step(r, e)
+            self._account_step(e)
+            out = self._emit(r, e, result)
+            if out is not None:
+                outs.append(out)
+        return outs
+
+    def _on_refused(self, e: SliceEntry) -> None:
+        """A worker refused the slice's copy-on-write: roll back exactly like NO_TOKEN."""
+        r = e.req
+        self.res.undo_slice(r, e)
+        self.metrics.inc("hyssm_admission_refusals_total", reason="worker_refusal")
+        self.retry.on_no_token()
+        if e.admitted:
+            self.res.release(r, donate=False)
+            del self.running[r.rid]
+            self.running_version += 1
+            r.status = ReqStatus.WAITING
+            self.waiting.push(r)
+
+    def _account_step(self, e: SliceEntry) -> None:
+        r, m = e.req, self.metrics
+        if e.prefill:
+            m.inc("hyssm_prefill_tokens_total", e.n)
+        if not e.admitted:
+            return
+        m.inc("hyssm_admitted_requests_total")
+        if r.retracted_at >= 0:
+            m.inc("hyssm_retract_recomputed_tokens_total", max(0, r.retracted_at - e.start))
+            r.retracted_at = -1
+        if not r.admitted:
+            r.admitted = True
+            r.cached_tokens = e.start
+            peek = r.peek
+            kv_len = peek.kv_len if peek is not None else e.start
+            m.inc("hyssm_prefix_cache_queried_tokens_total", len(r.tokens))
+            m.inc("hyssm_prefix_cache_hit_tokens_total", e.start, kind="state")
+            m.inc("hyssm_prefix_cache_hit_tokens_total", max(0, kv_len - e.start), kind="kv_only")
+
+    def _emit(self, r: Req, e: SliceEntry, result: StepResult) -> TokenOut | None:
+        if r.abort_reason is not None:
+            return self._finish(r, "abort")
+        if not e.sample:
+            return None
+        tok = result.next_tokens.get(r.rid)
+        if tok is None:
+            return self._finish(r, "error", error=f"worker returned no token for step {result.step}")
+        r.tokens.append(tok)
+        self.metrics.inc("hyssm_generated_tokens_total")
+        lp = result.logprobs.get(r.rid) if r.sampling.logprobs else None
+        logprobs = [lp] if lp is not None else None
+        sp = r.sampling
+        if (not sp.ignore_eos and tok in self._eos) or tok in sp.stop_token_ids:
+            return self._finish(r, "stop", [tok], matched=tok, logprobs=logprobs)
+        if r.num_output >= sp.max_new_tokens:
+            return self._finish(r, "length", [tok], logprobs=logprobs)
+        return self._out(r, [tok], None, logprobs=logprobs)
+
+    def _finish(self, r: Req, reason: FinishReason, new: list[int] | None = None, matched: int | None = None,
+                logprobs: list[float] | None = None, error: str | None = None) -> TokenOut:  # fmt: skip
+        """Finish `r` (never while its slice is in flight): give back or donate what it holds."""
+        if r.status is ReqStatus.RUNNING:
+            self.res.release(r, donate=reason != "error")
+            del self.running[r.rid]
+            self.running_version += 1
+        elif r.status is ReqStatus.WAITING:
+            self.waiting.remove(r)
+        r.status = ReqStatus.FINISHED
+        del self.reqs[r.rid]
+        self.metrics.inc("hyssm_requests_finished_total", reason=reason)
+        return self._out(r, new or [], reason, matched=matched, logprobs=logprobs, error=error)
+
+    def _out(self, r: Req, new: list[int], reason: FinishReason | None, matched: int | None = None,
+             logprobs: list[float] | None = None, error: str | None = None) -> TokenOut:  # fmt: skip
+        return TokenOut(
+            rid=r.rid, token_ids=new, finished=reason is not None, finish_reason=reason,
+            matched_stop_token=matched, prompt_tokens=r.prompt_len, cached_tokens=r.cached_tokens,
+            completion_tokens=r.num_output, logprobs=logprobs, error=error,
+        )  # fmt: skip
+
+    # ------------------------------------------------------------------ introspection
+    def info(self) -> dict[str, Any]:
+        return server_info(self)
+
+    def check_integrity(self) -> None:
+        check_scheduler(self)

@@ -1,0 +1,75 @@
+"""A pure-Python stand-in for the worker that *checks* the scheduler's slot bookkeeping.
+
+KV slot i holds (position, token); a Mamba slot holds the exact tuple of tokens it has absorbed. Each
+slice is verified before it runs: its prefix KV slots must hold positions 0..start-1 and its state slot
+must hold exactly the tokens those KV slots hold. The next token is a deterministic function of the
+state, so outputs depend only on the token sequence (never on slots, batching or caching), exactly
+like greedy decoding of a real model. Same `step(batch, refused)` interface as worker_proc's ModelRunner.
+"""
+
+from __future__ import annotations
+
+from shared.messages import ForwardBatch, StepResult
+
+
+class SlotError(AssertionError):
+    """The scheduler handed the worker inconsistent slots."""
+
+
+class FakeWorker:
+    def __init__(self, kv_slots: int, mamba_slots: int, vocab: int = 50, eos: int | None = None) -> None:
+        self.kv: list[tuple[int, int] | None] = [None] * (kv_slots + 1)
+        self.state: list[tuple[int, ...] | None] = [None] * (mamba_slots + 1)
+        self.vocab = vocab
+        self.eos = eos
+        self.steps = 0
+        self.prefill_tokens = 0
+
+    def next_token(self, seq: tuple[int, ...]) -> int:
+        h = 0
+        for t in seq[-8:]:
+            h = (h * 1000003 + t + 7) % 2_147_483_647
+        tok = (h + len(seq)) % self.vocab
+        return tok
+
+    def step(self, batch: ForwardBatch, refused: frozenset[str] = frozenset()) -> StepResult:
+        self.steps += 1
+        for op in batch.copies:
+            if op.rid is not None and op.rid in refused:
+                continue
+            if self.state[op.src] is None:
+                raise SlotError(f"copy from unwritten mamba slot {op.src}")
+            self.state[op.dst] = self.state[op.src]
+        for slot in batch.clears:
+            self.state[slot] = ()
+        out: dict[str, int] = {}
+        for s in batch.reqs:
+            if s.rid in refused:
+                continue
+            self._check_prefix(s.rid, s.kv_slots, s.start_pos, s.mamba_slot)
+            seq = tuple(self.kv[slot][1] for slot in s.kv_slots[: s.start_pos])  # type: ignore[index]
+            for i, tok in enumerate(s.input_ids):
+                self.kv[s.kv_slots[s.start_pos + i]] = (s.start_pos + i, tok)
+            seq = seq + tuple(s.input_ids)
+            if s.mamba_slot:
+                self.state[s.mamba_slot] = seq
+            if len(s.input_ids) > 1:
+                self.prefill_tokens += len(s.input_ids)
+            if s.sample:
+                out[s.rid] = self.next_token(seq)
+        hit = sorted(r for r in refused if any(s.rid == r for s in batch.reqs))
+        return StepResult(step=batch.step, next_tokens=out, refused=hit)
+
+    def _check_prefix(self, rid: str, kv_slots: list[int], start: int, mamba_slot: int) -> None:
+        if len(set(kv_slots)) != len(kv_slots) or 0 in kv_slots:
+            raise SlotError(f"{rid}: kv slots repeat or use the padding slot")
+        toks = []
+        for pos in range(start):
+            entry = self.kv[kv_slots[pos]]
+            if entry is None or entry[0] != pos:
+                raise SlotError(f"{rid}: kv slot {kv_slots[pos]} holds {entry}, expected position {pos}")
+            toks.append(entry[1])
+        if mamba_slot:
+            state = self.state[mamba_slot]
+            if state != tuple(toks):
+                raise SlotError(f"{rid}: mamba slot {mamba_slot} holds {state!r:.80} but KV holds {len(toks)} tokens")
