@@ -1,0 +1,37 @@
+"""`select_ops`: which kernel implementation a worker uses (importing this module never imports triton).
+
+Owned by the Triton kernel path (helper E); `worker_proc.kernels.get_ops` delegates here. CUDA
+tensors get `TritonOps`, every other device `ReferenceOps`; `force` ("triton" | "reference", from the
+HYSSM_KERNELS environment variable) overrides the device for debugging. Triton on a non-CUDA device
+only works under the Triton interpreter (TRITON_INTERPRET=1, set before triton is first imported).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from worker_proc.kernels import KernelOps
+
+KERNEL_CHOICES = ("reference", "triton")
+
+
+def select_ops(device: torch.device | str, force: str | None = None) -> KernelOps:
+    """The ops object for tensors on `device`. Raises ValueError for an unknown `force`, or for
+    `force="triton"` on a non-CUDA device when the Triton interpreter is off (kernels could not run)."""
+    from worker_proc.kernels import ReferenceOps  # lazy: the package may import this module
+
+    if force not in (None, "", *KERNEL_CHOICES):
+        raise ValueError(f"unknown kernel implementation {force!r}: expected one of {KERNEL_CHOICES}")
+    dev = torch.device(device)
+    if force == "reference" or (force != "triton" and dev.type != "cuda"):
+        return ReferenceOps()
+    from triton import knobs  # only when Triton is actually chosen
+
+    from worker_proc.kernels.triton_ops import TritonOps
+
+    if dev.type != "cuda" and not knobs.runtime.interpret:
+        raise ValueError(f"Triton kernels on device {dev} need TRITON_INTERPRET=1 (set before triton is imported)")
+    return TritonOps()  # type: ignore[return-value]  # same methods and signatures as ReferenceOps
