@@ -1,0 +1,170 @@
+"""Checkpoint loading: errors name the file / architecture / tensor; sharded and bf16 loads work."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from shared.errors import ModelLoadError
+from tests.worker.util import batch, fixture_dir, max_diff, reference, req, runner
+from worker_proc.loader import load_model
+from worker_proc.runtime import ModelRunner
+
+NAME = "rope_moe"
+
+
+@pytest.fixture()
+def ckpt(tmp_path) -> str:
+    """A writable copy of a fixture checkpoint (config.json + model.safetensors)."""
+    out = tmp_path / "ckpt"
+    out.mkdir()
+    for f in ("config.json", "model.safetensors"):
+        shutil.copy(os.path.join(fixture_dir(NAME), f), out / f)
+    return str(out)
+
+
+def _edit_config(path: str, **changes: object) -> None:
+    cfg_path = os.path.join(path, "config.json")
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    cfg.update(changes)
+    with open(cfg_path, "w") as f:
+        json.dump(cfg, f)
+
+
+def _edit_weights(path: str, fn) -> None:
+    wpath = os.path.join(path, "model.safetensors")
+    tensors = load_file(wpath)
+    fn(tensors)
+    save_file(tensors, wpath)
+
+
+def _prompt_logits(r: ModelRunner) -> torch.Tensor:
+    prompt = reference(NAME)["prompt"].tolist()
+    n = len(prompt)
+    return r.forward_all_logits(batch(0, [req("a", prompt, 0, list(range(1, n + 1)), 1)], clears=[1]))["a"]
+
+
+def test_missing_model_dir(tmp_path) -> None:
+    with pytest.raises(ModelLoadError, match="not a directory"):
+        load_model(str(tmp_path / "nope"))
+
+
+def test_missing_config(ckpt: str) -> None:
+    os.remove(os.path.join(ckpt, "config.json"))
+    with pytest.raises(ModelLoadError, match=r"config\.json"):
+        load_model(ckpt)
+
+
+def test_missing_weights_file(ckpt: str) -> None:
+    os.remove(os.path.join(ckpt, "model.safetensors"))
+    with pytest.raises(ModelLoadError, match=r"model\.safetensors"):
+        load_model(ckpt)
+
+
+def test_unknown_architecture(ckpt: str) -> None:
+    _edit_config(ckpt, architectures=["LlamaForCausalLM"])
+    with pytest.raises(ModelLoadError, match="LlamaForCausalLM"):
+        load_model(ckpt)
+    with pytest.raises(ModelLoadError, match="LlamaForCausalLM"):
+        ModelRunner(ckpt, kv_slots=8, mamba_slots=2)
+
+
+def test_missing_tensor(ckpt: str) -> None:
+    _edit_weights(ckpt, lambda t: t.pop("model.layers.1.mamba.dt_bias"))
+    with pytest.raises(ModelLoadError, match=r"model\.layers\.1\.mamba\.dt_bias"):
+        load_model(ckpt)
+
+
+def test_extra_tensor(ckpt: str) -> None:
+    _edit_weights(ckpt, lambda t: t.update({"model.layers.0.mamba.bogus": torch.zeros(3)}))
+    with pytest.raises(ModelLoadError, match=r"model\.layers\.0\.mamba\.bogus.*model\.safetensors"):
+        load_model(ckpt)
+
+
+def test_wrong_shape(ckpt: str) -> None:
+    _edit_weights(ckpt, lambda t: t.update({"model.norm.weight": torch.ones(7)}))
+    with pytest.raises(ModelLoadError, match=r"model\.norm\.weight.*shape"):
+        load_model(ckpt)
+
+
+def test_bad_config_values(ckpt: str) -> None:
+    _edit_config(ckpt, mamba_n_groups=3)
+    with pytest.raises(ModelLoadError, match="mamba_n_groups"):
+        load_model(ckpt)
+
+
+def test_bad_dtype(ckpt: str) -> None:
+    with pytest.raises(ModelLoadError, match="float64"):
+        load_model(ckpt, dtype="float64")
+
+
+def _shard(ckpt: str, missing_shard: bool = False) -> None:
+    tensors = load_file(os.path.join(ckpt, "model.safetensors"))
+    os.remove(os.path.join(ckpt, "model.safetensors"))
+    names = sorted(tensors)
+    parts = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    weight_map = {}
+    for fname, keys in parts.items():
+        if not (missing_shard and fname.startswith("model-00002")):
+            save_file({k: tensors[k] for k in keys}, os.path.join(ckpt, fname))
+        weight_map.update({k: fname for k in keys})
+    with open(os.path.join(ckpt, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)
+
+
+def test_sharded_checkpoint_loads_identically(ckpt: str) -> None:
+    _shard(ckpt)
+    sharded = ModelRunner(ckpt, kv_slots=32, mamba_slots=2)
+    assert torch.equal(_prompt_logits(sharded), _prompt_logits(runner(NAME)))
+
+
+def test_missing_shard(ckpt: str) -> None:
+    _shard(ckpt, missing_shard=True)
+    with pytest.raises(ModelLoadError, match="model-00002-of-00002"):
+        load_model(ckpt)
+
+
+def test_transformers5_in_memory_names_accepted(ckpt: str) -> None:
+    def rename(t: dict[str, torch.Tensor]) -> None:
+        for k in list(t):
+            for old, new in ((".input_linear.weight", ".experts.gate_up_proj"),
+                             (".output_linear.weight", ".experts.down_proj"),
+                             (".router.layer.weight", ".router.weight")):
+                if "block_sparse_moe" in k and k.endswith(old):
+                    t[k[: -len(old)] + new] = t.pop(k)
+
+    _edit_weights(ckpt, rename)
+    r = ModelRunner(ckpt, kv_slots=32, mamba_slots=2)
+    assert torch.equal(_prompt_logits(r), _prompt_logits(runner(NAME)))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_load(dtype: str) -> None:
+    # nope_groups2: transformers itself in bf16 is 0.29 off its fp32 logits on this fixture (MoE
+    # fixtures are far worse, routing flips); the bound below is about twice that.
+    name = "nope_groups2"
+    r = runner(name, dtype=dtype)
+    assert r.dtype == getattr(torch, dtype)
+    assert r.pools.k.dtype == r.dtype and r.pools.ssm.dtype == torch.float32
+    prompt = reference(name)["prompt"].tolist()
+    n = len(prompt)
+    logits = r.forward_all_logits(batch(0, [req("a", prompt, 0, list(range(1, n + 1)), 1)], clears=[1]))["a"]
+    ref = reference(name)["prompt_logits"]
+    assert torch.isfinite(logits).all()
+    assert max_diff(logits, ref) < 0.6
+    assert (logits.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.85
+    r.check_integrity()
+
+
+def test_bf16_checkpoint_auto_dtype_on_cpu_is_float32(ckpt: str) -> None:
+    _edit_weights(ckpt, lambda t: t.update({k: v.to(torch.bfloat16) for k, v in t.items()}))
+    _edit_config(ckpt, torch_dtype="bfloat16")
+    model = load_model(ckpt)  # auto -> float32 on CPU
+    assert model.dtype == torch.float32
+    assert load_model(ckpt, dtype="bfloat16").dtype == torch.bfloat16

@@ -1,0 +1,73 @@
+"""State pools: layout, capacity planning, slot ops and their range checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.worker.util import fixture_dir
+from worker_proc.loader import load_config
+from worker_proc.pools import StatePools, plan_capacities, slot_bytes
+
+
+def _cfg():
+    return load_config(fixture_dir("nope_groups2"))
+
+
+def test_layout() -> None:
+    cfg = _cfg()
+    p = StatePools(cfg, kv_slots=10, mamba_slots=3, dtype=torch.float32, device="cpu")
+    assert p.k.shape == (2, 11, cfg.num_kv_heads, cfg.head_dim) == p.v.shape
+    assert p.conv.shape == (2, 4, cfg.conv_dim, cfg.mamba_d_conv - 1)
+    assert p.ssm.shape == (2, 4, cfg.mamba_n_heads, cfg.mamba_d_head, cfg.mamba_d_state)
+    assert p.ssm.dtype == torch.float32
+    p16 = StatePools(cfg, kv_slots=2, mamba_slots=2, dtype=torch.bfloat16, device="cpu")
+    assert p16.k.dtype == p16.conv.dtype == torch.bfloat16 and p16.ssm.dtype == torch.float32
+    p.check_integrity()
+
+
+def test_plan_capacities_splits_budget() -> None:
+    cfg = _cfg()
+    sb = slot_bytes(cfg, torch.float32)
+    assert sb.kv_token == 2 * 2 * cfg.num_kv_heads * cfg.head_dim * 4
+    budget = 10_000_000
+    kv, mamba = plan_capacities(cfg, budget, 0.25, torch.float32)
+    assert kv == int(budget * 0.75) // sb.kv_token - 1
+    assert mamba == int(budget * 0.25) // sb.mamba_state - 1
+    assert (kv + 1) * sb.kv_token + (mamba + 1) * sb.mamba_state <= budget
+    p = StatePools(cfg, kv, mamba, torch.float32, "cpu")
+    assert p.nbytes() <= budget
+    with pytest.raises(ValueError, match="too small"):
+        plan_capacities(cfg, 1000, 0.5, torch.float32)
+    with pytest.raises(ValueError, match="mamba_ratio"):
+        plan_capacities(cfg, budget, 1.0, torch.float32)
+
+
+def test_copy_and_clear() -> None:
+    p = StatePools(_cfg(), kv_slots=4, mamba_slots=3, dtype=torch.float32, device="cpu")
+    p.conv[:, 1].normal_()
+    p.ssm[:, 1].normal_()
+    p.copy_state(1, 2)
+    assert torch.equal(p.conv[:, 2], p.conv[:, 1]) and torch.equal(p.ssm[:, 2], p.ssm[:, 1])
+    p.ssm[:, 2].add_(1.0)  # writing the copy leaves the source alone
+    assert not torch.equal(p.ssm[:, 2], p.ssm[:, 1])
+    p.clear_state(1)
+    assert not p.conv[:, 1].any() and not p.ssm[:, 1].any() and p.ssm[:, 2].any()
+    for bad in (0, 4, -1):
+        with pytest.raises(ValueError):
+            p.copy_state(bad, 2)
+        with pytest.raises(ValueError):
+            p.clear_state(bad)
+    p.check_integrity()
+
+
+def test_attention_only_and_mamba_only_budgets() -> None:
+    cfg = _cfg()
+    from dataclasses import replace
+
+    attn_only = replace(cfg, layer_kinds=("attention",) * 4)
+    kv, mamba = plan_capacities(attn_only, 1_000_000, 0.5, torch.float32)
+    assert mamba == 0 and kv == 1_000_000 // slot_bytes(attn_only, torch.float32).kv_token - 1
+    mamba_only = replace(cfg, layer_kinds=("mamba",) * 4)
+    kv, mamba = plan_capacities(mamba_only, 1_000_000, 0.5, torch.float32)
+    assert kv == 0 and mamba == 1_000_000 // slot_bytes(mamba_only, torch.float32).mamba_state - 1
