@@ -85,6 +85,18 @@ async def run_unless_disconnected(work: Coroutine[Any, Any, T], request: Request
     return True, task.result()
 
 
+class ClientGoneResponse(Response):
+    """The answer to a client that disconnected: status 499 (for the metrics); a failure to
+    send it (the connection is closed) is expected and ignored."""
+
+    def __init__(self) -> None:
+        super().__init__(status_code=CLIENT_CLOSED)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        with contextlib.suppress(OSError, ClientDisconnect):
+            await super().__call__(scope, receive, send)
+
+
 class SSEResponse:
     """A text/event-stream response over an async generator of encoded SSE frames.
 

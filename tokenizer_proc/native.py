@@ -26,8 +26,8 @@ from tokenizer_proc.context import get_ctx
 from tokenizer_proc.errors import ApiError, unavailable
 from tokenizer_proc.generation import BackendUnavailable, Finish, Piece, generate, precheck
 from tokenizer_proc.http_util import (
-    CLIENT_CLOSED,
     SSE_DONE,
+    ClientGoneResponse,
     SSEResponse,
     json_response,
     read_body,
@@ -129,7 +129,7 @@ async def generate_endpoint(request: Request) -> Response:
     except BackendUnavailable as e:
         raise unavailable(str(e)) from e
     if not completed or acc is None:
-        return Response(status_code=CLIENT_CLOSED)
+        return ClientGoneResponse()
     err = error_of(acc.last.finish if acc.last else None)
     if err is not None:
         raise err

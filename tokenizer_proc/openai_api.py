@@ -22,8 +22,8 @@ from tokenizer_proc.context import AppContext, get_ctx
 from tokenizer_proc.errors import ApiError, unavailable
 from tokenizer_proc.generation import BackendUnavailable, Finish, Piece, generate, precheck
 from tokenizer_proc.http_util import (
-    CLIENT_CLOSED,
     SSE_DONE,
+    ClientGoneResponse,
     SSEResponse,
     json_response,
     read_body,
@@ -158,7 +158,7 @@ async def _serve(request: Request, chat: bool) -> Response:
     except BackendUnavailable as e:
         raise unavailable(str(e)) from e
     if not completed or acc is None:
-        return Response(status_code=CLIENT_CLOSED)
+        return ClientGoneResponse()
     err = openai_error(acc.last.finish if acc.last else None)
     if err is not None:
         raise err

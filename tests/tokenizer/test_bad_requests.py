@@ -1,0 +1,122 @@
+"""Malformed and hostile requests against the app: each is a 4xx JSON error naming the field,
+nothing reaches the backend, and a normal request afterwards succeeds."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from tests.tokenizer.conftest import FakeBackend
+from tokenizer_proc import create_app
+
+GEN, COMP, CHAT = "/generate", "/v1/completions", "/v1/chat/completions"
+MSGS = [{"role": "user", "content": "hi"}]
+
+# (name, path, body (bytes or JSON-able), status, text the error message must contain)
+CASES: list[tuple[str, str, object, int, str]] = [
+    ("invalid json", COMP, b"{not json", 400, "JSON"),
+    ("truncated json", CHAT, b'{"messages": [', 400, "JSON"),
+    ("array body", COMP, [1, 2], 400, "object"),
+    ("empty body", GEN, b"", 400, "empty"),
+    ("invalid utf-8", COMP, b'{"prompt": "\xff\xfe"}', 400, "UTF-8"),
+    ("missing prompt", COMP, {"max_tokens": 3}, 400, "prompt"),
+    ("missing messages", CHAT, {"model": "x"}, 400, "messages"),
+    ("missing text and ids", GEN, {"sampling_params": {}}, 400, "input_ids"),
+    ("text and ids", GEN, {"text": "a", "input_ids": [1]}, 400, "input_ids"),
+    ("empty text", GEN, {"text": ""}, 400, "text"),
+    ("empty input_ids", GEN, {"input_ids": []}, 400, "input_ids"),
+    ("empty prompt", COMP, {"prompt": ""}, 400, "prompt"),
+    ("empty prompt list", COMP, {"prompt": []}, 400, "prompt"),
+    ("batch of prompts", COMP, {"prompt": ["a", "b"]}, 400, "prompt"),
+    ("mixed prompt list", COMP, {"prompt": [1, "a"]}, 400, "prompt"),
+    ("empty messages", CHAT, {"messages": []}, 400, "messages"),
+    ("unknown role", CHAT, {"messages": [{"role": "wizard", "content": "x"}]}, 400, "role"),
+    ("image content", CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "text": "u"}]}]},
+     400, "type"),
+    ("unknown field", COMP, {"prompt": "a", "frobnicate": 1}, 400, "frobnicate"),
+    ("unknown sampling field", GEN, {"text": "a", "sampling_params": {"warp": 9}}, 400, "warp"),
+    ("unknown message field", CHAT, {"messages": [{"role": "user", "content": "x", "mood": 1}]}, 400, "mood"),
+    ("max_tokens string", COMP, {"prompt": "a", "max_tokens": "ten"}, 400, "max_tokens"),
+    ("max_tokens zero", COMP, {"prompt": "a", "max_tokens": 0}, 400, "max_tokens"),
+    ("max_tokens negative", CHAT, {"messages": MSGS, "max_tokens": -3}, 400, "max_tokens"),
+    ("max_tokens over limit", COMP, {"prompt": "a", "max_tokens": 65}, 400, "max_tokens"),
+    ("max_tokens huge", COMP, {"prompt": "a", "max_tokens": 10**30}, 400, "max_tokens"),
+    ("max_new_tokens bool", GEN, {"text": "a", "sampling_params": {"max_new_tokens": True}}, 400, "max_new_tokens"),
+    ("prompt + max over context", GEN, {"input_ids": [1] * 100, "sampling_params": {"max_new_tokens": 29}},
+     400, "context"),
+    ("prompt longer than context", COMP, {"prompt": "x" * 200}, 400, "context"),
+    ("both max fields", CHAT, {"messages": MSGS, "max_tokens": 2, "max_completion_tokens": 2}, 400,
+     "max_completion_tokens"),
+    ("temperature negative", COMP, {"prompt": "a", "temperature": -0.1}, 400, "temperature"),
+    ("temperature string", CHAT, {"messages": MSGS, "temperature": "hot"}, 400, "temperature"),
+    ("temperature overflow", COMP, b'{"prompt": "a", "temperature": 1e999}', 400, "temperature"),
+    ("top_p zero", COMP, {"prompt": "a", "top_p": 0}, 400, "top_p"),
+    ("top_p above one", CHAT, {"messages": MSGS, "top_p": 1.5}, 400, "top_p"),
+    ("top_k zero", GEN, {"text": "a", "sampling_params": {"top_k": 0}}, 400, "top_k"),
+    ("top_k below -1", COMP, {"prompt": "a", "top_k": -2}, 400, "top_k"),
+    ("min_p above one", COMP, {"prompt": "a", "min_p": 2}, 400, "min_p"),
+    ("seed negative", COMP, {"prompt": "a", "seed": -1}, 400, "seed"),
+    ("seed string", COMP, {"prompt": "a", "seed": "lucky"}, 400, "seed"),
+    ("n greater than one", COMP, {"prompt": "a", "n": 2}, 400, "n"),
+    ("best_of", COMP, {"prompt": "a", "best_of": 3}, 400, "best_of"),
+    ("echo", COMP, {"prompt": "a", "echo": True}, 400, "echo"),
+    ("penalty", CHAT, {"messages": MSGS, "presence_penalty": 1.0}, 400, "presence_penalty"),
+    ("top logprobs", CHAT, {"messages": MSGS, "logprobs": True, "top_logprobs": 3}, 400, "top_logprobs"),
+    ("completion logprobs 5", COMP, {"prompt": "a", "logprobs": 5}, 400, "logprobs"),
+    ("stop wrong type", COMP, {"prompt": "a", "stop": 12}, 400, "stop"),
+    ("stop empty string", COMP, {"prompt": "a", "stop": [""]}, 400, "stop"),
+    ("too many stops", COMP, {"prompt": "a", "stop": [str(i) for i in range(17)]}, 400, "stop"),
+    ("stop id out of vocab", GEN, {"text": "a", "sampling_params": {"stop_token_ids": [260]}}, 400, "stop_token_ids"),
+    ("token id out of vocab", COMP, {"prompt": [1, 2, 10**9]}, 400, "prompt"),
+    ("negative token id", GEN, {"input_ids": [1, -5, 3]}, 400, "input_ids"),
+    ("nested ids out of vocab", COMP, {"prompt": [[300]]}, 400, "prompt"),
+    ("stream wrong type", COMP, {"prompt": "a", "stream": "yes"}, 400, "stream"),
+    ("stream_options without stream", COMP, {"prompt": "a", "stream_options": {"include_usage": True}}, 400,
+     "stream_options"),
+    ("sampling_params not an object", GEN, {"text": "a", "sampling_params": [1]}, 400, "sampling_params"),
+    ("empty rid", GEN, {"text": "a", "rid": ""}, 400, "rid"),
+    ("body over the limit", COMP, {"prompt": "a" * 9000}, 413, "limit"),
+]
+
+
+@pytest.fixture(scope="module")
+def shared_app(model_dir, tok):
+    from shared.config import ServerArgs
+
+    backend = FakeBackend()
+    args = ServerArgs(model_path=model_dir, max_new_tokens_limit=64, max_body_bytes=8192)
+    return create_app(args, backend, tok), backend  # type: ignore[arg-type]
+
+
+async def _post(app, path: str, body: object, headers: dict[str, str] | None = None) -> httpx.Response:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+        return await c.post(path, content=data, headers={"content-type": "application/json", **(headers or {})})
+
+
+@pytest.mark.parametrize(("name", "path", "body", "status", "names"), CASES, ids=[c[0] for c in CASES])
+def test_bad_request(shared_app, name: str, path: str, body: object, status: int, names: str) -> None:
+    app, backend = shared_app
+    before = len(backend.submitted)
+    r = asyncio.run(_post(app, path, body))
+    assert r.status_code == status, (name, r.text)
+    err = r.json()["error"]
+    assert set(err) >= {"message", "type", "code"} and err["code"] == status
+    assert names in err["message"], err
+    assert len(backend.submitted) == before, "a bad request reached the scheduler"
+    ok = asyncio.run(_post(app, COMP, {"prompt": "ok", "max_tokens": 2}))
+    assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == "he"
+    app.state.ctx.check_integrity()
+
+
+def test_declared_oversize_body_is_rejected_before_reading(shared_app) -> None:
+    app, _ = shared_app
+    r = asyncio.run(_post(app, GEN, b"{}", {"content-length": "999999999"}))
+    assert r.status_code == 413
+
+
+def test_at_least_thirty_kinds() -> None:
+    assert len(CASES) >= 30
