@@ -187,9 +187,10 @@ def attention_prefill(
     kf = k.float().permute(1, 0, 2)  # [kvh, T, d]
     vf = v.float().permute(1, 0, 2)
     scores = torch.einsum("kgld,ktd->kglt", qf, kf) * scale
-    qpos = torch.arange(length, device=q.device)[:, None] + start_pos
-    kpos = torch.arange(total, device=q.device)[None, :]
-    scores = scores.masked_fill(kpos > qpos, float("-inf"))
+    if length > 1:  # a single query (decode) sees every key: no mask needed
+        qpos = torch.arange(length, device=q.device)[:, None] + start_pos
+        kpos = torch.arange(total, device=q.device)[None, :]
+        scores = scores.masked_fill(kpos > qpos, float("-inf"))
     out = torch.einsum("kglt,ktd->kgld", scores.softmax(dim=-1), vf)
     return out.permute(2, 0, 1, 3).reshape(length, heads, dim).to(q.dtype)
 

@@ -93,6 +93,12 @@ def _rope_theta(cfg: dict) -> float | None:
     return float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
 
 
+def _num(cfg: dict, key: str, default: float) -> float:
+    """A float field where an explicit null means the default (transformers writes nulls)."""
+    value = cfg.get(key)
+    return float(default if value is None else value)
+
+
 def _build(cfg: dict, arch: str) -> HybridConfig:
     hidden = int(cfg["hidden_size"])
     heads = int(cfg["num_attention_heads"])
@@ -116,17 +122,20 @@ def _build(cfg: dict, arch: str) -> HybridConfig:
     if isinstance(max_pos, float) and math.isinf(max_pos):
         max_pos = 1 << 20
     n_experts = int(cfg.get("num_local_experts") or 0)
+    top_k = int(cfg.get("num_experts_per_tok") or 0) if n_experts else 0
+    if n_experts and not 0 < top_k <= n_experts:
+        raise ValueError(f"num_experts_per_tok {top_k} must be in [1, num_local_experts={n_experts}]")
     return HybridConfig(
         architecture=arch,
         vocab_size=int(cfg["vocab_size"]),
         hidden_size=hidden,
         layer_kinds=tuple(layer_kinds(cfg)),
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rms_norm_eps=_num(cfg, "rms_norm_eps", 1e-6),
         num_heads=heads,
         num_kv_heads=kv_heads,
         head_dim=int(cfg.get("head_dim") or hidden // heads),
         attention_bias=bool(cfg.get("attention_bias", False)),
-        attention_multiplier=float(cfg.get("attention_multiplier", 1.0)),
+        attention_multiplier=_num(cfg, "attention_multiplier", 1.0),
         rope_theta=_rope_theta(cfg),
         max_position_embeddings=int(max_pos),
         mamba_n_heads=m_heads,
@@ -142,10 +151,10 @@ def _build(cfg: dict, arch: str) -> HybridConfig:
         shared_intermediate_size=int(cfg.get("shared_intermediate_size", 1024)),
         intermediate_size=int(cfg.get("intermediate_size", 0)),
         num_experts=n_experts,
-        num_experts_per_tok=int(cfg.get("num_experts_per_tok") or 0) if n_experts else 0,
-        embedding_multiplier=float(cfg.get("embedding_multiplier") or 1.0),
-        residual_multiplier=float(cfg.get("residual_multiplier") or 1.0),
-        logits_scaling=float(cfg.get("logits_scaling") or 1.0),
+        num_experts_per_tok=top_k,
+        embedding_multiplier=_num(cfg, "embedding_multiplier", 1.0),
+        residual_multiplier=_num(cfg, "residual_multiplier", 1.0),
+        logits_scaling=_num(cfg, "logits_scaling", 1.0),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
     )
