@@ -94,6 +94,17 @@ class SchedulerClient:
             except (ChannelTimeout, zmq.ZMQError) as e:
                 logger.warning("could not send abort of %s: %s", rid, e)
 
+    def abort_all(self, reason: str) -> int:
+        """Shutdown: abort every in-flight request at the scheduler and finish it here with
+        finish_reason "abort", so each client gets a final answer. Returns how many."""
+        rids = list(self._routes)
+        for rid in rids:
+            self._routes.pop(rid).put_nowait(
+                TokenOut(rid=rid, token_ids=[], finished=True, finish_reason="abort", error=reason)
+            )
+            self.abort(rid, reason)
+        return len(rids)
+
     async def _control(self, make: type[GetInfoReq] | type[FlushCacheReq]) -> Any:
         if self._dead is not None:
             raise BackendUnavailable(self._dead)

@@ -3,8 +3,9 @@
 Order: load the tokenizer, bind the HTTP socket, open the scheduler channels, serve with
 uvicorn on uvloop, report `ProcReady(name="tokenizer")` to launch.py once listening. A tokenizer
 that cannot load or a port in use is reported as `ProcFailed` and the process exits 1.
-SIGTERM/SIGINT: stop accepting, give in-flight requests GRACE_S seconds, then cancel them (each
-cancelled request is aborted at the scheduler), exit 0.
+SIGTERM/SIGINT: stop accepting, give in-flight requests GRACE_S seconds, then abort the rest at
+the scheduler and answer each client with a final "abort" (uvicorn cancels whatever is still
+open 2 s later; a cancelled request is aborted too), exit 0.
 """
 
 from __future__ import annotations
@@ -91,15 +92,23 @@ async def _serve(args: ServerArgs, launcher: Sender[ToLauncher]) -> None:
     client.start()
     config = uvicorn.Config(
         create_app(args, client, tokenizer), loop="uvloop", lifespan="off", access_log=False,
-        log_config=None, timeout_graceful_shutdown=GRACE_S, timeout_keep_alive=30,
+        log_config=None, timeout_graceful_shutdown=GRACE_S + 2.0, timeout_keep_alive=30,
     )
     ready = ProcReady(name="tokenizer", info={"host": args.host, "port": args.port})
     server = _Server(config, lambda: _report(launcher, ready))
     loop = asyncio.get_running_loop()
 
+    def abort_remaining() -> None:
+        n = client.abort_all("server shutting down")
+        if n:
+            logger.info("aborted %d request(s) still running after %.0f s", n, GRACE_S)
+
     def stop(sig: signal.Signals) -> None:
+        if server.should_exit:
+            return
         logger.info("received %s: finishing in-flight requests (at most %.0f s)", sig.name, GRACE_S)
         server.should_exit = True
+        loop.call_later(GRACE_S, abort_remaining)
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop, sig)
