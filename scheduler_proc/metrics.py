@@ -24,7 +24,8 @@ _COUNTERS: dict[str, str] = {
     "hyssm_generated_tokens_total": "Tokens sampled.",
     "hyssm_checkpoints_total": "Mamba state checkpoints: saved into the cache, or skipped (no slot).",
     "hyssm_retractions_total": "Running requests retracted, by cause (kv = decode memory, priority).",
-    "hyssm_retract_recomputed_tokens_total": "Tokens recomputed on re-admission after a retraction.",
+    "hyssm_retracted_tokens_total": "Computed tokens of requests at the moment they were retracted.",
+    "hyssm_retract_recomputed_tokens_total": "Of those, tokens recomputed on re-admission.",
     "hyssm_requests_finished_total": "Requests finished, by finish reason.",
 }
 

@@ -23,6 +23,8 @@ from shared.errors import MambaCowAllocError
 
 logger = logging.getLogger(__name__)
 
+KEEP_BONUS = 1 << 24  # LRU head start (in clock ticks) of a retracted request's saved progress
+
 
 class Allocator(Protocol):
     @property
@@ -199,15 +201,19 @@ class HybridRadixCache:
         return self.state_alloc.alloc()
 
     # ------------------------------------------------------------------ insertion (donation)
-    def insert(self, tokens: list[int], length: int, kv: list[int], owned_from: int, state: int | None) -> TreeNode:
+    def insert(
+        self, tokens: list[int], length: int, kv: list[int], owned_from: int, state: int | None, keep: bool = False
+    ) -> TreeNode:
         """Donate tokens[:length] with KV slots kv[:length] and (optionally) the state after them.
 
         kv[:owned_from] are the tree's own slots (the caller holds a lock on that path); kv[owned_from:
         length] and `state` belong to the caller and pass to the tree: slots for positions the tree
         already holds, and a state where the end node already has one, are freed here. Returns the node
-        that ends at `length` (the root for length 0); the caller re-reads its prefix with path_kv."""
+        that ends at `length` (the root for length 0); the caller re-reads its prefix with path_kv.
+        `keep`: the progress of a retracted request that will resume; its path is evicted after every
+        ordinary entry (its access time is set KEEP_BONUS ahead) until something locks it again."""
         self._clock += 1
-        now, node, pos = self._clock, self.root, 0
+        now, node, pos = self._clock + (KEEP_BONUS if keep else 0), self.root, 0
         while pos < length:
             child = node.children.get(tokens[pos])
             if child is None:

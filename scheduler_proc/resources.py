@@ -158,9 +158,10 @@ class ReqResources:
         req.tree_len = node.end
 
     # ------------------------------------------------------------------ giving back
-    def release(self, req: Req, donate: bool) -> None:
+    def release(self, req: Req, donate: bool, keep: bool = False) -> None:
         """Give back everything a running request holds; with `donate`, its computed KV and its state
-        (which is the state after `computed` positions) move into the tree without a copy."""
+        (which is the state after `computed` positions) move into the tree without a copy; `keep` marks
+        them as a retracted request's progress (evicted last)."""
         cache = self.cache
         if req.cow_node is not None:
             cache.unlock_state(req.cow_node)
@@ -168,7 +169,7 @@ class ReqResources:
         n = req.computed
         if donate and self.cache_enabled and req.node is not None and n > 0:
             own_extra = req.kv_slots[n:]
-            cache.insert(req.tokens, n, req.kv_slots, req.tree_len, req.mamba_slot)
+            cache.insert(req.tokens, n, req.kv_slots, req.tree_len, req.mamba_slot, keep)
             self.kv_alloc.free_many(own_extra)
         else:
             self.kv_alloc.free_many(req.kv_slots[req.tree_len :])

@@ -172,12 +172,13 @@ class Scheduler:
 
     def _retract(self, r: Req, cause: str) -> None:
         r.retracted_at = r.computed
-        self.res.release(r, donate=True)
+        self.res.release(r, donate=True, keep=True)
         del self.running[r.rid]
         self.running_version += 1
         r.status = ReqStatus.WAITING
         self.waiting.push(r)
         self.metrics.inc("hyssm_retractions_total", cause=cause)
+        self.metrics.inc("hyssm_retracted_tokens_total", r.retracted_at)
         if cause == "kv":
             self.new_token_ratio = min(1.0, self.new_token_ratio + self.tuning.retract_step)
         logger.debug("retracted %s (%s)", r.rid, cause)

@@ -1,0 +1,184 @@
+"""Scheduler API behaviour with the checking fake worker: validation, finishing, aborts, failures,
+refusals, priorities, info/metrics."""
+
+from __future__ import annotations
+
+import pytest
+
+from scheduler_proc.request import ReqStatus
+from shared.messages import StepResult
+from shared.model_info import ModelInfo
+from tests.scheduler import harness
+from tests.scheduler.util import ARCH, greq, make, rids, round_
+
+
+def test_add_request_rejections() -> None:
+    sched, _ = make(kv=32, states=4, context_length=40)
+    sched.add_request(greq("a", [1, 2], 4))
+    cases = {
+        "a": ([1], 1, "duplicate"),
+        "b": ([], 1, "empty prompt"),
+        "c": ([1] * 20, 21, "context length"),
+        "d": ([1] * 20, 14, "KV cache"),
+    }
+    for rid, (prompt, max_new, text) in cases.items():
+        (out,) = sched.add_request(greq(rid, prompt, max_new))
+        assert out.finished and out.finish_reason == "error" and text in (out.error or ""), out
+    assert list(sched.reqs) == ["a"]
+    (out,) = sched.add_request(greq("zero", [1, 2], 0))
+    assert out.finished and out.finish_reason == "length" and out.token_ids == []
+    sched.check_integrity()
+
+
+def test_stop_conditions() -> None:
+    model = ModelInfo(ARCH, ("mamba", "attention"), 50, (13,), None, 4096)
+    sched, worker = make(model=model)
+    worker.next_token = lambda seq: [13, 7, 9][len(seq) % 3]  # type: ignore[method-assign]
+    sched.add_request(greq("eos", [1, 1], 10, ignore_eos=False))  # first token at len 2: 9, then 13
+    sched.add_request(greq("ignore", [1, 1], 3, ignore_eos=True))
+    sched.add_request(greq("stop", [1, 1, 1], 10, stop_token_ids=[9]))  # EOS ignored, stops on 9
+    log = harness.run(sched, worker, {})
+    assert log.finals["eos"].finish_reason == "stop" and log.tokens["eos"] == [9, 13]
+    assert log.finals["eos"].matched_stop_token == 13 and log.finals["eos"].completion_tokens == 2
+    assert log.finals["ignore"].finish_reason == "length" and log.tokens["ignore"] == [9, 13, 7]
+    assert log.tokens["stop"] == [13, 7, 9] and log.finals["stop"].finish_reason == "stop"
+    assert log.finals["stop"].matched_stop_token == 9
+
+
+def test_abort_waiting_running_and_in_flight() -> None:
+    sched, worker = make(max_running_requests=1)
+    assert sched.abort("nobody") == []
+    sched.add_request(greq("run", [1, 2, 3], 20))
+    sched.add_request(greq("wait", [4, 5, 6], 20))
+    round_(sched, worker)
+    (out,) = sched.abort("wait", "client gone")
+    assert out.finished and out.finish_reason == "abort" and "wait" not in sched.reqs
+    batch = sched.schedule()
+    assert rids(batch) == ["run"]
+    assert sched.abort("run") == []  # in flight: finished when the result is applied
+    assert batch is not None
+    (out,) = sched.apply_result(worker.step(batch))
+    assert out.finished and out.finish_reason == "abort" and out.token_ids == []
+    assert not sched.has_work and sched.cache.kv_evictable == sched.cache.kv_total
+    sched.check_integrity()
+    assert sched.abort("run") == []
+
+
+def test_fail_all_frees_everything() -> None:
+    sched, worker = make(kv=64, states=4, max_running_requests=2)
+    for i in range(4):
+        sched.add_request(greq(f"r{i}", [i, 1, 2, 3], 10))
+    round_(sched, worker)
+    assert sched.schedule() is not None  # a batch in flight
+    outs = sched.fail_all("worker died")
+    assert sorted(o.rid for o in outs) == ["r0", "r1", "r2", "r3"]
+    assert all(o.finished and o.finish_reason == "error" and o.error == "worker died" for o in outs)
+    assert sched.res.kv_alloc.num_free == 64 and sched.res.state_alloc.num_free == 4
+    assert sched.cache.num_nodes == 0 and not sched.has_work and sched.in_flight is None
+    sched.check_integrity()
+
+
+def test_step_error_fails_everything() -> None:
+    sched, worker = make()
+    sched.add_request(greq("a", [1, 2], 5))
+    batch = sched.schedule()
+    assert batch is not None
+    outs = sched.apply_result(StepResult(step=batch.step, error="boom"))
+    assert [o.finish_reason for o in outs] == ["error"] and "boom" in (outs[0].error or "")
+    sched.check_integrity()
+
+
+def test_flush_cache_only_when_idle() -> None:
+    sched, worker = make()
+    sched.add_request(greq("a", [1, 2, 3], 5))
+    round_(sched, worker)
+    assert sched.flush_cache() is False
+    harness.run(sched, worker, {})
+    assert sched.cache.num_nodes > 0
+    assert sched.flush_cache() is True
+    assert sched.cache.num_nodes == 0 and sched.res.kv_alloc.num_free == sched.res.kv_alloc.capacity
+    sched.check_integrity()
+
+
+def test_worker_refusal_rolls_back_and_retries() -> None:
+    sched, worker = make()
+    prompt = [5, 6, 7, 8, 9]
+    first = harness.run(sched, worker, {0: [greq("first", prompt, 3)]})
+    second_prompt = prompt + first.tokens["first"][:2] + [1]
+    refused_once: set[str] = set()
+
+    def refuse(batch: object) -> frozenset[str]:
+        for op in batch.copies:  # type: ignore[attr-defined]
+            if op.rid is not None and op.rid not in refused_once:
+                refused_once.add(op.rid)
+                return frozenset({op.rid})
+        return frozenset()
+
+    log = harness.run(sched, worker, {0: [greq("second", second_prompt, 4)]}, refuse=refuse)
+    assert refused_once == {"second"}
+    assert sched.metrics.get("hyssm_admission_refusals_total", reason="worker_refusal") == 1
+    assert log.finals["second"].cached_tokens == len(second_prompt) - 1
+    ref_sched, ref_worker = make(disable_radix_cache=True)
+    ref = harness.run(ref_sched, ref_worker, {0: [greq("second", second_prompt, 4)]})
+    assert log.tokens["second"] == ref.tokens["second"]
+
+
+def test_priority_policy_orders_the_queue() -> None:
+    sched, worker = make(schedule_policy="priority", max_running_requests=1)
+    sched.add_request(greq("low", [1, 2], 2, priority=0))
+    sched.add_request(greq("high", [3, 4], 2, priority=5))
+    sched.add_request(greq("mid", [5, 6], 2, priority=2))
+    order: list[str] = []
+    while sched.has_work:
+        batch, _ = round_(sched, worker)
+        order.extend(r for r in rids(batch) if r not in order)
+    assert order == ["high", "mid", "low"]
+
+
+def test_priority_preemption_retracts_lower_priority() -> None:
+    sched, worker = make(
+        kv=40, states=8, schedule_policy="priority", enable_priority_preemption=True, max_running_requests=2
+    )
+    sched.add_request(greq("low1", [1, 2, 3], 15, priority=0))
+    sched.add_request(greq("low2", [4, 5, 6], 15, priority=0))
+    round_(sched, worker)
+    sched.add_request(greq("urgent", [7, 8, 9], 10, priority=9))
+    batch, _ = round_(sched, worker)
+    assert "urgent" in rids(batch)
+    assert sched.metrics.get("hyssm_retractions_total", cause="priority") >= 1
+    assert sched.reqs["low2"].status is ReqStatus.WAITING
+    log = harness.run(sched, worker, {})
+    assert set(log.finals) == {"urgent", "low1", "low2"}
+
+
+def test_info_and_metrics_shape() -> None:
+    sched, worker = make()
+    harness.run(sched, worker, {0: [greq("a", [1, 2, 3], 4)], 1: [greq("b", [1, 2, 3, 9], 2)]})
+    info = sched.info()
+    server = info["server"]
+    for key in ("kv_capacity", "kv_free", "kv_cached", "kv_used_by_requests", "mamba_capacity", "mamba_free",
+                "mamba_cached", "mamba_used_by_requests", "num_running", "num_waiting", "num_locked_nodes",
+                "prefix_state_hit_rate"):  # fmt: skip
+        assert key in server
+    assert server["kv_free"] + server["kv_cached"] + server["kv_used_by_requests"] == server["kv_capacity"]
+    names = set()
+    for rec in info["metrics"]:
+        assert set(rec) == {"name", "type", "help", "labels", "value"} and rec["name"].startswith("hyssm_")
+        assert rec["type"] in ("counter", "gauge") and isinstance(rec["value"], float | int)
+        names.add(rec["name"])
+    for reason in ("kv", "mamba_state", "cow_alloc", "worker_refusal"):
+        assert any(r["labels"] == {"reason": reason} for r in info["metrics"]
+                   if r["name"] == "hyssm_admission_refusals_total")  # fmt: skip
+    assert {"hyssm_admission_attempts_total", "hyssm_prefix_cache_hit_tokens_total", "hyssm_kv_slots",
+            "hyssm_mamba_slots", "hyssm_num_waiting_reqs"} <= names  # fmt: skip
+
+
+@pytest.mark.parametrize("states", [1, 2])
+def test_idle_admission_never_hangs_on_an_unaffordable_hit(states: int) -> None:
+    """With one state slot in all, the cached state a prompt hits cannot be copied (the copy needs a
+    second slot): when nothing runs, the request starts fresh instead of waiting forever."""
+    sched, worker = make(kv=64, states=states)
+    a = harness.run(sched, worker, {0: [greq("a", [1, 2, 3, 4], 3)]})
+    prompt = [1, 2, 3, 4] + a.tokens["a"][:2] + [5]
+    log = harness.run(sched, worker, {0: [greq("b", prompt, 3)]}, max_rounds=50)
+    assert log.finals["b"].cached_tokens == (0 if states == 1 else len(prompt) - 1)
