@@ -19,20 +19,20 @@ import torch
 import triton
 import triton.language as tl
 
-from worker_proc.kernels.triton_common import dot_precision
+from worker_proc.kernels.triton_common import dot_precision, mma
 
 
 @triton.jit
 def _online_block(q, k, v, valid, m, l_sum, acc, scale, DOT_PREC: tl.constexpr):
     """One flash-attention step: fold keys/values k, v [BLOCK_T, D] (valid [R, BLOCK_T]) into (m, l, acc)."""
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale
+    s = mma(q, tl.trans(k), DOT_PREC) * scale
     s = tl.where(valid, s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, axis=1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing valid yet
     p = tl.where(valid, tl.exp(s - m_safe[:, None]), 0.0)
     alpha = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_safe))
     l_sum = l_sum * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+    acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, DOT_PREC)
     return m_new, l_sum, acc
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton import knobs
 
 
 @triton.jit
@@ -14,10 +15,25 @@ def softplus_clamp(v, lo, hi):
     return tl.minimum(tl.maximum(sp, lo), hi)
 
 
+@triton.jit
+def mma(a, b, PREC: tl.constexpr):
+    """tl.dot(a, b) with float32 result; PREC from `dot_precision` ("upcast": both operands to fp32)."""
+    if PREC == "upcast":
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b, input_precision=PREC)
+
+
 def dot_precision(dtype: torch.dtype) -> str:
-    """tl.dot input precision: exact ("ieee") for fp32 models, so fp32 results match the reference to
-    ~1e-6; tf32 for the fp32 operands of a half-precision model (bf16/fp16 operands ignore it)."""
-    return "ieee" if dtype == torch.float32 else "tf32"
+    """The `mma` mode for a model of `dtype`: exact ("ieee") for fp32, so fp32 results match the
+    reference to ~1e-6; "tf32" otherwise (only the fp32 operands of a half-precision model use it;
+    bf16/fp16 operands run on tensor cores in their own dtype). Under the Triton interpreter bf16
+    operands are upcast: triton 3.9's interpreter multiplies the raw bits of bf16 tensors in tl.dot."""
+    if dtype == torch.float32:
+        return "ieee"
+    if dtype == torch.bfloat16 and knobs.runtime.interpret:
+        return "upcast"
+    return "tf32"
 
 
 def pow2(n: int, lo: int = 16) -> int:

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from worker_proc.kernels.triton_common import dot_precision, pow2, softplus_clamp
+from worker_proc.kernels.triton_common import dot_precision, mma, pow2, softplus_clamp
 from worker_proc.kernels.triton_plan import FINAL, ChunkPlan
 
 
@@ -117,7 +117,7 @@ def _chunk_state_kernel(
         cs = tl.load(cs_ptr + head_row + rows, mask=mask_q, other=0.0)
         scale = tl.where(mask_q, tl.exp(cs_end - cs) * dt, 0.0)
         xs = (xt.to(tl.float32) * scale[None, :]).to(bb.dtype)
-        acc += tl.dot(xs, bb, input_precision=DOT_PREC)
+        acc += mma(xs, bb, DOT_PREC)
     out = states_ptr + (chunk.to(tl.int64) * heads + h) * head_dim * dstate
     mask = (offs_p < head_dim)[:, None] & (offs_n < dstate)[None, :]
     tl.store(out + offs_p[:, None] * dstate + offs_n[None, :], acc, mask=mask)
@@ -220,7 +220,7 @@ def _chunk_scan_kernel(
         s_t = tl.load(
             s_ptr + offs_n[:, None] + offs_p[None, :] * dstate, mask=mask_n[:, None] & mask_p[None, :], other=0.0
         )
-        acc = tl.dot(cc.to(tl.float32), s_t, input_precision=DOT_PREC) * tl.exp(cs_l)[:, None]
+        acc = mma(cc.to(tl.float32), s_t, DOT_PREC) * tl.exp(cs_l)[:, None]
         # intra-chunk causal part over source rows s <= l
         s_end = tl.minimum(l0 + BLOCK_L, length)
         for s0 in range(0, s_end, BLOCK_S):
@@ -232,7 +232,7 @@ def _chunk_scan_kernel(
                 mask=mask_s[:, None] & mask_n[None, :],
                 other=0.0,
             )
-            cb = tl.dot(cc, tl.trans(bb), input_precision=DOT_PREC)
+            cb = mma(cc, tl.trans(bb), DOT_PREC)
             cs_s = tl.load(cs_ptr + head_row + rows_s, mask=mask_s, other=0.0)
             dt_s = tl.load(dt_ptr + head_row + rows_s, mask=mask_s, other=0.0)
             causal = (offs_s[None, :] <= offs_l[:, None]) & mask_s[None, :] & mask_l[:, None]
@@ -243,7 +243,7 @@ def _chunk_scan_kernel(
                 mask=mask_s[:, None] & mask_p[None, :],
                 other=0.0,
             )
-            acc += tl.dot(w.to(xs.dtype), xs, input_precision=DOT_PREC)
+            acc += mma(w.to(xs.dtype), xs, DOT_PREC)
         xl = tl.load(
             x_ptr + rows_l[:, None] * stride_xt + h * stride_xh + offs_p[None, :] * stride_xp,
             mask=mask_l[:, None] & mask_p[None, :],
