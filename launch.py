@@ -141,6 +141,8 @@ class Launcher:
         info: dict[str, Any] = {}
         deadline = time.monotonic() + self.args.startup_timeout
         while pending:
+            if self.stop_requested:
+                raise HyssmError("interrupted during start-up")
             dead = [n for n, p in self.procs.items() if not p.is_alive()]
             if dead:
                 raise HyssmError(f"{dead[0]} exited during start-up (code {self.procs[dead[0]].exitcode})")
@@ -186,7 +188,7 @@ class Launcher:
             try:
                 tx = Sender(self.ctx, SCHEDULER_TO_TOKENIZER, self.args)
                 tx.send(SchedulerDead(reason=failure), 1000)
-                tx.close()
+                tx.close(linger_ms=1000)
             except ChannelTimeout:
                 pass
         order = ["tokenizer", "scheduler"] + [n for n in self.procs if n.startswith("worker")]

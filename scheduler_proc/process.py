@@ -95,7 +95,7 @@ class SchedulerLoop:
         logger.info("scheduler ready: %s", caps)
         tx = Sender(self.ctx, TO_LAUNCHER, self.args)
         tx.send(ProcReady(name="scheduler", info=caps))
-        tx.close()
+        tx.close(linger_ms=2000)
 
     # ------------------------------------------------------------------ loop
     def run_forever(self) -> None:

@@ -73,8 +73,10 @@ class Sender(Generic[T]):
             raise ChannelTimeout(f"{self.channel.name}: no receiver ready within {timeout_ms} ms")
         self.sock.send(data, copy=False)
 
-    def close(self) -> None:
-        self.sock.close(linger=0)
+    def close(self, linger_ms: int = 0) -> None:
+        """LINGER 0 drops what is not yet transmitted; pass linger_ms > 0 after a last message
+        that must arrive (a ready or failure report sent just before closing)."""
+        self.sock.close(linger=linger_ms)
 
 
 class Receiver(Generic[T]):

@@ -90,6 +90,6 @@ def report_failure(args: ServerArgs, name: str, error: str) -> None:
     try:
         sender = Sender(ctx, TO_LAUNCHER, args)
         sender.send(ProcFailed(name=name, error=error.splitlines()[0] if error else "unknown"), 1000)
-        sender.close()
+        sender.close(linger_ms=1000)
     except Exception:  # noqa: BLE001 - the launcher may be gone already
         pass

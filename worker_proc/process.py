@@ -131,7 +131,7 @@ def run(args: ServerArgs, rank: int) -> None:
     tx.send(ready, int(args.startup_timeout * 1000))
     to_launcher: Sender = Sender(ctx, TO_LAUNCHER, args)
     to_launcher.send(ProcReady(name=f"worker-tp{rank}", info={f"rank{rank}_device": device}))
-    to_launcher.close()
+    to_launcher.close(linger_ms=2000)
     logger.info("rank %d ready on %s: kv=%d mamba=%d", rank, device, runner.kv_capacity, runner.mamba_capacity)
     serve(runner, rx, tx if rank == 0 else None, FaultInjector(args.faults, rank), group, args)
 
