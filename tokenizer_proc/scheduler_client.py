@@ -177,7 +177,8 @@ class SchedulerClient:
             self._reader.cancel()
             await asyncio.gather(self._reader, return_exceptions=True)
         self._rx.close()
-        self._tx.close()
+        # a short linger so that aborts queued just before shutdown still reach the scheduler
+        self._tx.sock.close(linger=500)
 
     def in_flight(self) -> int:
         return len(self._routes)

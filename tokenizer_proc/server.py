@@ -88,8 +88,26 @@ async def _serve(args: ServerArgs, launcher: Sender[ToLauncher]) -> None:
         raise StartupFailed(f"cannot load the tokenizer: {e}") from e
     sock = bind_socket(args.host, args.port)
     zctx = zmq.asyncio.Context()
-    client = SchedulerClient(zctx, args)
-    client.start()
+    try:
+        try:
+            client = SchedulerClient(zctx, args)
+        except zmq.ZMQError as e:
+            raise StartupFailed(f"cannot open the scheduler channels: {e}") from e
+        client.start()
+        try:
+            await _serve_http(args, client, tokenizer, sock, launcher)
+        finally:
+            await client.close()
+    finally:
+        sock.close()
+        zctx.destroy(linger=0)
+    logger.info("tokenizer process stopped")
+
+
+async def _serve_http(
+    args: ServerArgs, client: SchedulerClient, tokenizer: TextTokenizer, sock: socket.socket,
+    launcher: Sender[ToLauncher],
+) -> None:
     config = uvicorn.Config(
         create_app(args, client, tokenizer), loop="uvloop", lifespan="off", access_log=False,
         log_config=None, timeout_graceful_shutdown=GRACE_S + 2.0, timeout_keep_alive=30,
@@ -112,18 +130,12 @@ async def _serve(args: ServerArgs, launcher: Sender[ToLauncher]) -> None:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop, sig)
-    try:
-        await server.serve(sockets=[sock])
-        if not server.started:
-            raise StartupFailed(f"the HTTP server did not start on {args.host}:{args.port}")
-        # requests cancelled at the end of the grace period abort at the scheduler on their way out
-        if server.server_state.tasks:
-            await asyncio.wait(set(server.server_state.tasks), timeout=1.0)
-    finally:
-        await client.close()
-        sock.close()
-        zctx.destroy(linger=0)
-    logger.info("tokenizer process stopped")
+    await server.serve(sockets=[sock])
+    if not server.started:
+        raise StartupFailed(f"the HTTP server did not start on {args.host}:{args.port}")
+    # requests cancelled at the end of uvicorn's grace period abort at the scheduler on their way out
+    if server.server_state.tasks:
+        await asyncio.wait(set(server.server_state.tasks), timeout=1.0)
 
 
 def run(args: ServerArgs) -> None:
