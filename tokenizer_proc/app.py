@@ -19,7 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -29,7 +29,7 @@ from shared.model_info import ModelInfo
 from tokenizer_proc.context import AppContext, get_ctx
 from tokenizer_proc.errors import ApiError, unavailable
 from tokenizer_proc.generation import Backend, BackendUnavailable
-from tokenizer_proc.http_util import json_response
+from tokenizer_proc.http_util import ClientGoneResponse, json_response
 from tokenizer_proc.metrics import render_metrics
 from tokenizer_proc.native import generate_endpoint
 from tokenizer_proc.openai_api import chat_endpoint, completions_endpoint, models_endpoint
@@ -112,6 +112,11 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     return ApiError(exc.status_code, f"{exc.detail}: {request.method} {request.url.path}").response()
 
 
+async def _client_gone(request: Request, exc: Exception) -> Response:
+    logger.debug("client disconnected while sending %s %s", request.method, request.url.path)
+    return ClientGoneResponse()
+
+
 async def _internal_error(request: Request, exc: Exception) -> Response:
     logger.exception("unhandled error in %s %s", request.method, request.url.path, exc_info=exc)
     return ApiError(500, f"internal error: {type(exc).__name__}", err_type="server_error").response()
@@ -173,7 +178,10 @@ def create_app(args: ServerArgs, backend: Backend, tokenizer: TextTokenizer | No
     app = Starlette(
         routes=routes,
         middleware=[Middleware(ApiMiddleware, ctx=ctx, known_paths=known)],  # type: ignore[arg-type]
-        exception_handlers={ApiError: _api_error, HTTPException: _http_error, Exception: _internal_error},
+        exception_handlers={
+            ApiError: _api_error, HTTPException: _http_error, ClientDisconnect: _client_gone,
+            Exception: _internal_error,
+        },
     )
     app.state.ctx = ctx
     return app

@@ -125,3 +125,21 @@ def test_completed_request_is_not_aborted(args, tok) -> None:
     assert frames.endswith(b"data: [DONE]\n\n")
     assert backend.aborted == [] and backend.finished == [backend.submitted[0].rid]
     backend.check_integrity()
+
+
+def test_disconnect_while_sending_the_body(args, tok) -> None:
+    backend = FakeBackend()
+    app = create_app(args, backend, tok)  # type: ignore[arg-type]
+    sent: list[dict[str, Any]] = []
+    messages = [{"type": "http.request", "body": b'{"text": ', "more_body": True}, {"type": "http.disconnect"}]
+
+    async def receive() -> dict[str, Any]:
+        return messages.pop(0)
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    asyncio.run(asyncio.wait_for(app(_scope("/generate"), receive, send), 10))
+    assert sent[0]["status"] == 499
+    assert backend.submitted == []
+    assert app.state.ctx.metrics.requests[("/generate", 499)] == 1
