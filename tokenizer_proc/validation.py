@@ -86,15 +86,15 @@ def decode_body(data: bytes, body_type: type[T]) -> T:
 
 
 def _param_of(message: str) -> str | None:
+    """The field a msgspec error points at: `$.a.b` plus the unknown/missing field's name."""
     marker = "at `$."
     at = message.rfind(marker)
-    if at >= 0:
-        return message[at + len(marker):].rstrip("`")
-    if "unknown field `" in message:
-        return message.split("unknown field `", 1)[1].split("`", 1)[0]
-    if "missing required field `" in message:
-        return message.split("missing required field `", 1)[1].split("`", 1)[0]
-    return None
+    path = message[at + len(marker):].rstrip("`") if at >= 0 else ""
+    for lead in ("unknown field `", "missing required field `"):
+        if lead in message:
+            name = message.split(lead, 1)[1].split("`", 1)[0]
+            return f"{path}.{name}" if path else name
+    return path or None
 
 
 def new_rid(prefix: str = "") -> str:

@@ -120,3 +120,17 @@ def test_declared_oversize_body_is_rejected_before_reading(shared_app) -> None:
 
 def test_at_least_thirty_kinds() -> None:
     assert len(CASES) >= 30
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    (GEN, {"text": "a", "sampling_params": {"warp": 1}}, "sampling_params.warp"),
+    (CHAT, {"messages": [{"content": "x"}]}, "messages[0].role"),
+    (COMP, {"prompt": "a", "max_tokens": "x"}, "max_tokens"),
+    (COMP, {"prompt": "a", "top_p": 2}, "top_p"),
+    (GEN, {"text": "a", "sampling_params": {"top_k": 0}}, "sampling_params.top_k"),
+    (COMP, {"prompt": "a", "n": 2}, "n"),
+])
+def test_error_param_names_the_field(shared_app, path: str, body: object, param: str) -> None:
+    app, _ = shared_app
+    r = asyncio.run(_post(app, path, body))
+    assert r.status_code == 400 and r.json()["error"]["param"] == param
