@@ -27,7 +27,8 @@ def _launch(args: list[str]) -> subprocess.CompletedProcess[str]:
         (["--dtype", "float64"], "--dtype"),
         (["--port", "70000"], "--port"),
         (["--chunked-prefill-size", "4096", "--max-prefill-tokens", "1024"], "--max-prefill-tokens"),
-        (["--nnodes", "2"], "--dist-init-addr"),
+        (["--nnodes", "2", "--tp-size", "2"], "--dist-init-addr"),
+        (["--nnodes", "2"], "--nnodes"),
     ],
 )
 def test_bad_flags_fail_with_one_line(args: list[str], needle: str) -> None:
