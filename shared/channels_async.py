@@ -60,8 +60,9 @@ class AsyncSender(Generic[T]):
         except zmq.Again as e:
             raise ChannelTimeout(f"{self.channel.name}: no receiver to queue for") from e
 
-    def close(self) -> None:
-        self.sock.close(linger=0)
+    def close(self, linger_ms: int = 0) -> None:
+        """As Sender.close: pass linger_ms > 0 when the last messages must still arrive."""
+        self.sock.close(linger=linger_ms)
 
 
 class AsyncReceiver(Generic[T]):

@@ -178,7 +178,7 @@ class SchedulerClient:
             await asyncio.gather(self._reader, return_exceptions=True)
         self._rx.close()
         # a short linger so that aborts queued just before shutdown still reach the scheduler
-        self._tx.sock.close(linger=500)
+        self._tx.close(linger_ms=500)
 
     def in_flight(self) -> int:
         return len(self._routes)

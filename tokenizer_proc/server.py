@@ -149,7 +149,5 @@ def run(args: ServerArgs) -> None:
         _report(launcher, ProcFailed(name="tokenizer", error=str(e).splitlines()[0]))
         raise SystemExit(1) from e
     finally:
-        # LINGER > 0 here: a socket closed with LINGER 0 drops what it has not transmitted yet,
-        # which would lose a ProcFailed sent just before exiting
-        launcher.sock.close(linger=2000)
+        launcher.close(linger_ms=2000)  # a ProcFailed sent just before exiting must still arrive
         zctx.term()
