@@ -19,6 +19,7 @@ from collections.abc import Sequence
 import torch
 
 SHARED_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
+LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas")
 TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int64: "i64", torch.int32: "i32"}
 
 
@@ -66,23 +67,23 @@ def compile_launches(launches: list[tuple[object, tuple, dict]], arch: int) -> l
 
     problems, seen = [], set()
     for fn, args, kwargs in launches:
+        options = {k: kwargs.pop(k) for k in LAUNCH_OPTIONS if k in kwargs}
         sig = {name: _type(v) for name, v in zip(fn.arg_names, args, strict=False)}
         sig.update({name: "constexpr" for name in kwargs})
-        key = (fn.__name__, tuple(sig.items()), tuple(sorted(kwargs.items())))
+        key = (fn.__name__, tuple(sig.items()), tuple(sorted(kwargs.items())), tuple(sorted(options.items())))
         if key in seen:
             continue
         seen.add(key)
+        src = triton.compiler.ASTSource(fn, sig, dict(kwargs))
         try:
-            kernel = triton.compile(
-                triton.compiler.ASTSource(fn, sig, dict(kwargs)), target=GPUTarget("cuda", arch, 32)
-            )
+            kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
         except Exception as exc:  # noqa: BLE001 - report every kernel, not just the first failure
             problems.append(f"{fn.__name__} {kwargs}: {type(exc).__name__}: {exc}")
             continue
         shared = kernel.metadata.shared
         if shared > SHARED_LIMIT.get(arch, 99 * 1024):
             problems.append(f"{fn.__name__} {kwargs}: {shared} B shared memory exceeds sm_{arch}")
-        print(f"sm_{arch} {fn.__name__:28s} shared {shared:7d} B  {kwargs}")
+        print(f"sm_{arch} {fn.__name__:28s} shared {shared:7d} B  {kwargs} {options}")
     return problems
 
 

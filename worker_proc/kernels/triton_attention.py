@@ -358,5 +358,6 @@ def attn_prefill_varlen(
         BLOCK_T=block_t,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         DOT_PREC=dot_precision(q.dtype),
+        num_warps=8 if head_dim > 64 else 4,  # 4 warps spill registers with 128-wide heads (ptxas -v, sm_90)
     )
     return out

@@ -374,6 +374,7 @@ def ssd_scan_varlen(
         BLOCK_N=pow2(dstate),
         L_BLOCKS=l_blocks,
         DOT_PREC=prec,
+        num_warps=8 if pow2(dstate) * pow2(head_dim) >= 8192 else 4,  # [64, 128] tiles: fewer registers per thread
     )
     return y, _gather_states(plan, states, ssm_pool, slots)
 
