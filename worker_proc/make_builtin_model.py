@@ -2,14 +2,16 @@
 
 Owned by the worker runtime. Run by hand (not at install or test time):
 
-    python -m worker_proc.make_builtin_model [--train-steps N]
+    python -m worker_proc.make_builtin_model [--train-steps N]   (default N = 400, ~2 min on 2 cores)
 
 Deterministic (fixed seed). Vocabulary is fixed by contract with the tokenizer files that live in
 the same folder (written by the tokenizer owner, not here): ids 0..255 are the 256 byte tokens of
 a ByteLevel tokenizer, 256 = <|end_of_text|> (bos and eos), 257 = <|start_of_role|>,
-258 = <|end_of_role|>, 259 = <|pad|>. With `--train-steps N > 0` the random weights are then
-trained for N steps on the embedded text below with transformers (needed only then), so the
-model emits English-looking bytes; otherwise weights are random and only this package is used.
+258 = <|end_of_role|>, 259 = <|pad|>. With `--train-steps N > 0` (the default; the committed
+checkpoint) the random weights are then trained for N steps on the embedded text below with
+transformers (needed only then), so the model continues prompts with English-looking bytes from
+that text; it was never trained to emit <|end_of_text|>, so generation normally runs to its
+token limit. `--train-steps 0` gives random weights using only this package.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ logger = logging.getLogger(__name__)
 OUT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "builtin_model")
 SEED = 20240611
 EOS, START_ROLE, END_ROLE, PAD = 256, 257, 258, 259
+DEFAULT_TRAIN_STEPS = 400
 
 CONFIG: dict = {
     "architectures": ["GraniteMoeHybridForCausalLM"],
@@ -161,7 +164,7 @@ def build(train_steps: int, out_dir: str = OUT_DIR) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--train-steps", type=int, default=0)
+    parser.add_argument("--train-steps", type=int, default=DEFAULT_TRAIN_STEPS)
     parser.add_argument("--out-dir", default=OUT_DIR)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
