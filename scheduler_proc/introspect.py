@@ -95,6 +95,7 @@ def server_info(s: Scheduler) -> dict[str, Any]:
         "mamba_evictable": cache.states_evictable,
         "mamba_used_by_requests": st_req,
         "num_running": len(s.running),
+        "max_running_requests": s.max_running,
         "num_waiting": len(s.waiting),
         "num_cache_nodes": cache.num_nodes,
         "num_locked_nodes": cache.num_locked_nodes,

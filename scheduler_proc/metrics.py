@@ -15,6 +15,7 @@ _COUNTERS: dict[str, str] = {
     "hyssm_admission_attempts_total": "Admission attempts of waiting requests (budget checks).",
     "hyssm_admission_rounds_total": "Rounds in which admission was tried, by outcome of the latch.",
     "hyssm_admission_refusals_total": "Admissions refused for memory, by reason.",
+    "hyssm_admission_retries_total": "Admission attempts of requests refused before.",
     "hyssm_admission_deferred_total": "Admissions deferred because a per-round budget was used up.",
     "hyssm_admitted_requests_total": "Requests admitted into the running batch (re-admissions included).",
     "hyssm_prefix_cache_queried_tokens_total": "Prompt tokens looked up in the prefix cache at admission.",

@@ -138,6 +138,15 @@ class HybridRadixCache:
             out.extend(part)
         return out
 
+    def unkeep(self, tokens: list[int], limit: int) -> None:
+        """End the eviction head start of a retracted request's progress (it was aborted while waiting)."""
+        node = self.peek(tokens, limit).node
+        now = self._clock
+        while node is not self.root:
+            if node.last_access > now:
+                self._touch(node, now)
+            node = node.parent  # type: ignore[assignment]
+
     # ------------------------------------------------------------------ locks
     def lock(self, node: TreeNode) -> None:
         self._clock += 1

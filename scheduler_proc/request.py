@@ -31,7 +31,7 @@ class Req:
         "rid", "prompt_len", "tokens", "sampling", "priority", "seq", "status",
         "kv_slots", "tree_len", "node", "mamba_slot", "computed", "cow_node", "splits",
         "pending_ckpt", "cached_tokens", "admitted", "abort_reason", "peek", "queue_token",
-        "retracted_at", "admitted_round",
+        "retracted_at", "refusals",
     )  # fmt: skip
 
     def __init__(self, rid: str, input_ids: list[int], sampling: SamplingParams, priority: int, seq: int) -> None:
@@ -56,7 +56,7 @@ class Req:
         self.peek: PeekResult | None = None  # last peek; reusable while the cache epoch is unchanged
         self.queue_token = 0
         self.retracted_at = -1  # `computed` when last retracted (to count recomputation), -1 if never
-        self.admitted_round = -1
+        self.refusals = 0  # admissions refused for memory so far (later attempts count as retries)
 
     @property
     def output_ids(self) -> list[int]:

@@ -63,10 +63,13 @@ class Scheduler:
         )  # fmt: skip
         self.metrics = SchedulerMetrics()
         self.retry = RetryPolicy.for_config(args, model)
+        self.max_running = self._clamp_max_running(args.max_running_requests, mamba_capacity)
         # replaceable for scripted tests: builds the round's adder from its budget snapshot
         self.adder_factory: Callable[[AdderBudget], PrefillAdder] = PrefillAdder
         self.reqs: dict[str, Req] = {}
-        self.waiting = WaitingQueue(args.schedule_policy == "priority")
+        # preemption implies priority order: under FCFS a retracted (older) victim would sort before the
+        # request it made room for and be re-admitted in its place, round after round
+        self.waiting = WaitingQueue(args.schedule_policy == "priority" or args.enable_priority_preemption)
         self.running: dict[str, Req] = {}
         self.running_version = 0  # bumped whenever a request joins or leaves the running set
         self.new_token_ratio = self.tuning.init_ratio
@@ -74,6 +77,21 @@ class Scheduler:
         self._step = 0
         self.in_flight: InFlight | None = None
         self._eos = frozenset(model.eos_token_ids)
+
+    def _clamp_max_running(self, wanted: int, mamba_capacity: int) -> int:
+        """Each running request holds a state slot: at most the pool, less an eighth of it (pools of 8
+        and more) kept for copy-on-write copies, checkpoints and cached states. Clamped with a warning
+        instead of refusing to start."""
+        if not self.track_states:
+            return wanted
+        limit = max(1, mamba_capacity - mamba_capacity // 8)
+        if wanted > limit:
+            logger.warning(
+                "--max-running-requests %d clamped to %d: the Mamba state pool has %d slots and keeps %d for "
+                "copy-on-write, checkpoints and cached states", wanted, limit, mamba_capacity, mamba_capacity - limit,
+            )  # fmt: skip
+            return limit
+        return wanted
 
     @property
     def cache(self) -> HybridRadixCache:
@@ -215,7 +233,7 @@ class Scheduler:
             kv=self.res.available_kv() - reserved,
             states=self.res.available_states(),
             prefill_tokens=a.max_prefill_tokens - prefill_used,
-            running_slots=a.max_running_requests - len(self.running),
+            running_slots=self.max_running - len(self.running),
             chunk_size=a.chunked_prefill_size,
             new_token_ratio=self.new_token_ratio,
             needs_state=self.track_states,
@@ -252,6 +270,8 @@ class Scheduler:
         while (r := self.waiting.peek()) is not None:
             peek = self.res.peek(r)
             self.metrics.inc("hyssm_admission_attempts_total")
+            if r.refusals:
+                self.metrics.inc("hyssm_admission_retries_total")
             result, grant = adder.add_one_req(r, peek, self._chunk_cap(r, peek))
             if result is AddResult.NO_TOKEN and not self.running and peek.has_state:
                 peek = self.res.fresh_peek(r)  # idle and the hit itself cannot be afforded: start fresh
@@ -260,7 +280,7 @@ class Scheduler:
                 self.metrics.inc("hyssm_admission_deferred_total", reason=adder.refusal_reason)
                 return
             if result is AddResult.NO_TOKEN or grant is None:
-                self._refused(adder.refusal_reason or "kv")
+                self._refused(r, adder.refusal_reason or "kv")
                 return
             try:
                 reason = self.res.start(r, peek, grant.chunk, b)
@@ -269,7 +289,7 @@ class Scheduler:
                 reason = "cow_alloc"
             if reason:
                 adder.rollback(grant)
-                self._refused(reason)
+                self._refused(r, reason)
                 return
             self.waiting.pop()
             r.status = ReqStatus.RUNNING
@@ -281,7 +301,8 @@ class Scheduler:
         splits = self.res.plan_splits(r, peek)
         return splits[0] - peek.prefix_len if splits else len(r.tokens)
 
-    def _refused(self, reason: str) -> None:
+    def _refused(self, r: Req, reason: str) -> None:
+        r.refusals += 1
         self.metrics.inc("hyssm_admission_refusals_total", reason=reason)
         self.retry.on_no_token()
 
@@ -313,8 +334,7 @@ class Scheduler:
         """A worker refused the slice's copy-on-write: roll back exactly like NO_TOKEN."""
         r = e.req
         self.res.undo_slice(r, e)
-        self.metrics.inc("hyssm_admission_refusals_total", reason="worker_refusal")
-        self.retry.on_no_token()
+        self._refused(r, "worker_refusal")
         if e.admitted:
             self.res.release(r, donate=False)
             del self.running[r.rid]
@@ -369,6 +389,8 @@ class Scheduler:
             self.running_version += 1
         elif r.status is ReqStatus.WAITING:
             self.waiting.remove(r)
+            if r.retracted_at >= 0 and self.res.cache_enabled:
+                self.res.cache.unkeep(r.tokens, len(r.tokens) - 1)
         r.status = ReqStatus.FINISHED
         del self.reqs[r.rid]
         self.metrics.inc("hyssm_requests_finished_total", reason=reason)

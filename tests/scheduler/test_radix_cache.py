@@ -223,3 +223,17 @@ def test_integrity_check_catches_a_bad_counter() -> None:
     c.kv_evictable += 1
     with pytest.raises(AssertionError, match="kv_evictable"):
         c.check_integrity()
+
+
+def test_kept_progress_is_evicted_last_until_unkept() -> None:
+    c = make(kv=16, states=4)
+    kv = c.kv_alloc.alloc_many(3)
+    c.insert([1, 2, 3], 3, kv, 0, c.state_alloc.alloc(), keep=True)  # type: ignore[arg-type]
+    donate(c, [4, 5, 6])  # newer, but ordinary
+    assert c.evict_kv(1) == 3 and c.peek([1, 2, 3, 0], 3).prefix_len == 3
+    assert c.peek([4, 5, 6, 0], 3).prefix_len == 0
+    donate(c, [7, 8, 9])
+    c.unkeep([1, 2, 3, 0], 3)  # now an ordinary entry: older than [7, 8, 9]
+    c.evict_kv(1)
+    assert c.peek([1, 2, 3, 0], 3).prefix_len == 0 and c.peek([7, 8, 9, 0], 3).prefix_len == 3
+    c.check_integrity()
