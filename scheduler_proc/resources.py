@@ -149,6 +149,13 @@ class ReqResources:
             b.ckpt_copies.append(CopyOp(req.mamba_slot, slot, None))
         return "saved" if taken else "exists"
 
+    def cache_prompt(self, req: Req) -> None:
+        """The prefill is complete: share its KV through the tree (a tombstone path, its state keeps
+        advancing in the request's slot), so requests arriving while it decodes find the branch point."""
+        if self.cache_enabled and req.computed > req.tree_len:
+            node = self.cache.insert(req.tokens, req.computed, req.kv_slots, req.tree_len, None)
+            self._move_prefix(req, node)
+
     def _move_prefix(self, req: Req, node: TreeNode) -> None:
         assert req.node is not None
         self.cache.lock(node)

@@ -324,6 +324,8 @@ class Scheduler:
                     outs.append(self._finish(r, "abort"))
                 continue
             self.res.after_step(r, e)
+            if e.prefill and e.sample:
+                self.res.cache_prompt(r)
             self._account_step(e)
             out = self._emit(r, e, result)
             if out is not None:

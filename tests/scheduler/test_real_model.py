@@ -83,7 +83,7 @@ def test_real_outputs_identical_with_cache_chunks_and_pressure(runner: object, m
         cached.append(log.finals[r.rid].cached_tokens)
     assert cached[0] == 0 and all(c == len(system) for c in cached[2:]), cached
     # everything at once on tiny pools: refusals and retractions, same outputs
-    sched, _ = make(kv=100, states=MAMBA_SLOTS, model=model, chunked_prefill_size=16, max_prefill_tokens=32,
+    sched, _ = make(kv=50, states=MAMBA_SLOTS, model=model, chunked_prefill_size=16, max_prefill_tokens=32,
                     tuning=SchedulerTuning(init_ratio=0.0, min_ratio=0.0))  # fmt: skip
     pressure = [greq(f"p{i}", system[: 20 + 4 * i] + [210 + i], 10) for i in range(4)]
     ref = reference(runner, model, pressure)

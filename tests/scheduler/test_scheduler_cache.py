@@ -200,3 +200,20 @@ def test_outputs_identical_with_and_without_cache_random(seed: int = 3) -> None:
                              disable_radix_cache=disable)  # fmt: skip
         results.append(harness.run(sched, worker, arrivals).tokens)
     assert results[0] == results[1]
+
+
+def test_prompt_kv_is_shared_while_the_request_decodes() -> None:
+    """The second request arrives while the first is still decoding: the first's prompt KV is already in
+    the tree, so the second finds the branch point and checkpoints it, and the third hits it."""
+    sched, worker = make(kv=1024, states=8, chunked_prefill_size=64)
+    system = list(range(1, 61))
+    sched.add_request(greq("a", system + [70, 71], 30))
+    round_(sched, worker)  # a's prompt is done; a keeps decoding
+    sched.add_request(greq("b", system + [80, 81], 3))
+    # c arrives in the round where b's checkpoint copy runs: it copies from the checkpoint slot in that
+    # same batch (checkpoint copies come first)
+    log = harness.run(sched, worker, {1: [greq("c", system + [90, 91], 3)]}, keep_batches=True)
+    assert log.finals["b"].cached_tokens == 0 and log.finals["c"].cached_tokens == len(system)
+    both = [b for b in log.batches if any(op.rid is None for op in b.copies)]
+    assert len(both) == 1 and [op.rid for op in both[0].copies] == [None, "c"]
+    assert both[0].copies[0].dst == both[0].copies[1].src
