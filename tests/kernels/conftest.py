@@ -1,20 +1,37 @@
 """Kernel tests run the Triton kernels on CPU tensors through the Triton interpreter.
 
-Owned by the Triton kernel path (helper E). TRITON_INTERPRET must be set before any
-`worker_proc.kernels.triton_*` module is imported: `@triton.jit` decides at decoration time whether
-a kernel is compiled or interpreted. This conftest is imported before the test modules of this
-directory, so setting it here (and not in the environment of the whole suite) is enough;
-`test_interpreter_is_active` fails loudly if some earlier import defeated it.
+Owned by the Triton kernel path (helper E). `@triton.jit` decides when a kernel module is imported
+whether its kernels are compiled or interpreted, so this conftest (imported before the test modules
+of this directory) imports every kernel module with TRITON_INTERPRET=1 and then restores the
+variable; an autouse fixture sets it again only while each test of this directory runs, so the
+rest of the suite, and the processes it starts, never inherit it.
+`test_interpreter_is_active` fails loudly if an earlier import of the kernel modules defeated this.
 """
 
 from __future__ import annotations
 
 import os
 
-os.environ["TRITON_INTERPRET"] = "1"
+import pytest
+import torch
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+_before = os.environ.get("TRITON_INTERPRET")
+os.environ["TRITON_INTERPRET"] = "1"
+try:
+    import triton.experimental.gluon  # noqa: F401  (triton imports it lazily at the first launch; it checks the mode)
+
+    import worker_proc.kernels.triton_ops  # noqa: F401  (imports every kernel module: interpreted)
+finally:
+    if _before is None:
+        del os.environ["TRITON_INTERPRET"]
+    else:
+        os.environ["TRITON_INTERPRET"] = _before
+
+
+@pytest.fixture(autouse=True)
+def _interpreter_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+    """TRITON_INTERPRET=1 while a kernel test runs (triton consults it at run time too), unset after."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture

@@ -7,6 +7,10 @@ import triton
 import triton.language as tl
 from triton import knobs
 
+INTERPRETED: bool = bool(knobs.runtime.interpret)
+"""Whether this process's kernels run in the Triton interpreter: `@triton.jit` reads TRITON_INTERPRET when
+each kernel module is imported, which is when this (first-imported) module reads it too."""
+
 
 @triton.jit
 def softplus_clamp(v, lo, hi):
@@ -31,7 +35,7 @@ def dot_precision(dtype: torch.dtype) -> str:
     operands are upcast: triton 3.9's interpreter multiplies the raw bits of bf16 tensors in tl.dot."""
     if dtype == torch.float32:
         return "ieee"
-    if dtype == torch.bfloat16 and knobs.runtime.interpret:
+    if dtype == torch.bfloat16 and INTERPRETED:
         return "upcast"
     return "tf32"
 

@@ -3,7 +3,7 @@
 Owned by the Triton kernel path (helper E); `worker_proc.kernels.get_ops` delegates here. CUDA
 tensors get `TritonOps`, every other device `ReferenceOps`; `force` ("triton" | "reference", from the
 HYSSM_KERNELS environment variable) overrides the device for debugging. Triton on a non-CUDA device
-only works under the Triton interpreter (TRITON_INTERPRET=1, set before triton is first imported).
+only works under the Triton interpreter (TRITON_INTERPRET=1 while the kernel modules are imported).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ KERNEL_CHOICES = ("reference", "triton")
 
 def select_ops(device: torch.device | str, force: str | None = None) -> KernelOps:
     """The ops object for tensors on `device`. Raises ValueError for an unknown `force`, or for
-    `force="triton"` on a non-CUDA device when the Triton interpreter is off (kernels could not run)."""
+    `force="triton"` on a non-CUDA device when the kernels were not built interpreted (could not run)."""
     from worker_proc.kernels import ReferenceOps  # lazy: the package may import this module
 
     if force not in (None, "", *KERNEL_CHOICES):
@@ -28,10 +28,9 @@ def select_ops(device: torch.device | str, force: str | None = None) -> KernelOp
     dev = torch.device(device)
     if force == "reference" or (force != "triton" and dev.type != "cuda"):
         return ReferenceOps()
-    from triton import knobs  # only when Triton is actually chosen
-
+    from worker_proc.kernels import triton_common  # imports triton: only when Triton is chosen
     from worker_proc.kernels.triton_ops import TritonOps
 
-    if dev.type != "cuda" and not knobs.runtime.interpret:
-        raise ValueError(f"Triton kernels on device {dev} need TRITON_INTERPRET=1 (set before triton is imported)")
+    if dev.type != "cuda" and not triton_common.INTERPRETED:
+        raise ValueError(f"Triton kernels on device {dev} need TRITON_INTERPRET=1 when the kernels are imported")
     return TritonOps()  # type: ignore[return-value]  # same methods and signatures as ReferenceOps
