@@ -52,6 +52,7 @@ def build_step_batch(
     mamba_capacity: int,
     uses_mamba: bool,
     all_rows: bool = False,
+    uses_attention: bool = True,
 ) -> StepBatch:
     """Flatten and validate `reqs`. Raises ValueError on a malformed slice (slot out of range,
     wrong kv_slots length, duplicate rid or Mamba slot). `all_rows`: want logits for every row of
@@ -95,7 +96,8 @@ def build_step_batch(
             logit_rids.append(r.rid)
     if uses_mamba:
         _check_mamba_slots([r.mamba_slot for r in reqs], mamba_capacity)
-    _check_kv_slots(reqs, kv_capacity)
+    if uses_attention:
+        _check_kv_slots(reqs, kv_capacity)
     return _to_tensors(ids, positions, new_slots, segs, dec_rows, dec_mamba, dec_kv, logit_rows, logit_rids, device)
 
 

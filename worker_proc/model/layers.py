@@ -17,9 +17,10 @@ padding small inputs up to it makes every row's result independent of what it is
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear over [T, in] whose per-row result does not depend on T (batch invariance)."""
+    """F.linear over [T, in] whose per-row result does not depend on T on CPU (batch invariance;
+    measured with MKL on x86: every row count >= MIN_GEMM_ROWS gives identical rows)."""
     rows = x.shape[0]
-    if rows >= MIN_GEMM_ROWS or x.dim() != 2:
+    if rows >= MIN_GEMM_ROWS or x.dim() != 2 or x.device.type != "cpu":
         return F.linear(x, weight, bias)
     padded = torch.cat([x, x.new_zeros(MIN_GEMM_ROWS - rows, x.shape[1])])
     return F.linear(padded, weight, bias)[:rows]
