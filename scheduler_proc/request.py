@@ -13,7 +13,7 @@ import itertools
 from enum import Enum
 from typing import TYPE_CHECKING
 
-from shared.messages import SamplingParams
+from shared.messages import FinishReason, GenerateReq, SamplingParams, TokenOut
 
 if TYPE_CHECKING:
     from scheduler_proc.radix_cache import PeekResult
@@ -141,3 +141,31 @@ class WaitingQueue:
     def items(self) -> list[Req]:
         """Live requests in queue order (O(n log n); for tests, info and fail_all)."""
         return [e[3] for e in sorted(self._heap, key=lambda e: e[:3]) if e[2] == e[3].queue_token]
+
+
+def validate(req: GenerateReq, duplicate: bool, context_length: int, kv_capacity: int, states: int | None) -> str:
+    """Why `req` can never run ("" if it can): `states` is the Mamba pool size (None: no Mamba layers)."""
+    n_prompt, n_new = len(req.input_ids), req.sampling.max_new_tokens
+    if duplicate:
+        return f"duplicate request id {req.rid!r}"
+    if n_prompt == 0:
+        return "empty prompt"
+    if n_new < 0:
+        return f"max_new_tokens must be >= 0, got {n_new}"
+    if n_prompt + n_new > context_length:
+        return f"prompt ({n_prompt}) + max_new_tokens ({n_new}) exceeds the context length {context_length}"
+    if n_prompt + n_new - 1 > kv_capacity:
+        return f"prompt ({n_prompt}) + max_new_tokens ({n_new}) exceeds the KV cache ({kv_capacity} tokens)"
+    if states is not None and states < 1:
+        return "the Mamba state pool has no slot"
+    return ""
+
+
+def token_out(r: Req, new: list[int], reason: FinishReason | None, matched: int | None = None,
+              logprobs: list[float] | None = None, error: str | None = None) -> TokenOut:  # fmt: skip
+    """The reply for `r` carrying `new` tokens; final when `reason` is set."""
+    return TokenOut(
+        rid=r.rid, token_ids=new, finished=reason is not None, finish_reason=reason, matched_stop_token=matched,
+        prompt_tokens=r.prompt_len, cached_tokens=r.cached_tokens, completion_tokens=r.num_output,
+        logprobs=logprobs, error=error,
+    )  # fmt: skip

@@ -19,7 +19,7 @@ from scheduler_proc.batch import BatchBuilder, InFlight, SliceEntry
 from scheduler_proc.introspect import check_scheduler, server_info
 from scheduler_proc.metrics import SchedulerMetrics
 from scheduler_proc.radix_cache import HybridRadixCache, PeekResult
-from scheduler_proc.request import Req, ReqStatus, WaitingQueue
+from scheduler_proc.request import Req, ReqStatus, WaitingQueue, token_out, validate
 from scheduler_proc.resources import ReqResources
 from shared.config import ServerArgs
 from shared.errors import MambaCowAllocError
@@ -103,7 +103,9 @@ class Scheduler:
 
     # ------------------------------------------------------------------ requests in and out
     def add_request(self, req: GenerateReq) -> list[TokenOut]:
-        error = self._validate(req)
+        res = self.res
+        error = validate(req, req.rid in self.reqs, self.context_length, res.kv_alloc.capacity,
+                         res.state_alloc.capacity if self.track_states else None)  # fmt: skip
         if error:
             logger.info("rejecting request %s: %s", req.rid, error)
             return [TokenOut(rid=req.rid, token_ids=[], finished=True, finish_reason="error", error=error,
@@ -111,26 +113,10 @@ class Scheduler:
         r = Req(req.rid, req.input_ids, req.sampling, req.priority, next(self._seq))
         if req.sampling.max_new_tokens == 0:
             r.status = ReqStatus.FINISHED
-            return [self._out(r, [], "length")]
+            return [token_out(r, [], "length")]
         self.reqs[r.rid] = r
         self.waiting.push(r)
         return []
-
-    def _validate(self, req: GenerateReq) -> str:
-        n_prompt, n_new = len(req.input_ids), req.sampling.max_new_tokens
-        if req.rid in self.reqs:
-            return f"duplicate request id {req.rid!r}"
-        if n_prompt == 0:
-            return "empty prompt"
-        if n_new < 0:
-            return f"max_new_tokens must be >= 0, got {n_new}"
-        if n_prompt + n_new > self.context_length:
-            return f"prompt ({n_prompt}) + max_new_tokens ({n_new}) exceeds the context length {self.context_length}"
-        if n_prompt + n_new - 1 > self.res.kv_alloc.capacity:
-            return f"prompt ({n_prompt}) + max_new_tokens ({n_new}) exceeds the KV cache ({self.res.kv_alloc.capacity})"
-        if self.track_states and self.res.state_alloc.capacity < 1:
-            return "the Mamba state pool has no slot"
-        return ""
 
     def abort(self, rid: str, reason: str = "") -> list[TokenOut]:
         r = self.reqs.get(rid)
@@ -380,7 +366,7 @@ class Scheduler:
             return self._finish(r, "stop", [tok], matched=tok, logprobs=logprobs)
         if r.num_output >= sp.max_new_tokens:
             return self._finish(r, "length", [tok], logprobs=logprobs)
-        return self._out(r, [tok], None, logprobs=logprobs)
+        return token_out(r, [tok], None, logprobs=logprobs)
 
     def _finish(self, r: Req, reason: FinishReason, new: list[int] | None = None, matched: int | None = None,
                 logprobs: list[float] | None = None, error: str | None = None) -> TokenOut:  # fmt: skip
@@ -396,15 +382,7 @@ class Scheduler:
         r.status = ReqStatus.FINISHED
         del self.reqs[r.rid]
         self.metrics.inc("hyssm_requests_finished_total", reason=reason)
-        return self._out(r, new or [], reason, matched=matched, logprobs=logprobs, error=error)
-
-    def _out(self, r: Req, new: list[int], reason: FinishReason | None, matched: int | None = None,
-             logprobs: list[float] | None = None, error: str | None = None) -> TokenOut:  # fmt: skip
-        return TokenOut(
-            rid=r.rid, token_ids=new, finished=reason is not None, finish_reason=reason,
-            matched_stop_token=matched, prompt_tokens=r.prompt_len, cached_tokens=r.cached_tokens,
-            completion_tokens=r.num_output, logprobs=logprobs, error=error,
-        )  # fmt: skip
+        return token_out(r, new or [], reason, matched=matched, logprobs=logprobs, error=error)
 
     # ------------------------------------------------------------------ introspection
     def info(self) -> dict[str, Any]:
