@@ -16,6 +16,8 @@ use exact ("ieee") dots so fp32 results match the reference to ~1e-6.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -254,6 +256,23 @@ def _chunk_scan_kernel(
         tl.store(y_ptr + y_rows[:, None] + offs_p[None, :], acc, mask=mask_l[:, None] & mask_p[None, :])
 
 
+@dataclass(frozen=True)
+class _Scan:
+    """Sizes and device-side chunk metadata shared by the four launches of one scan."""
+
+    total: int
+    heads: int
+    head_dim: int
+    dstate: int
+    per_group: int  # heads per B/C group
+    num_chunks: int
+    chunk_size: int
+    cstart: torch.Tensor
+    clen: torch.Tensor
+    req_chunks: torch.Tensor
+    prec: str
+
+
 def ssd_scan_varlen(
     x: torch.Tensor,
     dt: torch.Tensor,
@@ -281,102 +300,85 @@ def ssd_scan_varlen(
         raise ValueError("ssm_pool needs each head's [P, N] state contiguous")
     if total != sum(plan.lengths) or slots.shape[0] != len(plan.lengths):
         raise ValueError(f"plan covers {sum(plan.lengths)} rows of {len(plan.lengths)} requests, got {total} rows")
-    dev = x.device
-    nc = plan.num_chunks
-    cstart, clen, req_chunks = plan.device_tensors(dev)
-    dt_d = torch.empty((heads, total), dtype=torch.float32, device=dev)
-    cs = torch.empty((heads, total), dtype=torch.float32, device=dev)
-    block_q = pow2(plan.chunk_size)
-    block_h = max(1, min(pow2(heads, 1), 4096 // block_q))
-    _dt_cumsum_kernel[(nc, triton.cdiv(heads, block_h))](
-        dt,
-        dt_bias,
-        a,
-        cstart,
-        clen,
-        dt_d,
-        cs,
-        heads,
-        total,
-        float(dt_limit[0]),
-        float(dt_limit[1]),
-        dt.stride(0),
-        dt.stride(1),
-        BLOCK_Q=block_q,
-        BLOCK_H=block_h,
-    )
-    states = torch.empty((nc, heads, head_dim, dstate), dtype=torch.float32, device=dev)
-    prec = dot_precision(x.dtype)
-    bp, bn = min(pow2(head_dim), 64), min(pow2(dstate), 64)
-    grid = (nc, heads, triton.cdiv(head_dim, bp) * triton.cdiv(dstate, bn))
-    _chunk_state_kernel[grid](
-        x,
-        b,
-        dt_d,
-        cs,
-        cstart,
-        clen,
-        states,
-        heads,
-        total,
-        head_dim,
-        dstate,
-        heads // groups,
-        *x.stride(),
-        *b.stride(),
-        BLOCK_Q=min(block_q, 64),
-        BLOCK_P=bp,
-        BLOCK_N=bn,
-        DOT_PREC=prec,
-    )
-    numel = head_dim * dstate
-    block = min(triton.next_power_of_2(numel), 1024)
-    _state_pass_kernel[(len(plan.lengths), heads, triton.cdiv(numel, block))](
-        states,
-        cs,
-        cstart,
-        clen,
-        req_chunks,
-        ssm_pool,
-        slots,
-        heads,
-        total,
-        numel,
-        ssm_pool.stride(0),
-        ssm_pool.stride(1),
-        BLOCK=block,
-    )
-    y = torch.empty((total, heads, head_dim), dtype=torch.float32, device=dev)
-    block_l = min(block_q, 64)
-    l_blocks = triton.cdiv(plan.chunk_size, block_l)
-    _chunk_scan_kernel[(nc * l_blocks, heads)](
-        x,
-        b,
-        c,
-        d,
-        dt_d,
-        cs,
-        cstart,
-        clen,
-        states,
-        y,
-        heads,
-        total,
-        head_dim,
-        dstate,
-        heads // groups,
-        *x.stride(),
-        *b.stride(),
-        *c.stride(),
-        BLOCK_L=block_l,
-        BLOCK_S=block_l,
-        BLOCK_P=pow2(head_dim),
-        BLOCK_N=pow2(dstate),
-        L_BLOCKS=l_blocks,
-        DOT_PREC=prec,
-        num_warps=8 if pow2(dstate) * pow2(head_dim) >= 8192 else 4,  # [64, 128] tiles: fewer registers per thread
-    )
+    cstart, clen, req_chunks = plan.device_tensors(x.device)
+    scan = _Scan(
+        total, heads, head_dim, dstate, heads // groups, plan.num_chunks, plan.chunk_size,
+        cstart, clen, req_chunks, dot_precision(x.dtype),
+    )  # fmt: skip
+    dt_d, cs = _launch_dt_cumsum(scan, dt, dt_bias, a, dt_limit)
+    states = _launch_chunk_state(scan, x, b, dt_d, cs)
+    _launch_state_pass(scan, states, cs, ssm_pool, slots)
+    y = _launch_chunk_scan(scan, x, b, c, d, dt_d, cs, states)
     return y, _gather_states(plan, states, ssm_pool, slots)
+
+
+def _launch_dt_cumsum(
+    s: _Scan, dt: torch.Tensor, dt_bias: torch.Tensor, a: torch.Tensor, dt_limit: tuple[float, float]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    dt_d = torch.empty((s.heads, s.total), dtype=torch.float32, device=dt.device)
+    cs = torch.empty_like(dt_d)
+    block_q = pow2(s.chunk_size)
+    block_h = max(1, min(pow2(s.heads, 1), 4096 // block_q))
+    # fmt: off
+    _dt_cumsum_kernel[(s.num_chunks, triton.cdiv(s.heads, block_h))](
+        dt, dt_bias, a, s.cstart, s.clen, dt_d, cs, s.heads, s.total, float(dt_limit[0]), float(dt_limit[1]),
+        dt.stride(0), dt.stride(1), BLOCK_Q=block_q, BLOCK_H=block_h,
+    )
+    # fmt: on
+    return dt_d, cs
+
+
+def _launch_chunk_state(
+    s: _Scan, x: torch.Tensor, b: torch.Tensor, dt_d: torch.Tensor, cs: torch.Tensor
+) -> torch.Tensor:
+    states = torch.empty((s.num_chunks, s.heads, s.head_dim, s.dstate), dtype=torch.float32, device=x.device)
+    bp, bn = min(pow2(s.head_dim), 64), min(pow2(s.dstate), 64)
+    grid = (s.num_chunks, s.heads, triton.cdiv(s.head_dim, bp) * triton.cdiv(s.dstate, bn))
+    # fmt: off
+    _chunk_state_kernel[grid](
+        x, b, dt_d, cs, s.cstart, s.clen, states, s.heads, s.total, s.head_dim, s.dstate, s.per_group,
+        *x.stride(), *b.stride(), BLOCK_Q=min(pow2(s.chunk_size), 64), BLOCK_P=bp, BLOCK_N=bn, DOT_PREC=s.prec,
+    )
+    # fmt: on
+    return states
+
+
+def _launch_state_pass(
+    s: _Scan, states: torch.Tensor, cs: torch.Tensor, ssm_pool: torch.Tensor, slots: torch.Tensor
+) -> None:
+    numel = s.head_dim * s.dstate
+    block = min(triton.next_power_of_2(numel), 1024)
+    # fmt: off
+    _state_pass_kernel[(slots.shape[0], s.heads, triton.cdiv(numel, block))](
+        states, cs, s.cstart, s.clen, s.req_chunks, ssm_pool, slots, s.heads, s.total, numel,
+        ssm_pool.stride(0), ssm_pool.stride(1), BLOCK=block,
+    )
+    # fmt: on
+
+
+def _launch_chunk_scan(
+    s: _Scan,
+    x: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+    d: torch.Tensor,
+    dt_d: torch.Tensor,
+    cs: torch.Tensor,
+    states: torch.Tensor,
+) -> torch.Tensor:
+    y = torch.empty((s.total, s.heads, s.head_dim), dtype=torch.float32, device=x.device)
+    block_l = min(pow2(s.chunk_size), 64)
+    l_blocks = triton.cdiv(s.chunk_size, block_l)
+    warps = 8 if pow2(s.dstate) * pow2(s.head_dim) >= 8192 else 4  # [64, 128] tiles: no spills with 8 (sm_90)
+    # fmt: off
+    _chunk_scan_kernel[(s.num_chunks * l_blocks, s.heads)](
+        x, b, c, d, dt_d, cs, s.cstart, s.clen, states, y, s.heads, s.total, s.head_dim, s.dstate, s.per_group,
+        *x.stride(), *b.stride(), *c.stride(),
+        BLOCK_L=block_l, BLOCK_S=block_l, BLOCK_P=pow2(s.head_dim), BLOCK_N=pow2(s.dstate), L_BLOCKS=l_blocks,
+        DOT_PREC=s.prec, num_warps=warps,
+    )
+    # fmt: on
+    return y
 
 
 def _gather_states(plan: ChunkPlan, states: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
