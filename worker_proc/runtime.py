@@ -107,7 +107,8 @@ class ModelRunner:
 
     def _build(self, reqs: list[ReqSlice], all_rows: bool) -> StepBatch:
         return build_step_batch(
-            reqs, self.device, self.kv_capacity, self.mamba_capacity, bool(self.cfg.mamba_layer_ids), all_rows
+            reqs, self.device, self.kv_capacity, self.mamba_capacity, bool(self.cfg.mamba_layer_ids), all_rows,
+            uses_attention=bool(self.cfg.attn_layer_ids),
         )
 
     def _sample(
