@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import sys
 
 import pytest
 import torch
@@ -53,6 +54,15 @@ def test_select_ops_refuses_triton_on_cpu_without_interpreter(monkeypatch: pytes
     monkeypatch.setattr(triton_common, "INTERPRETED", False)  # as in a process that compiles its kernels
     with pytest.raises(ValueError, match="TRITON_INTERPRET"):
         select_ops("cpu", "triton")
+
+
+def test_select_ops_without_triton(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    for name in ("worker_proc.kernels.triton_common", "worker_proc.kernels.triton_ops"):
+        monkeypatch.setitem(sys.modules, name, None)  # importing it now raises ImportError
+    assert isinstance(select_ops("cuda"), ReferenceOps)
+    assert "triton cannot be imported" in caplog.text
+    with pytest.raises(ValueError, match="cannot be imported"):
+        select_ops("cuda", "triton")
 
 
 def _both(fn, *pools: torch.Tensor):

@@ -8,6 +8,7 @@ only works under the Triton interpreter (TRITON_INTERPRET=1 while the kernel mod
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 import torch
@@ -15,12 +16,15 @@ import torch
 if TYPE_CHECKING:
     from worker_proc.kernels import KernelOps
 
+logger = logging.getLogger(__name__)
+
 KERNEL_CHOICES = ("reference", "triton")
 
 
 def select_ops(device: torch.device | str, force: str | None = None) -> KernelOps:
-    """The ops object for tensors on `device`. Raises ValueError for an unknown `force`, or for
-    `force="triton"` on a non-CUDA device when the kernels were not built interpreted (could not run)."""
+    """The ops object for tensors on `device`. Raises ValueError for an unknown `force`, for
+    `force="triton"` when triton cannot be imported, or on a non-CUDA device when the kernels were not
+    built interpreted (they could not run). CUDA without triton falls back to the reference (warning)."""
     from worker_proc.kernels import ReferenceOps  # lazy: the package may import this module
 
     if force not in (None, "", *KERNEL_CHOICES):
@@ -28,9 +32,14 @@ def select_ops(device: torch.device | str, force: str | None = None) -> KernelOp
     dev = torch.device(device)
     if force == "reference" or (force != "triton" and dev.type != "cuda"):
         return ReferenceOps()
-    from worker_proc.kernels import triton_common  # imports triton: only when Triton is chosen
-    from worker_proc.kernels.triton_ops import TritonOps
-
+    try:
+        from worker_proc.kernels import triton_common  # imports triton: only when Triton is chosen
+        from worker_proc.kernels.triton_ops import TritonOps
+    except ImportError as exc:
+        if force == "triton":
+            raise ValueError(f"Triton kernels requested but triton cannot be imported: {exc}") from exc
+        logger.warning("triton cannot be imported (%s): the pure-torch reference kernels run on %s", exc, dev)
+        return ReferenceOps()
     if dev.type != "cuda" and not triton_common.INTERPRETED:
         raise ValueError(f"Triton kernels on device {dev} need TRITON_INTERPRET=1 when the kernels are imported")
     return TritonOps()  # type: ignore[return-value]  # same methods and signatures as ReferenceOps
