@@ -23,6 +23,7 @@ from worker_proc.kernels.triton_plan import plan_chunks
 from worker_proc.kernels.triton_ssd import ssd_scan_varlen
 
 NO_LIMIT = (0.0, float("inf"))
+# the reference is timed in its batched form (batch_invariant=False: one padded decode attention)
 REF_ATTN_MAX_BYTES = 8 * 2**30  # the reference materializes [heads, L, T] fp32 scores; skip it beyond this
 
 
@@ -95,7 +96,7 @@ def conv_decode_case(s: ModelShape, batch: int, dev: torch.device, dt: torch.dty
     w, b = torch.randn(cd, k, device=dev, dtype=dt) * 0.3, torch.randn(cd, device=dev, dtype=dt)
     slots = torch.randperm(batch, device=dev) + 1
     e = x.element_size()
-    tri, ref = TritonOps(), ReferenceOps()
+    tri, ref = TritonOps(), ReferenceOps(batch_invariant=False)
     impls = {
         "triton": lambda: tri.conv_decode(x, pool, slots, w, b),
         "reference": lambda: ref.conv_decode(x, pool, slots, w, b),
@@ -121,7 +122,7 @@ def conv_prefill_case(s: ModelShape, lengths: list[int], dev: torch.device, dt: 
     w, b = torch.randn(cd, k, device=dev, dtype=dt) * 0.3, torch.randn(cd, device=dev, dtype=dt)
     slots = torch.arange(1, len(lengths) + 1, device=dev)
     cu, cu_host = _cu(lengths, dev), _cu(lengths, torch.device("cpu")).tolist()
-    ref = ReferenceOps()
+    ref = ReferenceOps(batch_invariant=False)
 
     def tri(p: torch.Tensor = pool) -> torch.Tensor:
         return conv_prefill_varlen(x, cu, max(lengths), p, slots, w, b)
@@ -167,7 +168,7 @@ def ssd_decode_case(s: ModelShape, batch: int, dev: torch.device, dt: torch.dtyp
     h, p, n = s.mamba_heads, s.head_dim, s.d_state
     pool = torch.randn(batch + 1, h, p, n, device=dev) * 0.1
     slots = torch.randperm(batch, device=dev) + 1
-    tri, ref = TritonOps(), ReferenceOps()
+    tri, ref = TritonOps(), ReferenceOps(batch_invariant=False)
     args = (t["x"], t["dt"], t["a"], t["b"], t["c"], t["d"], t["dt_bias"], NO_LIMIT)
     e = t["x"].element_size()
     case = Case(
@@ -196,7 +197,7 @@ def ssd_prefill_case(s: ModelShape, lengths: list[int], dev: torch.device, dt: t
     slots = torch.arange(1, len(lengths) + 1, device=dev)
     plan = plan_chunks(lengths, s.chunk)
     cu = _cu(lengths, torch.device("cpu")).tolist()
-    ref = ReferenceOps()
+    ref = ReferenceOps(batch_invariant=False)
 
     def tri(q: torch.Tensor = pool) -> torch.Tensor:
         return ssd_scan_varlen(**t, dt_limit=NO_LIMIT, plan=plan, ssm_pool=q, slots=slots)[0]
@@ -244,7 +245,7 @@ def attn_decode_case(s: ModelShape, batch: int, ctx: int, dev: torch.device, dt:
     kv_idx = (torch.randperm(batch, device=dev)[:, None] * ctx + torch.arange(ctx, device=dev)[None] + 1).long()
     lengths = torch.full((batch,), ctx, device=dev, dtype=torch.int64)
     q = torch.randn(batch, s.attn_heads, d, device=dev, dtype=dt)
-    tri, ref = TritonOps(), ReferenceOps()
+    tri, ref = TritonOps(), ReferenceOps(batch_invariant=False)
     e = q.element_size()
     return Case(
         f"attn_decode B={batch} ctx={ctx}",
@@ -267,7 +268,7 @@ def attn_prefill_case(s: ModelShape, lengths: list[int], start: int, dev: torch.
     q = torch.randn(sum(lengths), h, d, device=dev, dtype=dt)
     cu_q, cu_kv = _cu(lengths, dev), _cu(kv_lens, dev)
     cq, ckv = cu_q.tolist(), cu_kv.tolist()
-    ref = ReferenceOps()
+    ref = ReferenceOps(batch_invariant=False)
 
     def tri() -> torch.Tensor:
         return attn_prefill_varlen(q, k_pool, v_pool, kv_idx, cu_q, cu_kv, max(lengths), 0.125)

@@ -23,9 +23,9 @@ def _slots(gen: torch.Generator, n: int) -> torch.Tensor:
     return torch.randperm(SLOTS, generator=gen)[:n] + 1  # scattered, never the padding slot
 
 
-@pytest.mark.parametrize("splits", [1, 2, 5])  # 5: some splits see no keys at all
+@pytest.mark.parametrize("split_size", [1024, 64, 32])  # 32: five splits, short rows have empty ones
 @pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(6, 2, 16), (4, 4, 8)])
-def test_decode_ragged_lengths(gen: torch.Generator, splits: int, heads: int, kv_heads: int, dim: int) -> None:
+def test_decode_ragged_lengths(gen: torch.Generator, split_size: int, heads: int, kv_heads: int, dim: int) -> None:
     lengths = [1, 5, 130, 40]  # 130 crosses two 64-key blocks
     width = max(lengths) + 3  # padded past the longest row too
     kv_idx = torch.zeros(len(lengths), width, dtype=torch.int64)
@@ -34,19 +34,25 @@ def test_decode_ragged_lengths(gen: torch.Generator, splits: int, heads: int, kv
     k_pool, v_pool = _kv_pools(gen, kv_heads, dim)
     q = rand(gen, len(lengths), heads, dim)
     lens = torch.tensor(lengths)
-    out = attn_decode(q, k_pool, v_pool, kv_idx, lens, SCALE, num_splits=splits)
+    out = attn_decode(q, k_pool, v_pool, kv_idx, lens, SCALE, split_size=split_size)
     expect = ref.attention_decode(q, k_pool[kv_idx], v_pool[kv_idx], lens, SCALE)
     assert out.dtype == q.dtype and max_diff(out, expect) <= TOL
 
 
-def test_decode_picks_splits_itself(gen: torch.Generator) -> None:
-    """Default split-K choice (one row, long context -> several splits) gives the same result."""
-    kv_idx = _slots(gen, 260)[None]
+def test_decode_is_batch_invariant(gen: torch.Generator) -> None:
+    """A request's output is bitwise the same alone and batched with longer requests (fixed splits)."""
     k_pool, v_pool = _kv_pools(gen, 2, 16)
-    q = rand(gen, 1, 4, 16)
-    lens = torch.tensor([260])
-    out = attn_decode(q, k_pool, v_pool, kv_idx, lens, SCALE)
-    assert max_diff(out, ref.attention_decode(q, k_pool[kv_idx], v_pool[kv_idx], lens, SCALE)) <= TOL
+    q = rand(gen, 3, 4, 16)
+    lengths = [270, 40, 290]  # default split_size 256: the short row is split-free alone, not batched
+    kv_idx = torch.zeros(3, 290, dtype=torch.int64)
+    for row, n in enumerate(lengths):
+        kv_idx[row, :n] = _slots(gen, n)
+    batched = attn_decode(q, k_pool, v_pool, kv_idx, torch.tensor(lengths), SCALE)
+    for row, n in enumerate(lengths):
+        alone = attn_decode(q[row : row + 1], k_pool, v_pool, kv_idx[row : row + 1, :n], torch.tensor([n]), SCALE)
+        assert torch.equal(alone, batched[row : row + 1]), f"row {row}"
+    expect = ref.attention_decode(q, k_pool[kv_idx], v_pool[kv_idx], torch.tensor(lengths), SCALE)
+    assert max_diff(batched, expect) <= TOL
 
 
 @pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(6, 2, 16), (2, 1, 80)])  # 80: head dim padded to 128
@@ -93,5 +99,5 @@ def test_half_precision(gen: torch.Generator) -> None:
     assert out.dtype == torch.bfloat16
     assert max_diff(out, ref.attention_prefill(q, k_pool[kv], v_pool[kv], 8, SCALE)) <= 0.03
     lens = torch.tensor([12])
-    dec = attn_decode(q[:1], k_pool, v_pool, kv[None], lens, SCALE, num_splits=2)
+    dec = attn_decode(q[:1], k_pool, v_pool, kv[None], lens, SCALE, split_size=8)
     assert max_diff(dec, ref.attention_decode(q[:1], k_pool[kv[None]], v_pool[kv[None]], lens, SCALE)) <= 0.03

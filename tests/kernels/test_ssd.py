@@ -110,3 +110,22 @@ def test_prefill_then_decode_equals_one_scan(gen: torch.Generator) -> None:
     expect_y, final = ref.ssd_chunk_scan(t["x"], dt, t["a"], t["b"], t["c"], t["d"], 4, ssm[2])
     assert max_diff(torch.cat(ys), expect_y) <= TOL
     assert max_diff(mine[2], final) <= TOL
+
+
+def test_scan_is_batch_invariant(gen: torch.Generator) -> None:
+    """A request's y and final state are bitwise the same scanned alone or in a ragged batch."""
+    lengths, slots = [9, 20, 3], [1, 2, 3]
+    t = _inputs(gen, sum(lengths), 2, 8, 1, 16)
+    ssm = pool(gen, 3, 2, 8, 16)
+    batched = ssm.clone()
+    y, _ = ssd_scan_varlen(
+        **t, dt_limit=NO_LIMIT, plan=plan_chunks(lengths, 4), ssm_pool=batched, slots=torch.tensor(slots)
+    )
+    cu = cu_seqlens(lengths)
+    for r, slot in enumerate(slots):
+        alone = ssm.clone()
+        part = {k: (v[cu[r] : cu[r + 1]] if v.shape[0] == cu[-1] else v) for k, v in t.items()}
+        y_r, _ = ssd_scan_varlen(
+            **part, dt_limit=NO_LIMIT, plan=plan_chunks([lengths[r]], 4), ssm_pool=alone, slots=torch.tensor([slot])
+        )
+        assert torch.equal(y_r, y[cu[r] : cu[r + 1]]) and torch.equal(alone[slot], batched[slot])

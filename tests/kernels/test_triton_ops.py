@@ -43,6 +43,8 @@ def test_select_ops() -> None:
     assert isinstance(select_ops(torch.device("cpu"), "triton"), TritonOps)  # interpreter on
     assert isinstance(select_ops("cuda:0"), TritonOps)
     assert isinstance(select_ops("cuda", "reference"), ReferenceOps)
+    # the reference exactly as get_ops builds it: batch invariant on CPU only
+    assert select_ops("cpu").batch_invariant and not select_ops("cuda", "reference").batch_invariant
     with pytest.raises(ValueError, match="unknown kernel"):
         select_ops("cpu", "cutlass")
 

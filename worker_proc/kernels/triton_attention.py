@@ -5,10 +5,10 @@ Owned by the Triton kernel path (helper E). Same semantics as `reference.attenti
 i // (h // kvh), scores are scaled by `scale`, softmax (online, flash style) in float32, output in
 q's dtype. K/V of the step's own tokens must already be in the pool (the model writes them first).
 
-Decode: one program per (request, KV head, split) handles every query head of that KV head
-(GQA packing: the group is padded to 16 rows so tl.dot can use tensor cores); with several splits
-the partial (max, sum, acc) triples are merged by `_attn_merge_kernel`. A request whose length is 0
-gets zeros (the reference would give NaN; the runtime never sends one).
+Decode: one program per (request, KV head, split of `split_size` keys) handles every query head of
+that KV head (GQA packing: the group is padded to 16 rows so tl.dot can use tensor cores); with
+several splits the partial (max, sum, acc) triples are merged in order by `_attn_merge_kernel`.
+A request whose length is 0 gets zeros (the reference would give NaN; the runtime never sends one).
 Prefill: one program per (query block, request, query head) over the causal window
 [0, start_pos + row] of that request's KV slots.
 """
@@ -121,41 +121,30 @@ def _attn_decode_kernel(
 
 @triton.jit
 def _attn_merge_kernel(
-    part_ptr,
-    ml_ptr,
-    out_ptr,
-    heads,
-    head_dim,
-    num_splits,
-    stride_ob,
-    stride_oh,
-    stride_od,
-    BLOCK_S: tl.constexpr,
+    part_ptr, ml_ptr, len_ptr, out_ptr, heads, head_dim, num_splits, split_size,
+    stride_ob, stride_oh, stride_od,
     BLOCK_D: tl.constexpr,
-):
-    """Grid (rows, query heads): merge the splits' (m, l, acc) into the normalized output."""
+):  # fmt: skip
+    """Grid (rows, query heads): merge the (m, l, acc) of the splits holding keys into the output.
+    Sequential over those splits in a fixed order: the result does not depend on the batch."""
     b = tl.program_id(0)
     h = tl.program_id(1)
-    offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
-    mask_s = offs_s < num_splits
-    row = (b * heads + h) * num_splits + offs_s
-    m = tl.load(ml_ptr + row * 2, mask=mask_s, other=float("-inf"))
-    l_sum = tl.load(ml_ptr + row * 2 + 1, mask=mask_s, other=0.0)
-    m_max = tl.max(m, axis=0)
-    m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
-    w = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_safe))
-    acc = tl.load(
-        part_ptr + row[:, None] * head_dim + offs_d[None, :],
-        mask=mask_s[:, None] & (offs_d < head_dim)[None, :],
-        other=0.0,
-    )
-    total = tl.sum(l_sum * w, axis=0)
-    out = tl.sum(acc * w[:, None], axis=0) / tl.where(total > 0.0, total, 1.0)
+    mask_d = offs_d < head_dim
+    n = tl.minimum((tl.load(len_ptr + b) + split_size - 1) // split_size, num_splits)
+    base = (b * heads + h) * num_splits
+    m_max = float("-inf")
+    for i in range(0, n):
+        m_max = tl.maximum(m_max, tl.load(ml_ptr + (base + i) * 2))
+    total = 0.0
+    acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    for i in range(0, n):
+        w = tl.exp(tl.load(ml_ptr + (base + i) * 2) - m_max)  # every merged split holds keys: m is finite
+        total += tl.load(ml_ptr + (base + i) * 2 + 1) * w
+        acc += tl.load(part_ptr + (base + i) * head_dim + offs_d, mask=mask_d, other=0.0) * w
+    out = acc / tl.where(total > 0.0, total, 1.0)
     tl.store(
-        out_ptr + b * stride_ob + h * stride_oh + offs_d * stride_od,
-        out.to(out_ptr.dtype.element_ty),
-        mask=offs_d < head_dim,
+        out_ptr + b * stride_ob + h * stride_oh + offs_d * stride_od, out.to(out_ptr.dtype.element_ty), mask=mask_d
     )
 
 
@@ -238,13 +227,6 @@ def _attn_prefill_kernel(
         )
 
 
-def _num_splits(batch: int, kv_heads: int, max_len: int, block_t: int, target_programs: int) -> int:
-    """Enough splits to fill the device when the batch is small, none smaller than two key blocks."""
-    by_len = max(1, max_len // (2 * block_t))
-    want = triton.cdiv(target_programs, max(1, batch * kv_heads))
-    return max(1, min(by_len, want, 64))
-
-
 def attn_decode(
     q: torch.Tensor,
     k_pool: torch.Tensor,
@@ -252,13 +234,14 @@ def attn_decode(
     kv_idx: torch.Tensor,
     lengths: torch.Tensor,
     scale: float,
-    target_programs: int = 264,
-    num_splits: int | None = None,
+    split_size: int = 256,
 ) -> torch.Tensor:
     """q: [Bt, h, d]; k_pool, v_pool: [S, kvh, d]; kv_idx: [Bt, T] int slots (entries past lengths[b]
-    are ignored); lengths: [Bt] int. Returns [Bt, h, d] in q's dtype. `target_programs`: about how
-    many programs fill the device (2 x SM count is a good value); decides the split-K factor unless
-    `num_splits` forces it (tests)."""
+    are ignored); lengths: [Bt] int. Returns [Bt, h, d] in q's dtype.
+
+    Keys are split into fixed `split_size` ranges (split-K, one program each, merged in order), so
+    how a request's keys are cut and summed never depends on the rest of the batch: a request's
+    output is bitwise the same alone or batched (batch invariance, as the CPU reference path has)."""
     batch, heads, head_dim = q.shape
     kv_heads = k_pool.shape[1]
     group = heads // kv_heads
@@ -266,9 +249,7 @@ def attn_decode(
     if batch == 0:
         return out
     block_t = 64 if head_dim <= 64 else 32
-    splits = num_splits or _num_splits(batch, kv_heads, kv_idx.shape[1], block_t, target_programs)
-    split_size = triton.cdiv(max(kv_idx.shape[1], 1), splits)
-    split_size = triton.cdiv(split_size, block_t) * block_t
+    splits = triton.cdiv(max(kv_idx.shape[1], 1), split_size)
     part = ml = out  # placeholders when not split (never dereferenced)
     if splits > 1:
         part = torch.empty((batch, heads, splits, head_dim), dtype=torch.float32, device=q.device)
@@ -302,15 +283,7 @@ def attn_decode(
     )
     if splits > 1:
         _attn_merge_kernel[(batch, heads)](
-            part,
-            ml,
-            out,
-            heads,
-            head_dim,
-            splits,
-            *out.stride(),
-            BLOCK_S=triton.next_power_of_2(splits),
-            BLOCK_D=block_d,
+            part, ml, lengths, out, heads, head_dim, splits, split_size, *out.stride(), BLOCK_D=block_d
         )
     return out
 

@@ -2,7 +2,8 @@
 
 Owned by the Triton kernel path (helper E); `worker_proc.kernels.get_ops` delegates here. CUDA
 tensors get `TritonOps`, every other device `ReferenceOps`; `force` ("triton" | "reference", from the
-HYSSM_KERNELS environment variable) overrides the device for debugging. Triton on a non-CUDA device
+HYSSM_KERNELS environment variable) overrides the device for debugging. The reference is built
+exactly as `get_ops` builds it (batch invariant on CPU, batched elsewhere). Triton on a non-CUDA device
 only works under the Triton interpreter (TRITON_INTERPRET=1 while the kernel modules are imported).
 """
 
@@ -31,7 +32,7 @@ def select_ops(device: torch.device | str, force: str | None = None) -> KernelOp
         raise ValueError(f"unknown kernel implementation {force!r}: expected one of {KERNEL_CHOICES}")
     dev = torch.device(device)
     if force == "reference" or (force != "triton" and dev.type != "cuda"):
-        return ReferenceOps()
+        return ReferenceOps(batch_invariant=dev.type == "cpu")
     try:
         from worker_proc.kernels import triton_common  # imports triton: only when Triton is chosen
         from worker_proc.kernels.triton_ops import TritonOps
@@ -39,7 +40,7 @@ def select_ops(device: torch.device | str, force: str | None = None) -> KernelOp
         if force == "triton":
             raise ValueError(f"Triton kernels requested but triton cannot be imported: {exc}") from exc
         logger.warning("triton cannot be imported (%s): the pure-torch reference kernels run on %s", exc, dev)
-        return ReferenceOps()
+        return ReferenceOps(batch_invariant=dev.type == "cpu")
     if dev.type != "cuda" and not triton_common.INTERPRETED:
         raise ValueError(f"Triton kernels on device {dev} need TRITON_INTERPRET=1 when the kernels are imported")
     return TritonOps()  # type: ignore[return-value]  # same methods and signatures as ReferenceOps
