@@ -10,8 +10,9 @@ Shapes are those of Granite 4.0-H (``PRESETS``): Mamba2 heads x head_dim 64, d_s
 d_conv 4, SSD chunk 256; GQA attention over a slot-indexed KV pool. Decode cases run batch 1..256
 (attention over 1k/4k-token contexts), prefill cases one or several prompts up to 8k tokens.
 Each case first checks the Triton result against the reference (``max_err``, pools included), then
-times both with CUDA events (median, L2 flushed before every call). ``GB/s`` = the bytes a kernel must
-move at least (inputs read once, outputs and touched state written once) / its median time.
+times both with CUDA events (median, L2 flushed before every call; the flush also hides the host-side
+launch latency, so the figures are close to device time). ``GB/s`` = the bytes a kernel must move at
+least (inputs read once, outputs and touched state written once) / its median time.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import json
 import logging
 import statistics
 import sys
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -55,8 +57,6 @@ def time_us(fn: Callable[[], object], iters: int, device: torch.device, flush: t
     for _ in range(3 if device.type == "cuda" else 1):  # compile / autotune / allocator warm-up
         fn()
     if device.type != "cuda":
-        import time
-
         samples = []
         for _ in range(iters):
             t0 = time.perf_counter()

@@ -10,7 +10,7 @@ importable; their call conventions vary by version, so bench_kernels reports the
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -295,8 +295,11 @@ def attn_prefill_case(s: ModelShape, lengths: list[int], start: int, dev: torch.
     return case
 
 
-def build_cases(s: ModelShape, dev: torch.device, dt: torch.dtype, quick: bool, cpu_tiny: bool = False) -> list[Case]:
-    """Every case for one model shape (a few with `quick`; tiny CPU shapes with `cpu_tiny`)."""
+def build_cases(
+    s: ModelShape, dev: torch.device, dt: torch.dtype, quick: bool, cpu_tiny: bool = False
+) -> Iterator[Case]:
+    """Every case for one model shape (a few with `quick`; tiny CPU shapes with `cpu_tiny`), built one
+    at a time so only one case's tensors are alive."""
     if cpu_tiny:
         s, batches, ctxs, prompts, ragged = CPU_TINY, [1, 8], [64], [[64]], [[40, 9]]
     elif quick:
@@ -304,13 +307,14 @@ def build_cases(s: ModelShape, dev: torch.device, dt: torch.dtype, quick: bool, 
     else:
         batches, ctxs = [1, 8, 32, 64, 128, 256], [1024, 4096]
         prompts, ragged = [[512], [2048], [8192]], [[1024] * 4, [8192, 100, 3000, 17]]
-    cases: list[Case] = []
     for b in batches:
-        cases += [conv_decode_case(s, b, dev, dt), ssd_decode_case(s, b, dev, dt)]
-        cases += [attn_decode_case(s, b, c, dev, dt) for c in ctxs]
+        yield conv_decode_case(s, b, dev, dt)
+        yield ssd_decode_case(s, b, dev, dt)
+        for c in ctxs:
+            yield attn_decode_case(s, b, c, dev, dt)
     for lengths in prompts + ragged:
-        cases += [conv_prefill_case(s, lengths, dev, dt), ssd_prefill_case(s, lengths, dev, dt)]
-        cases.append(attn_prefill_case(s, lengths, 0, dev, dt))
+        yield conv_prefill_case(s, lengths, dev, dt)
+        yield ssd_prefill_case(s, lengths, dev, dt)
+        yield attn_prefill_case(s, lengths, 0, dev, dt)
     if not cpu_tiny:
-        cases.append(attn_prefill_case(s, [1024], 4096, dev, dt))  # a chunk continuing a cached prefix
-    return cases
+        yield attn_prefill_case(s, [1024], 4096, dev, dt)  # a chunk continuing a cached prefix

@@ -11,7 +11,7 @@ from tests.kernels.util import TOL
 
 def test_every_case_matches_the_reference_and_times() -> None:
     torch.manual_seed(0)
-    cases = build_cases(CPU_TINY, torch.device("cpu"), torch.float32, quick=True, cpu_tiny=True)
+    cases = list(build_cases(CPU_TINY, torch.device("cpu"), torch.float32, quick=True, cpu_tiny=True))
     kinds = {c.name.split()[0] for c in cases}
     assert kinds == {"conv_decode", "ssd_decode", "attn_decode", "conv_prefill", "ssd_prefill", "attn_prefill"}
     rows = [row for case in cases for row in run_case(case, "cpu", 1, torch.device("cpu"), None)]
