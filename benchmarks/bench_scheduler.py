@@ -45,7 +45,7 @@ def drive(sched: Scheduler, rounds: int) -> None:
 
 def build(queued: int, prefix_len: int, runner_new: int) -> Scheduler:
     prefix = [(i * 7919) % 997 + 1 for i in range(prefix_len)]
-    args = ServerArgs(chunked_prefill_size=4096, max_prefill_tokens=8192, max_running_requests=64)
+    args = ServerArgs(chunked_prefill_size=4096, max_prefill_tokens=8192, max_running_requests=2)
     sched = Scheduler(args, MODEL, kv_capacity=prefix_len + 8 * runner_new + 4096, mamba_capacity=2)
     sched.add_request(GenerateReq(rid="donor", input_ids=prefix + [1], sampling=SamplingParams(max_new_tokens=1)))
     drive(sched, 4)  # the donor runs and donates the prefix state
