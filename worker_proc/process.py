@@ -35,10 +35,16 @@ def resolve_device(args: ServerArgs, rank: int) -> str:
     return f"cuda:{args.base_gpu_id + local}"
 
 
+def cpu_threads(args: ServerArgs, cores: int) -> int:
+    """Torch threads per rank: the ranks of one node share its cores, and on node 0 the tokenizer
+    and scheduler keep a core each. Oversubscribed OpenMP threads spin against each other and
+    make small GEMMs ~10x slower, so this errs low."""
+    spare = cores - (2 if args.node_rank == 0 else 0)
+    return max(1, spare // args.ranks_per_node)
+
+
 def set_cpu_threads(args: ServerArgs) -> None:
-    """Ranks of one node share its cores; never oversubscribe."""
-    cores = os.cpu_count() or 1
-    torch.set_num_threads(max(1, cores // args.ranks_per_node))
+    torch.set_num_threads(cpu_threads(args, os.cpu_count() or 1))
 
 
 def init_distributed(args: ServerArgs, rank: int, device: str) -> object | None:
