@@ -7,7 +7,10 @@ the varlen kernels with a batch of one, so a batched runtime can call the `*_var
 `triton_conv`, `triton_ssd` and `triton_attention` directly with no change to the kernels.
 
 No case falls back to the reference. Requirements beyond the reference's (checked, ValueError):
-the SSM pool keeps each head's [P, N] state contiguous (true of `StatePools`).
+the SSM pool keeps each head's [P, N] state contiguous (true of `StatePools`). Kernels launch on
+the current CUDA device: a worker on `cuda:N` must `torch.cuda.set_device(N)` first. Every op is
+batch invariant (a request's result is bitwise the same alone or batched), and decode rows whose
+slot is 0 (padding) are computed from the zero padding state but never written back.
 Importing this module imports triton: on a CPU-only machine set TRITON_INTERPRET=1 first.
 `select_ops` (re-exported here) lives in the triton-free `triton_select` module.
 """
