@@ -91,15 +91,24 @@ def test_memory_pressure_completes_identically(runner) -> None:
     prefixes = [[rng.randrange(256) for _ in range(80)] for _ in range(4)]
     prompts = [prefixes[i % 4] + [rng.randrange(256) for _ in range(rng.randint(5, 30))] for i in range(64)]
     expected = [generate_greedy(runner, p, 24) for p in prompts]
-    args = ["--max-total-tokens", "700", "--max-mamba-cache-size", "10", "--max-running-requests", "16",
-            "--chunked-prefill-size", "32", "--max-prefill-tokens", "128"]
+    # Capacity is checked before any copy-on-write allocation, so CoW failures come from the
+    # workers here (injected refusals), never from the scheduler's own allocator.
+    args = ["--max-total-tokens", "500", "--max-mamba-cache-size", "10", "--max-running-requests", "16",
+            "--chunked-prefill-size", "32", "--max-prefill-tokens", "128", "--fault-refuse-cow-fraction", "0.2"]
     with running_server(args) as server:
         t0 = time.monotonic()
         outputs = asyncio.run(_concurrent(server, prompts, 24))
         assert time.monotonic() - t0 < 240
         assert outputs == expected
         assert metric(server, "hyssm_admission_refusals_total") > 0
+        assert metric(server, "hyssm_admission_refusals_total", reason="worker_refusal") > 0
+        assert metric(server, "hyssm_admission_retries_total") > 0
         assert metric(server, "hyssm_retractions_total") > 0
+        # a retracted request resumes from its saved progress; under this much KV pressure part of
+        # that progress is evicted for the other requests (about a third measured), never most of it
+        retracted = metric(server, "hyssm_retracted_tokens_total")
+        recomputed = metric(server, "hyssm_retract_recomputed_tokens_total")
+        assert retracted > 0 and recomputed <= 0.5 * retracted, (recomputed, retracted)
         with server.client() as client:
             info = client.get("/get_server_info").json()
         sched = info["scheduler"]["server"]

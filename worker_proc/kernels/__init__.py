@@ -9,6 +9,8 @@ tensors are one layer's view (`[S, ...]`, S = slots + 1, slot 0 = padding).
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from worker_proc.kernels import reference as ref
@@ -130,10 +132,13 @@ KernelOps = ReferenceOps
 """The interface every implementation provides (the reference defines it)."""
 
 
-def get_ops(device: torch.device | str) -> KernelOps:
-    """The kernel implementation for `device`. Today the reference everywhere (batch invariant on
-    CPU); Triton kernels for CUDA plug in here once they pass their checks against the reference."""
-    return ReferenceOps(batch_invariant=torch.device(device).type == "cpu")
+def get_ops(device: torch.device | str, force: str | None = None) -> KernelOps:
+    """The kernel implementation for `device`: Triton kernels for CUDA tensors, the reference
+    elsewhere (batch invariant on CPU). `force`, or else the HYSSM_KERNELS environment variable
+    ("reference" | "triton"), overrides the choice for debugging."""
+    from worker_proc.kernels.triton_select import select_ops
+
+    return select_ops(device, force if force is not None else os.environ.get("HYSSM_KERNELS"))
 
 
 __all__ = ["KernelOps", "ReferenceOps", "get_ops"]
