@@ -1,8 +1,8 @@
 """Checkpoint loading: `config.json` + single-file or sharded safetensors -> `HybridForCausalLM`.
 
 Owned by the worker runtime. Every failure is a `ModelLoadError` whose message names the file,
-the architecture or the tensor at fault. Tensors go through the model's per-parameter
-`shard_for_rank` hook, the single place tensor parallelism will slice them.
+the architecture or the tensor at fault. Under tensor parallelism each rank reads only its slice
+of every tensor (`safe_open(...).get_slice`), as the model's `shard_spec` names it.
 """
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -19,7 +20,8 @@ from tqdm import tqdm
 from shared.errors import ModelLoadError
 from shared.model_info import read_config_json
 from worker_proc.model.config import HybridConfig
-from worker_proc.model.hybrid import HybridForCausalLM, TPInfo
+from worker_proc.model.hybrid import HybridForCausalLM
+from worker_proc.model.tp import ShardSpec, TPInfo
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +69,23 @@ def weight_files(model_dir: str) -> dict[str, list[str]]:
     return {single: []}
 
 
-def _iter_tensors(files: dict[str, list[str]]) -> Iterator[tuple[str, str, torch.Tensor]]:
+def _read(f: Any, key: str, spec: ShardSpec | None) -> tuple[torch.Tensor, float]:
+    """The tensor `key` of an open safetensors file, only the ranges of `spec` read from disk,
+    and the fraction of the stored tensor that is (for the progress bar)."""
+    if spec is None:
+        return f.get_tensor(key), 1.0
+    sl = f.get_slice(key)
+    lead = (slice(None),) * spec.dim
+    parts = [sl[(*lead, slice(a, b))] for a, b in spec.ranges]
+    local = parts[0] if len(parts) == 1 else torch.cat(parts, dim=spec.dim)
+    return local, spec.length / max(1, sl.get_shape()[spec.dim])
+
+
+def _iter_tensors(
+    files: dict[str, list[str]], spec_of: Callable[[str], ShardSpec | None]
+) -> Iterator[tuple[str, str, torch.Tensor, float]]:
+    """(file, checkpoint name, this rank's part of the tensor, its fraction of the stored tensor);
+    `spec_of` takes the canonical name."""
     for path, names in files.items():
         try:
             with safe_open(path, framework="pt", device="cpu") as f:
@@ -78,7 +96,7 @@ def _iter_tensors(files: dict[str, list[str]]) -> Iterator[tuple[str, str, torch
                     if missing:
                         raise ModelLoadError(f"{path} lacks tensor {missing[0]!r} listed in the shard index")
                 for key in keys:
-                    yield path, key, f.get_tensor(key)
+                    yield path, key, *_read(f, key, spec_of(_canonical(key)))
         except ModelLoadError:
             raise
         except Exception as e:  # safetensors raises its own error types for corrupt files
@@ -100,15 +118,14 @@ def load_weights(model: HybridForCausalLM, files: dict[str, list[str]]) -> None:
     bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc="loading weights",
                disable=total_bytes < _PROGRESS_MIN_BYTES)
     with bar:
-        for path, raw_name, tensor in _iter_tensors(files):
-            bar.update(tensor.numel() * tensor.element_size())
+        for path, raw_name, local, fraction in _iter_tensors(files, model.shard_spec):
+            bar.update(int(local.numel() * local.element_size() / fraction))
             name = _canonical(raw_name)
             if name == "lm_head.weight" and model.lm_head is None:
                 continue  # tied head stored anyway: the embedding is the head
             param = params.get(name)
             if param is None:
                 raise ModelLoadError(f"unexpected tensor {raw_name!r} in {path} (not a parameter of the model)")
-            local = model.shard_for_rank(name, tensor)
             if tuple(local.shape) != tuple(param.shape):
                 raise ModelLoadError(
                     f"tensor {raw_name!r} in {path} has shape {tuple(local.shape)}, expected {tuple(param.shape)}"

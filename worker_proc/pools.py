@@ -4,10 +4,12 @@ Owned by the worker (one instance per rank). The scheduler owns every slot *numb
 which slots a request uses, and the worker only reads/writes the tensors at those slots. Slot 0 of
 every pool is padding: never handed out, never written, always zero (checked by check_integrity).
 
-Layout (S = capacity + 1):
+Layout (S = capacity + 1; head and channel counts are this rank's, see worker_proc.model.tp:
+kv_heads / tp or 1 replicated KV head, heads / tp, conv channels of the rank's heads and groups):
   k, v : [attn_layers,  S_kv,    kv_heads, head_dim]            model dtype
   conv : [mamba_layers, S_mamba, conv_dim, d_conv - 1]          model dtype
   ssm  : [mamba_layers, S_mamba, heads, head_dim, d_state]      float32 (always)
+Capacities are planned per rank from the rank's own slot sizes; the scheduler uses the minimum.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from worker_proc.model.config import HybridConfig
+from worker_proc.model.tp import AttnShard, MambaShard
 
 logger = logging.getLogger(__name__)
 
@@ -30,18 +33,18 @@ class SlotBytes:
     mamba_state: int  # one Mamba state slot (conv + ssm, every Mamba layer)
 
 
-def slot_bytes(cfg: HybridConfig, dtype: torch.dtype, tp_size: int = 1) -> SlotBytes:
+def slot_bytes(cfg: HybridConfig, dtype: torch.dtype, tp_size: int = 1, tp_rank: int = 0) -> SlotBytes:
     elt = torch.empty((), dtype=dtype).element_size()
-    kv_heads = max(1, cfg.num_kv_heads // tp_size)
-    kv = len(cfg.attn_layer_ids) * 2 * kv_heads * cfg.head_dim * elt
-    heads = max(1, cfg.mamba_n_heads // tp_size)
-    conv = (cfg.conv_dim // tp_size) * (cfg.mamba_d_conv - 1) * elt
-    ssm = heads * cfg.mamba_d_head * cfg.mamba_d_state * 4
+    attn, mamba = AttnShard.of(cfg, tp_rank, tp_size), MambaShard.of(cfg, tp_rank, tp_size)
+    kv = len(cfg.attn_layer_ids) * 2 * attn.kv_heads * cfg.head_dim * elt
+    conv = mamba.conv_dim * (cfg.mamba_d_conv - 1) * elt
+    ssm = mamba.heads * cfg.mamba_d_head * cfg.mamba_d_state * 4
     return SlotBytes(kv_token=kv, mamba_state=len(cfg.mamba_layer_ids) * (conv + ssm))
 
 
 def plan_capacities(
-    cfg: HybridConfig, budget_bytes: int, mamba_ratio: float, dtype: torch.dtype, tp_size: int = 1
+    cfg: HybridConfig, budget_bytes: int, mamba_ratio: float, dtype: torch.dtype, tp_size: int = 1,
+    tp_rank: int = 0,
 ) -> tuple[int, int]:
     """Split `budget_bytes` into (kv_slots, mamba_slots), usable counts excluding padding slot 0.
 
@@ -51,7 +54,7 @@ def plan_capacities(
     """
     if not 0.0 < mamba_ratio < 1.0:
         raise ValueError(f"mamba_ratio must be in (0, 1), got {mamba_ratio}")
-    sb = slot_bytes(cfg, dtype, tp_size)
+    sb = slot_bytes(cfg, dtype, tp_size, tp_rank)
     if sb.mamba_state == 0:
         mamba_ratio = 0.0
     elif sb.kv_token == 0:
@@ -77,6 +80,7 @@ class StatePools:
         dtype: torch.dtype,
         device: torch.device | str,
         tp_size: int = 1,
+        tp_rank: int = 0,
     ) -> None:
         if kv_slots < 0 or mamba_slots < 0:
             raise ValueError("pool capacities must be >= 0")
@@ -84,14 +88,13 @@ class StatePools:
         self.mamba_capacity = mamba_slots
         self.dtype = dtype
         n_attn, n_mamba = len(cfg.attn_layer_ids), len(cfg.mamba_layer_ids)
-        kv_heads = max(1, cfg.num_kv_heads // tp_size)
-        heads = max(1, cfg.mamba_n_heads // tp_size)
-        kv_shape = (n_attn, kv_slots + 1, kv_heads, cfg.head_dim)
+        attn, mamba = AttnShard.of(cfg, tp_rank, tp_size), MambaShard.of(cfg, tp_rank, tp_size)
+        kv_shape = (n_attn, kv_slots + 1, attn.kv_heads, cfg.head_dim)
         self.k = torch.zeros(kv_shape, dtype=dtype, device=device)
         self.v = torch.zeros(kv_shape, dtype=dtype, device=device)
-        conv_shape = (n_mamba, mamba_slots + 1, cfg.conv_dim // tp_size, cfg.mamba_d_conv - 1)
+        conv_shape = (n_mamba, mamba_slots + 1, mamba.conv_dim, cfg.mamba_d_conv - 1)
         self.conv = torch.zeros(conv_shape, dtype=dtype, device=device)
-        ssm_shape = (n_mamba, mamba_slots + 1, heads, cfg.mamba_d_head, cfg.mamba_d_state)
+        ssm_shape = (n_mamba, mamba_slots + 1, mamba.heads, cfg.mamba_d_head, cfg.mamba_d_state)
         self.ssm = torch.zeros(ssm_shape, dtype=torch.float32, device=device)
         logger.info(
             "state pools: %d KV token slots (%d attention layers), %d Mamba slots (%d Mamba layers), %.1f MiB",

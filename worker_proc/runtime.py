@@ -59,10 +59,10 @@ class ModelRunner:
         kv, mamba = kv_slots, mamba_slots
         if kv <= 0 or mamba <= 0:
             budget = mem_budget_bytes or self._default_budget()
-            planned_kv, planned_mamba = plan_capacities(self.cfg, budget, mamba_ratio, self.dtype, tp_size)
+            planned_kv, planned_mamba = plan_capacities(self.cfg, budget, mamba_ratio, self.dtype, tp_size, tp_rank)
             kv = kv if kv > 0 else planned_kv
             mamba = mamba if mamba > 0 else planned_mamba
-        self.pools = StatePools(self.cfg, kv, mamba, self.dtype, self.device, tp_size)
+        self.pools = StatePools(self.cfg, kv, mamba, self.dtype, self.device, tp_size, tp_rank)
         self.kv_capacity = kv
         self.mamba_capacity = mamba
         self.ops = get_ops(self.device)
@@ -83,8 +83,9 @@ class ModelRunner:
         logprobs: dict[str, float] = {}
         if reqs:
             sb = self._build(reqs, all_rows=False)
-            logits = self.model.forward_step(sb, self.pools, self.ops)
-            if sb.logit_rids:
+            sampler = self.tp_rank == 0  # rank 0 samples and replies; the others only advance state
+            logits = self.model.forward_step(sb, self.pools, self.ops, want_logits=sampler)
+            if sb.logit_rids and sampler:
                 next_tokens, logprobs = self._sample(logits, sb, {r.rid: r for r in reqs})
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

@@ -1,9 +1,27 @@
-"""GraniteMoeHybrid-compatible hybrid Mamba2 + attention model (owned by the worker runtime)."""
+"""GraniteMoeHybrid-compatible hybrid Mamba2 + attention model (owned by the worker runtime).
+
+Names are imported lazily so that `worker_proc.model.config` (torch-free) can be read by the
+launcher's start-up checks without importing torch.
+"""
 
 from __future__ import annotations
 
-from worker_proc.model.batch import StepBatch, build_step_batch
-from worker_proc.model.config import HybridConfig
-from worker_proc.model.hybrid import HybridForCausalLM, TPInfo
+import importlib
+from typing import Any
 
-__all__ = ["HybridConfig", "HybridForCausalLM", "StepBatch", "TPInfo", "build_step_batch"]
+_EXPORTS = {
+    "HybridConfig": "worker_proc.model.config",
+    "HybridForCausalLM": "worker_proc.model.hybrid",
+    "StepBatch": "worker_proc.model.batch",
+    "TPInfo": "worker_proc.model.tp",
+    "build_step_batch": "worker_proc.model.batch",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

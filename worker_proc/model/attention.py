@@ -14,6 +14,7 @@ from worker_proc.kernels import KernelOps
 from worker_proc.model.batch import StepBatch
 from worker_proc.model.config import HybridConfig
 from worker_proc.model.layers import Linear
+from worker_proc.model.tp import AttnShard, TPInfo, row_parallel
 
 
 def rope_cos_sin(
@@ -43,14 +44,19 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: HybridConfig, dtype: torch.dtype, device: torch.device) -> None:
+    """This rank's query/KV heads (see worker_proc.model.tp): column-parallel q/k/v, row-parallel o_proj."""
+
+    def __init__(self, cfg: HybridConfig, dtype: torch.dtype, device: torch.device, tp: TPInfo) -> None:
         super().__init__()
         self.cfg = cfg
+        self.tp = tp
+        shard = AttnShard.of(cfg, tp.rank, tp.size)
+        self.heads, self.kv_heads = shard.heads, shard.kv_heads
         hd, bias = cfg.head_dim, cfg.attention_bias
-        self.q_proj = Linear(cfg.hidden_size, cfg.num_heads * hd, bias=bias, dtype=dtype, device=device)
-        self.k_proj = Linear(cfg.hidden_size, cfg.num_kv_heads * hd, bias=bias, dtype=dtype, device=device)
-        self.v_proj = Linear(cfg.hidden_size, cfg.num_kv_heads * hd, bias=bias, dtype=dtype, device=device)
-        self.o_proj = Linear(cfg.num_heads * hd, cfg.hidden_size, bias=bias, dtype=dtype, device=device)
+        self.q_proj = Linear(cfg.hidden_size, self.heads * hd, bias=bias, dtype=dtype, device=device)
+        self.k_proj = Linear(cfg.hidden_size, self.kv_heads * hd, bias=bias, dtype=dtype, device=device)
+        self.v_proj = Linear(cfg.hidden_size, self.kv_heads * hd, bias=bias, dtype=dtype, device=device)
+        self.o_proj = Linear(self.heads * hd, cfg.hidden_size, bias=bias, dtype=dtype, device=device)
 
     def forward(
         self,
@@ -64,9 +70,9 @@ class Attention(nn.Module):
         """h: [T, hidden]; k_pool, v_pool: [S, kvh, d] of this layer; rope: (cos, sin) or None."""
         cfg = self.cfg
         t = h.shape[0]
-        q = self.q_proj(h).view(t, cfg.num_heads, cfg.head_dim)
-        k = self.k_proj(h).view(t, cfg.num_kv_heads, cfg.head_dim)
-        v = self.v_proj(h).view(t, cfg.num_kv_heads, cfg.head_dim)
+        q = self.q_proj(h).view(t, self.heads, cfg.head_dim)
+        k = self.k_proj(h).view(t, self.kv_heads, cfg.head_dim)
+        v = self.v_proj(h).view(t, self.kv_heads, cfg.head_dim)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         k_pool.index_copy_(0, batch.new_kv_slots, k.to(k_pool.dtype))
@@ -79,4 +85,4 @@ class Attention(nn.Module):
         for seg in batch.prefill:
             rows = slice(seg.row_start, seg.row_end)
             out[rows] = ops.attn_prefill(q[rows], k_pool, v_pool, seg.kv_idx, seg.start_pos, scale)
-        return self.o_proj(out.view(t, -1))
+        return row_parallel(out.view(t, -1), self.o_proj, self.tp)

@@ -83,6 +83,30 @@ class HybridConfig:
             raise ModelLoadError(f"{source}: {e}") from e
 
 
+def tp_layout_error(cfg: HybridConfig, tp_size: int) -> str | None:
+    """Why `cfg` cannot be split over `tp_size` ranks (one line naming the config field), or None."""
+    if tp_size == 1:
+        return None
+    checks: list[tuple[int, str]] = []
+    if cfg.attn_layer_ids:
+        checks.append((cfg.num_heads, "num_attention_heads"))
+        kv = cfg.num_kv_heads
+        if kv >= tp_size:
+            checks.append((kv, "num_key_value_heads"))
+        elif tp_size % kv:
+            return (f"--tp-size {tp_size} is not a multiple of num_key_value_heads {kv} "
+                    f"(fewer KV heads than ranks are replicated, so they must divide --tp-size)")
+    if cfg.mamba_layer_ids:
+        checks.append((cfg.mamba_n_heads, "mamba_n_heads"))
+    checks.append((cfg.shared_intermediate_size, "shared_intermediate_size"))
+    if cfg.num_experts:
+        checks.append((cfg.intermediate_size, "intermediate_size"))
+    for value, field in checks:
+        if value % tp_size:
+            return f"--tp-size {tp_size} does not divide {field} {value} of the model's config.json"
+    return None
+
+
 def _rope_theta(cfg: dict) -> float | None:
     if cfg.get("position_embedding_type") != "rope":
         return None

@@ -7,52 +7,48 @@ checkpoint's tensor names are this module's `state_dict` keys. Per layer:
     r = h; x = post_attention_layernorm(h); h = r + (moe(x) + shared_mlp(x)) * residual_multiplier
 
 with embeddings scaled by `embedding_multiplier` and logits divided by `logits_scaling`.
-Tensor parallelism: the constructor takes `tp` and every parameter is loaded through
-`shard_for_rank` (identity for one rank), so sharding plugs in without changing the model.
+Tensor parallelism: the constructor takes `tp`; every module is built with this rank's sizes and
+the loader reads each parameter's slice through `shard_spec` (rules in worker_proc.model.tp).
+Row-parallel outputs are all-reduced inside the layer, so the residual stream `h` is whole and
+identical on every rank; embedding and LM head are replicated (every rank computes the logits).
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shared.errors import ModelLoadError
 from worker_proc.kernels import KernelOps
 from worker_proc.model.attention import Attention, rope_cos_sin
 from worker_proc.model.batch import StepBatch
-from worker_proc.model.config import HybridConfig
+from worker_proc.model.config import HybridConfig, tp_layout_error
 from worker_proc.model.layers import GatedMLP, Linear, RMSNorm, SparseMoE, _empty, linear
 from worker_proc.model.mamba import MambaMixer
+from worker_proc.model.tp import ShardSpec, TPInfo, shard_spec
 from worker_proc.pools import StatePools
 
-
-@dataclass(frozen=True)
-class TPInfo:
-    """This rank's place in the tensor-parallel group (group = a torch.distributed group or None)."""
-
-    rank: int = 0
-    size: int = 1
-    group: Any = None
+__all__ = ["DecoderLayer", "HybridForCausalLM", "HybridModel", "TPInfo"]
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: HybridConfig, index: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, cfg: HybridConfig, index: int, dtype: torch.dtype, device: torch.device, tp: TPInfo) -> None:
         super().__init__()
+        self.tp = tp
         self.kind = cfg.layer_kinds[index]
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         if self.kind == "mamba":
-            self.mamba = MambaMixer(cfg, dtype, device)
+            self.mamba = MambaMixer(cfg, dtype, device, tp)
             self.pool_index = cfg.mamba_layer_ids.index(index)
         else:
-            self.self_attn = Attention(cfg, dtype, device)
+            self.self_attn = Attention(cfg, dtype, device, tp)
             self.pool_index = cfg.attn_layer_ids.index(index)
-        self.shared_mlp = GatedMLP(cfg.hidden_size, cfg.shared_intermediate_size, dtype, device)
+        shared, moe = cfg.shared_intermediate_size // tp.size, cfg.intermediate_size // tp.size
+        self.shared_mlp = GatedMLP(cfg.hidden_size, shared, dtype, device)
         self.block_sparse_moe = (
-            SparseMoE(cfg.hidden_size, cfg.intermediate_size, cfg.num_experts, cfg.num_experts_per_tok, dtype, device)
+            SparseMoE(cfg.hidden_size, moe, cfg.num_experts, cfg.num_experts_per_tok, dtype, device)
             if cfg.num_experts > 0
             else None
         )
@@ -77,15 +73,16 @@ class DecoderLayer(nn.Module):
         mlp = self.shared_mlp(x)
         if self.block_sparse_moe is not None:
             mlp = self.block_sparse_moe(x) + mlp
+        mlp = self.tp.all_reduce(mlp)  # MLP and MoE are row-parallel: one sum of both partials
         return h + mlp * self.residual_multiplier
 
 
 class HybridModel(nn.Module):
-    def __init__(self, cfg: HybridConfig, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, cfg: HybridConfig, dtype: torch.dtype, device: torch.device, tp: TPInfo) -> None:
         super().__init__()
         self.embed_tokens = nn.Module()
         self.embed_tokens.weight = _empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype, device) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype, device, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
 
 
@@ -97,32 +94,41 @@ class HybridForCausalLM(nn.Module):
     ) -> None:
         super().__init__()
         self.tp = tp or TPInfo()
-        if self.tp.size != 1:
-            raise NotImplementedError("tensor parallelism (tp_size > 1) is not implemented yet")
+        if not 0 <= self.tp.rank < self.tp.size:
+            raise ValueError(f"tensor-parallel rank {self.tp.rank} outside [0, {self.tp.size})")
+        problem = tp_layout_error(cfg, self.tp.size)
+        if problem:
+            raise ModelLoadError(problem)
         device = torch.device(device)
         self.cfg = cfg
         self.dtype = dtype
         self.device = device
-        self.model = HybridModel(cfg, dtype, device)
+        self.model = HybridModel(cfg, dtype, device, self.tp)
         self.lm_head = (
             None
             if cfg.tie_word_embeddings
             else Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, device=device)
         )
 
+    def shard_spec(self, name: str) -> ShardSpec | None:
+        """Which slice of checkpoint tensor `name` (parameter name) this rank holds; None = whole."""
+        return shard_spec(self.cfg, self.tp, name)
+
     def shard_for_rank(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """The part of checkpoint tensor `name` this rank holds. The per-parameter hook where tensor
-        parallel sharding goes; with one rank every tensor is held whole."""
-        del name
-        return tensor
+        """The part of the whole checkpoint tensor `name` this rank holds."""
+        spec = self.shard_spec(name)
+        return tensor if spec is None else spec.apply(tensor)
 
     def lm_head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     @torch.inference_mode()
-    def forward_step(self, batch: StepBatch, pools: StatePools, ops: KernelOps) -> torch.Tensor:
+    def forward_step(
+        self, batch: StepBatch, pools: StatePools, ops: KernelOps, want_logits: bool = True
+    ) -> torch.Tensor:
         """Run every layer over the step's rows, writing KV and advancing Mamba state in place.
-        Returns float32 logits [len(batch.logit_rows), vocab] (already divided by logits_scaling)."""
+        Returns float32 logits [len(batch.logit_rows), vocab] (already divided by logits_scaling);
+        with `want_logits=False` (ranks that do not sample) the LM head is skipped: [0, vocab]."""
         cfg = self.cfg
         h = F.embedding(batch.input_ids, self.model.embed_tokens.weight) * cfg.embedding_multiplier
         rope = None
@@ -130,5 +136,7 @@ class HybridForCausalLM(nn.Module):
             rope = rope_cos_sin(batch.positions, cfg.head_dim, cfg.rope_theta, self.dtype)
         for layer in self.model.layers:
             h = layer(h, batch, rope, pools, ops)
+        if not want_logits:
+            return h.new_empty(0, cfg.vocab_size, dtype=torch.float32)
         h = self.model.norm(h[batch.logit_rows])
         return linear(h, self.lm_head_weight()).float() / cfg.logits_scaling

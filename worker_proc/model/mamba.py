@@ -4,6 +4,7 @@ Owned by the worker runtime. in_proj -> split (z | xBC | dt) -> causal depthwise
 xBC -> split (x | B | C) -> SSD scan (A = -exp(A_log), D skip, dt_bias, softplus, time_step_limit)
 -> gated RMSNorm grouped by n_groups -> out_proj. The conv and SSM states live in the worker's
 pools and are read/advanced in place by slot; this module owns no state of its own.
+Under tensor parallelism every size here is this rank's (`MambaShard`, see worker_proc.model.tp).
 """
 
 from __future__ import annotations
@@ -15,23 +16,37 @@ from worker_proc.kernels import KernelOps
 from worker_proc.model.batch import StepBatch
 from worker_proc.model.config import HybridConfig
 from worker_proc.model.layers import GatedRMSNorm, Linear, _empty
+from worker_proc.model.tp import MambaShard, SpanGatedRMSNorm, TPInfo, row_parallel
 
 
 class MambaMixer(nn.Module):
-    def __init__(self, cfg: HybridConfig, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, cfg: HybridConfig, dtype: torch.dtype, device: torch.device, tp: TPInfo) -> None:
         super().__init__()
         self.cfg = cfg
-        inner, heads = cfg.mamba_intermediate, cfg.mamba_n_heads
-        proj = inner + cfg.conv_dim + heads
+        self.tp = tp
+        s = self.shard = MambaShard.of(cfg, tp.rank, tp.size)
+        proj = s.inner + s.conv_dim + s.heads
         self.in_proj = Linear(cfg.hidden_size, proj, bias=cfg.mamba_proj_bias, dtype=dtype, device=device)
         self.conv1d = nn.Module()
-        self.conv1d.weight = _empty(cfg.conv_dim, 1, cfg.mamba_d_conv, dtype=dtype, device=device)
-        self.conv1d.bias = _empty(cfg.conv_dim, dtype=dtype, device=device) if cfg.mamba_conv_bias else None
-        self.A_log = _empty(heads, dtype=dtype, device=device)
-        self.D = _empty(heads, dtype=dtype, device=device)
-        self.dt_bias = _empty(heads, dtype=dtype, device=device)
-        self.norm = GatedRMSNorm(inner, cfg.mamba_n_groups, cfg.rms_norm_eps, dtype, device)
-        self.out_proj = Linear(inner, cfg.hidden_size, bias=cfg.mamba_proj_bias, dtype=dtype, device=device)
+        self.conv1d.weight = _empty(s.conv_dim, 1, cfg.mamba_d_conv, dtype=dtype, device=device)
+        self.conv1d.bias = _empty(s.conv_dim, dtype=dtype, device=device) if cfg.mamba_conv_bias else None
+        self.A_log = _empty(s.heads, dtype=dtype, device=device)
+        self.D = _empty(s.heads, dtype=dtype, device=device)
+        self.dt_bias = _empty(s.heads, dtype=dtype, device=device)
+        self.norm: nn.Module = (
+            SpanGatedRMSNorm(s, cfg.mamba_n_groups, cfg.rms_norm_eps, tp, dtype, device)
+            if s.norm_shared
+            else GatedRMSNorm(s.inner, s.norm_groups, cfg.rms_norm_eps, dtype, device)
+        )
+        self.out_proj = Linear(s.inner, cfg.hidden_size, bias=cfg.mamba_proj_bias, dtype=dtype, device=device)
+        # expands B/C to one group per head when this rank's heads spread unevenly over its groups
+        head_group = None if s.head_group is None else torch.tensor(s.head_group, dtype=torch.int64, device=device)
+        self.register_buffer("head_group", head_group, persistent=False)
+
+    def _groups(self, t: torch.Tensor) -> torch.Tensor:
+        """[T, groups * N] -> [T, G', N] with this rank's heads spread evenly over the G' groups."""
+        t = t.reshape(t.shape[0], len(self.shard.groups), self.shard.d_state)
+        return t if self.head_group is None else t.index_select(1, self.head_group)
 
     def forward(
         self,
@@ -42,25 +57,20 @@ class MambaMixer(nn.Module):
         ops: KernelOps,
     ) -> torch.Tensor:
         """h: [T, hidden]; conv_pool: [S, conv_dim, K-1] and ssm_pool: [S, H, P, N] of this layer."""
-        cfg = self.cfg
-        inner, heads, p = cfg.mamba_intermediate, cfg.mamba_n_heads, cfg.mamba_d_head
-        gn = cfg.mamba_n_groups * cfg.mamba_d_state
-        z, xbc, dt = self.in_proj(h).split([inner, cfg.conv_dim, heads], dim=-1)
+        cfg, s = self.cfg, self.shard
+        inner, heads, p, gn = s.inner, s.heads, s.d_head, s.group_dim
+        z, xbc, dt = self.in_proj(h).split([inner, s.conv_dim, heads], dim=-1)
         weight = self.conv1d.weight[:, 0, :]
         bias = self.conv1d.bias
         a = -torch.exp(self.A_log.float())
         y = torch.empty(h.shape[0], heads, p, dtype=torch.float32, device=h.device)
-
-        def groups(t: torch.Tensor) -> torch.Tensor:
-            return t.reshape(t.shape[0], cfg.mamba_n_groups, cfg.mamba_d_state)
-
         if batch.dec_rows.numel():
             rows = batch.dec_rows
             slots = batch.dec_mamba_slots
             conv_out = ops.conv_decode(xbc[rows], conv_pool, slots, weight, bias)
             x, b, c = conv_out.split([inner, gn, gn], dim=-1)
             y[rows] = ops.ssd_decode(
-                x.reshape(-1, heads, p), dt[rows], a, groups(b), groups(c),
+                x.reshape(-1, heads, p), dt[rows], a, self._groups(b), self._groups(c),
                 self.D, self.dt_bias, cfg.time_step_limit, ssm_pool, slots,
             )
         for seg in batch.prefill:
@@ -68,8 +78,8 @@ class MambaMixer(nn.Module):
             conv_out = ops.conv_prefill(xbc[rows], conv_pool, seg.mamba_slot, weight, bias)
             x, b, c = conv_out.split([inner, gn, gn], dim=-1)
             y[rows] = ops.ssd_prefill(
-                x.reshape(-1, heads, p), dt[rows], a, groups(b), groups(c), self.D, self.dt_bias,
+                x.reshape(-1, heads, p), dt[rows], a, self._groups(b), self._groups(c), self.D, self.dt_bias,
                 cfg.time_step_limit, cfg.mamba_chunk_size, ssm_pool, seg.mamba_slot,
             )
         out = self.norm(y.view(h.shape[0], inner), z)
-        return self.out_proj(out.to(h.dtype))
+        return row_parallel(out.to(h.dtype), self.out_proj, self.tp)

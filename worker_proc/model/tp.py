@@ -1,0 +1,230 @@
+"""Tensor-parallel layout of one rank: which heads, groups and channels it holds, which slice of
+every checkpoint tensor it loads, and the collectives of the forward pass.
+
+Owned by the worker runtime. The rules (N = tp size, r = rank):
+- Attention: query heads split evenly; KV heads split evenly when N divides them, else every
+  rank holds the one KV head its query heads read (N must then be a multiple of the KV heads).
+  q/k/v projections are column-parallel, o_proj row-parallel (all-reduce, bias added once after).
+- Mamba: heads split evenly, with their x conv channels, dt, A_log, D, dt_bias, z and norm
+  channels. B/C groups split evenly when N divides n_groups; otherwise every rank holds the
+  (contiguous) groups its heads map to, with their conv channels. out_proj is row-parallel.
+- Gated RMSNorm is grouped by n_groups: when N divides n_groups each rank holds whole norm
+  groups and normalises locally; otherwise a norm group spans ranks and the per-group sums of
+  squares are all-reduced before normalising (exact, every rank gets the same statistics).
+- Shared MLP and MoE experts: split on the intermediate dimension (gate and up halves each);
+  the router is replicated. The layer's MLP + MoE partial sums are all-reduced once.
+- Embedding, LM head and the residual-stream norms are replicated: every rank holds the same
+  hidden state after each all-reduce and computes the same logits; rank 0 samples.
+With N = 1 nothing is sliced and no collective runs: the single-rank path is unchanged.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from worker_proc.model.config import HybridConfig
+from worker_proc.model.layers import Linear, _empty, linear
+
+Range = tuple[int, int]
+
+
+@dataclass(frozen=True)
+class TPInfo:
+    """This rank's place in the tensor-parallel group (group = a torch.distributed group or None)."""
+
+    rank: int = 0
+    size: int = 1
+    group: Any = None
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum `x` over the ranks in place (no-op for one rank); returns `x`."""
+        if self.size > 1:
+            dist.all_reduce(x, group=self.group)
+        return x
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """The part of a checkpoint tensor a rank holds: the listed index ranges along `dim`,
+    concatenated in order."""
+
+    dim: int
+    ranges: tuple[Range, ...]
+
+    def apply(self, tensor: torch.Tensor) -> torch.Tensor:
+        return torch.cat([tensor.narrow(self.dim, a, b - a) for a, b in self.ranges], dim=self.dim)
+
+    @property
+    def length(self) -> int:
+        return sum(b - a for a, b in self.ranges)
+
+
+@dataclass(frozen=True)
+class AttnShard:
+    heads: int  # local query heads
+    head_start: int
+    kv_heads: int  # local KV heads
+    kv_start: int
+
+    @staticmethod
+    def of(cfg: HybridConfig, rank: int, size: int) -> AttnShard:
+        heads = cfg.num_heads // size
+        if cfg.num_kv_heads >= size:
+            kv = cfg.num_kv_heads // size
+            return AttnShard(heads, rank * heads, kv, rank * kv)
+        q_per_kv = cfg.num_heads // cfg.num_kv_heads
+        return AttnShard(heads, rank * heads, 1, (rank * heads) // q_per_kv)
+
+
+@dataclass(frozen=True)
+class MambaShard:
+    heads: int  # local Mamba heads [head_start, head_start + heads)
+    head_start: int
+    d_head: int
+    d_state: int
+    groups: tuple[int, ...]  # global B/C groups held, contiguous and ascending
+    head_group: tuple[int, ...] | None  # local group index of each local head; None = evenly spread
+    norm_groups: int  # local norm groups when norm_shared is False
+    norm_shared: bool  # a norm group spans ranks: sums of squares are all-reduced
+    norm_group_size: int  # channels per (global) norm group
+
+    @staticmethod
+    def of(cfg: HybridConfig, rank: int, size: int) -> MambaShard:
+        heads, g_all = cfg.mamba_n_heads // size, cfg.mamba_n_groups
+        start = rank * heads
+        per_group = cfg.mamba_n_heads // g_all
+        of_head = [(start + j) // per_group for j in range(heads)]
+        groups = tuple(range(of_head[0], of_head[-1] + 1)) if heads else ()
+        counts = [of_head.count(g) for g in groups]
+        even = len(set(counts)) <= 1
+        head_group = None if even else tuple(g - groups[0] for g in of_head)
+        shared = g_all % size != 0
+        return MambaShard(
+            heads=heads, head_start=start, d_head=cfg.mamba_d_head, d_state=cfg.mamba_d_state,
+            groups=groups, head_group=head_group, norm_groups=max(1, g_all // size), norm_shared=shared,
+            norm_group_size=cfg.mamba_intermediate // g_all,
+        )
+
+    @property
+    def inner(self) -> int:
+        return self.heads * self.d_head
+
+    @property
+    def inner_start(self) -> int:
+        return self.head_start * self.d_head
+
+    @property
+    def group_dim(self) -> int:
+        return len(self.groups) * self.d_state
+
+    @property
+    def conv_dim(self) -> int:
+        return self.inner + 2 * self.group_dim
+
+
+_LAYER = re.compile(r"^model\.layers\.\d+\.(.+)$")
+
+
+def shard_spec(cfg: HybridConfig, tp: TPInfo, name: str) -> ShardSpec | None:
+    """The slice of checkpoint tensor `name` (canonical name) rank `tp.rank` holds; None = whole."""
+    if tp.size == 1:
+        return None
+    m = _LAYER.match(name)
+    if m is None:
+        return None  # embedding, final norm, LM head: replicated
+    sub = m.group(1)
+    if sub.startswith("mamba."):
+        return _mamba_spec(cfg, MambaShard.of(cfg, tp.rank, tp.size), sub.removeprefix("mamba."))
+    if sub.startswith("self_attn."):
+        return _attn_spec(cfg, AttnShard.of(cfg, tp.rank, tp.size), sub.removeprefix("self_attn."))
+    if sub.startswith("shared_mlp."):
+        return _mlp_spec(cfg.shared_intermediate_size, tp, sub.removeprefix("shared_mlp."), 0)
+    if sub.startswith("block_sparse_moe.") and not sub.startswith("block_sparse_moe.router."):
+        return _mlp_spec(cfg.intermediate_size, tp, sub.removeprefix("block_sparse_moe."), 1)
+    return None
+
+
+def _attn_spec(cfg: HybridConfig, s: AttnShard, sub: str) -> ShardSpec | None:
+    hd = cfg.head_dim
+    q = ((s.head_start * hd, (s.head_start + s.heads) * hd),)
+    kv = ((s.kv_start * hd, (s.kv_start + s.kv_heads) * hd),)
+    table = {"q_proj.weight": (0, q), "q_proj.bias": (0, q), "k_proj.weight": (0, kv), "k_proj.bias": (0, kv),
+             "v_proj.weight": (0, kv), "v_proj.bias": (0, kv), "o_proj.weight": (1, q)}
+    hit = table.get(sub)
+    return None if hit is None else ShardSpec(*hit)
+
+
+def _mamba_spec(cfg: HybridConfig, s: MambaShard, sub: str) -> ShardSpec | None:
+    inner, gn = cfg.mamba_intermediate, cfg.mamba_n_groups * cfg.mamba_d_state
+    ch = (s.inner_start, s.inner_start + s.inner)
+    g0 = s.groups[0] * s.d_state
+    b = (g0, g0 + s.group_dim)
+    heads = (s.head_start, s.head_start + s.heads)
+
+    def off(r: Range, o: int) -> Range:
+        return (r[0] + o, r[1] + o)
+
+    conv = (ch, off(b, inner), off(b, inner + gn))  # x | B | C of the conv channels
+    proj = (ch, off(ch, inner), off(b, 2 * inner), off(b, 2 * inner + gn), off(heads, 2 * inner + 2 * gn))
+    table = {
+        "in_proj.weight": (0, proj), "in_proj.bias": (0, proj),
+        "conv1d.weight": (0, conv), "conv1d.bias": (0, conv),
+        "A_log": (0, (heads,)), "D": (0, (heads,)), "dt_bias": (0, (heads,)),
+        "norm.weight": (0, (ch,)), "out_proj.weight": (1, (ch,)),
+    }
+    hit = table.get(sub)
+    return None if hit is None else ShardSpec(*hit)
+
+
+def _mlp_spec(inner: int, tp: TPInfo, sub: str, lead: int) -> ShardSpec | None:
+    """Gated MLP weights: input_linear [.., 2*inner, hidden] (gate | up halves), output_linear
+    [.., hidden, inner]; `lead` = 1 for the stacked expert weights [E, ...]."""
+    part = inner // tp.size
+    own = (tp.rank * part, (tp.rank + 1) * part)
+    if sub == "input_linear.weight":
+        return ShardSpec(lead, (own, (inner + own[0], inner + own[1])))
+    if sub == "output_linear.weight":
+        return ShardSpec(lead + 1, (own,))
+    return None
+
+
+def row_parallel(x: torch.Tensor, layer: Linear, tp: TPInfo) -> torch.Tensor:
+    """A row-parallel projection: each rank multiplies its input columns, the partial sums are
+    all-reduced, and the bias (replicated) is added once after the sum. One rank: `layer(x)`."""
+    if tp.size == 1:
+        return layer(x)
+    out = tp.all_reduce(linear(x, layer.weight))
+    return out if layer.bias is None else out + layer.bias
+
+
+class SpanGatedRMSNorm(nn.Module):
+    """Mamba2 gated RMSNorm over this rank's channels when a norm group spans ranks: the sums
+    of squares of every group are all-reduced, so each rank normalises with the statistics of
+    the whole group (the same numbers on every rank)."""
+
+    def __init__(self, shard: MambaShard, n_groups: int, eps: float, tp: TPInfo,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.weight = _empty(shard.inner, dtype=dtype, device=device)
+        channels = torch.arange(shard.inner_start, shard.inner_start + shard.inner, device=device)
+        self.register_buffer("channel_group", channels // shard.norm_group_size, persistent=False)
+        self.n_groups = n_groups
+        self.group_size = shard.norm_group_size
+        self.eps = eps
+        self.tp = tp
+
+    def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """y: [T, I/N] (float32 scan output), z: [T, I/N] gate -> [T, I/N] float32."""
+        h = y.float() * F.silu(z.float())
+        sums = h.new_zeros(h.shape[0], self.n_groups)
+        sums.index_add_(1, self.channel_group, h.pow(2))
+        self.tp.all_reduce(sums)
+        rstd = torch.rsqrt(sums / self.group_size + self.eps)
+        return self.weight.float() * (h * rstd[:, self.channel_group])
