@@ -89,6 +89,8 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
 def preflight(args: ServerArgs) -> ModelInfo:
     """Checks that fail fast with one line before any process starts."""
     info = ModelInfo.from_dir(args.resolved_model_path)
+    if args.tp_size > 1:
+        _check_tp_layout(args)
     if args.node_rank == 0:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             try:
@@ -104,7 +106,45 @@ def preflight(args: ServerArgs) -> ModelInfo:
                 f"--tp-size {args.tp_size} needs {args.ranks_per_node} GPUs from --base-gpu-id "
                 f"{args.base_gpu_id} on this node, found {n_gpus}"
             )
+    if args.node_rank > 0:
+        _wait_for_node0(args)
     return info
+
+
+def _check_tp_layout(args: ServerArgs) -> None:
+    """The model's head counts (and MLP widths) must split evenly over --tp-size ranks."""
+    from shared.model_info import read_config_json
+    from worker_proc.model.config import HybridConfig, tp_layout_error  # torch-free
+
+    path = args.resolved_model_path
+    cfg = HybridConfig.from_dict(read_config_json(path), os.path.join(path, "config.json"))
+    problem = tp_layout_error(cfg, args.tp_size)
+    if problem:
+        raise ConfigError(problem)
+
+
+def _wait_for_node0(args: ServerArgs) -> None:
+    """A node other than 0 starts nothing until node 0's rendezvous address (--dist-init-addr,
+    served by rank 0) accepts connections, waiting at most --startup-timeout. Node 0 may well
+    start later than this node, so refused connections are retried until the deadline."""
+    host, _, port = args.dist_init_addr.rpartition(":")
+    deadline = time.monotonic() + args.startup_timeout
+    reason = ""
+    try:
+        while True:
+            try:
+                with socket.create_connection((host, int(port)), timeout=1.0):
+                    return
+            except OSError as e:
+                reason = e.strerror or type(e).__name__
+            if time.monotonic() >= deadline:
+                raise ConfigError(
+                    f"--dist-init-addr {args.dist_init_addr} unreachable for {args.startup_timeout:.0f}s "
+                    f"({reason}): is node 0 running with the same address?"
+                )
+            time.sleep(0.25)  # retry interval of a poll on another machine, not synchronisation
+    except KeyboardInterrupt:
+        raise ConfigError(f"interrupted while waiting for node 0 at {args.dist_init_addr}") from None
 
 
 def _free_port() -> int:

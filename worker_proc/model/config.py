@@ -84,26 +84,26 @@ class HybridConfig:
 
 
 def tp_layout_error(cfg: HybridConfig, tp_size: int) -> str | None:
-    """Why `cfg` cannot be split over `tp_size` ranks (one line naming the config field), or None."""
+    """Why `cfg` cannot be split over `tp_size` ranks (one line naming the config field), or None.
+    KV heads fewer than the ranks are replicated, so they must then divide `tp_size`."""
     if tp_size == 1:
         return None
-    checks: list[tuple[int, str]] = []
+    counts: list[tuple[int, str]] = []
     if cfg.attn_layer_ids:
-        checks.append((cfg.num_heads, "num_attention_heads"))
-        kv = cfg.num_kv_heads
-        if kv >= tp_size:
-            checks.append((kv, "num_key_value_heads"))
-        elif tp_size % kv:
-            return (f"--tp-size {tp_size} is not a multiple of num_key_value_heads {kv} "
-                    f"(fewer KV heads than ranks are replicated, so they must divide --tp-size)")
+        counts.append((cfg.num_heads, "num_attention_heads"))
+        if cfg.num_kv_heads >= tp_size:
+            counts.append((cfg.num_kv_heads, "num_key_value_heads"))
     if cfg.mamba_layer_ids:
-        checks.append((cfg.mamba_n_heads, "mamba_n_heads"))
-    checks.append((cfg.shared_intermediate_size, "shared_intermediate_size"))
+        counts.append((cfg.mamba_n_heads, "mamba_n_heads"))
+    counts.append((cfg.shared_intermediate_size, "shared_intermediate_size"))
     if cfg.num_experts:
-        checks.append((cfg.intermediate_size, "intermediate_size"))
-    for value, field in checks:
+        counts.append((cfg.intermediate_size, "intermediate_size"))
+    for value, field in counts:
         if value % tp_size:
             return f"--tp-size {tp_size} does not divide {field} {value} of the model's config.json"
+    if cfg.attn_layer_ids and cfg.num_kv_heads < tp_size and tp_size % cfg.num_kv_heads:
+        return (f"--tp-size {tp_size} is not a multiple of num_key_value_heads {cfg.num_kv_heads} "
+                "(KV heads fewer than the ranks are replicated and must divide --tp-size)")
     return None
 
 
