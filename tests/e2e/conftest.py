@@ -4,6 +4,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from shared.config import builtin_model_dir
 from tests.e2e.server import Server, running_server
 
 
@@ -12,3 +13,11 @@ def server() -> Iterator[Server]:
     """One built-in-model server for the module (tight pools so capacity paths are exercised)."""
     with running_server(["--max-running-requests", "16", "--random-seed", "0"]) as srv:
         yield srv
+
+
+@pytest.fixture(scope="module")
+def reference_runner():
+    """The in-process model runtime: the expected output of each prompt run alone."""
+    from worker_proc.runtime import ModelRunner
+
+    return ModelRunner(builtin_model_dir(), device="cpu", dtype="float32", kv_slots=4096, mamba_slots=8)

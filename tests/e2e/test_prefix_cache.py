@@ -10,19 +10,12 @@ import time
 import httpx
 import pytest
 
-from shared.config import builtin_model_dir
 from tests.e2e.server import Server, running_server
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
 CHUNK = 64  # --chunked-prefill-size used below; also the alignment unit the issue allows
 
-
-@pytest.fixture(scope="module")
-def runner():
-    from worker_proc.runtime import ModelRunner
-
-    return ModelRunner(builtin_model_dir(), device="cpu", dtype="float32", kv_slots=4096, mamba_slots=4)
 
 
 def greedy(client: httpx.Client, ids: list[int], n: int) -> dict:
@@ -44,7 +37,7 @@ def metric(server: Server, name: str, **labels: str) -> float:
     return total
 
 
-def test_shared_system_prompt_hits_from_third_request(runner) -> None:
+def test_shared_system_prompt_hits_from_third_request(reference_runner) -> None:
     from worker_proc.runtime import generate_greedy
 
     rng = random.Random(1)
@@ -53,7 +46,7 @@ def test_shared_system_prompt_hits_from_third_request(runner) -> None:
     with running_server(["--chunked-prefill-size", str(CHUNK)]) as server, server.client() as client:
         results = [greedy(client, p, 8) for p in prompts]
     for i, (prompt, res) in enumerate(zip(prompts, results, strict=True)):
-        assert res["output_ids"] == generate_greedy(runner, prompt, 8), i
+        assert res["output_ids"] == generate_greedy(reference_runner, prompt, 8), i
         if i >= 2:
             assert res["meta_info"]["cached_tokens"] >= 300 - CHUNK, (i, res["meta_info"])
 
@@ -84,13 +77,13 @@ async def _concurrent(server: Server, prompts: list[list[int]], n: int) -> list[
         return await asyncio.gather(*(one(p) for p in prompts))
 
 
-def test_memory_pressure_completes_identically(runner) -> None:
+def test_memory_pressure_completes_identically(reference_runner) -> None:
     from worker_proc.runtime import generate_greedy
 
     rng = random.Random(3)
     prefixes = [[rng.randrange(256) for _ in range(80)] for _ in range(4)]
     prompts = [prefixes[i % 4] + [rng.randrange(256) for _ in range(rng.randint(5, 30))] for i in range(64)]
-    expected = [generate_greedy(runner, p, 24) for p in prompts]
+    expected = [generate_greedy(reference_runner, p, 24) for p in prompts]
     # Capacity is checked before any copy-on-write allocation, so CoW failures come from the
     # workers here (injected refusals), never from the scheduler's own allocator.
     args = ["--max-total-tokens", "500", "--max-mamba-cache-size", "10", "--max-running-requests", "16",

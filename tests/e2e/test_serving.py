@@ -11,17 +11,10 @@ import httpx
 import openai
 import pytest
 
-from shared.config import builtin_model_dir
 from tests.e2e.server import Server
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
-
-@pytest.fixture(scope="module")
-def reference_runner():
-    from worker_proc.runtime import ModelRunner
-
-    return ModelRunner(builtin_model_dir(), device="cpu", dtype="float32", kv_slots=2048, mamba_slots=8)
 
 
 def _generate(client: httpx.Client, ids: list[int], n: int) -> dict:

@@ -53,3 +53,17 @@ def test_injected_step_error_fails_that_batch_and_serving_goes_on() -> None:
         assert again.status_code == 200 and len(again.json()["output_ids"]) == 6
         with server.client() as client:
             assert client.get("/health").status_code == 200
+
+
+@pytest.mark.parametrize("process", ["scheduler", "worker-tp0"])
+def test_injected_crash_ends_the_launch(process: str) -> None:
+    server = Server(["--fault-crash-process", process, "--fault-crash-at-step", "4"])
+    try:
+        server.wait_ready()
+        r = _gen(server, 50)
+        assert r.status_code == 503 and "error" in r.json(), r.text
+        assert server.wait_exit(20) != 0
+        assert "exited unexpectedly" in server.output
+        assert group_pids(server.pgid) == []
+    finally:
+        server.kill_group()
