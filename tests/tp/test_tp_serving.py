@@ -1,0 +1,150 @@
+"""Tensor-parallel serving through a real launch.py (issue 6 acceptance): `--tp-size 2` on one
+node, and TP=2 split over two launch.py processes (`--nnodes 2`, node-rank 0 and 1) on loopback,
+each serving the greedy outputs of the single-rank runtime; start-up errors of TP launches."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from shared.config import builtin_model_dir
+from tests.e2e.server import ROOT, Server, free_port, group_pids, running_server
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
+
+
+@pytest.fixture(scope="module")
+def expected() -> list[tuple[list[int], int, list[int]]]:
+    """(prompt, max_new_tokens, greedy output of the TP=1 runtime alone)."""
+    from worker_proc.runtime import ModelRunner, generate_greedy
+
+    runner = ModelRunner(builtin_model_dir(), device="cpu", dtype="float32", kv_slots=512, mamba_slots=4)
+    rng = random.Random(11)
+    cases = []
+    for _ in range(10):
+        prompt = [rng.randrange(256) for _ in range(rng.randint(2, 70))]
+        n = rng.randint(1, 10)
+        cases.append((prompt, n, generate_greedy(runner, prompt, n)))
+    return cases
+
+
+def _serves_expected(server: Server, expected: list[tuple[list[int], int, list[int]]]) -> None:
+    def one(case: tuple[list[int], int, list[int]]) -> list[int]:
+        prompt, n, _ = case
+        body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}}
+        with server.client() as client:
+            r = client.post("/generate", json=body)
+        assert r.status_code == 200, r.text
+        return r.json()["output_ids"]
+
+    with cf.ThreadPoolExecutor(len(expected)) as pool:
+        outputs = list(pool.map(one, expected))
+    assert outputs == [want for _, _, want in expected]
+
+
+def test_tp2_serves_the_single_rank_outputs(expected: list) -> None:
+    with running_server(["--tp-size", "2", "--max-running-requests", "8"]) as server:
+        _serves_expected(server, expected)
+        assert "rank1_device" in server.output or "rank 1 ready" in server.output
+
+
+def _port_block() -> int:
+    """A port P with P (rendezvous), P+1 (worker -> scheduler), P+10, P+11 (scheduler -> ranks) free."""
+    for _ in range(50):
+        base = free_port()
+        if base + 11 > 65535:
+            continue
+        try:
+            socks = []
+            for offset in (1, 10, 11):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", base + offset))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no free port block")
+
+
+def test_two_nodes_on_loopback(expected: list) -> None:
+    common = ["--nnodes", "2", "--tp-size", "2", "--dist-init-addr", f"127.0.0.1:{_port_block()}"]
+    node1 = Server([*common, "--node-rank", "1"])  # started first: it waits for node 0
+    try:
+        with running_server([*common, "--node-rank", "0", "--max-running-requests", "8"]) as node0:
+            _serves_expected(node0, expected)
+            deadline = time.monotonic() + 10
+            while "node 1 workers ready" not in node1.output and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert "node 1 workers ready" in node1.output, node1.output[-2000:]
+            assert node1.proc.poll() is None
+    finally:
+        node1.stop()
+    assert group_pids(node1.pgid) == []
+
+
+def _launch(args: list[str]) -> tuple[subprocess.CompletedProcess[str], float]:
+    cmd = [sys.executable, "launch.py", "--device", "cpu", "--port", str(free_port()), *args]
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=60)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # the launch's own process group, nothing else
+        except ProcessLookupError:
+            pass
+        proc.wait(10)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err), time.monotonic() - t0
+
+
+def _one_line(res: subprocess.CompletedProcess[str]) -> str:
+    assert res.returncode != 0
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, res.stderr
+    return lines[0]
+
+
+def test_unreachable_dist_init_addr_fails_after_the_startup_timeout() -> None:
+    addr = f"127.0.0.1:{free_port()}"  # nobody listens there: node 0 never comes
+    res, elapsed = _launch(["--nnodes", "2", "--node-rank", "1", "--tp-size", "2", "--dist-init-addr", addr,
+                            "--startup-timeout", "2"])
+    line = _one_line(res)
+    assert addr in line and "--dist-init-addr" in line
+    assert 2.0 <= elapsed < 30
+
+
+@pytest.mark.parametrize(
+    ("changes", "tp", "needle"),
+    [
+        ({}, 3, "num_attention_heads 4"),
+        ({"num_attention_heads": 12, "num_key_value_heads": 6, "head_dim": 16}, 4, "num_key_value_heads 6"),
+        ({"mamba_n_heads": 2, "mamba_d_head": 128}, 4, "mamba_n_heads 2"),
+    ],
+)
+def test_head_counts_not_divisible_fail_before_spawning(tmp_path, changes: dict, tp: int, needle: str) -> None:
+    model = tmp_path / "model"
+    shutil.copytree(builtin_model_dir(), model)
+    cfg_path = os.path.join(model, "config.json")
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    cfg.update(changes)
+    with open(cfg_path, "w") as f:
+        json.dump(cfg, f)
+    res, elapsed = _launch(["--model-path", str(model), "--tp-size", str(tp)])
+    line = _one_line(res)
+    assert f"--tp-size {tp}" in line and needle in line
+    assert elapsed < 10
