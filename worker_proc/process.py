@@ -91,14 +91,17 @@ class FaultInjector:
             raise RuntimeError(f"fault injection: error in step {step}")
 
 
-def agree_refusals(batch: ForwardBatch, local: set[str], group: object | None) -> frozenset[str]:
-    """A request is refused on every rank if any rank refused it (all-reduce MAX of a mask)."""
+def agree_refusals(
+    batch: ForwardBatch, local: set[str], group: object | None, device: torch.device | str = "cpu"
+) -> frozenset[str]:
+    """A request is refused on every rank if any rank refused it (all-reduce MAX of a mask).
+    `device`: the rank's model device (NCCL reduces only CUDA tensors, gloo CPU ones)."""
     if group is None:
         return frozenset(local)
     rids = [op.rid for op in batch.copies if op.rid is not None]
     if not rids:
         return frozenset()
-    mask = torch.tensor([1 if rid in local else 0 for rid in rids], dtype=torch.int32)
+    mask = torch.tensor([1 if rid in local else 0 for rid in rids], dtype=torch.int32, device=device)
     dist.all_reduce(mask, op=dist.ReduceOp.MAX, group=group)
     return frozenset(rid for rid, m in zip(rids, mask.tolist(), strict=True) if m)
 
@@ -172,7 +175,7 @@ def serve(
         t0 = time.perf_counter()
         try:
             faults.before_step(msg.step)
-            refused = agree_refusals(msg, faults.refusals(msg), group)
+            refused = agree_refusals(msg, faults.refusals(msg), group, runner.device)
             result = runner.step(msg, refused)
         except Exception as e:  # the step failed: its requests get an error, serving goes on
             logger.exception("step %d failed", msg.step)

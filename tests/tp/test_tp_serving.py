@@ -8,12 +8,14 @@ import concurrent.futures as cf
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
+from typing import Any
 
 import pytest
 
@@ -23,23 +25,35 @@ from tests.e2e.server import ROOT, Server, free_port, group_pids, running_server
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 
 
-@pytest.fixture(scope="module")
-def expected() -> list[tuple[list[int], int, list[int]]]:
-    """(prompt, max_new_tokens, greedy output of the TP=1 runtime alone)."""
-    from worker_proc.runtime import ModelRunner, generate_greedy
+Case = tuple[list[int], int, list[int]]
 
-    runner = ModelRunner(builtin_model_dir(), device="cpu", dtype="float32", kv_slots=512, mamba_slots=4)
-    rng = random.Random(11)
+
+@pytest.fixture(scope="module")
+def runner() -> Any:
+    from worker_proc.runtime import ModelRunner
+
+    return ModelRunner(builtin_model_dir(), device="cpu", dtype="float32", kv_slots=512, mamba_slots=4)
+
+
+def _cases(runner: Any, prompts: list[list[int]], rng: random.Random) -> list[Case]:
+    """(prompt, max_new_tokens, greedy output of the TP=1 runtime alone) per prompt."""
+    from worker_proc.runtime import generate_greedy
+
     cases = []
-    for _ in range(10):
-        prompt = [rng.randrange(256) for _ in range(rng.randint(2, 70))]
+    for prompt in prompts:
         n = rng.randint(1, 10)
         cases.append((prompt, n, generate_greedy(runner, prompt, n)))
     return cases
 
 
-def _serves_expected(server: Server, expected: list[tuple[list[int], int, list[int]]]) -> None:
-    def one(case: tuple[list[int], int, list[int]]) -> list[int]:
+@pytest.fixture(scope="module")
+def expected(runner: Any) -> list[Case]:
+    rng = random.Random(11)
+    return _cases(runner, [[rng.randrange(256) for _ in range(rng.randint(2, 70))] for _ in range(10)], rng)
+
+
+def _serves_expected(server: Server, expected: list[Case]) -> None:
+    def one(case: Case) -> list[int]:
         prompt, n, _ = case
         body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}}
         with server.client() as client:
@@ -52,10 +66,37 @@ def _serves_expected(server: Server, expected: list[tuple[list[int], int, list[i
     assert outputs == [want for _, _, want in expected]
 
 
-def test_tp2_serves_the_single_rank_outputs(expected: list) -> None:
+def test_tp2_serves_the_single_rank_outputs(expected: list[Case]) -> None:
     with running_server(["--tp-size", "2", "--max-running-requests", "8"]) as server:
         _serves_expected(server, expected)
         assert "rank1_device" in server.output or "rank 1 ready" in server.output
+
+
+def _metric(server: Server, name: str, **labels: str) -> float:
+    with server.client() as client:
+        text = client.get("/metrics").text
+    total = 0.0
+    for line in text.splitlines():
+        m = re.match(rf"^{re.escape(name)}(\{{[^}}]*\}})? (\S+)$", line)
+        if m and all(f'{k}="{v}"' in (m.group(1) or "") for k, v in labels.items()):
+            total += float(m.group(2))
+    return total
+
+
+def test_tp2_copy_on_write_refusals_are_agreed_by_both_ranks(runner: Any) -> None:
+    """Each rank refuses copy-on-writes at random on its own (different per rank); the ranks
+    agree on the union before the forward pass, so their states never diverge and every request
+    still gets the single-rank output."""
+    rng = random.Random(5)
+    prefixes = [[rng.randrange(256) for _ in range(40)] for _ in range(2)]
+    warm = _cases(runner, prefixes, rng)
+    shared = _cases(runner, [prefixes[i % 2] + [rng.randrange(256) for _ in range(rng.randint(1, 9))]
+                             for i in range(12)], rng)
+    args = ["--tp-size", "2", "--max-running-requests", "8", "--fault-refuse-cow-fraction", "0.4"]
+    with running_server(args) as server:
+        _serves_expected(server, warm)  # the prefixes' states go into the cache
+        _serves_expected(server, shared)  # hits: copy-on-write of the cached state
+        assert _metric(server, "hyssm_admission_refusals_total", reason="worker_refusal") > 0
 
 
 def _port_block() -> int:
@@ -79,7 +120,7 @@ def _port_block() -> int:
     raise RuntimeError("no free port block")
 
 
-def test_two_nodes_on_loopback(expected: list) -> None:
+def test_two_nodes_on_loopback(expected: list[Case]) -> None:
     common = ["--nnodes", "2", "--tp-size", "2", "--dist-init-addr", f"127.0.0.1:{_port_block()}"]
     node1 = Server([*common, "--node-rank", "1"])  # started first: it waits for node 0
     try:
