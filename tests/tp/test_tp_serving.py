@@ -189,3 +189,9 @@ def test_head_counts_not_divisible_fail_before_spawning(tmp_path, changes: dict,
     line = _one_line(res)
     assert f"--tp-size {tp}" in line and needle in line
     assert elapsed < 10
+
+
+def test_more_ranks_than_gpus_fails_before_spawning() -> None:
+    res, _ = _launch(["--device", "cuda", "--tp-size", "2", "--base-gpu-id", "4096"])
+    line = _one_line(res)
+    assert "--tp-size 2" in line and "GPUs" in line
