@@ -4,7 +4,9 @@ Owned by the worker runtime; the worker process (worker_proc/process.py, the lea
 sockets and calls `step` once per `ForwardBatch`. The runner keeps no per-request state: the
 scheduler owns every slot number, the runner only holds the tensors (weights, KV pool, Mamba
 state pools). Within one step the order is fixed: copies (minus refused requests' copies), then
-clears, then one forward over every non-refused slice, then sampling.
+clears, then one forward over every non-refused slice, then sampling. Under tensor parallelism
+every rank runs the same step on its shard (weights and pools, see worker_proc.model.tp); only
+rank 0 computes logits and samples, the other ranks' StepResult carries no tokens.
 """
 
 from __future__ import annotations
