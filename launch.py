@@ -34,6 +34,8 @@ from shared.proc import child_main
 
 logger = logging.getLogger("launch")
 
+_STARTUP_MARGIN_S = 5.0
+
 _HELP = {
     "model_path": "checkpoint directory (config.json + *.safetensors); 'builtin' = the shipped tiny model",
     "max_total_tokens": "KV token slots per rank (0 = from the memory budget)",
@@ -179,7 +181,9 @@ class Launcher:
         """Block until every child reported ProcReady; raise StartupError naming the laggard."""
         pending = set(self.procs)
         info: dict[str, Any] = {}
-        deadline = time.monotonic() + self.args.startup_timeout
+        # Children enforce the start-up timeout themselves and report what they miss (the scheduler
+        # names absent ranks and nodes); the launcher's own deadline comes a little later.
+        deadline = time.monotonic() + self.args.startup_timeout + _STARTUP_MARGIN_S
         while pending:
             if self.stop_requested:
                 raise HyssmError("interrupted during start-up")
@@ -208,6 +212,10 @@ class Launcher:
             if done:
                 name = sentinels[done[0]]
                 code = self.procs[name].exitcode
+                if code == 0 and self.args.node_rank > 0:  # told to stop by node 0's scheduler
+                    logger.info("%s stopped: node 0 shut down", name)
+                    self.shutdown("")
+                    return 0
                 logger.error("%s exited unexpectedly (code %s); shutting down", name, code)
                 self.shutdown(f"{name} exited unexpectedly (code {code})")
                 return 1
