@@ -126,17 +126,20 @@ class PrefillAdder:
 class RetryPolicy:
     """Owns the full-batch latch (`batch_is_full`), set when admission is refused for memory.
 
-    The latch says "admission cannot succeed until something changes". For hybrid SSM models with a
-    state-caching radix cache, cached states become evictable (a lock released, a state donated)
-    without the running batch changing, so the latch is cleared every round; likewise with priority
-    preemption and hybrid sliding-window attention. Otherwise (radix cache disabled, attention-only
-    model) capacity only returns when the running batch changes, and the latch waits for that.
+    The latch says "the head of the queue cannot be admitted until something changes". For hybrid SSM
+    models with a state-caching radix cache, cached states become evictable (a lock released, a state
+    donated) without the running batch changing, so the latch is cleared every round; likewise with
+    priority preemption and hybrid sliding-window attention. Otherwise (radix cache disabled,
+    attention-only model) capacity only returns when the running batch changes, and the latch waits
+    for that -- or for a different head: the refusal was about one request, so when it leaves the
+    queue (aborted) or another overtakes it (priority), the new head is tried at once.
     """
 
     def __init__(self, clear_every_round: bool) -> None:
         self.clear_every_round = clear_every_round
         self.batch_is_full = False
         self._seen_running_version = -1
+        self._refused_head: int | None = None  # key of the request whose refusal set the latch
 
     @staticmethod
     def for_config(args: ServerArgs, model: ModelInfo, sliding_window: bool = False) -> RetryPolicy:
@@ -145,16 +148,20 @@ class RetryPolicy:
         state_cache = model.has_mamba and not args.disable_radix_cache
         return RetryPolicy(state_cache or args.enable_priority_preemption or sliding_window)
 
-    def begin_round(self, running_version: int, running_empty: bool) -> None:
-        """Clear the latch if this configuration retries every round or the running batch changed.
+    def begin_round(self, running_version: int, running_empty: bool, head: int | None = None) -> None:
+        """Clear the latch if this configuration retries every round, the running batch changed, or
+        the head of the queue (`head`: its key, None when unknown) is not the request that was refused.
         With nothing running nothing else can change, so the latch is cleared as well."""
         changed = running_version != self._seen_running_version
         self._seen_running_version = running_version
-        if self.clear_every_round or changed or running_empty:
+        new_head = head is not None and head != self._refused_head
+        if self.clear_every_round or changed or running_empty or new_head:
             self.batch_is_full = False
 
     def should_attempt(self) -> bool:
         return not self.batch_is_full
 
-    def on_no_token(self) -> None:
+    def on_no_token(self, head: int | None = None) -> None:
+        """Admission of the request keyed `head` was refused for memory."""
         self.batch_is_full = True
+        self._refused_head = head

@@ -245,8 +245,9 @@ class Scheduler:
         return used
 
     def _admit(self, b: BatchBuilder, prefill_used: int) -> None:
-        self.retry.begin_round(self.running_version, not self.running)
-        if not len(self.waiting):
+        head = self.waiting.peek()
+        self.retry.begin_round(self.running_version, not self.running, head.seq if head is not None else None)
+        if head is None:
             return
         if not self.retry.should_attempt():
             self.metrics.inc("hyssm_admission_rounds_total", outcome="latched")
@@ -290,7 +291,7 @@ class Scheduler:
     def _refused(self, r: Req, reason: str) -> None:
         r.refusals += 1
         self.metrics.inc("hyssm_admission_refusals_total", reason=reason)
-        self.retry.on_no_token()
+        self.retry.on_no_token(r.seq)
 
     # ------------------------------------------------------------------ results
     def apply_result(self, result: StepResult) -> list[TokenOut]:

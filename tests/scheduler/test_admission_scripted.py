@@ -126,3 +126,41 @@ def test_refuse_then_cow_error_then_admit() -> None:
     assert rids(batch) == ["hit"] and len(sched.waiting) == 0
     assert batch is not None and len(batch.copies) == 1 and batch.copies[0].rid == "hit"
     assert batch.reqs[0].start_pos == 8 and log["calls"] == ["hit"] * 3
+
+
+LATCHED = {name: cfg for name, cfg in CONFIGS.items() if not cfg[2]}
+
+
+@pytest.mark.parametrize("name", list(LATCHED))
+def test_latch_cleared_when_the_refused_head_leaves_the_queue(name: str) -> None:
+    """The latch says "the head cannot fit until something changes". When the refused head is aborted
+    while the running batch stays the same, the request behind it (which fits) is admitted at once,
+    not after the long-running request ends."""
+    model, overrides, _ = LATCHED[name]
+    sched, worker = make(kv=64, model=model, **overrides)
+    sched.add_request(greq("long", [1, 2, 3], 40))
+    round_(sched, worker)
+    sched.add_request(greq("big", list(range(1, 40)), 10))  # needs more KV than is left beside "long"
+    sched.add_request(greq("small", [4, 5], 2))
+    batch, _ = round_(sched, worker)
+    assert rids(batch) == ["long"] and sched.metrics.get("hyssm_admission_refusals_total", reason="kv") == 1
+    batch, _ = round_(sched, worker)
+    assert rids(batch) == ["long"]  # latched: the unchanged head is not retried
+    (out,) = sched.abort("big")
+    assert out.finish_reason == "abort"
+    batch, _ = round_(sched, worker)
+    assert rids(batch) == ["long", "small"]
+
+
+@pytest.mark.parametrize("name", list(LATCHED))
+def test_latch_cleared_when_a_higher_priority_request_becomes_the_head(name: str) -> None:
+    model, overrides, _ = LATCHED[name]
+    sched, worker = make(kv=64, model=model, schedule_policy="priority", **overrides)
+    sched.add_request(greq("long", [1, 2, 3], 40))
+    round_(sched, worker)
+    sched.add_request(greq("big", list(range(1, 40)), 10))
+    round_(sched, worker)
+    assert sched.retry.batch_is_full
+    sched.add_request(greq("urgent", [4, 5], 2, priority=5))
+    batch, _ = round_(sched, worker)
+    assert rids(batch) == ["long", "urgent"]
