@@ -79,8 +79,9 @@ class HybridRadixCache:
         self.states_total = 0
         self.states_evictable = 0
         self.num_locked_nodes = 0
-        self._kv_lru = LruHeap(lambda n: not n.children and n.kv_lock == 0, self._alive)
-        self._state_lru = LruHeap(lambda n: n.state is not None and n.state_lock == 0, self._alive)
+        live = self._nodes.values
+        self._kv_lru = LruHeap(lambda n: not n.children and n.kv_lock == 0, self._alive, live)
+        self._state_lru = LruHeap(lambda n: n.state is not None and n.state_lock == 0, self._alive, live)
 
     def _alive(self, node: TreeNode) -> bool:
         return self._nodes.get(node.nid) is node
@@ -301,7 +302,6 @@ class HybridRadixCache:
                 break
             freed += len(node.kv)
             self._delete_leaf(node)
-        self._kv_lru.maybe_compact(len(self._nodes), self._nodes.values)
         return freed
 
     def evict_states(self, n: int) -> int:
@@ -316,7 +316,6 @@ class HybridRadixCache:
             else:
                 self._clear_state(node)
             freed += 1
-        self._state_lru.maybe_compact(len(self._nodes), self._nodes.values)
         return freed
 
     def flush(self) -> int:

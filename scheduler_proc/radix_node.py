@@ -8,7 +8,7 @@ but it is not a resume point). Lock counts are kept per node; the cache (radix_c
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection
 
 
 class TreeNode:
@@ -48,19 +48,29 @@ class LruHeap:
 
     An entry is (last_access, nid, node) pushed whenever a node may have become a candidate. Popping
     skips entries whose node died, was touched since (last_access differs) or fails `is_candidate`, so
-    stale entries cost nothing but memory; `maybe_compact` rebuilds when they dominate.
+    stale entries cost nothing but memory. Rule: the heap never holds more than 4 entries per live
+    node (+1024); `push` rebuilds it from the live candidates when it would, so memory stays bounded
+    even when nothing is ever evicted (O(1) amortised: a rebuild follows at least 3 pushes per node).
     """
 
-    def __init__(self, is_candidate: Callable[[TreeNode], bool], is_alive: Callable[[TreeNode], bool]) -> None:
+    def __init__(
+        self,
+        is_candidate: Callable[[TreeNode], bool],
+        is_alive: Callable[[TreeNode], bool],
+        live_nodes: Callable[[], Collection[TreeNode]],
+    ) -> None:
         self._heap: list[tuple[int, int, TreeNode]] = []
         self._is_candidate = is_candidate
         self._is_alive = is_alive
+        self._live_nodes = live_nodes
 
     def __len__(self) -> int:
         return len(self._heap)
 
     def push(self, node: TreeNode) -> None:
         heapq.heappush(self._heap, (node.last_access, node.nid, node))
+        if len(self._heap) > 4 * len(self._live_nodes()) + 1024:
+            self.compact()
 
     def pop(self) -> TreeNode | None:
         """The least recently used live candidate, removed from the heap; None when there is none."""
@@ -71,10 +81,9 @@ class LruHeap:
                 return node
         return None
 
-    def maybe_compact(self, num_live: int, live_nodes: Callable[[], Iterable[TreeNode]]) -> None:
-        if len(self._heap) <= 4 * num_live + 1024:
-            return
-        self._heap = [(n.last_access, n.nid, n) for n in live_nodes() if self._is_candidate(n)]
+    def compact(self) -> None:
+        """Keep one entry per live candidate (its current access time)."""
+        self._heap = [(n.last_access, n.nid, n) for n in self._live_nodes() if self._is_candidate(n)]
         heapq.heapify(self._heap)
 
 

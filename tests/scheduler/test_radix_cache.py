@@ -237,3 +237,19 @@ def test_kept_progress_is_evicted_last_until_unkept() -> None:
     c.evict_kv(1)
     assert c.peek([1, 2, 3, 0], 3).prefix_len == 0 and c.peek([7, 8, 9, 0], 3).prefix_len == 3
     c.check_integrity()
+
+
+def test_lru_heaps_stay_bounded_without_eviction() -> None:
+    """Every lock, unlock and touch pushes an LRU entry; with memory to spare nothing is ever evicted,
+    so the heaps must compact on their own instead of growing with the number of requests served."""
+    c = make(kv=64, states=8)
+    donate(c, [1, 2, 3])
+    donate(c, [1, 2, 3, 4, 5])  # two state-carrying nodes on one path
+    for _ in range(20_000):
+        m = c.match_and_cow([1, 2, 3, 4, 5, 6], 5)
+        c.unlock_state(m.node)
+        c.unlock(m.node)
+        c.state_alloc.free(m.dst_state)  # type: ignore[arg-type]
+    assert len(c._state_lru) <= 4 * c.num_nodes + 1025 and len(c._kv_lru) <= 4 * c.num_nodes + 1025
+    assert c.evict_states(8) == 2 and c.kv_total == 3 and c.evict_kv(64) == 3 and c.num_nodes == 0  # still complete
+    c.check_integrity()
