@@ -140,8 +140,15 @@ class HybridRadixCache:
         return out
 
     def unkeep(self, tokens: list[int], limit: int) -> None:
-        """End the eviction head start of a retracted request's progress (it was aborted while waiting)."""
-        node = self.peek(tokens, limit).node
+        """End the eviction head start of a retracted request's progress (it was aborted while waiting):
+        every node of the KV path of tokens[:limit], also past the deepest state (a kept node may
+        have been tombstoned since)."""
+        node, pos = self.root, 0
+        while pos < limit:
+            child = node.children.get(tokens[pos])
+            if child is None or common_prefix_len(tokens, pos, limit, child.key) < len(child.key):
+                break
+            node, pos = child, pos + len(child.key)
         now = self._clock
         while node is not self.root:
             if node.last_access > now:

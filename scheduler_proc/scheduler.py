@@ -379,7 +379,7 @@ class Scheduler:
         elif r.status is ReqStatus.WAITING:
             self.waiting.remove(r)
             if r.retracted_at >= 0 and self.res.cache_enabled:
-                self.res.cache.unkeep(r.tokens, len(r.tokens) - 1)
+                self.res.cache.unkeep(r.tokens, r.retracted_at)  # its progress ends where it was retracted
         r.status = ReqStatus.FINISHED
         del self.reqs[r.rid]
         self.metrics.inc("hyssm_requests_finished_total", reason=reason)

@@ -253,3 +253,21 @@ def test_lru_heaps_stay_bounded_without_eviction() -> None:
     assert len(c._state_lru) <= 4 * c.num_nodes + 1025 and len(c._kv_lru) <= 4 * c.num_nodes + 1025
     assert c.evict_states(8) == 2 and c.kv_total == 3 and c.evict_kv(64) == 3 and c.num_nodes == 0  # still complete
     c.check_integrity()
+
+
+def test_unkeep_reaches_kept_nodes_past_the_deepest_state() -> None:
+    """A retracted request's kept path may have lost the state at its end (tombstoned under state
+    pressure while another request's prompt KV extends it). Unkeeping must still end the head start of
+    the whole path, not only of the part up to the deepest remaining state."""
+    c = make(kv=32, states=4)
+    donate(c, [1, 2, 3, 4, 5, 6], with_state=False)  # a prompt's KV shared while it decodes, older
+    kv = c.kv_alloc.alloc_many(4)
+    c.insert([1, 2, 3, 4], 4, kv, 0, c.state_alloc.alloc(), keep=True)  # type: ignore[arg-type]  # splits
+    kept = c.peek([1, 2, 3, 4, 0], 4).node
+    assert c.evict_states(1) == 1 and kept.state is None and kept.children  # tombstoned, still kept
+    donate(c, [7, 8, 9])  # newer, ordinary
+    c.unkeep([1, 2, 3, 4, 0], 4)  # the request was aborted while waiting
+    assert c.evict_kv(2) == 2 and c.peek([1, 2, 3, 4, 5, 6, 0], 6).kv_len == 4  # the leaf [5, 6]
+    assert c.evict_kv(1) == 4  # then [1, 2, 3, 4], older than [7, 8, 9] once unkept
+    assert c.peek([7, 8, 9, 0], 3).prefix_len == 3
+    c.check_integrity()
