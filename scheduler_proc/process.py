@@ -45,13 +45,20 @@ from shared.model_info import ModelInfo
 
 logger = logging.getLogger(__name__)
 
-_IDLE_POLL_MS = 1000
+_IDLE_POLL_MS = 1000  # no work: the poll only bounds the heartbeat interval
+_IN_FLIGHT_POLL_MS = 100  # a batch is out: the watchdog is checked at least this often
+_BLOCKED_POLL_MS = 50  # work waits but no batch could be built: try again at least this often
 _HEARTBEAT_S = 1.0
 
 
 class SchedulerLoop:
     """One round = drain requests, send one batch to every rank, wait for rank 0's StepResult
-    (serving requests meanwhile), apply it, send outputs. Single-threaded."""
+    (serving requests meanwhile), apply it, then at once drain requests and send the next batch,
+    and only then send the applied step's outputs. Single-threaded.
+
+    Rule: between a StepResult arriving and the next batch leaving, the loop does only what the
+    next batch depends on (apply the result, take queued requests and aborts, schedule). Sending
+    TokenOuts wakes the tokenizer process, which competes for the CPU; it comes after the send."""
 
     def __init__(self, args: ServerArgs) -> None:
         self.args = args
@@ -99,26 +106,40 @@ class SchedulerLoop:
 
     # ------------------------------------------------------------------ loop
     def run_forever(self) -> None:
-        assert self.sched is not None
         while True:
-            if self.in_flight is None:
-                batch = self.sched.schedule()
-                if batch is not None:
-                    self._dispatch(batch)
-            timeout = self._poll_timeout_ms()
-            events = dict(self.poller.poll(timeout))
-            if self.from_tok.sock in events:
-                self._handle_requests()
-            if self.from_workers.sock in events:
-                self._handle_worker_msgs()
-            self._check_watchdog()
-            self._heartbeat()
+            self.run_once()
+
+    def run_once(self) -> None:
+        """Wait for a message (or the poll timeout), then act on it. When no batch is in flight
+        (the StepResult was just applied, or the loop is idle), take queued requests and
+        dispatch the next batch BEFORE sending any TokenOut."""
+        assert self.sched is not None
+        events = dict(self.poller.poll(self._poll_timeout_ms()))
+        outs: list[TokenOut] = []
+        if self.from_workers.sock in events:
+            outs = self._handle_worker_msgs()
+        if self.in_flight is None:
+            outs += self._handle_requests()
+            self._schedule_and_dispatch()
+        elif self.from_tok.sock in events:
+            outs += self._handle_requests()
+        self._send_outs(outs)
+        self._check_watchdog()
+        self._heartbeat()
 
     def _poll_timeout_ms(self) -> int:
+        """Idle means no batch could be built from the current state, and only a message (a new
+        request, an abort) changes that; a bounded wait instead of the old 0 ms busy poll."""
         assert self.sched is not None
         if self.in_flight is not None:
-            return 100
-        return 0 if self.sched.has_work else _IDLE_POLL_MS
+            return _IN_FLIGHT_POLL_MS
+        return _BLOCKED_POLL_MS if self.sched.has_work else _IDLE_POLL_MS
+
+    def _schedule_and_dispatch(self) -> None:
+        assert self.sched is not None and self.in_flight is None
+        batch = self.sched.schedule()
+        if batch is not None:
+            self._dispatch(batch)
 
     def _dispatch(self, batch: ForwardBatch) -> None:
         crash = self.args.faults
@@ -137,7 +158,9 @@ class SchedulerLoop:
                 tx.send(Heartbeat(sent_at=now), int(self.args.watchdog_timeout * 1000))
             self.last_sent = now
 
-    def _handle_requests(self) -> None:
+    def _handle_requests(self) -> list[TokenOut]:
+        """Apply every queued tokenizer message; control requests are answered at once, the
+        TokenOuts (rejections, aborts) are returned for the caller to send."""
         assert self.sched is not None
         outs: list[TokenOut] = []
         for msg in self.from_tok.drain(4096):
@@ -151,10 +174,12 @@ class SchedulerLoop:
                 ok = self.in_flight is None and self.sched.flush_cache()
                 text = "" if ok else "cannot flush the cache while requests are running"
                 self.to_tok.send(FlushCacheResp(req_id=msg.req_id, ok=ok, message=text))
-        self._send_outs(outs)
+        return outs
 
-    def _handle_worker_msgs(self) -> None:
+    def _handle_worker_msgs(self) -> list[TokenOut]:
+        """Apply the in-flight batch's StepResult; returns its TokenOuts (not yet sent)."""
         assert self.sched is not None
+        outs: list[TokenOut] = []
         for msg in self.from_workers.drain(64):
             if not isinstance(msg, StepResult):
                 continue
@@ -162,7 +187,8 @@ class SchedulerLoop:
                 logger.warning("ignoring StepResult for step %d", msg.step)
                 continue
             self.in_flight = None
-            self._send_outs(self.sched.apply_result(msg))
+            outs.extend(self.sched.apply_result(msg))
+        return outs
 
     def _check_watchdog(self) -> None:
         if self.in_flight is None:
