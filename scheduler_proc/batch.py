@@ -4,9 +4,13 @@ it sent (`InFlight`) so the StepResult can be applied or rolled back slice by sl
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from scheduler_proc.request import Req
 from shared.messages import CopyOp, ForwardBatch, ReqSlice
+
+if TYPE_CHECKING:
+    from scheduler_proc.radix_node import TreeNode
 
 
 @dataclass(slots=True)
@@ -24,6 +28,7 @@ class InFlight:
     step: int
     entries: list[SliceEntry]
     by_rid: dict[str, SliceEntry]
+    ckpt_nodes: list[tuple[TreeNode, int]]  # (node, slot) of each checkpoint this step's copies fill
 
 
 @dataclass
@@ -37,6 +42,7 @@ class BatchBuilder:
     ckpt_copies: list[CopyOp] = field(default_factory=list)
     cow_copies: list[CopyOp] = field(default_factory=list)
     clears: list[int] = field(default_factory=list)
+    ckpt_nodes: list[tuple[TreeNode, int]] = field(default_factory=list)
 
     def add(self, req: Req, n: int, prefill: bool, admitted: bool = False) -> None:
         start = req.computed
@@ -72,4 +78,5 @@ class BatchBuilder:
         batch = ForwardBatch(
             step=self.step, reqs=reqs, copies=self.ckpt_copies + self.cow_copies, clears=list(self.clears)
         )
-        return batch, InFlight(self.step, list(self.entries), {e.req.rid: e for e in self.entries})
+        by_rid = {e.req.rid: e for e in self.entries}
+        return batch, InFlight(self.step, list(self.entries), by_rid, list(self.ckpt_nodes))

@@ -325,6 +325,13 @@ class HybridRadixCache:
             freed += 1
         return freed
 
+    def drop_state(self, node: TreeNode, slot: int) -> bool:
+        """Tombstone `node` if it still holds `slot` unlocked (a checkpoint whose copy never ran)."""
+        if not self._alive(node) or node.state != slot or node.state_lock:
+            return False
+        self._clear_state(node)
+        return True
+
     def flush(self) -> int:
         """Drop every unlocked node and every unlocked state; returns the number of slots freed."""
         before = self.kv_total + self.states_total

@@ -21,6 +21,22 @@ logger = logging.getLogger(__name__)
 NO_SPLIT = 1 << 62
 
 
+def clamp_max_running(wanted: int, mamba_capacity: int, track_states: bool) -> int:
+    """Each running request holds a state slot: at most the pool, less an eighth of it (pools of 8
+    and more) kept for copy-on-write copies, checkpoints and cached states. Clamped with a warning
+    instead of refusing to start."""
+    if not track_states:
+        return wanted
+    limit = max(1, mamba_capacity - mamba_capacity // 8)
+    if wanted > limit:
+        logger.warning(
+            "--max-running-requests %d clamped to %d: the Mamba state pool has %d slots and keeps %d for "
+            "copy-on-write, checkpoints and cached states", wanted, limit, mamba_capacity, mamba_capacity - limit,
+        )  # fmt: skip
+        return limit
+    return wanted
+
+
 class ReqResources:
     def __init__(
         self, kv_capacity: int, mamba_capacity: int, track_states: bool, cache_enabled: bool, ckpt_interval: int
@@ -147,6 +163,7 @@ class ReqResources:
         self._move_prefix(req, node)
         if taken:
             b.ckpt_copies.append(CopyOp(req.mamba_slot, slot, None))
+            b.ckpt_nodes.append((node, slot))
         return "saved" if taken else "exists"
 
     def cache_prompt(self, req: Req) -> None:

@@ -20,7 +20,7 @@ from scheduler_proc.introspect import check_scheduler, server_info
 from scheduler_proc.metrics import SchedulerMetrics
 from scheduler_proc.radix_cache import HybridRadixCache, PeekResult
 from scheduler_proc.request import Req, ReqStatus, WaitingQueue, token_out, validate
-from scheduler_proc.resources import ReqResources
+from scheduler_proc.resources import ReqResources, clamp_max_running
 from shared.config import ServerArgs
 from shared.errors import MambaCowAllocError
 from shared.messages import FinishReason, ForwardBatch, GenerateReq, StepResult, TokenOut
@@ -63,7 +63,7 @@ class Scheduler:
         )  # fmt: skip
         self.metrics = SchedulerMetrics()
         self.retry = RetryPolicy.for_config(args, model)
-        self.max_running = self._clamp_max_running(args.max_running_requests, mamba_capacity)
+        self.max_running = clamp_max_running(args.max_running_requests, mamba_capacity, self.track_states)
         # replaceable for scripted tests: builds the round's adder from its budget snapshot
         self.adder_factory: Callable[[AdderBudget], PrefillAdder] = PrefillAdder
         self.reqs: dict[str, Req] = {}
@@ -77,21 +77,6 @@ class Scheduler:
         self._step = 0
         self.in_flight: InFlight | None = None
         self._eos = frozenset(model.eos_token_ids)
-
-    def _clamp_max_running(self, wanted: int, mamba_capacity: int) -> int:
-        """Each running request holds a state slot: at most the pool, less an eighth of it (pools of 8
-        and more) kept for copy-on-write copies, checkpoints and cached states. Clamped with a warning
-        instead of refusing to start."""
-        if not self.track_states:
-            return wanted
-        limit = max(1, mamba_capacity - mamba_capacity // 8)
-        if wanted > limit:
-            logger.warning(
-                "--max-running-requests %d clamped to %d: the Mamba state pool has %d slots and keeps %d for "
-                "copy-on-write, checkpoints and cached states", wanted, limit, mamba_capacity, mamba_capacity - limit,
-            )  # fmt: skip
-            return limit
-        return wanted
 
     @property
     def cache(self) -> HybridRadixCache:
@@ -298,9 +283,9 @@ class Scheduler:
         fl = self.in_flight
         if fl is None or result.step != fl.step:
             raise ValueError(f"StepResult for step {result.step}, in flight: {fl.step if fl else None}")
-        if result.error:
-            return self.fail_all(f"worker step {result.step} failed: {result.error}")
         self.in_flight = None
+        if result.error:
+            return self._fail_step(fl, f"worker step {result.step} failed: {result.error}")
         refused = set(result.refused)
         outs: list[TokenOut] = []
         for e in fl.entries:
@@ -317,6 +302,16 @@ class Scheduler:
             out = self._emit(r, e, result)
             if out is not None:
                 outs.append(out)
+        return outs
+
+    def _fail_step(self, fl: InFlight, reason: str) -> list[TokenOut]:
+        """The step failed on the workers, so every slot it wrote may hold garbage: its requests end
+        with an error (nothing donated: their own slots are freed) and the checkpoints it was to fill
+        leave the tree. Nothing else was written; waiting requests and the rest of the cache go on."""
+        logger.error("%s; failing its %d requests", reason, len(fl.entries))
+        outs = [self._finish(e.req, "error", error=reason) for e in fl.entries]
+        for node, slot in fl.ckpt_nodes:
+            self.res.cache.drop_state(node, slot)
         return outs
 
     def _on_refused(self, e: SliceEntry) -> None:

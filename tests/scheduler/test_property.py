@@ -1,8 +1,12 @@
-"""Property test (hypothesis): random sequences of arrive / step (admit, run, finish, refuse) / abort /
-evict / flush / fail keep every invariant, and nothing is lost or corrupted.
+"""Property test (hypothesis): random sequences of arrive / dispatch / complete (with worker refusals, or
+a step error that fails that batch only) / step / abort (queued, running, in flight) / evict / flush
+(idle, busy, in flight) / fail keep every invariant, and nothing is lost, stuck or corrupted.
 
-The fake worker verifies every slice's slots before running it, and its outputs are a pure function
-of the token sequence, so every finished request's tokens must equal an independent reference."""
+A batch may stay in flight across rules, so arrivals, aborts, flush requests and failures land while
+the workers run it, as they do in the scheduler process. The fake worker verifies every slice's slots
+before running it, and its outputs are a pure function of the token sequence, so every finished
+request's tokens must equal an independent reference. Liveness: with nothing running, the head of the
+queue is admitted in that very round (nothing else can free capacity for it)."""
 
 from __future__ import annotations
 
@@ -11,7 +15,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from scheduler_proc.scheduler import Scheduler, SchedulerTuning
-from shared.messages import TokenOut
+from shared.messages import ForwardBatch, StepResult, TokenOut
 from tests.scheduler.fake_worker import FakeWorker
 from tests.scheduler.util import greq, make
 
@@ -31,20 +35,23 @@ class SchedulerMachine(RuleBasedStateMachine):
         preempt=st.booleans(),
         interval=st.sampled_from([0, 0, 6]),
         ratio=st.sampled_from([0.0, 0.3, 1.0]),
+        max_running=st.sampled_from([1, 2, 6]),
     )
     def setup(self, kv: int, states: int, chunk: int, disable: bool, priority: bool, preempt: bool,
-              interval: int, ratio: float) -> None:  # fmt: skip
+              interval: int, ratio: float, max_running: int) -> None:  # fmt: skip
         tuning = SchedulerTuning(init_ratio=ratio, min_ratio=min(ratio, 0.05))
         self.sched, self.worker = make(
             kv=kv, states=states, chunked_prefill_size=chunk, max_prefill_tokens=max(chunk, 32),
             disable_radix_cache=disable, schedule_policy="priority" if priority else "fcfs",
-            enable_priority_preemption=preempt, mamba_checkpoint_interval=interval, max_running_requests=6,
-            tuning=tuning,
+            enable_priority_preemption=preempt, mamba_checkpoint_interval=interval,
+            max_running_requests=max_running, tuning=tuning,
         )  # fmt: skip
         self.n = 0
         self.expected: dict[str, list[int]] = {}
         self.got: dict[str, list[int]] = {}
         self.finals: dict[str, TokenOut] = {}
+        self.first_start: dict[str, int] = {}  # start of the first admitted slice that ran
+        self.batch: ForwardBatch | None = None  # in flight between `dispatch` and `complete`
 
     def take(self, outs: list[TokenOut]) -> None:
         for out in outs:
@@ -63,6 +70,11 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert got == want, f"{out.rid}: {got} != {want}"
         else:
             assert out.finish_reason in ("abort", "error") and got == want[: len(got)], (out, got, want)
+        if out.rid in self.first_start:
+            assert out.cached_tokens == self.first_start[out.rid], (out, self.first_start[out.rid])
+        else:
+            assert out.cached_tokens == 0, out
+        assert out.cached_tokens < out.prompt_tokens
 
     def reference(self, prompt: list[int], n: int) -> list[int]:
         seq, out = list(prompt), []
@@ -83,23 +95,76 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.expected[rid] = self.reference(prompt, max_new)
         self.take(outs)
 
+    # ------------------------------------------------------------------ rounds
+    def schedule(self) -> ForwardBatch | None:
+        s = self.sched
+        idle_head = s.waiting.peek() if not s.running else None
+        batch = s.schedule()
+        s.check_integrity()
+        if idle_head is not None:  # nothing else can ever free capacity for it: it must start now
+            assert batch is not None and idle_head.rid in [r.rid for r in batch.reqs], (idle_head, s.info()["server"])
+        return batch
+
+    def run_batch(self, batch: ForwardBatch, refused: frozenset[str], error: str = "") -> None:
+        """`error`: "before" (the step failed before writing anything) or "after" (it wrote everything
+        and then failed): either way only its requests end, and the survivors' outputs stay exact."""
+        fl = self.sched.in_flight
+        assert fl is not None
+        if error:
+            if error == "after":
+                self.worker.step(batch, refused)
+            result = StepResult(step=batch.step, error="injected step error")
+            in_batch = {e.req.rid for e in fl.entries}
+            outs = self.sched.apply_result(result)
+            assert sorted(o.rid for o in outs) == sorted(in_batch) and all(o.finish_reason == "error" for o in outs)
+            self.take(outs)
+            return
+        result = self.worker.step(batch, refused)
+        for e in fl.entries:
+            if e.admitted and e.req.rid not in refused:
+                self.first_start.setdefault(e.req.rid, e.start)
+        self.take(self.sched.apply_result(result))
+
+    @precondition(lambda self: self.batch is None)
     @rule(refuse_cow=st.booleans(), abort_in_flight=st.booleans())
     def step(self, refuse_cow: bool, abort_in_flight: bool) -> None:
-        batch = self.sched.schedule()
-        self.sched.check_integrity()
+        batch = self.schedule()
         if batch is None:
             return
         if abort_in_flight and batch.reqs:
             assert self.sched.abort(batch.reqs[-1].rid) == []
         refused = frozenset(op.rid for op in batch.copies if op.rid is not None) if refuse_cow else frozenset()
-        self.take(self.sched.apply_result(self.worker.step(batch, refused)))
+        self.run_batch(batch, refused)
 
+    @precondition(lambda self: self.batch is None)
+    @rule()
+    def dispatch(self) -> None:
+        self.batch = self.schedule()
+
+    @precondition(lambda self: self.batch is not None)
+    @rule(refuse=st.sets(st.integers(0, 7)), error=st.sampled_from([""] * 8 + ["before", "after"]))
+    def complete(self, refuse: set[int], error: str) -> None:
+        batch, self.batch = self.batch, None
+        assert batch is not None
+        cows = [op.rid for op in batch.copies if op.rid is not None]
+        refused = frozenset(cows[i] for i in refuse if i < len(cows))
+        self.run_batch(batch, refused, error)
+
+    # ------------------------------------------------------------------ other events
     @rule(which=st.integers(0, 200))
     def abort(self, which: int) -> None:
         live = sorted(self.sched.reqs)
-        if live:
-            self.take(self.sched.abort(live[which % len(live)], "test"))
+        if not live:
+            return
+        rid = live[which % len(live)]
+        outs = self.sched.abort(rid, "test")
+        if self.batch is not None and any(r.rid == rid for r in self.batch.reqs):
+            assert outs == [], "an in-flight request is finished when its result is applied"
+        else:
+            assert len(outs) == 1 and outs[0].finished and outs[0].finish_reason == "abort"
+        self.take(outs)
 
+    @precondition(lambda self: self.batch is None)
     @rule(n=st.integers(1, 40), states=st.booleans())
     def evict(self, n: int, states: bool) -> None:
         cache = self.sched.cache
@@ -107,7 +172,7 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @rule()
     def flush(self) -> None:
-        idle = not self.sched.running
+        idle = not self.sched.running and self.sched.in_flight is None
         assert self.sched.flush_cache() is idle
         if idle:
             assert self.sched.cache.num_nodes == 0
@@ -115,6 +180,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.n % 7 == 6)
     @rule()
     def fail(self) -> None:
+        self.batch = None  # a failing scheduler drops the batch in flight with everything else
         self.take(self.sched.fail_all("test failure"))
         assert not self.sched.has_work
 
@@ -123,6 +189,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.sched.check_integrity()
 
     def teardown(self) -> None:
+        if self.batch is not None:
+            self.complete(set(), "")
         for _ in range(2000):
             if not self.sched.has_work:
                 break

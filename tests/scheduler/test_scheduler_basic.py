@@ -182,3 +182,27 @@ def test_idle_admission_never_hangs_on_an_unaffordable_hit(states: int) -> None:
     prompt = [1, 2, 3, 4] + a.tokens["a"][:2] + [5]
     log = harness.run(sched, worker, {0: [greq("b", prompt, 3)]}, max_rounds=50)
     assert log.finals["b"].cached_tokens == (0 if states == 1 else len(prompt) - 1)
+
+
+def test_step_error_fails_only_that_batch_and_drops_its_checkpoint() -> None:
+    """A failed step may have written garbage into every slot it touched: its requests end with an
+    error (nothing donated) and the checkpoint saved for it leaves the tree. Waiting requests and the
+    rest of the cache are untouched, and serving goes on with correct outputs."""
+    sched, worker = make(kv=512, states=8, chunked_prefill_size=512, max_running_requests=1)
+    system = list(range(1, 41))
+    harness.run(sched, worker, {0: [greq("a", system + [70, 71], 3)]})  # prompt KV shared, state at its end
+    sched.add_request(greq("b", system + [80, 81], 3))
+    sched.add_request(greq("w", [5, 6, 7], 3))
+    b1, _ = round_(sched, worker)  # b computes up to the branch point (no sample)
+    assert rids(b1) == ["b"] and b1 is not None and len(b1.reqs[0].input_ids) == len(system)
+    b2 = sched.schedule()
+    assert b2 is not None and [op.rid for op in b2.copies] == [None]  # the branch-point checkpoint
+    outs = sched.apply_result(StepResult(step=b2.step, error="boom"))
+    assert [(o.rid, o.finish_reason) for o in outs] == [("b", "error")] and "boom" in (outs[0].error or "")
+    sched.check_integrity()
+    assert "w" in sched.reqs and sched.cache.peek(system + [90], len(system)).prefix_len == 0
+    assert sched.cache.peek(system + [70, 71, 0], 42).kv_len == 42  # the rest of the cache stays
+    log = harness.run(sched, worker, {0: [greq("c", system + [90, 91], 3)]})
+    assert set(log.finals) == {"w", "c"} and all(o.finish_reason == "length" for o in log.finals.values())
+    ref_sched, ref_worker = make(disable_radix_cache=True)
+    assert log.tokens["c"] == harness.run(ref_sched, ref_worker, {0: [greq("c", system + [90, 91], 3)]}).tokens["c"]
