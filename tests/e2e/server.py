@@ -43,6 +43,15 @@ def group_pids(pgid: int) -> list[int]:
     return pids
 
 
+def wait_group_empty(pgid: int, timeout: float = 5.0) -> list[int]:
+    """Poll until no live process of the group is left (launch.py's helpers, such as the
+    multiprocessing resource tracker, exit just after it); return what is still alive."""
+    deadline = time.monotonic() + timeout
+    while (left := group_pids(pgid)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return left
+
+
 class Server:
     """A launch.py subprocess. `output` accumulates its stdout+stderr (read by a thread)."""
 
@@ -110,9 +119,7 @@ class Server:
             self.proc.wait(10)
         except subprocess.TimeoutExpired:
             pass
-        deadline = time.monotonic() + 10
-        while group_pids(self.pgid) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_group_empty(self.pgid, 10)
 
 
 @contextmanager

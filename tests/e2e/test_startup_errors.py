@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tests.e2e.server import ROOT, Server, free_port, group_pids
+from tests.e2e.server import ROOT, Server, free_port, wait_group_empty
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 
@@ -54,7 +54,7 @@ def test_port_in_use_fails_and_leaves_nothing() -> None:
         code = server.wait_exit(60)
         assert code != 0
         assert str(port) in server.output.strip().splitlines()[-1]
-        assert group_pids(server.pgid) == []
+        assert wait_group_empty(server.pgid) == []
 
 
 def test_api_key_required() -> None:

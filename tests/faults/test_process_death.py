@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from tests.e2e.server import Server, group_pids
+from tests.e2e.server import Server, group_pids, wait_group_empty
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -86,10 +86,7 @@ def _run_fault(extra: list[str], title: str, sig: int = signal.SIGKILL) -> None:
             assert c.outcome not in ("", "http-200", "streaming"), c.outcome
         assert code != 0
         assert t_exit <= BOUND_S, t_exit
-        deadline = time.monotonic() + 5
-        while group_pids(server.pgid) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert group_pids(server.pgid) == []
+        assert wait_group_empty(server.pgid) == []
     finally:
         if sig == signal.SIGSTOP:
             for pid in group_pids(server.pgid):

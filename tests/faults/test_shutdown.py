@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from tests.e2e.server import Server, group_pids, running_server
+from tests.e2e.server import Server, running_server, wait_group_empty
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 
@@ -39,7 +39,7 @@ def test_sigterm_answers_in_flight_requests_and_exits_zero() -> None:
         assert elapsed < 15, elapsed
         for r in answers:  # each stream ended with a final event and [DONE]
             assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]"), r.text[-300:]
-        assert group_pids(server.pgid) == []
+        assert wait_group_empty(server.pgid) == []
     finally:
         server.kill_group()
 
@@ -64,6 +64,6 @@ def test_injected_crash_ends_the_launch(process: str) -> None:
         assert r.status_code == 503 and "error" in r.json(), r.text
         assert server.wait_exit(20) != 0
         assert "exited unexpectedly" in server.output
-        assert group_pids(server.pgid) == []
+        assert wait_group_empty(server.pgid) == []
     finally:
         server.kill_group()
