@@ -188,6 +188,23 @@ class SchedulerMachine(RuleBasedStateMachine):
     def integrity(self) -> None:
         self.sched.check_integrity()
 
+    @invariant()
+    def reusable_peeks_are_fresh(self) -> None:
+        """The O(1) retry reuses a waiting request's last peek while the cache epoch is unchanged: it
+        must then equal a fresh walk (no stale match or cost survives a lock release, donation, flush,
+        abort or eviction). With a state cache, admission is tried every round (never latched)."""
+        s = self.sched
+        for r in s.waiting.items():
+            p = r.peek
+            if p is None or p.epoch != s.cache.epoch or not s.res.cache_enabled:
+                continue
+            q = s.cache.peek(r.tokens, len(r.tokens) - 1)
+            assert (p.node, p.prefix_len, p.kv_len, p.lock_cost_kv, p.state_lock_cost) == (
+                q.node, q.prefix_len, q.kv_len, q.lock_cost_kv, q.state_lock_cost
+            ), (r, p, q)  # fmt: skip
+        if s.retry.clear_every_round:
+            assert s.metrics.get("hyssm_admission_rounds_total", outcome="latched") == 0
+
     def teardown(self) -> None:
         if self.batch is not None:
             self.complete(set(), "")
