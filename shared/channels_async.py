@@ -80,10 +80,10 @@ class AsyncReceiver(Generic[T]):
     async def recv(self, timeout_s: float | None = None) -> T:
         """Wait for one message; with a timeout, raise ChannelTimeout when nothing arrived.
         A message of the wrong shape raises msgspec.ValidationError."""
-        timeout_ms = None if timeout_s is None else int(timeout_s * 1000)
-        if not await self.sock.poll(timeout_ms, zmq.POLLIN):
-            raise ChannelTimeout(f"{self.channel.name}: nothing received within {timeout_s} s")
-        frame = await self.sock.recv(copy=False)
+        if timeout_s is not None:
+            if not await self.sock.poll(int(timeout_s * 1000), zmq.POLLIN):
+                raise ChannelTimeout(f"{self.channel.name}: nothing received within {timeout_s} s")
+        frame = await self.sock.recv(copy=False)  # without a timeout: one future, no poll before it
         return self._dec.decode(frame.buffer)
 
     def recv_nowait(self) -> T | None:

@@ -132,11 +132,12 @@ class SchedulerClient:
         try:
             while True:
                 try:
-                    msg = await self._rx.recv()
+                    self._dispatch(await self._rx.recv())
+                    # whatever else is queued is taken now, without a future per message
+                    while (msg := self._rx.recv_nowait()) is not None:
+                        self._dispatch(msg)
                 except msgspec.ValidationError as e:
                     logger.error("dropping a malformed message from the scheduler: %s", e)
-                    continue
-                self._dispatch(msg)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - any failure here means the scheduler is unreachable
