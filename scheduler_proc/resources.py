@@ -86,6 +86,19 @@ class ReqResources:
             points.update(range(first, end, self.ckpt_interval))
         return sorted(points)
 
+    def first_split(self, req: Req, peek: PeekResult) -> int | None:
+        """plan_splits(req, peek)[0] (None when there is none) in O(1): admission asks every round,
+        and a long prompt with periodic checkpoints has prompt/interval split points."""
+        if not (self.cache_enabled and self.track_states):
+            return None
+        start, end = peek.prefix_len, len(req.tokens)
+        first = peek.kv_len if start < peek.kv_len < end else None
+        if self.ckpt_interval:
+            periodic = (start // self.ckpt_interval + 1) * self.ckpt_interval
+            if periodic < end and (first is None or periodic < first):
+                first = periodic
+        return first
+
     def start(self, req: Req, peek: PeekResult, chunk: int, b: BatchBuilder) -> str:
         """Lock the match, take the request's state slot (CoW or fresh) and KV for the first chunk.
         Returns "" on success or the refusal reason ("mamba_state", "kv") with everything undone;

@@ -270,8 +270,9 @@ class Scheduler:
             b.add(r, grant.chunk, prefill=True, admitted=True)
 
     def _chunk_cap(self, r: Req, peek: PeekResult) -> int:
-        splits = self.res.plan_splits(r, peek)
-        return splits[0] - peek.prefix_len if splits else len(r.tokens)
+        """The first chunk ends at the first split point (O(1): asked on every retry)."""
+        split = self.res.first_split(r, peek)
+        return split - peek.prefix_len if split is not None else len(r.tokens)
 
     def _refused(self, r: Req, reason: str) -> None:
         r.refusals += 1

@@ -7,6 +7,7 @@ import random
 
 import pytest
 
+from scheduler_proc.radix_cache import PeekResult
 from scheduler_proc.scheduler import Scheduler, SchedulerTuning
 from shared.messages import GenerateReq
 from tests.scheduler import harness
@@ -217,3 +218,43 @@ def test_prompt_kv_is_shared_while_the_request_decodes() -> None:
     both = [b for b in log.batches if any(op.rid is None for op in b.copies)]
     assert len(both) == 1 and [op.rid for op in both[0].copies] == [None, "c"]
     assert both[0].copies[0].dst == both[0].copies[1].src
+
+
+def test_refused_rounds_cost_no_split_planning() -> None:
+    """With periodic checkpoints a long prompt has prompt/interval split points; a refused retry must
+    not list them every round (only the first one bounds the first chunk), so a round stays O(1)."""
+    sched, worker = make(kv=4096, states=2, mamba_checkpoint_interval=4, chunked_prefill_size=4096,
+                         max_prefill_tokens=4096)  # fmt: skip
+    prompt = list(range(1, 41))
+    first = harness.run(sched, worker, {0: [greq("seed", prompt, 3)]})
+    sched.add_request(greq("runner", [7, 7, 7], 40))
+    round_(sched, worker)
+    hit = prompt + first.tokens["seed"][:2] + list(range(50, 1050))  # 250 split points past the hit
+    sched.add_request(greq("hit", hit, 3))
+    plans = []
+    real_plan = sched.res.plan_splits
+    sched.res.plan_splits = lambda r, p: plans.append(r.rid) or real_plan(r, p)  # type: ignore[method-assign]
+    for _ in range(4):
+        batch, _ = round_(sched, worker)
+        assert rids(batch) == ["runner"]
+    assert plans == [] and sched.metrics.get("hyssm_admission_refusals_total", reason="mamba_state") == 4
+    sched.res.plan_splits = real_plan  # type: ignore[method-assign]
+    sched.abort("runner")  # capacity returns: admitted, the first chunk ends at the first split point
+    batch, _ = round_(sched, worker)
+    assert batch is not None and rids(batch) == ["hit"]
+    assert batch.reqs[0].start_pos == len(prompt) + 2 and len(batch.reqs[0].input_ids) == 2  # 42 -> 44
+
+
+@pytest.mark.parametrize("interval", [0, 5])
+def test_first_split_is_the_first_planned_split(interval: int) -> None:
+    rng = random.Random(interval)
+    sched, _ = make(mamba_checkpoint_interval=interval)
+    for _ in range(300):
+        n = rng.randrange(2, 60)
+        sched.add_request(greq("x", [1] * n, 1))
+        req = sched.reqs["x"]
+        prefix = rng.randrange(0, n)
+        peek = PeekResult(sched.cache.root, prefix, rng.randrange(prefix, n + 3), 0, 0, sched.cache.epoch)
+        splits = sched.res.plan_splits(req, peek)
+        assert sched.res.first_split(req, peek) == (splits[0] if splits else None), (n, peek)
+        sched.abort("x")
