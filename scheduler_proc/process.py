@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from dataclasses import dataclass
 
 import zmq
 
@@ -51,6 +52,46 @@ _BLOCKED_POLL_MS = 50  # work waits but no batch could be built: try again at le
 _HEARTBEAT_S = 1.0
 
 
+@dataclass
+class LoopStats:
+    """Where the wall time of served steps goes, as the loop sees it. Owned by SchedulerLoop,
+    reported under `info()["loop"]`. Per step: `round_trip` = batch sent -> its StepResult
+    received, `worker` = the workers' own step time (StepResult.elapsed_s); their difference is
+    transport, message encode/decode and waiting for a CPU. `turnaround` = StepResult received ->
+    next batch sent, counted when the next batch follows at once (the loop's own share)."""
+
+    steps: int = 0
+    round_trip_s: float = 0.0
+    worker_s: float = 0.0
+    turnarounds: int = 0
+    turnaround_s: float = 0.0
+
+    def on_result(self, round_trip_s: float, worker_s: float) -> None:
+        self.steps += 1
+        self.round_trip_s += round_trip_s
+        self.worker_s += worker_s
+
+    def on_turnaround(self, seconds: float) -> None:
+        self.turnarounds += 1
+        self.turnaround_s += seconds
+
+    def as_dict(self) -> dict[str, float]:
+        def mean_ms(total: float, n: int) -> float:
+            return 1000.0 * total / n if n else 0.0
+
+        return {
+            "steps": self.steps,
+            "worker_ms_mean": mean_ms(self.worker_s, self.steps),
+            "round_trip_ms_mean": mean_ms(self.round_trip_s, self.steps),
+            "outside_worker_ms_mean": mean_ms(self.round_trip_s - self.worker_s, self.steps),
+            "turnaround_ms_mean": mean_ms(self.turnaround_s, self.turnarounds),
+        }
+
+    def check_integrity(self) -> None:
+        assert 0 <= self.turnarounds <= self.steps
+        assert min(self.round_trip_s, self.worker_s, self.turnaround_s) >= 0.0
+
+
 class SchedulerLoop:
     """One round = drain requests, send one batch to every rank, wait for rank 0's StepResult
     (serving requests meanwhile), apply it, then at once drain requests and send the next batch,
@@ -74,6 +115,9 @@ class SchedulerLoop:
         self.in_flight: ForwardBatch | None = None
         self.in_flight_since = 0.0
         self.last_sent = 0.0
+        self.stats = LoopStats()
+        self._sent_at = 0.0  # perf_counter() when the in-flight batch left
+        self._result_at: float | None = None  # perf_counter() when a StepResult was applied this round
 
     def wait_for_workers(self) -> dict[str, int]:
         """Collect WorkerReady from every rank; capacities are the minimum across ranks."""
@@ -121,6 +165,7 @@ class SchedulerLoop:
         if self.in_flight is None:
             outs += self._handle_requests()
             self._schedule_and_dispatch()
+            self._result_at = None
         elif self.from_tok.sock in events:
             outs += self._handle_requests()
         self._send_outs(outs)
@@ -148,6 +193,9 @@ class SchedulerLoop:
             os._exit(17)
         for tx in self.to_workers:
             tx.send(batch, int(self.args.watchdog_timeout * 1000))
+        self._sent_at = time.perf_counter()
+        if self._result_at is not None:
+            self.stats.on_turnaround(self._sent_at - self._result_at)
         self.in_flight = batch
         self.in_flight_since = self.last_sent = time.monotonic()
 
@@ -187,6 +235,8 @@ class SchedulerLoop:
                 logger.warning("ignoring StepResult for step %d", msg.step)
                 continue
             self.in_flight = None
+            self._result_at = time.perf_counter()
+            self.stats.on_result(self._result_at - self._sent_at, msg.elapsed_s)
             outs.extend(self.sched.apply_result(msg))
         return outs
 
@@ -207,6 +257,7 @@ class SchedulerLoop:
         assert self.sched is not None
         info = self.sched.info()
         info["in_flight_step"] = self.in_flight.step if self.in_flight is not None else -1
+        info["loop"] = self.stats.as_dict()
         return info
 
     def fail_everything(self, reason: str) -> None:

@@ -123,6 +123,26 @@ def test_next_batch_leaves_before_the_step_outputs(peers: Peers) -> None:
     assert isinstance(outs, TokenOutBatch) and [(o.rid, o.token_ids) for o in outs.outs] == [("a", [11])]
 
 
+def test_loop_stats_split_round_trip_worker_time_and_turnaround(peers: Peers) -> None:
+    peers.submit("a", max_new=2)
+    peers.run_until(lambda: peers.loop.in_flight is not None)
+    sent_at = time.perf_counter()
+    peers.worker.send(StepResult(step=peers.loop.in_flight.step, next_tokens={"a": 11}, elapsed_s=0.001))
+    peers.run_until(lambda: peers.loop.stats.steps == 1)
+    after = time.perf_counter()
+    stats = peers.loop.stats
+    stats.check_integrity()
+    assert stats.worker_s == 0.001 and 0 < stats.round_trip_s
+    assert stats.turnarounds == 1  # step 2 (a's last token) left in the same round
+    assert 0 < stats.turnaround_s < after - sent_at
+    peers.worker.send(StepResult(step=peers.loop.in_flight.step, next_tokens={"a": 12}, elapsed_s=0.002))
+    peers.run_until(lambda: peers.loop.stats.steps == 2)
+    assert stats.turnarounds == 1, "no batch followed the last step: nothing to count"
+    loop_info = peers.loop._info()["loop"]
+    assert loop_info["steps"] == 2 and loop_info["worker_ms_mean"] == pytest.approx(1.5)
+    assert loop_info["round_trip_ms_mean"] > 0 and loop_info["turnaround_ms_mean"] > 0
+
+
 def test_step_outputs_precede_replies_to_requests_of_the_same_round(peers: Peers) -> None:
     """A StepResult and an abort of one of its requests handled in one round: the next batch
     leaves without that request, and the tokenizer gets its last token before its final abort."""
