@@ -70,8 +70,11 @@ class DecodeStreamAdapter:
 class StopStringMatcher:
     """Finds stop strings in a stream of text pieces, across piece boundaries.
 
-    Owns the held-back tail: the longest suffix of the text seen so far that is a proper prefix
-    of some stop string (shorter than the longest stop string). Everything before it is safe."""
+    The output is the text truncated before the stop string that STARTS first in the whole
+    text. Owns the held-back tail: from the earliest position where a stop string could still
+    complete (the tail there is a proper prefix of a stop). A complete stop string found after
+    that position is not final yet: a longer one starting earlier may still complete, so the
+    decision waits for more text or for `finish()`. Everything before the tail is safe."""
 
     def __init__(self, stops: Sequence[str]):
         self.stops = tuple(dict.fromkeys(s for s in stops if s))
@@ -85,17 +88,22 @@ class StopStringMatcher:
         if not self.stops:
             return text
         buf = self._held + text
+        best_at, best = self._first_complete(buf)
+        partial = min(self._partial_start(buf, stop) for stop in self.stops)
+        if best_at >= 0 and best_at <= partial:  # nothing can start earlier any more
+            self.matched, self._held = best, ""
+            return buf[:best_at]
+        self._held = buf[partial:]
+        return buf[:partial]
+
+    def _first_complete(self, buf: str) -> tuple[int, str]:
+        """(start, stop) of the complete stop string that starts first in `buf`; (-1, "") if none."""
         best_at, best = -1, ""
         for stop in self.stops:
             at = buf.find(stop)
             if at >= 0 and (best_at < 0 or at < best_at):
                 best_at, best = at, stop
-        if best_at >= 0:
-            self.matched, self._held = best, ""
-            return buf[:best_at]
-        cut = min((self._partial_start(buf, stop) for stop in self.stops), default=len(buf))
-        self._held = buf[cut:]
-        return buf[:cut]
+        return best_at, best
 
     @staticmethod
     def _partial_start(buf: str, stop: str) -> int:
@@ -108,9 +116,16 @@ class StopStringMatcher:
         return len(buf)
 
     def finish(self) -> str:
-        """Release the held tail (the request ended without completing a stop string)."""
+        """The text ended: no held prefix can complete any more. Release the held tail, cut
+        before a complete stop string inside it (setting `matched`)."""
         out, self._held = self._held, ""
-        return "" if self.matched is not None else out
+        if self.matched is not None:
+            return ""
+        at, stop = self._first_complete(out)
+        if at >= 0:
+            self.matched = stop
+            return out[:at]
+        return out
 
     def check_integrity(self) -> None:
         assert self.matched is None or self._held == "", "text held after a stop-string match"

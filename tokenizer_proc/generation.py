@@ -130,8 +130,11 @@ async def generate(
                     if not out.finished:
                         backend.abort(req.rid, "stop string matched")
                 elif out.finished:
-                    finish = _finish_of(out)
                     text += detok.finish()
+                    # a stop string can only be decided at the end (a longer one starting earlier
+                    # might still have completed): it wins over the scheduler's reason
+                    stop = detok.matched_stop
+                    finish = Finish("stop", matched=stop) if stop is not None else _finish_of(out)
                 logprobs = _aligned_logprobs(out) if req.return_logprobs else None
                 done = finish is not None
                 yield Piece(text, list(out.token_ids), logprobs, len(req.input_ids), completion, cached, finish)
