@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import time
 from dataclasses import dataclass
 
@@ -37,6 +38,7 @@ from shared.messages import (
     Heartbeat,
     InfoResp,
     ProcReady,
+    Shutdown,
     StepResult,
     TokenOut,
     TokenOutBatch,
@@ -269,12 +271,32 @@ class SchedulerLoop:
                 logger.exception("could not send final errors")
 
 
+class StopRequested(BaseException):
+    """SIGTERM from launch.py: leave the loop and tell the workers (of every node) to stop."""
+
+
+def _raise_stop(signum: int, _frame: object) -> None:
+    raise StopRequested(signal.Signals(signum).name)
+
+
 def run(args: ServerArgs) -> None:
-    """Process entry: wait for the workers, report ready, serve until killed."""
+    """Process entry: wait for the workers, report ready, serve until SIGTERM or a failure.
+    On SIGTERM every rank is sent Shutdown, so the workers of other nodes exit (code 0) now
+    instead of after the heartbeat silence limit."""
     loop = SchedulerLoop(args)
-    loop.start()
+    signal.signal(signal.SIGTERM, _raise_stop)
     try:
+        loop.start()
         loop.run_forever()
+    except StopRequested:
+        logger.info("stopping: telling every worker rank to shut down")
+        loop.fail_everything("server shutting down")
+        for tx in loop.to_workers:
+            try:
+                tx.send(Shutdown(reason="scheduler stopped"), 1000)
+                tx.close(linger_ms=1000)
+            except ChannelTimeout:
+                pass
     except Exception as e:
         logger.error("scheduler failing: %s", e)
         loop.fail_everything(str(e))

@@ -131,6 +131,8 @@ def test_two_nodes_on_loopback(expected: list[Case]) -> None:
                 time.sleep(0.05)
             assert "node 1 workers ready" in node1.output, node1.output[-2000:]
             assert node1.proc.poll() is None
+        # node 0 stopped gracefully: its scheduler told every rank to shut down, node 1 follows at once
+        assert node1.wait_exit(15) == 0, node1.output[-2000:]
     finally:
         node1.stop()
     assert group_pids(node1.pgid) == []
