@@ -1,5 +1,6 @@
 """BatchBuilder: collects one round's slices and state ops into a ForwardBatch, and remembers what
-it sent (`InFlight`) so the StepResult can be applied or rolled back slice by slice."""
+it sent (`InFlight`) so the StepResult can be applied or rolled back slice by slice. A slice sends
+only the KV slots the workers do not hold from the previous batch (`Req.kv_reuse`)."""
 
 from __future__ import annotations
 
@@ -63,16 +64,19 @@ class BatchBuilder:
         reqs = []
         for e in self.entries:
             r = e.req
+            reuse = r.kv_reuse(self.step)
+            assert reuse <= e.start, (r, reuse)  # reused slots are those of positions already computed
             reqs.append(
                 ReqSlice(
                     rid=r.rid,
                     input_ids=r.tokens[e.start : e.start + e.n],
                     start_pos=e.start,
-                    kv_slots=list(r.kv_slots),
+                    kv_slots=r.kv_slots[reuse:],
                     mamba_slot=r.mamba_slot or 0,
                     sample=e.sample,
                     sampling=r.sampling if e.sample else None,
                     output_len=r.num_output,
+                    kv_reuse=reuse,
                 )
             )
         batch = ForwardBatch(

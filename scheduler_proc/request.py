@@ -1,6 +1,8 @@
 """Scheduler-side request state and the waiting queue.
 
-A `Req` is owned by the Scheduler's request table from `add_request` until its final TokenOut. While
+A `Req` is owned by the Scheduler's request table from `add_request` until its final TokenOut. `sent_kv` /
+`sent_step` record what the workers mirror of its kv_slots: every change to kv_slots[:sent_kv] other
+than appending calls `forget_sent` (resources.py). While
 WAITING it holds no slot and no lock (retraction and rollbacks give everything back first); while
 RUNNING it owns kv_slots[tree_len:], its mamba_slot, one KV lock on `node` (whose path supplies
 kv_slots[:tree_len]) and, until the batch that copies it is applied, one state lock on `cow_node`.
@@ -31,7 +33,7 @@ class Req:
         "rid", "prompt_len", "tokens", "sampling", "priority", "seq", "status",
         "kv_slots", "tree_len", "node", "mamba_slot", "computed", "cow_node", "splits",
         "pending_ckpt", "cached_tokens", "admitted", "abort_reason", "peek", "queue_token",
-        "retracted_at", "refusals",
+        "retracted_at", "refusals", "sent_kv", "sent_step",
     )  # fmt: skip
 
     def __init__(self, rid: str, input_ids: list[int], sampling: SamplingParams, priority: int, seq: int) -> None:
@@ -57,6 +59,22 @@ class Req:
         self.queue_token = 0
         self.retracted_at = -1  # `computed` when last retracted (to count recomputation), -1 if never
         self.refusals = 0  # admissions refused for memory so far (later attempts count as retries)
+        # the workers' copy of kv_slots (ReqSlice.kv_reuse): its first sent_kv slots as sent in batch
+        # sent_step, which ran for this request; valid only while kv_slots[:sent_kv] is unchanged
+        self.sent_kv = 0
+        self.sent_step = -1
+
+    def mark_sent(self, step: int, n_slots: int) -> None:
+        """Batch `step` ran this request with kv_slots[:n_slots]: the workers hold those slots."""
+        self.sent_step, self.sent_kv = step, n_slots
+
+    def forget_sent(self) -> None:
+        """kv_slots[:sent_kv] changed (or may have): the next slice carries the full list."""
+        self.sent_step, self.sent_kv = -1, 0
+
+    def kv_reuse(self, step: int) -> int:
+        """Leading slots the workers can take from their copy for batch `step` (0: send them all)."""
+        return self.sent_kv if self.sent_step == step - 1 else 0
 
     @property
     def output_ids(self) -> list[int]:

@@ -124,6 +124,7 @@ class ReqResources:
             return "kv"
         req.node, req.tree_len, req.computed = match.node, match.prefix_len, match.prefix_len
         req.kv_slots = match.prefix_kv + kv
+        req.forget_sent()
         req.mamba_slot = slot
         req.splits = self.plan_splits(req, peek)
         if match.src_state is not None:
@@ -146,9 +147,11 @@ class ReqResources:
         req.kv_slots.extend(kv)
         return True
 
-    def after_step(self, req: Req, entry: SliceEntry) -> None:
-        """The slice ran: its positions are computed, a pending copy-on-write has happened."""
+    def after_step(self, req: Req, entry: SliceEntry, step: int) -> None:
+        """The slice of batch `step` ran: its positions are computed (and their slots, which are all of
+        kv_slots when it was built, are mirrored by the workers), a pending copy-on-write has happened."""
         req.computed = entry.start + entry.n
+        req.mark_sent(step, req.computed)
         if req.cow_node is not None:
             self.cache.unlock_state(req.cow_node)
             req.cow_node = None
@@ -159,6 +162,7 @@ class ReqResources:
         """The slice did not run (refused): give back the KV slots taken for it."""
         extra = req.kv_slots[entry.start :]
         del req.kv_slots[entry.start :]
+        req.forget_sent()  # the workers dropped their copy of a refused request
         self.kv_alloc.free_many(extra)
 
     def checkpoint(self, req: Req, b: BatchBuilder) -> str:
@@ -191,7 +195,10 @@ class ReqResources:
         self.cache.lock(node)
         self.cache.unlock(req.node)
         req.node = node
-        req.kv_slots[: node.end] = self.cache.path_kv(node)
+        tree_kv = self.cache.path_kv(node)
+        if req.kv_slots[: node.end] != tree_kv:  # insert freed own slots the tree already had
+            req.forget_sent()
+        req.kv_slots[: node.end] = tree_kv
         req.tree_len = node.end
 
     # ------------------------------------------------------------------ giving back
@@ -216,3 +223,4 @@ class ReqResources:
             cache.unlock(req.node)
         req.kv_slots, req.tree_len, req.node, req.mamba_slot = [], 0, None, None
         req.computed, req.splits, req.pending_ckpt, req.peek = 0, [], False, None
+        req.forget_sent()

@@ -296,7 +296,7 @@ class Scheduler:
                 if r.abort_reason is not None:
                     outs.append(self._finish(r, "abort"))
                 continue
-            self.res.after_step(r, e)
+            self.res.after_step(r, e, fl.step)
             if e.prefill and e.sample:
                 self.res.cache_prompt(r)
             self._account_step(e)

@@ -115,8 +115,13 @@ class ReqSlice(msgspec.Struct, kw_only=True, array_like=True):
     """The part of one request computed in this step.
 
     `input_ids` are the tokens at positions [start_pos, start_pos + len(input_ids)).
-    `kv_slots` holds the KV slot of every position [0, start_pos + len(input_ids)): the prefix
-    slots (already written) followed by the slots this step writes.
+    `kv_slots` holds the KV slot of every position [kv_reuse, start_pos + len(input_ids)): the
+    prefix slots (already written) followed by the slots this step writes.
+    `kv_reuse`: the first kv_reuse slots are not sent; the worker takes them from its own copy of
+    this rid's full slot list in the previous ForwardBatch (step - 1), which it must hold with at
+    least kv_reuse slots, else the step fails. 0: kv_slots is complete. The scheduler sends > 0 only
+    for a request that ran (not refused) in the previous batch, that step did not fail, and whose
+    slots [0, kv_reuse) are unchanged since.
     `mamba_slot` holds the recurrent state after position start_pos - 1 (zeros if start_pos
     is 0 and the slot was cleared); the step advances it in place.
     `sample`: produce a next token after the last input token (False for a non-final chunk).
@@ -130,6 +135,7 @@ class ReqSlice(msgspec.Struct, kw_only=True, array_like=True):
     sample: bool
     sampling: SamplingParams | None = None
     output_len: int = 0  # tokens generated so far (seeds sampling deterministically)
+    kv_reuse: int = 0  # leading KV slots taken from the worker's copy of the previous batch
 
 
 class ForwardBatch(msgspec.Struct, tag=True, kw_only=True):

@@ -1,12 +1,15 @@
 """`ModelRunner`: the worker rank's model + state pools + sampler behind one `step()` call.
 
 Owned by the worker runtime; the worker process (worker_proc/process.py, the lead's) owns the
-sockets and calls `step` once per `ForwardBatch`. The runner keeps no per-request state: the
-scheduler owns every slot number, the runner only holds the tensors (weights, KV pool, Mamba
-state pools). Within one step the order is fixed: copies (minus refused requests' copies), then
-clears, then one forward over every non-refused slice, then sampling. Under tensor parallelism
-every rank runs the same step on its shard (weights and pools, see worker_proc.model.tp); only
-rank 0 computes logits and samples, the other ranks' StepResult carries no tokens.
+sockets and calls `step` once per `ForwardBatch`. The scheduler owns every slot number; the runner
+holds the tensors (weights, KV pool, Mamba state pools) and one mirror of the KV slot lists of the
+last batch it ran (`KVSlotMirror`, so slices may send only new slots: ReqSlice.kv_reuse). Within one
+step the order is fixed: validate and index the non-refused slices (a malformed batch raises before
+anything is written), copies (minus refused requests' copies), then clears, then one forward over
+every non-refused slice, then sampling. Under tensor parallelism every rank runs the same step on
+its shard (weights and pools, see worker_proc.model.tp; all ranks get identical batches and agree on
+refusals, so their mirrors stay identical); only rank 0 computes logits and samples, the other
+ranks' StepResult carries no tokens.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from shared.model_info import ModelInfo
 from worker_proc.kernels import get_ops
 from worker_proc.loader import load_model
 from worker_proc.model import StepBatch, build_step_batch
+from worker_proc.model.kv_mirror import KVSlotMirror
 from worker_proc.pools import StatePools, plan_capacities
 from worker_proc.sampling import SampleRequest, greedy_params, sample
 
@@ -68,6 +72,7 @@ class ModelRunner:
         self.kv_capacity = kv
         self.mamba_capacity = mamba
         self.ops = get_ops(self.device)
+        self.kv_mirror = KVSlotMirror()  # slot lists of the last batch run (ReqSlice.kv_reuse)
 
     def _default_budget(self) -> int:
         if self.device.type == "cuda":
@@ -77,20 +82,26 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ the step
     def step(self, batch: ForwardBatch, refused: frozenset[str] = frozenset()) -> StepResult:
-        """Apply state ops, run one forward over the non-refused slices, sample. See module doc."""
+        """Validate and index the non-refused slices, apply state ops, run one forward, sample. See
+        module doc. Any exception leaves the KV slot mirror empty (the step failed)."""
         t0 = time.perf_counter()
-        self.apply_state_ops(batch, refused)
         reqs = [r for r in batch.reqs if r.rid not in refused]
         next_tokens: dict[str, int] = {}
         logprobs: dict[str, float] = {}
-        if reqs:
-            sb = self._build(reqs, all_rows=False)
-            sampler = self.tp_rank == 0  # rank 0 samples and replies; the others only advance state
-            logits = self.model.forward_step(sb, self.pools, self.ops, want_logits=sampler)
-            if sb.logit_rids and sampler:
-                next_tokens, logprobs = self._sample(logits, sb, {r.rid: r for r in reqs})
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        try:
+            sb = self._build(reqs, batch.step, all_rows=False)  # raises before anything is written
+            self.apply_state_ops(batch, refused)
+            if reqs:
+                sampler = self.tp_rank == 0  # rank 0 samples and replies; the others only advance state
+                logits = self.model.forward_step(sb, self.pools, self.ops, want_logits=sampler)
+                if sb.logit_rids and sampler:
+                    next_tokens, logprobs = self._sample(logits, sb, {r.rid: r for r in reqs})
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+        except BaseException:
+            self.kv_mirror.clear()
+            raise
+        self.kv_mirror.commit(batch.step, [r.rid for r in reqs], sb.kv_full)
         return StepResult(
             step=batch.step,
             next_tokens=next_tokens,
@@ -108,11 +119,23 @@ class ModelRunner:
         for slot in batch.clears:
             self.pools.clear_state(slot)
 
-    def _build(self, reqs: list[ReqSlice], all_rows: bool) -> StepBatch:
+    def _build(self, reqs: list[ReqSlice], step: int, all_rows: bool) -> StepBatch:
         return build_step_batch(
             reqs, self.device, self.kv_capacity, self.mamba_capacity, bool(self.cfg.mamba_layer_ids), all_rows,
-            uses_attention=bool(self.cfg.attn_layer_ids),
+            uses_attention=bool(self.cfg.attn_layer_ids), mirror=self.kv_mirror, step=step,
         )
+
+    def _run_logits(self, batch: ForwardBatch, all_rows: bool) -> tuple[StepBatch, torch.Tensor]:
+        """Test helpers' step: like `step` without refusals or sampling, logits of every logit row."""
+        try:
+            sb = self._build(list(batch.reqs), batch.step, all_rows)
+            self.apply_state_ops(batch)
+            logits = self.model.forward_step(sb, self.pools, self.ops) if batch.reqs else torch.zeros(0)
+        except BaseException:
+            self.kv_mirror.clear()
+            raise
+        self.kv_mirror.commit(batch.step, [r.rid for r in batch.reqs], sb.kv_full)
+        return sb, logits
 
     def _sample(
         self, logits: torch.Tensor, sb: StepBatch, by_rid: dict[str, ReqSlice]
@@ -132,19 +155,13 @@ class ModelRunner:
     # ------------------------------------------------------------------ test helpers
     def forward_logits(self, batch: ForwardBatch) -> dict[str, torch.Tensor]:
         """Apply the batch's state ops, run it, and return the last-position float32 logits [V] of
-        every slice with sample=True (no sampling). Advances state exactly like `step`."""
-        self.apply_state_ops(batch)
-        if not batch.reqs:
-            return {}
-        sb = self._build(list(batch.reqs), all_rows=False)
-        logits = self.model.forward_step(sb, self.pools, self.ops)
+        every slice with sample=True (no sampling). Advances state (and the KV mirror) like `step`."""
+        sb, logits = self._run_logits(batch, all_rows=False)
         return {rid: logits[i] for i, rid in enumerate(sb.logit_rids)}
 
     def forward_all_logits(self, batch: ForwardBatch) -> dict[str, torch.Tensor]:
         """Like `forward_logits` but returns logits of every input position: rid -> [L, V]."""
-        self.apply_state_ops(batch)
-        sb = self._build(list(batch.reqs), all_rows=True)
-        logits = self.model.forward_step(sb, self.pools, self.ops)
+        sb, logits = self._run_logits(batch, all_rows=True)
         out: dict[str, list[torch.Tensor]] = {}
         for i, rid in enumerate(sb.logit_rids):
             out.setdefault(rid, []).append(logits[i])
@@ -152,6 +169,7 @@ class ModelRunner:
 
     def check_integrity(self) -> None:
         self.pools.check_integrity()
+        self.kv_mirror.check_integrity()
 
 
 def generate_greedy(

@@ -24,6 +24,9 @@ class FakeWorker:
         self.eos = eos
         self.steps = 0
         self.prefill_tokens = 0
+        # like worker_proc's KVSlotMirror: full slot lists of the rids that ran in batch `mirror_step`
+        self.mirror: dict[str, list[int]] = {}
+        self.mirror_step: int | None = None
 
     def next_token(self, seq: tuple[int, ...]) -> int:
         h = 0
@@ -43,13 +46,15 @@ class FakeWorker:
         for slot in batch.clears:
             self.state[slot] = ()
         out: dict[str, int] = {}
+        full_kv = self._resolve(batch, refused)
         for s in batch.reqs:
             if s.rid in refused:
                 continue
-            self._check_prefix(s.rid, s.kv_slots, s.start_pos, s.mamba_slot)
-            seq = tuple(self.kv[slot][1] for slot in s.kv_slots[: s.start_pos])  # type: ignore[index]
+            kv_slots = full_kv[s.rid]
+            self._check_prefix(s.rid, kv_slots, s.start_pos, s.mamba_slot)
+            seq = tuple(self.kv[slot][1] for slot in kv_slots[: s.start_pos])  # type: ignore[index]
             for i, tok in enumerate(s.input_ids):
-                self.kv[s.kv_slots[s.start_pos + i]] = (s.start_pos + i, tok)
+                self.kv[kv_slots[s.start_pos + i]] = (s.start_pos + i, tok)
             seq = seq + tuple(s.input_ids)
             if s.mamba_slot:
                 self.state[s.mamba_slot] = seq
@@ -59,6 +64,20 @@ class FakeWorker:
                 out[s.rid] = self.next_token(seq)
         hit = sorted(r for r in refused if any(s.rid == r for s in batch.reqs))
         return StepResult(step=batch.step, next_tokens=out, refused=hit)
+
+    def _resolve(self, batch: ForwardBatch, refused: frozenset[str]) -> dict[str, list[int]]:
+        """Full KV slot lists of the slices that run; the mirror then holds exactly these."""
+        held = self.mirror if self.mirror_step is not None and batch.step == self.mirror_step + 1 else {}
+        full: dict[str, list[int]] = {}
+        for s in batch.reqs:
+            if s.rid in refused:
+                continue
+            prior = held.get(s.rid, [])
+            if len(prior) < s.kv_reuse or s.kv_reuse + len(s.kv_slots) != s.start_pos + len(s.input_ids):
+                raise SlotError(f"{s.rid}: kv_reuse {s.kv_reuse} with {len(prior)} mirrored slots")
+            full[s.rid] = prior[: s.kv_reuse] + s.kv_slots
+        self.mirror, self.mirror_step = full, batch.step
+        return full
 
     def _check_prefix(self, rid: str, kv_slots: list[int], start: int, mamba_slot: int) -> None:
         if len(set(kv_slots)) != len(kv_slots) or 0 in kv_slots:

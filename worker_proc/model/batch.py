@@ -4,7 +4,10 @@ Owned by the worker runtime. Built from `ReqSlice`s (see shared/messages.py for 
 all requests' new tokens are concatenated into one token dimension (rows) so projections and MLPs
 run once per step. Requests with exactly one new token form the *decode group* (batched Mamba
 state update and attention); the others form the *prefill group* (one scan/attention each).
-Validation here is what protects the pools from a malformed batch: every slot is range-checked.
+Validation here is what protects the pools from a malformed batch: every slot is range-checked when
+it arrives (slots reused through `KVSlotMirror` were checked in the batch that sent them). Per-request
+slot lists are tensors end to end: the mirror's prefix and the new slots are concatenated on the device
+and the decode index is padded by copies, never through a Python list of every slot.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from shared.messages import ReqSlice
+from worker_proc.model.kv_mirror import KVSlotMirror
 
 
 @dataclass(frozen=True)
@@ -39,6 +43,7 @@ class StepBatch:
     dec_kv_len: torch.Tensor  # [Bt] int64
     logit_rows: torch.Tensor  # [R] int64 rows whose logits are wanted
     logit_rids: tuple[str, ...]  # request id of each logit row
+    kv_full: tuple[torch.Tensor, ...] = ()  # full KV slot list of each request, in slice order
 
     @property
     def num_tokens(self) -> int:
@@ -53,41 +58,37 @@ def build_step_batch(
     uses_mamba: bool,
     all_rows: bool = False,
     uses_attention: bool = True,
+    mirror: KVSlotMirror | None = None,
+    step: int = 0,
 ) -> StepBatch:
-    """Flatten and validate `reqs`. Raises ValueError on a malformed slice (slot out of range,
-    wrong kv_slots length, duplicate rid or Mamba slot). `all_rows`: want logits for every row of
-    every request (tests), instead of the last row of each slice with sample=True."""
+    """Flatten and validate `reqs` (batch number `step`). Raises ValueError on a malformed slice (slot
+    out of range, wrong kv_slots length, duplicate rid or Mamba slot, a kv_reuse the mirror cannot
+    serve); nothing is written either way (the caller commits `kv_full` to the mirror after the step
+    ran). Without `mirror` every slice must carry its full slot list (kv_reuse == 0). `all_rows`: want
+    logits for every row of every request (tests), instead of the last row of each slice with sample."""
+    source = mirror if mirror is not None else KVSlotMirror()
+    kv_full = source.resolve(reqs, step, device, kv_capacity if uses_attention else 0)
     ids: list[int] = []
     positions: list[int] = []
-    new_slots: list[int] = []
-    segs: list[tuple[int, int, int, list[int], int]] = []
+    new_parts: list[torch.Tensor] = []
+    segs: list[PrefillSeg] = []
     dec_rows: list[int] = []
     dec_mamba: list[int] = []
-    dec_kv: list[list[int]] = []
+    dec_kv: list[torch.Tensor] = []
     logit_rows: list[int] = []
     logit_rids: list[str] = []
-    seen_rids: set[str] = set()
-    for r in reqs:
+    for r, kv in zip(reqs, kv_full, strict=True):
         n = len(r.input_ids)
-        if n == 0:
-            raise ValueError(f"request {r.rid}: empty input_ids")
-        if r.rid in seen_rids:
-            raise ValueError(f"request {r.rid} appears twice in one batch")
-        seen_rids.add(r.rid)
-        if r.start_pos < 0 or len(r.kv_slots) != r.start_pos + n:
-            raise ValueError(
-                f"request {r.rid}: {len(r.kv_slots)} kv_slots for start_pos {r.start_pos} + {n} tokens"
-            )
         row = len(ids)
         ids.extend(r.input_ids)
         positions.extend(range(r.start_pos, r.start_pos + n))
-        new_slots.extend(r.kv_slots[r.start_pos :])
+        new_parts.append(kv[r.start_pos :])
         if n == 1:
             dec_rows.append(row)
             dec_mamba.append(r.mamba_slot)
-            dec_kv.append(r.kv_slots)
+            dec_kv.append(kv)
         else:
-            segs.append((row, row + n, r.start_pos, r.kv_slots, r.mamba_slot))
+            segs.append(PrefillSeg(row, row + n, r.start_pos, kv, r.mamba_slot))
         if all_rows:
             logit_rows.extend(range(row, row + n))
             logit_rids.extend([r.rid] * n)
@@ -96,9 +97,31 @@ def build_step_batch(
             logit_rids.append(r.rid)
     if uses_mamba:
         _check_mamba_slots([r.mamba_slot for r in reqs], mamba_capacity)
-    if uses_attention:
-        _check_kv_slots(reqs, kv_capacity)
-    return _to_tensors(ids, positions, new_slots, segs, dec_rows, dec_mamba, dec_kv, logit_rows, logit_rids, device)
+
+    def t(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=device)
+
+    empty = torch.zeros(0, dtype=torch.int64, device=device)
+    return StepBatch(
+        input_ids=t(ids),
+        positions=t(positions),
+        new_kv_slots=torch.cat(new_parts) if new_parts else empty,
+        prefill=tuple(segs),
+        dec_rows=t(dec_rows),
+        dec_mamba_slots=t(dec_mamba),
+        dec_kv_idx=_pad_rows(dec_kv, device),
+        dec_kv_len=t([int(kv.shape[0]) for kv in dec_kv]),
+        logit_rows=t(logit_rows),
+        logit_rids=tuple(logit_rids),
+        kv_full=tuple(kv_full),
+    )
+
+
+def _pad_rows(rows: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """[len(rows), longest] int64, row i = rows[i] then slot 0 (preallocated, one copy per row)."""
+    if not rows:
+        return torch.zeros(0, 0, dtype=torch.int64, device=device)
+    return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=0)
 
 
 def _check_mamba_slots(slots: list[int], capacity: int) -> None:
@@ -107,40 +130,3 @@ def _check_mamba_slots(slots: list[int], capacity: int) -> None:
     bad = [s for s in slots if not 1 <= s <= capacity]
     if bad:
         raise ValueError(f"Mamba slots {bad} outside [1, {capacity}]")
-
-
-def _check_kv_slots(reqs: list[ReqSlice], capacity: int) -> None:
-    for r in reqs:
-        if r.kv_slots and (min(r.kv_slots) < 1 or max(r.kv_slots) > capacity):
-            raise ValueError(f"request {r.rid}: KV slot outside [1, {capacity}]")
-
-
-def _to_tensors(
-    ids: list[int],
-    positions: list[int],
-    new_slots: list[int],
-    segs: list[tuple[int, int, int, list[int], int]],
-    dec_rows: list[int],
-    dec_mamba: list[int],
-    dec_kv: list[list[int]],
-    logit_rows: list[int],
-    logit_rids: list[str],
-    device: torch.device,
-) -> StepBatch:
-    def t(values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64, device=device)
-
-    width = max((len(kv) for kv in dec_kv), default=0)
-    padded = [kv + [0] * (width - len(kv)) for kv in dec_kv]
-    return StepBatch(
-        input_ids=t(ids),
-        positions=t(positions),
-        new_kv_slots=t(new_slots),
-        prefill=tuple(PrefillSeg(s, e, p, t(kv), m) for s, e, p, kv, m in segs),
-        dec_rows=t(dec_rows),
-        dec_mamba_slots=t(dec_mamba),
-        dec_kv_idx=torch.tensor(padded, dtype=torch.int64, device=device).view(len(dec_kv), width),
-        dec_kv_len=t([len(kv) for kv in dec_kv]),
-        logit_rows=t(logit_rows),
-        logit_rids=tuple(logit_rids),
-    )
