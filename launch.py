@@ -211,6 +211,7 @@ class Launcher:
             done = wait(list(sentinels), timeout=0.5)
             if done:
                 name = sentinels[done[0]]
+                self.procs[name].join(5.0)  # the sentinel closes before the exit status can be read
                 code = self.procs[name].exitcode
                 if code == 0 and self.args.node_rank > 0:  # told to stop by node 0's scheduler
                     logger.info("%s stopped: node 0 shut down", name)
