@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response
 
-from tokenizer_proc.context import get_ctx
+from tokenizer_proc.context import AppContext, get_ctx
 from tokenizer_proc.errors import ApiError, unavailable
 from tokenizer_proc.generation import BackendUnavailable, Finish, Piece, generate, precheck
 from tokenizer_proc.http_util import (
@@ -117,20 +117,37 @@ async def generate_endpoint(request: Request) -> Response:
     started = time.monotonic()
     data = await read_body(request, ctx.args.max_body_bytes)
     req = await ctx.prepare(prepare_generate, decode_body(data, GenerateBody), len(data))
+    return await respond(
+        ctx, req, request, lambda pieces: _events(pieces, req, started), error_of,
+        lambda acc: _payload(req, acc, started),
+    )
+
+
+async def respond(
+    ctx: AppContext,
+    req: PreparedRequest,
+    request: Request,
+    events: Callable[[AsyncIterator[Piece]], AsyncGenerator[bytes, None]],
+    error_for: Callable[[Finish | None], ApiError | None],
+    payload: Callable[[Accumulated], Any],
+) -> Response:
+    """The request/response flow every generation endpoint shares: admission precheck, then
+    either an SSE stream of `events`, or the whole output collected (a client that leaves is
+    aborted) and answered with `payload`, or the error `error_for` makes of its finish."""
     try:
         precheck(ctx.backend, req, ctx.in_flight)
     except BackendUnavailable as e:
         raise unavailable(str(e)) from e
     pieces = generate(ctx.backend, ctx.tok, req, ctx.in_flight)
     if req.stream:
-        return SSEResponse(_events(pieces, req, started))  # type: ignore[return-value]
+        return SSEResponse(events(pieces))  # type: ignore[return-value]
     try:
         completed, acc = await run_unless_disconnected(collect(pieces), request)
     except BackendUnavailable as e:
         raise unavailable(str(e)) from e
     if not completed or acc is None:
         return ClientGoneResponse()
-    err = error_of(acc.last.finish if acc.last else None)
+    err = error_for(acc.last.finish if acc.last else None)
     if err is not None:
         raise err
-    return json_response(_payload(req, acc, started))
+    return json_response(payload(acc))

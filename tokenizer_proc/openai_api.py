@@ -20,17 +20,14 @@ from starlette.responses import Response
 
 from tokenizer_proc.context import AppContext, get_ctx
 from tokenizer_proc.errors import ApiError, unavailable
-from tokenizer_proc.generation import BackendUnavailable, Finish, Piece, generate, precheck
+from tokenizer_proc.generation import BackendUnavailable, Finish, Piece
 from tokenizer_proc.http_util import (
     SSE_DONE,
-    ClientGoneResponse,
-    SSEResponse,
     json_response,
     read_body,
-    run_unless_disconnected,
     sse,
 )
-from tokenizer_proc.native import Accumulated, collect
+from tokenizer_proc.native import Accumulated, respond
 from tokenizer_proc.prepare import prepare_chat, prepare_completion
 from tokenizer_proc.schemas import ChatBody, CompletionBody
 from tokenizer_proc.validation import PreparedRequest, decode_body
@@ -146,23 +143,7 @@ async def _serve(request: Request, chat: bool) -> Response:
     else:
         req = await ctx.prepare(prepare_completion, decode_body(data, CompletionBody), len(data))
     fmt = _Format(ctx, req, chat)
-    try:
-        precheck(ctx.backend, req, ctx.in_flight)
-    except BackendUnavailable as e:
-        raise unavailable(str(e)) from e
-    pieces = generate(ctx.backend, ctx.tok, req, ctx.in_flight)
-    if req.stream:
-        return SSEResponse(_events(fmt, pieces))  # type: ignore[return-value]
-    try:
-        completed, acc = await run_unless_disconnected(collect(pieces), request)
-    except BackendUnavailable as e:
-        raise unavailable(str(e)) from e
-    if not completed or acc is None:
-        return ClientGoneResponse()
-    err = openai_error(acc.last.finish if acc.last else None)
-    if err is not None:
-        raise err
-    return json_response(fmt.whole(acc))
+    return await respond(ctx, req, request, lambda pieces: _events(fmt, pieces), openai_error, fmt.whole)
 
 
 async def completions_endpoint(request: Request) -> Response:
