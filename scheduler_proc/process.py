@@ -193,8 +193,9 @@ class SchedulerLoop:
         if crash.crash_process == "scheduler" and batch.step == crash.crash_at_step:
             logger.error("fault injection: scheduler crashing at step %d", batch.step)
             os._exit(17)
+        data = self.to_workers[0].encode(batch)  # once, not once per rank
         for tx in self.to_workers:
-            tx.send(batch, int(self.args.watchdog_timeout * 1000))
+            tx.send_encoded(data, int(self.args.watchdog_timeout * 1000))
         self._sent_at = time.perf_counter()
         if self._result_at is not None:
             self.stats.on_turnaround(self._sent_at - self._result_at)

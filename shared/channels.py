@@ -68,7 +68,14 @@ class Sender(Generic[T]):
         self._enc = msgspec.msgpack.Encoder()
 
     def send(self, msg: T, timeout_ms: int = 10_000) -> None:
-        data = self._enc.encode(msg)
+        self.send_encoded(self._enc.encode(msg), timeout_ms)
+
+    def encode(self, msg: T) -> bytes:
+        """Encode once for several senders of the same channel (one batch to every TP rank)."""
+        return self._enc.encode(msg)
+
+    def send_encoded(self, data: bytes, timeout_ms: int = 10_000) -> None:
+        """Send bytes made by `encode` of a Sender of this same channel."""
         if not self.sock.poll(timeout_ms, zmq.POLLOUT):
             raise ChannelTimeout(f"{self.channel.name}: no receiver ready within {timeout_ms} ms")
         self.sock.send(data, copy=False)
