@@ -41,6 +41,9 @@ _HELP = {
     "max_total_tokens": "KV token slots per rank (0 = from the memory budget)",
     "max_mamba_cache_size": "Mamba state slots per rank (0 = from the memory budget)",
     "mem_budget_gb": "memory for KV + state pools per rank in GiB (0 = a default for the device)",
+    "kernels": "kernel implementation: auto (Triton on CUDA, fast torch kernels on CPU), reference, fast, triton",
+    "enable_deterministic_inference": "batch-invariant numerics: a request's output does not depend on what it is "
+    "batched with, whether its prefix came from the cache, or the TP size (slower on CPU)",
 }
 
 

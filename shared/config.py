@@ -72,6 +72,8 @@ class ServerArgs:
     device: Literal["auto", "cpu", "cuda"] = "auto"
     base_gpu_id: int = 0
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    kernels: Literal["auto", "reference", "fast", "triton"] = "auto"
+    enable_deterministic_inference: bool = False
     random_seed: int = 0
     log_level: str = "info"
     # capacities (0 = derive from the memory budget)

@@ -126,6 +126,8 @@ def run(args: ServerArgs, rank: int) -> None:
         tp_rank=rank,
         tp_size=args.tp_size,
         tp_group=group,
+        deterministic=args.enable_deterministic_inference,
+        kernels=args.kernels,
     )
     ctx = zmq.Context()
     rx: Receiver = Receiver(ctx, SCHEDULER_TO_WORKER, args, rank)

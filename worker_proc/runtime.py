@@ -52,6 +52,8 @@ class ModelRunner:
         tp_rank: int = 0,
         tp_size: int = 1,
         tp_group: object = None,
+        deterministic: bool = False,
+        kernels: str = "auto",
     ) -> None:
         self.model_info = ModelInfo.from_dir(model_dir)
         self.device = torch.device(device)
@@ -71,7 +73,9 @@ class ModelRunner:
         self.pools = StatePools(self.cfg, kv, mamba, self.dtype, self.device, tp_size, tp_rank)
         self.kv_capacity = kv
         self.mamba_capacity = mamba
-        self.ops = get_ops(self.device)
+        self.ops = get_ops(self.device, kernels, deterministic)
+        self.model.set_batch_invariant(deterministic)
+        self.deterministic = deterministic
         self.kv_mirror = KVSlotMirror()  # slot lists of the last batch run (ReqSlice.kv_reuse)
 
     def _default_budget(self) -> int:

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from tests.kernels.util import TOL, max_diff, pool, rand, strided, untouched
-from worker_proc.kernels import ReferenceOps
+from worker_proc.kernels import FastOps, KernelOps, ReferenceOps
 from worker_proc.kernels.triton_ops import TritonOps
-from worker_proc.kernels.triton_select import select_ops
+from worker_proc.kernels.select import select_ops
 
 METHODS = ("conv_prefill", "conv_decode", "ssd_prefill", "ssd_decode", "attn_prefill", "attn_decode")
 
@@ -33,20 +33,28 @@ def test_interpreter_is_active() -> None:
 
 
 @pytest.mark.parametrize("method", METHODS)
-def test_same_signatures_as_reference(method: str) -> None:
-    assert inspect.signature(getattr(TritonOps, method)) == inspect.signature(getattr(ReferenceOps, method))
+def test_same_signatures_as_the_interface(method: str) -> None:
+    want = inspect.signature(getattr(KernelOps, method))
+    for impl in (TritonOps, ReferenceOps, FastOps):
+        assert inspect.signature(getattr(impl, method)) == want, impl
 
 
 def test_select_ops() -> None:
-    assert isinstance(select_ops("cpu"), ReferenceOps)
+    assert isinstance(select_ops("cpu"), FastOps) and not select_ops("cpu").batch_invariant
+    assert isinstance(select_ops("cpu", deterministic=True), ReferenceOps)
+    assert select_ops("cpu", deterministic=True).batch_invariant
     assert isinstance(select_ops("cpu", "reference"), ReferenceOps)
     assert isinstance(select_ops(torch.device("cpu"), "triton"), TritonOps)  # interpreter on
     assert isinstance(select_ops("cuda:0"), TritonOps)
+    assert isinstance(select_ops("cuda:0", deterministic=True), TritonOps)  # Triton kernels are invariant
+    assert select_ops("cuda:0").batch_invariant
     assert isinstance(select_ops("cuda", "reference"), ReferenceOps)
-    # the reference exactly as get_ops builds it: batch invariant on CPU only
-    assert select_ops("cpu").batch_invariant and not select_ops("cuda", "reference").batch_invariant
+    assert not select_ops("cuda", "reference").batch_invariant
+    assert select_ops("cuda", "reference", deterministic=True).batch_invariant
     with pytest.raises(ValueError, match="unknown kernel"):
         select_ops("cpu", "cutlass")
+    with pytest.raises(ValueError, match="not batch invariant"):
+        select_ops("cpu", "fast", deterministic=True)
 
 
 def test_select_ops_refuses_triton_on_cpu_without_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,6 +1,6 @@
 """Batch invariance: requests of different lengths and phases (fresh prefill, resumed prefill,
 decode, one-token fresh prefill) in one step give the same logits and leave the same KV/Mamba state
-as when each runs alone (<= 1e-5 in fp32)."""
+as when each runs alone: bitwise in the deterministic mode, to fp32 rounding (<= 1e-4) by default."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from shared.messages import ReqSlice
 from tests.worker.util import batch, max_diff, req, runner
 from worker_proc.runtime import ModelRunner
 
-TOL = 1e-5
+TOL = {True: 0.0, False: 1e-4}  # by deterministic mode
 
 
 def _prompt(seed: int, n: int) -> list[int]:
@@ -38,9 +38,10 @@ def _setup(r: ModelRunner) -> list[ReqSlice]:
     ]
 
 
+@pytest.mark.parametrize("deterministic", [True, False])
 @pytest.mark.parametrize("name", ["rope_moe", "nope_groups2"])
-def test_mixed_batch_equals_each_alone(name: str) -> None:
-    alone, together = runner(name), runner(name)
+def test_mixed_batch_equals_each_alone(name: str, deterministic: bool) -> None:
+    alone, together = runner(name, deterministic=deterministic), runner(name, deterministic=deterministic)
     slices = _setup(alone)
     assert _setup(together) == slices
     fresh = [1, 5, 6]
@@ -51,9 +52,9 @@ def test_mixed_batch_equals_each_alone(name: str) -> None:
     got = together.forward_all_logits(batch(10, slices, clears=fresh))
     assert set(got) == set(expected) == {"a", "b", "c", "d", "e", "f"}
     for rid in expected:
-        assert max_diff(got[rid], expected[rid]) <= TOL, rid
+        assert max_diff(got[rid], expected[rid]) <= TOL[deterministic], rid
     for pool in ("k", "v", "conv", "ssm"):
-        assert max_diff(getattr(alone.pools, pool), getattr(together.pools, pool)) <= TOL, pool
+        assert max_diff(getattr(alone.pools, pool), getattr(together.pools, pool)) <= TOL[deterministic], pool
     together.check_integrity()
 
 

@@ -1,8 +1,7 @@
-"""`TritonOps`: the `ReferenceOps` interface implemented with the Triton kernels.
+"""`TritonOps`: the `KernelOps` interface (worker_proc.kernels.interface) implemented with Triton.
 
-Owned by the Triton kernel path (helper E). Every method has exactly the signature and semantics of
-the same method of `worker_proc.kernels.ReferenceOps` (pools are one layer's view `[S, ...]`, updated
-in place; slot 0 is padding). Prefill methods handle one request, as the interface does; they call
+Every method has exactly the signature and semantics the interface states (pools are one layer's
+view `[S, ...]`, updated in place; slot 0 is padding). Prefill methods handle one request, as the interface does; they call
 the varlen kernels with a batch of one, so a batched runtime can call the `*_varlen` functions of
 `triton_conv`, `triton_ssd` and `triton_attention` directly with no change to the kernels.
 
@@ -12,7 +11,6 @@ the current CUDA device: a worker on `cuda:N` must `torch.cuda.set_device(N)` fi
 batch invariant (a request's result is bitwise the same alone or batched), and decode rows whose
 slot is 0 (padding) are computed from the zero padding state but never written back.
 Importing this module imports triton: on a CPU-only machine set TRITON_INTERPRET=1 first.
-`select_ops` (re-exported here) lives in the triton-free `triton_select` module.
 """
 
 from __future__ import annotations
@@ -21,9 +19,8 @@ import torch
 
 from worker_proc.kernels import triton_attention, triton_conv, triton_ssd, triton_ssd_step
 from worker_proc.kernels.triton_plan import plan_chunks
-from worker_proc.kernels.triton_select import select_ops
 
-__all__ = ["TritonOps", "select_ops"]
+__all__ = ["TritonOps"]
 
 
 def _index_tensor(values: list[int], device: torch.device) -> torch.Tensor:
@@ -35,11 +32,11 @@ class TritonOps:
     """Fused Triton kernels over pool slots (CUDA; CPU only under TRITON_INTERPRET=1). Stateless."""
 
     name = "triton"
+    batch_invariant = True
 
     def conv_prefill(
         self, x: torch.Tensor, conv_pool: torch.Tensor, slot: int, weight: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor:
-        """x: [L, Cd] -> SiLU(causal conv) [L, Cd]; conv_pool: [S, Cd, K-1], row `slot` advanced."""
         length = x.shape[0]
         meta = _index_tensor([0, length, slot], x.device)
         return triton_conv.conv_prefill_varlen(x, meta[:2], length, conv_pool, meta[2:], weight, bias)
@@ -52,7 +49,6 @@ class TritonOps:
         weight: torch.Tensor,
         bias: torch.Tensor | None,
     ) -> torch.Tensor:
-        """x: [Bt, Cd], slots: [Bt] int64 (distinct) -> [Bt, Cd]; rows `slots` advanced by one."""
         return triton_conv.conv_decode(x, conv_pool, slots, weight, bias)
 
     def ssd_prefill(
@@ -69,8 +65,6 @@ class TritonOps:
         ssm_pool: torch.Tensor,
         slot: int,
     ) -> torch.Tensor:
-        """x: [L, H, P]; dt: [L, H] raw (bias, softplus and clamp applied here); a, d, dt_bias: [H];
-        b, c: [L, G, N]; ssm_pool: [S, H, P, N] fp32, row `slot` advanced. Returns y [L, H, P] fp32."""
         plan = plan_chunks([x.shape[0]], chunk_size)
         slots = _index_tensor([slot], x.device)
         y, _ = triton_ssd.ssd_scan_varlen(x, dt, a, b, c, d, dt_bias, dt_limit, plan, ssm_pool, slots)
@@ -89,8 +83,6 @@ class TritonOps:
         ssm_pool: torch.Tensor,
         slots: torch.Tensor,
     ) -> torch.Tensor:
-        """x: [Bt, H, P]; dt: [Bt, H] raw; b, c: [Bt, G, N]; slots: [Bt] int64 (distinct).
-        Returns y [Bt, H, P] fp32; rows `slots` of ssm_pool advanced by one token."""
         return triton_ssd_step.ssd_step(x, dt, a, b, c, d, dt_bias, dt_limit, ssm_pool, slots)
 
     def attn_prefill(
@@ -102,8 +94,6 @@ class TritonOps:
         start_pos: int,
         scale: float,
     ) -> torch.Tensor:
-        """q: [L, h, d]; k_pool, v_pool: [S, kvh, d] (this step's K/V already written);
-        kv_idx: [start_pos + L] int64 slots of positions 0.. ; returns [L, h, d]."""
         length = q.shape[0]
         if kv_idx.shape[0] != start_pos + length:
             raise ValueError(f"kv_idx has {kv_idx.shape[0]} slots for start_pos {start_pos} + {length} tokens")
@@ -119,5 +109,4 @@ class TritonOps:
         lengths: torch.Tensor,
         scale: float,
     ) -> torch.Tensor:
-        """q: [Bt, h, d]; kv_idx: [Bt, T] int64 slots, padded with 0 past lengths[b]; returns [Bt, h, d]."""
         return triton_attention.attn_decode(q, k_pool, v_pool, kv_idx, lengths, scale)

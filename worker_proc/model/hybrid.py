@@ -24,7 +24,7 @@ from worker_proc.kernels import KernelOps
 from worker_proc.model.attention import Attention, rope_cos_sin
 from worker_proc.model.batch import StepBatch
 from worker_proc.model.config import HybridConfig, tp_layout_error
-from worker_proc.model.layers import GatedMLP, Linear, RMSNorm, SparseMoE, _empty, linear
+from worker_proc.model.layers import MIN_GEMM_ROWS, GatedMLP, Linear, RMSNorm, SparseMoE, _empty, linear
 from worker_proc.model.mamba import MambaMixer
 from worker_proc.model.tp import ShardSpec, TPInfo, shard_spec
 from worker_proc.pools import StatePools
@@ -109,6 +109,7 @@ class HybridForCausalLM(nn.Module):
             if cfg.tie_word_embeddings
             else Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, device=device)
         )
+        self.min_rows = 0
 
     def shard_spec(self, name: str) -> ShardSpec | None:
         """Which slice of checkpoint tensor `name` (parameter name) this rank holds; None = whole."""
@@ -118,6 +119,15 @@ class HybridForCausalLM(nn.Module):
         """The part of the whole checkpoint tensor `name` this rank holds."""
         spec = self.shard_spec(name)
         return tensor if spec is None else spec.apply(tensor)
+
+    def set_batch_invariant(self, on: bool) -> None:
+        """Deterministic mode: pad every CPU GEMM to MIN_GEMM_ROWS rows so a row's result does not
+        depend on what it is batched with (see `layers.linear`); off: plain GEMMs (the default)."""
+        rows = MIN_GEMM_ROWS if on else 0
+        self.min_rows = rows
+        for module in self.modules():
+            if isinstance(module, (Linear, SparseMoE)):
+                module.min_rows = rows
 
     def lm_head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
@@ -139,4 +149,4 @@ class HybridForCausalLM(nn.Module):
         if not want_logits:
             return h.new_empty(0, cfg.vocab_size, dtype=torch.float32)
         h = self.model.norm(h[batch.logit_rows])
-        return linear(h, self.lm_head_weight()).float() / cfg.logits_scaling
+        return linear(h, self.lm_head_weight(), min_rows=self.min_rows).float() / cfg.logits_scaling

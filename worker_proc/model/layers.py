@@ -16,21 +16,28 @@ MIN_GEMM_ROWS = 16
 padding small inputs up to it makes every row's result independent of what it is batched with."""
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear over [T, in] whose per-row result does not depend on T on CPU (batch invariance;
-    measured with MKL on x86: every row count >= MIN_GEMM_ROWS gives identical rows)."""
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, min_rows: int = 0
+) -> torch.Tensor:
+    """F.linear over [T, in]. With `min_rows` (the deterministic mode passes MIN_GEMM_ROWS) a CPU input
+    of fewer rows is zero-padded up to it, so each row's result does not depend on T (batch
+    invariance; measured with MKL on x86: every row count >= MIN_GEMM_ROWS gives identical rows).
+    Padding is the price of that rule: a one-row GEMV becomes a 16-row GEMM."""
     rows = x.shape[0]
-    if rows >= MIN_GEMM_ROWS or x.dim() != 2 or x.device.type != "cpu":
+    if rows >= min_rows or x.dim() != 2 or x.device.type != "cpu":
         return F.linear(x, weight, bias)
-    padded = torch.cat([x, x.new_zeros(MIN_GEMM_ROWS - rows, x.shape[1])])
+    padded = torch.cat([x, x.new_zeros(min_rows - rows, x.shape[1])])
     return F.linear(padded, weight, bias)[:rows]
 
 
 class Linear(nn.Linear):
-    """nn.Linear (same parameter names) computed through the batch-invariant `linear`."""
+    """nn.Linear (same parameter names) computed through `linear`; `min_rows` is set by the model
+    (`HybridForCausalLM.set_batch_invariant`)."""
+
+    min_rows = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.min_rows)
 
 
 def _empty(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
@@ -104,6 +111,7 @@ class SparseMoE(nn.Module):
         self.output_linear.weight = _empty(experts, hidden, inner, dtype=dtype, device=device)
         self.num_experts = experts
         self.top_k = top_k
+        self.min_rows = 0  # MIN_GEMM_ROWS in the deterministic mode (see `linear`)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.router.layer(x).float()
@@ -122,8 +130,8 @@ class SparseMoE(nn.Module):
             sel = order[start : start + count]
             start += count
             tokens = sel // self.top_k
-            gate, up = linear(x[tokens], w_in[expert]).chunk(2, dim=-1)
-            h = linear(F.silu(gate) * up, w_out[expert])
+            gate, up = linear(x[tokens], w_in[expert], min_rows=self.min_rows).chunk(2, dim=-1)
+            h = linear(F.silu(gate) * up, w_out[expert], min_rows=self.min_rows)
             h = h * top_w.flatten()[sel][:, None]
             out.index_add_(0, tokens, h)
         return out

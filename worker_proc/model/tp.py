@@ -200,7 +200,7 @@ def row_parallel(x: torch.Tensor, layer: Linear, tp: TPInfo) -> torch.Tensor:
     all-reduced, and the bias (replicated) is added once after the sum. One rank: `layer(x)`."""
     if tp.size == 1:
         return layer(x)
-    out = tp.all_reduce(linear(x, layer.weight))
+    out = tp.all_reduce(linear(x, layer.weight, min_rows=layer.min_rows))
     return out if layer.bias is None else out + layer.bias
 
 

@@ -1,0 +1,113 @@
+"""`ReferenceOps`: the `KernelOps` interface composed from the pure-torch reference functions.
+
+Correct on every device and the ground truth the other implementations are checked against; the
+deterministic mode's kernels on CPU. Method contracts: `worker_proc.kernels.interface`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from worker_proc.kernels import reference as ref
+
+
+class ReferenceOps:
+    """Pure-torch ops over pool slots; correct on every device, fast on none.
+
+    `batch_invariant`: decode attention runs request by request with exactly the computation a
+    request gets alone, so a request's logits do not depend on what it is batched with (the
+    deterministic mode). Otherwise decode attention is one padded batched computation.
+    """
+
+    name = "reference"
+
+    def __init__(self, batch_invariant: bool = True) -> None:
+        self.batch_invariant = batch_invariant
+
+    def conv_prefill(
+        self, x: torch.Tensor, conv_pool: torch.Tensor, slot: int, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        out, new_state = ref.causal_conv1d(x, conv_pool[slot], weight, bias)
+        conv_pool[slot].copy_(new_state)
+        return out
+
+    def conv_decode(
+        self,
+        x: torch.Tensor,
+        conv_pool: torch.Tensor,
+        slots: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+    ) -> torch.Tensor:
+        out, new_state = ref.causal_conv1d_step(x, conv_pool.index_select(0, slots), weight, bias)
+        conv_pool.index_copy_(0, slots, new_state.to(conv_pool.dtype))
+        return out
+
+    def ssd_prefill(
+        self,
+        x: torch.Tensor,
+        dt: torch.Tensor,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        c: torch.Tensor,
+        d: torch.Tensor,
+        dt_bias: torch.Tensor,
+        dt_limit: tuple[float, float],
+        chunk_size: int,
+        ssm_pool: torch.Tensor,
+        slot: int,
+    ) -> torch.Tensor:
+        dt = ref.discretize_dt(dt, dt_bias, dt_limit)
+        y, final = ref.ssd_chunk_scan(x, dt, a, b, c, d, chunk_size, ssm_pool[slot])
+        ssm_pool[slot].copy_(final)
+        return y
+
+    def ssd_decode(
+        self,
+        x: torch.Tensor,
+        dt: torch.Tensor,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        c: torch.Tensor,
+        d: torch.Tensor,
+        dt_bias: torch.Tensor,
+        dt_limit: tuple[float, float],
+        ssm_pool: torch.Tensor,
+        slots: torch.Tensor,
+    ) -> torch.Tensor:
+        dt = ref.discretize_dt(dt, dt_bias, dt_limit)
+        y, new_state = ref.ssd_state_step(ssm_pool.index_select(0, slots), x, dt, a, b, c, d)
+        ssm_pool.index_copy_(0, slots, new_state)
+        return y
+
+    def attn_prefill(
+        self,
+        q: torch.Tensor,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        kv_idx: torch.Tensor,
+        start_pos: int,
+        scale: float,
+    ) -> torch.Tensor:
+        k = k_pool.index_select(0, kv_idx)
+        v = v_pool.index_select(0, kv_idx)
+        return ref.attention_prefill(q, k, v, start_pos, scale)
+
+    def attn_decode(
+        self,
+        q: torch.Tensor,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        kv_idx: torch.Tensor,
+        lengths: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        if self.batch_invariant:
+            out = torch.empty_like(q)
+            for b, n in enumerate(lengths.tolist()):
+                idx = kv_idx[b, :n]
+                out[b : b + 1] = ref.attention_prefill(q[b : b + 1], k_pool[idx], v_pool[idx], n - 1, scale)
+            return out
+        k = k_pool[kv_idx]
+        v = v_pool[kv_idx]
+        return ref.attention_decode(q, k, v, lengths, scale)
