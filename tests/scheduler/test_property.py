@@ -52,6 +52,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.finals: dict[str, TokenOut] = {}
         self.first_start: dict[str, int] = {}  # start of the first admitted slice that ran
         self.batch: ForwardBatch | None = None  # in flight between `dispatch` and `complete`
+        self.seen_running: tuple[frozenset[str], int] = (frozenset(), self.sched.running_version)
 
     def take(self, outs: list[TokenOut]) -> None:
         for out in outs:
@@ -187,6 +188,17 @@ class SchedulerMachine(RuleBasedStateMachine):
     @invariant()
     def integrity(self) -> None:
         self.sched.check_integrity()
+
+    @invariant()
+    def running_version_follows_the_running_set(self) -> None:
+        """The retry latch of attention-only models waits for `running_version`: it must change
+        whenever the running set did (and never go back)."""
+        s, (before, version) = self.sched, self.seen_running
+        now = frozenset(s.running)
+        assert s.running_version >= version
+        if now != before:
+            assert s.running_version != version, f"running set {sorted(before)} -> {sorted(now)}, same version"
+        self.seen_running = (now, s.running_version)
 
     @invariant()
     def reusable_peeks_are_fresh(self) -> None:

@@ -64,6 +64,31 @@ def test_abort_waiting_running_and_in_flight() -> None:
     assert sched.abort("run") == []
 
 
+def test_transitions_keep_status_sets_and_version_together() -> None:
+    """Every status change goes through `transition`: the queue, the running set, the request table
+    and `running_version` follow it, and a move that is not a lifecycle step is refused."""
+    sched, worker = make(max_running_requests=1)
+    sched.add_request(greq("a", [1, 2, 3], 3))
+    sched.add_request(greq("b", [4, 5, 6], 3))
+    a, b, v0 = sched.reqs["a"], sched.reqs["b"], sched.running_version
+    with pytest.raises(AssertionError, match="waiting -> waiting"):
+        sched.transition(a, ReqStatus.WAITING)
+    with pytest.raises(AssertionError, match="queue head"):
+        sched.transition(b, ReqStatus.RUNNING)  # only the head of the queue is admitted
+    round_(sched, worker)
+    assert a.status is ReqStatus.RUNNING and list(sched.running) == ["a"] and sched.running_version == v0 + 1
+    assert b.status is ReqStatus.WAITING and b in sched.waiting
+    (out,) = sched.abort("b")
+    assert out.finish_reason == "abort" and b.status is ReqStatus.FINISHED and "b" not in sched.reqs
+    assert sched.running_version == v0 + 1  # the running set did not change
+    with pytest.raises(AssertionError, match="finished -> waiting"):
+        sched.transition(b, ReqStatus.WAITING)
+    sched.abort("a")
+    assert not sched.running and sched.running_version == v0 + 2 and not sched.reqs
+    assert sched.cache.num_locked_nodes == 0
+    sched.check_integrity()
+
+
 def test_fail_all_frees_everything() -> None:
     sched, worker = make(kv=64, states=4, max_running_requests=2)
     for i in range(4):
