@@ -16,7 +16,6 @@ import itertools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from scheduler_proc.admission import AdderBudget, PrefillAdder, admit, record_refusal, reserve, round_budget
 from scheduler_proc.batch import BatchBuilder, InFlight, SliceEntry
@@ -27,7 +26,7 @@ from scheduler_proc.request import Req, ReqStatus, WaitingQueue, token_out, vali
 from scheduler_proc.resources import ReqResources, clamp_max_running
 from scheduler_proc.retry import RetryPolicy
 from shared.config import ServerArgs
-from shared.messages import FinishReason, ForwardBatch, GenerateReq, StepResult, TokenOut
+from shared.messages import FinishReason, ForwardBatch, GenerateReq, SchedulerInfo, StepResult, TokenOut
 from shared.model_info import ModelInfo
 
 logger = logging.getLogger(__name__)
@@ -329,7 +328,7 @@ class Scheduler:
         r.status = to
 
     # ------------------------------------------------------------------ introspection
-    def info(self) -> dict[str, Any]:
+    def info(self) -> SchedulerInfo:
         return server_info(self)
 
     def check_integrity(self) -> None:

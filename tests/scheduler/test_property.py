@@ -103,7 +103,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         batch = s.schedule()
         s.check_integrity()
         if idle_head is not None:  # nothing else can ever free capacity for it: it must start now
-            assert batch is not None and idle_head.rid in [r.rid for r in batch.reqs], (idle_head, s.info()["server"])
+            assert batch is not None and idle_head.rid in [r.rid for r in batch.reqs], (idle_head, s.info().server)
         return batch
 
     def run_batch(self, batch: ForwardBatch, refused: frozenset[str], error: str = "") -> None:
