@@ -32,7 +32,7 @@ def test_add_request_rejections() -> None:
 
 
 def test_stop_conditions() -> None:
-    model = ModelInfo(ARCH, ("mamba", "attention"), 50, (13,), None, 4096)
+    model = ModelInfo(ARCH, ("mamba", "attention"), 50, (13,), 4096)
     sched, worker = make(model=model)
     worker.next_token = lambda seq: [13, 7, 9][len(seq) % 3]  # type: ignore[method-assign]
     sched.add_request(greq("eos", [1, 1], 10, ignore_eos=False))  # first token at len 2: 9, then 13
