@@ -17,6 +17,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from scheduler_proc.scheduler import Scheduler, SchedulerTuning
 from shared.messages import ForwardBatch, StepResult, TokenOut
 from tests.scheduler.fake_worker import FakeWorker
+from tests.scheduler.harness import RunLog
 from tests.scheduler.util import greq, make
 
 PREFIXES = [[1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 9, 9], [20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31], []]
@@ -48,22 +49,19 @@ class SchedulerMachine(RuleBasedStateMachine):
         )  # fmt: skip
         self.n = 0
         self.expected: dict[str, list[int]] = {}
-        self.got: dict[str, list[int]] = {}
-        self.finals: dict[str, TokenOut] = {}
+        self.log = RunLog()  # every reply, at most one final one per request
         self.first_start: dict[str, int] = {}  # start of the first admitted slice that ran
         self.batch: ForwardBatch | None = None  # in flight between `dispatch` and `complete`
         self.seen_running: tuple[frozenset[str], int] = (frozenset(), self.sched.running_version)
 
     def take(self, outs: list[TokenOut]) -> None:
+        self.log.take(outs)
         for out in outs:
-            assert out.rid not in self.finals, f"{out.rid}: reply after its final reply"
-            self.got.setdefault(out.rid, []).extend(out.token_ids)
             if out.finished:
-                self.finals[out.rid] = out
                 self.check_output(out)
 
     def check_output(self, out: TokenOut) -> None:
-        got, want = self.got.get(out.rid, []), self.expected.get(out.rid)
+        got, want = self.log.tokens.get(out.rid, []), self.expected.get(out.rid)
         if want is None:  # rejected at add_request
             assert out.finish_reason == "error"
             return
@@ -225,7 +223,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                 break
             self.step(False, False)
         assert not self.sched.has_work, "requests stuck"
-        missing = set(self.expected) - set(self.finals)
+        missing = set(self.expected) - set(self.log.finals)
         assert not missing, f"no final reply for {missing}"
         cache, res = self.sched.cache, self.sched.res
         assert cache.num_locked_nodes == 0 and cache.kv_evictable == cache.kv_total
