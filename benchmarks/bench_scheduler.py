@@ -28,7 +28,7 @@ from shared.config import ServerArgs  # noqa: E402
 from shared.messages import ForwardBatch, GenerateReq, SamplingParams, StepResult  # noqa: E402
 from shared.model_info import ModelInfo  # noqa: E402
 
-MODEL = ModelInfo("GraniteMoeHybridForCausalLM", ("mamba", "attention"), 1000, (), None, 1 << 20)
+MODEL = ModelInfo("GraniteMoeHybridForCausalLM", ("mamba", "attention"), 1000, (), 1 << 20)
 SAMPLING = SamplingParams(max_new_tokens=16, ignore_eos=True, temperature=0.0)
 
 

@@ -35,10 +35,6 @@ class SlotAllocator:
     def num_free(self) -> int:
         return len(self._free)
 
-    @property
-    def num_used(self) -> int:
-        return self.capacity - len(self._free)
-
     def is_free(self, slot: int) -> bool:
         return bool(self._is_free[slot])
 

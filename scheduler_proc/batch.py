@@ -50,16 +50,6 @@ class BatchBuilder:
         assert n >= 1 and start + n <= len(req.tokens) and len(req.kv_slots) == start + n, (req, n)
         self.entries.append(SliceEntry(req, start, n, start + n == len(req.tokens), prefill, admitted))
 
-    def remove(self, req: Req) -> SliceEntry | None:
-        for i, entry in enumerate(self.entries):
-            if entry.req is req:
-                return self.entries.pop(i)
-        return None
-
-    @property
-    def empty(self) -> bool:
-        return not self.entries and not self.ckpt_copies
-
     def build(self) -> tuple[ForwardBatch, InFlight]:
         reqs = []
         for e in self.entries:

@@ -1,4 +1,5 @@
-"""Read-only views of a Scheduler: the global integrity check and /get_server_info + /metrics data."""
+"""Read-only views of a Scheduler: the global integrity check, and its SchedulerInfo (the data of
+/get_server_info and /metrics)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from collections import Counter
 from typing import TYPE_CHECKING, Any
 
 from scheduler_proc.request import ReqStatus
+from shared.messages import SchedulerInfo, ServerState
 
 if TYPE_CHECKING:
     from scheduler_proc.scheduler import Scheduler
@@ -76,44 +78,44 @@ def _check_locks(s: Scheduler) -> None:
         assert node.state_lock == state_holds.get(id(node), 0), f"{node}: state lock without a pending copy"
 
 
-def server_info(s: Scheduler) -> dict[str, Any]:
+def server_info(s: Scheduler) -> SchedulerInfo:
     res, cache, m = s.res, s.res.cache, s.metrics
     kv_req = sum(len(r.kv_slots) - r.tree_len for r in s.running.values())
     st_req = sum(1 for r in s.running.values() if r.mamba_slot is not None)
     queried = m.get("hyssm_prefix_cache_queried_tokens_total")
     state_hit = m.get("hyssm_prefix_cache_hit_tokens_total", kind="state")
     kv_only = m.get("hyssm_prefix_cache_hit_tokens_total", kind="kv_only")
-    server: dict[str, Any] = {
-        "kv_capacity": res.kv_alloc.capacity,
-        "kv_free": res.kv_alloc.num_free,
-        "kv_cached": cache.kv_total,
-        "kv_evictable": cache.kv_evictable,
-        "kv_used_by_requests": kv_req,
-        "mamba_capacity": res.state_alloc.capacity,
-        "mamba_free": res.state_alloc.num_free,
-        "mamba_cached": cache.states_total,
-        "mamba_evictable": cache.states_evictable,
-        "mamba_used_by_requests": st_req,
-        "num_running": len(s.running),
-        "max_running_requests": s.max_running,
-        "num_waiting": len(s.waiting),
-        "num_cache_nodes": cache.num_nodes,
-        "num_locked_nodes": cache.num_locked_nodes,
-        "prefix_queried_tokens": queried,
-        "prefix_state_hit_tokens": state_hit,
-        "prefix_kv_only_tokens": kv_only,
-        "prefix_state_hit_rate": state_hit / queried if queried else 0.0,
-        "prefix_kv_match_rate": (state_hit + kv_only) / queried if queried else 0.0,
-        "checkpoints_saved": m.get("hyssm_checkpoints_total", result="saved"),
-        "checkpoints_skipped": m.get("hyssm_checkpoints_total", result="skipped"),
-        "retractions_kv": m.get("hyssm_retractions_total", cause="kv"),
-        "retractions_priority": m.get("hyssm_retractions_total", cause="priority"),
-        "batch_is_full": s.retry.batch_is_full,
-        "new_token_ratio": s.new_token_ratio,
-        "radix_cache": not s.args.disable_radix_cache,
-        "schedule_policy": s.args.schedule_policy,
-        "context_length": s.context_length,
-    }
+    server = ServerState(
+        kv_capacity=res.kv_alloc.capacity,
+        kv_free=res.kv_alloc.num_free,
+        kv_cached=cache.kv_total,
+        kv_evictable=cache.kv_evictable,
+        kv_used_by_requests=kv_req,
+        mamba_capacity=res.state_alloc.capacity,
+        mamba_free=res.state_alloc.num_free,
+        mamba_cached=cache.states_total,
+        mamba_evictable=cache.states_evictable,
+        mamba_used_by_requests=st_req,
+        num_running=len(s.running),
+        max_running_requests=s.max_running,
+        num_waiting=len(s.waiting),
+        num_cache_nodes=cache.num_nodes,
+        num_locked_nodes=cache.num_locked_nodes,
+        prefix_queried_tokens=queried,
+        prefix_state_hit_tokens=state_hit,
+        prefix_kv_only_tokens=kv_only,
+        prefix_state_hit_rate=state_hit / queried if queried else 0.0,
+        prefix_kv_match_rate=(state_hit + kv_only) / queried if queried else 0.0,
+        checkpoints_saved=m.get("hyssm_checkpoints_total", result="saved"),
+        checkpoints_skipped=m.get("hyssm_checkpoints_total", result="skipped"),
+        retractions_kv=m.get("hyssm_retractions_total", cause="kv"),
+        retractions_priority=m.get("hyssm_retractions_total", cause="priority"),
+        batch_is_full=s.retry.batch_is_full,
+        new_token_ratio=s.new_token_ratio,
+        radix_cache=not s.args.disable_radix_cache,
+        schedule_policy=s.args.schedule_policy,
+        context_length=s.context_length,
+    )
     gauges = [
         ("hyssm_kv_slots", "KV token slots by state.", {"state": "free"}, res.kv_alloc.num_free),
         ("hyssm_kv_slots", "KV token slots by state.", {"state": "cached"}, cache.kv_total),
@@ -128,4 +130,4 @@ def server_info(s: Scheduler) -> dict[str, Any]:
         ("hyssm_cache_locked_nodes", "Radix-cache nodes locked by running requests.", {}, cache.num_locked_nodes),
         ("hyssm_new_token_ratio", "Share of max_new_tokens reserved for running requests.", {}, s.new_token_ratio),
     ]
-    return {"server": server, "metrics": m.records([(n, h, dict(lb), float(v)) for n, h, lb, v in gauges])}
+    return SchedulerInfo(server=server, metrics=m.records(gauges))

@@ -1,13 +1,14 @@
-"""Scheduler counters and their export as generic metric records for GET /metrics.
+"""Scheduler counters and their export as MetricRecords (shared/messages.py) for GET /metrics.
 
-Counters only go up; gauges are read from the live state when `info()` is called. Every record is
-`{"name", "type", "help", "labels", "value"}`; names start with `hyssm_`.
+Counters are whole numbers that only go up; gauges are read from the live state when `info()` is
+called. Names start with `hyssm_`; every labelled counter shows all its label values from the start.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any
+
+from shared.messages import MetricRecord
 
 REFUSAL_REASONS = ("kv", "mamba_state", "cow_alloc", "worker_refusal")
 
@@ -52,19 +53,19 @@ class SchedulerMetrics:
             for value in values:
                 self.counts[(name, ((label, value),))] += 0
 
-    def inc(self, name: str, value: float = 1, **labels: str) -> None:
+    def inc(self, name: str, value: int = 1, **labels: str) -> None:
         assert name in _COUNTERS, name
         self.counts[(name, tuple(sorted(labels.items())))] += value
 
-    def get(self, name: str, **labels: str) -> float:
+    def get(self, name: str, **labels: str) -> int:
         return self.counts[(name, tuple(sorted(labels.items())))]
 
-    def records(self, gauges: list[tuple[str, str, dict[str, str], float]]) -> list[dict[str, Any]]:
-        out: list[dict[str, Any]] = []
-        for (name, labels), value in sorted(self.counts.items()):
-            out.append(
-                {"name": name, "type": "counter", "help": _COUNTERS[name], "labels": dict(labels), "value": value}
-            )
+    def records(self, gauges: list[tuple[str, str, dict[str, str], float]]) -> list[MetricRecord]:
+        """Every counter, then the `gauges` given as (name, help, labels, value)."""
+        out = [
+            MetricRecord(name=name, type="counter", help=_COUNTERS[name], labels=dict(labels), value=value)
+            for (name, labels), value in sorted(self.counts.items())
+        ]
         for name, help_text, labels, value in gauges:
-            out.append({"name": name, "type": "gauge", "help": help_text, "labels": labels, "value": value})
+            out.append(MetricRecord(name=name, type="gauge", help=help_text, labels=labels, value=float(value)))
         return out

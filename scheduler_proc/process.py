@@ -13,6 +13,7 @@ import signal
 import time
 from dataclasses import dataclass
 
+import msgspec
 import zmq
 
 from scheduler_proc.scheduler import Scheduler
@@ -37,7 +38,9 @@ from shared.messages import (
     GetInfoReq,
     Heartbeat,
     InfoResp,
+    LoopInfo,
     ProcReady,
+    SchedulerInfo,
     Shutdown,
     StepResult,
     TokenOut,
@@ -57,7 +60,7 @@ _HEARTBEAT_S = 1.0
 @dataclass
 class LoopStats:
     """Where the wall time of served steps goes, as the loop sees it. Owned by SchedulerLoop,
-    reported under `info()["loop"]`. Per step: `round_trip` = batch sent -> its StepResult
+    reported as SchedulerInfo.loop. Per step: `round_trip` = batch sent -> its StepResult
     received, `worker` = the workers' own step time (StepResult.elapsed_s); their difference is
     transport, message encode/decode and waiting for a CPU. `turnaround` = StepResult received ->
     next batch sent, counted when the next batch follows at once (the loop's own share)."""
@@ -77,17 +80,17 @@ class LoopStats:
         self.turnarounds += 1
         self.turnaround_s += seconds
 
-    def as_dict(self) -> dict[str, float]:
+    def info(self) -> LoopInfo:
         def mean_ms(total: float, n: int) -> float:
             return 1000.0 * total / n if n else 0.0
 
-        return {
-            "steps": self.steps,
-            "worker_ms_mean": mean_ms(self.worker_s, self.steps),
-            "round_trip_ms_mean": mean_ms(self.round_trip_s, self.steps),
-            "outside_worker_ms_mean": mean_ms(self.round_trip_s - self.worker_s, self.steps),
-            "turnaround_ms_mean": mean_ms(self.turnaround_s, self.turnarounds),
-        }
+        return LoopInfo(
+            steps=self.steps,
+            worker_ms_mean=mean_ms(self.worker_s, self.steps),
+            round_trip_ms_mean=mean_ms(self.round_trip_s, self.steps),
+            outside_worker_ms_mean=mean_ms(self.round_trip_s - self.worker_s, self.steps),
+            turnaround_ms_mean=mean_ms(self.turnaround_s, self.turnarounds),
+        )
 
     def check_integrity(self) -> None:
         assert 0 <= self.turnarounds <= self.steps
@@ -206,7 +209,7 @@ class SchedulerLoop:
         now = time.monotonic()
         if self.in_flight is None and now - self.last_sent >= _HEARTBEAT_S:
             for tx in self.to_workers:
-                tx.send(Heartbeat(sent_at=now), int(self.args.watchdog_timeout * 1000))
+                tx.send(Heartbeat(), int(self.args.watchdog_timeout * 1000))
             self.last_sent = now
 
     def _handle_requests(self) -> list[TokenOut]:
@@ -256,12 +259,10 @@ class SchedulerLoop:
         if outs:
             self.to_tok.send(TokenOutBatch(outs=outs))
 
-    def _info(self) -> dict:
+    def _info(self) -> SchedulerInfo:
         assert self.sched is not None
-        info = self.sched.info()
-        info["in_flight_step"] = self.in_flight.step if self.in_flight is not None else -1
-        info["loop"] = self.stats.as_dict()
-        return info
+        step = self.in_flight.step if self.in_flight is not None else -1
+        return msgspec.structs.replace(self.sched.info(), in_flight_step=step, loop=self.stats.info())
 
     def fail_everything(self, reason: str) -> None:
         """Best effort on the way down: one final error per unfinished request."""

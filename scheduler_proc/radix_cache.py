@@ -15,6 +15,7 @@ orders. Rules that must hold:
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -302,28 +303,31 @@ class HybridRadixCache:
     # ------------------------------------------------------------------ eviction
     def evict_kv(self, n: int) -> int:
         """Free at least `n` KV tokens by deleting unlocked leaves in LRU order (fewer if it runs out)."""
-        freed = 0
-        while freed < n:
-            node = self._kv_lru.pop()
-            if node is None:
-                break
-            freed += len(node.kv)
-            self._delete_leaf(node)
-        return freed
+        return self._evict(self._kv_lru, n, self._evict_leaf)
 
     def evict_states(self, n: int) -> int:
         """Free up to `n` state slots in LRU order: an unlocked leaf is deleted, any other node tombstoned."""
+        return self._evict(self._state_lru, n, self._evict_state)
+
+    @staticmethod
+    def _evict(lru: LruHeap, n: int, evict_one: Callable[[TreeNode], int]) -> int:
+        """Pop candidates from `lru` until `evict_one` (which returns what it freed) reached `n`."""
         freed = 0
-        while freed < n:
-            node = self._state_lru.pop()
-            if node is None:
-                break
-            if not node.children and node.kv_lock == 0:
-                self._delete_leaf(node)
-            else:
-                self._clear_state(node)
-            freed += 1
+        while freed < n and (node := lru.pop()) is not None:
+            freed += evict_one(node)
         return freed
+
+    def _evict_leaf(self, node: TreeNode) -> int:
+        freed = len(node.kv)
+        self._delete_leaf(node)
+        return freed
+
+    def _evict_state(self, node: TreeNode) -> int:
+        if not node.children and node.kv_lock == 0:
+            self._delete_leaf(node)
+        else:
+            self._clear_state(node)
+        return 1
 
     def drop_state(self, node: TreeNode, slot: int) -> bool:
         """Tombstone `node` if it still holds `slot` unlocked (a checkpoint whose copy never ran)."""

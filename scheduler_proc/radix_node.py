@@ -33,9 +33,6 @@ class TreeNode:
     def start(self) -> int:
         return self.end - len(self.key)
 
-    def is_leaf(self) -> bool:
-        return not self.children
-
     def __repr__(self) -> str:
         return (
             f"TreeNode(nid={self.nid}, span=[{self.start},{self.end}), state={self.state}, "

@@ -77,21 +77,12 @@ class Req:
         return self.sent_kv if self.sent_step == step - 1 else 0
 
     @property
-    def output_ids(self) -> list[int]:
-        return self.tokens[self.prompt_len :]
-
-    @property
     def num_output(self) -> int:
         return len(self.tokens) - self.prompt_len
 
     @property
     def max_new_tokens(self) -> int:
         return self.sampling.max_new_tokens
-
-    @property
-    def kv_target(self) -> int:
-        """Positions that will ever need KV: the final sampled token is never fed back."""
-        return self.prompt_len + self.max_new_tokens - 1
 
     @property
     def is_prefilling(self) -> bool:

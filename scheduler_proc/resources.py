@@ -1,8 +1,9 @@
 """ReqResources: acquires and gives back one request's slots and locks.
 
-Owns the KV and Mamba slot allocators and the HybridRadixCache. Every path that takes something from a
-request (finish, abort, retraction, refusal, failure) goes through here, so the ownership rules of
-request.py hold after each call. No tensors: state copies are only *described* (CopyOp) for the worker.
+Owns the KV and Mamba slot allocators and the HybridRadixCache: the Scheduler reaches the cache only
+through here (reads aside). Every path that takes something from a request (finish, abort,
+retraction, refusal, failure) goes through here, so the ownership rules of request.py hold after
+each call. No tensors: state copies are only *described* (CopyOp) for the worker.
 """
 
 from __future__ import annotations
@@ -224,3 +225,19 @@ class ReqResources:
         req.kv_slots, req.tree_len, req.node, req.mamba_slot = [], 0, None, None
         req.computed, req.splits, req.pending_ckpt, req.peek = 0, [], False, None
         req.forget_sent()
+
+    def end_kept_progress(self, req: Req) -> None:
+        """A waiting request leaves for good: the progress it kept when it was retracted (if it was)
+        loses its eviction head start, which ends where it was retracted."""
+        if req.retracted_at >= 0 and self.cache_enabled:
+            self.cache.unkeep(req.tokens, req.retracted_at)
+
+    # ------------------------------------------------------------------ the cache as a whole
+    def drop_checkpoints(self, ckpt_nodes: list[tuple[TreeNode, int]]) -> None:
+        """A failed step did not fill these checkpoint slots: take them out of the tree."""
+        for node, slot in ckpt_nodes:
+            self.cache.drop_state(node, slot)
+
+    def flush(self) -> None:
+        """Empty the cache (callers ensure no running request holds a lock on it)."""
+        self.cache.flush()

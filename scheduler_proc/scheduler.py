@@ -1,9 +1,13 @@
-"""Scheduler: the pure logic of the scheduler process (DESIGN.md "Scheduler", steps 2-3 of a round).
+"""Scheduler: the pure logic of the scheduler process (docs/architecture.md, "Request lifecycle").
 
-Owns the request table, the waiting queue, the running set, the per-round PrefillAdder, the
-RetryPolicy and (through ReqResources) the slot allocators and the HybridRadixCache. No sockets, no
-tensors, single-threaded: `process.py` calls it. At most one batch is in flight: `schedule` is only
-called when none is, and `apply_result` applies it.
+Owns the request table, the waiting queue, the running set, the RetryPolicy (retry.py) and, through
+ReqResources (resources.py), the slot allocators and the HybridRadixCache; admission is admission.py.
+No sockets, no tensors, single-threaded: `process.py` calls it. At most one batch is in flight:
+`schedule` is only called when none is, and `apply_result` applies it.
+
+Rule: a request changes status only in `transition` (waiting -> running on admission, running ->
+waiting on retraction or a worker's refusal, waiting or running -> finished), which keeps its
+status, the waiting queue, the running set, `running_version` and its resources consistent.
 """
 
 from __future__ import annotations
@@ -12,18 +16,17 @@ import itertools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
-from scheduler_proc.adder import AdderBudget, AddResult, PrefillAdder, RetryPolicy, reserve_new_tokens
+from scheduler_proc.admission import AdderBudget, PrefillAdder, admit, record_refusal, reserve, round_budget
 from scheduler_proc.batch import BatchBuilder, InFlight, SliceEntry
 from scheduler_proc.introspect import check_scheduler, server_info
 from scheduler_proc.metrics import SchedulerMetrics
-from scheduler_proc.radix_cache import HybridRadixCache, PeekResult
+from scheduler_proc.radix_cache import HybridRadixCache
 from scheduler_proc.request import Req, ReqStatus, WaitingQueue, token_out, validate
 from scheduler_proc.resources import ReqResources, clamp_max_running
+from scheduler_proc.retry import RetryPolicy
 from shared.config import ServerArgs
-from shared.errors import MambaCowAllocError
-from shared.messages import FinishReason, ForwardBatch, GenerateReq, StepResult, TokenOut
+from shared.messages import FinishReason, ForwardBatch, GenerateReq, SchedulerInfo, StepResult, TokenOut
 from shared.model_info import ModelInfo
 
 logger = logging.getLogger(__name__)
@@ -41,8 +44,8 @@ class SchedulerTuning:
 
 
 class Scheduler:
-    """Request table, waiting queue, running set, HybridRadixCache, KV and Mamba slot allocators,
-    PrefillAdder, RetryPolicy. No sockets, no tensors, single-threaded."""
+    """Request table, waiting queue, running set, ReqResources (allocators and cache), RetryPolicy.
+    No sockets, no tensors, single-threaded."""
 
     def __init__(
         self,
@@ -71,7 +74,7 @@ class Scheduler:
         # request it made room for and be re-admitted in its place, round after round
         self.waiting = WaitingQueue(args.schedule_policy == "priority" or args.enable_priority_preemption)
         self.running: dict[str, Req] = {}
-        self.running_version = 0  # bumped whenever a request joins or leaves the running set
+        self.running_version = 0  # changes exactly when the running set does (in `transition`)
         self.new_token_ratio = self.tuning.init_ratio
         self._seq = itertools.count()
         self._step = 0
@@ -95,10 +98,10 @@ class Scheduler:
             logger.info("rejecting request %s: %s", req.rid, error)
             return [TokenOut(rid=req.rid, token_ids=[], finished=True, finish_reason="error", error=error,
                              prompt_tokens=len(req.input_ids))]  # fmt: skip
+        if req.sampling.max_new_tokens == 0:  # nothing to compute: answered without entering the table
+            return [TokenOut(rid=req.rid, token_ids=[], finished=True, finish_reason="length",
+                             prompt_tokens=len(req.input_ids))]  # fmt: skip
         r = Req(req.rid, req.input_ids, req.sampling, req.priority, next(self._seq))
-        if req.sampling.max_new_tokens == 0:
-            r.status = ReqStatus.FINISHED
-            return [token_out(r, [], "length")]
         self.reqs[r.rid] = r
         self.waiting.push(r)
         return []
@@ -117,13 +120,13 @@ class Scheduler:
         the in-flight step may have half-written their slots) and the cache is flushed."""
         self.in_flight = None
         outs = [self._finish(r, "error", error=reason) for r in list(self.reqs.values())]
-        self.res.cache.flush()
+        self.res.flush()
         return outs
 
     def flush_cache(self) -> bool:
         if self.running or self.in_flight is not None:
             return False
-        self.res.cache.flush()
+        self.res.flush()
         return True
 
     # ------------------------------------------------------------------ one round
@@ -139,7 +142,7 @@ class Scheduler:
                 if result != "exists":
                     self.metrics.inc("hyssm_checkpoints_total", result=result)
         prefill_used = self._schedule_running(b)
-        self._admit(b, prefill_used)
+        admit(self, b, prefill_used)
         self.new_token_ratio = max(self.tuning.min_ratio, self.new_token_ratio - self.tuning.decay)
         if not b.entries:
             assert not b.ckpt_copies and not b.cow_copies, "state ops without a request to run them"
@@ -161,11 +164,7 @@ class Scheduler:
 
     def _retract(self, r: Req, cause: str) -> None:
         r.retracted_at = r.computed
-        self.res.release(r, donate=True, keep=True)
-        del self.running[r.rid]
-        self.running_version += 1
-        r.status = ReqStatus.WAITING
-        self.waiting.push(r)
+        self.transition(r, ReqStatus.WAITING, donate=True, keep=True)
         self.metrics.inc("hyssm_retractions_total", cause=cause)
         self.metrics.inc("hyssm_retracted_tokens_total", r.retracted_at)
         if cause == "kv":
@@ -180,35 +179,16 @@ class Scheduler:
             victims = [r for r in self.running.values() if r.priority < head.priority]
             if not victims:
                 return
-            budget = self._budget(0)
+            budget = round_budget(self, 0)
             kv, states = PrefillAdder(budget).need(head, self.res.peek(head))
             short_kv, short_states = kv - budget.kv, states - budget.states
             short_running = 1 - budget.running_slots
             if short_kv <= 0 and short_states <= 0 and short_running <= 0:
                 return
-            gain_kv = sum(len(r.kv_slots) - r.tree_len + self._reserve(r) for r in victims)
+            gain_kv = sum(len(r.kv_slots) - r.tree_len + reserve(self, r) for r in victims)
             if short_kv > gain_kv or short_states > len(victims) or short_running > len(victims):
                 return
             self._retract(self._pick_victim(victims), "priority")
-
-    def _reserve(self, r: Req) -> int:
-        """KV tokens held back for a running request's future: known tokens without a slot yet, plus
-        an estimate of the output still to come."""
-        rest_new = r.max_new_tokens - r.num_output - 1
-        return len(r.tokens) - len(r.kv_slots) + reserve_new_tokens(rest_new, self.new_token_ratio)
-
-    def _budget(self, prefill_used: int) -> AdderBudget:
-        reserved = sum(self._reserve(r) for r in self.running.values())
-        a = self.args
-        return AdderBudget(
-            kv=self.res.available_kv() - reserved,
-            states=self.res.available_states(),
-            prefill_tokens=a.max_prefill_tokens - prefill_used,
-            running_slots=self.max_running - len(self.running),
-            chunk_size=a.chunked_prefill_size,
-            new_token_ratio=self.new_token_ratio,
-            needs_state=self.track_states,
-        )
 
     def _schedule_running(self, b: BatchBuilder) -> int:
         """Decode tokens first (one each), then continuations of chunked prefills. Returns the prefill
@@ -228,56 +208,6 @@ class Scheduler:
                 b.add(r, n, prefill=True)
                 used += n
         return used
-
-    def _admit(self, b: BatchBuilder, prefill_used: int) -> None:
-        head = self.waiting.peek()
-        self.retry.begin_round(self.running_version, not self.running, head.seq if head is not None else None)
-        if head is None:
-            return
-        if not self.retry.should_attempt():
-            self.metrics.inc("hyssm_admission_rounds_total", outcome="latched")
-            return
-        self.metrics.inc("hyssm_admission_rounds_total", outcome="attempted")
-        adder = self.adder_factory(self._budget(prefill_used))
-        while (r := self.waiting.peek()) is not None:
-            peek = self.res.peek(r)
-            self.metrics.inc("hyssm_admission_attempts_total")
-            if r.refusals:
-                self.metrics.inc("hyssm_admission_retries_total")
-            result, grant = adder.add_one_req(r, peek, self._chunk_cap(r, peek))
-            if result is AddResult.NO_TOKEN and not self.running and peek.has_state:
-                peek = self.res.fresh_peek(r)  # idle and the hit itself cannot be afforded: start fresh
-                result, grant = adder.add_one_req(r, peek, self._chunk_cap(r, peek))
-            if result is AddResult.OTHER:
-                self.metrics.inc("hyssm_admission_deferred_total", reason=adder.refusal_reason)
-                return
-            if result is AddResult.NO_TOKEN or grant is None:
-                self._refused(r, adder.refusal_reason or "kv")
-                return
-            try:
-                reason = self.res.start(r, peek, grant.chunk, b)
-            except MambaCowAllocError as e:
-                logger.debug("admission of %s refused: %s", r.rid, e)
-                reason = "cow_alloc"
-            if reason:
-                adder.rollback(grant)
-                self._refused(r, reason)
-                return
-            self.waiting.pop()
-            r.status = ReqStatus.RUNNING
-            self.running[r.rid] = r
-            self.running_version += 1
-            b.add(r, grant.chunk, prefill=True, admitted=True)
-
-    def _chunk_cap(self, r: Req, peek: PeekResult) -> int:
-        """The first chunk ends at the first split point (O(1): asked on every retry)."""
-        split = self.res.first_split(r, peek)
-        return split - peek.prefix_len if split is not None else len(r.tokens)
-
-    def _refused(self, r: Req, reason: str) -> None:
-        r.refusals += 1
-        self.metrics.inc("hyssm_admission_refusals_total", reason=reason)
-        self.retry.on_no_token(r.seq)
 
     # ------------------------------------------------------------------ results
     def apply_result(self, result: StepResult) -> list[TokenOut]:
@@ -311,21 +241,16 @@ class Scheduler:
         leave the tree. Nothing else was written; waiting requests and the rest of the cache go on."""
         logger.error("%s; failing its %d requests", reason, len(fl.entries))
         outs = [self._finish(e.req, "error", error=reason) for e in fl.entries]
-        for node, slot in fl.ckpt_nodes:
-            self.res.cache.drop_state(node, slot)
+        self.res.drop_checkpoints(fl.ckpt_nodes)
         return outs
 
     def _on_refused(self, e: SliceEntry) -> None:
         """A worker refused the slice's copy-on-write: roll back exactly like NO_TOKEN."""
         r = e.req
         self.res.undo_slice(r, e)
-        self._refused(r, "worker_refusal")
+        record_refusal(self, r, "worker_refusal")
         if e.admitted:
-            self.res.release(r, donate=False)
-            del self.running[r.rid]
-            self.running_version += 1
-            r.status = ReqStatus.WAITING
-            self.waiting.push(r)
+            self.transition(r, ReqStatus.WAITING)
 
     def _account_step(self, e: SliceEntry) -> None:
         r, m = e.req, self.metrics
@@ -368,21 +293,42 @@ class Scheduler:
     def _finish(self, r: Req, reason: FinishReason, new: list[int] | None = None, matched: int | None = None,
                 logprobs: list[float] | None = None, error: str | None = None) -> TokenOut:  # fmt: skip
         """Finish `r` (never while its slice is in flight): give back or donate what it holds."""
-        if r.status is ReqStatus.RUNNING:
-            self.res.release(r, donate=reason != "error")
-            del self.running[r.rid]
-            self.running_version += 1
-        elif r.status is ReqStatus.WAITING:
-            self.waiting.remove(r)
-            if r.retracted_at >= 0 and self.res.cache_enabled:
-                self.res.cache.unkeep(r.tokens, r.retracted_at)  # its progress ends where it was retracted
-        r.status = ReqStatus.FINISHED
-        del self.reqs[r.rid]
+        self.transition(r, ReqStatus.FINISHED, donate=reason != "error")
         self.metrics.inc("hyssm_requests_finished_total", reason=reason)
         return token_out(r, new or [], reason, matched=matched, logprobs=logprobs, error=error)
 
+    # ------------------------------------------------------------------ the one status change
+    def transition(self, r: Req, to: ReqStatus, donate: bool = False, keep: bool = False) -> None:
+        """Move `r` from its status to `to` (WAITING <-> RUNNING, either -> FINISHED), never while
+        its slice is in flight. Leaving RUNNING gives back everything it holds (`donate`: its
+        computed KV and state move into the cache; `keep`: as a retracted request's progress,
+        evicted last); entering RUNNING takes nothing (ReqResources.start took its slots); a
+        WAITING request finishing ends its kept progress. FINISHED leaves the request table.
+        `running_version` changes exactly when the running set does."""
+        frm = r.status
+        assert frm is not to and frm is not ReqStatus.FINISHED, f"{r}: {frm.value} -> {to.value}"
+        if to is ReqStatus.RUNNING and self.waiting.peek() is not r:
+            raise AssertionError(f"admitting {r}, but the queue head is {self.waiting.peek()}")
+        if frm is ReqStatus.RUNNING:
+            self.res.release(r, donate=donate, keep=keep)
+            del self.running[r.rid]
+        elif to is ReqStatus.RUNNING:
+            self.waiting.pop()
+        else:
+            self.waiting.remove(r)
+            self.res.end_kept_progress(r)
+        if to is ReqStatus.RUNNING:
+            self.running[r.rid] = r
+        elif to is ReqStatus.WAITING:
+            self.waiting.push(r)
+        else:
+            del self.reqs[r.rid]
+        if ReqStatus.RUNNING in (frm, to):
+            self.running_version += 1
+        r.status = to
+
     # ------------------------------------------------------------------ introspection
-    def info(self) -> dict[str, Any]:
+    def info(self) -> SchedulerInfo:
         return server_info(self)
 
     def check_integrity(self) -> None:

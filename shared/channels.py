@@ -57,14 +57,7 @@ class Sender(Generic[T]):
 
     def __init__(self, ctx: zmq.Context, channel: Channel[T], args: ServerArgs, rank: int | None = None):
         self.channel = channel
-        self.sock = ctx.socket(zmq.PUSH)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.SNDHWM, 0)
-        endpoint = channel.endpoint(args, rank)
-        if channel.sender_binds:
-            self.sock.bind(_bind_form(endpoint))
-        else:
-            self.sock.connect(endpoint)
+        self.sock = open_socket(ctx, zmq.PUSH, channel, args, rank, channel.sender_binds)
         self._enc = msgspec.msgpack.Encoder()
 
     def send(self, msg: T, timeout_ms: int = 10_000) -> None:
@@ -91,14 +84,7 @@ class Receiver(Generic[T]):
 
     def __init__(self, ctx: zmq.Context, channel: Channel[T], args: ServerArgs, rank: int | None = None):
         self.channel = channel
-        self.sock = ctx.socket(zmq.PULL)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.RCVHWM, 0)
-        endpoint = channel.endpoint(args, rank)
-        if channel.sender_binds:
-            self.sock.connect(endpoint)
-        else:
-            self.sock.bind(_bind_form(endpoint))
+        self.sock = open_socket(ctx, zmq.PULL, channel, args, rank, not channel.sender_binds)
         self._dec = msgspec.msgpack.Decoder(channel.msg_type)
 
     def decode(self, data: bytes | memoryview) -> T:
@@ -128,6 +114,21 @@ class Receiver(Generic[T]):
 
     def close(self) -> None:
         self.sock.close(linger=0)
+
+
+def open_socket(ctx: zmq.Context, kind: int, channel: Channel[Any], args: ServerArgs, rank: int | None,
+                bind: bool) -> zmq.Socket:  # fmt: skip
+    """A PUSH or PULL socket of `channel` (blocking or asyncio, as `ctx` is): LINGER 0, unbounded
+    high-water mark, bound (on every interface for tcp) or connected to the channel's endpoint."""
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM if kind == zmq.PUSH else zmq.RCVHWM, 0)
+    endpoint = channel.endpoint(args, rank)
+    if bind:
+        sock.bind(_bind_form(endpoint))
+    else:
+        sock.connect(endpoint)
+    return sock
 
 
 def _bind_form(endpoint: str) -> str:

@@ -13,23 +13,10 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from shared.channels import Channel, ChannelTimeout, _bind_form
+from shared.channels import Channel, ChannelTimeout, open_socket
 from shared.config import ServerArgs
 
 T = TypeVar("T")
-
-
-def _open(ctx: zmq.asyncio.Context, kind: int, channel: Channel[T], args: ServerArgs, rank: int | None,
-          binds: bool) -> zmq.asyncio.Socket:
-    sock = ctx.socket(kind)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.SNDHWM if kind == zmq.PUSH else zmq.RCVHWM, 0)
-    endpoint = channel.endpoint(args, rank)
-    if binds:
-        sock.bind(_bind_form(endpoint))
-    else:
-        sock.connect(endpoint)
-    return sock
 
 
 class AsyncSender(Generic[T]):
@@ -38,7 +25,7 @@ class AsyncSender(Generic[T]):
     def __init__(self, ctx: zmq.asyncio.Context, channel: Channel[T], args: ServerArgs,
                  rank: int | None = None):
         self.channel = channel
-        self.sock = _open(ctx, zmq.PUSH, channel, args, rank, channel.sender_binds)
+        self.sock: zmq.asyncio.Socket = open_socket(ctx, zmq.PUSH, channel, args, rank, channel.sender_binds)
         self._enc = msgspec.msgpack.Encoder()
 
     async def send(self, msg: T, timeout_s: float = 10.0) -> None:
@@ -71,7 +58,7 @@ class AsyncReceiver(Generic[T]):
     def __init__(self, ctx: zmq.asyncio.Context, channel: Channel[T], args: ServerArgs,
                  rank: int | None = None):
         self.channel = channel
-        self.sock = _open(ctx, zmq.PULL, channel, args, rank, not channel.sender_binds)
+        self.sock: zmq.asyncio.Socket = open_socket(ctx, zmq.PULL, channel, args, rank, not channel.sender_binds)
         self._dec = msgspec.msgpack.Decoder(channel.msg_type)
 
     def decode(self, data: bytes | memoryview) -> T:

@@ -46,15 +46,6 @@ class FaultConfig:
         if self.delay_step_s < 0:
             raise ConfigError("--fault-delay-step-s must be >= 0")
 
-    @property
-    def enabled(self) -> bool:
-        return (
-            self.refuse_cow_fraction > 0
-            or self.raise_at_step >= 0
-            or self.delay_step_s > 0
-            or (bool(self.crash_process) and self.crash_at_step >= 0)
-        )
-
 
 @dataclass(frozen=True)
 class ServerArgs:

@@ -7,7 +7,7 @@ Token ids travel as msgpack integer arrays (compact varints), never as pickles.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -38,7 +38,6 @@ class GenerateReq(msgspec.Struct, tag=True, kw_only=True):
     input_ids: list[int]
     sampling: SamplingParams
     priority: int = 0  # larger = more important (used with --schedule-policy priority)
-    arrival: float = 0.0  # time.monotonic() at the tokenizer
 
 
 class AbortReq(msgspec.Struct, tag=True, kw_only=True):
@@ -84,11 +83,82 @@ class FlushCacheResp(msgspec.Struct, tag=True, kw_only=True):
     message: str = ""
 
 
+MetricName = Annotated[str, msgspec.Meta(pattern=r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")]
+
+
+class MetricRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """One Prometheus sample for GET /metrics. Several records may share a name (a family) with
+    different labels; a counter's name ends in `_total`."""
+
+    name: MetricName
+    type: Literal["counter", "gauge"]
+    help: str
+    labels: dict[str, str]
+    value: int | float
+
+
+class ServerState(msgspec.Struct, frozen=True, kw_only=True):
+    """The scheduler's pools, queues, prefix-cache hits and policy state (slot counts are token
+    slots for KV and state slots for Mamba; `*_evictable` is part of `*_cached`)."""
+
+    kv_capacity: int = 0
+    kv_free: int = 0
+    kv_cached: int = 0
+    kv_evictable: int = 0
+    kv_used_by_requests: int = 0
+    mamba_capacity: int = 0
+    mamba_free: int = 0
+    mamba_cached: int = 0
+    mamba_evictable: int = 0
+    mamba_used_by_requests: int = 0
+    num_running: int = 0
+    max_running_requests: int = 0
+    num_waiting: int = 0
+    num_cache_nodes: int = 0
+    num_locked_nodes: int = 0
+    prefix_queried_tokens: int = 0
+    prefix_state_hit_tokens: int = 0
+    prefix_kv_only_tokens: int = 0
+    prefix_state_hit_rate: float = 0.0
+    prefix_kv_match_rate: float = 0.0
+    checkpoints_saved: int = 0
+    checkpoints_skipped: int = 0
+    retractions_kv: int = 0
+    retractions_priority: int = 0
+    batch_is_full: bool = False
+    new_token_ratio: float = 0.0
+    radix_cache: bool = True
+    schedule_policy: str = ""
+    context_length: int = 0
+
+
+class LoopInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """Where the scheduler loop's wall time goes per served step (means in ms): the workers' own
+    step time, the round trip (batch sent -> StepResult received) and their difference, and the
+    turnaround (StepResult received -> next batch sent)."""
+
+    steps: int = 0
+    worker_ms_mean: float = 0.0
+    round_trip_ms_mean: float = 0.0
+    outside_worker_ms_mean: float = 0.0
+    turnaround_ms_mean: float = 0.0
+
+
+class SchedulerInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """The scheduler's part of /get_server_info (as JSON, under "scheduler") and of /metrics
+    (`metrics`). `in_flight_step`: the step of the batch the workers are running, -1 for none."""
+
+    server: ServerState
+    metrics: list[MetricRecord] = []
+    in_flight_step: int = -1
+    loop: LoopInfo = LoopInfo()
+
+
 class InfoResp(msgspec.Struct, tag=True, kw_only=True):
-    """Scheduler-side state for /get_server_info and /metrics."""
+    """Answer to GetInfoReq."""
 
     req_id: int
-    info: dict[str, Any]  # "metrics": {prometheus name (with {labels}) -> value}, plus config and pools
+    info: SchedulerInfo
 
 
 class SchedulerDead(msgspec.Struct, tag=True, kw_only=True):
@@ -156,8 +226,6 @@ class Shutdown(msgspec.Struct, tag=True, kw_only=True):
 class Heartbeat(msgspec.Struct, tag=True, kw_only=True):
     """Sent by an idle scheduler about once a second so that workers (on other nodes too)
     notice a dead node 0 within the watchdog timeout."""
-
-    sent_at: float
 
 
 ToWorker = ForwardBatch | FlushWorker | Shutdown | Heartbeat

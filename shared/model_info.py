@@ -63,7 +63,6 @@ class ModelInfo:
     layer_kinds: tuple[str, ...]
     vocab_size: int
     eos_token_ids: tuple[int, ...]
-    bos_token_id: int | None
     max_position_embeddings: int
 
     @property
@@ -94,6 +93,5 @@ class ModelInfo:
             layer_kinds=tuple(layer_kinds(cfg)),
             vocab_size=int(cfg["vocab_size"]),
             eos_token_ids=eos_ids,
-            bos_token_id=cfg.get("bos_token_id"),
             max_position_embeddings=int(max_pos),
         )

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hmac
 import logging
-from typing import Any
 
 import msgspec
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -25,6 +24,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from shared.config import ServerArgs
+from shared.messages import SchedulerInfo
 from shared.model_info import ModelInfo
 from tokenizer_proc.context import AppContext, get_ctx
 from tokenizer_proc.errors import ApiError, unavailable
@@ -48,7 +48,7 @@ async def health(request: Request) -> Response:
     raise unavailable("the server is not healthy: the scheduler is gone")
 
 
-async def _backend_info(ctx: AppContext) -> dict[str, Any]:
+async def _backend_info(ctx: AppContext) -> SchedulerInfo:
     try:
         return await ctx.backend.info()
     except (BackendUnavailable, TimeoutError) as e:
@@ -95,7 +95,7 @@ async def metrics(request: Request) -> Response:
     sched_metrics = None
     if ctx.backend.healthy:
         try:
-            sched_metrics = (await ctx.backend.info()).get("metrics")
+            sched_metrics = (await ctx.backend.info()).metrics
         except (BackendUnavailable, TimeoutError) as e:
             logger.warning("/metrics without scheduler metrics: %s", e)
     body = render_metrics(ctx.metrics, sched_metrics, len(ctx.in_flight), ctx.backend.healthy)

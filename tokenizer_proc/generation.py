@@ -13,9 +13,9 @@ import contextlib
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
-from shared.messages import GenerateReq, TokenOut
+from shared.messages import GenerateReq, SchedulerInfo, TokenOut
 from tokenizer_proc.errors import bad_request
 from tokenizer_proc.tokenizer import TextTokenizer
 from tokenizer_proc.validation import PreparedRequest
@@ -40,7 +40,7 @@ class Backend(Protocol):
         """Tell the scheduler to drop `rid` and stop routing its outputs. Idempotent, never blocks."""
         ...
 
-    async def info(self) -> dict[str, Any]: ...
+    async def info(self) -> SchedulerInfo: ...
 
     async def flush_cache(self) -> tuple[bool, str]: ...
 
@@ -114,8 +114,7 @@ async def generate(
     if not backend.healthy:
         raise BackendUnavailable("the scheduler is not available")
     detok = tok.detokenizer(req.stops, req.skip_special_tokens)
-    msg = GenerateReq(rid=req.rid, input_ids=req.input_ids, sampling=req.sampling, priority=req.priority,
-                      arrival=time.monotonic())
+    msg = GenerateReq(rid=req.rid, input_ids=req.input_ids, sampling=req.sampling, priority=req.priority)
     done, completion, cached = False, 0, 0
     in_flight.add(req.rid)
     try:

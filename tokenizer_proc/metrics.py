@@ -1,29 +1,22 @@
-"""/metrics: Prometheus text rendered from the scheduler's `info()["metrics"]` plus this layer's
-own HTTP counters, through a fresh CollectorRegistry per scrape (no prometheus globals).
-
-Scheduler metrics come as a list of `{"name", "type": "counter"|"gauge", "help", "labels", "value"}`
-items (several items may share a name with different labels), or, in the older form, as a dict
-`{'name{label="v"}': value}` rendered as gauges.
+"""/metrics: Prometheus text rendered from the scheduler's MetricRecords (SchedulerInfo.metrics,
+shared/messages.py: names already validated when the message was decoded) plus this layer's own HTTP
+counters, through a fresh CollectorRegistry per scrape (no prometheus globals).
 """
 
 from __future__ import annotations
 
 import logging
-import re
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-logger = logging.getLogger(__name__)
+from shared.messages import MetricRecord
 
-_NAME = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")
-_KEYED = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?$')
-_LABEL = re.compile(r'\s*([a-zA-Z_][a-zA-Z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"\s*,?')
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -63,57 +56,31 @@ class _HttpCollector(Collector):
         yield GaugeMetricFamily("hyssm_scheduler_up", "1 when the scheduler answers", value=int(self._healthy))
 
 
-def _parse_keyed(key: str) -> tuple[str, dict[str, str]] | None:
-    m = _KEYED.match(key.strip())
-    if m is None:
-        return None
-    labels = {k: v for k, v in _LABEL.findall(m.group(2) or "")}
-    return m.group(1), labels
-
-
-def normalise_items(raw: Any) -> list[dict[str, Any]]:
-    """Scheduler metrics in either form -> list of items; malformed entries are skipped."""
-    if isinstance(raw, dict):
-        items = []
-        for key, value in raw.items():
-            parsed = _parse_keyed(str(key))
-            if parsed is not None:
-                items.append({"name": parsed[0], "type": "gauge", "help": "", "labels": parsed[1], "value": value})
-        raw = items
-    out = []
-    for item in raw if isinstance(raw, list) else []:
-        if not isinstance(item, dict) or not _NAME.match(str(item.get("name", ""))):
-            continue
-        if isinstance(item.get("value"), bool) or not isinstance(item.get("value"), (int, float)):
-            continue
-        out.append(item)
-    return out
-
-
 class SchedulerCollector(Collector):
-    """Renders scheduler metric items; items sharing a name form one family."""
+    """Renders scheduler records; records sharing a name form one family (the first one's type, help
+    and label names)."""
 
-    def __init__(self, items: Iterable[dict[str, Any]]):
-        self._items = list(items)
+    def __init__(self, records: Iterable[MetricRecord]):
+        self._records = list(records)
 
     def collect(self) -> Iterator[Metric]:
         families: dict[str, Metric] = {}
         label_names: dict[str, list[str]] = {}
-        for item in self._items:
-            name = str(item["name"])
-            labels = {str(k): str(v) for k, v in (item.get("labels") or {}).items()}
-            fam = families.get(name)
+        for rec in self._records:
+            fam = families.get(rec.name)
             if fam is None:
-                label_names[name] = sorted(labels)
-                cls = CounterMetricFamily if item.get("type") == "counter" else GaugeMetricFamily
-                fam = families[name] = cls(name, str(item.get("help") or name), labels=label_names[name])
-            fam.add_metric([labels.get(k, "") for k in label_names[name]], float(item["value"]))
+                label_names[rec.name] = sorted(rec.labels)
+                cls = CounterMetricFamily if rec.type == "counter" else GaugeMetricFamily
+                fam = families[rec.name] = cls(rec.name, rec.help or rec.name, labels=label_names[rec.name])
+            fam.add_metric([rec.labels.get(k, "") for k in label_names[rec.name]], float(rec.value))
         yield from families.values()
 
 
-def render_metrics(http: HttpMetrics, scheduler_metrics: Any, in_flight: int, healthy: bool) -> bytes:
+def render_metrics(
+    http: HttpMetrics, scheduler_metrics: list[MetricRecord] | None, in_flight: int, healthy: bool
+) -> bytes:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_HttpCollector(http, in_flight, healthy))
     if scheduler_metrics is not None:
-        registry.register(SchedulerCollector(normalise_items(scheduler_metrics)))
+        registry.register(SchedulerCollector(scheduler_metrics))
     return generate_latest(registry)

@@ -28,6 +28,7 @@ from shared.messages import (
     GetInfoReq,
     InfoResp,
     SchedulerDead,
+    SchedulerInfo,
     TokenOut,
     TokenOutBatch,
     ToScheduler,
@@ -120,7 +121,7 @@ class SchedulerClient:
         finally:
             self._pending.pop(req_id, None)
 
-    async def info(self) -> dict[str, Any]:
+    async def info(self) -> SchedulerInfo:
         resp: InfoResp = await self._control(GetInfoReq)
         return resp.info
 

@@ -65,7 +65,7 @@ def run(
         sched.check_integrity()
         log.rounds = rnd + 1
     else:
-        raise AssertionError(f"not drained after {max_rounds} rounds: {sched.info()['server']}")
+        raise AssertionError(f"not drained after {max_rounds} rounds: {sched.info().server}")
     missing = expected - set(log.finals)
     assert not missing, f"no final reply for {sorted(missing)[:5]}"
     return log

@@ -7,7 +7,8 @@ from typing import Any
 
 import pytest
 
-from scheduler_proc.adder import AdderBudget, AddResult, Grant, RetryPolicy
+from scheduler_proc.admission import AdderBudget, AddResult, Grant
+from scheduler_proc.retry import RetryPolicy
 from scheduler_proc.scheduler import Scheduler
 from shared.config import ServerArgs
 from tests.scheduler.util import ATTENTION_ONLY, HYBRID, greq, make, rids, round_

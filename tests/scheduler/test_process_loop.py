@@ -144,9 +144,9 @@ def test_loop_stats_split_round_trip_worker_time_and_turnaround(peers: Peers) ->
     peers.worker.send(StepResult(step=peers.loop.in_flight.step, next_tokens={"a": 12}, elapsed_s=0.002))
     peers.run_until(lambda: peers.loop.stats.steps == 2)
     assert stats.turnarounds == 1, "no batch followed the last step: nothing to count"
-    loop_info = peers.loop._info()["loop"]
-    assert loop_info["steps"] == 2 and loop_info["worker_ms_mean"] == pytest.approx(1.5)
-    assert loop_info["round_trip_ms_mean"] > 0 and loop_info["turnaround_ms_mean"] > 0
+    loop_info = peers.loop._info().loop
+    assert loop_info.steps == 2 and loop_info.worker_ms_mean == pytest.approx(1.5)
+    assert loop_info.round_trip_ms_mean > 0 and loop_info.turnaround_ms_mean > 0
 
 
 def test_step_outputs_precede_replies_to_requests_of_the_same_round(peers: Peers) -> None:

@@ -17,6 +17,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from scheduler_proc.scheduler import Scheduler, SchedulerTuning
 from shared.messages import ForwardBatch, StepResult, TokenOut
 from tests.scheduler.fake_worker import FakeWorker
+from tests.scheduler.harness import RunLog
 from tests.scheduler.util import greq, make
 
 PREFIXES = [[1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 9, 9], [20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31], []]
@@ -48,21 +49,19 @@ class SchedulerMachine(RuleBasedStateMachine):
         )  # fmt: skip
         self.n = 0
         self.expected: dict[str, list[int]] = {}
-        self.got: dict[str, list[int]] = {}
-        self.finals: dict[str, TokenOut] = {}
+        self.log = RunLog()  # every reply, at most one final one per request
         self.first_start: dict[str, int] = {}  # start of the first admitted slice that ran
         self.batch: ForwardBatch | None = None  # in flight between `dispatch` and `complete`
+        self.seen_running: tuple[frozenset[str], int] = (frozenset(), self.sched.running_version)
 
     def take(self, outs: list[TokenOut]) -> None:
+        self.log.take(outs)
         for out in outs:
-            assert out.rid not in self.finals, f"{out.rid}: reply after its final reply"
-            self.got.setdefault(out.rid, []).extend(out.token_ids)
             if out.finished:
-                self.finals[out.rid] = out
                 self.check_output(out)
 
     def check_output(self, out: TokenOut) -> None:
-        got, want = self.got.get(out.rid, []), self.expected.get(out.rid)
+        got, want = self.log.tokens.get(out.rid, []), self.expected.get(out.rid)
         if want is None:  # rejected at add_request
             assert out.finish_reason == "error"
             return
@@ -102,7 +101,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         batch = s.schedule()
         s.check_integrity()
         if idle_head is not None:  # nothing else can ever free capacity for it: it must start now
-            assert batch is not None and idle_head.rid in [r.rid for r in batch.reqs], (idle_head, s.info()["server"])
+            assert batch is not None and idle_head.rid in [r.rid for r in batch.reqs], (idle_head, s.info().server)
         return batch
 
     def run_batch(self, batch: ForwardBatch, refused: frozenset[str], error: str = "") -> None:
@@ -189,6 +188,17 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.sched.check_integrity()
 
     @invariant()
+    def running_version_follows_the_running_set(self) -> None:
+        """The retry latch of attention-only models waits for `running_version`: it must change
+        whenever the running set did (and never go back)."""
+        s, (before, version) = self.sched, self.seen_running
+        now = frozenset(s.running)
+        assert s.running_version >= version
+        if now != before:
+            assert s.running_version != version, f"running set {sorted(before)} -> {sorted(now)}, same version"
+        self.seen_running = (now, s.running_version)
+
+    @invariant()
     def reusable_peeks_are_fresh(self) -> None:
         """The O(1) retry reuses a waiting request's last peek while the cache epoch is unchanged: it
         must then equal a fresh walk (no stale match or cost survives a lock release, donation, flush,
@@ -213,7 +223,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                 break
             self.step(False, False)
         assert not self.sched.has_work, "requests stuck"
-        missing = set(self.expected) - set(self.finals)
+        missing = set(self.expected) - set(self.log.finals)
         assert not missing, f"no final reply for {missing}"
         cache, res = self.sched.cache, self.sched.res
         assert cache.num_locked_nodes == 0 and cache.kv_evictable == cache.kv_total

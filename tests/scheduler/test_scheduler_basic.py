@@ -3,10 +3,11 @@ refusals, priorities, info/metrics."""
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from scheduler_proc.request import ReqStatus
-from shared.messages import StepResult
+from shared.messages import InfoResp, StepResult, ToTokenizer
 from shared.model_info import ModelInfo
 from tests.scheduler import harness
 from tests.scheduler.util import ARCH, greq, make, rids, round_
@@ -31,7 +32,7 @@ def test_add_request_rejections() -> None:
 
 
 def test_stop_conditions() -> None:
-    model = ModelInfo(ARCH, ("mamba", "attention"), 50, (13,), None, 4096)
+    model = ModelInfo(ARCH, ("mamba", "attention"), 50, (13,), 4096)
     sched, worker = make(model=model)
     worker.next_token = lambda seq: [13, 7, 9][len(seq) % 3]  # type: ignore[method-assign]
     sched.add_request(greq("eos", [1, 1], 10, ignore_eos=False))  # first token at len 2: 9, then 13
@@ -62,6 +63,31 @@ def test_abort_waiting_running_and_in_flight() -> None:
     assert not sched.has_work and sched.cache.kv_evictable == sched.cache.kv_total
     sched.check_integrity()
     assert sched.abort("run") == []
+
+
+def test_transitions_keep_status_sets_and_version_together() -> None:
+    """Every status change goes through `transition`: the queue, the running set, the request table
+    and `running_version` follow it, and a move that is not a lifecycle step is refused."""
+    sched, worker = make(max_running_requests=1)
+    sched.add_request(greq("a", [1, 2, 3], 3))
+    sched.add_request(greq("b", [4, 5, 6], 3))
+    a, b, v0 = sched.reqs["a"], sched.reqs["b"], sched.running_version
+    with pytest.raises(AssertionError, match="waiting -> waiting"):
+        sched.transition(a, ReqStatus.WAITING)
+    with pytest.raises(AssertionError, match="queue head"):
+        sched.transition(b, ReqStatus.RUNNING)  # only the head of the queue is admitted
+    round_(sched, worker)
+    assert a.status is ReqStatus.RUNNING and list(sched.running) == ["a"] and sched.running_version == v0 + 1
+    assert b.status is ReqStatus.WAITING and b in sched.waiting
+    (out,) = sched.abort("b")
+    assert out.finish_reason == "abort" and b.status is ReqStatus.FINISHED and "b" not in sched.reqs
+    assert sched.running_version == v0 + 1  # the running set did not change
+    with pytest.raises(AssertionError, match="finished -> waiting"):
+        sched.transition(b, ReqStatus.WAITING)
+    sched.abort("a")
+    assert not sched.running and sched.running_version == v0 + 2 and not sched.reqs
+    assert sched.cache.num_locked_nodes == 0
+    sched.check_integrity()
 
 
 def test_fail_all_frees_everything() -> None:
@@ -155,22 +181,35 @@ def test_info_and_metrics_shape() -> None:
     sched, worker = make()
     harness.run(sched, worker, {0: [greq("a", [1, 2, 3], 4)], 1: [greq("b", [1, 2, 3, 9], 2)]})
     info = sched.info()
-    server = info["server"]
-    for key in ("kv_capacity", "kv_free", "kv_cached", "kv_used_by_requests", "mamba_capacity", "mamba_free",
-                "mamba_cached", "mamba_used_by_requests", "num_running", "num_waiting", "num_locked_nodes",
-                "prefix_state_hit_rate"):  # fmt: skip
-        assert key in server
-    assert server["kv_free"] + server["kv_cached"] + server["kv_used_by_requests"] == server["kv_capacity"]
+    server = info.server
+    assert server.kv_free + server.kv_cached + server.kv_used_by_requests == server.kv_capacity == 256
+    assert server.mamba_free + server.mamba_cached + server.mamba_used_by_requests == server.mamba_capacity == 8
+    assert server.num_running == server.num_waiting == server.num_locked_nodes == 0
+    assert server.prefix_queried_tokens == 7 and server.prefix_state_hit_tokens + server.prefix_kv_only_tokens > 0
     names = set()
-    for rec in info["metrics"]:
-        assert set(rec) == {"name", "type", "help", "labels", "value"} and rec["name"].startswith("hyssm_")
-        assert rec["type"] in ("counter", "gauge") and isinstance(rec["value"], float | int)
-        names.add(rec["name"])
+    for rec in info.metrics:
+        assert rec.name.startswith("hyssm_") and rec.type in ("counter", "gauge")
+        assert isinstance(rec.value, int) if rec.type == "counter" else isinstance(rec.value, float)
+        names.add(rec.name)
     for reason in ("kv", "mamba_state", "cow_alloc", "worker_refusal"):
-        assert any(r["labels"] == {"reason": reason} for r in info["metrics"]
-                   if r["name"] == "hyssm_admission_refusals_total")  # fmt: skip
+        assert any(r.labels == {"reason": reason} for r in info.metrics
+                   if r.name == "hyssm_admission_refusals_total")  # fmt: skip
     assert {"hyssm_admission_attempts_total", "hyssm_prefix_cache_hit_tokens_total", "hyssm_kv_slots",
             "hyssm_mamba_slots", "hyssm_num_waiting_reqs"} <= names  # fmt: skip
+    # what crosses the process boundary decodes to the same typed value
+    wire = msgspec.msgpack.encode(InfoResp(req_id=1, info=info))
+    assert msgspec.msgpack.decode(wire, type=ToTokenizer) == InfoResp(req_id=1, info=info)
+
+
+def test_info_message_rejects_a_bad_metric() -> None:
+    """A metric name Prometheus cannot carry, or a non-number value, fails decoding at the receiver."""
+    good = {"name": "hyssm_x", "type": "gauge", "help": "", "labels": {}, "value": 1.0}
+    for bad in ({"name": "bad name!"}, {"value": True}, {"value": "1"}, {"type": "summary"}):
+        doc = {"type": "InfoResp", "req_id": 1, "info": {"server": {}, "metrics": [{**good, **bad}]}}
+        with pytest.raises(msgspec.ValidationError):
+            msgspec.msgpack.decode(msgspec.msgpack.encode(doc), type=ToTokenizer)
+    doc = {"type": "InfoResp", "req_id": 1, "info": {"server": {}, "metrics": [good]}}
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(doc), type=ToTokenizer).info.metrics[0].value == 1.0
 
 
 @pytest.mark.parametrize("states", [1, 2])

@@ -11,8 +11,8 @@ from shared.model_info import ModelInfo
 from tests.scheduler.fake_worker import FakeWorker
 
 ARCH = "GraniteMoeHybridForCausalLM"
-HYBRID = ModelInfo(ARCH, ("mamba", "attention", "mamba"), 50, (), None, 4096)
-ATTENTION_ONLY = ModelInfo(ARCH, ("attention", "attention"), 50, (), None, 4096)
+HYBRID = ModelInfo(ARCH, ("mamba", "attention", "mamba"), 50, (), 4096)
+ATTENTION_ONLY = ModelInfo(ARCH, ("attention", "attention"), 50, (), 4096)
 
 
 def make(

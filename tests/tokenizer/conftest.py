@@ -9,12 +9,11 @@ import os
 import shutil
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
 
 import pytest
 
 from shared.config import ServerArgs, builtin_model_dir
-from shared.messages import GenerateReq, TokenOut
+from shared.messages import GenerateReq, SchedulerInfo, ServerState, TokenOut
 from tokenizer_proc.generation import BackendUnavailable
 from tokenizer_proc.tokenizer import TextTokenizer
 
@@ -82,7 +81,7 @@ class FakeBackend:
     aborted: list[tuple[str, str]] = field(default_factory=list)
     finished: list[str] = field(default_factory=list)
     open_streams: set[str] = field(default_factory=set)
-    info_doc: dict[str, Any] = field(default_factory=dict)
+    info_doc: SchedulerInfo = field(default_factory=lambda: SchedulerInfo(server=ServerState()))
     flush_result: tuple[bool, str] = (True, "")
 
     async def submit(self, req: GenerateReq) -> AsyncIterator[TokenOut]:
@@ -126,7 +125,7 @@ class FakeBackend:
     def abort(self, rid: str, reason: str) -> None:
         self.aborted.append((rid, reason))
 
-    async def info(self) -> dict[str, Any]:
+    async def info(self) -> SchedulerInfo:
         if not self.healthy:
             raise BackendUnavailable("fake scheduler is down")
         return self.info_doc

@@ -22,8 +22,11 @@ from shared.messages import (
     GenerateReq,
     GetInfoReq,
     InfoResp,
+    MetricRecord,
     SamplingParams,
     SchedulerDead,
+    SchedulerInfo,
+    ServerState,
     TokenOut,
     TokenOutBatch,
 )
@@ -123,8 +126,10 @@ def test_info_and_flush_answered_by_req_id(run_args: ServerArgs) -> None:
         reqs = [await _recv(peer_rx), await _recv(peer_rx)]
         by_type = {type(r): r for r in reqs}
         peer_tx.send(FlushCacheResp(req_id=by_type[FlushCacheReq].req_id, ok=False, message="busy"))
-        peer_tx.send(InfoResp(req_id=by_type[GetInfoReq].req_id, info={"num_running": 2}))
-        assert await info == {"num_running": 2}
+        doc = SchedulerInfo(server=ServerState(num_running=2), metrics=[
+            MetricRecord(name="hyssm_x_total", type="counter", help="x", labels={"k": "v"}, value=3)])
+        peer_tx.send(InfoResp(req_id=by_type[GetInfoReq].req_id, info=doc))
+        assert await info == doc
         assert await flush == (False, "busy")
         with pytest.raises(TimeoutError):
             await client.info()  # nobody answers this one

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import httpx
+import msgspec
 import pytest
 import zmq
 
@@ -33,9 +34,13 @@ from shared.messages import (
     GenerateReq,
     GetInfoReq,
     InfoResp,
+    LoopInfo,
+    MetricRecord,
     ProcFailed,
     ProcReady,
     SchedulerDead,
+    SchedulerInfo,
+    ServerState,
     TokenOut,
     TokenOutBatch,
 )
@@ -54,6 +59,14 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+INFO = SchedulerInfo(
+    server=ServerState(num_running=1, kv_capacity=64, batch_is_full=True, schedule_policy="fcfs"),
+    metrics=[MetricRecord(name="hyssm_admission_refusals_total", type="counter", help="refusals",
+                          labels={"reason": "kv"}, value=3)],
+    in_flight_step=5, loop=LoopInfo(steps=4, worker_ms_mean=1.5),
+)  # fmt: skip
 
 
 class FakeScheduler:
@@ -82,7 +95,7 @@ class FakeScheduler:
                                  prompt_tokens=len(msg.input_ids), completion_tokens=2)]
                 self.tx.send(TokenOutBatch(outs=outs))
             elif isinstance(msg, GetInfoReq):
-                self.tx.send(InfoResp(req_id=msg.req_id, info={"num_running": 0}))
+                self.tx.send(InfoResp(req_id=msg.req_id, info=INFO))
             elif isinstance(msg, AbortReq):
                 self.aborts.append(msg)
 
@@ -131,7 +144,8 @@ def test_ready_serve_scheduler_dead_and_sigterm(model_dir: str) -> None:
             assert client.get("/health").status_code == 200
             r = client.post("/generate", json={"text": "hi"})
             assert r.status_code == 200 and r.json()["text"] == "ok", r.text
-            assert client.get("/get_server_info").json()["scheduler"] == {"num_running": 0}
+            assert client.get("/get_server_info").json()["scheduler"] == msgspec.to_builtins(INFO)
+            assert 'hyssm_admission_refusals_total{reason="kv"} 3.0' in client.get("/metrics").text
             sched.tx.send(SchedulerDead(reason="scheduler exited unexpectedly (code -9)"))
             _wait_until(lambda: client.get("/health").status_code == 503, 10)
             r = client.post("/generate", json={"text": "hi"})

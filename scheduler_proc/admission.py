@@ -1,0 +1,221 @@
+"""Admission: which waiting requests join the running batch this round, and what they may take.
+
+One hop for every admission question:
+- the budget (`round_budget`): KV tokens (free + evictable, minus what running requests reserve for
+  their future tokens, `reserve`), Mamba state slots (free + evictable), the round's prefill tokens
+  left after chunk continuations, free running slots, the chunk size;
+- `PrefillAdder`: pure arithmetic over that snapshot, one request at a time; it never allocates or
+  touches the cache. Results: CONTINUE (granted), NO_TOKEN (out of memory: sets the full-batch latch),
+  OTHER (a per-round budget is used up: deferred, no latch);
+- the loop (`admit`): in queue order, peek the request's cache match, ask the adder, then take the
+  slots (`ReqResources.start`) and move the request to RUNNING (`Scheduler.transition`).
+
+Rules: the adder is asked *before* anything is locked, allocated or copied for a request, and
+`rollback` undoes its grant if a later step fails (the state or KV allocation, a copy-on-write
+allocation failure), so a refused admission leaves no trace in the budget or the cache. The first
+refusal for memory ends the round's admission (the queue head keeps its place: no request overtakes
+it by being smaller); when to try again is `retry.py`'s rule. An idle scheduler whose head cannot
+afford its own cache hit (the matched state is the only one) admits it without the hit instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from enum import Enum
+from typing import TYPE_CHECKING, Protocol
+
+from scheduler_proc.request import Req, ReqStatus
+from shared.errors import MambaCowAllocError
+
+if TYPE_CHECKING:
+    from scheduler_proc.batch import BatchBuilder
+    from scheduler_proc.radix_cache import PeekResult
+    from scheduler_proc.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+class AddResult(Enum):
+    CONTINUE = "continue"  # admitted; try the next request
+    NO_TOKEN = "no_token"  # out of memory (KV tokens or Mamba state slots): sets the full-batch latch
+    OTHER = "other"  # a per-round budget (prefill tokens, running requests) is used up
+
+
+@dataclass(frozen=True, slots=True)
+class AdderBudget:
+    """Snapshot at the start of admission. kv/states: free + evictable, minus what running requests
+    have reserved; prefill_tokens: the round's prefill budget left after chunk continuations."""
+
+    kv: int
+    states: int
+    prefill_tokens: int
+    running_slots: int
+    chunk_size: int
+    new_token_ratio: float
+    needs_state: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Grant:
+    kv: int  # KV tokens reserved (lock cost + prompt to compute + estimated new tokens)
+    states: int  # state slots reserved (own slot + the matched state taken out of the evictable pool)
+    chunk: int  # tokens to compute this round
+
+
+class Candidate(Protocol):
+    """What the adder needs to know about a request (Req satisfies it)."""
+
+    @property
+    def tokens(self) -> list[int]: ...
+    @property
+    def num_output(self) -> int: ...
+    @property
+    def max_new_tokens(self) -> int: ...
+
+
+class MatchCost(Protocol):
+    """What the adder needs to know about the request's cache match (PeekResult satisfies it)."""
+
+    @property
+    def prefix_len(self) -> int: ...
+    @property
+    def lock_cost_kv(self) -> int: ...
+    @property
+    def state_lock_cost(self) -> int: ...
+
+
+def reserve_new_tokens(remaining_new: int, ratio: float) -> int:
+    """KV tokens held back for a request's future output tokens (estimate: a ratio of the maximum)."""
+    return math.ceil(max(0, remaining_new) * ratio)
+
+
+class PrefillAdder:
+    """The round's budget, drawn down by each grant (see the module docstring)."""
+
+    def __init__(self, budget: AdderBudget) -> None:
+        self.budget = budget
+        self.rem_kv = budget.kv
+        self.rem_states = budget.states
+        self.rem_prefill = budget.prefill_tokens
+        self.rem_running = budget.running_slots
+        self.granted: list[Grant] = []
+        self.refusal_reason = ""  # "kv" | "mamba_state" | "running" | "prefill" after a refusal
+
+    def need(self, req: Candidate, match: MatchCost) -> tuple[int, int]:
+        """(KV tokens, state slots) that admitting `req` with `match` takes from the budget."""
+        extend = len(req.tokens) - match.prefix_len
+        future_new = req.max_new_tokens - req.num_output - 1
+        kv = match.lock_cost_kv + extend + reserve_new_tokens(future_new, self.budget.new_token_ratio)
+        states = (1 + match.state_lock_cost) if self.budget.needs_state else 0
+        return kv, states
+
+    def add_one_req(self, req: Candidate, match: MatchCost, max_chunk: int) -> tuple[AddResult, Grant | None]:
+        """Check every budget; on CONTINUE reserve and return the grant (chunk <= max_chunk)."""
+        if self.rem_running <= 0:
+            self.refusal_reason = "running"
+            return AddResult.OTHER, None
+        if self.rem_prefill <= 0:
+            self.refusal_reason = "prefill"
+            return AddResult.OTHER, None
+        kv, states = self.need(req, match)
+        if kv > self.rem_kv:
+            self.refusal_reason = "kv"
+            return AddResult.NO_TOKEN, None
+        if states > self.rem_states:
+            self.refusal_reason = "mamba_state"
+            return AddResult.NO_TOKEN, None
+        extend = len(req.tokens) - match.prefix_len
+        chunk = max(1, min(extend, self.budget.chunk_size, self.rem_prefill, max_chunk))
+        grant = Grant(kv, states, chunk)
+        self.rem_kv -= kv
+        self.rem_states -= states
+        self.rem_prefill -= chunk
+        self.rem_running -= 1
+        self.granted.append(grant)
+        return AddResult.CONTINUE, grant
+
+    def rollback(self, grant: Grant) -> None:
+        """Undo a grant whose admission failed after the budget check (e.g. MambaCowAllocError)."""
+        self.granted.remove(grant)
+        self.rem_kv += grant.kv
+        self.rem_states += grant.states
+        self.rem_prefill += grant.chunk
+        self.rem_running += 1
+
+
+# ---------------------------------------------------------------------- the round's budget and loop
+def reserve(s: Scheduler, r: Req) -> int:
+    """KV tokens held back for a running request's future: known tokens without a slot yet, plus
+    an estimate of the output still to come."""
+    rest_new = r.max_new_tokens - r.num_output - 1
+    return len(r.tokens) - len(r.kv_slots) + reserve_new_tokens(rest_new, s.new_token_ratio)
+
+
+def round_budget(s: Scheduler, prefill_used: int) -> AdderBudget:
+    """The snapshot admission draws from, after running requests took `prefill_used` prefill tokens."""
+    reserved = sum(reserve(s, r) for r in s.running.values())
+    a = s.args
+    return AdderBudget(
+        kv=s.res.available_kv() - reserved,
+        states=s.res.available_states(),
+        prefill_tokens=a.max_prefill_tokens - prefill_used,
+        running_slots=s.max_running - len(s.running),
+        chunk_size=a.chunked_prefill_size,
+        new_token_ratio=s.new_token_ratio,
+        needs_state=s.track_states,
+    )
+
+
+def admit(s: Scheduler, b: BatchBuilder, prefill_used: int) -> None:
+    """Admit waiting requests in queue order into batch `b` until one is refused or deferred."""
+    head = s.waiting.peek()
+    s.retry.begin_round(s.running_version, not s.running, head.seq if head is not None else None)
+    if head is None:
+        return
+    if not s.retry.should_attempt():
+        s.metrics.inc("hyssm_admission_rounds_total", outcome="latched")
+        return
+    s.metrics.inc("hyssm_admission_rounds_total", outcome="attempted")
+    adder = s.adder_factory(round_budget(s, prefill_used))
+    while (r := s.waiting.peek()) is not None:
+        peek = s.res.peek(r)
+        s.metrics.inc("hyssm_admission_attempts_total")
+        if r.refusals:
+            s.metrics.inc("hyssm_admission_retries_total")
+        result, grant = adder.add_one_req(r, peek, _chunk_cap(s, r, peek))
+        if result is AddResult.NO_TOKEN and not s.running and peek.has_state:
+            peek = s.res.fresh_peek(r)  # idle and the hit itself cannot be afforded: start fresh
+            result, grant = adder.add_one_req(r, peek, _chunk_cap(s, r, peek))
+        if result is AddResult.OTHER:
+            s.metrics.inc("hyssm_admission_deferred_total", reason=adder.refusal_reason)
+            return
+        if result is AddResult.NO_TOKEN or grant is None:
+            record_refusal(s, r, adder.refusal_reason or "kv")
+            return
+        try:
+            reason = s.res.start(r, peek, grant.chunk, b)
+        except MambaCowAllocError as e:  # an ordinary refusal (retry.py), never fatal
+            logger.debug("admission of %s refused: %s", r.rid, e)
+            reason = "cow_alloc"
+        if reason:
+            adder.rollback(grant)
+            record_refusal(s, r, reason)
+            return
+        s.transition(r, ReqStatus.RUNNING)
+        b.add(r, grant.chunk, prefill=True, admitted=True)
+
+
+def _chunk_cap(s: Scheduler, r: Req, peek: PeekResult) -> int:
+    """The first chunk ends at the first split point (O(1): asked on every retry)."""
+    split = s.res.first_split(r, peek)
+    return split - peek.prefix_len if split is not None else len(r.tokens)
+
+
+def record_refusal(s: Scheduler, r: Req, reason: str) -> None:
+    """Admission of `r` was refused for memory (here, or by a worker refusing its copy-on-write):
+    count it and set the full-batch latch."""
+    r.refusals += 1
+    s.metrics.inc("hyssm_admission_refusals_total", reason=reason)
+    s.retry.on_no_token(r.seq)
