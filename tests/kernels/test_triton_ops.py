@@ -10,8 +10,8 @@ import torch
 
 from tests.kernels.util import TOL, max_diff, pool, rand, strided, untouched
 from worker_proc.kernels import FastOps, KernelOps, ReferenceOps
-from worker_proc.kernels.triton_ops import TritonOps
 from worker_proc.kernels.select import select_ops
+from worker_proc.kernels.triton_ops import TritonOps
 
 METHODS = ("conv_prefill", "conv_decode", "ssd_prefill", "ssd_decode", "attn_prefill", "attn_decode")
 

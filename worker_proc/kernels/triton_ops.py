@@ -1,8 +1,9 @@
 """`TritonOps`: the `KernelOps` interface (worker_proc.kernels.interface) implemented with Triton.
 
 Every method has exactly the signature and semantics the interface states (pools are one layer's
-view `[S, ...]`, updated in place; slot 0 is padding). Prefill methods handle one request, as the interface does; they call
-the varlen kernels with a batch of one, so a batched runtime can call the `*_varlen` functions of
+view `[S, ...]`, updated in place; slot 0 is padding). Prefill methods handle one request, as the
+interface does; they call the varlen kernels with a batch of one, so a batched runtime can call the
+`*_varlen` functions of
 `triton_conv`, `triton_ssd` and `triton_attention` directly with no change to the kernels.
 
 No case falls back to the reference. Requirements beyond the reference's (checked, ValueError):
