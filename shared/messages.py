@@ -215,10 +215,6 @@ class ForwardBatch(msgspec.Struct, tag=True, kw_only=True):
     clears: list[int] = []  # Mamba slots to zero before the forward pass (after copies)
 
 
-class FlushWorker(msgspec.Struct, tag=True, kw_only=True):
-    step: int
-
-
 class Shutdown(msgspec.Struct, tag=True, kw_only=True):
     reason: str = ""
 
@@ -228,7 +224,7 @@ class Heartbeat(msgspec.Struct, tag=True, kw_only=True):
     notice a dead node 0 within the watchdog timeout."""
 
 
-ToWorker = ForwardBatch | FlushWorker | Shutdown | Heartbeat
+ToWorker = ForwardBatch | Shutdown | Heartbeat
 
 
 # ---------------------------------------------------------------- workers -> scheduler

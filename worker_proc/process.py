@@ -20,7 +20,7 @@ import zmq
 from shared.channels import SCHEDULER_TO_WORKER, TO_LAUNCHER, WORKER_TO_SCHEDULER, ChannelTimeout, Receiver, Sender
 from shared.config import FaultConfig, ServerArgs
 from shared.errors import StartupError
-from shared.messages import FlushWorker, ForwardBatch, Heartbeat, ProcReady, Shutdown, StepResult, WorkerReady
+from shared.messages import ForwardBatch, Heartbeat, ProcReady, Shutdown, StepResult, WorkerReady
 from worker_proc.runtime import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -172,7 +172,7 @@ def serve(
         if isinstance(msg, Shutdown):
             logger.info("shutdown: %s", msg.reason)
             return
-        if isinstance(msg, FlushWorker | Heartbeat):
+        if isinstance(msg, Heartbeat):
             continue
         t0 = time.perf_counter()
         try:
