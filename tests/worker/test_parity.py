@@ -2,7 +2,8 @@
 
 Full-prompt logits, chunked prefill with chunk boundaries not aligned to mamba_chunk_size,
 per-step decode logits and greedy tokens, for every fixture config, through ModelRunner with real
-(msgpack round-tripped) ForwardBatch messages. Tolerance: 1e-4 max abs logit difference (fp32).
+(msgpack round-tripped) ForwardBatch messages, in the default (fast kernels) and the deterministic
+mode. Tolerance: 1e-4 max abs logit difference (fp32).
 """
 
 from __future__ import annotations
@@ -17,10 +18,11 @@ from worker_proc.runtime import generate_greedy
 TOL = 1e-4
 
 
+@pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("name", FIXTURE_NAMES)
-def test_full_prompt_logits(name: str) -> None:
+def test_full_prompt_logits(name: str, deterministic: bool) -> None:
     ref = reference(name)
-    r = runner(name)
+    r = runner(name, deterministic=deterministic)
     prompt = ref["prompt"].tolist()
     n = len(prompt)
     out = r.forward_all_logits(batch(0, [req("a", prompt, 0, list(range(1, n + 1)), 1)], clears=[1]))
@@ -29,15 +31,16 @@ def test_full_prompt_logits(name: str) -> None:
     r.check_integrity()
 
 
+@pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("name", FIXTURE_NAMES)
 @pytest.mark.parametrize("chunks", [(4, 6, 9), (1, 10, 8), (3, 3, 3, 3, 3, 3, 1)])
-def test_chunked_prefill_logits(name: str, chunks: tuple[int, ...]) -> None:
+def test_chunked_prefill_logits(name: str, chunks: tuple[int, ...], deterministic: bool) -> None:
     ref = reference(name)
     cfg = load_config(fixture_dir(name))
     prompt = ref["prompt"].tolist()
     assert sum(chunks) == len(prompt)
     assert any(c % cfg.mamba_chunk_size for c in chunks)  # boundaries not aligned to the SSD chunk
-    r = runner(name)
+    r = runner(name, deterministic=deterministic)
     kv = [5 + 2 * i for i in range(len(prompt))]  # scattered, non-contiguous KV slots
     rows, start = [], 0
     for step, c in enumerate(chunks):
@@ -49,12 +52,13 @@ def test_chunked_prefill_logits(name: str, chunks: tuple[int, ...]) -> None:
     r.check_integrity()
 
 
+@pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("name", FIXTURE_NAMES)
-def test_decode_logits_and_greedy_tokens(name: str) -> None:
+def test_decode_logits_and_greedy_tokens(name: str, deterministic: bool) -> None:
     ref = reference(name)
     prompt = ref["prompt"].tolist()
     gen = ref["gen_tokens"].tolist()
-    r = runner(name)
+    r = runner(name, deterministic=deterministic)
     n = len(prompt)
     kv = list(range(1, n + len(gen) + 1))
     logits = r.forward_logits(batch(0, [req("a", prompt, 0, kv[:n], 2)], clears=[2]))["a"]
@@ -66,10 +70,11 @@ def test_decode_logits_and_greedy_tokens(name: str) -> None:
     r.check_integrity()
 
 
+@pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("name", FIXTURE_NAMES)
-def test_greedy_generation_through_step(name: str) -> None:
+def test_greedy_generation_through_step(name: str, deterministic: bool) -> None:
     ref = reference(name)
-    r = runner(name)
+    r = runner(name, deterministic=deterministic)
     gen = ref["gen_tokens"].tolist()
     assert generate_greedy(r, ref["prompt"].tolist(), len(gen)) == gen
     # stops right after an EOS token, which is included

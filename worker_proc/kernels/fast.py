@@ -123,16 +123,57 @@ class FastOps(ReferenceOps):
     ) -> torch.Tensor:
         """Each request's pool row is advanced in place: state = state * exp(dt A) + (dt x) ⊗ B."""
         heads, groups = x.shape[1], b.shape[1]
+        bt, p, n = x.shape[0], x.shape[2], b.shape[2]
         dt = ref.discretize_dt(dt, dt_bias, dt_limit)  # [Bt, H]
         decay = torch.exp(dt * a.float()[None])[..., None, None]  # [Bt, H, 1, 1]
         dtx = _grouped((dt[..., None] * x.float())[..., None], groups)  # [Bt, G, H/G, P, 1]
         bf = b.float()[:, :, None, None, :]  # [Bt, G, 1, 1, N]
-        cf = c.float()[:, :, None, :, None]  # [Bt, G, 1, N, 1]
-        y = torch.empty(x.shape[0], groups, heads // groups, x.shape[2], 1, dtype=torch.float32, device=x.device)
+        cf = c.float()[..., None]  # [Bt, G, N, 1]
+        y = torch.empty(bt, groups, heads // groups * p, 1, dtype=torch.float32, device=x.device)
         for i, slot in enumerate(slots.tolist()):
             state = ssm_pool[slot]  # [H, P, N] view of the pool row
             state.mul_(decay[i])
-            rows = _grouped(state, groups, 0)  # [G, H/G, P, N]
-            rows.addcmul_(dtx[i], bf[i])
-            torch.matmul(rows, cf[i], out=y[i])
+            _grouped(state, groups, 0).addcmul_(dtx[i], bf[i])
+            # one matrix-vector product per group: [(H/G) * P, N] @ [N, 1]
+            torch.matmul(state.view(groups, -1, n), cf[i], out=y[i])
         return y.view(x.shape[0], heads, x.shape[2]) + x.float() * d.float()[None, :, None]
+
+    def attn_prefill(
+        self,
+        q: torch.Tensor,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        kv_idx: torch.Tensor,
+        start_pos: int,
+        scale: float,
+    ) -> torch.Tensor:
+        length, heads, dim = q.shape
+        k = k_pool.index_select(0, kv_idx).transpose(0, 1)[None]  # [1, kvh, T, d]
+        v = v_pool.index_select(0, kv_idx).transpose(0, 1)[None]
+        mask = None
+        if start_pos > 0 and length > 1:  # causal, the queries sitting after `start_pos` cached keys
+            qpos = torch.arange(length, device=q.device)[:, None] + start_pos
+            mask = torch.arange(start_pos + length, device=q.device)[None, :] <= qpos
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None].to(k.dtype), k, v, attn_mask=mask,
+            is_causal=start_pos == 0 and length > 1, scale=scale, enable_gqa=True,
+        )
+        return out[0].transpose(0, 1).to(q.dtype)
+
+    def attn_decode(
+        self,
+        q: torch.Tensor,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        kv_idx: torch.Tensor,
+        lengths: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """One padded SDPA over the decode group; positions past lengths[b] are masked out."""
+        k = k_pool[kv_idx].transpose(1, 2)  # [Bt, kvh, T, d]
+        v = v_pool[kv_idx].transpose(1, 2)
+        valid = torch.arange(kv_idx.shape[1], device=q.device)[None, :] < lengths[:, None]  # [Bt, T]
+        out = F.scaled_dot_product_attention(
+            q[:, :, None].to(k.dtype), k, v, attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=True
+        )
+        return out[:, :, 0].to(q.dtype)

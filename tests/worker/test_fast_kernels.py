@@ -1,0 +1,91 @@
+"""`FastOps` (the default CPU kernels) against `ReferenceOps`: same results to fp32 rounding, pools
+written only at the given slots, scan results independent of where chunks start."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from worker_proc.kernels import FastOps, ReferenceOps
+from worker_proc.kernels.fast import SCAN_CHUNK, ssd_scan_fast
+from worker_proc.kernels.reference import ssd_chunk_scan
+
+G = torch.Generator().manual_seed(1)
+NO_LIMIT = (0.0, float("inf"))
+
+
+def _rand(*shape: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=G)
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, rel: float = 1e-5) -> bool:
+    return bool((a - b).abs().max() <= rel * max(1.0, float(b.abs().max())))
+
+
+def _scan_inputs(length: int, heads: int, p: int, groups: int, n: int) -> tuple[torch.Tensor, ...]:
+    x = _rand(length, heads, p)
+    dt = torch.rand(length, heads, generator=G) * 0.5
+    a = -torch.rand(heads, generator=G) * 8  # strong decay: exercises the cumulative-sum differences
+    return x, dt, a, _rand(length, groups, n), _rand(length, groups, n), _rand(heads), _rand(heads, p, n)
+
+
+@pytest.mark.parametrize(
+    "length,heads,groups,chunk",
+    [(1, 4, 1, 256), (5, 4, 2, 256), (SCAN_CHUNK, 8, 1, 256), (SCAN_CHUNK + 3, 6, 3, 256), (200, 8, 2, 256),
+     (37, 4, 4, 16)],
+)
+def test_scan_matches_reference(length: int, heads: int, groups: int, chunk: int) -> None:
+    x, dt, a, b, c, d, s0 = _scan_inputs(length, heads, 4, groups, 8)
+    y_ref, final_ref = ssd_chunk_scan(x, dt, a, b, c, d, chunk, s0)
+    y, final = ssd_scan_fast(x, dt, a, b, c, d, chunk, s0)
+    assert _close(y, y_ref) and _close(final, final_ref)
+
+
+def test_scan_resumed_midway_equals_whole() -> None:
+    x, dt, a, b, c, d, s0 = _scan_inputs(150, 4, 4, 2, 8)
+    y_all, final_all = ssd_scan_fast(x, dt, a, b, c, d, 256, s0)
+    y1, mid = ssd_scan_fast(x[:71], dt[:71], a, b[:71], c[:71], d, 256, s0)
+    y2, final = ssd_scan_fast(x[71:], dt[71:], a, b[71:], c[71:], d, 256, mid)
+    assert _close(torch.cat([y1, y2]), y_all) and _close(final, final_all)
+
+
+def _pools(slots: int, heads: int, p: int, n: int) -> torch.Tensor:
+    pool = _rand(slots, heads, p, n)
+    pool[0] = 0
+    return pool
+
+
+def test_ssd_ops_match_reference_and_touch_only_their_slots() -> None:
+    heads, p, groups, n = 6, 4, 3, 8
+    fast_pool = _pools(7, heads, p, n)
+    ref_pool = fast_pool.clone()
+    before = fast_pool.clone()
+    x, dt, a, b, c, d, _ = _scan_inputs(3, heads, p, groups, n)
+    dt_bias = _rand(heads)
+    slots = torch.tensor([5, 2, 3])
+    y = FastOps().ssd_decode(x, dt, a, b, c, d, dt_bias, NO_LIMIT, fast_pool, slots)
+    y_ref = ReferenceOps().ssd_decode(x, dt, a, b, c, d, dt_bias, NO_LIMIT, ref_pool, slots)
+    assert _close(y, y_ref) and _close(fast_pool, ref_pool)
+    x, dt, a, b, c, d, _ = _scan_inputs(90, heads, p, groups, n)
+    y = FastOps().ssd_prefill(x, dt, a, b, c, d, dt_bias, (0.001, 0.2), 32, fast_pool, 6)
+    y_ref = ReferenceOps().ssd_prefill(x, dt, a, b, c, d, dt_bias, (0.001, 0.2), 32, ref_pool, 6)
+    assert _close(y, y_ref) and _close(fast_pool, ref_pool)
+    for untouched in (0, 1, 4):
+        assert torch.equal(fast_pool[untouched], before[untouched])
+
+
+def test_attention_ops_match_reference() -> None:
+    slots, kvh, dim, heads = 50, 2, 8, 6
+    k_pool, v_pool = _rand(slots, kvh, dim), _rand(slots, kvh, dim)
+    k_pool[0] = v_pool[0] = 0
+    fast, ref = FastOps(), ReferenceOps(batch_invariant=False)
+    for length, start in ((9, 0), (4, 11), (1, 20), (1, 0)):
+        q = _rand(length, heads, dim)
+        idx = torch.randperm(slots - 1, generator=G)[: start + length] + 1
+        assert _close(fast.attn_prefill(q, k_pool, v_pool, idx, start, 0.3),
+                      ref.attn_prefill(q, k_pool, v_pool, idx, start, 0.3))
+    q = _rand(3, heads, dim)
+    idx = torch.tensor([[1, 2, 3, 4, 5], [6, 7, 0, 0, 0], [8, 9, 10, 11, 0]])
+    lengths = torch.tensor([5, 2, 4])
+    assert _close(fast.attn_decode(q, k_pool, v_pool, idx, lengths, 0.3),
+                  ref.attn_decode(q, k_pool, v_pool, idx, lengths, 0.3))
