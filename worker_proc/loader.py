@@ -34,12 +34,29 @@ _ALIASES = (  # transformers>=5 in-memory names -> checkpoint names
 _PROGRESS_MIN_BYTES = 256 * 2**20
 
 
-def resolve_dtype(name: str, device: torch.device, cfg: HybridConfig) -> torch.dtype:
-    """"auto" = the checkpoint's torch_dtype on CUDA, float32 on CPU."""
+def cpu_native_16bit(name: str) -> bool:
+    """Whether this CPU multiplies `name` ("bfloat16" | "float16") natively (AVX512-BF16 or AMX for
+    bf16, AMX-FP16 for fp16); without it torch emulates 16-bit GEMMs through float32 conversions and
+    they run slower than plain float32."""
+    if name == "bfloat16":
+        return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+    return bool(torch.cpu._is_amx_fp16_supported())
+
+
+def resolve_dtype(name: str, device: torch.device, cfg: HybridConfig, native: bool | None = None) -> torch.dtype:
+    """"auto" = the checkpoint's torch_dtype on CUDA, float32 on CPU. A 16-bit dtype on a CPU without
+    native arithmetic for it computes in float32 instead (logged): it would only be slower.
+    `native` overrides the CPU probe (tests)."""
     if name == "auto":
         name = cfg.torch_dtype if device.type == "cuda" else "float32"
     if name not in DTYPES:
         raise ModelLoadError(f"unsupported dtype {name!r} (use one of {', '.join(DTYPES)} or auto)")
+    if device.type == "cpu" and name in ("bfloat16", "float16"):
+        if not (cpu_native_16bit(name) if native is None else native):
+            logger.warning("dtype %s requested, but this CPU has no %s instructions: its matmuls would be "
+                           "emulated and slower than float32, so the model computes in float32", name, name)
+            return torch.float32
+        logger.info("dtype %s: this CPU multiplies it natively (half the weight traffic of float32)", name)
     return DTYPES[name]
 
 

@@ -145,7 +145,10 @@ def test_transformers5_in_memory_names_accepted(ckpt: str) -> None:
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_half_precision_load(dtype: str) -> None:
+def test_half_precision_load(dtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from worker_proc import loader
+
+    monkeypatch.setattr(loader, "cpu_native_16bit", lambda name: True)  # the 16-bit path whatever this CPU has
     # nope_groups2: transformers itself in bf16 is 0.29 off its fp32 logits on this fixture (MoE
     # fixtures are far worse, routing flips); the bound below is about twice that.
     name = "nope_groups2"
@@ -168,3 +171,20 @@ def test_bf16_checkpoint_auto_dtype_on_cpu_is_float32(ckpt: str) -> None:
     model = load_model(ckpt)  # auto -> float32 on CPU
     assert model.dtype == torch.float32
     assert load_model(ckpt, dtype="bfloat16").dtype == torch.bfloat16
+
+
+def test_16bit_on_a_cpu_without_native_support_computes_in_float32(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from worker_proc import loader
+
+    monkeypatch.setattr(loader, "cpu_native_16bit", lambda name: False)
+    with caplog.at_level("WARNING", logger="worker_proc.loader"):
+        r = runner(NAME, dtype="bfloat16")
+    assert r.dtype == torch.float32
+    assert "no bfloat16 instructions" in caplog.text and "computes in float32" in caplog.text
+    monkeypatch.setattr(loader, "cpu_native_16bit", lambda name: True)
+    assert runner(NAME, dtype="bfloat16").dtype == torch.bfloat16
+    cfg = loader.load_config(fixture_dir(NAME))
+    assert loader.resolve_dtype("bfloat16", torch.device("cuda"), cfg, native=False) == torch.bfloat16
+    assert loader.resolve_dtype("auto", torch.device("cpu"), cfg, native=False) == torch.float32
