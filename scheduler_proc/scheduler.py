@@ -67,6 +67,7 @@ class Scheduler:
         # replaceable for scripted tests: builds the round's adder from its budget snapshot
         self.adder_factory: Callable[[AdderBudget], PrefillAdder] = PrefillAdder
         self.reqs: dict[str, Req] = {}
+        self._reuse: dict[str, Req] = {}  # rid -> request waiting for the aborted holder of its rid to leave
         # preemption implies priority order: under FCFS a retracted (older) victim would sort before the
         # request it made room for and be re-admitted in its place, round after round
         self.waiting = WaitingQueue(args.schedule_policy == "priority" or args.enable_priority_preemption)
@@ -88,22 +89,32 @@ class Scheduler:
 
     # ------------------------------------------------------------------ requests in and out
     def add_request(self, req: GenerateReq) -> list[TokenOut]:
+        """Rejects a request that can never run (final reply with `rejected`). A rid whose holder was
+        aborted while its slice is in flight is free again: the new request waits in `_reuse` and joins
+        the table when the holder leaves it (when that step is applied)."""
         res = self.res
-        error = validate(req, req.rid in self.reqs, self.context_length, res.kv_alloc.capacity,
+        holder = self.reqs.get(req.rid)
+        reuse = holder is not None and holder.abort_reason is not None and req.rid not in self._reuse
+        error = validate(req, holder is not None and not reuse, self.context_length, res.kv_alloc.capacity,
                          res.state_alloc.capacity if self.track_states else None)  # fmt: skip
         if error:
             logger.info("rejecting request %s: %s", req.rid, error)
             return [TokenOut(rid=req.rid, token_ids=[], finished=True, finish_reason="error", error=error,
-                             prompt_tokens=len(req.input_ids))]  # fmt: skip
+                             prompt_tokens=len(req.input_ids), rejected=True)]  # fmt: skip
         r = Req(req.rid, req.input_ids, req.sampling, req.priority, next(self._seq))
         if req.sampling.max_new_tokens == 0:
             r.status = ReqStatus.FINISHED
             return [token_out(r, [], "length")]
-        self.reqs[r.rid] = r
-        self.waiting.push(r)
+        if reuse:
+            self._reuse[r.rid] = r
+        else:
+            self.reqs[r.rid] = r
+            self.waiting.push(r)
         return []
 
     def abort(self, rid: str, reason: str = "") -> list[TokenOut]:
+        if (reusing := self._reuse.pop(rid, None)) is not None:  # the holder is aborted already
+            return [token_out(reusing, [], "abort")]
         r = self.reqs.get(rid)
         if r is None:
             return []
@@ -116,7 +127,9 @@ class Scheduler:
         """Final error for every unfinished request; everything they hold is freed (nothing donated:
         the in-flight step may have half-written their slots) and the cache is flushed."""
         self.in_flight = None
-        outs = [self._finish(r, "error", error=reason) for r in list(self.reqs.values())]
+        outs = [token_out(r, [], "error", error=reason) for r in self._reuse.values()]
+        self._reuse.clear()
+        outs += [self._finish(r, "error", error=reason) for r in list(self.reqs.values())]
         self.res.cache.flush()
         return outs
 
@@ -378,6 +391,9 @@ class Scheduler:
                 self.res.cache.unkeep(r.tokens, r.retracted_at)  # its progress ends where it was retracted
         r.status = ReqStatus.FINISHED
         del self.reqs[r.rid]
+        if (reusing := self._reuse.pop(r.rid, None)) is not None:
+            self.reqs[r.rid] = reusing
+            self.waiting.push(reusing)
         self.metrics.inc("hyssm_requests_finished_total", reason=reason)
         return token_out(r, new or [], reason, matched=matched, logprobs=logprobs, error=error)
 
