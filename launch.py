@@ -41,6 +41,9 @@ _HELP = {
     "max_total_tokens": "KV token slots per rank (0 = from the memory budget)",
     "max_mamba_cache_size": "Mamba state slots per rank (0 = from the memory budget)",
     "mem_budget_gb": "memory for KV + state pools per rank in GiB (0 = a default for the device)",
+    "max_connections": "open HTTP connections at most; more are answered 503 and closed (default: 4096)",
+    "http_read_timeout": "seconds from a request's first byte until its head and body are in (default: 30)",
+    "http_keep_alive_timeout": "seconds an HTTP connection may be idle before or between requests (default: 30)",
 }
 
 
@@ -95,6 +98,9 @@ def preflight(args: ServerArgs) -> ModelInfo:
         _check_tp_layout(args)
     if args.node_rank == 0:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            # as the tokenizer will bind: connections of a previous server in TIME_WAIT do not count,
+            # a socket still listening there does (Linux refuses the bind)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 s.bind((args.host, args.port))
             except OSError as e:
