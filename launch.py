@@ -3,7 +3,8 @@
 Node 0 runs the tokenizer (HTTP), the scheduler and its worker ranks; other nodes run only
 their worker ranks. The launcher owns the children: it watches their sentinels, and when any
 of them dies it tells the tokenizer (so in-flight requests get a final error and /health
-turns 503), stops the rest and exits non-zero. SIGTERM/SIGINT shut down gracefully (exit 0).
+turns 503), stops the rest and exits non-zero. SIGTERM/SIGINT shut down gracefully (exit 0),
+whether they reach launch.py alone or the whole process group (see shared/proc.py).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from shared.errors import HyssmError
 from shared.log import setup_logging
 from shared.messages import ProcFailed, ProcReady, SchedulerDead
 from shared.model_info import ModelInfo
-from shared.proc import child_main
+from shared.proc import STOP_SIGNAL, child_main
 
 logger = logging.getLogger("launch")
 
@@ -215,6 +216,8 @@ class Launcher:
         sentinels = {p.sentinel: name for name, p in self.procs.items()}
         while not self.stop_requested:
             done = wait(list(sentinels), timeout=0.5)
+            if self.stop_requested:  # a group signal: children may stop as it arrives
+                break
             if done:
                 name = sentinels[done[0]]
                 self.procs[name].join(5.0)  # the sentinel closes before the exit status can be read
@@ -250,7 +253,10 @@ class Launcher:
         for name in order:
             proc = self.procs.get(name)
             if proc is not None and proc.is_alive():
-                proc.terminate()
+                if name == "tokenizer":
+                    proc.terminate()
+                elif proc.pid is not None:
+                    os.kill(proc.pid, STOP_SIGNAL)
                 proc.join(5.0 if name == "tokenizer" else 3.0)
         for proc in self.procs.values():
             if proc.is_alive():
@@ -260,7 +266,8 @@ class Launcher:
         self.ctx.term()
 
     def request_stop(self, signum: int, _frame: object) -> None:
-        logger.info("received %s, shutting down", signal.Signals(signum).name)
+        if not self.stop_requested:  # a group signal also arrives passed on by children
+            logger.info("received %s, shutting down", signal.Signals(signum).name)
         self.stop_requested = True
 
 
