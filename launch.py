@@ -14,11 +14,9 @@ import dataclasses
 import logging
 import multiprocessing as mp
 import os
-import shutil
 import signal
 import socket
 import sys
-import tempfile
 import time
 from multiprocessing.connection import wait
 from typing import Any, Literal, get_args, get_origin, get_type_hints
@@ -32,6 +30,7 @@ from shared.log import setup_logging
 from shared.messages import ProcFailed, ProcReady, SchedulerDead
 from shared.model_info import ModelInfo
 from shared.proc import STOP_SIGNAL, child_main
+from shared.rundir import RunDir, remove_stale
 
 logger = logging.getLogger("launch")
 
@@ -283,8 +282,12 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, HyssmError) as e:
         print(f"hyssm-launch: error: {e}", file=sys.stderr)
         return 2
-    run_dir = tempfile.mkdtemp(prefix="hyssm-")
-    changes: dict[str, Any] = {"run_dir": run_dir}
+    stale = remove_stale()
+    if stale:
+        logger.info("removed %d run directories left by launches that did not exit: %s", len(stale), stale)
+    run = RunDir.create()
+    logger.info("run directory %s", run.path)
+    changes: dict[str, Any] = {"run_dir": run.path}
     if args.tp_size > 1 and not args.dist_init_addr:
         changes["dist_init_addr"] = f"127.0.0.1:{_free_port()}"
     args = args.replace(**changes)
@@ -297,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     except HyssmError as e:
         print(f"hyssm-launch: error: {e}", file=sys.stderr)
         launcher.shutdown("")
-        shutil.rmtree(run_dir, ignore_errors=True)
+        run.remove()
         return 1
     if args.node_rank == 0:
         logger.info("pools: %s", {k: v for k, v in info.items() if k.endswith("capacity")})
@@ -307,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return launcher.supervise()
     finally:
-        shutil.rmtree(run_dir, ignore_errors=True)
+        run.remove()
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -52,7 +51,7 @@ class SchedulerClient:
         self._tx: AsyncSender[ToScheduler] = AsyncSender(zctx, TOKENIZER_TO_SCHEDULER, args)
         self._routes: dict[str, asyncio.Queue[TokenOut]] = {}
         self._owed: dict[str, int] = {}  # rid -> final replies still due for aborted submissions
-        self.last_output_at = 0.0  # time.monotonic() of the latest TokenOutBatch
+        self._output_seen: asyncio.Event | None = None  # set (and dropped) when tokens next arrive
         self._pending: dict[int, asyncio.Future[Any]] = {}
         self._next_req_id = 0
         self._dead: str | None = None
@@ -133,6 +132,11 @@ class SchedulerClient:
         finally:
             self._pending.pop(req_id, None)
 
+    async def wait_output(self) -> None:
+        if self._output_seen is None:
+            self._output_seen = asyncio.Event()
+        await self._output_seen.wait()
+
     async def info(self) -> dict[str, Any]:
         resp: InfoResp = await self._control(GetInfoReq)
         return resp.info
@@ -159,7 +163,9 @@ class SchedulerClient:
 
     def _dispatch(self, msg: ToTokenizer) -> None:
         if isinstance(msg, TokenOutBatch):
-            self.last_output_at = time.monotonic()
+            if self._output_seen is not None and any(out.token_ids for out in msg.outs):
+                self._output_seen.set()
+                self._output_seen = None
             for out in msg.outs:
                 if out.rid in self._owed:
                     if out.finished:
