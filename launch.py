@@ -3,7 +3,8 @@
 Node 0 runs the tokenizer (HTTP), the scheduler and its worker ranks; other nodes run only
 their worker ranks. The launcher owns the children: it watches their sentinels, and when any
 of them dies it tells the tokenizer (so in-flight requests get a final error and /health
-turns 503), stops the rest and exits non-zero. SIGTERM/SIGINT shut down gracefully (exit 0).
+turns 503), stops the rest and exits non-zero. SIGTERM/SIGINT shut down gracefully (exit 0),
+whether they reach launch.py alone or the whole process group (see shared/proc.py).
 """
 
 from __future__ import annotations
@@ -13,11 +14,9 @@ import dataclasses
 import logging
 import multiprocessing as mp
 import os
-import shutil
 import signal
 import socket
 import sys
-import tempfile
 import time
 from multiprocessing.connection import wait
 from typing import Any, Literal, get_args, get_origin, get_type_hints
@@ -30,7 +29,8 @@ from shared.errors import HyssmError
 from shared.log import setup_logging
 from shared.messages import ProcFailed, ProcReady, SchedulerDead
 from shared.model_info import ModelInfo
-from shared.proc import child_main
+from shared.proc import STOP_SIGNAL, child_main
+from shared.rundir import RunDir, remove_stale
 
 logger = logging.getLogger("launch")
 
@@ -44,6 +44,9 @@ _HELP = {
     "kernels": "kernel implementation: auto (Triton on CUDA, fast torch kernels on CPU), reference, fast, triton",
     "enable_deterministic_inference": "batch-invariant numerics: a request's output does not depend on what it is "
     "batched with, whether its prefix came from the cache, or the TP size (slower on CPU)",
+    "max_connections": "open HTTP connections at most; more are answered 503 and closed (default: 4096)",
+    "http_read_timeout": "seconds from a request's first byte until its head and body are in (default: 30)",
+    "http_keep_alive_timeout": "seconds an HTTP connection may be idle before or between requests (default: 30)",
 }
 
 
@@ -98,6 +101,9 @@ def preflight(args: ServerArgs) -> ModelInfo:
         _check_tp_layout(args)
     if args.node_rank == 0:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            # as the tokenizer will bind: connections of a previous server in TIME_WAIT do not count,
+            # a socket still listening there does (Linux refuses the bind)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 s.bind((args.host, args.port))
             except OSError as e:
@@ -212,6 +218,8 @@ class Launcher:
         sentinels = {p.sentinel: name for name, p in self.procs.items()}
         while not self.stop_requested:
             done = wait(list(sentinels), timeout=0.5)
+            if self.stop_requested:  # a group signal: children may stop as it arrives
+                break
             if done:
                 name = sentinels[done[0]]
                 self.procs[name].join(5.0)  # the sentinel closes before the exit status can be read
@@ -247,7 +255,10 @@ class Launcher:
         for name in order:
             proc = self.procs.get(name)
             if proc is not None and proc.is_alive():
-                proc.terminate()
+                if name == "tokenizer":
+                    proc.terminate()
+                elif proc.pid is not None:
+                    os.kill(proc.pid, STOP_SIGNAL)
                 proc.join(5.0 if name == "tokenizer" else 3.0)
         for proc in self.procs.values():
             if proc.is_alive():
@@ -257,7 +268,8 @@ class Launcher:
         self.ctx.term()
 
     def request_stop(self, signum: int, _frame: object) -> None:
-        logger.info("received %s, shutting down", signal.Signals(signum).name)
+        if not self.stop_requested:  # a group signal also arrives passed on by children
+            logger.info("received %s, shutting down", signal.Signals(signum).name)
         self.stop_requested = True
 
 
@@ -273,8 +285,12 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, HyssmError) as e:
         print(f"hyssm-launch: error: {e}", file=sys.stderr)
         return 2
-    run_dir = tempfile.mkdtemp(prefix="hyssm-")
-    changes: dict[str, Any] = {"run_dir": run_dir}
+    stale = remove_stale()
+    if stale:
+        logger.info("removed %d run directories left by launches that did not exit: %s", len(stale), stale)
+    run = RunDir.create()
+    logger.info("run directory %s", run.path)
+    changes: dict[str, Any] = {"run_dir": run.path}
     if args.tp_size > 1 and not args.dist_init_addr:
         changes["dist_init_addr"] = f"127.0.0.1:{_free_port()}"
     args = args.replace(**changes)
@@ -287,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     except HyssmError as e:
         print(f"hyssm-launch: error: {e}", file=sys.stderr)
         launcher.shutdown("")
-        shutil.rmtree(run_dir, ignore_errors=True)
+        run.remove()
         return 1
     if args.node_rank == 0:
         logger.info("pools: %s", {k: v for k, v in info.items() if k.endswith("capacity")})
@@ -297,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return launcher.supervise()
     finally:
-        shutil.rmtree(run_dir, ignore_errors=True)
+        run.remove()
 
 
 if __name__ == "__main__":

@@ -48,6 +48,7 @@ from shared.messages import (
     WorkerReady,
 )
 from shared.model_info import ModelInfo
+from shared.proc import STOP_SIGNAL
 
 logger = logging.getLogger(__name__)
 
@@ -274,7 +275,7 @@ class SchedulerLoop:
 
 
 class StopRequested(BaseException):
-    """SIGTERM from launch.py: leave the loop and tell the workers (of every node) to stop."""
+    """STOP_SIGNAL from launch.py: leave the loop and tell the workers (of every node) to stop."""
 
 
 def _raise_stop(signum: int, _frame: object) -> None:
@@ -282,11 +283,11 @@ def _raise_stop(signum: int, _frame: object) -> None:
 
 
 def run(args: ServerArgs) -> None:
-    """Process entry: wait for the workers, report ready, serve until SIGTERM or a failure.
-    On SIGTERM every rank is sent Shutdown, so the workers of other nodes exit (code 0) now
-    instead of after the heartbeat silence limit."""
+    """Process entry: wait for the workers, report ready, serve until launch.py's STOP_SIGNAL or a
+    failure. On STOP_SIGNAL every rank is sent Shutdown, so the workers of other nodes exit (code 0)
+    now instead of after the heartbeat silence limit."""
     loop = SchedulerLoop(args)
-    signal.signal(signal.SIGTERM, _raise_stop)
+    signal.signal(STOP_SIGNAL, _raise_stop)
     try:
         loop.start()
         loop.run_forever()

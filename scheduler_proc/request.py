@@ -164,7 +164,8 @@ def validate(req: GenerateReq, duplicate: bool, context_length: int, kv_capacity
     if n_prompt + n_new > context_length:
         return f"prompt ({n_prompt}) + max_new_tokens ({n_new}) exceeds the context length {context_length}"
     if n_prompt + n_new - 1 > kv_capacity:
-        return f"prompt ({n_prompt}) + max_new_tokens ({n_new}) exceeds the KV cache ({kv_capacity} tokens)"
+        return (f"prompt ({n_prompt}) + max_new_tokens ({n_new}) can never fit the KV cache: it needs "
+                f"{n_prompt + n_new - 1} token slots, the pool has {kv_capacity} (--max-total-tokens)")
     if states is not None and states < 1:
         return "the Mamba state pool has no slot"
     return ""

@@ -70,6 +70,7 @@ class Scheduler:
         # replaceable for scripted tests: builds the round's adder from its budget snapshot
         self.adder_factory: Callable[[AdderBudget], PrefillAdder] = PrefillAdder
         self.reqs: dict[str, Req] = {}
+        self._reuse: dict[str, Req] = {}  # rid -> request waiting for the aborted holder of its rid to leave
         # preemption implies priority order: under FCFS a retracted (older) victim would sort before the
         # request it made room for and be re-admitted in its place, round after round
         self.waiting = WaitingQueue(args.schedule_policy == "priority" or args.enable_priority_preemption)
@@ -91,22 +92,32 @@ class Scheduler:
 
     # ------------------------------------------------------------------ requests in and out
     def add_request(self, req: GenerateReq) -> list[TokenOut]:
+        """Rejects a request that can never run (final reply with `rejected`). A rid whose holder was
+        aborted while its slice is in flight is free again: the new request waits in `_reuse` and joins
+        the table when the holder leaves it (when that step is applied)."""
         res = self.res
-        error = validate(req, req.rid in self.reqs, self.context_length, res.kv_alloc.capacity,
+        holder = self.reqs.get(req.rid)
+        reuse = holder is not None and holder.abort_reason is not None and req.rid not in self._reuse
+        error = validate(req, holder is not None and not reuse, self.context_length, res.kv_alloc.capacity,
                          res.state_alloc.capacity if self.track_states else None)  # fmt: skip
         if error:
             logger.info("rejecting request %s: %s", req.rid, error)
             return [TokenOut(rid=req.rid, token_ids=[], finished=True, finish_reason="error", error=error,
-                             prompt_tokens=len(req.input_ids))]  # fmt: skip
+                             prompt_tokens=len(req.input_ids), rejected=True)]  # fmt: skip
         if req.sampling.max_new_tokens == 0:  # nothing to compute: answered without entering the table
             return [TokenOut(rid=req.rid, token_ids=[], finished=True, finish_reason="length",
                              prompt_tokens=len(req.input_ids))]  # fmt: skip
         r = Req(req.rid, req.input_ids, req.sampling, req.priority, next(self._seq))
-        self.reqs[r.rid] = r
-        self.waiting.push(r)
+        if reuse:
+            self._reuse[r.rid] = r
+        else:
+            self.reqs[r.rid] = r
+            self.waiting.push(r)
         return []
 
     def abort(self, rid: str, reason: str = "") -> list[TokenOut]:
+        if (reusing := self._reuse.pop(rid, None)) is not None:  # the holder is aborted already
+            return [token_out(reusing, [], "abort")]
         r = self.reqs.get(rid)
         if r is None:
             return []
@@ -119,7 +130,9 @@ class Scheduler:
         """Final error for every unfinished request; everything they hold is freed (nothing donated:
         the in-flight step may have half-written their slots) and the cache is flushed."""
         self.in_flight = None
-        outs = [self._finish(r, "error", error=reason) for r in list(self.reqs.values())]
+        outs = [token_out(r, [], "error", error=reason) for r in self._reuse.values()]
+        self._reuse.clear()
+        outs += [self._finish(r, "error", error=reason) for r in list(self.reqs.values())]
         self.res.flush()
         return outs
 
@@ -294,6 +307,9 @@ class Scheduler:
                 logprobs: list[float] | None = None, error: str | None = None) -> TokenOut:  # fmt: skip
         """Finish `r` (never while its slice is in flight): give back or donate what it holds."""
         self.transition(r, ReqStatus.FINISHED, donate=reason != "error")
+        if (reusing := self._reuse.pop(r.rid, None)) is not None:  # a new request waited for this rid
+            self.reqs[r.rid] = reusing
+            self.waiting.push(reusing)
         self.metrics.inc("hyssm_requests_finished_total", reason=reason)
         return token_out(r, new or [], reason, matched=matched, logprobs=logprobs, error=error)
 

@@ -84,6 +84,10 @@ class ServerArgs:
     context_length: int = 0  # 0 = the model's max_position_embeddings
     max_new_tokens_limit: int = 4096
     max_body_bytes: int = 4 * 1024 * 1024
+    # HTTP connections (tokenizer process)
+    max_connections: int = 4096  # open connections; more are answered 503 and closed
+    http_read_timeout: float = 30.0  # seconds from a request's first byte until its body is in
+    http_keep_alive_timeout: float = 30.0  # seconds a connection may sit idle between requests
     # supervision
     watchdog_timeout: float = 30.0
     startup_timeout: float = 120.0
@@ -100,6 +104,7 @@ class ServerArgs:
             "--max-prefill-tokens": self.max_prefill_tokens,
             "--max-new-tokens-limit": self.max_new_tokens_limit,
             "--max-body-bytes": self.max_body_bytes,
+            "--max-connections": self.max_connections,
         }
         for flag, value in positive.items():
             if value <= 0:
@@ -129,6 +134,8 @@ class ServerArgs:
             raise ConfigError(f"--dist-init-addr must be HOST:PORT, got {self.dist_init_addr!r}")
         if self.max_prefill_tokens < self.chunked_prefill_size:
             raise ConfigError("--max-prefill-tokens must be >= --chunked-prefill-size")
+        if self.http_read_timeout <= 0 or self.http_keep_alive_timeout <= 0:
+            raise ConfigError("--http-read-timeout and --http-keep-alive-timeout must be positive")
         if self.watchdog_timeout <= 0 or self.startup_timeout <= 0:
             raise ConfigError("--watchdog-timeout and --startup-timeout must be positive")
         if self.log_level.lower() not in ("debug", "info", "warning", "error", "critical"):

@@ -71,6 +71,9 @@ class TokenOut(msgspec.Struct, kw_only=True, array_like=True):
     completion_tokens: int = 0
     logprobs: list[float] | None = None
     error: str | None = None
+    # with finish_reason "error": the request itself can never run on this server (it was rejected
+    # before running; `error` names the limit), so the client is told 400, not 503
+    rejected: bool = False
 
 
 class TokenOutBatch(msgspec.Struct, tag=True, kw_only=True):

@@ -2,6 +2,13 @@
 
 Every child is started with the `spawn` method and enters through `child_main`, which resolves
 the process kind to its package's entry function. Only this module knows that mapping.
+
+Stop signals: launch.py stops its children in order (tokenizer first, with SIGTERM, so that clients
+get their answers; then the scheduler and the workers with STOP_SIGNAL). A SIGTERM that reaches a
+scheduler or worker process from anywhere else (the whole process group from systemd, Kubernetes
+or `kill -- -PGID`, or a kill of that one process) is passed on to launch.py, which then runs that
+same ordered shutdown, and the process keeps serving until launch.py stops it. SIGINT (Ctrl-C
+reaches the whole group) is left to launch.py likewise.
 """
 
 from __future__ import annotations
@@ -31,6 +38,9 @@ _ENTRIES = {
 }
 _PR_SET_PDEATHSIG = 1
 
+STOP_SIGNAL = signal.SIGUSR1
+"""How launch.py stops a scheduler or worker process (see the module docstring)."""
+
 
 def set_parent_death_signal(sig: int = signal.SIGKILL) -> None:
     """Ask the kernel to kill this process when its parent dies (Linux). Elsewhere: a watcher
@@ -58,6 +68,15 @@ def process_title(kind: str, rank: int | None) -> str:
     return f"hyssm::{kind}" if rank is None else f"hyssm::{kind}-tp{rank}"
 
 
+def _forward_sigterm_to(launcher_pid: int) -> None:
+    def forward(signum: int, _frame: object) -> None:
+        if os.getppid() == launcher_pid:  # else the launcher is gone and this process dies with it
+            logger.info("SIGTERM: passed on to launch.py, which stops every process in order")
+            os.kill(launcher_pid, signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, forward)
+
+
 def child_main(kind: str, args_bytes: bytes, rank: int | None = None) -> None:
     """Entry of every child process (target of multiprocessing.Process)."""
     args = ServerArgs.from_bytes(args_bytes)
@@ -72,6 +91,8 @@ def child_main(kind: str, args_bytes: bytes, rank: int | None = None) -> None:
     setup_logging(title.removeprefix("hyssm::"), args.log_level)
     # launch.py handles Ctrl-C for the whole group; children shut down when told or killed.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if kind != "tokenizer":  # the tokenizer's own SIGTERM handling is its graceful stop
+        _forward_sigterm_to(os.getppid())
     module = importlib.import_module(_ENTRIES[kind])
     try:
         if rank is None:

@@ -29,6 +29,7 @@ from shared.model_info import ModelInfo
 from tokenizer_proc.context import AppContext, get_ctx
 from tokenizer_proc.errors import ApiError, unavailable
 from tokenizer_proc.generation import Backend, BackendUnavailable
+from tokenizer_proc.health import HealthProbe
 from tokenizer_proc.http_util import ClientGoneResponse, json_response
 from tokenizer_proc.metrics import render_metrics
 from tokenizer_proc.native import generate_endpoint
@@ -43,9 +44,10 @@ VERSION = "0.1.0"
 
 
 async def health(request: Request) -> Response:
-    if get_ctx(request).backend.healthy:
+    problem = await request.app.state.health.check()
+    if problem is None:
         return json_response({"status": "ok"})
-    raise unavailable("the server is not healthy: the scheduler is gone")
+    raise unavailable(f"the server is not healthy: {problem}")
 
 
 async def _backend_info(ctx: AppContext) -> SchedulerInfo:
@@ -184,4 +186,5 @@ def create_app(args: ServerArgs, backend: Backend, tokenizer: TextTokenizer | No
         },
     )
     app.state.ctx = ctx
+    app.state.health = HealthProbe(backend)
     return app

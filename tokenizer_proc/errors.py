@@ -7,15 +7,21 @@ the response and counts it.
 
 from __future__ import annotations
 
+import logging
+
 import msgspec
 from starlette.responses import Response
+
+logger = logging.getLogger(__name__)
 
 _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "request_timeout",
     413: "request_too_large",
+    431: "request_header_fields_too_large",
     503: "service_unavailable",
 }
 
@@ -43,3 +49,9 @@ def bad_request(message: str, param: str | None = None) -> ApiError:
 
 def unavailable(message: str) -> ApiError:
     return ApiError(503, message)
+
+
+def internal_error(exc: BaseException) -> ApiError:
+    """A failure that is no fault of the request: logged with its traceback, answered 500."""
+    logger.error("internal error: %r", exc, exc_info=exc)
+    return ApiError(500, f"internal error: {type(exc).__name__}", err_type="server_error")

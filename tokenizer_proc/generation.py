@@ -10,7 +10,6 @@ scheduler is aborted there exactly once, in `generate()`'s `finally`.
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -40,6 +39,10 @@ class Backend(Protocol):
         """Tell the scheduler to drop `rid` and stop routing its outputs. Idempotent, never blocks."""
         ...
 
+    async def wait_output(self) -> None:
+        """Return when the scheduler next sends generated tokens (of any request)."""
+        ...
+
     async def info(self) -> SchedulerInfo: ...
 
     async def flush_cache(self) -> tuple[bool, str]: ...
@@ -47,7 +50,8 @@ class Backend(Protocol):
 
 @dataclass
 class Finish:
-    """Why a request ended. reason: "stop" | "length" | "abort" | "error"."""
+    """Why a request ended. reason: "stop" | "length" | "abort" | "error" | "rejected" (the
+    scheduler refused the request as one that can never run: the client's fault, a 400)."""
 
     reason: str
     matched: int | str | None = None
@@ -67,56 +71,73 @@ class Piece:
     finish: Finish | None = None
 
 
+class Reservation:
+    """One request's hold on its rid in `InFlight` (compared by identity)."""
+
+    __slots__ = ("rid",)
+
+    def __init__(self, rid: str) -> None:
+        self.rid = rid
+
+
 @dataclass
 class InFlight:
-    """The rids this HTTP process has submitted and not yet seen finish. Owned by the app."""
+    """The rids this HTTP process has accepted and not yet answered. Owned by the app.
 
-    rids: dict[str, float] = field(default_factory=dict)
+    Rule: a rid is reserved (`reserve`) before the response starts, synchronously in the event
+    loop, so of several concurrent requests with one rid exactly one is accepted and the others
+    get a 400; `release` only drops the caller's own reservation (a later request may hold the
+    rid again by then)."""
 
-    def add(self, rid: str) -> None:
+    rids: dict[str, Reservation] = field(default_factory=dict)
+
+    def reserve(self, rid: str) -> Reservation:
         if rid in self.rids:
             raise bad_request(f"a request with rid {rid!r} is already running", "rid")
-        self.rids[rid] = time.monotonic()
+        hold = self.rids[rid] = Reservation(rid)
+        return hold
 
-    def discard(self, rid: str) -> None:
-        self.rids.pop(rid, None)
+    def release(self, hold: Reservation) -> None:
+        if self.rids.get(hold.rid) is hold:
+            del self.rids[hold.rid]
 
     def __len__(self) -> int:
         return len(self.rids)
 
     def check_integrity(self) -> None:
-        assert all(isinstance(r, str) and r for r in self.rids)
+        assert all(isinstance(r, str) and r and h.rid == r for r, h in self.rids.items())
 
 
 def _finish_of(out: TokenOut) -> Finish:
     reason = out.finish_reason or ("error" if out.error else "stop")
     if reason == "stop":
         return Finish("stop", matched=out.matched_stop_token)
+    if reason == "error" and out.rejected:
+        return Finish("rejected", message=out.error or "the request can never run on this server")
     if reason in ("abort", "error"):
         return Finish(reason, message=out.error or ("aborted" if reason == "abort" else "internal error"))
     return Finish(reason)
 
 
-def precheck(backend: Backend, req: PreparedRequest, in_flight: InFlight) -> None:
-    """The checks `generate` repeats, done before a response starts: so that a streaming
-    request that cannot run gets a plain 4xx/503 instead of an error event."""
+def precheck(backend: Backend, req: PreparedRequest, in_flight: InFlight) -> Reservation:
+    """Checks done before a response starts, so that a streaming request that cannot run gets a
+    plain 4xx/503 instead of an error event; reserves the rid (ApiError 400 if it is taken). The
+    caller releases the reservation when the response is over (`generate` does too)."""
     if not backend.healthy:
         raise BackendUnavailable("the scheduler is not available")
-    if req.rid in in_flight.rids:
-        in_flight.add(req.rid)  # raises the 400
+    return in_flight.reserve(req.rid)
 
 
 async def generate(
-    backend: Backend, tok: TextTokenizer, req: PreparedRequest, in_flight: InFlight
+    backend: Backend, tok: TextTokenizer, req: PreparedRequest, in_flight: InFlight, hold: Reservation
 ) -> AsyncIterator[Piece]:
-    """Run one request; the last Piece has `finish` set. Before the first Piece it may raise
-    BackendUnavailable or ApiError (duplicate rid)."""
+    """Run one request whose rid `hold` reserves (see `precheck`); the last Piece has `finish`
+    set. Before the first Piece it may raise BackendUnavailable."""
     if not backend.healthy:
         raise BackendUnavailable("the scheduler is not available")
     detok = tok.detokenizer(req.stops, req.skip_special_tokens)
     msg = GenerateReq(rid=req.rid, input_ids=req.input_ids, sampling=req.sampling, priority=req.priority)
     done, completion, cached = False, 0, 0
-    in_flight.add(req.rid)
     try:
         async with contextlib.aclosing(backend.submit(msg)) as outs:  # type: ignore[type-var]
             async for out in outs:
@@ -143,7 +164,7 @@ async def generate(
         yield Piece(detok.finish(), [], None, len(req.input_ids), completion, cached,
                     Finish("error", message="the scheduler ended the request without a final output"))
     finally:
-        in_flight.discard(req.rid)
+        in_flight.release(hold)
         if not done:
             backend.abort(req.rid, "client disconnected")
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncGenerator, Coroutine
+from collections.abc import AsyncGenerator, Callable, Coroutine
 from typing import Any, TypeVar
 
 import msgspec
@@ -103,11 +103,20 @@ class SSEResponse:
     The generator is closed (`aclose`) when the client disconnects, when sending fails or when
     this task is cancelled; it must turn its own errors into error events before `[DONE]`."""
 
-    def __init__(self, events: AsyncGenerator[bytes, None]):
+    def __init__(self, events: AsyncGenerator[bytes, None], on_close: Callable[[], None] | None = None):
         self.events = events
         self.status_code = 200
+        self.on_close = on_close  # called once the response is over, however it ended
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await self._respond(receive, send)
+        finally:
+            await self.events.aclose()  # a generator that never started holds nothing; closing is safe
+            if self.on_close is not None:
+                self.on_close()
+
+    async def _respond(self, receive: Receive, send: Send) -> None:
         await send({
             "type": "http.response.start",
             "status": 200,

@@ -23,7 +23,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from tokenizer_proc.context import AppContext, get_ctx
-from tokenizer_proc.errors import ApiError, unavailable
+from tokenizer_proc.errors import ApiError, internal_error, unavailable
 from tokenizer_proc.generation import BackendUnavailable, Finish, Piece, generate, precheck
 from tokenizer_proc.http_util import (
     SSE_DONE,
@@ -92,6 +92,8 @@ def _payload(req: PreparedRequest, acc: Accumulated, started: float) -> dict[str
 
 def error_of(finish: Finish | None) -> ApiError | None:
     """Backend failures become errors (abort is a normal finish on the native API)."""
+    if finish is not None and finish.reason == "rejected":
+        return ApiError(400, finish.message or "the request can never run on this server")
     if finish is not None and finish.reason == "error":
         return unavailable(finish.message or "the request failed")
     return None
@@ -109,6 +111,8 @@ async def _events(pieces: AsyncIterator[Piece], req: PreparedRequest, started: f
         yield sse(unavailable(str(e)).body())
     except ApiError as e:
         yield sse(e.body())
+    except Exception as e:  # noqa: BLE001 - a stream always ends with an error event and [DONE]
+        yield sse(internal_error(e).body())
     yield SSE_DONE
 
 
@@ -135,16 +139,18 @@ async def respond(
     either an SSE stream of `events`, or the whole output collected (a client that leaves is
     aborted) and answered with `payload`, or the error `error_for` makes of its finish."""
     try:
-        precheck(ctx.backend, req, ctx.in_flight)
+        hold = precheck(ctx.backend, req, ctx.in_flight)
     except BackendUnavailable as e:
         raise unavailable(str(e)) from e
-    pieces = generate(ctx.backend, ctx.tok, req, ctx.in_flight)
+    pieces = generate(ctx.backend, ctx.tok, req, ctx.in_flight, hold)
     if req.stream:
-        return SSEResponse(events(pieces))  # type: ignore[return-value]
+        return SSEResponse(events(pieces), on_close=lambda: ctx.in_flight.release(hold))  # type: ignore[return-value]
     try:
         completed, acc = await run_unless_disconnected(collect(pieces), request)
     except BackendUnavailable as e:
         raise unavailable(str(e)) from e
+    finally:
+        ctx.in_flight.release(hold)  # also when `pieces` never started
     if not completed or acc is None:
         return ClientGoneResponse()
     err = error_for(acc.last.finish if acc.last else None)

@@ -19,7 +19,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from tokenizer_proc.context import AppContext, get_ctx
-from tokenizer_proc.errors import ApiError, unavailable
+from tokenizer_proc.errors import ApiError, internal_error, unavailable
 from tokenizer_proc.generation import BackendUnavailable, Finish, Piece
 from tokenizer_proc.http_util import (
     SSE_DONE,
@@ -34,6 +34,8 @@ from tokenizer_proc.validation import PreparedRequest, decode_body
 
 
 def openai_error(finish: Finish | None) -> ApiError | None:
+    if finish is not None and finish.reason == "rejected":
+        return ApiError(400, finish.message or "the request can never run on this server")
     if finish is not None and finish.reason in ("error", "abort"):
         return unavailable(finish.message or f"the request ended with {finish.reason}")
     return None
@@ -132,6 +134,8 @@ async def _events(fmt: _Format, pieces: AsyncIterator[Piece]) -> AsyncGenerator[
         yield sse(unavailable(str(e)).body())
     except ApiError as e:
         yield sse(e.body())
+    except Exception as e:  # noqa: BLE001 - a stream always ends with an error event and [DONE]
+        yield sse(internal_error(e).body())
     yield SSE_DONE
 
 

@@ -4,6 +4,11 @@ It owns both sockets, the per-request output queues and ONE reader task that dec
 ToTokenizer message and routes it: TokenOut by rid to that request's queue, InfoResp /
 FlushCacheResp by req_id to the waiting future. `SchedulerDead` (or a broken channel) marks the
 client unhealthy and finishes every in-flight request with an error, so no request hangs.
+
+Rid reuse: a request aborted here before its final TokenOut arrived still gets that final reply
+from the scheduler (exactly one per submission, after all its other outputs and before any
+output of a later submission with the same rid). Until it arrives, every TokenOut of that rid is
+the aborted request's and is dropped, so a client may reuse a rid as soon as it has its answer.
 """
 
 from __future__ import annotations
@@ -46,6 +51,8 @@ class SchedulerClient:
         self._rx: AsyncReceiver[ToTokenizer] = AsyncReceiver(zctx, SCHEDULER_TO_TOKENIZER, args)
         self._tx: AsyncSender[ToScheduler] = AsyncSender(zctx, TOKENIZER_TO_SCHEDULER, args)
         self._routes: dict[str, asyncio.Queue[TokenOut]] = {}
+        self._owed: dict[str, int] = {}  # rid -> final replies still due for aborted submissions
+        self._output_seen: asyncio.Event | None = None  # set (and dropped) when tokens next arrive
         self._pending: dict[int, asyncio.Future[Any]] = {}
         self._next_req_id = 0
         self._dead: str | None = None
@@ -76,19 +83,24 @@ class SchedulerClient:
             raise ValueError(f"rid {req.rid!r} is already in flight")
         queue: asyncio.Queue[TokenOut] = asyncio.Queue()
         self._routes[req.rid] = queue
+        sent = False
         try:
             self._send(req)
+            sent = True
             while True:
                 out = await queue.get()
                 yield out
                 if out.finished:
                     return
         finally:
-            if self._routes.get(req.rid) is queue:
+            if self._routes.get(req.rid) is queue:  # left before its final reply: it is still due
                 del self._routes[req.rid]
+                if sent and self._dead is None:
+                    self._owed[req.rid] = self._owed.get(req.rid, 0) + 1
 
     def abort(self, rid: str, reason: str) -> None:
-        self._routes.pop(rid, None)
+        if self._routes.pop(rid, None) is not None:
+            self._owed[rid] = self._owed.get(rid, 0) + 1
         if self._dead is None:
             try:
                 self._tx.send_nowait(AbortReq(rid=rid, reason=reason))
@@ -100,7 +112,7 @@ class SchedulerClient:
         finish_reason "abort", so each client gets a final answer. Returns how many."""
         rids = list(self._routes)
         for rid in rids:
-            self._routes.pop(rid).put_nowait(
+            self._routes[rid].put_nowait(
                 TokenOut(rid=rid, token_ids=[], finished=True, finish_reason="abort", error=reason)
             )
             self.abort(rid, reason)
@@ -120,6 +132,11 @@ class SchedulerClient:
             raise TimeoutError(f"no answer from the scheduler within {self._timeout} s") from e
         finally:
             self._pending.pop(req_id, None)
+
+    async def wait_output(self) -> None:
+        if self._output_seen is None:
+            self._output_seen = asyncio.Event()
+        await self._output_seen.wait()
 
     async def info(self) -> SchedulerInfo:
         resp: InfoResp = await self._control(GetInfoReq)
@@ -147,7 +164,14 @@ class SchedulerClient:
 
     def _dispatch(self, msg: ToTokenizer) -> None:
         if isinstance(msg, TokenOutBatch):
+            if self._output_seen is not None and any(out.token_ids for out in msg.outs):
+                self._output_seen.set()
+                self._output_seen = None
             for out in msg.outs:
+                if out.rid in self._owed:
+                    if out.finished:
+                        self._release_owed(out.rid)
+                    continue  # an aborted submission's output
                 queue = self._routes.get(out.rid)
                 if queue is None:
                     continue  # aborted here already, or not ours
@@ -162,6 +186,11 @@ class SchedulerClient:
             logger.error("scheduler is dead: %s", msg.reason)
             self._fail(msg.reason)
 
+    def _release_owed(self, rid: str) -> None:
+        left = self._owed.pop(rid) - 1
+        if left:
+            self._owed[rid] = left
+
     def _fail(self, reason: str) -> None:
         """Unhealthy from now on; every in-flight request and control call ends with an error."""
         self._dead = reason or "the scheduler is gone"
@@ -169,6 +198,7 @@ class SchedulerClient:
             queue.put_nowait(TokenOut(rid=rid, token_ids=[], finished=True, finish_reason="error",
                                       error=f"server error: {self._dead}"))
         self._routes.clear()
+        self._owed.clear()
         for fut in self._pending.values():
             if not fut.done():
                 fut.set_exception(BackendUnavailable(self._dead))
@@ -187,5 +217,6 @@ class SchedulerClient:
 
     def check_integrity(self) -> None:
         if self._dead is not None:
-            assert not self._routes and not self._pending, "requests left routed after the scheduler died"
+            assert not self._routes and not self._pending and not self._owed, "state kept after the scheduler died"
+        assert all(n > 0 for n in self._owed.values()), "an owed count is not positive"
         assert all(not f.done() for f in self._pending.values()), "a finished control future was kept"

@@ -9,13 +9,17 @@ OpenAI endpoints too.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 import msgspec
 
+# Every integer of a body is a signed 64-bit value, checked while decoding: a wider one is a 400
+# naming its field (it could not be encoded for the scheduler, and no field means anything there).
+Int = Annotated[int, msgspec.Meta(ge=-(1 << 63), le=(1 << 63) - 1)]
+
 # A prompt as OpenAI allows it: text, token ids, or a batch of either. Only batches of one are
 # served (n=1, one prompt per request); validation rejects the others with a clear message.
-PromptT = str | list[str | int | list[int]]
+PromptT = str | list[str | Int | list[Int]]
 StopT = str | list[str]
 
 
@@ -24,15 +28,15 @@ class _Body(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, omit_defau
 
 
 class NativeSamplingParams(_Body):
-    max_new_tokens: int | None = None
+    max_new_tokens: Int | None = None
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
+    top_k: Int | None = None
     min_p: float | None = None
     stop: StopT | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Int] | None = None
     ignore_eos: bool = False
-    seed: int | None = None
+    seed: Int | None = None
     skip_special_tokens: bool = True
 
 
@@ -40,12 +44,12 @@ class GenerateBody(_Body):
     """POST /generate (SGLang native)."""
 
     text: str | None = None
-    input_ids: list[int] | None = None
+    input_ids: list[Int] | None = None
     sampling_params: NativeSamplingParams | None = None
     stream: bool = False
     rid: str | None = None
     return_logprob: bool = False
-    priority: int = 0
+    priority: Int = 0
 
 
 class StreamOptions(_Body):
@@ -55,21 +59,21 @@ class StreamOptions(_Body):
 
 class _OpenAIBody(_Body):
     model: str | None = None
-    max_tokens: int | None = None
+    max_tokens: Int | None = None
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
+    top_k: Int | None = None
     min_p: float | None = None
     stop: StopT | None = None
-    seed: int | None = None
+    seed: Int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = 1
+    n: Int = 1
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     user: str | None = None
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Int] | None = None
     skip_special_tokens: bool = True
 
 
@@ -77,10 +81,10 @@ class CompletionBody(_OpenAIBody):
     """POST /v1/completions."""
 
     prompt: PromptT | None = None
-    logprobs: int | None = None
+    logprobs: Int | None = None
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: Int | None = None
 
 
 class TextPart(_Body):
@@ -99,6 +103,6 @@ class ChatBody(_OpenAIBody):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage] | None = None
-    max_completion_tokens: int | None = None
+    max_completion_tokens: Int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Int | None = None

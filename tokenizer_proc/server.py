@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import resource
 import signal
 import socket
 from collections.abc import Callable, Iterator
@@ -26,12 +27,14 @@ from shared.channels import TO_LAUNCHER, ChannelTimeout, Sender
 from shared.config import ServerArgs
 from shared.messages import ProcFailed, ProcReady, ToLauncher
 from tokenizer_proc.app import create_app
+from tokenizer_proc.http_protocol import HttpLimits, protocol_class
 from tokenizer_proc.scheduler_client import SchedulerClient
 from tokenizer_proc.tokenizer import TextTokenizer
 
 logger = logging.getLogger(__name__)
 
 GRACE_S = 3.0
+FD_RESERVE = 128  # descriptors kept for sockets other than HTTP connections, files, pipes
 
 
 class StartupFailed(Exception):
@@ -74,6 +77,23 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def connection_limit(wanted: int) -> int:
+    """`wanted` connections, or fewer when file descriptors would run out first: the soft
+    RLIMIT_NOFILE is raised to the hard limit, and FD_RESERVE descriptors stay for everything else."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError) as e:
+            logger.warning("cannot raise the open-file limit from %d: %s", soft, e)
+    if soft == resource.RLIM_INFINITY or wanted <= soft - FD_RESERVE:
+        return wanted
+    limit = max(1, soft - FD_RESERVE)
+    logger.warning("--max-connections %d lowered to %d: the open-file limit is %d", wanted, limit, soft)
+    return limit
+
+
 def _report(launcher: Sender[ToLauncher], msg: ToLauncher) -> None:
     try:
         launcher.send(msg, timeout_ms=2000)
@@ -108,9 +128,11 @@ async def _serve_http(
     args: ServerArgs, client: SchedulerClient, tokenizer: TextTokenizer, sock: socket.socket,
     launcher: Sender[ToLauncher],
 ) -> None:
+    limits = HttpLimits(read_timeout_s=args.http_read_timeout, max_connections=connection_limit(args.max_connections))
     config = uvicorn.Config(
         create_app(args, client, tokenizer), loop="uvloop", lifespan="off", access_log=False,
-        log_config=None, timeout_graceful_shutdown=GRACE_S + 2.0, timeout_keep_alive=30,
+        log_config=None, timeout_graceful_shutdown=GRACE_S + 2.0, timeout_keep_alive=args.http_keep_alive_timeout,
+        http=protocol_class(limits), h11_max_incomplete_event_size=limits.max_header_bytes,
     )
     ready = ProcReady(name="tokenizer", info={"host": args.host, "port": args.port})
     server = _Server(config, lambda: _report(launcher, ready))

@@ -56,9 +56,13 @@ CASES: list[tuple[str, str, object]] = [
 ]
 
 
+KV_POOL = 2048
+
+
 @pytest.fixture(scope="module")
 def server() -> Iterator[Server]:
-    with running_server(["--max-body-bytes", "65536", "--context-length", "4096"]) as srv:
+    flags = ["--max-body-bytes", "65536", "--context-length", "4096", "--max-total-tokens", str(KV_POOL)]
+    with running_server(flags) as srv:
         yield srv
 
 
@@ -88,3 +92,73 @@ def test_error_names_the_field(server: Server) -> None:
     assert "max_tokens" in r.json()["error"]["message"]
     r = _post(server, CHAT, {"model": "x", "messages": MSGS, "top_p": 1.5})
     assert "top_p" in r.json()["error"]["message"]
+
+
+GOOD = {
+    GEN: {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}},
+    COMP: {"model": "x", "prompt": "ok", "max_tokens": 2},
+    CHAT: {"model": "x", "messages": MSGS, "max_tokens": 2},
+}
+HUGE = 10**24  # wider than 64 bits: it used to reach the scheduler's encoder (OverflowError, 500)
+# (path, body, the field the 400 must name)
+OVERSIZED_INTS: list[tuple[str, dict, str]] = [
+    (GEN, {"text": "a", "priority": HUGE}, "priority"),
+    (GEN, {"text": "a", "sampling_params": {"top_k": HUGE}}, "sampling_params.top_k"),
+    (GEN, {"text": "a", "sampling_params": {"max_new_tokens": -HUGE}}, "sampling_params.max_new_tokens"),
+    (GEN, {"text": "a", "sampling_params": {"seed": HUGE}}, "sampling_params.seed"),
+    (GEN, {"input_ids": [1, HUGE]}, "input_ids"),
+    (GEN, {"text": "a", "sampling_params": {"stop_token_ids": [HUGE]}}, "sampling_params.stop_token_ids"),
+    (COMP, {"model": "x", "prompt": "a", "top_k": HUGE}, "top_k"),
+    (COMP, {"model": "x", "prompt": "a", "max_tokens": HUGE}, "max_tokens"),
+    (COMP, {"model": "x", "prompt": [1, HUGE]}, "prompt"),
+    (COMP, {"model": "x", "prompt": [[1, HUGE]]}, "prompt"),
+    (COMP, {"model": "x", "prompt": "a", "n": HUGE}, "n"),
+    (COMP, {"model": "x", "prompt": "a", "logprobs": HUGE}, "logprobs"),
+    (CHAT, {"model": "x", "messages": MSGS, "top_k": HUGE}, "top_k"),
+    (CHAT, {"model": "x", "messages": MSGS, "seed": -HUGE}, "seed"),
+    (CHAT, {"model": "x", "messages": MSGS, "max_completion_tokens": HUGE}, "max_completion_tokens"),
+    (CHAT, {"model": "x", "messages": MSGS, "stop_token_ids": [3, HUGE]}, "stop_token_ids"),
+    (CHAT, {"model": "x", "messages": MSGS, "top_logprobs": HUGE}, "top_logprobs"),
+]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize(("path", "body", "field"), OVERSIZED_INTS,
+                         ids=[f"{p}:{f}" for p, _, f in OVERSIZED_INTS])  # fmt: skip
+def test_oversized_integer_is_400_naming_the_field(server: Server, path: str, body: dict, field: str,
+                                                    stream: bool) -> None:  # fmt: skip
+    r = _post(server, path, {**body, "stream": stream})
+    assert r.status_code == 400 and r.headers["content-type"] == "application/json", (r.status_code, r.text)
+    err = r.json()["error"]
+    assert err["param"] is not None and err["param"].startswith(field), err
+    assert field.split(".")[-1] in err["message"], err
+    assert "OverflowError" not in r.text
+    ok = _post(server, path, GOOD[path] | {"stream": stream})
+    assert ok.status_code == 200, ok.text
+    if stream:
+        assert ok.text.rstrip().endswith("data: [DONE]")
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize("path", [GEN, COMP, CHAT])
+def test_request_that_can_never_fit_the_kv_pool_is_400_naming_its_size(server: Server, path: str,
+                                                                       stream: bool) -> None:  # fmt: skip
+    """3000 prompt tokens, 2048 KV slots: the request's fault, not a 503 that invites retries."""
+    ids = [(i % 200) + 3 for i in range(3000)]
+    if path == GEN:
+        body: dict = {"input_ids": ids, "sampling_params": {"max_new_tokens": 4}}
+    elif path == COMP:
+        body = {"model": "x", "prompt": ids, "max_tokens": 4}
+    else:
+        body = {"model": "x", "messages": [{"role": "user", "content": "hello " * 500}], "max_tokens": 4}
+    r = _post(server, path, {**body, "stream": stream})
+    if stream:  # the response has begun when the scheduler rejects it: an error event, then [DONE]
+        assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]"), r.text
+        err = next(json.loads(line[6:]) for line in r.text.splitlines() if '"error"' in line)["error"]
+    else:
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+    assert err["code"] == 400 and err["type"] == "invalid_request_error", err
+    assert str(KV_POOL) in err["message"] and "KV" in err["message"], err
+    ok = _post(server, COMP, {"model": "x", "prompt": "ok", "max_tokens": 2})
+    assert ok.status_code == 200, ok.text

@@ -125,6 +125,9 @@ class FakeBackend:
     def abort(self, rid: str, reason: str) -> None:
         self.aborted.append((rid, reason))
 
+    async def wait_output(self) -> None:
+        await asyncio.Event().wait()  # only the probe's own answer counts here
+
     async def info(self) -> SchedulerInfo:
         if not self.healthy:
             raise BackendUnavailable("fake scheduler is down")

@@ -278,7 +278,7 @@ def test_api_key(model_dir, backend, tok) -> None:
         assert "sekrit" not in json.dumps(info)
 
     serve(args, backend, tok, check)
-    assert backend.submitted == []
+    assert [r.rid for r in backend.submitted if not r.rid.startswith("health-")] == []  # only /health's probe
 
 
 def test_backend_failure_mid_request(args, backend, tok) -> None:
