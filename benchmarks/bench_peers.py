@@ -364,16 +364,18 @@ def _sigterm(signum: int, frame: object) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Print the table (and write JSON with --output-json); exit 1 when hyssm could not be measured."""
     cfg = parse_args(argv)
-    signal.signal(signal.SIGTERM, _sigterm)
-    log_dir = Path(cfg.log_dir or tempfile.mkdtemp(prefix="bench_peers_"))
-    log_dir.mkdir(parents=True, exist_ok=True)
-    logger.info("logs in %s", log_dir)
-    medians, per_run, notes = benchmark(cfg, log_dir)
+    previous = signal.signal(signal.SIGTERM, _sigterm)
+    try:
+        log_dir = Path(cfg.log_dir or tempfile.mkdtemp(prefix="bench_peers_"))
+        log_dir.mkdir(parents=True, exist_ok=True)
+        logger.info("logs in %s", log_dir)
+        medians, per_run, notes = benchmark(cfg, log_dir)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     print(format_table(medians, notes))
     if cfg.output_json:
         Path(cfg.output_json).write_text(to_json(medians, per_run, notes, dataclasses.asdict(cfg)))
     return 0 if "hyssm" in medians else 1
-
 
 if __name__ == "__main__":
     sys.exit(main())
