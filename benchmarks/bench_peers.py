@@ -5,7 +5,8 @@ Owner: benchmarks. One invocation runs the three systems one after another on th
     python benchmarks/make_bench_model.py --shape granite-4.0-h-350m /work/bench-models/granite-350m
     python benchmarks/bench_peers.py --model /work/bench-models/granite-350m --runs 3 --output-json peers.json
 
-- hyssm: ``launch.py --model-path MODEL --dtype float32`` on a free loopback port, native /generate;
+- hyssm: ``launch.py --model-path MODEL --dtype float32 [--hyssm-args ...]`` on a free loopback port,
+  native /generate (its pool sizes are launch.py's defaults unless --hyssm-args sets them);
 - llama.cpp: ``llama-server -m MODEL.f32.gguf --parallel 32 --threads $(nproc) -c 32*1024``, native
   /completion with cache_prompt. The GGUF is converted on first use with the peers script
   (``llama-server.sh convert``) and cached beside the model directory (redone when older than the
@@ -33,6 +34,7 @@ import logging
 import os
 import random
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -64,6 +66,7 @@ class PeersConfig:
     skip_llama: bool = False
     skip_transformers: bool = False
     llama_server: str | None = None
+    hyssm_args: tuple[str, ...] = ()
     peers_script: str = str(DEFAULT_PEERS_SCRIPT)
     threads: int = os.cpu_count() or 1
     levels: tuple[int, ...] = (1, 8, 32)
@@ -268,6 +271,7 @@ def benchmark(cfg: PeersConfig, log_dir: Path) -> tuple[dict[str, dict[str, floa
         str(port),
         "--max-running-requests",
         str(max(64, *cfg.levels)),
+        *cfg.hyssm_args,
     ]
     try:
         per_run["hyssm"] = run_server("hyssm", hyssm_cmd, port, "hyssm", runs, cfg, log_dir)
@@ -326,6 +330,7 @@ def parse_args(argv: Sequence[str] | None = None) -> PeersConfig:
     a("--skip-llama", action="store_true")
     a("--skip-transformers", action="store_true")
     a("--llama-server", default=None, metavar="PATH", help="llama-server binary (default: llama-server.sh's)")
+    a("--hyssm-args", default="", help="extra launch.py flags, one string (e.g. '--max-mamba-cache-size 64')")
     a("--peers-script", default=str(DEFAULT_PEERS_SCRIPT), help="llama-server.sh (build / convert)")
     a("--threads", type=int, default=os.cpu_count() or 1, help="llama-server --threads and transformers threads")
     a("--levels", default="1,8,32", help="concurrency levels, comma-separated")
@@ -352,6 +357,7 @@ def parse_args(argv: Sequence[str] | None = None) -> PeersConfig:
     if not os.path.isfile(os.path.join(ns.model, "config.json")):
         p.error(f"--model {ns.model!r} has no config.json")
     ns.model = os.path.abspath(ns.model)
+    ns.hyssm_args = tuple(shlex.split(ns.hyssm_args))
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     del ns.log_level
     return PeersConfig(**vars(ns))

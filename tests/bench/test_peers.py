@@ -182,6 +182,8 @@ def test_cli_validation(tmp_path: Path) -> None:
             parse_args(flags)
         assert exc.value.code == 2
     assert parse_args(["--model", BUILTIN]).levels == (1, 8, 32)
+    cfg = parse_args(["--model", BUILTIN, "--hyssm-args", "--max-mamba-cache-size 64 --log-level warning"])
+    assert cfg.hyssm_args == ("--max-mamba-cache-size", "64", "--log-level", "warning")
 
 
 def test_main_on_the_builtin_model_with_peers_skipped(tmp_path: Path, capsys) -> None:
