@@ -10,13 +10,15 @@ min_new_tokens = max_new_tokens):
 - ``tps_cB``: B * out / seconds of one static-batch generate of B prompts;
 - ``ttft_cold_ms``: generate of 1 token on the cold prompt (prefill + one step);
 - ``ttft_prefix_ms``: the same on the 544-token prompt (transformers keeps no cache across calls);
-- ``decode_ms``: (seconds of the batch-1 generate of `out` tokens - ttft_cold) / (out - 1).
+- ``decode_ms``: median gap between consecutive new tokens of the batch-1 generate, timed by a
+  streamer (transformers calls its put() once per generated token).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import statistics
 import sys
 import time
 from typing import Any
@@ -24,12 +26,25 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 
-def _generate(model: Any, torch: Any, prompts: list[list[int]], new: int, pad_id: int) -> float:
+class _TokenClock:
+    """A generate() streamer that records when each put() happens (the prompt first, then each token)."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def put(self, value: object) -> None:
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+def _generate(model: Any, torch: Any, prompts: list[list[int]], new: int, pad_id: int, clock: Any = None) -> float:
     ids = torch.tensor(prompts, dtype=torch.long)
     t0 = time.perf_counter()
     with torch.inference_mode():
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
-                             min_new_tokens=new, do_sample=False, pad_token_id=pad_id)  # fmt: skip
+                             min_new_tokens=new, do_sample=False, pad_token_id=pad_id, streamer=clock)  # fmt: skip
     dt = time.perf_counter() - t0
     if out.shape[1] != ids.shape[1] + new:
         raise RuntimeError(f"generate returned {out.shape[1] - ids.shape[1]} new tokens, expected {new}")
@@ -55,10 +70,12 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         m["ttft_cold_ms"] = _generate(model, torch, run["cold"], 1, pad) * 1000.0
         m["ttft_prefix_ms"] = _generate(model, torch, run["prefix"], 1, pad) * 1000.0
         for b, prompts in sorted(run["throughput"].items(), key=lambda kv: int(kv[0])):
-            dt = _generate(model, torch, prompts, out_len, pad)
+            clock = _TokenClock() if int(b) == 1 else None  # streamers take batch 1 only
+            dt = _generate(model, torch, prompts, out_len, pad, clock)
             m[f"tps_c{b}"] = len(prompts) * out_len / dt
-            if int(b) == 1:
-                m["decode_ms"] = (dt * 1000.0 - m["ttft_cold_ms"]) / max(1, out_len - 1)
+            if clock is not None and len(clock.times) > 2:
+                gaps = [b2 - a2 for a2, b2 in zip(clock.times[1:], clock.times[2:], strict=False)]
+                m["decode_ms"] = statistics.median(gaps) * 1000.0
         runs.append(m)
         logger.info("transformers run: %s", m)
     return {"runs": runs, "load_s": load_s, "transformers": __import__("transformers").__version__}
