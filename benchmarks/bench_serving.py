@@ -1,8 +1,10 @@
-"""Load generator for a running hyssm server (SGLang ``/generate`` or OpenAI ``/v1/completions``).
+"""Load generator for a running server: hyssm ``/generate``, any OpenAI ``/v1/completions``, llama-server.
 
 Owner: benchmarks. Talks to the server only over HTTP; imports nothing from the engine.
 
     python benchmarks/bench_serving.py --num-prompts 64 --concurrency 8 --input-len 256 --output-len 64
+    python benchmarks/bench_serving.py --backend openai --base-url http://127.0.0.1:8000 --vocab-size 100352
+    python benchmarks/bench_serving.py --backend llama-server --port 8080 --concurrency 8
     python benchmarks/bench_serving.py --shared-prefix-len 300 --num-prefix-groups 1 --input-len 40 \
         --concurrency 1 --output-json out.json
 
@@ -13,7 +15,10 @@ distinct suffix whose length follows ``--input-len``. Arrivals are Poisson at ``
 all at once), at most ``--concurrency`` in flight. ``--warmup`` requests use their own random prompts.
 
 Metric definitions live in serving_metrics.py. Report: a table on stdout and, with ``--output-json``,
-the same numbers as strict JSON (NaN -> null). Diagnostics go to logging.
+the same numbers as strict JSON (NaN -> null). Diagnostics go to logging. Request bodies per backend
+(``--backend hyssm|openai|llama-server``; ``generate`` is an alias of hyssm) are in serving_backends.py;
+the vocabulary size comes from ``--vocab-size``, else /get_server_info (hyssm, SGLang), else
+/v1/models (llama-server's ``meta.n_vocab``), else 256.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import random
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import httpx
@@ -36,6 +41,7 @@ from tqdm import tqdm
 if __package__ in (None, ""):  # run as a file (python benchmarks/bench_serving.py): make the repo importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.serving_backends import ALIASES, BACKENDS, canonical_backend, request_for  # noqa: E402
 from benchmarks.serving_metrics import (  # noqa: E402
     RequestResult,
     RequestSpec,
@@ -65,53 +71,40 @@ SHARED_PREFIX_PRESET: dict[str, object] = {
 
 @dataclass(frozen=True)
 class BenchConfig:
+    """One benchmark invocation; the defaults are the CLI's (bench_peers builds these directly)."""
+
     base_url: str
-    backend: str
-    model: str | None
-    api_key: str | None
-    num_prompts: int
-    concurrency: int | None
-    request_rate: float
-    input_len: int
-    output_len: int
-    range_ratio: float
-    shared_prefix_len: int
-    num_prefix_groups: int
-    vocab_size: int | None
-    seed: int
-    temperature: float
-    ignore_eos: bool
-    warmup: int
-    flush_cache: bool
-    runs: int
-    timeout_s: float
-    disable_tqdm: bool
-    output_json: str | None
-    log_level: str
+    backend: str = "hyssm"
+    model: str | None = None
+    api_key: str | None = None
+    num_prompts: int = 100
+    concurrency: int | None = None
+    request_rate: float = math.inf
+    input_len: int = 256
+    output_len: int = 64
+    range_ratio: float = 0.0
+    shared_prefix_len: int = 0
+    num_prefix_groups: int = 1
+    vocab_size: int | None = None
+    seed: int = 0
+    temperature: float = 0.0
+    ignore_eos: bool = True
+    extra_body: dict[str, object] = field(default_factory=dict)
+    warmup: int = 0
+    flush_cache: bool = False
+    runs: int = 1
+    timeout_s: float = 3600.0
+    disable_tqdm: bool = False
+    output_json: str | None = None
+    log_level: str = "WARNING"
 
 
 # ---------------------------------------------------------------- HTTP client
 
 
 def _payload(cfg: BenchConfig, spec: RequestSpec, model: str | None) -> tuple[str, dict[str, object]]:
-    if cfg.backend == "generate":
-        params = {
-            "max_new_tokens": spec.output_len,
-            "temperature": cfg.temperature,
-            "ignore_eos": cfg.ignore_eos,
-        }
-        return "/generate", {"input_ids": spec.prompt_ids, "sampling_params": params, "stream": True}
-    body: dict[str, object] = {
-        "model": model,
-        "prompt": spec.prompt_ids,
-        "max_tokens": spec.output_len,
-        "temperature": cfg.temperature,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    if cfg.ignore_eos:  # an SGLang/vLLM extension of the OpenAI schema; --no-ignore-eos omits it
-        body["ignore_eos"] = True
-    return "/v1/completions", body
+    return request_for(cfg.backend, spec.prompt_ids, spec.output_len, model=model, temperature=cfg.temperature,
+                       ignore_eos=cfg.ignore_eos, extra=cfg.extra_body)  # fmt: skip
 
 
 async def send_request(
@@ -179,23 +172,32 @@ async def run_requests(
 
 
 async def _discover(client: httpx.AsyncClient, cfg: BenchConfig) -> tuple[int, str | None]:
-    """vocab size (flag, else /get_server_info, else 256) and model name (flag, else /v1/models)."""
+    """vocab size (flag, else /get_server_info, else /v1/models, else 256) and model name (flag, else
+    the first of /v1/models for the openai backend)."""
     vocab = cfg.vocab_size
-    if vocab is None:
+    listed: object = None
+    for path in ("/get_server_info", "/v1/models"):
+        if vocab is not None:
+            break
         try:
-            resp = await client.get("/get_server_info")
+            resp = await client.get(path)
             resp.raise_for_status()
-            vocab = find_vocab_size(resp.json())
+            doc = resp.json()
         except (httpx.HTTPError, ValueError) as exc:
-            logger.warning("could not read /get_server_info: %s", exc)
-        if vocab is None:
-            logger.warning("vocab size unknown; using %d", DEFAULT_VOCAB_SIZE)
-            vocab = DEFAULT_VOCAB_SIZE
+            logger.info("could not read %s: %s", path, exc)
+            continue
+        listed = doc if path == "/v1/models" else listed
+        vocab = find_vocab_size(doc)
+    if vocab is None:
+        logger.warning("vocab size unknown; using %d", DEFAULT_VOCAB_SIZE)
+        vocab = DEFAULT_VOCAB_SIZE
     model = cfg.model
     if model is None and cfg.backend == "openai":
-        resp = await client.get("/v1/models")
-        resp.raise_for_status()
-        model = resp.json()["data"][0]["id"]
+        if listed is None:
+            resp = await client.get("/v1/models")
+            resp.raise_for_status()
+            listed = resp.json()
+        model = listed["data"][0]["id"]  # type: ignore[index]
     return vocab, model
 
 
@@ -262,7 +264,8 @@ def parse_args(argv: Sequence[str] | None = None) -> BenchConfig:
     a("--host", default="127.0.0.1")
     a("--port", type=int, default=30000)
     a("--base-url", default=None, help="overrides --host/--port, e.g. http://10.0.0.2:30000")
-    a("--backend", choices=("generate", "openai"), default="generate")
+    a("--backend", choices=(*BACKENDS, *ALIASES), default="hyssm", help="hyssm /generate, OpenAI /v1/completions, "
+      "llama-server /completion (see serving_backends.py)")
     a("--model", default=None, help="OpenAI model name (default: first of /v1/models)")
     a("--api-key", default=None)
     a("--num-prompts", type=int, default=100)
@@ -277,6 +280,7 @@ def parse_args(argv: Sequence[str] | None = None) -> BenchConfig:
     a("--seed", type=int, default=0)
     a("--temperature", type=float, default=0.0)
     a("--no-ignore-eos", dest="ignore_eos", action="store_false", help="let EOS end requests early")
+    a("--extra-body", default=None, metavar="JSON", help="JSON object merged into every request body")
     a("--warmup", type=int, default=0, help="unmeasured requests (own random prompts) sent first")
     a("--flush-cache", action="store_true", help="POST /flush_cache before each measured run")
     a("--runs", type=int, default=1, help="measured runs (run k uses seed+k); report the median")
@@ -295,6 +299,16 @@ def parse_args(argv: Sequence[str] | None = None) -> BenchConfig:
         p.error("--concurrency must be >= 1")
     if ns.request_rate <= 0 or not 0.0 <= ns.range_ratio < 1.0 or ns.shared_prefix_len < 0 or ns.warmup < 0:
         p.error("need --request-rate > 0, 0 <= --range-ratio < 1, --shared-prefix-len >= 0, --warmup >= 0")
+    try:
+        extra = json.loads(ns.extra_body) if ns.extra_body else {}
+    except ValueError as exc:
+        p.error(f"--extra-body is not valid JSON: {exc}")
+    if not isinstance(extra, dict):
+        p.error("--extra-body must be a JSON object")
+    ns.extra_body = extra
+    ns.backend = canonical_backend(ns.backend)
+    if ns.flush_cache and ns.backend == "llama-server":
+        p.error("--flush-cache needs a /flush_cache endpoint, which llama-server does not have")
     base_url = (ns.base_url or f"http://{ns.host}:{ns.port}").rstrip("/")
     skip = ("host", "port", "base_url", "shared_prefix")
     return BenchConfig(base_url=base_url, **{k: v for k, v in vars(ns).items() if k not in skip})

@@ -133,19 +133,21 @@ def build_requests(
     return specs
 
 
-def find_vocab_size(info: object) -> int | None:
-    """The first integer ``vocab_size`` found anywhere in a /get_server_info JSON document."""
+def find_vocab_size(info: object, keys: tuple[str, ...] = ("vocab_size", "n_vocab")) -> int | None:
+    """The first positive integer under one of `keys` found anywhere in a JSON document
+    (hyssm/SGLang /get_server_info: ``vocab_size``; llama-server /v1/models: ``meta.n_vocab``)."""
     if isinstance(info, dict):
-        value = info.get("vocab_size")
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            return value
+        for key in keys:
+            value = info.get(key)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
         children: list[object] = list(info.values())
     elif isinstance(info, list):
         children = list(info)
     else:
         return None
     for child in children:
-        found = find_vocab_size(child)
+        found = find_vocab_size(child, keys)
         if found is not None:
             return found
     return None
@@ -234,23 +236,41 @@ def format_report(m: dict[str, object], title: str = "Serving Benchmark Result")
 def apply_chunk(backend: str, chunk: object, res: RequestResult, now: float) -> None:
     """Record one decoded SSE chunk into res (token arrival and the server-reported counts).
 
-    generate: new tokens = growth of the cumulative ``meta_info.completion_tokens``. openai: every
-    choice chunk without finish_reason (or with text) carries one token; ``usage`` sets the totals.
+    hyssm (alias generate): new tokens = growth of the cumulative ``meta_info.completion_tokens``.
+    llama-server (native /completion): growth of the cumulative ``tokens_predicted``; prompt and
+    cached counts from ``tokens_evaluated`` and ``timings.cache_n``. openai: every choice chunk
+    without finish_reason (or with text) carries one token; ``usage`` sets the totals.
     Raises RuntimeError on an error chunk or a malformed one (the caller records a failure)."""
     if not isinstance(chunk, dict):
         raise RuntimeError(f"stream chunk is not an object: {chunk!r:.100}")
     if "error" in chunk:
         raise RuntimeError(f"server error in stream: {chunk['error']}")
-    if backend == "generate":
+    if backend in ("hyssm", "generate"):
         meta = chunk.get("meta_info") or {}
         if not isinstance(meta, dict):
             raise RuntimeError(f"meta_info is not an object: {meta!r:.100}")
-        done = int(meta.get("completion_tokens", res.completion_tokens + 1))
-        res.chunks.append((now, max(0, done - res.completion_tokens)))
-        res.completion_tokens = max(done, res.completion_tokens)
+        _count_cumulative(res, now, int(meta.get("completion_tokens", res.completion_tokens + 1)))
         res.prompt_tokens = int(meta.get("prompt_tokens", res.prompt_tokens))
         res.cached_tokens = int(meta.get("cached_tokens", res.cached_tokens))
         return
+    if backend == "llama-server":
+        if "tokens_predicted" not in chunk and not chunk.get("stop"):
+            raise RuntimeError(f"not a llama-server /completion chunk: {chunk!r:.100}")
+        _count_cumulative(res, now, int(chunk.get("tokens_predicted", res.completion_tokens)))
+        res.prompt_tokens = int(chunk.get("tokens_evaluated", res.prompt_tokens))
+        timings = chunk.get("timings")
+        if isinstance(timings, dict) and "cache_n" in timings:
+            res.cached_tokens = int(timings["cache_n"])
+        return
+    _apply_openai_chunk(chunk, res, now)
+
+
+def _count_cumulative(res: RequestResult, now: float, done: int) -> None:
+    res.chunks.append((now, max(0, done - res.completion_tokens)))
+    res.completion_tokens = max(done, res.completion_tokens)
+
+
+def _apply_openai_chunk(chunk: dict, res: RequestResult, now: float) -> None:
     usage = chunk.get("usage")
     if isinstance(usage, dict):
         res.prompt_tokens = int(usage.get("prompt_tokens", 0))

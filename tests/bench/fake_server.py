@@ -1,11 +1,16 @@
 """A tiny starlette app that fakes hyssm's streaming HTTP API, served by uvicorn in a thread.
 
 Owner: tests/bench. It lets the bench_serving client path run for real (HTTP, SSE parsing, concurrency)
-without the engine. Faked behaviour: the reply token is always 7; ``cached_tokens`` is the longest
-common prefix with any earlier prompt since the last /flush_cache (capped at len - 1, like the real
-radix cache); tokens are streamed in chunks of 1 and 2 alternately (a batched TokenOut carries several)
-with a short pause between chunks to simulate decoding; every ``fail_every``-th request gets a 503.
-Requests are validated strictly (a 400 names what is wrong), so a client bug shows up as a failure.
+without the engine.
+It speaks hyssm's /generate, OpenAI /v1/completions and llama-server's native /completion (one chunk per
+token with a cumulative ``tokens_predicted``, a leading progress chunk without tokens, a final ``stop``
+chunk with ``timings.cache_n``, no [DONE]); /health answers 200; ``reset(hide_server_info=True)`` drops
+/get_server_info (404, as on llama-server), leaving the vocabulary to /v1/models' ``meta.n_vocab``.
+Faked behaviour: the reply token is always 7; ``cached_tokens`` is the longest common prefix with any
+earlier prompt since the last /flush_cache (capped at len - 1, like the real radix cache); tokens are
+streamed in chunks of 1 and 2 alternately (a batched TokenOut carries several) with a short pause
+between chunks to simulate decoding; every ``fail_every``-th request gets a 503. Requests are validated
+strictly (a 400 names what is wrong), so a client bug shows up as a failure.
 """
 
 from __future__ import annotations
@@ -45,13 +50,15 @@ class FakeState:
     """Everything the fake remembers; reset between tests. Mutated only on the server thread's loop."""
 
     fail_every: int = 0
+    hide_server_info: bool = False
     arrivals: int = 0
     flushes: int = 0
     prompts: list[list[int]] = field(default_factory=list)  # the fake "radix cache"
     seen: list[Seen] = field(default_factory=list)
 
-    def reset(self, fail_every: int) -> None:
+    def reset(self, fail_every: int, hide_server_info: bool = False) -> None:
         self.fail_every, self.arrivals, self.flushes = fail_every, 0, 0
+        self.hide_server_info = hide_server_info
         self.prompts.clear()
         self.seen.clear()
 
@@ -101,14 +108,22 @@ class FakeApp:
                 Route("/flush_cache", self.flush, methods=["POST"]),
                 Route("/generate", self.generate, methods=["POST"]),
                 Route("/v1/completions", self.completions, methods=["POST"]),
+                Route("/completion", self.llama_completion, methods=["POST"]),
+                Route("/health", self.health, methods=["GET"]),
             ]
         )
 
     async def server_info(self, request: Request) -> JSONResponse:
+        if self.state.hide_server_info:
+            return JSONResponse({"error": "not found"}, status_code=404)
         return JSONResponse({"args": {"port": 0}, "model_info": {"vocab_size": VOCAB_SIZE}})
 
     async def models(self, request: Request) -> JSONResponse:
-        return JSONResponse({"object": "list", "data": [{"id": MODEL_NAME, "object": "model"}]})
+        model = {"id": MODEL_NAME, "object": "model", "meta": {"n_vocab": VOCAB_SIZE}}
+        return JSONResponse({"object": "list", "data": [model]})
+
+    async def health(self, request: Request) -> JSONResponse:
+        return JSONResponse({"status": "ok"})
 
     async def flush(self, request: Request) -> JSONResponse:
         self.state.flushes += 1
@@ -181,6 +196,32 @@ class FakeApp:
         return StreamingResponse(stream(), media_type="text/event-stream")
 
 
+    async def llama_completion(self, request: Request) -> Response:
+        body = await request.json()
+        allowed = {"prompt", "n_predict", "temperature", "stream", "cache_prompt", "ignore_eos"}
+        if set(body) - allowed or body.get("cache_prompt") is not True:
+            return _bad(f"unknown field or cache_prompt not true in {body}")
+        seen = self._admit("llama-server", body.get("prompt"), body.get("n_predict"), body)
+        if isinstance(seen, Response):
+            return seen
+        n_prompt = len(seen.prompt_ids)
+
+        async def stream() -> AsyncIterator[str]:
+            progress = {"content": "", "tokens": [], "stop": False, "tokens_predicted": 0}
+            yield _sse({**progress, "tokens_evaluated": n_prompt})
+            for i in range(seen.max_tokens):
+                await asyncio.sleep(TOKEN_PAUSE_S)
+                yield _sse({"index": 0, "content": "x", "tokens": [7], "stop": False, "id_slot": 0,
+                            "tokens_predicted": i + 1, "tokens_evaluated": n_prompt})  # fmt: skip
+            timings = {"cache_n": seen.cached_tokens, "prompt_n": n_prompt - seen.cached_tokens,
+                       "predicted_n": seen.max_tokens}  # fmt: skip
+            yield _sse({"index": 0, "content": "", "tokens": [], "stop": True, "tokens_predicted": seen.max_tokens,
+                        "tokens_evaluated": n_prompt, "tokens_cached": n_prompt + seen.max_tokens,
+                        "timings": timings})  # fmt: skip
+
+        return StreamingResponse(stream(), media_type="text/event-stream")
+
+
 class FakeServer:
     """uvicorn serving FakeApp on a free port in a daemon thread. The listening socket is bound before
     the thread starts, so clients can connect at once (the kernel queues them until uvicorn accepts)."""
@@ -202,9 +243,9 @@ class FakeServer:
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def reset(self, fail_every: int = 0) -> None:
+    def reset(self, fail_every: int = 0, hide_server_info: bool = False) -> None:
         """Only between client runs (no request in flight)."""
-        self.state.reset(fail_every)
+        self.state.reset(fail_every, hide_server_info)
 
     def stop(self) -> None:
         self._server.should_exit = True

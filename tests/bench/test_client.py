@@ -30,8 +30,9 @@ def _strict_json(path: Path) -> dict[str, object]:
     return json.loads(path.read_text(), parse_constant=no_constants)
 
 
-def _run(server: FakeServer, tmp_path: Path, *flags: str, fail_every: int = 0) -> tuple[int, dict[str, object]]:
-    server.reset(fail_every)
+def _run(server: FakeServer, tmp_path: Path, *flags: str, fail_every: int = 0,
+         hide_server_info: bool = False) -> tuple[int, dict[str, object]]:  # fmt: skip
+    server.reset(fail_every, hide_server_info)
     out = tmp_path / "result.json"
     rc = main(["--base-url", server.base_url, "--disable-tqdm", "--output-json", str(out), *flags])
     server.check_integrity()
@@ -122,4 +123,43 @@ def test_shared_prefix_preset_and_flag_validation() -> None:
     for bad in (["--range-ratio", "1"], ["--concurrency", "0"], ["--num-prompts", "0"], ["--request-rate", "0"]):
         with pytest.raises(SystemExit) as exc:
             parse_args(bad)
+        assert exc.value.code == 2
+
+
+def test_llama_server_backend_native_completion(server: FakeServer, tmp_path: Path) -> None:
+    flags = ["--backend", "llama-server", "--num-prompts", "6", "--concurrency", "3", "--input-len", "9",
+             "--output-len", "5", "--shared-prefix-len", "20"]  # fmt: skip
+    rc, m = _run(server, tmp_path, *flags, hide_server_info=True)
+    assert rc == 0
+    seen = server.state.seen
+    assert [s.endpoint for s in seen] == ["llama-server"] * 6
+    assert all(s.body["ignore_eos"] is True and s.body["cache_prompt"] is True and s.body["n_predict"] == 5
+               and s.body["stream"] is True for s in seen)  # fmt: skip
+    # vocab came from /v1/models' meta.n_vocab (no /get_server_info on llama-server)
+    assert all(max(s.prompt_ids) < VOCAB_SIZE for s in seen) and m["config"]["vocab_size"] == VOCAB_SIZE  # type: ignore[index]
+    assert (m["completed"], m["failed"]) == (6, 0)
+    assert m["total_output_tokens"] == 30 and m["total_input_tokens"] == 6 * 29
+    assert m["total_cached_tokens"] == sum(s.cached_tokens for s in seen) > 0  # from timings.cache_n
+    # the progress chunk (0 tokens) is not a first token; one token per later chunk: 4 ITLs per request
+    assert m["ttft_ms"]["median"] > 0 and m["itl_ms"]["mean"] > 0  # type: ignore[index, operator]
+
+
+def test_openai_backend_extra_body_and_no_ignore_eos(server: FakeServer, tmp_path: Path) -> None:
+    flags = ["--backend", "openai", "--num-prompts", "2", "--input-len", "4", "--output-len", "3",
+             "--no-ignore-eos", "--extra-body", '{"min_tokens": 3, "top_k": 1}']  # fmt: skip
+    rc, m = _run(server, tmp_path, *flags, hide_server_info=True)
+    assert rc == 0 and m["completed"] == 2
+    assert all("ignore_eos" not in s.body and s.body["min_tokens"] == 3 and s.body["top_k"] == 1
+               for s in server.state.seen)  # fmt: skip
+    assert m["config"]["vocab_size"] == VOCAB_SIZE  # type: ignore[index]
+
+
+def test_backend_alias_and_bad_backend_flags() -> None:
+    assert parse_args(["--backend", "generate"]).backend == "hyssm"
+    assert parse_args([]).backend == "hyssm"
+    bad = (["--backend", "vllm"], ["--backend", "llama-server", "--flush-cache"], ["--extra-body", "[1]"],
+           ["--extra-body", "{nope"])  # fmt: skip
+    for flags in bad:
+        with pytest.raises(SystemExit) as exc:
+            parse_args(flags)
         assert exc.value.code == 2

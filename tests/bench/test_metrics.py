@@ -190,3 +190,19 @@ def test_median_metrics_and_json_safe() -> None:
     safe = json_safe({"a": [math.nan, 1.5, math.inf], "b": (2, "s")})
     assert safe == {"a": [None, 1.5, None], "b": [2, "s"]}
     json.dumps(safe, allow_nan=False)
+
+
+def test_apply_chunk_llama_server_counts_cumulative_tokens() -> None:
+    res = RequestResult(prompt_tokens=0)
+    apply_chunk("llama-server", {"content": "", "stop": False, "tokens_predicted": 0, "tokens_evaluated": 9}, res, 1.0)
+    apply_chunk("llama-server", {"content": "a", "stop": False, "tokens_predicted": 1, "tokens_evaluated": 9}, res, 2.0)
+    apply_chunk("llama-server", {"content": "bc", "stop": False, "tokens_predicted": 3}, res, 3.0)
+    final = {"content": "", "stop": True, "tokens_predicted": 3, "tokens_evaluated": 9, "timings": {"cache_n": 4}}
+    apply_chunk("llama-server", final, res, 4.0)
+    assert res.chunks == [(1.0, 0), (2.0, 1), (3.0, 2), (4.0, 0)]
+    assert (res.prompt_tokens, res.completion_tokens, res.cached_tokens) == (9, 3, 4)
+    assert ttft_from_chunks(0.5, res.chunks) == 1.5  # the progress chunk carries no token
+    with pytest.raises(RuntimeError, match="not a llama-server"):
+        apply_chunk("llama-server", {"choices": []}, res, 5.0)
+    with pytest.raises(RuntimeError, match="server error"):
+        apply_chunk("llama-server", {"error": {"code": 500}}, res, 5.0)

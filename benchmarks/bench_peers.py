@@ -1,0 +1,387 @@
+"""hyssm, llama.cpp's llama-server and transformers ``generate`` on one checkpoint, one table.
+
+Owner: benchmarks. One invocation runs the three systems one after another on the same prompts:
+
+    python benchmarks/make_bench_model.py --shape granite-4.0-h-350m /work/bench-models/granite-350m
+    python benchmarks/bench_peers.py --model /work/bench-models/granite-350m --runs 3 --output-json peers.json
+
+- hyssm: ``launch.py --model-path MODEL --dtype float32 [--hyssm-args ...]`` on a free loopback port,
+  native /generate (its pool sizes are launch.py's defaults unless --hyssm-args sets them);
+- llama.cpp: ``llama-server -m MODEL.f32.gguf --parallel 32 --threads $(nproc) -c 32*1024``, native
+  /completion with cache_prompt. The GGUF is converted on first use with the peers script
+  (``llama-server.sh convert``) and cached beside the model directory (redone when older than the
+  weights). Skipped with a message when the binary (``--llama-server``, default: where
+  ``llama-server.sh build`` puts it) does not exist; this tool never builds it;
+- transformers: peers_transformers.py in a subprocess (skipped with a message when not installed).
+Workload per run k (prompts from random.Random(seed + k), the same for every system; ids avoid the
+config's bos/eos/pad): --input-len (128) token prompts with --output-len (32) new tokens, greedy,
+EOS ignored, at each concurrency level (one wave of c distinct prompts; transformers: one static
+batch of c); a cold prompt (1 new token: TTFT); a --prefix-len (512) prefix sent once, then the prefix
+plus --suffix-len (32) new tokens (TTFT of that request). ms per decode token = median inter-token
+latency at concurrency 1. Peak RSS = the process tree's summed VmRSS over the server's whole life.
+Figures are medians over --runs; see peers_report.py for the table. Servers are stopped (their
+process group only) at the end, on error and on Ctrl-C/SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import importlib.util
+import json
+import logging
+import os
+import random
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+import httpx
+
+if __package__ in (None, ""):  # run as a file: make the repo importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.bench_serving import BenchConfig, run_requests  # noqa: E402
+from benchmarks.peers_procs import ManagedProcess, PeerError, free_port  # noqa: E402
+from benchmarks.peers_report import format_table, median_runs, to_json  # noqa: E402
+from benchmarks.serving_metrics import RequestSpec, compute_metrics  # noqa: E402
+
+logger = logging.getLogger(__name__)
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_PEERS_SCRIPT = REPO.parent / "shared" / "peers" / "llama-server.sh"
+RunPrompts = dict[str, object]
+
+
+@dataclasses.dataclass(frozen=True)
+class PeersConfig:
+    model: str
+    runs: int = 3
+    skip_llama: bool = False
+    skip_transformers: bool = False
+    llama_server: str | None = None
+    hyssm_args: tuple[str, ...] = ()
+    peers_script: str = str(DEFAULT_PEERS_SCRIPT)
+    threads: int = os.cpu_count() or 1
+    levels: tuple[int, ...] = (1, 8, 32)
+    input_len: int = 128
+    output_len: int = 32
+    prefix_len: int = 512
+    suffix_len: int = 32
+    seed: int = 0
+    ready_timeout_s: float = 900.0
+    request_timeout_s: float = 3600.0
+    output_json: str | None = None
+    log_dir: str | None = None
+
+
+def default_llama_server(script: str) -> Path | None:
+    """Where ``llama-server.sh build`` puts the binary (its ROOT/VER rule), without building it."""
+    try:
+        text = Path(script).read_text()
+    except OSError:
+        return None
+    ver = re.search(r"^VER=(\S+)", text, re.M)
+    if ver is None:
+        return None
+    root = Path(os.environ.get("HYSSM_PEERS", Path.home() / ".cache" / "hyssm-peers"))  # the script's own rule
+    return root / f"llama_cpp_python-{ver.group(1)}" / "vendor" / "llama.cpp" / "build" / "bin" / "llama-server"
+
+
+def llama_skip_reason(cfg: PeersConfig) -> str | None:
+    if cfg.skip_llama:
+        return "llama.cpp: skipped (--skip-llama)"
+    binary = Path(cfg.llama_server) if cfg.llama_server else default_llama_server(cfg.peers_script)
+    if binary is None or not os.access(binary, os.X_OK):
+        return (
+            f"llama.cpp: skipped: no llama-server binary at {binary} (build it with "
+            f"`bash {cfg.peers_script} build`, ~20 min on 2 cores, or pass --llama-server PATH)"
+        )
+    return None
+
+
+def transformers_skip_reason(cfg: PeersConfig, find_spec=importlib.util.find_spec) -> str | None:  # noqa: ANN001
+    if cfg.skip_transformers:
+        return "transformers: skipped (--skip-transformers)"
+    if find_spec("transformers") is None:
+        return "transformers: skipped: transformers is not installed (`pip install transformers` adds this column)"
+    return None
+
+
+def make_prompts(cfg: PeersConfig, vocab: int, banned: set[int]) -> list[RunPrompts]:
+    """Per run: {"throughput": {c: [c prompts]}, "cold": [p], "prefix_only": [prefix], "prefix": [prefix+suffix]}."""
+    out = []
+    for k in range(cfg.runs):
+        rng = random.Random(cfg.seed + k)
+
+        def draw(n: int, rng: random.Random = rng) -> list[int]:
+            ids = []
+            while len(ids) < n:
+                t = rng.randrange(vocab)
+                if t not in banned:
+                    ids.append(t)
+            return ids
+
+        thr = {c: [draw(cfg.input_len) for _ in range(c)] for c in cfg.levels}
+        prefix = draw(cfg.prefix_len)
+        out.append(
+            {
+                "throughput": thr,
+                "cold": [draw(cfg.input_len)],
+                "prefix_only": [prefix],
+                "prefix": [prefix + draw(cfg.suffix_len)],
+            }
+        )
+    return out
+
+
+async def _one_wave(
+    client: httpx.AsyncClient, bc: BenchConfig, prompts: list[list[int]], out_len: int, desc: str
+) -> dict[str, object]:
+    specs = [RequestSpec(p, out_len) for p in prompts]
+    cfg = dataclasses.replace(bc, concurrency=len(specs))
+    results, duration = await run_requests(client, cfg, specs, [0.0] * len(specs), None, desc)
+    m = compute_metrics(results, duration)
+    if m["failed"]:
+        raise PeerError(f"{desc}: {m['failed']} of {len(specs)} requests failed, first: {m['errors'][0]}")  # type: ignore[index]
+    return m
+
+
+async def measure_http(
+    base_url: str, backend: str, run: RunPrompts, cfg: PeersConfig, warmup: bool
+) -> dict[str, float]:
+    """One run's figures against a ready server (see the module docstring)."""
+    bc = BenchConfig(base_url=base_url, backend=backend, disable_tqdm=True, timeout_s=cfg.request_timeout_s)
+    limits = httpx.Limits(max_connections=max(cfg.levels))
+    timeout = httpx.Timeout(cfg.request_timeout_s, connect=30.0)
+    m: dict[str, float] = {}
+    async with httpx.AsyncClient(base_url=base_url, limits=limits, timeout=timeout) as client:
+        if warmup:  # first-request costs (allocators, lazy init) stay out of the figures
+            await _one_wave(client, bc, [p[:16] for p in run["cold"]], 2, f"{backend} warm-up")  # type: ignore[attr-defined]
+        for c, prompts in run["throughput"].items():  # type: ignore[attr-defined]
+            w = await _one_wave(client, bc, prompts, cfg.output_len, f"{backend} concurrency {c}")
+            m[f"tps_c{c}"] = float(w["output_token_throughput"])  # type: ignore[arg-type]
+            if c == 1:
+                m["decode_ms"] = float(w["itl_ms"]["median"])  # type: ignore[index]
+        cold = await _one_wave(client, bc, run["cold"], 1, f"{backend} cold prompt")  # type: ignore[arg-type]
+        m["ttft_cold_ms"] = float(cold["ttft_ms"]["median"])  # type: ignore[index]
+        await _one_wave(client, bc, run["prefix_only"], 1, f"{backend} prefix")  # type: ignore[arg-type]
+        hit = await _one_wave(client, bc, run["prefix"], 1, f"{backend} prefix hit")  # type: ignore[arg-type]
+        m["ttft_prefix_ms"] = float(hit["ttft_ms"]["median"])  # type: ignore[index]
+    return m
+
+
+def run_server(
+    name: str, cmd: list[str], port: int, backend: str, runs: list[RunPrompts], cfg: PeersConfig, log_dir: Path
+) -> list[dict[str, float]]:
+    """Start one server, wait for /health, measure every run, stop it; peak RSS goes into every run."""
+    proc = ManagedProcess(name, cmd, log_dir / f"{name}.log", cwd=str(REPO))
+    try:
+        ready_s = proc.wait_ready(f"http://127.0.0.1:{port}/health", cfg.ready_timeout_s)
+        logger.info("%s ready in %.1fs", name, ready_s)
+        out = []
+        for k, run in enumerate(runs):
+            out.append(asyncio.run(measure_http(f"http://127.0.0.1:{port}", backend, run, cfg, warmup=k == 0)))
+            logger.info("%s run %d: %s", name, k + 1, out[-1])
+    except PeerError as e:
+        raise PeerError(f"{e}\n--- {name} log tail ---\n{proc.log_tail()}") from None
+    finally:
+        proc.stop()
+    for m in out:
+        m["peak_rss_mib"] = proc.peak_rss_bytes / 2**20
+    return out
+
+
+def gguf_for(cfg: PeersConfig, log_dir: Path) -> Path:
+    """MODEL.f32.gguf beside the model directory, converted now if missing or older than the weights."""
+    model = Path(cfg.model).resolve()
+    # beside the model, except for a model inside this repository (the GGUF stays out of it)
+    gguf = (log_dir if model.is_relative_to(REPO) else model.parent) / f"{model.name}.f32.gguf"
+    newest = max(p.stat().st_mtime for p in model.iterdir() if p.is_file())
+    if gguf.is_file() and gguf.stat().st_mtime >= newest:
+        return gguf
+    tmp = gguf.with_suffix(".gguf.tmp")
+    logger.info("converting %s to %s (once; cached)", model, gguf)
+    with open(log_dir / "convert.log", "wb") as log:
+        rc = subprocess.call(
+            ["bash", cfg.peers_script, "convert", str(model), str(tmp), "f32"],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            timeout=3600,
+        )
+    if rc != 0 or not tmp.is_file():
+        raise PeerError(f"GGUF conversion failed (rc {rc}); see {log_dir / 'convert.log'}")
+    os.replace(tmp, gguf)
+    return gguf
+
+
+def run_transformers(runs: list[RunPrompts], cfg: PeersConfig, log_dir: Path) -> list[dict[str, float]]:
+    job = {
+        "model": cfg.model,
+        "threads": cfg.threads,
+        "output_len": cfg.output_len,
+        "runs": [{"throughput": r["throughput"], "cold": r["cold"], "prefix": r["prefix"]} for r in runs],
+    }
+    job_path, out_path = log_dir / "transformers_job.json", log_dir / "transformers_out.json"
+    job_path.write_text(json.dumps(job))
+    cmd = [sys.executable, str(REPO / "benchmarks" / "peers_transformers.py"), str(job_path), str(out_path)]
+    proc = ManagedProcess("transformers", cmd, log_dir / "transformers.log", cwd=str(REPO))
+    try:
+        rc = proc.wait(cfg.request_timeout_s)
+    finally:
+        proc.stop()
+    if rc != 0 or not out_path.is_file():
+        raise PeerError(f"transformers subprocess exited with {rc}:\n{proc.log_tail()}")
+    out = json.loads(out_path.read_text())["runs"]
+    for m in out:
+        m["peak_rss_mib"] = proc.peak_rss_bytes / 2**20
+    return out
+
+
+def _model_ids(model: str) -> tuple[int, set[int]]:
+    with open(os.path.join(model, "config.json"), encoding="utf-8") as f:
+        c = json.load(f)
+    banned = {c.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    return int(c["vocab_size"]), {int(t) for t in banned if isinstance(t, int)}
+
+
+def benchmark(cfg: PeersConfig, log_dir: Path) -> tuple[dict[str, dict[str, float | None]], dict[str, list], list[str]]:
+    """Run every system not skipped; returns medians, per-run figures and notes (skips, failures)."""
+    vocab, banned = _model_ids(cfg.model)
+    runs = make_prompts(cfg, vocab, banned)
+    per_run: dict[str, list] = {}
+    notes: list[str] = []
+    port = free_port()
+    hyssm_cmd = [
+        sys.executable,
+        str(REPO / "launch.py"),
+        "--model-path",
+        cfg.model,
+        "--dtype",
+        "float32",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--max-running-requests",
+        str(max(64, *cfg.levels)),
+        *cfg.hyssm_args,
+    ]
+    try:
+        per_run["hyssm"] = run_server("hyssm", hyssm_cmd, port, "hyssm", runs, cfg, log_dir)
+    except PeerError as e:
+        notes.append(f"hyssm: failed: {e}")
+    skip = llama_skip_reason(cfg)
+    if skip:
+        notes.append(skip)
+    else:
+        try:
+            gguf, port = gguf_for(cfg, log_dir), free_port()
+            binary = cfg.llama_server or str(default_llama_server(cfg.peers_script))
+            ctx = max(cfg.levels) * 1024 * max(1, -(-(cfg.prefix_len + cfg.suffix_len + cfg.output_len) // 1024))
+            cmd = [
+                binary,
+                "-m",
+                str(gguf),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--parallel",
+                str(max(cfg.levels)),
+                "--threads",
+                str(cfg.threads),
+                "-c",
+                str(ctx),
+                "--no-webui",
+            ]
+            per_run["llama.cpp"] = run_server("llama.cpp", cmd, port, "llama-server", runs, cfg, log_dir)
+        except PeerError as e:
+            notes.append(f"llama.cpp: failed: {e}")
+    skip = transformers_skip_reason(cfg)
+    if skip:
+        notes.append(skip)
+    else:
+        try:
+            per_run["transformers"] = run_transformers(runs, cfg, log_dir)
+        except PeerError as e:
+            notes.append(f"transformers: failed: {e}")
+    medians = {name: median_runs(r) for name, r in per_run.items()}
+    notes.insert(
+        0,
+        f"workload: {cfg.input_len}-token prompts, {cfg.output_len} new tokens, greedy, EOS ignored; "
+        f"prefix hit: {cfg.prefix_len}-token prefix + {cfg.suffix_len} new prompt tokens; "
+        f"medians of {cfg.runs} run(s); threads {cfg.threads}",
+    )
+    return medians, per_run, notes
+
+
+def parse_args(argv: Sequence[str] | None = None) -> PeersConfig:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    a = p.add_argument
+    a("--model", required=True, help="checkpoint directory (e.g. from make_bench_model.py)")
+    a("--runs", type=int, default=3, help="measured runs per system; the table shows medians")
+    a("--skip-llama", action="store_true")
+    a("--skip-transformers", action="store_true")
+    a("--llama-server", default=None, metavar="PATH", help="llama-server binary (default: llama-server.sh's)")
+    a("--hyssm-args", default="", help="extra launch.py flags, one string (e.g. '--max-mamba-cache-size 64')")
+    a("--peers-script", default=str(DEFAULT_PEERS_SCRIPT), help="llama-server.sh (build / convert)")
+    a("--threads", type=int, default=os.cpu_count() or 1, help="llama-server --threads and transformers threads")
+    a("--levels", default="1,8,32", help="concurrency levels, comma-separated")
+    a("--input-len", type=int, default=128)
+    a("--output-len", type=int, default=32)
+    a("--prefix-len", type=int, default=512)
+    a("--suffix-len", type=int, default=32)
+    a("--seed", type=int, default=0)
+    a("--ready-timeout", dest="ready_timeout_s", type=float, default=900.0, help="seconds for a server to be ready")
+    a("--request-timeout", dest="request_timeout_s", type=float, default=3600.0)
+    a("--output-json", default=None, metavar="PATH")
+    a("--log-dir", default=None, help="server logs (default: a temporary directory, kept)")
+    a("--log-level", default="INFO")
+    ns = p.parse_args(argv)
+    try:
+        ns.levels = tuple(int(x) for x in ns.levels.split(","))
+    except ValueError:
+        p.error(f"--levels must be comma-separated integers, got {ns.levels!r}")
+    if any(c < 1 for c in ns.levels) or 1 not in ns.levels:
+        p.error("--levels must be positive and include 1 (ms per decode token is read at concurrency 1)")
+    for name in ("runs", "input_len", "output_len", "prefix_len", "suffix_len", "threads"):
+        if getattr(ns, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if not os.path.isfile(os.path.join(ns.model, "config.json")):
+        p.error(f"--model {ns.model!r} has no config.json")
+    ns.model = os.path.abspath(ns.model)
+    ns.hyssm_args = tuple(shlex.split(ns.hyssm_args))
+    logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    del ns.log_level
+    return PeersConfig(**vars(ns))
+
+
+def _sigterm(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt  # unwinds through every server's stop()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Print the table (and write JSON with --output-json); exit 1 when hyssm could not be measured."""
+    cfg = parse_args(argv)
+    previous = signal.signal(signal.SIGTERM, _sigterm)
+    try:
+        log_dir = Path(cfg.log_dir or tempfile.mkdtemp(prefix="bench_peers_"))
+        log_dir.mkdir(parents=True, exist_ok=True)
+        logger.info("logs in %s", log_dir)
+        medians, per_run, notes = benchmark(cfg, log_dir)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    print(format_table(medians, notes))
+    if cfg.output_json:
+        Path(cfg.output_json).write_text(to_json(medians, per_run, notes, dataclasses.asdict(cfg)))
+    return 0 if "hyssm" in medians else 1
+
+if __name__ == "__main__":
+    sys.exit(main())

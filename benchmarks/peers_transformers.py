@@ -1,0 +1,98 @@
+"""bench_peers' transformers column: ``model.generate`` timed in its own process.
+
+Owner: benchmarks. Run by bench_peers as ``python benchmarks/peers_transformers.py JOB.json OUT.json``;
+transformers is imported only here (it is not a dependency of the project). JOB holds the model
+directory, the thread count, the output length and, per run, the same prompts the servers get:
+``throughput`` {batch size: [prompts]}, ``cold`` [prompt], ``prefix`` [prefix + suffix] (each a list of
+token ids; all prompts of a batch have the same length, so no padding). OUT gets, per run, the
+bench_peers metric keys (see peers_report.METRICS). Definitions (greedy, EOS ignored through
+min_new_tokens = max_new_tokens):
+- ``tps_cB``: B * out / seconds of one static-batch generate of B prompts;
+- ``ttft_cold_ms``: generate of 1 token on the cold prompt (prefill + one step);
+- ``ttft_prefix_ms``: the same on the 544-token prompt (transformers keeps no cache across calls);
+- ``decode_ms``: median gap between consecutive new tokens of the batch-1 generate, timed by a
+  streamer (transformers calls its put() once per generated token).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+import sys
+import time
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+class _TokenClock:
+    """A generate() streamer that records when each put() happens (the prompt first, then each token)."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def put(self, value: object) -> None:
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+def _generate(model: Any, torch: Any, prompts: list[list[int]], new: int, pad_id: int, clock: Any = None) -> float:
+    ids = torch.tensor(prompts, dtype=torch.long)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                             min_new_tokens=new, do_sample=False, pad_token_id=pad_id, streamer=clock)  # fmt: skip
+    dt = time.perf_counter() - t0
+    if out.shape[1] != ids.shape[1] + new:
+        raise RuntimeError(f"generate returned {out.shape[1] - ids.shape[1]} new tokens, expected {new}")
+    return dt
+
+
+def run_job(job: dict[str, Any]) -> dict[str, Any]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(int(job["threads"]))
+    t0 = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(job["model"], dtype=torch.float32)
+    model.eval()
+    load_s = time.perf_counter() - t0
+    pad = int(model.config.pad_token_id or 0)
+    out_len = int(job["output_len"])
+    first = job["runs"][0]["cold"]
+    _generate(model, torch, [first[0][:16]], 2, pad)  # warm-up (allocator, lazy init)
+    runs = []
+    for run in job["runs"]:
+        m: dict[str, float] = {}
+        m["ttft_cold_ms"] = _generate(model, torch, run["cold"], 1, pad) * 1000.0
+        m["ttft_prefix_ms"] = _generate(model, torch, run["prefix"], 1, pad) * 1000.0
+        for b, prompts in sorted(run["throughput"].items(), key=lambda kv: int(kv[0])):
+            clock = _TokenClock() if int(b) == 1 else None  # streamers take batch 1 only
+            dt = _generate(model, torch, prompts, out_len, pad, clock)
+            m[f"tps_c{b}"] = len(prompts) * out_len / dt
+            if clock is not None and len(clock.times) > 2:
+                gaps = [b2 - a2 for a2, b2 in zip(clock.times[1:], clock.times[2:], strict=False)]
+                m["decode_ms"] = statistics.median(gaps) * 1000.0
+        runs.append(m)
+        logger.info("transformers run: %s", m)
+    return {"runs": runs, "load_s": load_s, "transformers": __import__("transformers").__version__}
+
+
+def main(argv: list[str]) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if len(argv) != 2:
+        print("usage: peers_transformers.py JOB.json OUT.json", file=sys.stderr)
+        return 2
+    with open(argv[0], encoding="utf-8") as f:
+        job = json.load(f)
+    result = run_job(job)
+    with open(argv[1], "w", encoding="utf-8") as f:
+        json.dump(result, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
