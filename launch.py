@@ -42,6 +42,8 @@ _HELP = {
     "max_mamba_cache_size": "Mamba state slots per rank (0 = from the memory budget)",
     "mem_budget_gb": "memory for KV + state pools per rank in GiB (0 = a default for the device)",
     "kernels": "kernel implementation: auto (Triton on CUDA, fast torch kernels on CPU), reference, fast, triton",
+    "cpu_threads": "torch threads per worker rank on CPU (0 = the node's cores shared by its ranks; 1 for a model "
+    "with hidden size < 512)",
     "enable_deterministic_inference": "batch-invariant numerics: a request's output does not depend on what it is "
     "batched with, whether its prefix came from the cache, or the TP size (slower on CPU)",
     "max_connections": "open HTTP connections at most; more are answered 503 and closed (default: 4096)",

@@ -65,6 +65,7 @@ class ServerArgs:
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     kernels: Literal["auto", "reference", "fast", "triton"] = "auto"
     enable_deterministic_inference: bool = False
+    cpu_threads: int = 0  # torch threads per worker rank on CPU; 0 = by the node's cores and the model
     random_seed: int = 0
     log_level: str = "info"
     # capacities (0 = derive from the memory budget)
@@ -118,6 +119,7 @@ class ServerArgs:
             "--mamba-checkpoint-interval": self.mamba_checkpoint_interval,
             "--context-length": self.context_length,
             "--mem-budget-gb": self.mem_budget_gb,
+            "--cpu-threads": self.cpu_threads,
         }
         for flag, value in non_negative.items():
             if value < 0:

@@ -21,6 +21,7 @@ from shared.channels import SCHEDULER_TO_WORKER, TO_LAUNCHER, WORKER_TO_SCHEDULE
 from shared.config import FaultConfig, ServerArgs
 from shared.errors import StartupError
 from shared.messages import ForwardBatch, Heartbeat, ProcReady, Shutdown, StepResult, WorkerReady
+from shared.model_info import read_config_json
 from worker_proc.runtime import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -35,16 +36,35 @@ def resolve_device(args: ServerArgs, rank: int) -> str:
     return f"cuda:{args.base_gpu_id + local}"
 
 
-def cpu_threads(args: ServerArgs, cores: int) -> int:
-    """Torch threads per rank: the ranks of one node share its cores, and on node 0 the tokenizer
-    and scheduler keep a core each. Oversubscribed OpenMP threads spin against each other and
-    make small GEMMs ~10x slower, so this errs low."""
-    spare = cores - (2 if args.node_rank == 0 else 0)
-    return max(1, spare // args.ranks_per_node)
+SMALL_MODEL_HIDDEN = 512
+"""Below this hidden size a step's GEMMs are too small to split across threads: one thread per rank."""
 
 
-def set_cpu_threads(args: ServerArgs) -> None:
-    torch.set_num_threads(cpu_threads(args, os.cpu_count() or 1))
+def cpu_threads(args: ServerArgs, cores: int, hidden_size: int) -> int:
+    """Torch threads per rank on CPU: `--cpu-threads` when given; otherwise the node's cores shared
+    by its ranks (the tokenizer and scheduler are idle while a step runs, so they keep no core), and
+    one thread for a small model, whose per-step work is too short to amortise waking a second
+    thread. Ranks never get more threads together than the node has cores: oversubscribed OpenMP
+    threads spin against each other and make GEMMs many times slower."""
+    if args.cpu_threads > 0:
+        return args.cpu_threads
+    if hidden_size < SMALL_MODEL_HIDDEN:
+        return 1
+    return max(1, cores // args.ranks_per_node)
+
+
+def available_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def set_cpu_threads(args: ServerArgs) -> int:
+    cfg = read_config_json(args.resolved_model_path)
+    threads = cpu_threads(args, available_cores(), int(cfg.get("hidden_size") or 0))
+    torch.set_num_threads(threads)
+    return threads
 
 
 def init_distributed(args: ServerArgs, rank: int, device: str) -> object | None:
@@ -108,8 +128,8 @@ def agree_refusals(
 
 def run(args: ServerArgs, rank: int) -> None:
     """Process entry for one rank: load, report ready, serve batches until Shutdown or killed."""
-    set_cpu_threads(args)
     device = resolve_device(args, rank)
+    logger.info("rank %d: %d torch threads", rank, set_cpu_threads(args))
     if device.startswith("cuda"):
         torch.cuda.set_device(device)
     group = init_distributed(args, rank, device)
