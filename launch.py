@@ -42,6 +42,8 @@ _HELP = {
     "max_mamba_cache_size": "Mamba state slots per rank (0 = from the memory budget)",
     "mem_budget_gb": "memory for KV + state pools per rank in GiB (0 = a default for the device)",
     "kernels": "kernel implementation: auto (Triton on CUDA, fast torch kernels on CPU), reference, fast, triton",
+    "disable_prompt_checkpoint": "do not save each prompt's final Mamba state in the cache (a later request that "
+    "extends or repeats the prompt then recomputes it)",
     "cpu_threads": "torch threads per worker rank on CPU (0 = the node's cores shared by its ranks; 1 for a model "
     "with hidden size < 512)",
     "enable_deterministic_inference": "batch-invariant numerics: a request's output does not depend on what it is "

@@ -40,7 +40,8 @@ def clamp_max_running(wanted: int, mamba_capacity: int, track_states: bool) -> i
 
 class ReqResources:
     def __init__(
-        self, kv_capacity: int, mamba_capacity: int, track_states: bool, cache_enabled: bool, ckpt_interval: int
+        self, kv_capacity: int, mamba_capacity: int, track_states: bool, cache_enabled: bool, ckpt_interval: int,
+        prompt_checkpoint: bool = True,
     ) -> None:
         self.kv_alloc = KVAllocator(kv_capacity)
         self.state_alloc = MambaSlotAllocator(mamba_capacity if track_states else 0)
@@ -48,6 +49,7 @@ class ReqResources:
         self.track_states = track_states
         self.cache_enabled = cache_enabled
         self.ckpt_interval = ckpt_interval if (track_states and cache_enabled) else 0
+        self.prompt_checkpoint = prompt_checkpoint
 
     # ------------------------------------------------------------------ capacity
     def available_kv(self) -> int:
@@ -74,8 +76,11 @@ class ReqResources:
         return PeekResult(self.cache.root, 0, 0, 0, 0, self.cache.epoch)
 
     def plan_splits(self, req: Req, peek: PeekResult) -> list[int]:
-        """Positions where the prefill is cut and the state saved: the branch point (KV matched past
-        the deepest state) and every `ckpt_interval` tokens, strictly inside the tokens to compute."""
+        """Positions where the state is saved: the branch point (KV matched past the deepest state) and
+        every `ckpt_interval` tokens, strictly inside the tokens to compute (the prefill is cut there),
+        and, unless --disable-prompt-checkpoint, the end of the prompt (no cut: the prefill ends there),
+        so that a later request extending this prompt, or repeating it, resumes from its state instead of
+        recomputing it all. `first_split` ignores the prompt end: it caps no chunk."""
         if not (self.cache_enabled and self.track_states):
             return []
         start, end = peek.prefix_len, len(req.tokens)
@@ -85,10 +90,12 @@ class ReqResources:
         if self.ckpt_interval:
             first = (start // self.ckpt_interval + 1) * self.ckpt_interval
             points.update(range(first, end, self.ckpt_interval))
+        if self.prompt_checkpoint:
+            points.add(end)
         return sorted(points)
 
     def first_split(self, req: Req, peek: PeekResult) -> int | None:
-        """plan_splits(req, peek)[0] (None when there is none) in O(1): admission asks every round,
+        """The first planned split inside the prompt (None when there is none) in O(1): admission asks every round,
         and a long prompt with periodic checkpoints has prompt/interval split points."""
         if not (self.cache_enabled and self.track_states):
             return None

@@ -62,7 +62,7 @@ class Scheduler:
         self.track_states = model.has_mamba
         self.res = ReqResources(
             kv_capacity, mamba_capacity, self.track_states, not args.disable_radix_cache,
-            args.mamba_checkpoint_interval,
+            args.mamba_checkpoint_interval, not args.disable_prompt_checkpoint,
         )  # fmt: skip
         self.metrics = SchedulerMetrics()
         self.retry = RetryPolicy.for_config(args, model)

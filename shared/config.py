@@ -80,7 +80,8 @@ class ServerArgs:
     disable_radix_cache: bool = False
     schedule_policy: Literal["fcfs", "priority"] = "fcfs"
     enable_priority_preemption: bool = False
-    mamba_checkpoint_interval: int = 0  # 0 = only branch-point checkpoints
+    mamba_checkpoint_interval: int = 0  # 0 = only branch-point (and prompt-end) checkpoints
+    disable_prompt_checkpoint: bool = False  # no state checkpoint at the end of each prompt
     # limits
     context_length: int = 0  # 0 = the model's max_position_embeddings
     max_new_tokens_limit: int = 4096

@@ -149,7 +149,7 @@ def test_batch_after_a_failed_step_reuses_nothing() -> None:
 
 
 def test_refusal_rebinding_and_retraction_resend_everything() -> None:
-    sched, worker = make(kv=256, states=8)
+    sched, worker = make(kv=256, states=8, disable_prompt_checkpoint=True)
     sched.add_request(greq("a", [1, 2, 3, 4], 30))
     for _ in range(3):
         round_(sched, worker)

@@ -40,7 +40,8 @@ def test_real_capacity_recovery(runner: object, model: ModelInfo) -> None:
     """Every state slot is taken (two running requests + the cached state the queued prompt hits); the
     queued request is refused; a running request finishes and donates its state; the queued request
     is admitted in the very next round, its copy-on-write succeeds and its output matches."""
-    sched, _ = make(kv=KV_SLOTS, states=MAMBA_SLOTS, model=model, chunked_prefill_size=64)
+    sched, _ = make(kv=KV_SLOTS, states=MAMBA_SLOTS, model=model, chunked_prefill_size=64,
+                    disable_prompt_checkpoint=True)
     donor = harness.run(sched, runner, {0: [greq("donor", list(range(10, 22)), 3)]})  # type: ignore[arg-type]
     assert sched.cache.states_total == 1
     sched.add_request(greq("a", [30, 31, 32, 33], 5))

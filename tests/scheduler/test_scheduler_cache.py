@@ -43,7 +43,8 @@ def shared_prefix_requests(n: int, prefix_len: int, suffix_len: int, seed: int =
 
 @pytest.mark.parametrize("chunk", [32, 512])
 def test_branch_point_checkpoint_makes_the_third_request_hit(chunk: int) -> None:
-    sched, worker = make(kv=2048, states=16, chunked_prefill_size=chunk, max_prefill_tokens=512)
+    sched, worker = make(kv=2048, states=16, chunked_prefill_size=chunk, max_prefill_tokens=512,
+                         disable_prompt_checkpoint=True)
     reqs = shared_prefix_requests(8, 300, 40)
     cached, ckpt_batches = [], 0
     for r in reqs:
@@ -58,6 +59,31 @@ def test_branch_point_checkpoint_makes_the_third_request_hit(chunk: int) -> None
     for r in reqs:
         log = harness.run(sched, worker, {0: [greq(r.rid, r.input_ids, 6)]})
         assert log.tokens[r.rid] == ref.tokens[r.rid]
+
+
+@pytest.mark.parametrize("chunk", [16, 512])
+def test_prompt_end_checkpoint_makes_the_next_request_extending_the_prompt_hit(chunk: int) -> None:
+    """A prompt's final state is saved (a copy in the next batch, before its first decode step), so the
+    very next request that extends it resumes there; outputs equal a cache-off run. Without the
+    checkpoint that request reuses only the KV and recomputes the whole prefix."""
+    prefix = [(7 * i) % 45 + 1 for i in range(100)]
+    later = greq("ext", prefix + [47, 48, 49], 5)
+    ref_sched, ref_worker = make(kv=2048, states=16, disable_radix_cache=True)
+    ref = harness.run(ref_sched, ref_worker, {0: [later]})
+    for enabled in (True, False):
+        sched, worker = make(kv=2048, states=16, chunked_prefill_size=chunk, disable_prompt_checkpoint=not enabled)
+        first = harness.run(sched, worker, {0: [greq("first", prefix, 4)]}, keep_batches=True)
+        ckpts = [op for b in first.batches for op in b.copies if op.rid is None]
+        log = harness.run(sched, worker, {0: [greq("ext", later.input_ids, 5)]}, keep_batches=True)
+        if enabled:
+            assert len(ckpts) == 1  # and one more for the second prompt's own end:
+            assert sched.metrics.get("hyssm_checkpoints_total", result="saved") == 2
+            assert log.finals["ext"].cached_tokens == len(prefix)
+            assert log.batches[0].reqs[0].start_pos == len(prefix)  # only the 3 new tokens computed
+        else:
+            assert not ckpts and log.batches[0].reqs[0].start_pos == 0
+        assert log.tokens["ext"] == ref.tokens["ext"]
+        sched.check_integrity()
 
 
 def test_branch_split_is_exact_and_checkpoint_copies_in_the_next_batch() -> None:
@@ -86,7 +112,8 @@ def test_multi_turn_hits_the_whole_previous_conversation() -> None:
 
 
 def test_periodic_checkpoints() -> None:
-    sched, worker = make(kv=1024, states=16, chunked_prefill_size=64, mamba_checkpoint_interval=50)
+    sched, worker = make(kv=1024, states=16, chunked_prefill_size=64, mamba_checkpoint_interval=50,
+                         disable_prompt_checkpoint=True)
     prompt = list(range(1, 180))
     log = harness.run(sched, worker, {0: [greq("a", prompt, 2)]}, keep_batches=True)
     starts = [b.reqs[0].start_pos for b in log.batches if b.reqs[0].start_pos < len(prompt)]
@@ -97,7 +124,7 @@ def test_periodic_checkpoints() -> None:
 
 
 def test_checkpoint_skipped_without_a_slot() -> None:
-    sched, worker = make(kv=512, states=1, chunked_prefill_size=512)
+    sched, worker = make(disable_prompt_checkpoint=True, kv=512, states=1, chunked_prefill_size=512)
     harness.run(sched, worker, {0: [greq("a", list(range(1, 40)), 2)]})
     # the only state slot is the cached one; b's fresh slot evicts it, nothing is left for a checkpoint
     log = harness.run(sched, worker, {0: [greq("b", list(range(1, 20)) + [44, 45], 2)]})
@@ -172,7 +199,7 @@ def test_preempted_request_resumes_without_recomputation() -> None:
 
 
 def test_retry_of_an_unchanged_request_does_not_walk_the_tree() -> None:
-    sched, worker = make(kv=1024, states=2)
+    sched, worker = make(disable_prompt_checkpoint=True, kv=1024, states=2)
     prompt = list(range(1, 200))
     first = harness.run(sched, worker, {0: [greq("seed", prompt, 3)]})
     sched.add_request(greq("runner", [7, 7, 7], 40))
@@ -206,7 +233,7 @@ def test_outputs_identical_with_and_without_cache_random(seed: int = 3) -> None:
 def test_prompt_kv_is_shared_while_the_request_decodes() -> None:
     """The second request arrives while the first is still decoding: the first's prompt KV is already in
     the tree, so the second finds the branch point and checkpoints it, and the third hits it."""
-    sched, worker = make(kv=1024, states=8, chunked_prefill_size=64)
+    sched, worker = make(disable_prompt_checkpoint=True, kv=1024, states=8, chunked_prefill_size=64)
     system = list(range(1, 61))
     sched.add_request(greq("a", system + [70, 71], 30))
     round_(sched, worker)  # a's prompt is done; a keeps decoding
@@ -224,7 +251,7 @@ def test_refused_rounds_cost_no_split_planning() -> None:
     """With periodic checkpoints a long prompt has prompt/interval split points; a refused retry must
     not list them every round (only the first one bounds the first chunk), so a round stays O(1)."""
     sched, worker = make(kv=4096, states=2, mamba_checkpoint_interval=4, chunked_prefill_size=4096,
-                         max_prefill_tokens=4096)  # fmt: skip
+                         max_prefill_tokens=4096, disable_prompt_checkpoint=True)  # fmt: skip
     prompt = list(range(1, 41))
     first = harness.run(sched, worker, {0: [greq("seed", prompt, 3)]})
     sched.add_request(greq("runner", [7, 7, 7], 40))
@@ -248,7 +275,7 @@ def test_refused_rounds_cost_no_split_planning() -> None:
 @pytest.mark.parametrize("interval", [0, 5])
 def test_first_split_is_the_first_planned_split(interval: int) -> None:
     rng = random.Random(interval)
-    sched, _ = make(mamba_checkpoint_interval=interval)
+    sched, _ = make(disable_prompt_checkpoint=True, mamba_checkpoint_interval=interval)
     for _ in range(300):
         n = rng.randrange(2, 60)
         sched.add_request(greq("x", [1] * n, 1))
