@@ -79,8 +79,7 @@ class SchedulerClient:
     async def submit(self, req: GenerateReq) -> AsyncIterator[TokenOut]:
         if self._dead is not None:
             raise BackendUnavailable(self._dead)
-        if req.rid in self._routes:
-            raise ValueError(f"rid {req.rid!r} is already in flight")
+        assert req.rid not in self._routes, "the caller's InFlight reservation keeps rids unique"
         queue: asyncio.Queue[TokenOut] = asyncio.Queue()
         self._routes[req.rid] = queue
         sent = False
