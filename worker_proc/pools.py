@@ -24,6 +24,10 @@ from worker_proc.model.tp import AttnShard, MambaShard
 
 logger = logging.getLogger(__name__)
 
+# The pools' memory on CPU when --mem-budget-gb is 0: enough for the tests' and the built-in
+# model's workloads without taking a noticeable share of a small machine's RAM.
+DEFAULT_CPU_BUDGET_BYTES = 256 << 20
+
 
 @dataclass(frozen=True)
 class SlotBytes:
@@ -40,6 +44,31 @@ def slot_bytes(cfg: HybridConfig, dtype: torch.dtype, tp_size: int = 1, tp_rank:
     conv = mamba.conv_dim * (cfg.mamba_d_conv - 1) * elt
     ssm = mamba.heads * cfg.mamba_d_head * cfg.mamba_d_state * 4
     return SlotBytes(kv_token=kv, mamba_state=len(cfg.mamba_layer_ids) * (conv + ssm))
+
+
+def pool_budget(device: torch.device, explicit_bytes: int, mem_fraction_static: float) -> tuple[int, str]:
+    """The bytes one rank's KV + Mamba state pools may take, and a phrase saying how it was set.
+
+    - `explicit_bytes` > 0 (`--mem-budget-gb`): exactly that, on any device;
+    - CUDA: `--mem-fraction-static` as in SGLang, measured once the weights are loaded: weights
+      and pools together take at most that fraction of the device's total memory, so the pools
+      get `free - total * (1 - fraction)`; the rest stays for activations and other processes;
+    - CPU: `DEFAULT_CPU_BUDGET_BYTES`.
+    Raises ValueError when the CUDA rule leaves no memory for the pools.
+    """
+    if explicit_bytes > 0:
+        return explicit_bytes, "--mem-budget-gb"
+    if device.type != "cuda":
+        return DEFAULT_CPU_BUDGET_BYTES, "the CPU default"
+    free, total = torch.cuda.mem_get_info(device)
+    budget = int(free - total * (1.0 - mem_fraction_static))
+    if budget <= 0:
+        raise ValueError(
+            f"--mem-fraction-static {mem_fraction_static} leaves no memory for the KV and state pools on {device}: "
+            f"{free / 2**30:.2f} GiB free of {total / 2**30:.2f} GiB after loading the weights; raise it or give "
+            "--mem-budget-gb"
+        )
+    return budget, f"--mem-fraction-static {mem_fraction_static} of {total / 2**30:.2f} GiB"
 
 
 def plan_capacities(

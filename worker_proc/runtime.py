@@ -25,13 +25,10 @@ from worker_proc.kernels import get_ops
 from worker_proc.loader import load_model
 from worker_proc.model import StepBatch, build_step_batch
 from worker_proc.model.kv_mirror import KVSlotMirror
-from worker_proc.pools import StatePools, plan_capacities
+from worker_proc.pools import StatePools, plan_capacities, pool_budget
 from worker_proc.sampling import SampleRequest, greedy_params, sample
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_CPU_BUDGET_BYTES = 256 * 2**20
-CUDA_FREE_FRACTION = 0.85
 
 
 class ModelRunner:
@@ -47,6 +44,7 @@ class ModelRunner:
         kv_slots: int = 0,
         mamba_slots: int = 0,
         mem_budget_bytes: int = 0,
+        mem_fraction_static: float = 0.85,
         mamba_ratio: float = 0.5,
         seed: int = 0,
         tp_rank: int = 0,
@@ -64,25 +62,22 @@ class ModelRunner:
         self.dtype = self.model.dtype
         self.seed = seed
         self.tp_rank = tp_rank
-        kv, mamba = kv_slots, mamba_slots
+        kv, mamba, how = kv_slots, mamba_slots, "--max-total-tokens and --max-mamba-cache-size"
         if kv <= 0 or mamba <= 0:
-            budget = mem_budget_bytes or self._default_budget()
+            budget, how = pool_budget(self.device, mem_budget_bytes, mem_fraction_static)
+            how = f"{budget / 2**30:.3f} GiB from {how}"
             planned_kv, planned_mamba = plan_capacities(self.cfg, budget, mamba_ratio, self.dtype, tp_size, tp_rank)
             kv = kv if kv > 0 else planned_kv
             mamba = mamba if mamba > 0 else planned_mamba
         self.pools = StatePools(self.cfg, kv, mamba, self.dtype, self.device, tp_size, tp_rank)
         self.kv_capacity = kv
         self.mamba_capacity = mamba
+        logger.info("rank %d pools on %s (%s): %d KV token slots, %d Mamba state slots", tp_rank, self.device,
+                    how, kv, mamba)
         self.ops = get_ops(self.device, kernels, deterministic)
         self.model.set_batch_invariant(deterministic)
         self.deterministic = deterministic
         self.kv_mirror = KVSlotMirror()  # slot lists of the last batch run (ReqSlice.kv_reuse)
-
-    def _default_budget(self) -> int:
-        if self.device.type == "cuda":
-            free, _total = torch.cuda.mem_get_info(self.device)
-            return int(free * CUDA_FREE_FRACTION)
-        return DEFAULT_CPU_BUDGET_BYTES
 
     # ------------------------------------------------------------------ the step
     def step(self, batch: ForwardBatch, refused: frozenset[str] = frozenset()) -> StepResult:
