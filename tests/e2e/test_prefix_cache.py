@@ -38,7 +38,7 @@ def metric(server: Server, name: str, **labels: str) -> float:
 
 
 def test_shared_system_prompt_hits_from_third_request(reference_runner) -> None:
-    from worker_proc.runtime import generate_greedy
+    from tests.model_driver import generate_greedy
 
     rng = random.Random(1)
     system = [rng.randrange(256) for _ in range(300)]
@@ -78,7 +78,7 @@ async def _concurrent(server: Server, prompts: list[list[int]], n: int) -> list[
 
 
 def test_memory_pressure_completes_identically(reference_runner) -> None:
-    from worker_proc.runtime import generate_greedy
+    from tests.model_driver import generate_greedy
 
     rng = random.Random(3)
     prefixes = [[rng.randrange(256) for _ in range(80)] for _ in range(4)]

@@ -37,7 +37,7 @@ def runner() -> Any:
 
 def _cases(runner: Any, prompts: list[list[int]], rng: random.Random) -> list[Case]:
     """(prompt, max_new_tokens, greedy output of the TP=1 runtime alone) per prompt."""
-    from worker_proc.runtime import generate_greedy
+    from tests.model_driver import generate_greedy
 
     cases = []
     for prompt in prompts:

@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from shared.errors import ModelLoadError
+from tests.model_driver import forward_all_logits
 from tests.worker.util import batch, fixture_dir, max_diff, reference, req, runner
 from worker_proc.loader import load_model
 from worker_proc.runtime import ModelRunner
@@ -47,7 +48,7 @@ def _edit_weights(path: str, fn) -> None:
 def _prompt_logits(r: ModelRunner) -> torch.Tensor:
     prompt = reference(NAME)["prompt"].tolist()
     n = len(prompt)
-    return r.forward_all_logits(batch(0, [req("a", prompt, 0, list(range(1, n + 1)), 1)], clears=[1]))["a"]
+    return forward_all_logits(r, batch(0, [req("a", prompt, 0, list(range(1, n + 1)), 1)], clears=[1]))["a"]
 
 
 def test_missing_model_dir(tmp_path) -> None:
@@ -157,7 +158,7 @@ def test_half_precision_load(dtype: str, monkeypatch: pytest.MonkeyPatch) -> Non
     assert r.pools.k.dtype == r.dtype and r.pools.ssm.dtype == torch.float32
     prompt = reference(name)["prompt"].tolist()
     n = len(prompt)
-    logits = r.forward_all_logits(batch(0, [req("a", prompt, 0, list(range(1, n + 1)), 1)], clears=[1]))["a"]
+    logits = forward_all_logits(r, batch(0, [req("a", prompt, 0, list(range(1, n + 1)), 1)], clears=[1]))["a"]
     ref = reference(name)["prompt_logits"]
     assert torch.isfinite(logits).all()
     assert max_diff(logits, ref) < 0.6

@@ -9,9 +9,10 @@ import torch
 
 from shared.config import builtin_model_dir
 from shared.messages import SamplingParams
+from tests.model_driver import generate_greedy
 from tests.worker.util import batch, fixture_dir, reference, req, runner
 from worker_proc.pools import DEFAULT_CPU_BUDGET_BYTES, plan_capacities
-from worker_proc.runtime import ModelRunner, generate_greedy
+from worker_proc.runtime import ModelRunner
 
 
 def test_capacities_from_budget_and_explicit(caplog: pytest.LogCaptureFixture) -> None:

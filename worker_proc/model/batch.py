@@ -45,10 +45,6 @@ class StepBatch:
     logit_rids: tuple[str, ...]  # request id of each logit row
     kv_full: tuple[torch.Tensor, ...] = ()  # full KV slot list of each request, in slice order
 
-    @property
-    def num_tokens(self) -> int:
-        return int(self.input_ids.shape[0])
-
 
 def build_step_batch(
     reqs: list[ReqSlice],
