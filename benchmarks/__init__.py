@@ -1,7 +1,7 @@
 """Benchmarks for hyssm: load generators and micro-benchmarks, not tests.
 
-- ``bench_serving.py`` (owner: benchmarks/serving): HTTP load generator against a running hyssm
+- ``bench_serving.py``: HTTP load generator against a running hyssm
   server (``python benchmarks/bench_serving.py --help``); its metric helpers are unit-tested in
   ``tests/bench/``.
-- ``bench_scheduler.py`` (owner: scheduler): µs per scheduling round, in-process.
+- ``bench_scheduler.py``: µs per scheduling round, in-process.
 """

@@ -1,6 +1,6 @@
 """Micro-benchmark of the Triton kernels against the pure-torch reference (and mamba_ssm / causal_conv1d).
 
-Owner: the Triton kernel path (helper E). Needs a CUDA GPU; without one it says so and exits 0
+Needs a CUDA GPU; without one it says so and exits 0
 (``--cpu-reference`` then times the reference ops on tiny CPU shapes instead).
 
     python benchmarks/bench_kernels.py                      # every case, bf16, both presets

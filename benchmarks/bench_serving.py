@@ -1,6 +1,6 @@
 """Load generator for a running hyssm server (SGLang ``/generate`` or OpenAI ``/v1/completions``).
 
-Owner: benchmarks. Talks to the server only over HTTP; imports nothing from the engine.
+Talks to the server only over HTTP; imports nothing from the engine.
 
     python benchmarks/bench_serving.py --num-prompts 64 --concurrency 8 --input-len 256 --output-len 64
     python benchmarks/bench_serving.py --shared-prefix-len 300 --num-prefix-groups 1 --input-len 40 \

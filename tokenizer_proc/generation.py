@@ -83,7 +83,7 @@ class Reservation:
 
 @dataclass
 class InFlight:
-    """The rids this HTTP process has accepted and not yet answered. Owned by the app.
+    """The rids this HTTP process has accepted and not yet answered; one per app.
 
     Rule: a rid is reserved (`reserve`) before the response starts, synchronously in the event
     loop, so of several concurrent requests with one rid exactly one is accepted and the others

@@ -1,6 +1,6 @@
 """`StatePools`: the worker's attention KV pool and Mamba conv/SSM state pools.
 
-Owned by the worker (one instance per rank). The scheduler owns every slot *number*: it decides
+One instance per worker rank. The scheduler owns every slot *number*: it decides
 which slots a request uses, and the worker only reads/writes the tensors at those slots. Slot 0 of
 every pool is padding: never handed out, never written, always zero (checked by check_integrity).
 

@@ -1,13 +1,13 @@
 """`ModelRunner`: the worker rank's model + state pools + sampler behind one `step()` call.
 
-Owned by the worker runtime; the worker process (worker_proc/process.py, the lead's) owns the
-sockets and calls `step` once per `ForwardBatch`. The scheduler owns every slot number; the runner
-holds the tensors (weights, KV pool, Mamba state pools) and one mirror of the KV slot lists of the
-last batch it ran (`KVSlotMirror`, so slices may send only new slots: ReqSlice.kv_reuse). Within one
-step the order is fixed: validate and index the non-refused slices (a malformed batch raises before
-anything is written), copies (minus refused requests' copies), then clears, then one forward over
-every non-refused slice, then sampling. Under tensor parallelism every rank runs the same step on
-its shard (weights and pools, see worker_proc.model.tp; all ranks get identical batches and agree on
+The worker process (worker_proc/process.py) owns the sockets and calls `step` once per
+`ForwardBatch`. The scheduler owns every slot number; the runner holds the tensors (weights, KV
+pool, Mamba state pools) and one mirror of the KV slot lists of the last batch it ran
+(`KVSlotMirror`, so slices may send only new slots: ReqSlice.kv_reuse). Within one step the order is
+fixed: validate and index the non-refused slices (a malformed batch raises before anything is
+written), copies (minus refused requests' copies), then clears, then one forward over every
+non-refused slice, then sampling. Under tensor parallelism every rank runs the same step on its
+shard (weights and pools, see worker_proc.model.tp; all ranks get identical batches and agree on
 refusals, so their mirrors stay identical); only rank 0 computes logits and samples, the other
 ranks' StepResult carries no tokens.
 """

@@ -1,6 +1,6 @@
 """A tiny starlette app that fakes hyssm's streaming HTTP API, served by uvicorn in a thread.
 
-Owner: tests/bench. It lets the bench_serving client path run for real (HTTP, SSE parsing, concurrency)
+It lets the bench_serving client path run for real (HTTP, SSE parsing, concurrency)
 without the engine. Faked behaviour: the reply token is always 7; ``cached_tokens`` is the longest
 common prefix with any earlier prompt since the last /flush_cache (capped at len - 1, like the real
 radix cache); tokens are streamed in chunks of 1 and 2 alternately (a batched TokenOut carries several)

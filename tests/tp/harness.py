@@ -1,4 +1,4 @@
-"""Tensor-parallel test harness (owned by the TP helper): run ranks in-process with
+"""Tensor-parallel test harness: run ranks in-process with
 torch.multiprocessing (spawn) + gloo on a free loopback port, and a deterministic serving script
 that drives a `ModelRunner` the way the scheduler would (staggered arrivals, chunked prefill,
 decode, a copy-on-write fork), identically on every rank.

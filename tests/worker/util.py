@@ -1,4 +1,5 @@
-"""Helpers shared by the worker runtime tests (owned by the worker runtime, helper A)."""
+"""What the worker runtime tests share: fixture checkpoints and their references, runners, and
+`ForwardBatch`es round-tripped through msgpack exactly as the scheduler -> worker channel does."""
 
 from __future__ import annotations
 

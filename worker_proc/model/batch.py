@@ -1,6 +1,6 @@
 """`StepBatch`: one step's requests flattened into tensors the model consumes.
 
-Owned by the worker runtime. Built from `ReqSlice`s (see shared/messages.py for their meaning);
+Built from `ReqSlice`s (see shared/messages.py for their meaning);
 all requests' new tokens are concatenated into one token dimension (rows) so projections and MLPs
 run once per step. Requests with exactly one new token form the *decode group* (batched Mamba
 state update and attention); the others form the *prefill group* (one scan/attention each).
