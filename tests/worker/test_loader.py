@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from shared.errors import ModelLoadError
 from tests.model_driver import forward_all_logits
-from tests.worker.util import batch, fixture_dir, max_diff, reference, req, runner
+from tests.worker.util import batch, edit_config, fixture_dir, max_diff, reference, req, runner
 from worker_proc.loader import load_model
 from worker_proc.runtime import ModelRunner
 
@@ -27,15 +27,6 @@ def ckpt(tmp_path) -> str:
     for f in ("config.json", "model.safetensors"):
         shutil.copy(os.path.join(fixture_dir(NAME), f), out / f)
     return str(out)
-
-
-def _edit_config(path: str, **changes: object) -> None:
-    cfg_path = os.path.join(path, "config.json")
-    with open(cfg_path) as f:
-        cfg = json.load(f)
-    cfg.update(changes)
-    with open(cfg_path, "w") as f:
-        json.dump(cfg, f)
 
 
 def _edit_weights(path: str, fn) -> None:
@@ -69,7 +60,7 @@ def test_missing_weights_file(ckpt: str) -> None:
 
 
 def test_unknown_architecture(ckpt: str) -> None:
-    _edit_config(ckpt, architectures=["LlamaForCausalLM"])
+    edit_config(ckpt, architectures=["LlamaForCausalLM"])
     with pytest.raises(ModelLoadError, match="LlamaForCausalLM"):
         load_model(ckpt)
     with pytest.raises(ModelLoadError, match="LlamaForCausalLM"):
@@ -95,7 +86,7 @@ def test_wrong_shape(ckpt: str) -> None:
 
 
 def test_bad_config_values(ckpt: str) -> None:
-    _edit_config(ckpt, mamba_n_groups=3)
+    edit_config(ckpt, mamba_n_groups=3)
     with pytest.raises(ModelLoadError, match="mamba_n_groups"):
         load_model(ckpt)
 
@@ -168,7 +159,7 @@ def test_half_precision_load(dtype: str, monkeypatch: pytest.MonkeyPatch) -> Non
 
 def test_bf16_checkpoint_auto_dtype_on_cpu_is_float32(ckpt: str) -> None:
     _edit_weights(ckpt, lambda t: t.update({k: v.to(torch.bfloat16) for k, v in t.items()}))
-    _edit_config(ckpt, torch_dtype="bfloat16")
+    edit_config(ckpt, torch_dtype="bfloat16")
     model = load_model(ckpt)  # auto -> float32 on CPU
     assert model.dtype == torch.float32
     assert load_model(ckpt, dtype="bfloat16").dtype == torch.bfloat16

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 import msgspec
@@ -19,6 +20,16 @@ GREEDY = SamplingParams(temperature=0.0)
 
 def fixture_dir(name: str) -> str:
     return os.path.join(FIXTURES, name)
+
+
+def edit_config(model_dir: str, **changes: object) -> None:
+    """Update keys of the checkpoint's config.json in place."""
+    cfg_path = os.path.join(model_dir, "config.json")
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    cfg.update(changes)
+    with open(cfg_path, "w") as f:
+        json.dump(cfg, f)
 
 
 def reference(name: str) -> dict[str, torch.Tensor]:
