@@ -40,7 +40,10 @@ _HELP = {
     "model_path": "checkpoint directory (config.json + *.safetensors); 'builtin' = the shipped tiny model",
     "max_total_tokens": "KV token slots per rank (0 = from the memory budget)",
     "max_mamba_cache_size": "Mamba state slots per rank (0 = from the memory budget)",
-    "mem_budget_gb": "memory for KV + state pools per rank in GiB (0 = a default for the device)",
+    "mem_budget_gb": "memory for KV + state pools per rank in GiB, on any device (0 = the device default: "
+    "--mem-fraction-static on CUDA, 0.25 GiB on CPU)",
+    "mem_fraction_static": "CUDA: the share of each GPU's total memory the weights and the KV + state pools may "
+    "take, the pools getting what the loaded weights leave of it (default: 0.85; --mem-budget-gb overrides)",
     "kernels": "kernel implementation: auto (Triton on CUDA, fast torch kernels on CPU), reference, fast, triton",
     "disable_prompt_checkpoint": "do not save each prompt's final Mamba state in the cache (a later request that "
     "extends or repeats the prompt then recomputes it)",

@@ -1,6 +1,6 @@
 """Micro-benchmark of the Triton kernels against the pure-torch reference (and mamba_ssm / causal_conv1d).
 
-Owner: the Triton kernel path (helper E). Needs a CUDA GPU; without one it says so and exits 0
+Needs a CUDA GPU; without one it says so and exits 0
 (``--cpu-reference`` then times the reference ops on tiny CPU shapes instead).
 
     python benchmarks/bench_kernels.py                      # every case, bf16, both presets
@@ -136,6 +136,7 @@ def _fixture_logits(fixture: Path, device: torch.device, ops: object) -> torch.T
     from safetensors.torch import load_file
 
     from shared.messages import ForwardBatch, ReqSlice, SamplingParams
+    from tests.model_driver import forward_all_logits, forward_logits
     from worker_proc.runtime import ModelRunner
 
     ref = load_file(str(fixture / "reference.safetensors"))
@@ -148,7 +149,7 @@ def _fixture_logits(fixture: Path, device: torch.device, ops: object) -> torch.T
         req = ReqSlice(rid="a", input_ids=ids, start_pos=start, kv_slots=list(range(1, start + len(ids) + 1)),
                        mamba_slot=1, sample=True, sampling=greedy)  # fmt: skip
         fb = ForwardBatch(step=i, reqs=[req], clears=[1] if start == 0 else [])
-        return runner.forward_all_logits(fb)["a"] if all_rows else runner.forward_logits(fb)["a"][None]
+        return forward_all_logits(runner, fb)["a"] if all_rows else forward_logits(runner, fb)["a"][None]
 
     rows = [step(0, prompt, 0, True)]
     rows += [step(i, [gen[i - 1]], len(prompt) + i - 1, False) for i in range(1, len(gen))]

@@ -1,6 +1,6 @@
 """Benchmark cases of bench_kernels.py: inputs, implementations and minimum bytes moved per kernel call.
 
-Owner: the Triton kernel path (helper E). Every case builds its tensors once on the device; each
+Every case builds its tensors once on the device; each
 implementation is a zero-argument callable (pools are updated in place, as in serving). `check_ref`
 and `checks[impl]` run on fresh pool copies and return comparable outputs (the kernel's output and
 the pool rows it advanced). Third-party kernels (mamba_ssm, causal_conv1d) are added only when

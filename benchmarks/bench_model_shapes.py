@@ -1,6 +1,6 @@
 """The shapes of real Granite-4.0-H checkpoints, as config.json dicts, and their tensor shapes.
 
-Owner: benchmarks. Pure data and arithmetic (no torch), used by make_bench_model.py and its tests.
+Pure data and arithmetic (no torch), used by make_bench_model.py and its tests.
 
 Every size that fixes a tensor shape (layers and their kinds, hidden size, heads, Mamba heads/state/
 groups/conv, MLP and expert sizes, vocabulary) is the published config.json value of the named

@@ -1,6 +1,6 @@
 """hyssm, llama.cpp's llama-server and transformers ``generate`` on one checkpoint, one table.
 
-Owner: benchmarks. One invocation runs the three systems one after another on the same prompts:
+One invocation runs the three systems one after another on the same prompts:
 
     python benchmarks/make_bench_model.py --shape granite-4.0-h-350m /work/bench-models/granite-350m
     python benchmarks/bench_peers.py --model /work/bench-models/granite-350m --runs 3 --output-json peers.json

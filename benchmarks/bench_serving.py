@@ -1,6 +1,6 @@
 """Load generator for a running server: hyssm ``/generate``, any OpenAI ``/v1/completions``, llama-server.
 
-Owner: benchmarks. Talks to the server only over HTTP; imports nothing from the engine.
+Talks to the server only over HTTP; imports nothing from the engine.
 
     python benchmarks/bench_serving.py --num-prompts 64 --concurrency 8 --input-len 256 --output-len 64
     python benchmarks/bench_serving.py --backend openai --base-url http://127.0.0.1:8000 --vocab-size 100352

@@ -1,6 +1,6 @@
 """A synthetic byte-level BPE tokenizer with a real model's vocabulary size (for bench checkpoints).
 
-Owner: benchmarks. Layout of the ids (vocab_size V, for Granite-4.0 V = 100352):
+Layout of the ids (vocab_size V, for Granite-4.0 V = 100352):
 - 0..255: the 256 byte tokens in byte order, spelled with the GPT-2 byte-to-unicode map;
 - 256..S-1: synthetic merges, S = V - len(special tokens). Merges are listed in order of length:
   every pair of the ALPHABET characters, then every (previous level token, ALPHABET character), ...

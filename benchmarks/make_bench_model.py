@@ -1,6 +1,6 @@
 """Write a random-weight checkpoint with the exact shapes of a real Granite-4.0-H model.
 
-Owner: benchmarks. Needs torch, safetensors and tokenizers only (not transformers):
+Needs torch, safetensors and tokenizers only (not transformers):
 
     python benchmarks/make_bench_model.py --shape granite-4.0-h-350m /work/bench-models/granite-350m
     python benchmarks/make_bench_model.py --shape granite-4.0-h-tiny OUT --dtype bfloat16

@@ -1,7 +1,7 @@
 """Processes of bench_peers: start a server on a free loopback port, wait for its health endpoint,
 sample the peak RSS of its process tree from /proc, and stop exactly what was started.
 
-Owner: benchmarks. Contracts:
+Contracts:
 - every process is started in a new session (its own process group), so stopping it signals that
   group only: SIGTERM, then SIGKILL after `grace_s`; nothing else on the machine is touched;
 - readiness = the health URL answers 200 before the deadline; the process exiting first, or the

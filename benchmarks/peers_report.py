@@ -1,6 +1,6 @@
 """bench_peers' figures: the metric list, medians over runs, ratios and the printed table (pure).
 
-Owner: benchmarks. A system's result is {metric key: value or None}; None (not measured, or the
+A system's result is {metric key: value or None}; None (not measured, or the
 system skipped) prints as "-" and gives no ratio. Ratios are hyssm / peer for every metric; the
 row label says which way is better (tok/s: higher, ms and MiB: lower), so for tok/s a ratio > 1
 means hyssm is ahead and for latencies and memory a ratio < 1 does.

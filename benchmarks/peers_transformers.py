@@ -1,6 +1,6 @@
 """bench_peers' transformers column: ``model.generate`` timed in its own process.
 
-Owner: benchmarks. Run by bench_peers as ``python benchmarks/peers_transformers.py JOB.json OUT.json``;
+Run by bench_peers as ``python benchmarks/peers_transformers.py JOB.json OUT.json``;
 transformers is imported only here (it is not a dependency of the project). JOB holds the model
 directory, the thread count, the output length and, per run, the same prompts the servers get:
 ``throughput`` {batch size: [prompts]}, ``cold`` [prompt], ``prefix`` [prefix + suffix] (each a list of

@@ -1,6 +1,6 @@
 """Request bodies of bench_serving's backends (pure; the SSE chunks are parsed by serving_metrics.apply_chunk).
 
-Owner: benchmarks. Every backend sends the same workload: a prompt of token ids, a fixed number of
+Every backend sends the same workload: a prompt of token ids, a fixed number of
 new tokens, the given temperature, EOS ignored unless asked otherwise, streamed as SSE.
 - ``hyssm``: hyssm's (SGLang-style) ``POST /generate`` with ``input_ids`` and ``sampling_params``.
 - ``openai``: ``POST /v1/completions`` of any OpenAI-compatible server (vLLM, SGLang, llama-server,

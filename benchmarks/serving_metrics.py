@@ -1,6 +1,6 @@
 """Pure workload and metric functions of bench_serving.py (no I/O), unit-tested in tests/bench/.
 
-Owner: benchmarks. Definitions (times are ``time.perf_counter()`` seconds):
+Definitions (times are ``time.perf_counter()`` seconds):
 - TTFT: first chunk that carried at least one token minus the send time.
 - ITL: gap between consecutive token-carrying chunks, split evenly over the tokens the later chunk
   carries (tokens of the first chunk are covered by TTFT).

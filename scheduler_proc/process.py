@@ -60,7 +60,7 @@ _HEARTBEAT_S = 1.0
 
 @dataclass
 class LoopStats:
-    """Where the wall time of served steps goes, as the loop sees it. Owned by SchedulerLoop,
+    """Where the wall time of served steps goes, as the loop sees it. One per SchedulerLoop,
     reported as SchedulerInfo.loop. Per step: `round_trip` = batch sent -> its StepResult
     received, `worker` = the workers' own step time (StepResult.elapsed_s); their difference is
     transport, message encode/decode and waiting for a CPU. `turnaround` = StepResult received ->

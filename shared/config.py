@@ -72,7 +72,8 @@ class ServerArgs:
     max_running_requests: int = 64
     max_total_tokens: int = 0
     max_mamba_cache_size: int = 0
-    mem_budget_gb: float = 0.0  # 0 = a default budget for the device
+    mem_budget_gb: float = 0.0  # 0 = the device's default (below; worker_proc/pools.py pool_budget)
+    mem_fraction_static: float = 0.85  # CUDA: weights + pools take at most this share of the device
     mamba_full_memory_ratio: float = 0.5
     # scheduling
     chunked_prefill_size: int = 512
@@ -125,6 +126,8 @@ class ServerArgs:
         for flag, value in non_negative.items():
             if value < 0:
                 raise ConfigError(f"{flag} must be >= 0, got {value}")
+        if not 0.0 < self.mem_fraction_static <= 1.0:
+            raise ConfigError(f"--mem-fraction-static must be in (0, 1], got {self.mem_fraction_static}")
         if not 0.0 < self.mamba_full_memory_ratio < 1.0:
             raise ConfigError("--mamba-full-memory-ratio must be in (0, 1)")
         if not 0 <= self.node_rank < self.nnodes:

@@ -21,7 +21,7 @@ LOCK_NAME = ".launch.lock"
 
 
 class RunDir:
-    """A run directory and the lock that marks its launch.py alive. Owned by launch.py."""
+    """A run directory and the lock that marks its launch.py alive; held by the launch.py that created it."""
 
     def __init__(self, path: str, lock_fd: int) -> None:
         self.path = path

@@ -138,7 +138,7 @@ class StopStringMatcher:
 
 class IncrementalDetokenizer:
     """Per-request detokeniser: a token stream (byte table or DecodeStream) then stop strings.
-    Owned by the HTTP handler of one request; not shared between requests."""
+    One per request, used only by that request's handler."""
 
     def __init__(self, stream: ByteTableStream | DecodeStreamAdapter, stops: Sequence[str] = ()):
         self._stream = stream

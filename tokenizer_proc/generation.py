@@ -10,7 +10,7 @@ scheduler is aborted there exactly once, in `generate()`'s `finally`.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -32,7 +32,8 @@ class Backend(Protocol):
 
     def submit(self, req: GenerateReq) -> AsyncIterator[TokenOut]:
         """Send the request; iterate its TokenOuts up to and including the finished one.
-        Raises BackendUnavailable when the scheduler is gone."""
+        Raises BackendUnavailable when the scheduler is gone. The caller holds the rid's
+        reservation in `InFlight`, so no two submissions of one rid are in flight at once."""
         ...
 
     def abort(self, rid: str, reason: str) -> None:
@@ -82,7 +83,7 @@ class Reservation:
 
 @dataclass
 class InFlight:
-    """The rids this HTTP process has accepted and not yet answered. Owned by the app.
+    """The rids this HTTP process has accepted and not yet answered; one per app.
 
     Rule: a rid is reserved (`reserve`) before the response starts, synchronously in the event
     loop, so of several concurrent requests with one rid exactly one is accepted and the others
@@ -120,9 +121,11 @@ def _finish_of(out: TokenOut) -> Finish:
 
 
 def precheck(backend: Backend, req: PreparedRequest, in_flight: InFlight) -> Reservation:
-    """Checks done before a response starts, so that a streaming request that cannot run gets a
-    plain 4xx/503 instead of an error event; reserves the rid (ApiError 400 if it is taken). The
-    caller releases the reservation when the response is over (`generate` does too)."""
+    """Every check made before a response starts (the only place they are made, so that a
+    streaming request that cannot run gets a plain 4xx/503 instead of an error event): the
+    backend is healthy (BackendUnavailable) and the rid is free in this process, which reserves
+    it (ApiError 400 if it is taken). The caller releases the reservation when the response is
+    over; `generate` releases it earlier, when the generation ends."""
     if not backend.healthy:
         raise BackendUnavailable("the scheduler is not available")
     return in_flight.reserve(req.rid)
@@ -130,11 +133,9 @@ def precheck(backend: Backend, req: PreparedRequest, in_flight: InFlight) -> Res
 
 async def generate(
     backend: Backend, tok: TextTokenizer, req: PreparedRequest, in_flight: InFlight, hold: Reservation
-) -> AsyncIterator[Piece]:
-    """Run one request whose rid `hold` reserves (see `precheck`); the last Piece has `finish`
-    set. Before the first Piece it may raise BackendUnavailable."""
-    if not backend.healthy:
-        raise BackendUnavailable("the scheduler is not available")
+) -> AsyncGenerator[Piece, None]:
+    """Run one request that passed `precheck` (`hold` reserves its rid); the last Piece has
+    `finish` set. Before the first Piece it may raise BackendUnavailable (from `submit`)."""
     detok = tok.detokenizer(req.stops, req.skip_special_tokens)
     msg = GenerateReq(rid=req.rid, input_ids=req.input_ids, sampling=req.sampling, priority=req.priority)
     done, completion, cached = False, 0, 0

@@ -60,7 +60,7 @@ def error_bytes(status: int, message: str) -> bytes:
 
 class ShedLog:
     """Counts connections closed by a limit and logs each reason at most once per `interval_s`
-    (the count since its previous line is in the next line). Owned by one server."""
+    (the count since its previous line is in the next line). One per server."""
 
     def __init__(self, interval_s: float = 1.0) -> None:
         self.interval_s = interval_s

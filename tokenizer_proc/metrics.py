@@ -21,7 +21,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class HttpMetrics:
-    """Counters of the HTTP layer. Owned by the app's context; updated by its middleware."""
+    """Counters of the HTTP layer: one per app (in its context), updated only by its middleware."""
 
     requests: Counter[tuple[str, int]] = field(default_factory=Counter)
     bad_requests: Counter[str] = field(default_factory=Counter)

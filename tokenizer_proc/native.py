@@ -13,55 +13,21 @@ Streaming (`"stream": true`): server-sent events, each `data: <same object>` wit
 
 from __future__ import annotations
 
-import contextlib
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from dataclasses import dataclass, field
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response
 
-from tokenizer_proc.context import AppContext, get_ctx
-from tokenizer_proc.errors import ApiError, internal_error, unavailable
-from tokenizer_proc.generation import BackendUnavailable, Finish, Piece, generate, precheck
-from tokenizer_proc.http_util import (
-    SSE_DONE,
-    ClientGoneResponse,
-    SSEResponse,
-    json_response,
-    read_body,
-    run_unless_disconnected,
-    sse,
-)
+from tokenizer_proc.context import get_ctx
+from tokenizer_proc.errors import ApiError
+from tokenizer_proc.flow import Accumulated, finish_error, respond
+from tokenizer_proc.generation import Finish, Piece
+from tokenizer_proc.http_util import read_body, sse
 from tokenizer_proc.prepare import prepare_generate
 from tokenizer_proc.schemas import GenerateBody
 from tokenizer_proc.validation import PreparedRequest, decode_body
-
-
-@dataclass
-class Accumulated:
-    """The output of one request so far (owned by its handler)."""
-
-    text: list[str] = field(default_factory=list)
-    ids: list[int] = field(default_factory=list)
-    logprobs: list[float | None] = field(default_factory=list)
-    last: Piece | None = None
-
-    def add(self, piece: Piece) -> None:
-        self.text.append(piece.text)
-        self.ids.extend(piece.token_ids)
-        if piece.logprobs is not None:
-            self.logprobs.extend(piece.logprobs)
-        self.last = piece
-
-
-async def collect(pieces: AsyncIterator[Piece]) -> Accumulated:
-    acc = Accumulated()
-    async with contextlib.aclosing(pieces) as it:  # type: ignore[type-var]
-        async for piece in it:
-            acc.add(piece)
-    return acc
 
 
 def native_finish(finish: Finish | None, completion_tokens: int) -> dict[str, Any] | None:
@@ -92,28 +58,15 @@ def _payload(req: PreparedRequest, acc: Accumulated, started: float) -> dict[str
 
 def error_of(finish: Finish | None) -> ApiError | None:
     """Backend failures become errors (abort is a normal finish on the native API)."""
-    if finish is not None and finish.reason == "rejected":
-        return ApiError(400, finish.message or "the request can never run on this server")
-    if finish is not None and finish.reason == "error":
-        return unavailable(finish.message or "the request failed")
-    return None
+    return finish_error(finish, abort_is_error=False)
 
 
 async def _events(pieces: AsyncIterator[Piece], req: PreparedRequest, started: float) -> AsyncGenerator[bytes, None]:
     acc = Accumulated()
-    try:
-        async with contextlib.aclosing(pieces) as it:  # type: ignore[type-var]
-            async for piece in it:
-                acc.add(piece)
-                err = error_of(piece.finish)
-                yield sse(err.body()) if err is not None else sse(_payload(req, acc, started))
-    except BackendUnavailable as e:
-        yield sse(unavailable(str(e)).body())
-    except ApiError as e:
-        yield sse(e.body())
-    except Exception as e:  # noqa: BLE001 - a stream always ends with an error event and [DONE]
-        yield sse(internal_error(e).body())
-    yield SSE_DONE
+    async for piece in pieces:
+        acc.add(piece)
+        err = error_of(piece.finish)
+        yield sse(err.body()) if err is not None else sse(_payload(req, acc, started))
 
 
 async def generate_endpoint(request: Request) -> Response:
@@ -125,35 +78,3 @@ async def generate_endpoint(request: Request) -> Response:
         ctx, req, request, lambda pieces: _events(pieces, req, started), error_of,
         lambda acc: _payload(req, acc, started),
     )
-
-
-async def respond(
-    ctx: AppContext,
-    req: PreparedRequest,
-    request: Request,
-    events: Callable[[AsyncIterator[Piece]], AsyncGenerator[bytes, None]],
-    error_for: Callable[[Finish | None], ApiError | None],
-    payload: Callable[[Accumulated], Any],
-) -> Response:
-    """The request/response flow every generation endpoint shares: admission precheck, then
-    either an SSE stream of `events`, or the whole output collected (a client that leaves is
-    aborted) and answered with `payload`, or the error `error_for` makes of its finish."""
-    try:
-        hold = precheck(ctx.backend, req, ctx.in_flight)
-    except BackendUnavailable as e:
-        raise unavailable(str(e)) from e
-    pieces = generate(ctx.backend, ctx.tok, req, ctx.in_flight, hold)
-    if req.stream:
-        return SSEResponse(events(pieces), on_close=lambda: ctx.in_flight.release(hold))  # type: ignore[return-value]
-    try:
-        completed, acc = await run_unless_disconnected(collect(pieces), request)
-    except BackendUnavailable as e:
-        raise unavailable(str(e)) from e
-    finally:
-        ctx.in_flight.release(hold)  # also when `pieces` never started
-    if not completed or acc is None:
-        return ClientGoneResponse()
-    err = error_for(acc.last.finish if acc.last else None)
-    if err is not None:
-        raise err
-    return json_response(payload(acc))

@@ -10,7 +10,6 @@ by the server is HTTP 503 (non-streaming) or an error event before `[DONE]` (str
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
@@ -19,26 +18,18 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from tokenizer_proc.context import AppContext, get_ctx
-from tokenizer_proc.errors import ApiError, internal_error, unavailable
-from tokenizer_proc.generation import BackendUnavailable, Finish, Piece
-from tokenizer_proc.http_util import (
-    SSE_DONE,
-    json_response,
-    read_body,
-    sse,
-)
-from tokenizer_proc.native import Accumulated, respond
+from tokenizer_proc.errors import ApiError
+from tokenizer_proc.flow import Accumulated, finish_error, respond
+from tokenizer_proc.generation import Finish, Piece
+from tokenizer_proc.http_util import json_response, read_body, sse
 from tokenizer_proc.prepare import prepare_chat, prepare_completion
 from tokenizer_proc.schemas import ChatBody, CompletionBody
 from tokenizer_proc.validation import PreparedRequest, decode_body
 
 
 def openai_error(finish: Finish | None) -> ApiError | None:
-    if finish is not None and finish.reason == "rejected":
-        return ApiError(400, finish.message or "the request can never run on this server")
-    if finish is not None and finish.reason in ("error", "abort"):
-        return unavailable(finish.message or f"the request ended with {finish.reason}")
-    return None
+    """OpenAI has no abort finish: a request aborted by the server is an error too."""
+    return finish_error(finish, abort_is_error=True)
 
 
 def usage(piece: Piece) -> dict[str, Any]:
@@ -113,30 +104,20 @@ class _Format:
 
 async def _events(fmt: _Format, pieces: AsyncIterator[Piece]) -> AsyncGenerator[bytes, None]:
     first = True
-    try:
-        async with contextlib.aclosing(pieces) as it:  # type: ignore[type-var]
-            async for piece in it:
-                err = openai_error(piece.finish)
-                if err is not None:
-                    yield sse(err.body())
-                    break
-                if not (piece.text or piece.finish or first or fmt.req.return_logprobs):
-                    continue  # nothing to show yet (bytes of an unfinished character, a stop prefix)
-                lps = piece.logprobs or []
-                yield sse(fmt.envelope([fmt.choice(piece.text, piece.token_ids, lps, piece.finish, True, first)],
-                                       True))
-                first = False
-                if piece.finish is not None and fmt.req.include_usage:
-                    tail = fmt.envelope([], True)
-                    tail["usage"] = usage(piece)
-                    yield sse(tail)
-    except BackendUnavailable as e:
-        yield sse(unavailable(str(e)).body())
-    except ApiError as e:
-        yield sse(e.body())
-    except Exception as e:  # noqa: BLE001 - a stream always ends with an error event and [DONE]
-        yield sse(internal_error(e).body())
-    yield SSE_DONE
+    async for piece in pieces:
+        err = openai_error(piece.finish)
+        if err is not None:
+            yield sse(err.body())
+            break
+        if not (piece.text or piece.finish or first or fmt.req.return_logprobs):
+            continue  # nothing to show yet (bytes of an unfinished character, a stop prefix)
+        lps = piece.logprobs or []
+        yield sse(fmt.envelope([fmt.choice(piece.text, piece.token_ids, lps, piece.finish, True, first)], True))
+        first = False
+        if piece.finish is not None and fmt.req.include_usage:
+            tail = fmt.envelope([], True)
+            tail["usage"] = usage(piece)
+            yield sse(tail)
 
 
 async def _serve(request: Request, chat: bool) -> Response:

@@ -66,10 +66,6 @@ class SchedulerClient:
     def healthy(self) -> bool:
         return self._dead is None and self._reader is not None and not self._reader.done()
 
-    @property
-    def dead_reason(self) -> str | None:
-        return self._dead
-
     def _send(self, msg: ToScheduler) -> None:
         try:
             self._tx.send_nowait(msg)
@@ -79,8 +75,7 @@ class SchedulerClient:
     async def submit(self, req: GenerateReq) -> AsyncIterator[TokenOut]:
         if self._dead is not None:
             raise BackendUnavailable(self._dead)
-        if req.rid in self._routes:
-            raise ValueError(f"rid {req.rid!r} is already in flight")
+        assert req.rid not in self._routes, "the caller's InFlight reservation keeps rids unique"
         queue: asyncio.Queue[TokenOut] = asyncio.Queue()
         self._routes[req.rid] = queue
         sent = False

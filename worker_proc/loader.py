@@ -1,6 +1,6 @@
 """Checkpoint loading: `config.json` + single-file or sharded safetensors -> `HybridForCausalLM`.
 
-Owned by the worker runtime. Every failure is a `ModelLoadError` whose message names the file,
+Every failure is a `ModelLoadError` whose message names the file,
 the architecture or the tensor at fault. Under tensor parallelism each rank reads only its slice
 of every tensor (`safe_open(...).get_slice`), as the model's `shard_spec` names it.
 """

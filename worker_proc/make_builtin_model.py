@@ -1,11 +1,11 @@
 """Build the tiny built-in checkpoint in `worker_proc/builtin_model/` (config.json + model.safetensors).
 
-Owned by the worker runtime. Run by hand (not at install or test time):
+Run by hand (not at install or test time):
 
     python -m worker_proc.make_builtin_model [--train-steps N]   (default N = 400, ~2 min on 2 cores)
 
 Deterministic (fixed seed). Vocabulary is fixed by contract with the tokenizer files that live in
-the same folder (written by the tokenizer owner, not here): ids 0..255 are the 256 byte tokens of
+the same folder (made by tokenizer_proc/make_builtin_tokenizer.py): ids 0..255 are the 256 byte tokens of
 a ByteLevel tokenizer, 256 = <|end_of_text|> (bos and eos), 257 = <|start_of_role|>,
 258 = <|end_of_role|>, 259 = <|pad|>. With `--train-steps N > 0` (the default; the committed
 checkpoint) the random weights are then trained for N steps on the embedded text below with

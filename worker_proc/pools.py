@@ -1,6 +1,6 @@
 """`StatePools`: the worker's attention KV pool and Mamba conv/SSM state pools.
 
-Owned by the worker (one instance per rank). The scheduler owns every slot *number*: it decides
+One instance per worker rank. The scheduler owns every slot *number*: it decides
 which slots a request uses, and the worker only reads/writes the tensors at those slots. Slot 0 of
 every pool is padding: never handed out, never written, always zero (checked by check_integrity).
 
@@ -15,6 +15,7 @@ Capacities are planned per rank from the rank's own slot sizes; the scheduler us
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +24,24 @@ from worker_proc.model.config import HybridConfig
 from worker_proc.model.tp import AttnShard, MambaShard
 
 logger = logging.getLogger(__name__)
+
+# The pools' memory on CPU when --mem-budget-gb is 0: at least this (the tests' and the built-in
+# model's workloads), more when the running requests' states need it (see `pool_budget`).
+DEFAULT_CPU_BUDGET_BYTES = 256 << 20
+CPU_MAX_RAM_FRACTION = 0.25
+"""The CPU default never takes more than this share of the RAM available at start-up."""
+
+
+def available_ram_bytes() -> int:
+    """MemAvailable from /proc/meminfo (Linux); the physical memory elsewhere."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 @dataclass(frozen=True)
@@ -40,6 +59,49 @@ def slot_bytes(cfg: HybridConfig, dtype: torch.dtype, tp_size: int = 1, tp_rank:
     conv = mamba.conv_dim * (cfg.mamba_d_conv - 1) * elt
     ssm = mamba.heads * cfg.mamba_d_head * cfg.mamba_d_state * 4
     return SlotBytes(kv_token=kv, mamba_state=len(cfg.mamba_layer_ids) * (conv + ssm))
+
+
+def pool_budget(
+    device: torch.device, explicit_bytes: int, mem_fraction_static: float, cpu_wanted_bytes: int = 0
+) -> tuple[int, str]:
+    """The bytes one rank's KV + Mamba state pools may take, and a phrase saying how it was set.
+
+    - `explicit_bytes` > 0 (`--mem-budget-gb`): exactly that, on any device;
+    - CUDA: `--mem-fraction-static` as in SGLang, measured once the weights are loaded: weights
+      and pools together take at most that fraction of the device's total memory, so the pools
+      get `free - total * (1 - fraction)`; the rest stays for activations and other processes;
+    - CPU: `cpu_wanted_bytes` (what the running requests' states need, from the caller) but at
+      least `DEFAULT_CPU_BUDGET_BYTES` and at most `CPU_MAX_RAM_FRACTION` of the available RAM.
+    Raises ValueError when the CUDA rule leaves no memory for the pools.
+    """
+    if explicit_bytes > 0:
+        return explicit_bytes, "--mem-budget-gb"
+    if device.type != "cuda":
+        cap = int(available_ram_bytes() * CPU_MAX_RAM_FRACTION)
+        if cpu_wanted_bytes <= DEFAULT_CPU_BUDGET_BYTES or cap <= DEFAULT_CPU_BUDGET_BYTES:
+            return DEFAULT_CPU_BUDGET_BYTES, "the CPU default"
+        if cpu_wanted_bytes <= cap:
+            return cpu_wanted_bytes, "the CPU default sized for --max-running-requests"
+        return cap, f"the CPU default capped at {CPU_MAX_RAM_FRACTION:.0%} of the available RAM"
+    free, total = torch.cuda.mem_get_info(device)
+    budget = int(free - total * (1.0 - mem_fraction_static))
+    if budget <= 0:
+        raise ValueError(
+            f"--mem-fraction-static {mem_fraction_static} leaves no memory for the KV and state pools on {device}: "
+            f"{free / 2**30:.2f} GiB free of {total / 2**30:.2f} GiB after loading the weights; raise it or give "
+            "--mem-budget-gb"
+        )
+    return budget, f"--mem-fraction-static {mem_fraction_static} of {total / 2**30:.2f} GiB"
+
+
+def cpu_wanted_budget(cfg: HybridConfig, dtype: torch.dtype, running: int, mamba_ratio: float,
+                      tp_size: int = 1, tp_rank: int = 0) -> int:
+    """Pool bytes that give `running` requests a state slot each plus a quarter more for cached
+    prefix states and checkpoints, with KV in the `mamba_ratio` split (0 for a model without Mamba)."""
+    if not cfg.mamba_layer_ids:
+        return 0
+    states = running + running // 4 + 2
+    return int(states * slot_bytes(cfg, dtype, tp_size, tp_rank).mamba_state / mamba_ratio)
 
 
 def plan_capacities(

@@ -26,8 +26,6 @@ from worker_proc.runtime import ModelRunner
 
 logger = logging.getLogger(__name__)
 
-_DEFAULT_BUDGET_BYTES = {"cpu": 256 << 20, "cuda": 8 << 30}
-
 
 def resolve_device(args: ServerArgs, rank: int) -> str:
     if args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available()):
@@ -133,14 +131,15 @@ def run(args: ServerArgs, rank: int) -> None:
     if device.startswith("cuda"):
         torch.cuda.set_device(device)
     group = init_distributed(args, rank, device)
-    budget = int(args.mem_budget_gb * (1 << 30)) or _DEFAULT_BUDGET_BYTES["cuda" if "cuda" in device else "cpu"]
     runner = ModelRunner(
         args.resolved_model_path,
         device=device,
         dtype=args.dtype,
         kv_slots=args.max_total_tokens,
         mamba_slots=args.max_mamba_cache_size,
-        mem_budget_bytes=budget,
+        mem_budget_bytes=int(args.mem_budget_gb * (1 << 30)),
+        mem_fraction_static=args.mem_fraction_static,
+        running_requests=args.max_running_requests,
         mamba_ratio=args.mamba_full_memory_ratio,
         seed=args.random_seed,
         tp_rank=rank,

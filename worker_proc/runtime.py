@@ -1,13 +1,13 @@
 """`ModelRunner`: the worker rank's model + state pools + sampler behind one `step()` call.
 
-Owned by the worker runtime; the worker process (worker_proc/process.py, the lead's) owns the
-sockets and calls `step` once per `ForwardBatch`. The scheduler owns every slot number; the runner
-holds the tensors (weights, KV pool, Mamba state pools) and one mirror of the KV slot lists of the
-last batch it ran (`KVSlotMirror`, so slices may send only new slots: ReqSlice.kv_reuse). Within one
-step the order is fixed: validate and index the non-refused slices (a malformed batch raises before
-anything is written), copies (minus refused requests' copies), then clears, then one forward over
-every non-refused slice, then sampling. Under tensor parallelism every rank runs the same step on
-its shard (weights and pools, see worker_proc.model.tp; all ranks get identical batches and agree on
+The worker process (worker_proc/process.py) owns the sockets and calls `step` once per
+`ForwardBatch`. The scheduler owns every slot number; the runner holds the tensors (weights, KV
+pool, Mamba state pools) and one mirror of the KV slot lists of the last batch it ran
+(`KVSlotMirror`, so slices may send only new slots: ReqSlice.kv_reuse). Within one step the order is
+fixed: validate and index the non-refused slices (a malformed batch raises before anything is
+written), copies (minus refused requests' copies), then clears, then one forward over every
+non-refused slice, then sampling. Under tensor parallelism every rank runs the same step on its
+shard (weights and pools, see worker_proc.model.tp; all ranks get identical batches and agree on
 refusals, so their mirrors stay identical); only rank 0 computes logits and samples, the other
 ranks' StepResult carries no tokens.
 """
@@ -19,19 +19,16 @@ import time
 
 import torch
 
-from shared.messages import ForwardBatch, ReqSlice, SamplingParams, StepResult
+from shared.messages import ForwardBatch, ReqSlice, StepResult
 from shared.model_info import ModelInfo
 from worker_proc.kernels import get_ops
 from worker_proc.loader import load_model
 from worker_proc.model import StepBatch, build_step_batch
 from worker_proc.model.kv_mirror import KVSlotMirror
-from worker_proc.pools import StatePools, plan_capacities
+from worker_proc.pools import StatePools, cpu_wanted_budget, plan_capacities, pool_budget
 from worker_proc.sampling import SampleRequest, greedy_params, sample
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_CPU_BUDGET_BYTES = 256 * 2**20
-CUDA_FREE_FRACTION = 0.85
 
 
 class ModelRunner:
@@ -47,6 +44,8 @@ class ModelRunner:
         kv_slots: int = 0,
         mamba_slots: int = 0,
         mem_budget_bytes: int = 0,
+        mem_fraction_static: float = 0.85,
+        running_requests: int = 0,
         mamba_ratio: float = 0.5,
         seed: int = 0,
         tp_rank: int = 0,
@@ -64,25 +63,23 @@ class ModelRunner:
         self.dtype = self.model.dtype
         self.seed = seed
         self.tp_rank = tp_rank
-        kv, mamba = kv_slots, mamba_slots
+        kv, mamba, how = kv_slots, mamba_slots, "--max-total-tokens and --max-mamba-cache-size"
         if kv <= 0 or mamba <= 0:
-            budget = mem_budget_bytes or self._default_budget()
+            wanted = cpu_wanted_budget(self.cfg, self.dtype, running_requests, mamba_ratio, tp_size, tp_rank)
+            budget, how = pool_budget(self.device, mem_budget_bytes, mem_fraction_static, wanted)
+            how = f"{budget / 2**30:.3f} GiB from {how}"
             planned_kv, planned_mamba = plan_capacities(self.cfg, budget, mamba_ratio, self.dtype, tp_size, tp_rank)
             kv = kv if kv > 0 else planned_kv
             mamba = mamba if mamba > 0 else planned_mamba
         self.pools = StatePools(self.cfg, kv, mamba, self.dtype, self.device, tp_size, tp_rank)
         self.kv_capacity = kv
         self.mamba_capacity = mamba
+        logger.info("rank %d pools on %s (%s): %d KV token slots, %d Mamba state slots", tp_rank, self.device,
+                    how, kv, mamba)
         self.ops = get_ops(self.device, kernels, deterministic)
         self.model.set_batch_invariant(deterministic)
         self.deterministic = deterministic
         self.kv_mirror = KVSlotMirror()  # slot lists of the last batch run (ReqSlice.kv_reuse)
-
-    def _default_budget(self) -> int:
-        if self.device.type == "cuda":
-            free, _total = torch.cuda.mem_get_info(self.device)
-            return int(free * CUDA_FREE_FRACTION)
-        return DEFAULT_CPU_BUDGET_BYTES
 
     # ------------------------------------------------------------------ the step
     def step(self, batch: ForwardBatch, refused: frozenset[str] = frozenset()) -> StepResult:
@@ -93,7 +90,7 @@ class ModelRunner:
         next_tokens: dict[str, int] = {}
         logprobs: dict[str, float] = {}
         try:
-            sb = self._build(reqs, batch.step, all_rows=False)  # raises before anything is written
+            sb = self.build_batch(reqs, batch.step, all_rows=False)  # raises before anything is written
             self.apply_state_ops(batch, refused)
             if reqs:
                 sampler = self.tp_rank == 0  # rank 0 samples and replies; the others only advance state
@@ -123,23 +120,14 @@ class ModelRunner:
         for slot in batch.clears:
             self.pools.clear_state(slot)
 
-    def _build(self, reqs: list[ReqSlice], step: int, all_rows: bool) -> StepBatch:
+    def build_batch(self, reqs: list[ReqSlice], step: int, all_rows: bool) -> StepBatch:
+        """Validate and index `reqs` against this runner's capacities and KV slot mirror (raises
+        ValueError on a malformed batch, before anything is written). `all_rows`: a logit row for
+        every input position of a sampled slice, not only its last."""
         return build_step_batch(
             reqs, self.device, self.kv_capacity, self.mamba_capacity, bool(self.cfg.mamba_layer_ids), all_rows,
             uses_attention=bool(self.cfg.attn_layer_ids), mirror=self.kv_mirror, step=step,
         )
-
-    def _run_logits(self, batch: ForwardBatch, all_rows: bool) -> tuple[StepBatch, torch.Tensor]:
-        """Test helpers' step: like `step` without refusals or sampling, logits of every logit row."""
-        try:
-            sb = self._build(list(batch.reqs), batch.step, all_rows)
-            self.apply_state_ops(batch)
-            logits = self.model.forward_step(sb, self.pools, self.ops) if batch.reqs else torch.zeros(0)
-        except BaseException:
-            self.kv_mirror.clear()
-            raise
-        self.kv_mirror.commit(batch.step, [r.rid for r in batch.reqs], sb.kv_full)
-        return sb, logits
 
     def _sample(
         self, logits: torch.Tensor, sb: StepBatch, by_rid: dict[str, ReqSlice]
@@ -156,46 +144,7 @@ class ModelRunner:
             logprobs = {s.rid: lp for s, lp in zip(sreqs, lps, strict=True) if s.params.logprobs}
         return next_tokens, logprobs
 
-    # ------------------------------------------------------------------ test helpers
-    def forward_logits(self, batch: ForwardBatch) -> dict[str, torch.Tensor]:
-        """Apply the batch's state ops, run it, and return the last-position float32 logits [V] of
-        every slice with sample=True (no sampling). Advances state (and the KV mirror) like `step`."""
-        sb, logits = self._run_logits(batch, all_rows=False)
-        return {rid: logits[i] for i, rid in enumerate(sb.logit_rids)}
-
-    def forward_all_logits(self, batch: ForwardBatch) -> dict[str, torch.Tensor]:
-        """Like `forward_logits` but returns logits of every input position: rid -> [L, V]."""
-        sb, logits = self._run_logits(batch, all_rows=True)
-        out: dict[str, list[torch.Tensor]] = {}
-        for i, rid in enumerate(sb.logit_rids):
-            out.setdefault(rid, []).append(logits[i])
-        return {rid: torch.stack(rows) for rid, rows in out.items()}
-
     def check_integrity(self) -> None:
         self.pools.check_integrity()
         self.kv_mirror.check_integrity()
 
-
-def generate_greedy(
-    runner: ModelRunner, prompt: list[int], max_new_tokens: int, eos_ids: tuple[int, ...] = ()
-) -> list[int]:
-    """Reference generation of one prompt alone: KV slots 1..n for positions 0..n-1, Mamba slot 1,
-    whole-prompt prefill then one token per step, greedy; stops after an EOS token (included)."""
-    if max_new_tokens <= 0:
-        return []
-    if len(prompt) + max_new_tokens > runner.kv_capacity + 1:
-        raise ValueError(f"prompt {len(prompt)} + {max_new_tokens} new tokens exceed {runner.kv_capacity} KV slots")
-    greedy = SamplingParams(temperature=0.0)
-    out: list[int] = []
-    ids, start = list(prompt), 0
-    for step in range(max_new_tokens):
-        end = start + len(ids)
-        req = ReqSlice(rid="ref", input_ids=ids, start_pos=start, kv_slots=list(range(1, end + 1)),
-                       mamba_slot=1, sample=True, sampling=greedy, output_len=len(out))
-        res = runner.step(ForwardBatch(step=step, reqs=[req], clears=[1] if start == 0 else []))
-        tok = res.next_tokens["ref"]
-        out.append(tok)
-        if tok in eos_ids:
-            break
-        ids, start = [tok], end
-    return out

@@ -1,6 +1,6 @@
 """Token sampling for one step: greedy, temperature, top-k, top-p, min-p, per-request seeds.
 
-Owned by the worker runtime (rank 0 samples). Determinism rule: the random draw of a request
+Rank 0 samples. Determinism rule: the random draw of a request
 depends only on (its seed, its output_len), so a retried or replayed step picks the same token.
 A request without a seed derives one from the runner seed and a stable hash of its rid.
 Logprobs are those of the chosen token under the model's raw distribution (before temperature

@@ -1,6 +1,6 @@
 """A tiny starlette app that fakes hyssm's streaming HTTP API, served by uvicorn in a thread.
 
-Owner: tests/bench. It lets the bench_serving client path run for real (HTTP, SSE parsing, concurrency)
+It lets the bench_serving client path run for real (HTTP, SSE parsing, concurrency)
 without the engine.
 It speaks hyssm's /generate, OpenAI /v1/completions and llama-server's native /completion (one chunk per
 token with a cumulative ``tokens_predicted``, a leading progress chunk without tokens, a final ``stop``

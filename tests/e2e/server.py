@@ -7,6 +7,7 @@ Every process of one launch shares the process group created for launch.py
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -98,6 +99,17 @@ class Server:
 
     def client(self, timeout: float = 60.0, **kw: object) -> httpx.Client:
         return httpx.Client(base_url=self.url, timeout=timeout, **kw)
+
+    def metric(self, name: str, **labels: str) -> float:
+        """Sum of a Prometheus sample family on /metrics, over the samples carrying `labels`."""
+        with self.client() as client:
+            text = client.get("/metrics").text
+        total = 0.0
+        for line in text.splitlines():
+            m = re.match(rf"^{re.escape(name)}(\{{[^}}]*\}})? (\S+)$", line)
+            if m and all(f'{k}="{v}"' in (m.group(1) or "") for k, v in labels.items()):
+                total += float(m.group(2))
+        return total
 
     def stop(self, timeout: float = 15.0) -> int | None:
         """SIGTERM launch.py, wait; SIGKILL the whole group if anything is left."""

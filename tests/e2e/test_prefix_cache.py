@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import re
 import time
 
 import httpx
@@ -25,20 +24,8 @@ def greedy(client: httpx.Client, ids: list[int], n: int) -> dict:
     return r.json()
 
 
-def metric(server: Server, name: str, **labels: str) -> float:
-    """Sum of a Prometheus sample family on /metrics, filtered by labels."""
-    with server.client() as client:
-        text = client.get("/metrics").text
-    total = 0.0
-    for line in text.splitlines():
-        m = re.match(rf"^{re.escape(name)}(\{{[^}}]*\}})? (\S+)$", line)
-        if m and all(f'{k}="{v}"' in (m.group(1) or "") for k, v in labels.items()):
-            total += float(m.group(2))
-    return total
-
-
 def test_shared_system_prompt_hits_from_third_request(reference_runner) -> None:
-    from worker_proc.runtime import generate_greedy
+    from tests.model_driver import generate_greedy
 
     rng = random.Random(1)
     system = [rng.randrange(256) for _ in range(300)]
@@ -78,7 +65,7 @@ async def _concurrent(server: Server, prompts: list[list[int]], n: int) -> list[
 
 
 def test_memory_pressure_completes_identically(reference_runner) -> None:
-    from worker_proc.runtime import generate_greedy
+    from tests.model_driver import generate_greedy
 
     rng = random.Random(3)
     prefixes = [[rng.randrange(256) for _ in range(80)] for _ in range(4)]
@@ -93,16 +80,16 @@ def test_memory_pressure_completes_identically(reference_runner) -> None:
         outputs = asyncio.run(_concurrent(server, prompts, 24))
         assert time.monotonic() - t0 < 240
         assert outputs == expected
-        assert metric(server, "hyssm_admission_refusals_total") > 0
-        assert metric(server, "hyssm_admission_refusals_total", reason="worker_refusal") > 0
-        assert metric(server, "hyssm_admission_retries_total") > 0
-        assert metric(server, "hyssm_retractions_total") > 0
+        assert server.metric("hyssm_admission_refusals_total") > 0
+        assert server.metric("hyssm_admission_refusals_total", reason="worker_refusal") > 0
+        assert server.metric("hyssm_admission_retries_total") > 0
+        assert server.metric("hyssm_retractions_total") > 0
         # Retracted requests resume from the progress saved into the tree: fewer tokens are computed again
         # than were retracted. How much of that progress survives depends on how arrivals interleave
         # (other requests may need its KV first); the exact bound is asserted deterministically in
         # tests/scheduler/test_scheduler_cache.py.
-        retracted = metric(server, "hyssm_retracted_tokens_total")
-        recomputed = metric(server, "hyssm_retract_recomputed_tokens_total")
+        retracted = server.metric("hyssm_retracted_tokens_total")
+        recomputed = server.metric("hyssm_retract_recomputed_tokens_total")
         assert retracted > 0 and recomputed < retracted, (recomputed, retracted)
         with server.client() as client:
             info = client.get("/get_server_info").json()

@@ -25,7 +25,7 @@ def _generate(client: httpx.Client, ids: list[int], n: int) -> dict:
 
 
 def test_concurrent_greedy_matches_runtime_alone(server: Server, reference_runner) -> None:
-    from worker_proc.runtime import generate_greedy
+    from tests.model_driver import generate_greedy
 
     rng = random.Random(7)
     prompts = [[rng.randrange(256) for _ in range(rng.randint(3, 90))] for _ in range(32)]

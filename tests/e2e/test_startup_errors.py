@@ -29,6 +29,8 @@ def _launch(args: list[str]) -> subprocess.CompletedProcess[str]:
         (["--chunked-prefill-size", "4096", "--max-prefill-tokens", "1024"], "--max-prefill-tokens"),
         (["--nnodes", "2", "--tp-size", "2"], "--dist-init-addr"),
         (["--nnodes", "2"], "--nnodes"),
+        (["--mem-fraction-static", "1.5"], "--mem-fraction-static"),
+        (["--mem-fraction-static", "0"], "--mem-fraction-static"),
     ],
 )
 def test_bad_flags_fail_with_one_line(args: list[str], needle: str) -> None:

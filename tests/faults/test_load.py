@@ -51,7 +51,8 @@ def wait_drained(server: Server, timeout: float = 30.0) -> dict:
 
 
 def test_cow_refusals_change_nothing() -> None:
-    from worker_proc.runtime import ModelRunner, generate_greedy
+    from tests.model_driver import generate_greedy
+    from worker_proc.runtime import ModelRunner
 
     prompts = shared_prefix_prompts(200, seed=3)
     runner = ModelRunner(builtin_model_dir(), device="cpu", dtype="float32", kv_slots=1024, mamba_slots=4)

@@ -1,6 +1,6 @@
 """Kernel tests run the Triton kernels on CPU tensors through the Triton interpreter.
 
-Owned by the Triton kernel path (helper E). `@triton.jit` decides when a kernel module is imported
+`@triton.jit` decides when a kernel module is imported
 whether its kernels are compiled or interpreted, so this conftest (imported before the test modules
 of this directory) imports every kernel module with TRITON_INTERPRET=1 and then restores the
 variable; an autouse fixture sets it again only while each test of this directory runs, so the

@@ -1,6 +1,6 @@
 """Compile every Triton kernel for a CUDA GPU (default sm_90, H100/H200) on a machine without one.
 
-Owned by the Triton kernel path (helper E). Run as `python -m tests.kernels.cuda_compile [--arch 90]`
+Run as `python -m tests.kernels.cuda_compile [--arch 90]`
 WITHOUT TRITON_INTERPRET: the interpreter accepts programs the compiler rejects, so this catches
 what the CPU tests cannot (type errors in compiled mode, unsupported ops, dot shapes, too much shared
 memory). Launches are intercepted (nothing runs): `TritonOps` is called on CPU tensors of Granite

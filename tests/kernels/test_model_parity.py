@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 
 from shared.messages import CopyOp, ForwardBatch, ReqSlice, SamplingParams
 from tests.kernels.util import TOL, max_diff
+from tests.model_driver import forward_all_logits
 from worker_proc.kernels import ReferenceOps
 from worker_proc.kernels.triton_ops import TritonOps
 from worker_proc.runtime import ModelRunner
@@ -39,7 +40,7 @@ def _req(rid: str, ids: list[int], start: int, kv: list[int], mamba: int) -> Req
 
 
 def _same_step(a: ModelRunner, b: ModelRunner, fb: ForwardBatch) -> dict[str, torch.Tensor]:
-    out_a, out_b = a.forward_all_logits(fb), b.forward_all_logits(fb)
+    out_a, out_b = forward_all_logits(a, fb), forward_all_logits(b, fb)
     assert out_a.keys() == out_b.keys()
     for rid in out_a:
         assert max_diff(out_a[rid], out_b[rid]) <= TOL, f"request {rid}"

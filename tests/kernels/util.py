@@ -1,4 +1,5 @@
-"""Helpers of the kernel tests (owned by the Triton kernel path, helper E)."""
+"""What the kernel tests share: the tolerance, seeded inputs and pools (slot 0 zero), strided
+views, cu_seqlens, and checks that a kernel wrote only the slots it was given."""
 
 from __future__ import annotations
 

@@ -23,7 +23,6 @@ class FakeWorker:
         self.vocab = vocab
         self.eos = eos
         self.steps = 0
-        self.prefill_tokens = 0
         # like worker_proc's KVSlotMirror: full slot lists of the rids that ran in batch `mirror_step`
         self.mirror: dict[str, list[int]] = {}
         self.mirror_step: int | None = None
@@ -58,8 +57,6 @@ class FakeWorker:
             seq = seq + tuple(s.input_ids)
             if s.mamba_slot:
                 self.state[s.mamba_slot] = seq
-            if len(s.input_ids) > 1:
-                self.prefill_tokens += len(s.input_ids)
             if s.sample:
                 out[s.rid] = self.next_token(seq)
         hit = sorted(r for r in refused if any(s.rid == r for s in batch.reqs))

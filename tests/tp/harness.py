@@ -1,4 +1,4 @@
-"""Tensor-parallel test harness (owned by the TP helper): run ranks in-process with
+"""Tensor-parallel test harness: run ranks in-process with
 torch.multiprocessing (spawn) + gloo on a free loopback port, and a deterministic serving script
 that drives a `ModelRunner` the way the scheduler would (staggered arrivals, chunked prefill,
 decode, a copy-on-write fork), identically on every rank.
@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.multiprocessing as tmp
 
 from shared.messages import CopyOp, ForwardBatch, ReqSlice, SamplingParams
+from tests.model_driver import forward_all_logits, forward_logits
 from worker_proc.runtime import ModelRunner
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -189,7 +190,7 @@ def _run_step(
     runner: ModelRunner, batch: ForwardBatch, mode: str, group: Any, logits: list[dict[str, np.ndarray]]
 ) -> dict[str, int]:
     if mode == "logits":
-        out = runner.forward_logits(batch)
+        out = forward_logits(runner, batch)
         logits.append({rid: v.numpy().copy() for rid, v in out.items()})
         return {rid: int(v.argmax()) for rid, v in out.items()}
     result = runner.step(batch)
@@ -220,7 +221,7 @@ def model_traces(
         n = len(prompt)
         req = ReqSlice(rid="p", input_ids=prompt, start_pos=0, kv_slots=list(range(1, n + 1)), mamba_slot=1,
                        sample=True, sampling=GREEDY)
-        result["prompt_logits"] = runner.forward_all_logits(ForwardBatch(step=0, reqs=[req], clears=[1]))["p"].numpy()
+        result["prompt_logits"] = forward_all_logits(runner, ForwardBatch(step=0, reqs=[req], clears=[1]))["p"].numpy()
     result["capacity"] = (runner.kv_capacity, runner.mamba_capacity, runner.pools.nbytes())
     return result
 

@@ -1,5 +1,5 @@
-"""Random small GraniteMoeHybrid checkpoints for layouts the HF parity fixtures do not cover
-(owned by the TP helper): n_groups that neither divides nor is divided evenly by the rank count,
+"""Random small GraniteMoeHybrid checkpoints for layouts the HF parity fixtures do not cover:
+n_groups that neither divides nor is divided evenly by the rank count,
 KV heads replicated over several ranks, MoE. Deterministic in `seed`."""
 
 from __future__ import annotations

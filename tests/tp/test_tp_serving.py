@@ -5,10 +5,8 @@ each serving the greedy outputs of the single-rank runtime; start-up errors of T
 from __future__ import annotations
 
 import concurrent.futures as cf
-import json
 import os
 import random
-import re
 import shutil
 import signal
 import socket
@@ -21,6 +19,7 @@ import pytest
 
 from shared.config import builtin_model_dir
 from tests.e2e.server import ROOT, Server, free_port, group_pids, running_server
+from tests.worker.util import edit_config
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 
@@ -37,7 +36,7 @@ def runner() -> Any:
 
 def _cases(runner: Any, prompts: list[list[int]], rng: random.Random) -> list[Case]:
     """(prompt, max_new_tokens, greedy output of the TP=1 runtime alone) per prompt."""
-    from worker_proc.runtime import generate_greedy
+    from tests.model_driver import generate_greedy
 
     cases = []
     for prompt in prompts:
@@ -72,17 +71,6 @@ def test_tp2_serves_the_single_rank_outputs(expected: list[Case]) -> None:
         assert "rank1_device" in server.output or "rank 1 ready" in server.output
 
 
-def _metric(server: Server, name: str, **labels: str) -> float:
-    with server.client() as client:
-        text = client.get("/metrics").text
-    total = 0.0
-    for line in text.splitlines():
-        m = re.match(rf"^{re.escape(name)}(\{{[^}}]*\}})? (\S+)$", line)
-        if m and all(f'{k}="{v}"' in (m.group(1) or "") for k, v in labels.items()):
-            total += float(m.group(2))
-    return total
-
-
 def test_tp2_copy_on_write_refusals_are_agreed_by_both_ranks(runner: Any) -> None:
     """Each rank refuses copy-on-writes at random on its own (different per rank); the ranks
     agree on the union before the forward pass, so their states never diverge and every request
@@ -96,7 +84,7 @@ def test_tp2_copy_on_write_refusals_are_agreed_by_both_ranks(runner: Any) -> Non
     with running_server(args) as server:
         _serves_expected(server, warm)  # the prefixes' states go into the cache
         _serves_expected(server, shared)  # hits: copy-on-write of the cached state
-        assert _metric(server, "hyssm_admission_refusals_total", reason="worker_refusal") > 0
+        assert server.metric("hyssm_admission_refusals_total", reason="worker_refusal") > 0
 
 
 def _port_block() -> int:
@@ -181,12 +169,7 @@ def test_unreachable_dist_init_addr_fails_after_the_startup_timeout() -> None:
 def test_head_counts_not_divisible_fail_before_spawning(tmp_path, changes: dict, tp: int, needle: str) -> None:
     model = tmp_path / "model"
     shutil.copytree(builtin_model_dir(), model)
-    cfg_path = os.path.join(model, "config.json")
-    with open(cfg_path) as f:
-        cfg = json.load(f)
-    cfg.update(changes)
-    with open(cfg_path, "w") as f:
-        json.dump(cfg, f)
+    edit_config(str(model), **changes)
     res, elapsed = _launch(["--model-path", str(model), "--tp-size", str(tp)])
     line = _one_line(res)
     assert f"--tp-size {tp}" in line and needle in line

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from shared.messages import ReqSlice
+from tests.model_driver import forward_all_logits, forward_logits
 from tests.worker.util import batch, max_diff, req, runner
 from worker_proc.runtime import ModelRunner
 
@@ -25,9 +26,9 @@ def _setup(r: ModelRunner) -> list[ReqSlice]:
     kv_b = list(range(1, 17))
     kv_c = list(range(20, 33))
     kv_d = list(range(40, 46))
-    r.forward_logits(batch(0, [req("b", b_prompt[:9], 0, kv_b[:9], 2)], clears=[2]))
-    r.forward_logits(batch(1, [req("c", c_prompt[:12], 0, kv_c[:12], 3)], clears=[3]))
-    r.forward_logits(batch(2, [req("d", d_prompt[:5], 0, kv_d[:5], 4)], clears=[4]))
+    forward_logits(r, batch(0, [req("b", b_prompt[:9], 0, kv_b[:9], 2)], clears=[2]))
+    forward_logits(r, batch(1, [req("c", c_prompt[:12], 0, kv_c[:12], 3)], clears=[3]))
+    forward_logits(r, batch(2, [req("d", d_prompt[:5], 0, kv_d[:5], 4)], clears=[4]))
     return [
         req("a", _prompt(0, 11), 0, list(range(50, 61)), 1),  # fresh prefill
         req("b", b_prompt[9:], 9, kv_b, 2),  # resumed prefill (7 more tokens)
@@ -48,8 +49,8 @@ def test_mixed_batch_equals_each_alone(name: str, deterministic: bool) -> None:
     expected: dict[str, torch.Tensor] = {}
     for i, sl in enumerate(slices):
         clears = [sl.mamba_slot] if sl.mamba_slot in fresh else []
-        expected.update(alone.forward_all_logits(batch(10 + i, [sl], clears=clears)))
-    got = together.forward_all_logits(batch(10, slices, clears=fresh))
+        expected.update(forward_all_logits(alone, batch(10 + i, [sl], clears=clears)))
+    got = forward_all_logits(together, batch(10, slices, clears=fresh))
     assert set(got) == set(expected) == {"a", "b", "c", "d", "e", "f"}
     for rid in expected:
         assert max_diff(got[rid], expected[rid]) <= TOL[deterministic], rid

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from shared.messages import CopyOp, ReqSlice
+from tests.model_driver import forward_all_logits
 from tests.worker.util import GREEDY, batch, req, runner
 from worker_proc.model.kv_mirror import KVSlotMirror
 from worker_proc.runtime import ModelRunner
@@ -25,13 +26,13 @@ def delta(sl: ReqSlice, reuse: int) -> ReqSlice:
 
 def run_pair(r: ModelRunner, deltas: bool) -> list[dict[str, torch.Tensor]]:
     """a: a 6-token chunk, a 4-token chunk, decodes; b joins at step 1 and decodes: logits per step."""
-    out = [r.forward_all_logits(batch(0, [req("a", PROMPT_A[:6], 0, KV_A[:6], 1, sample=False)], clears=[1]))]
+    out = [forward_all_logits(r, batch(0, [req("a", PROMPT_A[:6], 0, KV_A[:6], 1, sample=False)], clears=[1]))]
     slices = [req("a", PROMPT_A[6:], 6, KV_A[:10], 1), req("b", PROMPT_B, 0, KV_B[:5], 2)]
     reuse = {"a": 6, "b": 0}
     tok = {"a": 7, "b": 99}
     for step in range(1, 6):
         sent = [delta(s, reuse[s.rid]) if deltas else s for s in slices]
-        out.append(r.forward_all_logits(batch(step, sent, clears=[2] if step == 1 else [])))
+        out.append(forward_all_logits(r, batch(step, sent, clears=[2] if step == 1 else [])))
         nxt = []
         for s in slices:
             end = s.start_pos + len(s.input_ids)

@@ -11,7 +11,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from shared.errors import ModelLoadError
-from tests.worker.util import batch, fixture_dir, max_diff, reference, req, runner
+from tests.model_driver import forward_all_logits
+from tests.worker.util import batch, edit_config, fixture_dir, max_diff, reference, req, runner
 from worker_proc.loader import load_model
 from worker_proc.runtime import ModelRunner
 
@@ -28,15 +29,6 @@ def ckpt(tmp_path) -> str:
     return str(out)
 
 
-def _edit_config(path: str, **changes: object) -> None:
-    cfg_path = os.path.join(path, "config.json")
-    with open(cfg_path) as f:
-        cfg = json.load(f)
-    cfg.update(changes)
-    with open(cfg_path, "w") as f:
-        json.dump(cfg, f)
-
-
 def _edit_weights(path: str, fn) -> None:
     wpath = os.path.join(path, "model.safetensors")
     tensors = load_file(wpath)
@@ -47,7 +39,7 @@ def _edit_weights(path: str, fn) -> None:
 def _prompt_logits(r: ModelRunner) -> torch.Tensor:
     prompt = reference(NAME)["prompt"].tolist()
     n = len(prompt)
-    return r.forward_all_logits(batch(0, [req("a", prompt, 0, list(range(1, n + 1)), 1)], clears=[1]))["a"]
+    return forward_all_logits(r, batch(0, [req("a", prompt, 0, list(range(1, n + 1)), 1)], clears=[1]))["a"]
 
 
 def test_missing_model_dir(tmp_path) -> None:
@@ -68,7 +60,7 @@ def test_missing_weights_file(ckpt: str) -> None:
 
 
 def test_unknown_architecture(ckpt: str) -> None:
-    _edit_config(ckpt, architectures=["LlamaForCausalLM"])
+    edit_config(ckpt, architectures=["LlamaForCausalLM"])
     with pytest.raises(ModelLoadError, match="LlamaForCausalLM"):
         load_model(ckpt)
     with pytest.raises(ModelLoadError, match="LlamaForCausalLM"):
@@ -94,7 +86,7 @@ def test_wrong_shape(ckpt: str) -> None:
 
 
 def test_bad_config_values(ckpt: str) -> None:
-    _edit_config(ckpt, mamba_n_groups=3)
+    edit_config(ckpt, mamba_n_groups=3)
     with pytest.raises(ModelLoadError, match="mamba_n_groups"):
         load_model(ckpt)
 
@@ -157,7 +149,7 @@ def test_half_precision_load(dtype: str, monkeypatch: pytest.MonkeyPatch) -> Non
     assert r.pools.k.dtype == r.dtype and r.pools.ssm.dtype == torch.float32
     prompt = reference(name)["prompt"].tolist()
     n = len(prompt)
-    logits = r.forward_all_logits(batch(0, [req("a", prompt, 0, list(range(1, n + 1)), 1)], clears=[1]))["a"]
+    logits = forward_all_logits(r, batch(0, [req("a", prompt, 0, list(range(1, n + 1)), 1)], clears=[1]))["a"]
     ref = reference(name)["prompt_logits"]
     assert torch.isfinite(logits).all()
     assert max_diff(logits, ref) < 0.6
@@ -167,7 +159,7 @@ def test_half_precision_load(dtype: str, monkeypatch: pytest.MonkeyPatch) -> Non
 
 def test_bf16_checkpoint_auto_dtype_on_cpu_is_float32(ckpt: str) -> None:
     _edit_weights(ckpt, lambda t: t.update({k: v.to(torch.bfloat16) for k, v in t.items()}))
-    _edit_config(ckpt, torch_dtype="bfloat16")
+    edit_config(ckpt, torch_dtype="bfloat16")
     model = load_model(ckpt)  # auto -> float32 on CPU
     assert model.dtype == torch.float32
     assert load_model(ckpt, dtype="bfloat16").dtype == torch.bfloat16

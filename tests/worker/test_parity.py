@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.model_driver import forward_all_logits, forward_logits, generate_greedy
 from tests.worker.util import FIXTURE_NAMES, batch, fixture_dir, max_diff, reference, req, runner
 from worker_proc.loader import load_config
-from worker_proc.runtime import generate_greedy
 
 TOL = 1e-4
 
@@ -25,7 +25,7 @@ def test_full_prompt_logits(name: str, deterministic: bool) -> None:
     r = runner(name, deterministic=deterministic)
     prompt = ref["prompt"].tolist()
     n = len(prompt)
-    out = r.forward_all_logits(batch(0, [req("a", prompt, 0, list(range(1, n + 1)), 1)], clears=[1]))
+    out = forward_all_logits(r, batch(0, [req("a", prompt, 0, list(range(1, n + 1)), 1)], clears=[1]))
     assert out["a"].shape == ref["prompt_logits"].shape
     assert max_diff(out["a"], ref["prompt_logits"]) <= TOL
     r.check_integrity()
@@ -45,7 +45,7 @@ def test_chunked_prefill_logits(name: str, chunks: tuple[int, ...], deterministi
     rows, start = [], 0
     for step, c in enumerate(chunks):
         sl = req("a", prompt[start : start + c], start, kv[: start + c], 3)
-        out = r.forward_all_logits(batch(step, [sl], clears=[3] if start == 0 else []))
+        out = forward_all_logits(r, batch(step, [sl], clears=[3] if start == 0 else []))
         rows.append(out["a"])
         start += c
     assert max_diff(torch.cat(rows), ref["prompt_logits"]) <= TOL
@@ -61,11 +61,11 @@ def test_decode_logits_and_greedy_tokens(name: str, deterministic: bool) -> None
     r = runner(name, deterministic=deterministic)
     n = len(prompt)
     kv = list(range(1, n + len(gen) + 1))
-    logits = r.forward_logits(batch(0, [req("a", prompt, 0, kv[:n], 2)], clears=[2]))["a"]
+    logits = forward_logits(r, batch(0, [req("a", prompt, 0, kv[:n], 2)], clears=[2]))["a"]
     assert max_diff(logits, ref["gen_logits"][0]) <= TOL
     for i in range(1, len(gen)):
         pos = n + i - 1
-        logits = r.forward_logits(batch(i, [req("a", [gen[i - 1]], pos, kv[: pos + 1], 2)]))["a"]
+        logits = forward_logits(r, batch(i, [req("a", [gen[i - 1]], pos, kv[: pos + 1], 2)]))["a"]
         assert max_diff(logits, ref["gen_logits"][i]) <= TOL, f"decode step {i}"
     r.check_integrity()
 

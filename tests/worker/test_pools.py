@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from shared.config import builtin_model_dir
 from tests.worker.util import fixture_dir
 from worker_proc.loader import load_config
-from worker_proc.pools import StatePools, plan_capacities, slot_bytes
+from worker_proc.pools import DEFAULT_CPU_BUDGET_BYTES, StatePools, plan_capacities, pool_budget, slot_bytes
 
 
 def _cfg():
@@ -71,3 +72,44 @@ def test_attention_only_and_mamba_only_budgets() -> None:
     mamba_only = replace(cfg, layer_kinds=("mamba",) * 4)
     kv, mamba = plan_capacities(mamba_only, 1_000_000, 0.5, torch.float32)
     assert kv == 0 and mamba == 1_000_000 // slot_bytes(mamba_only, torch.float32).mamba_state - 1
+
+
+def test_pool_budget_rules(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--mem-budget-gb wins on any device; CPU has its documented default; CUDA follows
+    --mem-fraction-static: weights + pools within that share of the total, measured after loading."""
+    cpu, gpu = torch.device("cpu"), torch.device("cuda:0")
+    assert pool_budget(cpu, 0, 0.85) == (DEFAULT_CPU_BUDGET_BYTES, "the CPU default")
+    assert pool_budget(cpu, 123_456, 0.85)[0] == 123_456
+    gib = 2**30
+    asked: list[torch.device] = []
+
+    def mem_get_info(device: torch.device) -> tuple[int, int]:
+        asked.append(device)
+        return 60 * gib, 100 * gib  # 40 GiB taken (weights, other processes)
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
+    assert pool_budget(gpu, 7 * gib, 0.85)[0] == 7 * gib and not asked  # the override measures nothing
+    budget, how = pool_budget(gpu, 0, 0.85)
+    assert budget == 45 * gib and asked == [gpu] and "--mem-fraction-static 0.85" in how
+    assert pool_budget(gpu, 0, 0.5)[0] == 10 * gib
+    with pytest.raises(ValueError, match="--mem-fraction-static 0.3 leaves no memory"):
+        pool_budget(gpu, 0, 0.3)
+
+
+def test_cpu_default_grows_with_the_running_requests_states(monkeypatch: pytest.MonkeyPatch) -> None:
+    from worker_proc import pools
+
+    cfg = load_config(builtin_model_dir())
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(pools, "available_ram_bytes", lambda: 64 << 30)
+    state = slot_bytes(cfg, torch.float32).mamba_state
+    wanted = pools.cpu_wanted_budget(cfg, torch.float32, 4000, 0.5)
+    assert wanted == int((4000 + 1000 + 2) * state / 0.5)
+    budget, how = pool_budget(cpu, 0, 0.85, wanted)
+    assert budget == wanted and "max-running-requests" in how
+    _, mamba = plan_capacities(cfg, budget, 0.5, torch.float32)
+    assert mamba >= 4000 + 1000  # every running request has a state slot, with room for cached ones
+    assert pool_budget(cpu, 0, 0.85, 1000)[0] == DEFAULT_CPU_BUDGET_BYTES  # never below the floor
+    monkeypatch.setattr(pools, "available_ram_bytes", lambda: 2 << 30)
+    budget, how = pool_budget(cpu, 0, 0.85, wanted)
+    assert budget == (2 << 30) // 4 and "capped" in how  # at most a quarter of the available RAM

@@ -88,7 +88,7 @@ def test_conv_prefill_continues_and_matches_steps() -> None:
         assert (o[0] - out[t]).abs().max() < 1e-5
     assert torch.allclose(s[0], state)
     # a prompt shorter than the kernel keeps part of the old state
-    out2, state2 = ref.causal_conv1d(x[:1], state0, w, bias)
+    _, state2 = ref.causal_conv1d(x[:1], state0, w, bias)
     assert torch.equal(state2, torch.cat([state0[:, 1:], x[:1].t()], dim=-1))
 
 

@@ -2,20 +2,30 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
 from shared.config import builtin_model_dir
 from shared.messages import SamplingParams
+from tests.model_driver import generate_greedy
 from tests.worker.util import batch, fixture_dir, reference, req, runner
-from worker_proc.pools import plan_capacities
-from worker_proc.runtime import ModelRunner, generate_greedy
+from worker_proc.pools import DEFAULT_CPU_BUDGET_BYTES, plan_capacities
+from worker_proc.runtime import ModelRunner
 
 
-def test_capacities_from_budget_and_explicit() -> None:
+def test_capacities_from_budget_and_explicit(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="worker_proc.runtime")
     r = ModelRunner(fixture_dir("nope_groups2"), mem_budget_bytes=4_000_000, mamba_ratio=0.3)
     kv, mamba = plan_capacities(r.cfg, 4_000_000, 0.3, torch.float32)
     assert (r.kv_capacity, r.mamba_capacity) == (kv, mamba)
+    logged = caplog.messages[-1]
+    assert "--mem-budget-gb" in logged and f"{kv} KV token slots, {mamba} Mamba state slots" in logged
+    default = ModelRunner(fixture_dir("nope_groups2"), mamba_ratio=0.3)
+    assert (default.kv_capacity, default.mamba_capacity) == plan_capacities(
+        r.cfg, DEFAULT_CPU_BUDGET_BYTES, 0.3, torch.float32)
+    assert "the CPU default" in caplog.messages[-1]
     assert r.pools.k.shape[1] == kv + 1 and r.pools.ssm.shape[1] == mamba + 1
     r2 = ModelRunner(fixture_dir("nope_groups2"), kv_slots=17, mamba_slots=0, mem_budget_bytes=4_000_000,
                      mamba_ratio=0.3)

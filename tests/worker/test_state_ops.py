@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from shared.messages import CopyOp, ReqSlice
+from tests.model_driver import forward_all_logits, forward_logits
 from tests.worker.util import batch, max_diff, reference, req, runner
 
 
@@ -19,13 +20,13 @@ def test_resume_from_copied_state_equals_uninterrupted(name: str) -> None:
     n, cut = len(prompt), 9
     r = runner(name)
     kv = list(range(1, n + 1))
-    whole = r.forward_all_logits(batch(0, [req("x", prompt, 0, list(range(30, 30 + n)), 4)], clears=[4]))["x"]
+    whole = forward_all_logits(r, batch(0, [req("x", prompt, 0, list(range(30, 30 + n)), 4)], clears=[4]))["x"]
     # a cached prefix: state after `cut` tokens in slot 1
-    r.forward_logits(batch(1, [req("p", prompt[:cut], 0, kv[:cut], 1, sample=False)], clears=[1]))
+    forward_logits(r, batch(1, [req("p", prompt[:cut], 0, kv[:cut], 1, sample=False)], clears=[1]))
     src_before = _snapshot(r, 1)
     # a new request hits the prefix: CoW slot 1 -> slot 2, then computes the rest in slot 2
     sl = req("y", prompt[cut:], cut, kv, 2)
-    rest = r.forward_all_logits(batch(2, [sl], copies=[CopyOp(src=1, dst=2, rid="y")]))["y"]
+    rest = forward_all_logits(r, batch(2, [sl], copies=[CopyOp(src=1, dst=2, rid="y")]))["y"]
     assert max_diff(rest, whole[cut:]) <= 1e-4  # same tolerance as chunked-prefill parity
     src_after = _snapshot(r, 1)
     assert torch.equal(src_before[0], src_after[0]) and torch.equal(src_before[1], src_after[1])
@@ -37,9 +38,9 @@ def test_resume_from_copied_state_equals_uninterrupted(name: str) -> None:
 def test_clear_zeroes_slot_and_padding_untouched() -> None:
     r = runner("nope_groups2")
     prompt = reference("nope_groups2")["prompt"].tolist()
-    r.forward_logits(batch(0, [req("a", prompt, 0, list(range(1, 20)), 3)], clears=[3]))
+    forward_logits(r, batch(0, [req("a", prompt, 0, list(range(1, 20)), 3)], clears=[3]))
     assert r.pools.ssm[:, 3].abs().sum() > 0 and r.pools.conv[:, 3].abs().sum() > 0
-    r.forward_logits(batch(1, [], clears=[3]))
+    forward_logits(r, batch(1, [], clears=[3]))
     assert not r.pools.ssm[:, 3].any() and not r.pools.conv[:, 3].any()
     r.check_integrity()
     r.pools.k[0, 0, 0, 0] = 1.0  # a write into padding slot 0 is caught
@@ -50,8 +51,8 @@ def test_clear_zeroes_slot_and_padding_untouched() -> None:
 def test_copies_apply_before_clears() -> None:
     r = runner("nope_groups2")
     prompt = reference("nope_groups2")["prompt"].tolist()
-    r.forward_logits(batch(0, [req("a", prompt[:5], 0, list(range(1, 6)), 1)], clears=[1]))
-    r.forward_logits(batch(1, [], copies=[CopyOp(src=1, dst=2)], clears=[1]))
+    forward_logits(r, batch(0, [req("a", prompt[:5], 0, list(range(1, 6)), 1)], clears=[1]))
+    forward_logits(r, batch(1, [], copies=[CopyOp(src=1, dst=2)], clears=[1]))
     assert not r.pools.ssm[:, 1].any()
     assert r.pools.ssm[:, 2].any()
 
@@ -59,7 +60,7 @@ def test_copies_apply_before_clears() -> None:
 def test_refused_request_does_not_run_or_copy() -> None:
     r = runner("rope_moe")
     prompt = reference("rope_moe")["prompt"].tolist()
-    r.forward_logits(batch(0, [req("p", prompt[:8], 0, list(range(1, 9)), 1, sample=False)], clears=[1]))
+    forward_logits(r, batch(0, [req("p", prompt[:8], 0, list(range(1, 9)), 1, sample=False)], clears=[1]))
     k_before, ssm_before = r.pools.k.clone(), r.pools.ssm.clone()
     refused_slice = req("y", prompt[8:12], 8, list(range(1, 13)), 2)
     ok_slice = req("z", prompt[:3], 0, list(range(40, 43)), 3)

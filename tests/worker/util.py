@@ -1,7 +1,9 @@
-"""Helpers shared by the worker runtime tests (owned by the worker runtime, helper A)."""
+"""What the worker runtime tests share: fixture checkpoints and their references, runners, and
+`ForwardBatch`es round-tripped through msgpack exactly as the scheduler -> worker channel does."""
 
 from __future__ import annotations
 
+import json
 import os
 
 import msgspec
@@ -18,6 +20,16 @@ GREEDY = SamplingParams(temperature=0.0)
 
 def fixture_dir(name: str) -> str:
     return os.path.join(FIXTURES, name)
+
+
+def edit_config(model_dir: str, **changes: object) -> None:
+    """Update keys of the checkpoint's config.json in place."""
+    cfg_path = os.path.join(model_dir, "config.json")
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    cfg.update(changes)
+    with open(cfg_path, "w") as f:
+        json.dump(cfg, f)
 
 
 def reference(name: str) -> dict[str, torch.Tensor]:

@@ -1,6 +1,6 @@
 """Pure-torch reference kernels (CPU tests, and the fallback on any device).
 
-Owned by the worker runtime. These are the ground truth that faster kernels (Triton on CUDA)
+These are the ground truth that faster kernels (Triton on CUDA)
 are checked against; the model never calls this module directly, only `worker_proc.kernels`.
 
 Shape letters: L = tokens of one request in this step, Bt = requests in a decode batch,

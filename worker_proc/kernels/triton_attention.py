@@ -1,6 +1,6 @@
 """Triton attention over slot-indexed KV (paged, page size 1): decode (split-K) and varlen prefill.
 
-Owned by the Triton kernel path (helper E). Same semantics as `reference.attention_decode` /
+Same semantics as `reference.attention_decode` /
 `attention_prefill` after gathering K/V through the slot lists: query head i reads KV head
 i // (h // kvh), scores are scaled by `scale`, softmax (online, flash style) in float32, output in
 q's dtype. K/V of the step's own tokens must already be in the pool (the model writes them first).

@@ -1,4 +1,4 @@
-"""Small pieces shared by the Triton kernel modules (owned by the Triton kernel path, helper E)."""
+"""Small pieces shared by the Triton kernel modules."""
 
 from __future__ import annotations
 

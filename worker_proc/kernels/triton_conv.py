@@ -1,6 +1,6 @@
 """Triton causal depthwise conv1d + SiLU over slot-indexed conv state (prefill, varlen; decode).
 
-Owned by the Triton kernel path (helper E). Semantics are those of
+Semantics are those of
 `worker_proc.kernels.reference.causal_conv1d` / `causal_conv1d_step`: the conv state of a slot holds
 the K-1 inputs before the next token, oldest first. Accumulation is float32 whatever the input dtype
 (the reference convolves in the weight dtype; both are identical in float32).

@@ -1,6 +1,6 @@
 """Host-side layout of a ragged SSD scan: which tokens each chunk covers (no triton import).
 
-Owned by the Triton kernel path (helper E). Chunks start at every request's first token and at
+Chunks start at every request's first token and at
 every requested state position, so the state after `pos` tokens of a request is exactly the start
 state of the chunk beginning there (or the final state when pos == the request's length), as in
 `reference.ssd_chunk_scan_with_states`. The scan result does not depend on where chunks start

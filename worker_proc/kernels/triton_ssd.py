@@ -1,6 +1,6 @@
 """Triton chunked SSD (Mamba2) scan over a ragged batch with per-request initial/final state in the pool.
 
-Owned by the Triton kernel path (helper E). Same math as `reference.ssd_chunk_scan` (dt discretized
+Same math as `reference.ssd_chunk_scan` (dt discretized
 here: softplus(dt + dt_bias), clamped), split into four launches over the chunks of a `ChunkPlan`:
 
 1. `_dt_cumsum`: discretized dt and the within-chunk cumulative sum of dt * A, per head and token.

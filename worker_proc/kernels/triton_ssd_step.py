@@ -1,6 +1,6 @@
 """Triton single-token selective state update (Mamba2 decode) over slot-indexed SSM state.
 
-Owned by the Triton kernel path (helper E). Same math as `reference.ssd_state_step` with dt
+Same math as `reference.ssd_state_step` with dt
 discretized in the kernel (softplus(dt + dt_bias), clamped):
 
     state[slot, h] <- state[slot, h] * exp(dt * A[h]) + dt * x[h, :, None] * B[g(h), None, :]

@@ -1,4 +1,4 @@
-"""GraniteMoeHybrid-compatible hybrid Mamba2 + attention model (owned by the worker runtime).
+"""GraniteMoeHybrid-compatible hybrid Mamba2 + attention model.
 
 Names are imported lazily so that `worker_proc.model.config` (torch-free) can be read by the
 launcher's start-up checks without importing torch.

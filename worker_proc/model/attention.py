@@ -1,6 +1,6 @@
 """Grouped-query attention of GraniteMoeHybrid (`model.layers.N.self_attn.*`), NoPE or RoPE.
 
-Owned by the worker runtime. Softmax scale = `attention_multiplier` (not 1/sqrt(d)). K/V of this
+Softmax scale = `attention_multiplier` (not 1/sqrt(d)). K/V of this
 step's tokens are written into the worker's KV pool at their slots *before* attention reads it, so
 a request attends over its cached prefix and its own new tokens through the same slot list.
 """

@@ -1,6 +1,6 @@
 """`StepBatch`: one step's requests flattened into tensors the model consumes.
 
-Owned by the worker runtime. Built from `ReqSlice`s (see shared/messages.py for their meaning);
+Built from `ReqSlice`s (see shared/messages.py for their meaning);
 all requests' new tokens are concatenated into one token dimension (rows) so projections and MLPs
 run once per step. Requests with exactly one new token form the *decode group* (batched Mamba
 state update and attention); the others form the *prefill group* (one scan/attention each).
@@ -44,10 +44,6 @@ class StepBatch:
     logit_rows: torch.Tensor  # [R] int64 rows whose logits are wanted
     logit_rids: tuple[str, ...]  # request id of each logit row
     kv_full: tuple[torch.Tensor, ...] = ()  # full KV slot list of each request, in slice order
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.input_ids.shape[0])
 
 
 def build_step_batch(

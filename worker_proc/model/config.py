@@ -1,6 +1,6 @@
 """`HybridConfig`: the frozen, validated subset of a GraniteMoeHybrid `config.json` the model uses.
 
-Owned by the worker runtime. Parsed once by the loader; every module reads its sizes from here.
+Parsed once by the loader; every module reads its sizes from here.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """`HybridForCausalLM`: the GraniteMoeHybrid decoder over one flattened step.
 
-Owned by the worker runtime. Module/parameter names mirror `GraniteMoeHybridForCausalLM` so the
+Module/parameter names mirror `GraniteMoeHybridForCausalLM` so the
 checkpoint's tensor names are this module's `state_dict` keys. Per layer:
 
     r = h; h = mixer(input_layernorm(h)); h = r + h * residual_multiplier

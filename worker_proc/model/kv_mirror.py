@@ -1,6 +1,6 @@
 """`KVSlotMirror`: the worker's copy of each request's KV slot list from the last batch it ran.
 
-Owned by the worker runtime (one per `ModelRunner`, so one per tensor-parallel rank). The scheduler
+One per `ModelRunner`, so one per tensor-parallel rank. The scheduler
 owns every slot number; this only mirrors what it sent, so that a `ReqSlice` with `kv_reuse > 0` can
 ship the new slots alone (see shared/messages.py). Rules that must hold:
 - after a step that ran, the mirror holds exactly the rids of that batch that ran (refused ones are

@@ -1,6 +1,6 @@
 """Norms and MLPs of GraniteMoeHybrid: RMSNorm, the shared gated MLP, the sparse MoE block.
 
-Owned by the worker runtime. Parameter names mirror the Hugging Face checkpoint so the loader
+Parameter names mirror the Hugging Face checkpoint so the loader
 maps tensors 1:1 (`input_linear.weight`, `output_linear.weight`, `router.layer.weight`).
 Everything here is vectorised over all tokens of a step ([T, hidden]).
 """

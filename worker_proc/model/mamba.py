@@ -1,6 +1,6 @@
 """Mamba2 mixer of GraniteMoeHybrid (`model.layers.N.mamba.*`).
 
-Owned by the worker runtime. in_proj -> split (z | xBC | dt) -> causal depthwise conv1d + SiLU over
+in_proj -> split (z | xBC | dt) -> causal depthwise conv1d + SiLU over
 xBC -> split (x | B | C) -> SSD scan (A = -exp(A_log), D skip, dt_bias, softplus, time_step_limit)
 -> gated RMSNorm grouped by n_groups -> out_proj. The conv and SSM states live in the worker's
 pools and are read/advanced in place by slot; this module owns no state of its own.

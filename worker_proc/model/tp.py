@@ -1,7 +1,7 @@
 """Tensor-parallel layout of one rank: which heads, groups and channels it holds, which slice of
 every checkpoint tensor it loads, and the collectives of the forward pass.
 
-Owned by the worker runtime. The rules (N = tp size, r = rank):
+The rules (N = tp size, r = rank):
 - Attention: query heads split evenly; KV heads split evenly when N divides them, else every
   rank holds the one KV head its query heads read (N must then be a multiple of the KV heads).
   q/k/v projections are column-parallel, o_proj row-parallel (all-reduce, bias added once after).
