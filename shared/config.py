@@ -92,7 +92,7 @@ class ServerArgs:
     http_read_timeout: float = 30.0  # seconds from a request's first byte until its body is in
     http_keep_alive_timeout: float = 30.0  # seconds a connection may sit idle between requests
     # supervision
-    watchdog_timeout: float = 30.0
+    watchdog_timeout: float = 300.0  # SGLang's default: a long CPU prefill step must not count as a hang
     startup_timeout: float = 120.0
     run_dir: str = ""  # where ipc:// endpoints live; launch.py fills it in
     faults: FaultConfig = field(default_factory=FaultConfig)
