@@ -16,11 +16,12 @@ from safetensors import safe_open
 from benchmarks.bench_model_shapes import SHAPES, bench_config, num_params, tensor_shapes
 from benchmarks.make_bench_model import main, make_bench_model
 from shared.model_info import ModelInfo
+from tests.model_driver import generate_greedy
 from tokenizer_proc.tokenizer import TextTokenizer
 from worker_proc.loader import load_model
 from worker_proc.model.config import HybridConfig
 from worker_proc.model.hybrid import HybridForCausalLM
-from worker_proc.runtime import ModelRunner, generate_greedy
+from worker_proc.runtime import ModelRunner
 
 pytestmark = pytest.mark.timeout(240)
 
