@@ -16,7 +16,7 @@ from safetensors import safe_open
 from benchmarks.bench_model_shapes import SHAPES, bench_config, num_params, tensor_shapes
 from benchmarks.make_bench_model import main, make_bench_model
 from shared.model_info import ModelInfo
-from tests.model_driver import generate_greedy
+from tests.model_driver import forward_all_logits, generate_greedy
 from tokenizer_proc.tokenizer import TextTokenizer
 from worker_proc.loader import load_model
 from worker_proc.model.config import HybridConfig
@@ -106,7 +106,7 @@ def test_loads_in_hyssm_and_logits_stay_alive_over_640_tokens(small_ckpt: Path) 
     prompt = [rng.randrange(VOCAB) for _ in range(640)]
     req = ReqSlice(rid="r", input_ids=prompt, start_pos=0, kv_slots=list(range(1, 641)), mamba_slot=1,
                    sample=True, sampling=SamplingParams(temperature=0.0), output_len=0)  # fmt: skip
-    logits = runner.forward_all_logits(ForwardBatch(step=0, reqs=[req], clears=[1]))["r"]
+    logits = forward_all_logits(runner, ForwardBatch(step=0, reqs=[req], clears=[1]))["r"]
     assert logits.shape == (640, VOCAB) and bool(torch.isfinite(logits).all())
     spread = logits.std(dim=-1)
     assert float(spread.min()) > 1e-3  # not flat at any position, including the last ones
