@@ -1,0 +1,96 @@
+"""Worker step time in process: `ModelRunner.step` for a prefill and for decode at several batch sizes.
+
+    python benchmarks/bench_step.py --model-path DIR [--threads 2] [--batches 1,8,32] [--prompt-len 128]
+        [--dtype float32] [--deterministic] [--runs 3]
+
+No server, no sockets: the figures are the model's own cost per step (what `/get_server_info`
+reports as `scheduler.loop.worker_ms_mean` on a live server). Each batch size prefills its requests
+one by one (the first prefill's time is the cold-prompt figure), then times decode steps; medians
+over `--runs` runs of the whole sequence.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from shared.config import builtin_model_dir
+from shared.messages import ForwardBatch, ReqSlice, SamplingParams
+from worker_proc.runtime import ModelRunner
+
+GREEDY = SamplingParams(temperature=0.0)
+SLOT_STRIDE = 4096  # KV slots reserved per request
+
+
+def _timed(runner: ModelRunner, batch: ForwardBatch) -> tuple[float, dict[str, int]]:
+    t0 = time.perf_counter()
+    res = runner.step(batch)
+    return time.perf_counter() - t0, res.next_tokens
+
+
+def run_batch(runner: ModelRunner, batch_size: int, prompt_len: int, steps: int, step0: int) -> tuple[float, float]:
+    """(seconds of the first prefill, median seconds of a decode step at `batch_size`)."""
+    pos: dict[str, tuple[int, int]] = {}
+    prefill_s = 0.0
+    step = step0
+    for b in range(batch_size):
+        rid, base = f"r{b}", b * SLOT_STRIDE + 1
+        ids = [(7 * i + b) % 200 + 1 for i in range(prompt_len)]
+        req = ReqSlice(rid=rid, input_ids=ids, start_pos=0, kv_slots=list(range(base, base + prompt_len)),
+                       mamba_slot=b + 1, sample=True, sampling=GREEDY, output_len=0)  # fmt: skip
+        step += 1
+        dt, toks = _timed(runner, ForwardBatch(step=step, reqs=[req], clears=[b + 1]))
+        prefill_s = prefill_s or dt
+        pos[rid] = (prompt_len, toks[rid])
+    times = []
+    for s in range(steps):
+        reqs = []
+        for b in range(batch_size):
+            rid, base = f"r{b}", b * SLOT_STRIDE + 1
+            p, tok = pos[rid]
+            reqs.append(ReqSlice(rid=rid, input_ids=[tok], start_pos=p, kv_slots=list(range(base, base + p + 1)),
+                                 mamba_slot=b + 1, sample=True, sampling=GREEDY, output_len=s + 1))  # fmt: skip
+        step += 1
+        dt, toks = _timed(runner, ForwardBatch(step=step, reqs=reqs))
+        times.append(dt)
+        for rid, (p, _) in pos.items():
+            pos[rid] = (p + 1, toks[rid])
+    return prefill_s, statistics.median(times[1:] or times)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model-path", default=builtin_model_dir())
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--decode-steps", type=int, default=8)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--deterministic", action="store_true", help="the batch-invariant mode")
+    ap.add_argument("--runs", type=int, default=3)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    batches = [int(b) for b in args.batches.split(",")]
+    runner = ModelRunner(args.model_path, dtype=args.dtype, kv_slots=max(batches) * SLOT_STRIDE,
+                         mamba_slots=max(batches), deterministic=args.deterministic)  # fmt: skip
+    results: dict[int, list[tuple[float, float]]] = {b: [] for b in batches}
+    step = 0
+    for _ in range(args.runs):
+        for b in batches:
+            results[b].append(run_batch(runner, b, args.prompt_len, args.decode_steps, step))
+            step += 10_000
+    mode = "deterministic" if args.deterministic else "default"
+    print(f"{args.model_path} ({runner.dtype}, {args.threads} threads, {mode} mode, {runner.ops.name} kernels); "
+          f"medians of {args.runs} runs")
+    print(f"{'batch':>5} | {'prefill ' + str(args.prompt_len) + ' ms':>14} | {'decode ms/step':>14} | {'tok/s':>8}")
+    for b in batches:
+        prefill = statistics.median(r[0] for r in results[b]) * 1000
+        decode = statistics.median(r[1] for r in results[b]) * 1000
+        print(f"{b:>5} | {prefill:>14.1f} | {decode:>14.2f} | {b / decode * 1000:>8.1f}")
+
+
+if __name__ == "__main__":
+    main()
