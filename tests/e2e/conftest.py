@@ -5,13 +5,13 @@ from collections.abc import Iterator
 import pytest
 
 from shared.config import builtin_model_dir
-from tests.e2e.server import Server, running_server
+from tests.e2e.server import DETERMINISTIC, Server, running_server
 
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[Server]:
     """One built-in-model server for the module (tight pools so capacity paths are exercised)."""
-    with running_server(["--max-running-requests", "16", "--random-seed", "0"]) as srv:
+    with running_server(["--max-running-requests", "16", "--random-seed", "0", *DETERMINISTIC]) as srv:
         yield srv
 
 
@@ -20,4 +20,5 @@ def reference_runner():
     """The in-process model runtime: the expected output of each prompt run alone."""
     from worker_proc.runtime import ModelRunner
 
-    return ModelRunner(builtin_model_dir(), device="cpu", dtype="float32", kv_slots=4096, mamba_slots=8)
+    return ModelRunner(builtin_model_dir(), device="cpu", dtype="float32", kv_slots=4096, mamba_slots=8,
+                       deterministic=True)

@@ -19,6 +19,9 @@ from contextlib import contextmanager
 
 import httpx
 
+DETERMINISTIC = ["--enable-deterministic-inference"]
+"""Launch flags of the tests that compare outputs for exact equality (batched vs alone, cache on vs off)."""
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 

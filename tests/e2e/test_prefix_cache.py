@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from tests.e2e.server import Server, running_server
+from tests.e2e.server import DETERMINISTIC, Server, running_server
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
@@ -30,7 +30,7 @@ def test_shared_system_prompt_hits_from_third_request(reference_runner) -> None:
     rng = random.Random(1)
     system = [rng.randrange(256) for _ in range(300)]
     prompts = [system + [rng.randrange(256) for _ in range(40)] for _ in range(16)]
-    with running_server(["--chunked-prefill-size", str(CHUNK)]) as server, server.client() as client:
+    with running_server(["--chunked-prefill-size", str(CHUNK), *DETERMINISTIC]) as server, server.client() as client:
         results = [greedy(client, p, 8) for p in prompts]
     for i, (prompt, res) in enumerate(zip(prompts, results, strict=True)):
         assert res["output_ids"] == generate_greedy(reference_runner, prompt, 8), i
@@ -40,7 +40,7 @@ def test_shared_system_prompt_hits_from_third_request(reference_runner) -> None:
 
 def test_multi_turn_chat_reuses_the_whole_conversation() -> None:
     rng = random.Random(2)
-    with running_server(["--chunked-prefill-size", str(CHUNK)]) as server, server.client() as client:
+    with running_server(["--chunked-prefill-size", str(CHUNK), *DETERMINISTIC]) as server, server.client() as client:
         conversation = [rng.randrange(256) for _ in range(50)]
         previous_len = 0
         for turn in range(6):
@@ -75,7 +75,7 @@ def test_memory_pressure_completes_identically(reference_runner) -> None:
     # workers here (injected refusals), never from the scheduler's own allocator.
     args = ["--max-total-tokens", "500", "--max-mamba-cache-size", "10", "--max-running-requests", "16",
             "--chunked-prefill-size", "32", "--max-prefill-tokens", "128", "--fault-refuse-cow-fraction", "0.2"]
-    with running_server(args) as server:
+    with running_server([*args, *DETERMINISTIC]) as server:
         t0 = time.monotonic()
         outputs = asyncio.run(_concurrent(server, prompts, 24))
         assert time.monotonic() - t0 < 240

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from shared.config import builtin_model_dir
-from tests.e2e.server import Server, running_server
+from tests.e2e.server import DETERMINISTIC, Server, running_server
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -55,9 +55,10 @@ def test_cow_refusals_change_nothing() -> None:
     from worker_proc.runtime import ModelRunner
 
     prompts = shared_prefix_prompts(200, seed=3)
-    runner = ModelRunner(builtin_model_dir(), device="cpu", dtype="float32", kv_slots=1024, mamba_slots=4)
+    runner = ModelRunner(builtin_model_dir(), device="cpu", dtype="float32", kv_slots=1024, mamba_slots=4,
+                         deterministic=True)
     expected = [generate_greedy(runner, p, 6) for p in prompts]
-    args = ["--fault-refuse-cow-fraction", "0.3", "--max-running-requests", "32"]
+    args = ["--fault-refuse-cow-fraction", "0.3", "--max-running-requests", "32", *DETERMINISTIC]
     with running_server(args) as server:
         results = asyncio.run(_all(server, prompts, 6))
         assert [r["output_ids"] for r in results] == expected

@@ -22,7 +22,7 @@ KV_SLOTS, MAMBA_SLOTS = 256, 3
 @pytest.fixture(scope="module")
 def runner() -> object:
     torch.manual_seed(0)
-    return runtime.ModelRunner(builtin_model_dir(), kv_slots=KV_SLOTS, mamba_slots=MAMBA_SLOTS)
+    return runtime.ModelRunner(builtin_model_dir(), kv_slots=KV_SLOTS, mamba_slots=MAMBA_SLOTS, deterministic=True)
 
 
 @pytest.fixture(scope="module")

@@ -209,7 +209,7 @@ def model_traces(
     when `group` is None): both script modes and, when `prompt` is given, all-position logits."""
     def make() -> ModelRunner:
         return ModelRunner(model_dir, dtype="float32", kv_slots=KV_SLOTS, mamba_slots=MAMBA_SLOTS,
-                           tp_rank=rank, tp_size=size, tp_group=group)
+                           tp_rank=rank, tp_size=size, tp_group=group, deterministic=True)
 
     runner = make()
     specs = default_specs(runner.cfg.vocab_size)

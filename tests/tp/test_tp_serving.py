@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from shared.config import builtin_model_dir
-from tests.e2e.server import ROOT, Server, free_port, group_pids, running_server
+from tests.e2e.server import DETERMINISTIC, ROOT, Server, free_port, group_pids, running_server
 from tests.worker.util import edit_config
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
@@ -31,7 +31,8 @@ Case = tuple[list[int], int, list[int]]
 def runner() -> Any:
     from worker_proc.runtime import ModelRunner
 
-    return ModelRunner(builtin_model_dir(), device="cpu", dtype="float32", kv_slots=512, mamba_slots=4)
+    return ModelRunner(builtin_model_dir(), device="cpu", dtype="float32", kv_slots=512, mamba_slots=4,
+                       deterministic=True)
 
 
 def _cases(runner: Any, prompts: list[list[int]], rng: random.Random) -> list[Case]:
@@ -66,7 +67,7 @@ def _serves_expected(server: Server, expected: list[Case]) -> None:
 
 
 def test_tp2_serves_the_single_rank_outputs(expected: list[Case]) -> None:
-    with running_server(["--tp-size", "2", "--max-running-requests", "8"]) as server:
+    with running_server(["--tp-size", "2", "--max-running-requests", "8", *DETERMINISTIC]) as server:
         _serves_expected(server, expected)
         assert "rank1_device" in server.output or "rank 1 ready" in server.output
 
@@ -80,7 +81,7 @@ def test_tp2_copy_on_write_refusals_are_agreed_by_both_ranks(runner: Any) -> Non
     warm = _cases(runner, prefixes, rng)
     shared = _cases(runner, [prefixes[i % 2] + [rng.randrange(256) for _ in range(rng.randint(1, 9))]
                              for i in range(12)], rng)
-    args = ["--tp-size", "2", "--max-running-requests", "8", "--fault-refuse-cow-fraction", "0.4"]
+    args = ["--tp-size", "2", "--max-running-requests", "8", "--fault-refuse-cow-fraction", "0.4", *DETERMINISTIC]
     with running_server(args) as server:
         _serves_expected(server, warm)  # the prefixes' states go into the cache
         _serves_expected(server, shared)  # hits: copy-on-write of the cached state
@@ -109,7 +110,7 @@ def _port_block() -> int:
 
 
 def test_two_nodes_on_loopback(expected: list[Case]) -> None:
-    common = ["--nnodes", "2", "--tp-size", "2", "--dist-init-addr", f"127.0.0.1:{_port_block()}"]
+    common = ["--nnodes", "2", "--tp-size", "2", "--dist-init-addr", f"127.0.0.1:{_port_block()}", *DETERMINISTIC]
     node1 = Server([*common, "--node-rank", "1"])  # started first: it waits for node 0
     try:
         with running_server([*common, "--node-rank", "0", "--max-running-requests", "8"]) as node0:
