@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from worker_proc.kernels import ReferenceOps
+from worker_proc.kernels.interface import SsdParams
 from worker_proc.kernels.triton_attention import attn_prefill_varlen
 from worker_proc.kernels.triton_conv import conv_prefill_varlen
 from worker_proc.kernels.triton_ops import TritonOps
@@ -169,7 +170,7 @@ def ssd_decode_case(s: ModelShape, batch: int, dev: torch.device, dt: torch.dtyp
     pool = torch.randn(batch + 1, h, p, n, device=dev) * 0.1
     slots = torch.randperm(batch, device=dev) + 1
     tri, ref = TritonOps(), ReferenceOps(batch_invariant=False)
-    args = (t["x"], t["dt"], t["a"], t["b"], t["c"], t["d"], t["dt_bias"], NO_LIMIT)
+    args = (t["x"], t["dt"], t["b"], t["c"], SsdParams(t["a"], t["d"], t["dt_bias"], NO_LIMIT, s.chunk))
     e = t["x"].element_size()
     case = Case(
         f"ssd_decode B={batch}",
@@ -206,8 +207,8 @@ def ssd_prefill_case(s: ModelShape, lengths: list[int], dev: torch.device, dt: t
         ys = []
         for r in range(len(lengths)):
             rows = slice(cu[r], cu[r + 1])
-            seg = [t[k][rows] for k in ("x", "dt")] + [t["a"]] + [t[k][rows] for k in ("b", "c")]
-            ys.append(ref.ssd_prefill(*seg, t["d"], t["dt_bias"], NO_LIMIT, s.chunk, q, r + 1))
+            seg = [t[k][rows] for k in ("x", "dt", "b", "c")]
+            ys.append(ref.ssd_prefill(*seg, SsdParams(t["a"], t["d"], t["dt_bias"], NO_LIMIT, s.chunk), q, r + 1))
         return torch.cat(ys)
 
     e = t["x"].element_size()

@@ -39,6 +39,7 @@ def capture_launches(dtype: torch.dtype) -> list[tuple[object, tuple, dict]]:
     """Call every TritonOps method on CPU tensors with launches recorded instead of run."""
     from triton.runtime.jit import JITFunction
 
+    from worker_proc.kernels.interface import SsdParams
     from worker_proc.kernels.triton_attention import attn_decode
     from worker_proc.kernels.triton_ops import TritonOps
 
@@ -51,8 +52,9 @@ def capture_launches(dtype: torch.dtype) -> list[tuple[object, tuple, dict]]:
     ops.conv_decode(x[:3], conv, torch.tensor([1, 2, 3]), w, None)
     xs, dt, bc = torch.zeros(t, h, p, dtype=dtype), torch.zeros(t, h, dtype=dtype), torch.zeros(t, 1, n, dtype=dtype)
     a, d, ssm = torch.zeros(h), torch.zeros(h, dtype=dtype), torch.zeros(4, h, p, n)
-    ops.ssd_prefill(xs, dt, a, bc, bc, d, d, (0.0, float("inf")), 256, ssm, 1)
-    ops.ssd_decode(xs[:3], dt[:3], a, bc[:3], bc[:3], d, d, (0.0, float("inf")), ssm, torch.tensor([1, 2, 3]))
+    params = SsdParams(a, d, d, (0.0, float("inf")), 256)
+    ops.ssd_prefill(xs, dt, bc, bc, params, ssm, 1)
+    ops.ssd_decode(xs[:3], dt[:3], bc[:3], bc[:3], params, ssm, torch.tensor([1, 2, 3]))
     q, kv = torch.zeros(t, 12, 128, dtype=dtype), torch.zeros(1000, 4, 128, dtype=dtype)
     ops.attn_prefill(q, kv, kv, torch.zeros(t + 10, dtype=torch.int64), 10, 0.1)
     attn_decode(q[:2], kv, kv, torch.zeros(2, 900, dtype=torch.int64), torch.tensor([900, 5]), 0.1)  # split-K

@@ -10,6 +10,7 @@ import torch
 
 from tests.kernels.util import TOL, max_diff, pool, rand, strided, untouched
 from worker_proc.kernels import FastOps, KernelOps, ReferenceOps
+from worker_proc.kernels.interface import SsdParams
 from worker_proc.kernels.select import select_ops
 from worker_proc.kernels.triton_ops import TritonOps
 
@@ -99,9 +100,10 @@ def test_conv_and_ssd_methods(gen: torch.Generator) -> None:
     ssm = pool(gen, 4, heads, p, n, zero=(1,))
     decode_slots = torch.tensor([4, 2])
     for run, written in (
-        (lambda ops, sp: ops.ssd_prefill(xs, dt, a, bm, cm, d, dt_bias, (0.0, float("inf")), 4, sp, 1), [1]),
+        (lambda ops, sp: ops.ssd_prefill(xs, dt, bm, cm, SsdParams(a, d, dt_bias, (0.0, float("inf")), 4), sp, 1), [1]),
         (
-            lambda ops, sp: ops.ssd_decode(xs[:2], dt[:2], a, bm[:2], cm[:2], d, dt_bias, (0.1, 3.0), sp, decode_slots),
+            lambda ops, sp: ops.ssd_decode(xs[:2], dt[:2], bm[:2], cm[:2], SsdParams(a, d, dt_bias, (0.1, 3.0), 4), sp,
+                                           decode_slots),
             [4, 2],
         ),
     ):

@@ -8,6 +8,7 @@ import torch
 
 from worker_proc.kernels import FastOps, ReferenceOps
 from worker_proc.kernels.fast import SCAN_CHUNK, ssd_scan_fast
+from worker_proc.kernels.interface import SsdParams
 from worker_proc.kernels.reference import ssd_chunk_scan
 
 G = torch.Generator().manual_seed(1)
@@ -63,12 +64,14 @@ def test_ssd_ops_match_reference_and_touch_only_their_slots() -> None:
     x, dt, a, b, c, d, _ = _scan_inputs(3, heads, p, groups, n)
     dt_bias = _rand(heads)
     slots = torch.tensor([5, 2, 3])
-    y = FastOps().ssd_decode(x, dt, a, b, c, d, dt_bias, NO_LIMIT, fast_pool, slots)
-    y_ref = ReferenceOps().ssd_decode(x, dt, a, b, c, d, dt_bias, NO_LIMIT, ref_pool, slots)
+    params = SsdParams(a, d, dt_bias, NO_LIMIT, 256)
+    y = FastOps().ssd_decode(x, dt, b, c, params, fast_pool, slots)
+    y_ref = ReferenceOps().ssd_decode(x, dt, b, c, params, ref_pool, slots)
     assert _close(y, y_ref) and _close(fast_pool, ref_pool)
     x, dt, a, b, c, d, _ = _scan_inputs(90, heads, p, groups, n)
-    y = FastOps().ssd_prefill(x, dt, a, b, c, d, dt_bias, (0.001, 0.2), 32, fast_pool, 6)
-    y_ref = ReferenceOps().ssd_prefill(x, dt, a, b, c, d, dt_bias, (0.001, 0.2), 32, ref_pool, 6)
+    params = SsdParams(a, d, dt_bias, (0.001, 0.2), 32)
+    y = FastOps().ssd_prefill(x, dt, b, c, params, fast_pool, 6)
+    y_ref = ReferenceOps().ssd_prefill(x, dt, b, c, params, ref_pool, 6)
     assert _close(y, y_ref) and _close(fast_pool, ref_pool)
     for untouched in (0, 1, 4):
         assert torch.equal(fast_pool[untouched], before[untouched])

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from worker_proc.kernels import ReferenceOps, get_ops
 from worker_proc.kernels import reference as ref
+from worker_proc.kernels.interface import SsdParams
 
 G = torch.Generator().manual_seed(0)
 
@@ -112,7 +113,7 @@ def test_ops_write_only_their_slots(invariant: bool) -> None:
     ssm = torch.zeros(5, heads, p, n)
     conv = torch.zeros(5, cd, k - 1)
     x, dt, a, b, c, d = _ssd_inputs(2)
-    ops.ssd_decode(x, dt, a, b, c, d, torch.zeros(heads), (0.0, float("inf")), ssm, torch.tensor([3, 1]))
+    ops.ssd_decode(x, dt, b, c, SsdParams(a, d, torch.zeros(heads), (0.0, float("inf")), 4), ssm, torch.tensor([3, 1]))
     ops.conv_decode(_rand(2, cd), conv, torch.tensor([3, 1]), _rand(cd, k), None)
     for pool in (ssm, conv):
         assert pool[1].any() and pool[3].any() and not pool[0].any() and not pool[2].any() and not pool[4].any()

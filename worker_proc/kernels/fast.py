@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 from worker_proc.kernels import reference as ref
+from worker_proc.kernels.interface import SsdParams
 from worker_proc.kernels.reference_ops import ReferenceOps
 
 SCAN_CHUNK = 64
@@ -34,16 +36,8 @@ def _grouped(t: torch.Tensor, groups: int, dim: int = 1) -> torch.Tensor:
     return t.unflatten(dim, (groups, t.shape[dim] // groups))
 
 
-def ssd_scan_fast(
-    x: torch.Tensor,
-    dt: torch.Tensor,
-    a: torch.Tensor,
-    b: torch.Tensor,
-    c: torch.Tensor,
-    d: torch.Tensor,
-    chunk_size: int,
-    initial_state: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def ssd_scan_fast(x: Tensor, dt: Tensor, a: Tensor, b: Tensor, c: Tensor, d: Tensor, chunk_size: int,
+                  initial_state: Tensor) -> tuple[Tensor, Tensor]:  # fmt: skip
     """`reference.ssd_chunk_scan` (same arguments and results, float32 rounding aside)."""
     length, heads, p = x.shape
     groups, n = b.shape[1], b.shape[2]
@@ -89,64 +83,34 @@ class FastOps(ReferenceOps):
     def __init__(self) -> None:
         super().__init__(batch_invariant=False)
 
-    def ssd_prefill(
-        self,
-        x: torch.Tensor,
-        dt: torch.Tensor,
-        a: torch.Tensor,
-        b: torch.Tensor,
-        c: torch.Tensor,
-        d: torch.Tensor,
-        dt_bias: torch.Tensor,
-        dt_limit: tuple[float, float],
-        chunk_size: int,
-        ssm_pool: torch.Tensor,
-        slot: int,
-    ) -> torch.Tensor:
-        dt = ref.discretize_dt(dt, dt_bias, dt_limit)
-        y, final = ssd_scan_fast(x, dt, a, b, c, d, chunk_size, ssm_pool[slot])
+    def ssd_prefill(self, x: Tensor, dt: Tensor, b: Tensor, c: Tensor, p: SsdParams, ssm_pool: Tensor,
+                    slot: int) -> Tensor:  # fmt: skip
+        dt = ref.discretize_dt(dt, p.dt_bias, p.dt_limit)
+        y, final = ssd_scan_fast(x, dt, p.a, b, c, p.d, p.chunk_size, ssm_pool[slot])
         ssm_pool[slot].copy_(final)
         return y
 
-    def ssd_decode(
-        self,
-        x: torch.Tensor,
-        dt: torch.Tensor,
-        a: torch.Tensor,
-        b: torch.Tensor,
-        c: torch.Tensor,
-        d: torch.Tensor,
-        dt_bias: torch.Tensor,
-        dt_limit: tuple[float, float],
-        ssm_pool: torch.Tensor,
-        slots: torch.Tensor,
-    ) -> torch.Tensor:
+    def ssd_decode(self, x: Tensor, dt: Tensor, b: Tensor, c: Tensor, p: SsdParams, ssm_pool: Tensor,
+                   slots: Tensor) -> Tensor:  # fmt: skip
         """Each request's pool row is advanced in place: state = state * exp(dt A) + (dt x) ⊗ B."""
         heads, groups = x.shape[1], b.shape[1]
-        bt, p, n = x.shape[0], x.shape[2], b.shape[2]
-        dt = ref.discretize_dt(dt, dt_bias, dt_limit)  # [Bt, H]
-        decay = torch.exp(dt * a.float()[None])[..., None, None]  # [Bt, H, 1, 1]
+        bt, n = x.shape[0], b.shape[2]
+        dt = ref.discretize_dt(dt, p.dt_bias, p.dt_limit)  # [Bt, H]
+        decay = torch.exp(dt * p.a.float()[None])[..., None, None]  # [Bt, H, 1, 1]
         dtx = _grouped((dt[..., None] * x.float())[..., None], groups)  # [Bt, G, H/G, P, 1]
         bf = b.float()[:, :, None, None, :]  # [Bt, G, 1, 1, N]
         cf = c.float()[..., None]  # [Bt, G, N, 1]
-        y = torch.empty(bt, groups, heads // groups * p, 1, dtype=torch.float32, device=x.device)
+        y = torch.empty(bt, groups, heads // groups * x.shape[2], 1, dtype=torch.float32, device=x.device)
         for i, slot in enumerate(slots.tolist()):
             state = ssm_pool[slot]  # [H, P, N] view of the pool row
             state.mul_(decay[i])
             _grouped(state, groups, 0).addcmul_(dtx[i], bf[i])
             # one matrix-vector product per group: [(H/G) * P, N] @ [N, 1]
             torch.matmul(state.view(groups, -1, n), cf[i], out=y[i])
-        return y.view(x.shape[0], heads, x.shape[2]) + x.float() * d.float()[None, :, None]
+        return y.view(x.shape[0], heads, x.shape[2]) + x.float() * p.d.float()[None, :, None]
 
-    def attn_prefill(
-        self,
-        q: torch.Tensor,
-        k_pool: torch.Tensor,
-        v_pool: torch.Tensor,
-        kv_idx: torch.Tensor,
-        start_pos: int,
-        scale: float,
-    ) -> torch.Tensor:
+    def attn_prefill(self, q: Tensor, k_pool: Tensor, v_pool: Tensor, kv_idx: Tensor, start_pos: int,
+                     scale: float) -> Tensor:  # fmt: skip
         length, heads, dim = q.shape
         k = k_pool.index_select(0, kv_idx).transpose(0, 1)[None]  # [1, kvh, T, d]
         v = v_pool.index_select(0, kv_idx).transpose(0, 1)[None]
@@ -160,15 +124,8 @@ class FastOps(ReferenceOps):
         )
         return out[0].transpose(0, 1).to(q.dtype)
 
-    def attn_decode(
-        self,
-        q: torch.Tensor,
-        k_pool: torch.Tensor,
-        v_pool: torch.Tensor,
-        kv_idx: torch.Tensor,
-        lengths: torch.Tensor,
-        scale: float,
-    ) -> torch.Tensor:
+    def attn_decode(self, q: Tensor, k_pool: Tensor, v_pool: Tensor, kv_idx: Tensor, lengths: Tensor,
+                    scale: float) -> Tensor:  # fmt: skip
         """One padded SDPA over the decode group; positions past lengths[b] are masked out."""
         k = k_pool[kv_idx].transpose(1, 2)  # [Bt, kvh, T, d]
         v = v_pool[kv_idx].transpose(1, 2)

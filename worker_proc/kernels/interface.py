@@ -13,9 +13,23 @@ h query heads, kvh KV heads, d attention head dim.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class SsdParams:
+    """One Mamba layer's scan constants: a = -exp(A_log) [H] float32 (negative), the D skip [H],
+    dt_bias [H], the (min, max) clamp of the discretized dt, the checkpoint's `mamba_chunk_size`."""
+
+    a: torch.Tensor
+    d: torch.Tensor
+    dt_bias: torch.Tensor
+    dt_limit: tuple[float, float]
+    chunk_size: int
 
 
 class KernelOps(Protocol):
@@ -23,49 +37,34 @@ class KernelOps(Protocol):
     batch_invariant: bool
     """True when a request's results are bitwise the same alone or batched with any others."""
 
-    def conv_prefill(
-        self, x: torch.Tensor, conv_pool: torch.Tensor, slot: int, weight: torch.Tensor, bias: torch.Tensor | None
-    ) -> torch.Tensor:
+    def conv_prefill(self, x: Tensor, conv_pool: Tensor, slot: int, weight: Tensor, bias: Tensor | None) -> Tensor:
         """x: [L, Cd] -> SiLU(causal conv) [L, Cd]; conv_pool: [S, Cd, K-1], row `slot` advanced."""
         ...
 
-    def conv_decode(
-        self, x: torch.Tensor, conv_pool: torch.Tensor, slots: torch.Tensor, weight: torch.Tensor,
-        bias: torch.Tensor | None,
-    ) -> torch.Tensor:
+    def conv_decode(self, x: Tensor, conv_pool: Tensor, slots: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         """x: [Bt, Cd], slots: [Bt] int64 (distinct) -> [Bt, Cd]; rows `slots` advanced by one."""
         ...
 
-    def ssd_prefill(
-        self, x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
-        d: torch.Tensor, dt_bias: torch.Tensor, dt_limit: tuple[float, float], chunk_size: int,
-        ssm_pool: torch.Tensor, slot: int,
-    ) -> torch.Tensor:
-        """x: [L, H, P]; dt: [L, H] raw (bias, softplus and clamp applied here); a, d, dt_bias: [H];
-        b, c: [L, G, N]; ssm_pool: [S, H, P, N] fp32, row `slot` advanced. Returns y [L, H, P] fp32.
-        `chunk_size` is the checkpoint's; the result does not depend on it beyond rounding."""
+    def ssd_prefill(self, x: Tensor, dt: Tensor, b: Tensor, c: Tensor, p: SsdParams, ssm_pool: Tensor,
+                    slot: int) -> Tensor:  # fmt: skip
+        """x: [L, H, P]; dt: [L, H] raw (p.dt_bias, softplus and p.dt_limit applied here); b, c: [L, G, N];
+        ssm_pool: [S, H, P, N] fp32, row `slot` advanced. Returns y [L, H, P] fp32. The result does not
+        depend on p.chunk_size beyond rounding."""
         ...
 
-    def ssd_decode(
-        self, x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
-        d: torch.Tensor, dt_bias: torch.Tensor, dt_limit: tuple[float, float], ssm_pool: torch.Tensor,
-        slots: torch.Tensor,
-    ) -> torch.Tensor:
+    def ssd_decode(self, x: Tensor, dt: Tensor, b: Tensor, c: Tensor, p: SsdParams, ssm_pool: Tensor,
+                   slots: Tensor) -> Tensor:  # fmt: skip
         """x: [Bt, H, P]; dt: [Bt, H] raw; b, c: [Bt, G, N]; slots: [Bt] int64 (distinct).
         Returns y [Bt, H, P] fp32; rows `slots` of ssm_pool advanced by one token."""
         ...
 
-    def attn_prefill(
-        self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, kv_idx: torch.Tensor,
-        start_pos: int, scale: float,
-    ) -> torch.Tensor:
+    def attn_prefill(self, q: Tensor, k_pool: Tensor, v_pool: Tensor, kv_idx: Tensor, start_pos: int,
+                     scale: float) -> Tensor:  # fmt: skip
         """q: [L, h, d]; k_pool, v_pool: [S, kvh, d] (this step's K/V already written);
         kv_idx: [start_pos + L] int64 slots of positions 0.. ; returns [L, h, d] (causal)."""
         ...
 
-    def attn_decode(
-        self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, kv_idx: torch.Tensor,
-        lengths: torch.Tensor, scale: float,
-    ) -> torch.Tensor:
+    def attn_decode(self, q: Tensor, k_pool: Tensor, v_pool: Tensor, kv_idx: Tensor, lengths: Tensor,
+                    scale: float) -> Tensor:  # fmt: skip
         """q: [Bt, h, d]; kv_idx: [Bt, T] int64 slots, padded with 0 past lengths[b]; returns [Bt, h, d]."""
         ...

@@ -7,8 +7,10 @@ deterministic mode's kernels on CPU. Method contracts: `worker_proc.kernels.inte
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
 from worker_proc.kernels import reference as ref
+from worker_proc.kernels.interface import SsdParams
 
 
 class ReferenceOps:
@@ -24,84 +26,38 @@ class ReferenceOps:
     def __init__(self, batch_invariant: bool = True) -> None:
         self.batch_invariant = batch_invariant
 
-    def conv_prefill(
-        self, x: torch.Tensor, conv_pool: torch.Tensor, slot: int, weight: torch.Tensor, bias: torch.Tensor | None
-    ) -> torch.Tensor:
+    def conv_prefill(self, x: Tensor, conv_pool: Tensor, slot: int, weight: Tensor, bias: Tensor | None) -> Tensor:
         out, new_state = ref.causal_conv1d(x, conv_pool[slot], weight, bias)
         conv_pool[slot].copy_(new_state)
         return out
 
-    def conv_decode(
-        self,
-        x: torch.Tensor,
-        conv_pool: torch.Tensor,
-        slots: torch.Tensor,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-    ) -> torch.Tensor:
+    def conv_decode(self, x: Tensor, conv_pool: Tensor, slots: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         out, new_state = ref.causal_conv1d_step(x, conv_pool.index_select(0, slots), weight, bias)
         conv_pool.index_copy_(0, slots, new_state.to(conv_pool.dtype))
         return out
 
-    def ssd_prefill(
-        self,
-        x: torch.Tensor,
-        dt: torch.Tensor,
-        a: torch.Tensor,
-        b: torch.Tensor,
-        c: torch.Tensor,
-        d: torch.Tensor,
-        dt_bias: torch.Tensor,
-        dt_limit: tuple[float, float],
-        chunk_size: int,
-        ssm_pool: torch.Tensor,
-        slot: int,
-    ) -> torch.Tensor:
-        dt = ref.discretize_dt(dt, dt_bias, dt_limit)
-        y, final = ref.ssd_chunk_scan(x, dt, a, b, c, d, chunk_size, ssm_pool[slot])
+    def ssd_prefill(self, x: Tensor, dt: Tensor, b: Tensor, c: Tensor, p: SsdParams, ssm_pool: Tensor,
+                    slot: int) -> Tensor:  # fmt: skip
+        dt = ref.discretize_dt(dt, p.dt_bias, p.dt_limit)
+        y, final = ref.ssd_chunk_scan(x, dt, p.a, b, c, p.d, p.chunk_size, ssm_pool[slot])
         ssm_pool[slot].copy_(final)
         return y
 
-    def ssd_decode(
-        self,
-        x: torch.Tensor,
-        dt: torch.Tensor,
-        a: torch.Tensor,
-        b: torch.Tensor,
-        c: torch.Tensor,
-        d: torch.Tensor,
-        dt_bias: torch.Tensor,
-        dt_limit: tuple[float, float],
-        ssm_pool: torch.Tensor,
-        slots: torch.Tensor,
-    ) -> torch.Tensor:
-        dt = ref.discretize_dt(dt, dt_bias, dt_limit)
-        y, new_state = ref.ssd_state_step(ssm_pool.index_select(0, slots), x, dt, a, b, c, d)
+    def ssd_decode(self, x: Tensor, dt: Tensor, b: Tensor, c: Tensor, p: SsdParams, ssm_pool: Tensor,
+                   slots: Tensor) -> Tensor:  # fmt: skip
+        dt = ref.discretize_dt(dt, p.dt_bias, p.dt_limit)
+        y, new_state = ref.ssd_state_step(ssm_pool.index_select(0, slots), x, dt, p.a, b, c, p.d)
         ssm_pool.index_copy_(0, slots, new_state)
         return y
 
-    def attn_prefill(
-        self,
-        q: torch.Tensor,
-        k_pool: torch.Tensor,
-        v_pool: torch.Tensor,
-        kv_idx: torch.Tensor,
-        start_pos: int,
-        scale: float,
-    ) -> torch.Tensor:
+    def attn_prefill(self, q: Tensor, k_pool: Tensor, v_pool: Tensor, kv_idx: Tensor, start_pos: int,
+                     scale: float) -> Tensor:  # fmt: skip
         k = k_pool.index_select(0, kv_idx)
         v = v_pool.index_select(0, kv_idx)
         return ref.attention_prefill(q, k, v, start_pos, scale)
 
-    def attn_decode(
-        self,
-        q: torch.Tensor,
-        k_pool: torch.Tensor,
-        v_pool: torch.Tensor,
-        kv_idx: torch.Tensor,
-        lengths: torch.Tensor,
-        scale: float,
-    ) -> torch.Tensor:
+    def attn_decode(self, q: Tensor, k_pool: Tensor, v_pool: Tensor, kv_idx: Tensor, lengths: Tensor,
+                    scale: float) -> Tensor:  # fmt: skip
         if self.batch_invariant:
             out = torch.empty_like(q)
             for b, n in enumerate(lengths.tolist()):

@@ -17,8 +17,10 @@ Importing this module imports triton: on a CPU-only machine set TRITON_INTERPRET
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
 from worker_proc.kernels import triton_attention, triton_conv, triton_ssd, triton_ssd_step
+from worker_proc.kernels.interface import SsdParams
 from worker_proc.kernels.triton_plan import plan_chunks
 
 __all__ = ["TritonOps"]
@@ -35,79 +37,33 @@ class TritonOps:
     name = "triton"
     batch_invariant = True
 
-    def conv_prefill(
-        self, x: torch.Tensor, conv_pool: torch.Tensor, slot: int, weight: torch.Tensor, bias: torch.Tensor | None
-    ) -> torch.Tensor:
+    def conv_prefill(self, x: Tensor, conv_pool: Tensor, slot: int, weight: Tensor, bias: Tensor | None) -> Tensor:
         length = x.shape[0]
         meta = _index_tensor([0, length, slot], x.device)
         return triton_conv.conv_prefill_varlen(x, meta[:2], length, conv_pool, meta[2:], weight, bias)
 
-    def conv_decode(
-        self,
-        x: torch.Tensor,
-        conv_pool: torch.Tensor,
-        slots: torch.Tensor,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-    ) -> torch.Tensor:
+    def conv_decode(self, x: Tensor, conv_pool: Tensor, slots: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         return triton_conv.conv_decode(x, conv_pool, slots, weight, bias)
 
-    def ssd_prefill(
-        self,
-        x: torch.Tensor,
-        dt: torch.Tensor,
-        a: torch.Tensor,
-        b: torch.Tensor,
-        c: torch.Tensor,
-        d: torch.Tensor,
-        dt_bias: torch.Tensor,
-        dt_limit: tuple[float, float],
-        chunk_size: int,
-        ssm_pool: torch.Tensor,
-        slot: int,
-    ) -> torch.Tensor:
-        plan = plan_chunks([x.shape[0]], chunk_size)
+    def ssd_prefill(self, x: Tensor, dt: Tensor, b: Tensor, c: Tensor, p: SsdParams, ssm_pool: Tensor,
+                    slot: int) -> Tensor:  # fmt: skip
+        plan = plan_chunks([x.shape[0]], p.chunk_size)
         slots = _index_tensor([slot], x.device)
-        y, _ = triton_ssd.ssd_scan_varlen(x, dt, a, b, c, d, dt_bias, dt_limit, plan, ssm_pool, slots)
+        y, _ = triton_ssd.ssd_scan_varlen(x, dt, p.a, b, c, p.d, p.dt_bias, p.dt_limit, plan, ssm_pool, slots)
         return y
 
-    def ssd_decode(
-        self,
-        x: torch.Tensor,
-        dt: torch.Tensor,
-        a: torch.Tensor,
-        b: torch.Tensor,
-        c: torch.Tensor,
-        d: torch.Tensor,
-        dt_bias: torch.Tensor,
-        dt_limit: tuple[float, float],
-        ssm_pool: torch.Tensor,
-        slots: torch.Tensor,
-    ) -> torch.Tensor:
-        return triton_ssd_step.ssd_step(x, dt, a, b, c, d, dt_bias, dt_limit, ssm_pool, slots)
+    def ssd_decode(self, x: Tensor, dt: Tensor, b: Tensor, c: Tensor, p: SsdParams, ssm_pool: Tensor,
+                   slots: Tensor) -> Tensor:  # fmt: skip
+        return triton_ssd_step.ssd_step(x, dt, p.a, b, c, p.d, p.dt_bias, p.dt_limit, ssm_pool, slots)
 
-    def attn_prefill(
-        self,
-        q: torch.Tensor,
-        k_pool: torch.Tensor,
-        v_pool: torch.Tensor,
-        kv_idx: torch.Tensor,
-        start_pos: int,
-        scale: float,
-    ) -> torch.Tensor:
+    def attn_prefill(self, q: Tensor, k_pool: Tensor, v_pool: Tensor, kv_idx: Tensor, start_pos: int,
+                     scale: float) -> Tensor:  # fmt: skip
         length = q.shape[0]
         if kv_idx.shape[0] != start_pos + length:
             raise ValueError(f"kv_idx has {kv_idx.shape[0]} slots for start_pos {start_pos} + {length} tokens")
         cu = _index_tensor([0, length, 0, start_pos + length], q.device)
         return triton_attention.attn_prefill_varlen(q, k_pool, v_pool, kv_idx, cu[:2], cu[2:], length, scale)
 
-    def attn_decode(
-        self,
-        q: torch.Tensor,
-        k_pool: torch.Tensor,
-        v_pool: torch.Tensor,
-        kv_idx: torch.Tensor,
-        lengths: torch.Tensor,
-        scale: float,
-    ) -> torch.Tensor:
+    def attn_decode(self, q: Tensor, k_pool: Tensor, v_pool: Tensor, kv_idx: Tensor, lengths: Tensor,
+                    scale: float) -> Tensor:  # fmt: skip
         return triton_attention.attn_decode(q, k_pool, v_pool, kv_idx, lengths, scale)

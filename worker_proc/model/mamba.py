@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from worker_proc.kernels import KernelOps
+from worker_proc.kernels.interface import SsdParams
 from worker_proc.model.batch import StepBatch
 from worker_proc.model.config import HybridConfig
 from worker_proc.model.layers import GatedRMSNorm, Linear, _empty
@@ -63,23 +64,20 @@ class MambaMixer(nn.Module):
         weight = self.conv1d.weight[:, 0, :]
         bias = self.conv1d.bias
         a = -torch.exp(self.A_log.float())
+        params = SsdParams(a, self.D, self.dt_bias, cfg.time_step_limit, cfg.mamba_chunk_size)
         y = torch.empty(h.shape[0], heads, p, dtype=torch.float32, device=h.device)
         if batch.dec_rows.numel():
             rows = batch.dec_rows
             slots = batch.dec_mamba_slots
             conv_out = ops.conv_decode(xbc[rows], conv_pool, slots, weight, bias)
             x, b, c = conv_out.split([inner, gn, gn], dim=-1)
-            y[rows] = ops.ssd_decode(
-                x.reshape(-1, heads, p), dt[rows], a, self._groups(b), self._groups(c),
-                self.D, self.dt_bias, cfg.time_step_limit, ssm_pool, slots,
-            )
+            y[rows] = ops.ssd_decode(x.reshape(-1, heads, p), dt[rows], self._groups(b), self._groups(c), params,
+                                     ssm_pool, slots)  # fmt: skip
         for seg in batch.prefill:
             rows = slice(seg.row_start, seg.row_end)
             conv_out = ops.conv_prefill(xbc[rows], conv_pool, seg.mamba_slot, weight, bias)
             x, b, c = conv_out.split([inner, gn, gn], dim=-1)
-            y[rows] = ops.ssd_prefill(
-                x.reshape(-1, heads, p), dt[rows], a, self._groups(b), self._groups(c), self.D, self.dt_bias,
-                cfg.time_step_limit, cfg.mamba_chunk_size, ssm_pool, seg.mamba_slot,
-            )
+            y[rows] = ops.ssd_prefill(x.reshape(-1, heads, p), dt[rows], self._groups(b), self._groups(c), params,
+                                      ssm_pool, seg.mamba_slot)  # fmt: skip
         out = self.norm(y.view(h.shape[0], inner), z)
         return row_parallel(out.to(h.dtype), self.out_proj, self.tp)
