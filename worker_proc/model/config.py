@@ -91,6 +91,8 @@ class HybridConfig:
     mamba_norm_before_gate: bool = False  # RMSNorm(y) * silu(z) instead of RMSNorm(y * silu(z))
     ssm_multipliers: tuple[float, ...] = ()  # z, x, B, C, dt segments of in_proj (empty = all 1)
     mlp_multipliers: tuple[float, ...] = ()  # gate, down of the split gated MLP (empty = 1, 1)
+    mlp_bias: bool = False  # biases of the split gated MLP
+    mamba_out_proj_bias: bool | None = None  # None = mamba_proj_bias (Falcon-H1: projectors_bias)
     # sigmoid (Nemotron-H) MoE
     moe_n_group: int = 1
     moe_topk_group: int = 1
@@ -191,6 +193,12 @@ def max_positions(cfg: dict) -> int:
 def time_step_limit(cfg: dict, key: str = "time_step_limit") -> tuple[float, float]:
     tsl = cfg.get(key) or (0.0, math.inf)
     return float(tsl[0]), float(tsl[1])
+
+
+def rotary_fraction(cfg: dict, default: float = 1.0) -> float:
+    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    value = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
+    return float(default if value is None else value)
 
 
 def rope_theta(cfg: dict, enabled: bool) -> float | None:

@@ -62,7 +62,7 @@ def build_block(block: Block, cfg: HybridConfig, dtype: torch.dtype, device: tor
     if block.kind == "fused_gated_mlp":
         return GatedMLP(hidden, width, dtype, device, tp)
     if block.kind == "gated_mlp":
-        return SplitGatedMLP(hidden, width, False, dtype, device, tp, *cfg_mlp_multipliers(cfg))
+        return SplitGatedMLP(hidden, width, cfg.mlp_bias, dtype, device, tp, *cfg_mlp_multipliers(cfg))
     if block.kind == "relu2_mlp":
         return Relu2MLP(hidden, width, dtype, device, tp)
     if block.kind == "softmax_moe":

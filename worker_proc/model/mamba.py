@@ -47,7 +47,8 @@ class MambaMixer(nn.Module):
                 if s.norm_shared
                 else GatedRMSNorm(s.inner, s.norm_groups, cfg.rms_norm_eps, dtype, device, before)
             )
-        self.out_proj = Linear(s.inner, cfg.hidden_size, bias=cfg.mamba_proj_bias, dtype=dtype, device=device)
+        out_bias = cfg.mamba_proj_bias if cfg.mamba_out_proj_bias is None else cfg.mamba_out_proj_bias
+        self.out_proj = Linear(s.inner, cfg.hidden_size, bias=out_bias, dtype=dtype, device=device)
         # expands B/C to one group per head when this rank's heads spread unevenly over its groups
         head_group = None if s.head_group is None else torch.tensor(s.head_group, dtype=torch.int64, device=device)
         self.register_buffer("head_group", head_group, persistent=False)

@@ -42,6 +42,8 @@ class AttnShard:
 
     @staticmethod
     def of(cfg: HybridConfig, rank: int, size: int) -> AttnShard:
+        if not cfg.attn_layer_ids:
+            return AttnShard(0, 0, 0, 0)  # no attention layer: nothing to hold
         heads = cfg.num_heads // size
         if cfg.num_kv_heads >= size:
             kv = cfg.num_kv_heads // size
