@@ -1,8 +1,9 @@
 """Mamba2ForCausalLM (state-spaces mamba2-130m ... 2.7b, Mamba-Codestral): Mamba2 mixers only, one
 pre-normed block per layer (`norm`, `mixer`), no attention at all: no KV pool is allocated and the
-scheduler sees zero attention layers. Checkpoint names `backbone.embeddings`, `backbone.norm_f` map
-onto the shared names. `residual_in_fp32` is exact in float32; in 16-bit the residual stays in the
-model dtype."""
+scheduler sees zero attention layers. Its configs name no context limit: 65536 tokens unless
+`max_position_embeddings` or --context-length says otherwise. Checkpoint names
+`backbone.embeddings`, `backbone.norm_f` map onto the shared names. `residual_in_fp32` is exact in
+float32; in 16-bit the residual stays in the model dtype."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ from worker_proc.model.config import (
 from worker_proc.model.families.common import NO_ATTENTION, NO_GRANITE_MLP, UNIT_SCALARS, dtype_name
 from worker_proc.model.families.nemotron_h import RENAMES
 
+DEFAULT_CONTEXT = 1 << 16  # a Mamba2 config names no context limit; --context-length overrides
+
 
 def parse(cfg: dict, arch: str) -> HybridConfig:
     hidden = int(cfg["hidden_size"])
@@ -34,7 +37,7 @@ def parse(cfg: dict, arch: str) -> HybridConfig:
         hidden_size=hidden,
         layer_kinds=("mamba",) * layers,
         rms_norm_eps=num(cfg, "layer_norm_epsilon", 1e-5),
-        max_position_embeddings=max_positions(cfg) if cfg.get("max_position_embeddings") else 1 << 20,
+        max_position_embeddings=max_positions(cfg) if cfg.get("max_position_embeddings") else DEFAULT_CONTEXT,
         mamba_n_heads=heads,
         mamba_n_groups=groups,
         mamba_d_state=int(cfg.get("state_size", 128)),
