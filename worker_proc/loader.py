@@ -105,6 +105,7 @@ class _Names:
         self.renames = [(re.compile(p), r) for p, r in model.cfg.renames]
         self.ignored = model.cfg.ignored_prefixes
         self.params = dict(model.named_parameters())
+        self.skipped = 0  # tensors not loaded (ignored prefixes)
 
     def resolve(self, raw: str) -> tuple[str, int | None]:
         name = raw
@@ -138,6 +139,7 @@ def _iter_tensors(
                 for key in keys:
                     name, row = names.resolve(key)
                     if names.ignore(name):
+                        names.skipped += 1
                         continue
                     spec = spec_of(name)
                     if spec is not None and row is not None:  # one expert of a stacked [E, ...] tensor
@@ -181,8 +183,9 @@ def load_weights(model: HybridForCausalLM, files: dict[str, list[str]]) -> None:
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise ModelLoadError(f"checkpoint lacks tensor {missing[0]!r}{more}")
-    if model.cfg.ignored_prefixes:
-        logger.info("tensors under %s are not loaded (not used for serving)", ", ".join(model.cfg.ignored_prefixes))
+    if names.skipped:
+        logger.info("%d checkpoint tensors under %s not loaded (not used for serving)", names.skipped,
+                    ", ".join(model.cfg.ignored_prefixes))
 
 
 def load_model(

@@ -92,13 +92,15 @@ def _copy(tmp_path, name: str) -> str:
     return str(out)
 
 
-def test_nemotron_mtp_tensors_skipped_and_per_expert_rows_checked(tmp_path) -> None:
+def test_nemotron_mtp_tensors_skipped_and_per_expert_rows_checked(tmp_path, caplog) -> None:
     path = _copy(tmp_path, "nemotron_h_moe")
     weights = os.path.join(path, "model.safetensors")
     tensors = load_file(weights)
     assert "backbone.layers.1.mixer.experts.7.up_proj.weight" in tensors  # per-expert layout on disk
     save_file({**tensors, "mtp.layers.0.mixer.q_proj.weight": torch.zeros(4, 4)}, weights)
-    model = load_model(path)  # MTP layer ignored
+    with caplog.at_level("INFO", logger="worker_proc.loader"):
+        model = load_model(path)  # MTP layer ignored, with one log line
+    assert any("1 checkpoint tensors under mtp. not loaded" in r.message for r in caplog.records)
     expected = load_model(fixture_dir("nemotron_h_moe"))
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), expected.parameters(), strict=True))
     del tensors["backbone.layers.3.mixer.experts.5.down_proj.weight"]

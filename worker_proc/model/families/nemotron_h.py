@@ -72,8 +72,6 @@ def parse(cfg: dict, arch: str) -> HybridConfig:
     moe = Block("sigmoid_moe", "mixer", int(cfg.get("moe_intermediate_size") or 0), "moe_intermediate_size")
     blocks = {"mamba": Block("mamba", "mixer"), "attention": Block("attention", "mixer"), "mlp": mlp, "moe": moe}
     kinds = {"mamba": "mamba", "attention": "attention", "mlp": "mlp", "moe": "mlp"}
-    if cfg.get("num_nextn_predict_layers"):
-        pass  # MTP layers are never built; their tensors are skipped (ignored_prefixes)
     return HybridConfig(
         architecture=arch,
         vocab_size=int(cfg["vocab_size"]),
@@ -109,7 +107,7 @@ def parse(cfg: dict, arch: str) -> HybridConfig:
         moe_latent_size=int(cfg.get("moe_latent_size") or 0),
         moe_shared_size=int(cfg.get("moe_shared_expert_intermediate_size") or 0) if experts else 0,
         renames=RENAMES,
-        ignored_prefixes=("mtp.",),
+        ignored_prefixes=("mtp.",),  # MTP layers are never built; the loader logs the tensors it skipped
         **NO_GRANITE_MLP,
         **UNIT_SCALARS,
     )
