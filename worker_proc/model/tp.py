@@ -11,8 +11,11 @@ Owned by the worker runtime. The rules (N = tp size, r = rank):
 - Gated RMSNorm is grouped by n_groups: when N divides n_groups each rank holds whole norm
   groups and normalises locally; otherwise a norm group spans ranks and the per-group sums of
   squares are all-reduced before normalising (exact, every rank gets the same statistics).
-- Shared MLP and MoE experts: split on the intermediate dimension (gate and up halves each);
-  the router is replicated. The layer's MLP + MoE partial sums are all-reduced once.
+- MLPs (fused or split gated, relu2) and MoE experts: split on the intermediate dimension (gate
+  and up halves each); routers and Nemotron-H's latent projections are replicated. A sublayer's
+  MLP + MoE partial sums are all-reduced once (worker_proc.model.hybrid).
+- Each block names the slice of each of its tensors (`shard_spec`, built from the functions
+  here); the model asks the block that owns a parameter.
 - Embedding, LM head and the residual-stream norms are replicated: every rank holds the same
   hidden state after each all-reduce and computes the same logits; rank 0 samples.
 With N = 1 nothing is sliced and no collective runs: the single-rank path is unchanged.
