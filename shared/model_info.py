@@ -10,7 +10,7 @@ import json
 import os
 from dataclasses import dataclass
 
-from shared.architectures import SUPPORTED_ARCHITECTURES, parse_config
+from shared.architectures import SUPPORTED_ARCHITECTURES, summary
 from shared.errors import ModelLoadError
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "ModelInfo", "read_config_json"]
@@ -57,13 +57,13 @@ class ModelInfo:
     @staticmethod
     def from_dir(model_dir: str) -> ModelInfo:
         cfg = read_config_json(model_dir)
-        parsed = parse_config(cfg, f"{model_dir}/config.json")  # the family's parser (torch-free)
+        arch, kinds, context = summary(cfg, f"{model_dir}/config.json")  # the family's layout (torch-free)
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         return ModelInfo(
-            architecture=parsed.architecture,
-            layer_kinds=parsed.layer_kinds,
-            vocab_size=parsed.vocab_size,
+            architecture=arch,
+            layer_kinds=kinds,
+            vocab_size=int(cfg["vocab_size"]),
             eos_token_ids=eos_ids,
-            max_position_embeddings=parsed.max_position_embeddings,
+            max_position_embeddings=context,
         )

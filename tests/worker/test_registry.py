@@ -4,7 +4,6 @@ supported ones; the family-specific spellings and checkpoint layouts load."""
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 
@@ -12,9 +11,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from shared.architectures import FAMILIES, SUPPORTED_ARCHITECTURES, parse_config
+from shared.architectures import FAMILIES, SUPPORTED_ARCHITECTURES, parse_config, summary
 from shared.errors import ModelLoadError
-from shared.model_info import ModelInfo
+from shared.model_info import ModelInfo, read_config_json
 from tests.worker.util import ALL_FIXTURES, fixture_dir, runner
 from worker_proc.loader import load_config, load_model
 
@@ -26,8 +25,7 @@ SHARED_BLOCK_MODULES = {
 
 
 def _config(name: str) -> dict:
-    with open(os.path.join(fixture_dir(name), "config.json"), encoding="utf-8") as f:
-        return json.load(f)
+    return read_config_json(fixture_dir(name))
 
 
 def test_unknown_architecture_is_one_line_listing_the_supported() -> None:
@@ -50,7 +48,10 @@ def test_every_family_is_built_from_the_shared_blocks(name: str) -> None:
     r = runner(name)
     for module in r.model.modules():
         assert type(module).__module__ in SHARED_BLOCK_MODULES, type(module)
-    assert ModelInfo.from_dir(fixture_dir(name)).layer_kinds == cfg.layer_kinds
+    info = ModelInfo.from_dir(fixture_dir(name))  # the torch-free summary agrees with the full parse
+    assert (info.layer_kinds, info.max_position_embeddings) == (cfg.layer_kinds, cfg.max_position_embeddings)
+    no_context = {k: v for k, v in _config(name).items() if k != "max_position_embeddings"}
+    assert parse_config(no_context).max_position_embeddings == summary(no_context)[2]
 
 
 def test_family_modules_are_torch_free() -> None:

@@ -24,7 +24,7 @@ from worker_proc.model.families.common import NO_GRANITE_MLP, UNIT_SCALARS, dtyp
 RENAMES = ((r"^model\.final_layernorm\.", "model.norm."),)
 
 
-def mixer_kinds(cfg: dict) -> tuple[str, ...]:
+def layer_kinds(cfg: dict) -> tuple[str, ...]:
     n = int(cfg["num_hidden_layers"])
     raw = cfg.get("layers_block_type") or cfg.get("layer_types")
     if raw:
@@ -74,7 +74,7 @@ def attention_fields(cfg: dict, rotary_default: float) -> dict:
 def parse(cfg: dict, arch: str) -> HybridConfig:
     hidden = int(cfg["hidden_size"])
     check_act(cfg, "hidden_act", "silu")
-    kinds = mixer_kinds(cfg)
+    kinds = layer_kinds(cfg)
     ffn = Sublayer("pre_ff_layernorm", (Block("gated_mlp", "feed_forward", int(cfg["intermediate_size"]),
                                               "intermediate_size"),))
     mixers = {"mamba": Block("mamba", "mamba"), "attention": Block("attention", "self_attn")}

@@ -23,6 +23,10 @@ def _floats(cfg: dict, key: str, n: int) -> tuple[float, ...]:
     return tuple(float(v) for v in values)
 
 
+def layer_kinds(cfg: dict) -> tuple[str, ...]:
+    return ("parallel",) * int(cfg["num_hidden_layers"])
+
+
 def parse(cfg: dict, arch: str) -> HybridConfig:
     hidden = int(cfg["hidden_size"])
     check_act(cfg, "hidden_act", "silu")
@@ -41,7 +45,7 @@ def parse(cfg: dict, arch: str) -> HybridConfig:
         architecture=arch,
         vocab_size=int(cfg["vocab_size"]),
         hidden_size=hidden,
-        layer_kinds=("parallel",) * n,
+        layer_kinds=layer_kinds(cfg),
         rms_norm_eps=num(cfg, "rms_norm_eps", 1e-5),
         max_position_embeddings=max_positions(cfg),
         num_experts=0,

@@ -23,6 +23,10 @@ from worker_proc.model.families.nemotron_h import RENAMES
 DEFAULT_CONTEXT = 1 << 16  # a Mamba2 config names no context limit; --context-length overrides
 
 
+def layer_kinds(cfg: dict) -> tuple[str, ...]:
+    return ("mamba",) * int(cfg["num_hidden_layers"])
+
+
 def parse(cfg: dict, arch: str) -> HybridConfig:
     hidden = int(cfg["hidden_size"])
     check_act(cfg, "hidden_act", "silu")
@@ -35,7 +39,7 @@ def parse(cfg: dict, arch: str) -> HybridConfig:
         architecture=arch,
         vocab_size=int(cfg["vocab_size"]),
         hidden_size=hidden,
-        layer_kinds=("mamba",) * layers,
+        layer_kinds=layer_kinds(cfg),
         rms_norm_eps=num(cfg, "layer_norm_epsilon", 1e-5),
         max_position_embeddings=max_positions(cfg) if cfg.get("max_position_embeddings") else DEFAULT_CONTEXT,
         mamba_n_heads=heads,

@@ -47,6 +47,13 @@ def block_types(cfg: dict) -> list[str]:
     return [_PATTERN[c] for c in pattern]
 
 
+_KINDS = {"mamba": "mamba", "attention": "attention", "mlp": "mlp", "moe": "mlp"}
+
+
+def layer_kinds(cfg: dict) -> tuple[str, ...]:
+    return tuple(_KINDS[t] for t in block_types(cfg))
+
+
 def parse(cfg: dict, arch: str) -> HybridConfig:
     hidden = int(cfg["hidden_size"])
     types = block_types(cfg)
@@ -71,12 +78,11 @@ def parse(cfg: dict, arch: str) -> HybridConfig:
     mlp = Block("relu2_mlp", "mixer", int(cfg.get("intermediate_size") or 0), "intermediate_size")
     moe = Block("sigmoid_moe", "mixer", int(cfg.get("moe_intermediate_size") or 0), "moe_intermediate_size")
     blocks = {"mamba": Block("mamba", "mixer"), "attention": Block("attention", "mixer"), "mlp": mlp, "moe": moe}
-    kinds = {"mamba": "mamba", "attention": "attention", "mlp": "mlp", "moe": "mlp"}
     return HybridConfig(
         architecture=arch,
         vocab_size=int(cfg["vocab_size"]),
         hidden_size=hidden,
-        layer_kinds=tuple(kinds[t] for t in types),
+        layer_kinds=tuple(_KINDS[t] for t in types),
         rms_norm_eps=num(cfg, "layer_norm_epsilon", 1e-5),
         num_heads=heads,
         num_kv_heads=kv_heads,
