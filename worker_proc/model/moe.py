@@ -62,7 +62,10 @@ class SigmoidMoE(nn.Module):
         """(top-k expert ids [T, k], their weights [T, k] float32)."""
         cfg = self.cfg
         e, g = cfg.num_experts, cfg.moe_n_group
-        scores = linear(x.float(), self.gate.weight.float(), min_rows=self.min_rows).sigmoid()
+        # the sigmoid is taken in float64 and rounded: float32 SIMD and scalar tails differ in the last
+        # bit, which would make a token's routing weights depend on the batch's size
+        logits = linear(x.float(), self.gate.weight.float(), min_rows=self.min_rows)
+        scores = logits.double().sigmoid().float()
         choice = scores + self.gate.e_score_correction_bias.float()
         if g > 1:
             grouped = choice.view(-1, g, e // g)
