@@ -64,7 +64,7 @@ def parse(cfg: dict, arch: str) -> HybridConfig:
     heads = int(cfg.get("num_attention_heads") or 1)
     kv_heads = int(cfg.get("num_key_value_heads") or heads)
     check_attention(heads, kv_heads)
-    head_dim = int(cfg.get("head_dim") or hidden // heads)
+    head_dim = int(cfg.get("head_dim") or cfg.get("attention_head_dim") or hidden // heads)  # older configs
     m_heads, m_head_dim = int(cfg["mamba_num_heads"]), int(cfg["mamba_head_dim"])
     groups = int(cfg.get("n_groups", 8))
     check_mamba(m_heads, groups, m_head_dim, m_heads * m_head_dim, ("mamba_num_heads", "n_groups", "mamba_head_dim"))
