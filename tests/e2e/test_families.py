@@ -1,8 +1,8 @@
-"""Families other than GraniteMoeHybrid served end to end through a real launch.py (issue 14):
-Mamba2 (no attention layer: no KV pool, the scheduler's token bookkeeping only), Nemotron-H MoE and
-Falcon-H1. Greedy outputs of concurrent requests equal the runtime run alone, and prefix caching
-hits from the third request that shares a system prompt. The checkpoints are the parity fixtures
-with the built-in model's tokenizer files beside them."""
+"""Every family other than GraniteMoeHybrid served end to end through a real launch.py (issue 14):
+Nemotron-H dense and MoE, Falcon-H1 (both fixtures), Bamba and Mamba2 (no attention layer: no KV
+pool, the scheduler's token bookkeeping only). Greedy outputs of sequential and concurrent
+requests equal the runtime run alone, and prefix caching hits from the third request that shares
+a system prompt. The checkpoints are the parity fixtures with the built-in tokenizer files."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import pytest
 
 from shared.config import builtin_model_dir
 from tests.e2e.server import running_server
-from tests.worker.util import fixture_dir
+from tests.worker.util import FAMILY_FIXTURES, fixture_dir
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -41,7 +41,7 @@ def greedy(client: httpx.Client, ids: list[int], n: int) -> dict:
     return r.json()
 
 
-@pytest.mark.parametrize("name", ["mamba2", "nemotron_h_moe", "falcon_h1"])
+@pytest.mark.parametrize("name", FAMILY_FIXTURES)
 def test_family_serves_and_prefix_cache_hits(tmp_path, name: str) -> None:
     from worker_proc.runtime import ModelRunner, generate_greedy
 
