@@ -92,6 +92,7 @@ class HybridConfig:
     ssm_multipliers: tuple[float, ...] = ()  # z, x, B, C, dt segments of in_proj (empty = all 1)
     mlp_multipliers: tuple[float, ...] = ()  # gate, down of the split gated MLP (empty = 1, 1)
     mlp_bias: bool = False  # biases of the split gated MLP
+    norm_fp32_weight: bool = False  # RMSNorm weights applied in float32 (Nemotron-H), else in the model dtype
     mamba_out_proj_bias: bool | None = None  # None = mamba_proj_bias (Falcon-H1: projectors_bias)
     # sigmoid (Nemotron-H) MoE
     moe_n_group: int = 1

@@ -83,7 +83,7 @@ class DecoderLayer(nn.Module):
         self.subs: tuple[Sublayer, ...] = cfg.layers()[index]
         self.kind = cfg.layer_kinds[index]
         for sub in self.subs:
-            self.add_module(sub.norm, RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device))
+            self.add_module(sub.norm, RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, cfg.norm_fp32_weight))
             for block in sub.blocks:
                 self.add_module(block.name, build_block(block, cfg, dtype, device, tp))
         self.attn_index = cfg.attn_layer_ids.index(index) if index in cfg.attn_layer_ids else -1
@@ -134,7 +134,7 @@ class HybridModel(nn.Module):
         self.embed_tokens = nn.Module()
         self.embed_tokens.weight = _empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype, device, tp) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, cfg.norm_fp32_weight)
 
 
 class HybridForCausalLM(nn.Module):

@@ -51,16 +51,21 @@ def _empty(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Paramete
 
 
 class RMSNorm(nn.Module):
-    """weight * x / rms(x), the normalisation computed in float32 and cast back before the weight."""
+    """weight * x / rms(x), the normalisation computed in float32 and cast back before the weight;
+    with `fp32_weight` (Nemotron-H) the weight is applied in float32 and the product cast back."""
 
-    def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device,
+                 fp32_weight: bool = False) -> None:
         super().__init__()
         self.weight = _empty(size, dtype=dtype, device=device)
         self.eps = eps
+        self.fp32_weight = fp32_weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.fp32_weight:
+            return (self.weight.float() * xf).to(x.dtype)
         return self.weight * xf.to(x.dtype)
 
 

@@ -112,6 +112,7 @@ def parse(cfg: dict, arch: str) -> HybridConfig:
         moe_routed_scaling=num(cfg, "routed_scaling_factor", 1.0),
         moe_latent_size=int(cfg.get("moe_latent_size") or 0),
         moe_shared_size=int(cfg.get("moe_shared_expert_intermediate_size") or 0) if experts else 0,
+        norm_fp32_weight=True,
         renames=RENAMES,
         ignored_prefixes=("mtp.",),  # MTP layers are never built; the loader logs the tensors it skipped
         **NO_GRANITE_MLP,
