@@ -111,3 +111,11 @@ def test_nemotron_mtp_tensors_skipped_and_per_expert_rows_checked(tmp_path, capl
     save_file({**tensors, "backbone.layers.3.mixer.experts.5.down_proj.weight": torch.zeros(3, 3)}, weights)
     with pytest.raises(ModelLoadError, match=r"experts\.5\.down_proj\.weight.*shape"):
         load_model(path)
+
+
+def test_tp_refuses_mlp_bias_in_one_line() -> None:
+    from worker_proc.model.config import tp_layout_error
+
+    cfg = parse_config(dict(_config("bamba"), mlp_bias=True))
+    assert tp_layout_error(cfg, 1) is None
+    assert "mlp_bias" in (tp_layout_error(cfg, 2) or "")

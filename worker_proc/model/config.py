@@ -169,6 +169,8 @@ def tp_layout_error(cfg: HybridConfig, tp_size: int) -> str | None:
         if block.kind == "sigmoid_moe" and cfg.moe_shared_size:
             sizes.append((cfg.moe_shared_size, "moe_shared_expert_intermediate_size"))
         counts.extend(s for s in sizes if s not in counts)
+    if cfg.mlp_bias and any(b.kind == "gated_mlp" for b in cfg.blocks()):
+        return f"--tp-size {tp_size}: mlp_bias true in the model's config.json is not supported with tensor parallelism"
     for value, name in counts:
         if value % tp_size:
             return f"--tp-size {tp_size} does not divide {name} {value} of the model's config.json"
