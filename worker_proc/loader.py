@@ -1,8 +1,11 @@
 """Checkpoint loading: `config.json` + single-file or sharded safetensors -> `HybridForCausalLM`.
 
 Every failure is a `ModelLoadError` whose message names the file,
-the architecture or the tensor at fault. Under tensor parallelism each rank reads only its slice
-of every tensor (`safe_open(...).get_slice`), as the model's `shard_spec` names it.
+the architecture or the tensor at fault. A checkpoint name becomes a parameter name through the
+family's `renames` (HybridConfig); names under its `ignored_prefixes` (e.g. MTP layers) are skipped
+with one log line; per-expert tensors `<...>.experts.<j>.<proj>.weight` fill row j of the stacked
+parameter `<...>.experts.<proj>`. Under tensor parallelism each rank reads only its slice of every
+tensor (`safe_open(...).get_slice`), as the model's `shard_spec` names it.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -26,11 +30,7 @@ from worker_proc.model.tp import ShardSpec, TPInfo
 logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_ALIASES = (  # transformers>=5 in-memory names -> checkpoint names
-    (".block_sparse_moe.experts.gate_up_proj", ".block_sparse_moe.input_linear.weight"),
-    (".block_sparse_moe.experts.down_proj", ".block_sparse_moe.output_linear.weight"),
-    (".block_sparse_moe.router.weight", ".block_sparse_moe.router.layer.weight"),
-)
+_PER_EXPERT = re.compile(r"^(?P<base>.+\.experts)\.(?P<index>\d+)\.(?P<proj>[A-Za-z0-9_]+)\.weight$")
 _PROGRESS_MIN_BYTES = 256 * 2**20
 
 
@@ -98,62 +98,94 @@ def _read(f: Any, key: str, spec: ShardSpec | None) -> tuple[torch.Tensor, float
     return local, spec.length / max(1, sl.get_shape()[spec.dim])
 
 
+class _Names:
+    """Checkpoint name -> (parameter name, expert row or None); see the module docstring."""
+
+    def __init__(self, model: HybridForCausalLM) -> None:
+        self.renames = [(re.compile(p), r) for p, r in model.cfg.renames]
+        self.ignored = model.cfg.ignored_prefixes
+        self.params = dict(model.named_parameters())
+        self.skipped = 0  # tensors not loaded (ignored prefixes)
+
+    def resolve(self, raw: str) -> tuple[str, int | None]:
+        name = raw
+        for pattern, repl in self.renames:
+            name = pattern.sub(repl, name)
+        m = _PER_EXPERT.match(name)
+        if m is not None and name not in self.params:
+            stacked = f"{m['base']}.{m['proj']}"
+            if stacked in self.params:
+                return stacked, int(m["index"])
+        return name, None
+
+    def ignore(self, name: str) -> bool:
+        return any(name.startswith(p) for p in self.ignored)
+
+
 def _iter_tensors(
-    files: dict[str, list[str]], spec_of: Callable[[str], ShardSpec | None]
-) -> Iterator[tuple[str, str, torch.Tensor, float]]:
-    """(file, checkpoint name, this rank's part of the tensor, its fraction of the stored tensor);
-    `spec_of` takes the canonical name."""
-    for path, names in files.items():
+    files: dict[str, list[str]], names: _Names, spec_of: Callable[[str], ShardSpec | None]
+) -> Iterator[tuple[str, str, str, int | None, torch.Tensor, float]]:
+    """(file, checkpoint name, parameter name, expert row, this rank's part of the tensor, its
+    fraction of the stored tensor); ignored tensors are skipped unread."""
+    for path, listed_names in files.items():
         try:
             with safe_open(path, framework="pt", device="cpu") as f:
                 keys = list(f.keys())
-                listed = set(names)
+                listed = set(listed_names)
                 if listed and listed != set(keys):
                     missing = sorted(listed - set(keys))
                     if missing:
                         raise ModelLoadError(f"{path} lacks tensor {missing[0]!r} listed in the shard index")
                 for key in keys:
-                    yield path, key, *_read(f, key, spec_of(_canonical(key)))
+                    name, row = names.resolve(key)
+                    if names.ignore(name):
+                        names.skipped += 1
+                        continue
+                    spec = spec_of(name)
+                    if spec is not None and row is not None:  # one expert of a stacked [E, ...] tensor
+                        spec = ShardSpec(spec.dim - 1, spec.ranges) if spec.dim > 0 else None
+                    yield path, key, name, row, *_read(f, key, spec)
         except ModelLoadError:
             raise
         except Exception as e:  # safetensors raises its own error types for corrupt files
             raise ModelLoadError(f"{path}: cannot read safetensors ({e})") from e
 
 
-def _canonical(name: str) -> str:
-    for new, old in _ALIASES:
-        if name.endswith(new):
-            return name[: -len(new)] + old
-    return name
-
-
 def load_weights(model: HybridForCausalLM, files: dict[str, list[str]]) -> None:
     """Copy every checkpoint tensor into its parameter; raise on a missing, extra or misshapen one."""
-    params = dict(model.named_parameters())
+    names = _Names(model)
+    params = names.params
     loaded: set[str] = set()
+    rows: dict[str, set[int]] = {}
     total_bytes = sum(os.path.getsize(p) for p in files)
     bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc="loading weights",
                disable=total_bytes < _PROGRESS_MIN_BYTES)
     with bar:
-        for path, raw_name, local, fraction in _iter_tensors(files, model.shard_spec):
+        for path, raw_name, name, row, local, fraction in _iter_tensors(files, names, model.shard_spec):
             bar.update(int(local.numel() * local.element_size() / fraction))
-            name = _canonical(raw_name)
             if name == "lm_head.weight" and model.lm_head is None:
                 continue  # tied head stored anyway: the embedding is the head
             param = params.get(name)
             if param is None:
                 raise ModelLoadError(f"unexpected tensor {raw_name!r} in {path} (not a parameter of the model)")
-            if tuple(local.shape) != tuple(param.shape):
-                raise ModelLoadError(
-                    f"tensor {raw_name!r} in {path} has shape {tuple(local.shape)}, expected {tuple(param.shape)}"
-                )
+            target = param if row is None else (param[row] if row < param.shape[0] else None)
+            if target is None or tuple(local.shape) != tuple(target.shape):
+                want = f"an expert row < {param.shape[0]}" if target is None else tuple(target.shape)
+                raise ModelLoadError(f"tensor {raw_name!r} in {path} has shape {tuple(local.shape)}, expected {want}")
             with torch.no_grad():
-                param.copy_(local)
-            loaded.add(name)
+                target.copy_(local)
+            if row is None:
+                loaded.add(name)
+            else:
+                rows.setdefault(name, set()).add(row)
+    loaded.update(n for n, got in rows.items() if len(got) == params[n].shape[0])
     missing = sorted(set(params) - loaded)
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise ModelLoadError(f"checkpoint lacks tensor {missing[0]!r}{more}")
+    if names.skipped:
+        logger.info("%d checkpoint tensors under %s not loaded (not used for serving)", names.skipped,
+                    ", ".join(model.cfg.ignored_prefixes))
 
 
 def load_model(
@@ -173,6 +205,7 @@ def load_model(
     model = HybridForCausalLM(cfg, torch_dtype, dev, TPInfo(tp_rank, tp_size, tp_group))
     load_weights(model, files)
     model.eval()
+    letters = {"mamba": "M", "attention": "A", "parallel": "P", "mlp": "-"}
     logger.info("loaded %s from %s: %d layers (%s), %s on %s", cfg.architecture, model_dir, cfg.num_layers,
-                "".join("M" if k == "mamba" else "A" for k in cfg.layer_kinds), torch_dtype, dev)
+                "".join(letters[k] for k in cfg.layer_kinds), torch_dtype, dev)
     return model

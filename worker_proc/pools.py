@@ -10,6 +10,8 @@ kv_heads / tp or 1 replicated KV head, heads / tp, conv channels of the rank's h
   conv : [mamba_layers, S_mamba, conv_dim, d_conv - 1]          model dtype
   ssm  : [mamba_layers, S_mamba, heads, head_dim, d_state]      float32 (always)
 Capacities are planned per rank from the rank's own slot sizes; the scheduler uses the minimum.
+A model without attention layers allocates no KV memory (attention_layers = 0) and a model without
+Mamba layers no state memory; see `attention_free_kv_slots` for the token slots the former reports.
 """
 
 from __future__ import annotations
@@ -129,6 +131,20 @@ def plan_capacities(
             f"{sb.mamba_state} B per Mamba state, ratio {mamba_ratio}"
         )
     return max(kv_slots, 0), max(mamba_slots, 0)
+
+
+ATTENTION_FREE_MAX_TOKENS = 1 << 20
+
+
+def attention_free_kv_slots(requested: int, mamba_slots: int, context: int) -> int:
+    """The token slots a model without attention layers reports. Its KV pool has no tensor at all
+    (zero bytes per slot), so the slots are only the scheduler's token bookkeeping (the radix tree
+    keeps one per cached token): `requested` (--max-total-tokens) when given, else enough for every
+    Mamba slot to hold a full context, capped at ATTENTION_FREE_MAX_TOKENS (bounding the scheduler's
+    tree), and never less than one context."""
+    if requested > 0:
+        return requested
+    return max(context, min(mamba_slots * context, ATTENTION_FREE_MAX_TOKENS))
 
 
 class StatePools:

@@ -25,7 +25,7 @@ from worker_proc.kernels import get_ops
 from worker_proc.loader import load_model
 from worker_proc.model import StepBatch, build_step_batch
 from worker_proc.model.kv_mirror import KVSlotMirror
-from worker_proc.pools import StatePools, cpu_wanted_budget, plan_capacities, pool_budget
+from worker_proc.pools import StatePools, attention_free_kv_slots, cpu_wanted_budget, plan_capacities, pool_budget
 from worker_proc.sampling import SampleRequest, greedy_params, sample
 
 logger = logging.getLogger(__name__)
@@ -71,6 +71,8 @@ class ModelRunner:
             planned_kv, planned_mamba = plan_capacities(self.cfg, budget, mamba_ratio, self.dtype, tp_size, tp_rank)
             kv = kv if kv > 0 else planned_kv
             mamba = mamba if mamba > 0 else planned_mamba
+        if not self.cfg.attn_layer_ids:  # no KV tensor: the slots are only the scheduler's bookkeeping
+            kv = attention_free_kv_slots(kv_slots, mamba, self.model_info.max_position_embeddings)
         self.pools = StatePools(self.cfg, kv, mamba, self.dtype, self.device, tp_size, tp_rank)
         self.kv_capacity = kv
         self.mamba_capacity = mamba

@@ -44,7 +44,11 @@ def test_bad_flags_fail_with_one_line(args: list[str], needle: str) -> None:
 def test_unknown_architecture(tmp_path) -> None:
     (tmp_path / "config.json").write_text('{"architectures": ["LlamaForCausalLM"], "vocab_size": 10}')
     res = _launch(["--port", str(free_port()), "--model-path", str(tmp_path)])
-    assert res.returncode != 0 and "LlamaForCausalLM" in res.stderr.strip().splitlines()[-1]
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert res.returncode != 0 and len(lines) == 1, res.stderr
+    from shared.architectures import SUPPORTED_ARCHITECTURES
+
+    assert "LlamaForCausalLM" in lines[0] and all(a in lines[0] for a in SUPPORTED_ARCHITECTURES)
 
 
 def test_port_in_use_fails_and_leaves_nothing() -> None:

@@ -10,8 +10,9 @@ import pytest
 from scheduler_proc.radix_cache import PeekResult
 from scheduler_proc.scheduler import Scheduler, SchedulerTuning
 from shared.messages import GenerateReq
+from shared.model_info import ModelInfo
 from tests.scheduler import harness
-from tests.scheduler.util import greq, make, rids, round_
+from tests.scheduler.util import HYBRID, MAMBA_ONLY, greq, make, rids, round_
 
 
 def test_chunked_prefill_runs_beside_decode_and_continues_first() -> None:
@@ -41,9 +42,10 @@ def shared_prefix_requests(n: int, prefix_len: int, suffix_len: int, seed: int =
     return out
 
 
+@pytest.mark.parametrize("model", [HYBRID, MAMBA_ONLY], ids=["hybrid", "mamba_only"])
 @pytest.mark.parametrize("chunk", [32, 512])
-def test_branch_point_checkpoint_makes_the_third_request_hit(chunk: int) -> None:
-    sched, worker = make(kv=2048, states=16, chunked_prefill_size=chunk, max_prefill_tokens=512,
+def test_branch_point_checkpoint_makes_the_third_request_hit(chunk: int, model: ModelInfo) -> None:
+    sched, worker = make(kv=2048, states=16, model=model, chunked_prefill_size=chunk, max_prefill_tokens=512,
                          disable_prompt_checkpoint=True)
     reqs = shared_prefix_requests(8, 300, 40)
     cached, ckpt_batches = [], 0
@@ -54,7 +56,7 @@ def test_branch_point_checkpoint_makes_the_third_request_hit(chunk: int) -> None
     assert cached[0] == 0 and cached[1] == 0
     assert all(c == 300 for c in cached[2:]), cached
     assert ckpt_batches == 1 and sched.metrics.get("hyssm_checkpoints_total", result="saved") == 1
-    ref_sched, ref_worker = make(kv=2048, states=16, disable_radix_cache=True)
+    ref_sched, ref_worker = make(kv=2048, states=16, model=model, disable_radix_cache=True)
     ref = harness.run(ref_sched, ref_worker, {0: reqs})
     for r in reqs:
         log = harness.run(sched, worker, {0: [greq(r.rid, r.input_ids, 6)]})
@@ -142,13 +144,15 @@ def pressure_requests(n: int, seed: int) -> dict[int, list[GenerateReq]]:
     return arrivals
 
 
-def test_memory_pressure_outputs_identical_and_nothing_stuck() -> None:
+@pytest.mark.parametrize("model", [HYBRID, MAMBA_ONLY], ids=["hybrid", "mamba_only"])
+def test_memory_pressure_outputs_identical_and_nothing_stuck(model: ModelInfo) -> None:
+    """For a model without attention the KV pressure is a --max-total-tokens of 160 token slots."""
     arrivals = pressure_requests(32, seed=1)
-    ref_sched, ref_worker = make(kv=8192, states=64, chunked_prefill_size=32, max_running_requests=64)
+    ref_sched, ref_worker = make(kv=8192, states=64, model=model, chunked_prefill_size=32, max_running_requests=64)
     ref = harness.run(ref_sched, ref_worker, arrivals)
     tuning = SchedulerTuning(init_ratio=0.2, min_ratio=0.05)
-    sched, worker = make(kv=160, states=6, chunked_prefill_size=32, max_prefill_tokens=64, max_running_requests=16,
-                         tuning=tuning)  # fmt: skip
+    sched, worker = make(kv=160, states=6, model=model, chunked_prefill_size=32, max_prefill_tokens=64,
+                         max_running_requests=16, tuning=tuning)  # fmt: skip
     log = harness.run(sched, worker, arrivals, max_rounds=5000)
     assert log.tokens == ref.tokens
     m = sched.metrics

@@ -13,6 +13,8 @@ from tests.scheduler.fake_worker import FakeWorker
 ARCH = "GraniteMoeHybridForCausalLM"
 HYBRID = ModelInfo(ARCH, ("mamba", "attention", "mamba"), 50, (), 4096)
 ATTENTION_ONLY = ModelInfo(ARCH, ("attention", "attention"), 50, (), 4096)
+# no attention layer (Mamba2): KV token slots are the scheduler's bookkeeping only, cached the same way
+MAMBA_ONLY = ModelInfo("Mamba2ForCausalLM", ("mamba", "mamba"), 50, (), 4096)
 
 
 def make(

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from shared.errors import ModelLoadError
-from tests.worker.util import FIXTURE_NAMES, fixture_dir
+from tests.worker.util import FAMILY_FIXTURES, FIXTURE_NAMES, fixture_dir
 from worker_proc.loader import load_config, load_weights, weight_files
 from worker_proc.model import HybridForCausalLM, TPInfo
 from worker_proc.model.config import tp_layout_error
@@ -111,3 +111,22 @@ def test_pools_sized_per_rank() -> None:
     shard = MambaShard.of(cfg, 3, 4)
     assert p.k.shape[2] == 1 and p.ssm.shape[2] == 2 and p.conv.shape[2] == shard.conv_dim
     p.check_integrity()
+
+
+@pytest.mark.parametrize("name", FAMILY_FIXTURES)
+def test_family_ranks_load_exactly_their_slice(name: str) -> None:
+    """Renamed and per-expert checkpoint tensors: every rank's parameter is its slice (by the block's
+    shard_spec) of the whole TP=1 parameter, read directly from disk."""
+    cfg = load_config(fixture_dir(name))
+    files = weight_files(fixture_dir(name))
+    whole = HybridForCausalLM(cfg, torch.float32, "cpu")
+    load_weights(whole, files)
+    full = dict(whole.named_parameters())
+    sliced = 0
+    for rank in range(2):
+        model = HybridForCausalLM(cfg, torch.float32, "cpu", TPInfo(rank, 2))
+        load_weights(model, files)
+        for key, param in model.named_parameters():
+            assert torch.equal(param, model.shard_for_rank(key, full[key])), key
+            sliced += model.shard_spec(key) is not None
+    assert sliced > 0

@@ -1,7 +1,9 @@
 """TP=2 (and TP=4) against TP=1 on CPU with gloo: identical greedy tokens, logits within 1e-4
 (fp32) at every step of a serving script (staggered arrivals, chunked prefill not aligned to the
 SSD chunk, decode, a copy-on-write fork), identical logits on every rank, per-rank pools, and
-the Hugging Face reference logits of the parity fixtures (issue 6 acceptance)."""
+the Hugging Face reference logits of the parity fixtures of every family (Granite, Nemotron-H
+dense and MoE, Falcon-H1, Bamba, Mamba2: Mamba groups sharded, and replicated where a fixture has
+one group; KV heads sharded, and replicated where a fixture has one)."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import pytest
 from shared.config import builtin_model_dir
 from tests.tp.harness import model_traces, models_traces, run_ranks
 from tests.tp.synth import make_checkpoint
-from tests.worker.util import FIXTURE_NAMES, fixture_dir, reference
+from tests.worker.util import ALL_FIXTURES, fixture_dir, reference
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -26,13 +28,13 @@ GROUPS3_MOE = dict(
     num_local_experts=3, num_experts_per_tok=2, attention_bias=True, mamba_proj_bias=True,
     tie_word_embeddings=False,
 )
-MODELS = (*FIXTURE_NAMES, "builtin", "groups3_moe")
+MODELS = (*ALL_FIXTURES, "builtin", "groups3_moe")
 
 
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory: pytest.TempPathFactory) -> list[tuple[str, str, int, list[int] | None]]:
     out: list[tuple[str, str, int, list[int] | None]] = [
-        (name, fixture_dir(name), N_NEW, reference(name)["prompt"].tolist()) for name in FIXTURE_NAMES
+        (name, fixture_dir(name), N_NEW, reference(name)["prompt"].tolist()) for name in ALL_FIXTURES
     ]
     out.append(("builtin", builtin_model_dir(), N_NEW, None))
     synth = make_checkpoint(str(tmp_path_factory.mktemp("groups3_moe")), seed=3, **GROUPS3_MOE)
@@ -76,7 +78,7 @@ def test_tp2_matches_tp1(name: str, tp1: dict[str, Any], tp2: list[dict[str, Any
     _compare(tp1[name], [r[name] for r in tp2])
 
 
-@pytest.mark.parametrize("name", FIXTURE_NAMES)
+@pytest.mark.parametrize("name", ALL_FIXTURES)
 def test_tp2_prompt_logits_match_hf(name: str, tp2: list[dict[str, Any]]) -> None:
     ref = reference(name)["prompt_logits"].numpy()
     for r in tp2:

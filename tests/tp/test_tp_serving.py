@@ -72,6 +72,23 @@ def test_tp2_serves_the_single_rank_outputs(expected: list[Case]) -> None:
         assert "rank1_device" in server.output or "rank 1 ready" in server.output
 
 
+@pytest.mark.parametrize("name", ["nemotron_h_moe", "falcon_h1", "mamba2"])
+def test_tp2_serves_other_families(tmp_path, name: str) -> None:
+    """Nemotron-H MoE, Falcon-H1 and the attention-free Mamba2 under --tp-size 2 serve the greedy
+    outputs of the single-rank runtime (the parity fixtures with the built-in tokenizer files)."""
+    from tests.e2e.test_families import model_dir
+    from worker_proc.runtime import ModelRunner
+
+    path = model_dir(tmp_path, name)
+    ref = ModelRunner(path, device="cpu", dtype="float32", kv_slots=512, mamba_slots=4, deterministic=True)
+    rng = random.Random(12)
+    cases = _cases(ref, [[rng.randrange(3, 256) for _ in range(rng.randint(2, 40))] for _ in range(6)], rng)
+    args = ["--model-path", path, "--tp-size", "2", "--max-running-requests", "8", "--dtype", "float32",
+            *DETERMINISTIC]
+    with running_server(args) as server:
+        _serves_expected(server, cases)
+
+
 def test_tp2_copy_on_write_refusals_are_agreed_by_both_ranks(runner: Any) -> None:
     """Each rank refuses copy-on-writes at random on its own (different per rank); the ranks
     agree on the union before the forward pass, so their states never diverge and every request

@@ -1,4 +1,5 @@
-"""Parity with Hugging Face transformers (fixtures made by tests/fixtures/make_parity.py).
+"""Parity with Hugging Face transformers (fixtures made by tests/fixtures/make_parity.py), for every
+model family (GraniteMoeHybrid, Nemotron-H dense and MoE, Falcon-H1, Bamba, Mamba2).
 
 Full-prompt logits, chunked prefill with chunk boundaries not aligned to mamba_chunk_size,
 per-step decode logits and greedy tokens, for every fixture config, through ModelRunner with real
@@ -12,14 +13,14 @@ import pytest
 import torch
 
 from tests.model_driver import forward_all_logits, forward_logits, generate_greedy
-from tests.worker.util import FIXTURE_NAMES, batch, fixture_dir, max_diff, reference, req, runner
+from tests.worker.util import ALL_FIXTURES, batch, fixture_dir, max_diff, reference, req, runner
 from worker_proc.loader import load_config
 
 TOL = 1e-4
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
-@pytest.mark.parametrize("name", FIXTURE_NAMES)
+@pytest.mark.parametrize("name", ALL_FIXTURES)
 def test_full_prompt_logits(name: str, deterministic: bool) -> None:
     ref = reference(name)
     r = runner(name, deterministic=deterministic)
@@ -32,7 +33,7 @@ def test_full_prompt_logits(name: str, deterministic: bool) -> None:
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
-@pytest.mark.parametrize("name", FIXTURE_NAMES)
+@pytest.mark.parametrize("name", ALL_FIXTURES)
 @pytest.mark.parametrize("chunks", [(4, 6, 9), (1, 10, 8), (3, 3, 3, 3, 3, 3, 1)])
 def test_chunked_prefill_logits(name: str, chunks: tuple[int, ...], deterministic: bool) -> None:
     ref = reference(name)
@@ -53,7 +54,7 @@ def test_chunked_prefill_logits(name: str, chunks: tuple[int, ...], deterministi
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
-@pytest.mark.parametrize("name", FIXTURE_NAMES)
+@pytest.mark.parametrize("name", ALL_FIXTURES)
 def test_decode_logits_and_greedy_tokens(name: str, deterministic: bool) -> None:
     ref = reference(name)
     prompt = ref["prompt"].tolist()
@@ -71,11 +72,12 @@ def test_decode_logits_and_greedy_tokens(name: str, deterministic: bool) -> None
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
-@pytest.mark.parametrize("name", FIXTURE_NAMES)
+@pytest.mark.parametrize("name", ALL_FIXTURES)
 def test_greedy_generation_through_step(name: str, deterministic: bool) -> None:
     ref = reference(name)
     r = runner(name, deterministic=deterministic)
     gen = ref["gen_tokens"].tolist()
     assert generate_greedy(r, ref["prompt"].tolist(), len(gen)) == gen
-    # stops right after an EOS token, which is included
-    assert generate_greedy(r, ref["prompt"].tolist(), len(gen), eos_ids=(gen[2],)) == gen[:3]
+    # stops right after an EOS token, which is included (the first token not generated before it)
+    i = next(i for i in range(2, len(gen)) if gen[i] not in gen[:i])
+    assert generate_greedy(r, ref["prompt"].tolist(), len(gen), eos_ids=(gen[i],)) == gen[: i + 1]

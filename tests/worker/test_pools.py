@@ -74,6 +74,21 @@ def test_attention_only_and_mamba_only_budgets() -> None:
     assert kv == 0 and mamba == 1_000_000 // slot_bytes(mamba_only, torch.float32).mamba_state - 1
 
 
+def test_attention_free_model_has_no_kv_memory() -> None:
+    """Mamba2: no KV tensor at all; the token slots reported are --max-total-tokens when given, else
+    enough for every Mamba slot to hold a full context (bookkeeping only)."""
+    from tests.worker.util import runner
+    from worker_proc.pools import attention_free_kv_slots
+
+    r = runner("mamba2", kv_slots=0, mamba_slots=4)
+    assert r.pools.k.numel() == 0 and r.pools.v.numel() == 0
+    assert r.kv_capacity == attention_free_kv_slots(0, 4, 512) == 4 * 512
+    assert runner("mamba2", kv_slots=100, mamba_slots=4).kv_capacity == 100
+    assert attention_free_kv_slots(0, 10**6, 512) == 1 << 20  # capped: the scheduler's tree stays bounded
+    assert attention_free_kv_slots(0, 1, 1 << 21) == 1 << 21  # never less than one context
+    r.check_integrity()
+
+
 def test_pool_budget_rules(monkeypatch: pytest.MonkeyPatch) -> None:
     """--mem-budget-gb wins on any device; CPU has its documented default; CUDA follows
     --mem-fraction-static: weights + pools within that share of the total, measured after loading."""

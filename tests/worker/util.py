@@ -14,7 +14,9 @@ from shared.messages import CopyOp, ForwardBatch, ReqSlice, SamplingParams, ToWo
 from worker_proc.runtime import ModelRunner
 
 FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures")
-FIXTURE_NAMES = ("nope_groups2", "rope_moe", "blocktype_bias")
+FIXTURE_NAMES = ("nope_groups2", "rope_moe", "blocktype_bias")  # GraniteMoeHybrid
+FAMILY_FIXTURES = ("nemotron_h_dense", "nemotron_h_moe", "falcon_h1", "falcon_h1_nonorm", "bamba", "mamba2")
+ALL_FIXTURES = FIXTURE_NAMES + FAMILY_FIXTURES
 GREEDY = SamplingParams(temperature=0.0)
 
 

@@ -1,4 +1,5 @@
-"""GraniteMoeHybrid-compatible hybrid Mamba2 + attention model.
+"""The hybrid Mamba2 + attention models of every registered family:
+one decoder (`hybrid`), the shared blocks, the per-family config parsers (`families/`).
 
 Names are imported lazily so that `worker_proc.model.config` (torch-free) can be read by the
 launcher's start-up checks without importing torch.

@@ -1,6 +1,8 @@
-"""Grouped-query attention of GraniteMoeHybrid (`model.layers.N.self_attn.*`), NoPE or RoPE.
+"""The grouped-query attention shared by every family (`self_attn.*` or `mixer.*` of a layer),
+NoPE or RoPE (rotating the first `rotary_dim` channels of each head, the rest passed through).
 
-Softmax scale = `attention_multiplier` (not 1/sqrt(d)). K/V of this
+Softmax scale = `attention_multiplier` (the family's parser sets it:
+Granite's muP scale, else 1/sqrt(head_dim)); K is scaled by `key_multiplier` (Falcon-H1). K/V of this
 step's tokens are written into the worker's KV pool at their slots *before* attention reads it, so
 a request attends over its cached prefix and its own new tokens through the same slot list.
 """
@@ -14,7 +16,7 @@ from worker_proc.kernels import KernelOps
 from worker_proc.model.batch import StepBatch
 from worker_proc.model.config import HybridConfig
 from worker_proc.model.layers import Linear
-from worker_proc.model.tp import AttnShard, TPInfo, row_parallel
+from worker_proc.model.tp import AttnShard, ShardSpec, TPInfo, attn_spec, row_parallel
 
 
 def rope_cos_sin(
@@ -39,24 +41,33 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, d]; cos, sin: [T, 1, d]."""
-    return x * cos + _rotate_half(x) * sin
+    """x: [T, heads, d]; cos, sin: [T, 1, r] with r <= d: the first r channels rotate."""
+    r = cos.shape[-1]
+    if r == x.shape[-1]:
+        return x * cos + _rotate_half(x) * sin
+    rot = x[..., :r]
+    return torch.cat([rot * cos + _rotate_half(rot) * sin, x[..., r:]], dim=-1)
 
 
 class Attention(nn.Module):
     """This rank's query/KV heads (see worker_proc.model.tp): column-parallel q/k/v, row-parallel o_proj."""
 
+    reduced = True  # o_proj is all-reduced here
+
     def __init__(self, cfg: HybridConfig, dtype: torch.dtype, device: torch.device, tp: TPInfo) -> None:
         super().__init__()
         self.cfg = cfg
         self.tp = tp
-        shard = AttnShard.of(cfg, tp.rank, tp.size)
+        shard = self.shard = AttnShard.of(cfg, tp.rank, tp.size)
         self.heads, self.kv_heads = shard.heads, shard.kv_heads
         hd, bias = cfg.head_dim, cfg.attention_bias
         self.q_proj = Linear(cfg.hidden_size, self.heads * hd, bias=bias, dtype=dtype, device=device)
         self.k_proj = Linear(cfg.hidden_size, self.kv_heads * hd, bias=bias, dtype=dtype, device=device)
         self.v_proj = Linear(cfg.hidden_size, self.kv_heads * hd, bias=bias, dtype=dtype, device=device)
         self.o_proj = Linear(self.heads * hd, cfg.hidden_size, bias=bias, dtype=dtype, device=device)
+
+    def shard_spec(self, sub: str) -> ShardSpec | None:
+        return None if self.tp.size == 1 else attn_spec(self.cfg, self.shard, sub)
 
     def forward(
         self,
@@ -72,6 +83,8 @@ class Attention(nn.Module):
         t = h.shape[0]
         q = self.q_proj(h).view(t, self.heads, cfg.head_dim)
         k = self.k_proj(h).view(t, self.kv_heads, cfg.head_dim)
+        if cfg.key_multiplier != 1.0:
+            k = k * cfg.key_multiplier
         v = self.v_proj(h).view(t, self.kv_heads, cfg.head_dim)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)

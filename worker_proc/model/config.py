@@ -1,15 +1,48 @@
-"""`HybridConfig`: the frozen, validated subset of a GraniteMoeHybrid `config.json` the model uses.
+"""`HybridConfig`: the frozen, validated model description every family's `config.json` becomes.
 
-Parsed once by the loader; every module reads its sizes from here.
+Torch-free (the launcher's start-up checks read it). Parsed once by
+the loader through the model registry (`shared/architectures.py`): `config.json`'s
+`architectures[0]` names a family module under `worker_proc/model/families/`, whose `parse`
+turns the family's field names into this one shape. Every module reads its sizes from here.
+
+A model is a stack of layers; a layer is a sequence of `Sublayer`s, each
+    h = h + multiplier * sum(block(norm(h)) for block in blocks)
+where a `Block` is one of the shared blocks (`BLOCK_KINDS`) with its attribute name (which is also
+its checkpoint name) and its muP input/output multipliers. The family decides the arrangement; the
+blocks are never copied per family.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from shared.errors import ModelLoadError
-from shared.model_info import SUPPORTED_ARCHITECTURES, layer_kinds
+BLOCK_KINDS = ("mamba", "attention", "fused_gated_mlp", "gated_mlp", "relu2_mlp", "softmax_moe", "sigmoid_moe")
+MIXER_KINDS = ("mamba", "attention")
+
+
+@dataclass(frozen=True)
+class Block:
+    """One shared block of a sublayer. `size` and `size_field`: its MLP width and the config field
+    naming it (MLP and MoE kinds; the tensor-parallel check names the field)."""
+
+    kind: str
+    name: str
+    size: int = 0
+    size_field: str = ""
+    in_multiplier: float = 1.0
+    out_multiplier: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.kind not in BLOCK_KINDS:
+            raise ValueError(f"unknown block kind {self.kind!r}")
+
+
+@dataclass(frozen=True)
+class Sublayer:
+    norm: str  # attribute name of the pre-norm (RMSNorm over hidden)
+    blocks: tuple[Block, ...]
+    multiplier: float = 1.0  # on the sum of the blocks' outputs before the residual add
 
 
 @dataclass(frozen=True)
@@ -17,14 +50,14 @@ class HybridConfig:
     architecture: str
     vocab_size: int
     hidden_size: int
-    layer_kinds: tuple[str, ...]  # "mamba" | "attention" per layer
+    layer_kinds: tuple[str, ...]  # per layer: "mamba" | "attention" | "parallel" (both) | "mlp" (neither)
     rms_norm_eps: float
     # attention
     num_heads: int
     num_kv_heads: int
     head_dim: int
     attention_bias: bool
-    attention_multiplier: float
+    attention_multiplier: float  # the softmax scale
     rope_theta: float | None  # None = NoPE
     max_position_embeddings: int
     # mamba
@@ -38,7 +71,7 @@ class HybridConfig:
     mamba_conv_bias: bool
     mamba_proj_bias: bool
     time_step_limit: tuple[float, float]
-    # mlp
+    # granite mlp / moe
     shared_intermediate_size: int
     intermediate_size: int
     num_experts: int
@@ -49,6 +82,29 @@ class HybridConfig:
     logits_scaling: float
     tie_word_embeddings: bool
     torch_dtype: str
+    # layout: None = the GraniteMoeHybrid arrangement built from the fields above (`layers()`)
+    layer_specs: tuple[tuple[Sublayer, ...], ...] | None = None
+    rotary_dim: int = 0  # channels of each head that RoPE rotates (0 = head_dim)
+    key_multiplier: float = 1.0  # on K before it is cached
+    lm_head_multiplier: float = 1.0  # on the logits
+    mamba_norm: bool = True  # gated RMSNorm on the scan output (else y * silu(z))
+    mamba_norm_before_gate: bool = False  # RMSNorm(y) * silu(z) instead of RMSNorm(y * silu(z))
+    ssm_multipliers: tuple[float, ...] = ()  # z, x, B, C, dt segments of in_proj (empty = all 1)
+    mlp_multipliers: tuple[float, ...] = ()  # gate, down of the split gated MLP (empty = 1, 1)
+    mlp_bias: bool = False  # biases of the split gated MLP
+    norm_fp32_weight: bool = False  # RMSNorm weights applied in float32 (Nemotron-H), else in the model dtype
+    mamba_out_proj_bias: bool | None = None  # None = mamba_proj_bias (Falcon-H1: projectors_bias)
+    # sigmoid (Nemotron-H) MoE
+    moe_n_group: int = 1
+    moe_topk_group: int = 1
+    moe_norm_topk_prob: bool = True
+    moe_routed_scaling: float = 1.0
+    moe_latent_size: int = 0  # 0 = experts work on hidden_size
+    moe_shared_size: int = 0  # width of the shared expert
+    # checkpoint names -> parameter names: (regex, replacement) applied in order; tensors whose
+    # (renamed) name starts with one of `ignored_prefixes` are not loaded (e.g. MTP layers)
+    renames: tuple[tuple[str, str], ...] = ()
+    ignored_prefixes: tuple[str, ...] = field(default=())
 
     @property
     def num_layers(self) -> int:
@@ -60,27 +116,40 @@ class HybridConfig:
 
     @property
     def attn_layer_ids(self) -> tuple[int, ...]:
-        return tuple(i for i, k in enumerate(self.layer_kinds) if k == "attention")
+        return tuple(i for i, k in enumerate(self.layer_kinds) if k in ("attention", "parallel"))
 
     @property
     def mamba_layer_ids(self) -> tuple[int, ...]:
-        return tuple(i for i, k in enumerate(self.layer_kinds) if k == "mamba")
+        return tuple(i for i, k in enumerate(self.layer_kinds) if k in ("mamba", "parallel"))
+
+    @property
+    def rope_dim(self) -> int:
+        return self.rotary_dim or self.head_dim
+
+    def layers(self) -> tuple[tuple[Sublayer, ...], ...]:
+        """The sublayers of every layer (`layer_specs`, or the GraniteMoeHybrid arrangement)."""
+        if self.layer_specs is not None:
+            return self.layer_specs
+        ffn = [Block("fused_gated_mlp", "shared_mlp", self.shared_intermediate_size, "shared_intermediate_size")]
+        if self.num_experts:
+            ffn.append(Block("softmax_moe", "block_sparse_moe", self.intermediate_size, "intermediate_size"))
+        m = self.residual_multiplier
+        out = []
+        for kind in self.layer_kinds:
+            mixer = Block("mamba", "mamba") if kind == "mamba" else Block("attention", "self_attn")
+            out.append((Sublayer("input_layernorm", (mixer,), m), Sublayer("post_attention_layernorm", tuple(ffn), m)))
+        return tuple(out)
+
+    def blocks(self) -> list[Block]:
+        return [b for layer in self.layers() for sub in layer for b in sub.blocks]
 
     @staticmethod
     def from_dict(cfg: dict, source: str = "config.json") -> HybridConfig:
-        """Validate and normalise a parsed config.json; raises ModelLoadError naming `source`."""
-        archs = cfg.get("architectures") or []
-        arch = archs[0] if archs else ""
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise ModelLoadError(
-                f"unsupported architecture {arch!r} in {source} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
-            )
-        try:
-            return _build(cfg, arch)
-        except KeyError as e:
-            raise ModelLoadError(f"{source}: missing required field {e.args[0]!r}") from e
-        except (TypeError, ValueError) as e:
-            raise ModelLoadError(f"{source}: {e}") from e
+        """Validate and normalise a parsed config.json through its family's parser; raises
+        ModelLoadError naming `source` (an unknown architecture lists the supported ones)."""
+        from shared.architectures import parse_config
+
+        return parse_config(cfg, source)
 
 
 def tp_layout_error(cfg: HybridConfig, tp_size: int) -> str | None:
@@ -95,20 +164,49 @@ def tp_layout_error(cfg: HybridConfig, tp_size: int) -> str | None:
             counts.append((cfg.num_kv_heads, "num_key_value_heads"))
     if cfg.mamba_layer_ids:
         counts.append((cfg.mamba_n_heads, "mamba_n_heads"))
-    counts.append((cfg.shared_intermediate_size, "shared_intermediate_size"))
-    if cfg.num_experts:
-        counts.append((cfg.intermediate_size, "intermediate_size"))
-    for value, field in counts:
+    for block in cfg.blocks():
+        sizes = [(block.size, block.size_field)] if block.size_field else []
+        if block.kind == "sigmoid_moe" and cfg.moe_shared_size:
+            sizes.append((cfg.moe_shared_size, "moe_shared_expert_intermediate_size"))
+        counts.extend(s for s in sizes if s not in counts)
+    if cfg.mlp_bias and any(b.kind == "gated_mlp" for b in cfg.blocks()):
+        return f"--tp-size {tp_size}: mlp_bias true in the model's config.json is not supported with tensor parallelism"
+    for value, name in counts:
         if value % tp_size:
-            return f"--tp-size {tp_size} does not divide {field} {value} of the model's config.json"
+            return f"--tp-size {tp_size} does not divide {name} {value} of the model's config.json"
     if cfg.attn_layer_ids and cfg.num_kv_heads < tp_size and tp_size % cfg.num_kv_heads:
         return (f"--tp-size {tp_size} is not a multiple of num_key_value_heads {cfg.num_kv_heads} "
                 "(KV heads fewer than the ranks are replicated and must divide --tp-size)")
     return None
 
 
-def _rope_theta(cfg: dict) -> float | None:
-    if cfg.get("position_embedding_type") != "rope":
+def num(cfg: dict, key: str, default: float) -> float:
+    """A float field where an explicit null means the default (transformers writes nulls)."""
+    value = cfg.get(key)
+    return float(default if value is None else value)
+
+
+def max_positions(cfg: dict) -> int:
+    max_pos = cfg.get("max_position_embeddings") or 4096
+    if isinstance(max_pos, float) and math.isinf(max_pos):
+        max_pos = 1 << 20
+    return int(max_pos)
+
+
+def time_step_limit(cfg: dict, key: str = "time_step_limit") -> tuple[float, float]:
+    tsl = cfg.get(key) or (0.0, math.inf)
+    return float(tsl[0]), float(tsl[1])
+
+
+def rotary_fraction(cfg: dict, default: float = 1.0) -> float:
+    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    value = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
+    return float(default if value is None else value)
+
+
+def rope_theta(cfg: dict, enabled: bool) -> float | None:
+    """The default-RoPE base when `enabled` (only rope_type 'default' is supported)."""
+    if not enabled:
         return None
     params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     rope_type = params.get("rope_type", params.get("type", "default"))
@@ -117,68 +215,21 @@ def _rope_theta(cfg: dict) -> float | None:
     return float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
 
 
-def _num(cfg: dict, key: str, default: float) -> float:
-    """A float field where an explicit null means the default (transformers writes nulls)."""
-    value = cfg.get(key)
-    return float(default if value is None else value)
+def check_mamba(heads: int, groups: int, d_head: int, inner: int,
+                fields: tuple[str, str, str] = ("mamba_n_heads", "mamba_n_groups", "mamba_d_head")) -> None:
+    """`fields`: the family's names of the head count, group count and head dim."""
+    if d_head * heads != inner:
+        raise ValueError(f"{fields[2]} {d_head} * {fields[0]} {heads} != mamba intermediate {inner}")
+    if heads % groups:
+        raise ValueError(f"{fields[1]} {groups} does not divide {fields[0]} {heads}")
 
 
-def _build(cfg: dict, arch: str) -> HybridConfig:
-    hidden = int(cfg["hidden_size"])
-    heads = int(cfg["num_attention_heads"])
-    act = cfg.get("hidden_act", "silu")
-    if act != "silu":
-        raise ValueError(f"unsupported hidden_act {act!r} (only 'silu')")
-    m_heads = int(cfg.get("mamba_n_heads", 128))
-    m_inter = int(cfg.get("mamba_expand", 2)) * hidden
-    d_head = cfg.get("mamba_d_head", "auto")
-    d_head = m_inter // m_heads if d_head in (None, "auto") else int(d_head)
-    if d_head * m_heads != m_inter:
-        raise ValueError(f"mamba_d_head {d_head} * mamba_n_heads {m_heads} != mamba intermediate {m_inter}")
-    groups = int(cfg.get("mamba_n_groups", 1))
-    if m_heads % groups:
-        raise ValueError(f"mamba_n_groups {groups} does not divide mamba_n_heads {m_heads}")
-    kv_heads = int(cfg.get("num_key_value_heads") or heads)
+def check_attention(heads: int, kv_heads: int) -> None:
     if heads % kv_heads:
         raise ValueError(f"num_key_value_heads {kv_heads} does not divide num_attention_heads {heads}")
-    tsl = cfg.get("time_step_limit") or (0.0, math.inf)
-    max_pos = cfg.get("max_position_embeddings") or 4096
-    if isinstance(max_pos, float) and math.isinf(max_pos):
-        max_pos = 1 << 20
-    n_experts = int(cfg.get("num_local_experts") or 0)
-    top_k = int(cfg.get("num_experts_per_tok") or 0) if n_experts else 0
-    if n_experts and not 0 < top_k <= n_experts:
-        raise ValueError(f"num_experts_per_tok {top_k} must be in [1, num_local_experts={n_experts}]")
-    return HybridConfig(
-        architecture=arch,
-        vocab_size=int(cfg["vocab_size"]),
-        hidden_size=hidden,
-        layer_kinds=tuple(layer_kinds(cfg)),
-        rms_norm_eps=_num(cfg, "rms_norm_eps", 1e-6),
-        num_heads=heads,
-        num_kv_heads=kv_heads,
-        head_dim=int(cfg.get("head_dim") or hidden // heads),
-        attention_bias=bool(cfg.get("attention_bias", False)),
-        attention_multiplier=_num(cfg, "attention_multiplier", 1.0),
-        rope_theta=_rope_theta(cfg),
-        max_position_embeddings=int(max_pos),
-        mamba_n_heads=m_heads,
-        mamba_n_groups=groups,
-        mamba_d_state=int(cfg.get("mamba_d_state", 256)),
-        mamba_d_head=d_head,
-        mamba_d_conv=int(cfg.get("mamba_d_conv", 4)),
-        mamba_intermediate=m_inter,
-        mamba_chunk_size=int(cfg.get("mamba_chunk_size", 256)),
-        mamba_conv_bias=bool(cfg.get("mamba_conv_bias", True)),
-        mamba_proj_bias=bool(cfg.get("mamba_proj_bias", False)),
-        time_step_limit=(float(tsl[0]), float(tsl[1])),
-        shared_intermediate_size=int(cfg.get("shared_intermediate_size", 1024)),
-        intermediate_size=int(cfg.get("intermediate_size", 0)),
-        num_experts=n_experts,
-        num_experts_per_tok=top_k,
-        embedding_multiplier=_num(cfg, "embedding_multiplier", 1.0),
-        residual_multiplier=_num(cfg, "residual_multiplier", 1.0),
-        logits_scaling=_num(cfg, "logits_scaling", 1.0),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
-    )
+
+
+def check_act(cfg: dict, key: str, allowed: str) -> None:
+    act = cfg.get(key, allowed)
+    if act != allowed:
+        raise ValueError(f"unsupported {key} {act!r} (only {allowed!r})")

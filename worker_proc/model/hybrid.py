@@ -1,19 +1,25 @@
-"""`HybridForCausalLM`: the GraniteMoeHybrid decoder over one flattened step.
+"""`HybridForCausalLM`: one decoder for every family, assembled from the shared blocks as the
+family's `HybridConfig.layers()` arranges them, over one flattened step.
 
-Module/parameter names mirror `GraniteMoeHybridForCausalLM` so the
-checkpoint's tensor names are this module's `state_dict` keys. Per layer:
+Per layer, for each `Sublayer` (worker_proc.model.config):
 
-    r = h; h = mixer(input_layernorm(h)); h = r + h * residual_multiplier
-    r = h; x = post_attention_layernorm(h); h = r + (moe(x) + shared_mlp(x)) * residual_multiplier
+    h = h + multiplier * sum(out_multiplier * block(in_multiplier * norm(h)) for block in blocks)
 
-with embeddings scaled by `embedding_multiplier` and logits divided by `logits_scaling`.
-Tensor parallelism: the constructor takes `tp`; every module is built with this rank's sizes and
-the loader reads each parameter's slice through `shard_spec` (rules in worker_proc.model.tp).
-Row-parallel outputs are all-reduced inside the layer, so the residual stream `h` is whole and
-identical on every rank; embedding and LM head are replicated (every rank computes the logits).
+with embeddings scaled by `embedding_multiplier` and logits multiplied by `lm_head_multiplier`
+and divided by `logits_scaling`. Module names are the blocks' names under `model.layers.N`, so the
+checkpoint's tensor names (after the family's renames, applied by the loader) are this module's
+`state_dict` keys: `model.embed_tokens`, `model.layers.N.<norm>`, `model.layers.N.<block>.*`,
+`model.norm`, `lm_head`.
+Tensor parallelism: the constructor takes `tp`; every block is built with this rank's sizes and
+names the slice of each of its tensors (`shard_spec`, rules in worker_proc.model.tp). Mixers
+all-reduce their own output; MLP and MoE blocks return partial sums, all-reduced once per
+sublayer. The residual stream `h` is whole and identical on every rank; embedding, norms and LM
+head are replicated (every rank computes the logits).
 """
 
 from __future__ import annotations
+
+import re
 
 import torch
 import torch.nn.functional as F
@@ -23,36 +29,75 @@ from shared.errors import ModelLoadError
 from worker_proc.kernels import KernelOps
 from worker_proc.model.attention import Attention, rope_cos_sin
 from worker_proc.model.batch import StepBatch
-from worker_proc.model.config import HybridConfig, tp_layout_error
-from worker_proc.model.layers import MIN_GEMM_ROWS, GatedMLP, Linear, RMSNorm, SparseMoE, _empty, linear
+from worker_proc.model.config import Block, HybridConfig, Sublayer, tp_layout_error
+from worker_proc.model.layers import (
+    MIN_GEMM_ROWS,
+    GatedMLP,
+    Linear,
+    Relu2MLP,
+    RMSNorm,
+    SparseMoE,
+    SplitGatedMLP,
+    _empty,
+    linear,
+)
 from worker_proc.model.mamba import MambaMixer
-from worker_proc.model.tp import ShardSpec, TPInfo, shard_spec
+from worker_proc.model.moe import SigmoidMoE
+from worker_proc.model.shard import ShardSpec, TPInfo
 from worker_proc.pools import StatePools
 
 __all__ = ["DecoderLayer", "HybridForCausalLM", "HybridModel", "TPInfo"]
+
+_BATCH_INVARIANT = (Linear, SparseMoE, SigmoidMoE)  # every module doing GEMMs through `linear`
+_LAYER_PARAM = re.compile(r"^model\.layers\.(\d+)\.([^.]+)\.(.+)$")
+
+
+def build_block(block: Block, cfg: HybridConfig, dtype: torch.dtype, device: torch.device, tp: TPInfo) -> nn.Module:
+    """The shared module of `block.kind`, with this rank's sizes."""
+    hidden, width = cfg.hidden_size, block.size // tp.size
+    if block.kind == "mamba":
+        return MambaMixer(cfg, dtype, device, tp)
+    if block.kind == "attention":
+        return Attention(cfg, dtype, device, tp)
+    if block.kind == "fused_gated_mlp":
+        return GatedMLP(hidden, width, dtype, device, tp)
+    if block.kind == "gated_mlp":
+        return SplitGatedMLP(hidden, width, cfg.mlp_bias, dtype, device, tp, *cfg_mlp_multipliers(cfg))
+    if block.kind == "relu2_mlp":
+        return Relu2MLP(hidden, width, dtype, device, tp)
+    if block.kind == "softmax_moe":
+        return SparseMoE(hidden, width, cfg.num_experts, cfg.num_experts_per_tok, dtype, device, tp)
+    if block.kind == "sigmoid_moe":
+        return SigmoidMoE(cfg, block.size, dtype, device, tp)
+    raise ValueError(f"unknown block kind {block.kind!r}")
+
+
+def cfg_mlp_multipliers(cfg: HybridConfig) -> tuple[float, float]:
+    return cfg.mlp_multipliers if cfg.mlp_multipliers else (1.0, 1.0)
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: HybridConfig, index: int, dtype: torch.dtype, device: torch.device, tp: TPInfo) -> None:
         super().__init__()
         self.tp = tp
+        self.subs: tuple[Sublayer, ...] = cfg.layers()[index]
         self.kind = cfg.layer_kinds[index]
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        if self.kind == "mamba":
-            self.mamba = MambaMixer(cfg, dtype, device, tp)
-            self.pool_index = cfg.mamba_layer_ids.index(index)
-        else:
-            self.self_attn = Attention(cfg, dtype, device, tp)
-            self.pool_index = cfg.attn_layer_ids.index(index)
-        shared, moe = cfg.shared_intermediate_size // tp.size, cfg.intermediate_size // tp.size
-        self.shared_mlp = GatedMLP(cfg.hidden_size, shared, dtype, device)
-        self.block_sparse_moe = (
-            SparseMoE(cfg.hidden_size, moe, cfg.num_experts, cfg.num_experts_per_tok, dtype, device)
-            if cfg.num_experts > 0
-            else None
-        )
-        self.residual_multiplier = cfg.residual_multiplier
+        for sub in self.subs:
+            self.add_module(sub.norm, RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, cfg.norm_fp32_weight))
+            for block in sub.blocks:
+                self.add_module(block.name, build_block(block, cfg, dtype, device, tp))
+        self.attn_index = cfg.attn_layer_ids.index(index) if index in cfg.attn_layer_ids else -1
+        self.mamba_index = cfg.mamba_layer_ids.index(index) if index in cfg.mamba_layer_ids else -1
+
+    def _run(self, module: nn.Module, x: torch.Tensor, batch: StepBatch,
+             rope: tuple[torch.Tensor, torch.Tensor] | None, pools: StatePools, ops: KernelOps) -> torch.Tensor:
+        if isinstance(module, MambaMixer):
+            i = self.mamba_index
+            return module(x, batch, pools.conv[i], pools.ssm[i], ops)
+        if isinstance(module, Attention):
+            i = self.attn_index
+            return module(x, batch, rope, pools.k[i], pools.v[i], ops)
+        return module(x)
 
     def forward(
         self,
@@ -62,19 +107,25 @@ class DecoderLayer(nn.Module):
         pools: StatePools,
         ops: KernelOps,
     ) -> torch.Tensor:
-        x = self.input_layernorm(h)
-        i = self.pool_index
-        if self.kind == "mamba":
-            x = self.mamba(x, batch, pools.conv[i], pools.ssm[i], ops)
-        else:
-            x = self.self_attn(x, batch, rope, pools.k[i], pools.v[i], ops)
-        h = h + x * self.residual_multiplier
-        x = self.post_attention_layernorm(h)
-        mlp = self.shared_mlp(x)
-        if self.block_sparse_moe is not None:
-            mlp = self.block_sparse_moe(x) + mlp
-        mlp = self.tp.all_reduce(mlp)  # MLP and MoE are row-parallel: one sum of both partials
-        return h + mlp * self.residual_multiplier
+        for sub in self.subs:
+            x = getattr(self, sub.norm)(h)
+            whole: torch.Tensor | None = None  # sum of all-reduced block outputs
+            partial: torch.Tensor | None = None  # sum of this rank's partial sums
+            for block in sub.blocks:
+                module = getattr(self, block.name)
+                out = self._run(module, x if block.in_multiplier == 1.0 else x * block.in_multiplier,
+                                batch, rope, pools, ops)
+                if block.out_multiplier != 1.0:
+                    out = out * block.out_multiplier
+                if module.reduced:
+                    whole = out if whole is None else whole + out
+                else:
+                    partial = out if partial is None else partial + out
+            if partial is not None:
+                partial = self.tp.all_reduce(partial)  # one sum of every MLP/MoE partial
+            y = partial if whole is None else (whole if partial is None else whole + partial)
+            h = h + (y if sub.multiplier == 1.0 else y * sub.multiplier)
+        return h
 
 
 class HybridModel(nn.Module):
@@ -83,7 +134,7 @@ class HybridModel(nn.Module):
         self.embed_tokens = nn.Module()
         self.embed_tokens.weight = _empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype, device, tp) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, cfg.norm_fp32_weight)
 
 
 class HybridForCausalLM(nn.Module):
@@ -112,8 +163,18 @@ class HybridForCausalLM(nn.Module):
         self.min_rows = 0
 
     def shard_spec(self, name: str) -> ShardSpec | None:
-        """Which slice of checkpoint tensor `name` (parameter name) this rank holds; None = whole."""
-        return shard_spec(self.cfg, self.tp, name)
+        """Which slice of checkpoint tensor `name` (parameter name) this rank holds; None = whole.
+        The block owning the tensor decides; embedding, norms and LM head are replicated."""
+        if self.tp.size == 1:
+            return None
+        m = _LAYER_PARAM.match(name)
+        if m is None:
+            return None
+        layers = self.model.layers
+        index = int(m.group(1))
+        module = getattr(layers[index], m.group(2), None) if index < len(layers) else None
+        spec = getattr(module, "shard_spec", None)
+        return spec(m.group(3)) if callable(spec) else None
 
     def shard_for_rank(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """The part of the whole checkpoint tensor `name` this rank holds."""
@@ -126,7 +187,7 @@ class HybridForCausalLM(nn.Module):
         rows = MIN_GEMM_ROWS if on else 0
         self.min_rows = rows
         for module in self.modules():
-            if isinstance(module, (Linear, SparseMoE)):
+            if isinstance(module, _BATCH_INVARIANT):
                 module.min_rows = rows
 
     def lm_head_weight(self) -> torch.Tensor:
@@ -137,16 +198,21 @@ class HybridForCausalLM(nn.Module):
         self, batch: StepBatch, pools: StatePools, ops: KernelOps, want_logits: bool = True
     ) -> torch.Tensor:
         """Run every layer over the step's rows, writing KV and advancing Mamba state in place.
-        Returns float32 logits [len(batch.logit_rows), vocab] (already divided by logits_scaling);
-        with `want_logits=False` (ranks that do not sample) the LM head is skipped: [0, vocab]."""
+        Returns float32 logits [len(batch.logit_rows), vocab] (already scaled); with
+        `want_logits=False` (ranks that do not sample) the LM head is skipped: [0, vocab]."""
         cfg = self.cfg
-        h = F.embedding(batch.input_ids, self.model.embed_tokens.weight) * cfg.embedding_multiplier
+        h = F.embedding(batch.input_ids, self.model.embed_tokens.weight)
+        if cfg.embedding_multiplier != 1.0:
+            h = h * cfg.embedding_multiplier
         rope = None
         if cfg.rope_theta is not None and cfg.attn_layer_ids:
-            rope = rope_cos_sin(batch.positions, cfg.head_dim, cfg.rope_theta, self.dtype)
+            rope = rope_cos_sin(batch.positions, cfg.rope_dim, cfg.rope_theta, self.dtype)
         for layer in self.model.layers:
             h = layer(h, batch, rope, pools, ops)
         if not want_logits:
             return h.new_empty(0, cfg.vocab_size, dtype=torch.float32)
         h = self.model.norm(h[batch.logit_rows])
-        return linear(h, self.lm_head_weight(), min_rows=self.min_rows).float() / cfg.logits_scaling
+        logits = linear(h, self.lm_head_weight(), min_rows=self.min_rows).float()
+        if cfg.lm_head_multiplier != 1.0:
+            logits = logits * cfg.lm_head_multiplier
+        return logits / cfg.logits_scaling

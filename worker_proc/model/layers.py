@@ -1,8 +1,12 @@
-"""Norms and MLPs of GraniteMoeHybrid: RMSNorm, the shared gated MLP, the sparse MoE block.
+"""The shared norms and MLP blocks: RMSNorm, gated RMSNorm, the fused gated MLP (GraniteMoeHybrid's
+`shared_mlp`), the split gated MLP (`gate_proj`/`up_proj`/`down_proj`), the relu2 MLP, the softmax
+top-k MoE (`block_sparse_moe`).
 
-Parameter names mirror the Hugging Face checkpoint so the loader
-maps tensors 1:1 (`input_linear.weight`, `output_linear.weight`, `router.layer.weight`).
-Everything here is vectorised over all tokens of a step ([T, hidden]).
+Parameter names mirror the Hugging Face checkpoints so the loader
+maps tensors 1:1. Everything here is vectorised over all tokens of a step ([T, hidden]). MLP blocks
+are column-parallel in, row-parallel out; they return this rank's *partial* sum (the decoder
+all-reduces a sublayer's partial sums once) and name the slice of each weight a rank holds
+(`shard_spec`, the rules of worker_proc.model.tp).
 """
 
 from __future__ import annotations
@@ -10,6 +14,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from worker_proc.model.shard import ShardSpec, TPInfo, column_spec
 
 MIN_GEMM_ROWS = 16
 """Row count below which CPU BLAS switches to kernels whose rounding depends on the row count;
@@ -45,47 +51,124 @@ def _empty(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Paramete
 
 
 class RMSNorm(nn.Module):
-    """weight * x / rms(x), the normalisation computed in float32 and cast back before the weight."""
+    """weight * x / rms(x), the normalisation computed in float32 and cast back before the weight;
+    with `fp32_weight` (Nemotron-H) the weight is applied in float32 and the product cast back."""
 
-    def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device,
+                 fp32_weight: bool = False) -> None:
         super().__init__()
         self.weight = _empty(size, dtype=dtype, device=device)
         self.eps = eps
+        self.fp32_weight = fp32_weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.fp32_weight:
+            return (self.weight.float() * xf).to(x.dtype)
         return self.weight * xf.to(x.dtype)
 
 
 class GatedRMSNorm(nn.Module):
-    """Mamba2 output norm: RMSNorm(y * silu(z)) computed per group of `size // groups` channels."""
+    """Mamba2 output norm: RMSNorm(y * silu(z)) computed per group of `size // groups` channels;
+    with `before_gate`, RMSNorm(y) * silu(z) (Falcon-H1's `mamba_norm_before_gate`)."""
 
-    def __init__(self, size: int, groups: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, size: int, groups: int, eps: float, dtype: torch.dtype, device: torch.device,
+                 before_gate: bool = False) -> None:
         super().__init__()
         self.weight = _empty(size, dtype=dtype, device=device)
         self.groups = groups
         self.eps = eps
+        self.before_gate = before_gate
 
     def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """y: [T, I] (float32 scan output), z: [T, I] gate -> [T, I] float32."""
-        h = y.float() * F.silu(z.float())
+        gate = F.silu(z.float())
+        h = y.float() if self.before_gate else y.float() * gate
         g = h.view(h.shape[0], self.groups, -1)
         g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight.float() * g.view_as(h)
+        out = self.weight.float() * g.view_as(h)
+        return out * gate if self.before_gate else out
 
 
 class GatedMLP(nn.Module):
-    """`shared_mlp`: output_linear(silu(gate) * up), gate/up = the two halves of input_linear."""
+    """`shared_mlp`: output_linear(silu(gate) * up), gate/up = the two halves of input_linear.
+    `inner` is this rank's width (the whole width is `inner * tp.size`)."""
 
-    def __init__(self, hidden: int, inner: int, dtype: torch.dtype, device: torch.device) -> None:
+    reduced = False
+
+    def __init__(self, hidden: int, inner: int, dtype: torch.dtype, device: torch.device,
+                 tp: TPInfo | None = None) -> None:
         super().__init__()
+        self.tp = tp or TPInfo()
         self.input_linear = Linear(hidden, 2 * inner, bias=False, dtype=dtype, device=device)
         self.output_linear = Linear(inner, hidden, bias=False, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.input_linear(x).chunk(2, dim=-1)
         return self.output_linear(F.silu(gate) * up)
+
+    def shard_spec(self, sub: str) -> ShardSpec | None:
+        return fused_mlp_spec(self.output_linear.in_features * self.tp.size, self.tp, sub, 0)
+
+
+def fused_mlp_spec(inner: int, tp: TPInfo, sub: str, lead: int) -> ShardSpec | None:
+    """Fused gated weights: input_linear [.., 2*inner, hidden] (gate | up halves), output_linear
+    [.., hidden, inner]; `lead` = 1 for the stacked expert weights [E, ...]."""
+    part = inner // tp.size
+    own = (tp.rank * part, (tp.rank + 1) * part)
+    if sub == "input_linear.weight":
+        return ShardSpec(lead, (own, (inner + own[0], inner + own[1])))
+    if sub == "output_linear.weight":
+        return ShardSpec(lead + 1, (own,))
+    return None
+
+
+class SplitGatedMLP(nn.Module):
+    """down_proj(silu(gate_proj(x)) * up_proj(x)) (Bamba, Falcon-H1 `feed_forward`); Falcon-H1's
+    `mlp_multipliers` scale the gate and the output (`gate_mult`, `down_mult`)."""
+
+    reduced = False
+
+    def __init__(self, hidden: int, inner: int, bias: bool, dtype: torch.dtype, device: torch.device,
+                 tp: TPInfo, gate_mult: float = 1.0, down_mult: float = 1.0) -> None:
+        super().__init__()
+        if bias and tp.size > 1:
+            raise ValueError("mlp_bias is not supported with tensor parallelism")
+        self.tp = tp
+        self.gate_proj = Linear(hidden, inner, bias=bias, dtype=dtype, device=device)
+        self.up_proj = Linear(hidden, inner, bias=bias, dtype=dtype, device=device)
+        self.down_proj = Linear(inner, hidden, bias=bias, dtype=dtype, device=device)
+        self.gate_mult, self.down_mult = gate_mult, down_mult
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate = self.gate_proj(x)
+        if self.gate_mult != 1.0:
+            gate = gate * self.gate_mult
+        out = self.down_proj(F.silu(gate) * self.up_proj(x))
+        return out if self.down_mult == 1.0 else out * self.down_mult
+
+    def shard_spec(self, sub: str) -> ShardSpec | None:
+        cols = ("gate_proj.weight", "gate_proj.bias", "up_proj.weight", "up_proj.bias")
+        return column_spec(self.tp, sub, self.down_proj.in_features, cols, ("down_proj.weight",))
+
+
+class Relu2MLP(nn.Module):
+    """down_proj(relu(up_proj(x))^2) (Nemotron-H `mlp` blocks and shared experts)."""
+
+    reduced = False
+
+    def __init__(self, hidden: int, inner: int, dtype: torch.dtype, device: torch.device, tp: TPInfo) -> None:
+        super().__init__()
+        self.tp = tp
+        self.up_proj = Linear(hidden, inner, bias=False, dtype=dtype, device=device)
+        self.down_proj = Linear(inner, hidden, bias=False, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(torch.relu(self.up_proj(x)).square())
+
+    def shard_spec(self, sub: str) -> ShardSpec | None:
+        return column_spec(self.tp, sub, self.down_proj.in_features, ("up_proj.weight",), ("down_proj.weight",))
 
 
 class Router(nn.Module):
@@ -97,13 +180,18 @@ class Router(nn.Module):
 class SparseMoE(nn.Module):
     """`block_sparse_moe`: top-k router (softmax over the chosen logits) and stacked experts.
 
-    input_linear.weight: [E, 2 * inner, hidden]; output_linear.weight: [E, hidden, inner].
+    input_linear.weight: [E, 2 * inner, hidden]; output_linear.weight: [E, hidden, inner] (`inner`:
+    this rank's expert width; the router is replicated).
     """
 
+    reduced = False
+
     def __init__(
-        self, hidden: int, inner: int, experts: int, top_k: int, dtype: torch.dtype, device: torch.device
+        self, hidden: int, inner: int, experts: int, top_k: int, dtype: torch.dtype, device: torch.device,
+        tp: TPInfo | None = None,
     ) -> None:
         super().__init__()
+        self.tp = tp or TPInfo()
         self.router = Router(hidden, experts, dtype, device)
         self.input_linear = nn.Module()
         self.input_linear.weight = _empty(experts, 2 * inner, hidden, dtype=dtype, device=device)
@@ -135,3 +223,8 @@ class SparseMoE(nn.Module):
             h = h * top_w.flatten()[sel][:, None]
             out.index_add_(0, tokens, h)
         return out
+
+    def shard_spec(self, sub: str) -> ShardSpec | None:
+        if sub.startswith("router."):
+            return None
+        return fused_mlp_spec(self.output_linear.weight.shape[2] * self.tp.size, self.tp, sub, 1)

@@ -1,15 +1,19 @@
-"""Mamba2 mixer of GraniteMoeHybrid (`model.layers.N.mamba.*`).
+"""The Mamba2 mixer shared by every family (`mamba.*` or `mixer.*` of a layer).
 
-in_proj -> split (z | xBC | dt) -> causal depthwise conv1d + SiLU over
+in_proj (its z | x | B | C | dt segments optionally scaled by
+Falcon-H1's `ssm_multipliers`) -> split (z | xBC | dt) -> causal depthwise conv1d + SiLU over
 xBC -> split (x | B | C) -> SSD scan (A = -exp(A_log), D skip, dt_bias, softplus, time_step_limit)
--> gated RMSNorm grouped by n_groups -> out_proj. The conv and SSM states live in the worker's
-pools and are read/advanced in place by slot; this module owns no state of its own.
+-> gated RMSNorm grouped by n_groups (RMSNorm(y * silu(z)), or RMSNorm(y) * silu(z) with
+`mamba_norm_before_gate`, or only y * silu(z) without `mamba_norm`) -> out_proj. The conv and
+SSM states live in the worker's pools and are read/advanced in place by slot; this module owns no
+state of its own.
 Under tensor parallelism every size here is this rank's (`MambaShard`, see worker_proc.model.tp).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from worker_proc.kernels import KernelOps
@@ -17,10 +21,12 @@ from worker_proc.kernels.interface import SsdParams
 from worker_proc.model.batch import StepBatch
 from worker_proc.model.config import HybridConfig
 from worker_proc.model.layers import GatedRMSNorm, Linear, _empty
-from worker_proc.model.tp import MambaShard, SpanGatedRMSNorm, TPInfo, row_parallel
+from worker_proc.model.tp import MambaShard, ShardSpec, SpanGatedRMSNorm, TPInfo, mamba_spec, row_parallel
 
 
 class MambaMixer(nn.Module):
+    reduced = True  # out_proj is all-reduced here
+
     def __init__(self, cfg: HybridConfig, dtype: torch.dtype, device: torch.device, tp: TPInfo) -> None:
         super().__init__()
         self.cfg = cfg
@@ -34,15 +40,33 @@ class MambaMixer(nn.Module):
         self.A_log = _empty(s.heads, dtype=dtype, device=device)
         self.D = _empty(s.heads, dtype=dtype, device=device)
         self.dt_bias = _empty(s.heads, dtype=dtype, device=device)
-        self.norm: nn.Module = (
-            SpanGatedRMSNorm(s, cfg.mamba_n_groups, cfg.rms_norm_eps, tp, dtype, device)
-            if s.norm_shared
-            else GatedRMSNorm(s.inner, s.norm_groups, cfg.rms_norm_eps, dtype, device)
-        )
-        self.out_proj = Linear(s.inner, cfg.hidden_size, bias=cfg.mamba_proj_bias, dtype=dtype, device=device)
+        before = cfg.mamba_norm_before_gate
+        self.norm: nn.Module | None = None
+        if cfg.mamba_norm:
+            self.norm = (
+                SpanGatedRMSNorm(s, cfg.mamba_n_groups, cfg.rms_norm_eps, tp, dtype, device, before)
+                if s.norm_shared
+                else GatedRMSNorm(s.inner, s.norm_groups, cfg.rms_norm_eps, dtype, device, before)
+            )
+        out_bias = cfg.mamba_proj_bias if cfg.mamba_out_proj_bias is None else cfg.mamba_out_proj_bias
+        self.out_proj = Linear(s.inner, cfg.hidden_size, bias=out_bias, dtype=dtype, device=device)
         # expands B/C to one group per head when this rank's heads spread unevenly over its groups
         head_group = None if s.head_group is None else torch.tensor(s.head_group, dtype=torch.int64, device=device)
         self.register_buffer("head_group", head_group, persistent=False)
+        self.register_buffer("mup", self._mup_vector(cfg, dtype, device), persistent=False)
+
+    def _mup_vector(self, cfg: HybridConfig, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+        """This rank's in_proj output scale (z | x | B | C | dt), or None when all are 1."""
+        m = cfg.ssm_multipliers
+        if not m or all(v == 1.0 for v in m):
+            return None
+        s = self.shard
+        sizes = (s.inner, s.inner, s.group_dim, s.group_dim, s.heads)
+        parts = [torch.full((n,), float(v), dtype=dtype, device=device) for n, v in zip(sizes, m, strict=True)]
+        return torch.cat(parts)
+
+    def shard_spec(self, sub: str) -> ShardSpec | None:
+        return None if self.tp.size == 1 else mamba_spec(self.cfg, self.shard, sub)
 
     def _groups(self, t: torch.Tensor) -> torch.Tensor:
         """[T, groups * N] -> [T, G', N] with this rank's heads spread evenly over the G' groups."""
@@ -60,7 +84,10 @@ class MambaMixer(nn.Module):
         """h: [T, hidden]; conv_pool: [S, conv_dim, K-1] and ssm_pool: [S, H, P, N] of this layer."""
         cfg, s = self.cfg, self.shard
         inner, heads, p, gn = s.inner, s.heads, s.d_head, s.group_dim
-        z, xbc, dt = self.in_proj(h).split([inner, s.conv_dim, heads], dim=-1)
+        proj = self.in_proj(h)
+        if self.mup is not None:
+            proj = proj * self.mup
+        z, xbc, dt = proj.split([inner, s.conv_dim, heads], dim=-1)
         weight = self.conv1d.weight[:, 0, :]
         bias = self.conv1d.bias
         a = -torch.exp(self.A_log.float())
@@ -79,5 +106,6 @@ class MambaMixer(nn.Module):
             x, b, c = conv_out.split([inner, gn, gn], dim=-1)
             y[rows] = ops.ssd_prefill(x.reshape(-1, heads, p), dt[rows], self._groups(b), self._groups(c), params,
                                       ssm_pool, seg.mamba_slot)  # fmt: skip
-        out = self.norm(y.view(h.shape[0], inner), z)
+        y = y.view(h.shape[0], inner)
+        out = y * F.silu(z.float()) if self.norm is None else self.norm(y, z)
         return row_parallel(out.to(h.dtype), self.out_proj, self.tp)

@@ -11,8 +11,11 @@ The rules (N = tp size, r = rank):
 - Gated RMSNorm is grouped by n_groups: when N divides n_groups each rank holds whole norm
   groups and normalises locally; otherwise a norm group spans ranks and the per-group sums of
   squares are all-reduced before normalising (exact, every rank gets the same statistics).
-- Shared MLP and MoE experts: split on the intermediate dimension (gate and up halves each);
-  the router is replicated. The layer's MLP + MoE partial sums are all-reduced once.
+- MLPs (fused or split gated, relu2) and MoE experts: split on the intermediate dimension (gate
+  and up halves each); routers and Nemotron-H's latent projections are replicated. A sublayer's
+  MLP + MoE partial sums are all-reduced once (worker_proc.model.hybrid).
+- Each block names the slice of each of its tensors (`shard_spec`, built from the functions
+  here); the model asks the block that owns a parameter.
 - Embedding, LM head and the residual-stream norms are replicated: every rank holds the same
   hidden state after each all-reduce and computes the same logits; rank 0 samples.
 With N = 1 nothing is sliced and no collective runs: the single-rank path is unchanged.
@@ -20,51 +23,18 @@ With N = 1 nothing is sliced and no collective runs: the single-rank path is unc
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
-from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from worker_proc.model.config import HybridConfig
 from worker_proc.model.layers import Linear, _empty, linear
+from worker_proc.model.shard import Range, ShardSpec, TPInfo, column_spec
 
-Range = tuple[int, int]
-
-
-@dataclass(frozen=True)
-class TPInfo:
-    """This rank's place in the tensor-parallel group (group = a torch.distributed group or None)."""
-
-    rank: int = 0
-    size: int = 1
-    group: Any = None
-
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum `x` over the ranks in place (no-op for one rank); returns `x`."""
-        if self.size > 1:
-            dist.all_reduce(x, group=self.group)
-        return x
-
-
-@dataclass(frozen=True)
-class ShardSpec:
-    """The part of a checkpoint tensor a rank holds: the listed index ranges along `dim`,
-    concatenated in order."""
-
-    dim: int
-    ranges: tuple[Range, ...]
-
-    def apply(self, tensor: torch.Tensor) -> torch.Tensor:
-        return torch.cat([tensor.narrow(self.dim, a, b - a) for a, b in self.ranges], dim=self.dim)
-
-    @property
-    def length(self) -> int:
-        return sum(b - a for a, b in self.ranges)
-
+__all__ = ["AttnShard", "MambaShard", "Range", "ShardSpec", "SpanGatedRMSNorm", "TPInfo", "column_spec",
+           "row_parallel"]
 
 @dataclass(frozen=True)
 class AttnShard:
@@ -75,6 +45,8 @@ class AttnShard:
 
     @staticmethod
     def of(cfg: HybridConfig, rank: int, size: int) -> AttnShard:
+        if not cfg.attn_layer_ids:
+            return AttnShard(0, 0, 0, 0)  # no attention layer: nothing to hold
         heads = cfg.num_heads // size
         if cfg.num_kv_heads >= size:
             kv = cfg.num_kv_heads // size
@@ -129,29 +101,7 @@ class MambaShard:
         return self.inner + 2 * self.group_dim
 
 
-_LAYER = re.compile(r"^model\.layers\.\d+\.(.+)$")
-
-
-def shard_spec(cfg: HybridConfig, tp: TPInfo, name: str) -> ShardSpec | None:
-    """The slice of checkpoint tensor `name` (canonical name) rank `tp.rank` holds; None = whole."""
-    if tp.size == 1:
-        return None
-    m = _LAYER.match(name)
-    if m is None:
-        return None  # embedding, final norm, LM head: replicated
-    sub = m.group(1)
-    if sub.startswith("mamba."):
-        return _mamba_spec(cfg, MambaShard.of(cfg, tp.rank, tp.size), sub.removeprefix("mamba."))
-    if sub.startswith("self_attn."):
-        return _attn_spec(cfg, AttnShard.of(cfg, tp.rank, tp.size), sub.removeprefix("self_attn."))
-    if sub.startswith("shared_mlp."):
-        return _mlp_spec(cfg.shared_intermediate_size, tp, sub.removeprefix("shared_mlp."), 0)
-    if sub.startswith("block_sparse_moe.") and not sub.startswith("block_sparse_moe.router."):
-        return _mlp_spec(cfg.intermediate_size, tp, sub.removeprefix("block_sparse_moe."), 1)
-    return None
-
-
-def _attn_spec(cfg: HybridConfig, s: AttnShard, sub: str) -> ShardSpec | None:
+def attn_spec(cfg: HybridConfig, s: AttnShard, sub: str) -> ShardSpec | None:
     hd = cfg.head_dim
     q = ((s.head_start * hd, (s.head_start + s.heads) * hd),)
     kv = ((s.kv_start * hd, (s.kv_start + s.kv_heads) * hd),)
@@ -161,7 +111,7 @@ def _attn_spec(cfg: HybridConfig, s: AttnShard, sub: str) -> ShardSpec | None:
     return None if hit is None else ShardSpec(*hit)
 
 
-def _mamba_spec(cfg: HybridConfig, s: MambaShard, sub: str) -> ShardSpec | None:
+def mamba_spec(cfg: HybridConfig, s: MambaShard, sub: str) -> ShardSpec | None:
     inner, gn = cfg.mamba_intermediate, cfg.mamba_n_groups * cfg.mamba_d_state
     ch = (s.inner_start, s.inner_start + s.inner)
     g0 = s.groups[0] * s.d_state
@@ -183,18 +133,6 @@ def _mamba_spec(cfg: HybridConfig, s: MambaShard, sub: str) -> ShardSpec | None:
     return None if hit is None else ShardSpec(*hit)
 
 
-def _mlp_spec(inner: int, tp: TPInfo, sub: str, lead: int) -> ShardSpec | None:
-    """Gated MLP weights: input_linear [.., 2*inner, hidden] (gate | up halves), output_linear
-    [.., hidden, inner]; `lead` = 1 for the stacked expert weights [E, ...]."""
-    part = inner // tp.size
-    own = (tp.rank * part, (tp.rank + 1) * part)
-    if sub == "input_linear.weight":
-        return ShardSpec(lead, (own, (inner + own[0], inner + own[1])))
-    if sub == "output_linear.weight":
-        return ShardSpec(lead + 1, (own,))
-    return None
-
-
 def row_parallel(x: torch.Tensor, layer: Linear, tp: TPInfo) -> torch.Tensor:
     """A row-parallel projection: each rank multiplies its input columns, the partial sums are
     all-reduced, and the bias (replicated) is added once after the sum. One rank: `layer(x)`."""
@@ -210,8 +148,9 @@ class SpanGatedRMSNorm(nn.Module):
     the whole group (the same numbers on every rank)."""
 
     def __init__(self, shard: MambaShard, n_groups: int, eps: float, tp: TPInfo,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device, before_gate: bool = False) -> None:
         super().__init__()
+        self.before_gate = before_gate
         self.weight = _empty(shard.inner, dtype=dtype, device=device)
         channels = torch.arange(shard.inner_start, shard.inner_start + shard.inner, device=device)
         self.register_buffer("channel_group", channels // shard.norm_group_size, persistent=False)
@@ -222,9 +161,11 @@ class SpanGatedRMSNorm(nn.Module):
 
     def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """y: [T, I/N] (float32 scan output), z: [T, I/N] gate -> [T, I/N] float32."""
-        h = y.float() * F.silu(z.float())
+        gate = F.silu(z.float())
+        h = y.float() if self.before_gate else y.float() * gate
         sums = h.new_zeros(h.shape[0], self.n_groups)
         sums.index_add_(1, self.channel_group, h.pow(2))
         self.tp.all_reduce(sums)
         rstd = torch.rsqrt(sums / self.group_size + self.eps)
-        return self.weight.float() * (h * rstd[:, self.channel_group])
+        out = self.weight.float() * (h * rstd[:, self.channel_group])
+        return out * gate if self.before_gate else out

@@ -1,0 +1,153 @@
+"""Random-weight checkpoints with the real shapes of one model per family, and a decode-throughput
+measurement on them.
+
+    python -m benchmarks.make_family_model OUT_DIR --shape nemotron-nano-9b-v2 [--num-layers N] [--bench]
+
+`SHAPES` holds the sizes of each model's published config.json (hidden size, heads, widths, state
+size, groups, layer pattern, vocabulary); `--num-layers N` keeps the first N layers of the pattern
+(at least one of each mixer kind the model has) so that a CPU can hold and run them. Weights are
+random (only speed is measured); tensor names are the loader's parameter names, which every
+family's renames accept. `--bench` then serves a batch through `ModelRunner` (prefill, then decode
+steps) and logs decode tokens/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import time
+
+import torch
+from safetensors.torch import save_file
+
+logger = logging.getLogger(__name__)
+
+_NANO9B_PATTERN = "M-M-M-MM-M-M-M*-M-M-M*-M-M-M-M*-M-M-M-M*-M-MM-M-M-M-M-M-"
+SHAPES: dict[str, dict] = {
+    "nemotron-nano-9b-v2": dict(
+        architectures=["NemotronHForCausalLM"], vocab_size=131072, hidden_size=4480,
+        hybrid_override_pattern=_NANO9B_PATTERN, num_attention_heads=40, num_key_value_heads=8, head_dim=128,
+        intermediate_size=15680, mamba_num_heads=128, mamba_head_dim=80, ssm_state_size=128, n_groups=8,
+        conv_kernel=4, chunk_size=128, mlp_hidden_act="relu2", layer_norm_epsilon=1e-5,
+        max_position_embeddings=131072,
+    ),
+    "falcon-h1-0.5b": dict(
+        architectures=["FalconH1ForCausalLM"], vocab_size=32784, hidden_size=1024, num_hidden_layers=36,
+        num_attention_heads=8, num_key_value_heads=2, head_dim=64, intermediate_size=2048, mamba_d_ssm=1536,
+        mamba_n_heads=24, mamba_d_head=64, mamba_n_groups=1, mamba_d_state=128, mamba_d_conv=4,
+        mamba_chunk_size=128, mamba_rms_norm=False, rope_parameters={"rope_type": "default", "rope_theta": 1e11},
+        max_position_embeddings=16384,
+    ),
+    "bamba-9b": dict(
+        architectures=["BambaForCausalLM"], vocab_size=128256, hidden_size=4096, num_hidden_layers=32,
+        attn_layer_indices=[9, 18, 27], num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336,
+        mamba_n_heads=128, mamba_d_head=64, mamba_n_groups=1, mamba_d_state=128, mamba_d_conv=4,
+        mamba_expand=2, mamba_chunk_size=256, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        max_position_embeddings=262144,
+    ),
+    "mamba2-370m": dict(
+        architectures=["Mamba2ForCausalLM"], vocab_size=50288, hidden_size=1024, num_hidden_layers=48,
+        num_heads=32, head_dim=64, expand=2, n_groups=1, state_size=128, conv_kernel=4, chunk_size=256,
+        tie_word_embeddings=True,
+    ),
+    "granite-4.0-h-tiny": dict(
+        architectures=["GraniteMoeHybridForCausalLM"], vocab_size=100352, hidden_size=1536,
+        layer_types=["mamba"] * 5 + ["attention"] + ["mamba"] * 9 + ["attention"] + ["mamba"] * 9
+        + ["attention"] + ["mamba"] * 9 + ["attention"] + ["mamba"] * 5,
+        num_attention_heads=12, num_key_value_heads=4, mamba_n_heads=48, mamba_d_head=64, mamba_n_groups=1,
+        mamba_d_state=128, mamba_expand=2, mamba_chunk_size=256, shared_intermediate_size=1024,
+        intermediate_size=512, num_local_experts=64, num_experts_per_tok=6, position_embedding_type="nope",
+        max_position_embeddings=131072,
+    ),
+}
+
+
+def truncate(cfg: dict, n: int) -> dict:
+    """The first `n` layers, keeping at least one layer of each kind (the last one moved in)."""
+    out = dict(cfg)
+    if "hybrid_override_pattern" in cfg:
+        pat = cfg["hybrid_override_pattern"]
+        head = pat[:n]
+        for kind in dict.fromkeys(pat):
+            if kind not in head:
+                head = head[:-1] + kind
+        out["hybrid_override_pattern"] = head
+    elif "layer_types" in cfg:
+        kinds = cfg["layer_types"][:n]
+        if "attention" in cfg["layer_types"] and "attention" not in kinds:
+            kinds[-1] = "attention"
+        out["layer_types"], out["num_hidden_layers"] = kinds, n
+    else:
+        out["num_hidden_layers"] = n
+        if cfg.get("attn_layer_indices"):
+            out["attn_layer_indices"] = [i for i in cfg["attn_layer_indices"] if i < n] or [n - 1]
+    return out
+
+
+def write(out_dir: str, shape: str, num_layers: int = 0, seed: int = 0) -> str:
+    from shared.architectures import parse_config
+    from worker_proc.model import HybridForCausalLM
+
+    cfg = dict(SHAPES[shape], torch_dtype="float32")
+    if num_layers:
+        cfg = truncate(cfg, num_layers)
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(cfg, f, indent=1)
+    with torch.device("meta"):
+        model = HybridForCausalLM(parse_config(cfg), torch.float32, "meta")
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, p in model.named_parameters():
+        if name.endswith("A_log"):
+            tensors[name] = torch.log(torch.linspace(1.0, 16.0, p.shape[0]))
+        elif p.dim() == 1:
+            tensors[name] = torch.ones(p.shape) if "norm" in name or name.endswith(".D") else torch.zeros(p.shape)
+        else:
+            tensors[name] = torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[-1])
+    save_file(tensors, os.path.join(out_dir, "model.safetensors"))
+    logger.info("%s: %d layers, %.1fM parameters -> %s", shape, model.cfg.num_layers,
+                sum(t.numel() for t in tensors.values()) / 1e6, out_dir)
+    return out_dir
+
+
+def bench_decode(model_dir: str, batch: int = 8, prompt: int = 64, steps: int = 16) -> float:
+    """Decode tokens/s of `batch` requests after a `prompt`-token prefill each (greedy, fp32)."""
+    from shared.messages import ForwardBatch, ReqSlice, SamplingParams
+    from worker_proc.runtime import ModelRunner
+
+    total = prompt + steps + 1
+    r = ModelRunner(model_dir, dtype="float32", kv_slots=batch * total, mamba_slots=batch)
+    greedy = SamplingParams(temperature=0.0)
+    kv = [list(range(1 + i * total, 1 + (i + 1) * total)) for i in range(batch)]
+    ids = [[3 + (i * 7 + j) % 200 for j in range(prompt)] for i in range(batch)]
+    reqs = [ReqSlice(rid=str(i), input_ids=ids[i], start_pos=0, kv_slots=kv[i][:prompt], mamba_slot=i + 1,
+                     sample=True, sampling=greedy) for i in range(batch)]
+    out = r.step(ForwardBatch(step=0, reqs=reqs, clears=list(range(1, batch + 1))))
+    start = time.perf_counter()
+    for s in range(steps):
+        pos = prompt + s
+        reqs = [ReqSlice(rid=str(i), input_ids=[out.next_tokens[str(i)]], start_pos=pos, kv_slots=kv[i][: pos + 1],
+                         mamba_slot=i + 1, sample=True, sampling=greedy, output_len=s + 1) for i in range(batch)]
+        out = r.step(ForwardBatch(step=s + 1, reqs=reqs))
+    return batch * steps / (time.perf_counter() - start)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("out_dir")
+    p.add_argument("--shape", choices=sorted(SHAPES), required=True)
+    p.add_argument("--num-layers", type=int, default=0, help="keep the first N layers (0 = all)")
+    p.add_argument("--bench", action="store_true", help="measure decode tokens/s on the written checkpoint")
+    args = p.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    path = write(args.out_dir, args.shape, args.num_layers)
+    if args.bench:
+        logger.info("%s: %.1f decode tokens/s (batch 8, 64-token prompts, fp32)", args.shape, bench_decode(path))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,99 @@
+"""BambaForCausalLM (IBM Bamba-9B): a Mamba2 or attention mixer (`mamba` / `self_attn` after
+`input_layernorm`), then a split gated SiLU MLP (`feed_forward` after `pre_ff_layernorm`) in every
+layer. Attention layers are listed by `attn_layer_indices` (or `layers_block_type`); attention
+uses RoPE on the first `partial_rotary_factor` (0.5) of each head, scale 1/sqrt(head_dim). The
+final norm `model.final_layernorm` maps onto the shared `model.norm`."""
+
+from __future__ import annotations
+
+from worker_proc.model.config import (
+    Block,
+    HybridConfig,
+    Sublayer,
+    check_act,
+    check_attention,
+    check_mamba,
+    max_positions,
+    num,
+    rope_theta,
+    rotary_fraction,
+    time_step_limit,
+)
+from worker_proc.model.families.common import NO_GRANITE_MLP, UNIT_SCALARS, dtype_name
+
+RENAMES = ((r"^model\.final_layernorm\.", "model.norm."),)
+
+
+def layer_kinds(cfg: dict) -> tuple[str, ...]:
+    n = int(cfg["num_hidden_layers"])
+    raw = cfg.get("layers_block_type") or cfg.get("layer_types")
+    if raw:
+        kinds = tuple("attention" if k in ("attention", "full_attention") else "mamba" for k in raw)
+    else:
+        attn = set(int(i) for i in cfg.get("attn_layer_indices") or ())
+        bad = sorted(i for i in attn if not 0 <= i < n)
+        if bad:
+            raise ValueError(f"attn_layer_indices {bad[0]} outside [0, num_hidden_layers={n})")
+        kinds = tuple("attention" if i in attn else "mamba" for i in range(n))
+    if len(kinds) != n:
+        raise ValueError(f"{len(kinds)} layer types for num_hidden_layers={n}")
+    return kinds
+
+
+def mamba_fields(cfg: dict, inner: int) -> dict:
+    """The Mamba2 fields Bamba and Falcon-H1 share (`mamba_*`), for an intermediate width `inner`."""
+    m_heads = int(cfg.get("mamba_n_heads", 128))
+    d_head = cfg.get("mamba_d_head", "auto")
+    d_head = inner // m_heads if d_head in (None, "auto") else int(d_head)
+    groups = int(cfg.get("mamba_n_groups", 1))
+    check_mamba(m_heads, groups, d_head, inner)
+    return dict(
+        mamba_n_heads=m_heads, mamba_n_groups=groups, mamba_d_state=int(cfg.get("mamba_d_state", 256)),
+        mamba_d_head=d_head, mamba_d_conv=int(cfg.get("mamba_d_conv", 4)), mamba_intermediate=inner,
+        mamba_chunk_size=int(cfg.get("mamba_chunk_size", 256)),
+        mamba_conv_bias=bool(cfg.get("mamba_conv_bias", True)),
+        mamba_proj_bias=bool(cfg.get("mamba_proj_bias", False)), time_step_limit=time_step_limit(cfg),
+    )
+
+
+def attention_fields(cfg: dict, rotary_default: float) -> dict:
+    hidden = int(cfg["hidden_size"])
+    heads = int(cfg["num_attention_heads"])
+    kv_heads = int(cfg.get("num_key_value_heads") or heads)
+    check_attention(heads, kv_heads)
+    head_dim = int(cfg.get("head_dim") or hidden // heads)
+    rotary = int(head_dim * rotary_fraction(cfg, rotary_default))
+    if rotary % 2 or not 0 < rotary <= head_dim:
+        raise ValueError(f"partial_rotary_factor gives {rotary} rotary channels of head_dim {head_dim}")
+    return dict(
+        num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, attention_bias=bool(cfg.get("attention_bias")),
+        attention_multiplier=head_dim**-0.5, rope_theta=rope_theta(cfg, True), rotary_dim=rotary,
+    )
+
+
+def parse(cfg: dict, arch: str) -> HybridConfig:
+    hidden = int(cfg["hidden_size"])
+    check_act(cfg, "hidden_act", "silu")
+    kinds = layer_kinds(cfg)
+    ffn = Sublayer("pre_ff_layernorm", (Block("gated_mlp", "feed_forward", int(cfg["intermediate_size"]),
+                                              "intermediate_size"),))
+    mixers = {"mamba": Block("mamba", "mamba"), "attention": Block("attention", "self_attn")}
+    return HybridConfig(
+        architecture=arch,
+        vocab_size=int(cfg["vocab_size"]),
+        hidden_size=hidden,
+        layer_kinds=kinds,
+        rms_norm_eps=num(cfg, "rms_norm_eps", 1e-5),
+        max_position_embeddings=max_positions(cfg),
+        num_experts=0,
+        num_experts_per_tok=0,
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        torch_dtype=dtype_name(cfg),
+        layer_specs=tuple((Sublayer("input_layernorm", (mixers[k],)), ffn) for k in kinds),
+        mlp_bias=bool(cfg.get("mlp_bias", False)),
+        renames=RENAMES,
+        **attention_fields(cfg, 0.5),
+        **mamba_fields(cfg, int(cfg.get("mamba_expand", 2)) * hidden),
+        **NO_GRANITE_MLP,
+        **UNIT_SCALARS,
+    )

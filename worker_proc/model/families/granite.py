@@ -1,0 +1,95 @@
+"""GraniteMoeHybridForCausalLM (IBM Granite 4.0-H): Mamba2 or attention mixer, then a fused
+gated MLP (+ an optional softmax top-k MoE) in every layer; muP scalars on embeddings, residuals,
+attention scale and logits. The arrangement is `HybridConfig.layers()`'s default."""
+
+from __future__ import annotations
+
+from shared.errors import ModelLoadError
+from worker_proc.model.config import (
+    HybridConfig,
+    check_act,
+    check_attention,
+    check_mamba,
+    max_positions,
+    num,
+    rope_theta,
+    time_step_limit,
+)
+
+_MAMBA_KINDS = {"mamba": "mamba", "linear_attention": "mamba", "mamba2": "mamba"}
+_ATTN_KINDS = {"attention": "attention", "full_attention": "attention"}
+# transformers>=5 in-memory names -> checkpoint names
+RENAMES = (
+    (r"\.block_sparse_moe\.experts\.gate_up_proj$", ".block_sparse_moe.input_linear.weight"),
+    (r"\.block_sparse_moe\.experts\.down_proj$", ".block_sparse_moe.output_linear.weight"),
+    (r"\.block_sparse_moe\.router\.weight$", ".block_sparse_moe.router.layer.weight"),
+)
+
+
+def layer_kinds(cfg: dict) -> tuple[str, ...]:
+    """Per-layer mixer kinds ("mamba" | "attention") from layer_types or layers_block_type."""
+    raw = cfg.get("layer_types") or cfg.get("layers_block_type")
+    n = int(cfg.get("num_hidden_layers", 0))
+    if raw is None:
+        raise ModelLoadError("config.json has neither layer_types nor layers_block_type")
+    kinds = []
+    for kind in raw:
+        norm = _MAMBA_KINDS.get(kind) or _ATTN_KINDS.get(kind)
+        if norm is None:
+            raise ModelLoadError(f"unknown layer type {kind!r}")
+        kinds.append(norm)
+    if n and len(kinds) != n:
+        raise ModelLoadError(f"{len(kinds)} layer types for num_hidden_layers={n}")
+    return tuple(kinds)
+
+
+def parse(cfg: dict, arch: str) -> HybridConfig:
+    hidden = int(cfg["hidden_size"])
+    heads = int(cfg["num_attention_heads"])
+    check_act(cfg, "hidden_act", "silu")
+    m_heads = int(cfg.get("mamba_n_heads", 128))
+    m_inter = int(cfg.get("mamba_expand", 2)) * hidden
+    d_head = cfg.get("mamba_d_head", "auto")
+    d_head = m_inter // m_heads if d_head in (None, "auto") else int(d_head)
+    groups = int(cfg.get("mamba_n_groups", 1))
+    check_mamba(m_heads, groups, d_head, m_inter)
+    kv_heads = int(cfg.get("num_key_value_heads") or heads)
+    check_attention(heads, kv_heads)
+    n_experts = int(cfg.get("num_local_experts") or 0)
+    top_k = int(cfg.get("num_experts_per_tok") or 0) if n_experts else 0
+    if n_experts and not 0 < top_k <= n_experts:
+        raise ValueError(f"num_experts_per_tok {top_k} must be in [1, num_local_experts={n_experts}]")
+    return HybridConfig(
+        architecture=arch,
+        vocab_size=int(cfg["vocab_size"]),
+        hidden_size=hidden,
+        layer_kinds=layer_kinds(cfg),
+        rms_norm_eps=num(cfg, "rms_norm_eps", 1e-6),
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=int(cfg.get("head_dim") or hidden // heads),
+        attention_bias=bool(cfg.get("attention_bias", False)),
+        attention_multiplier=num(cfg, "attention_multiplier", 1.0),
+        rope_theta=rope_theta(cfg, cfg.get("position_embedding_type") == "rope"),
+        max_position_embeddings=max_positions(cfg),
+        mamba_n_heads=m_heads,
+        mamba_n_groups=groups,
+        mamba_d_state=int(cfg.get("mamba_d_state", 256)),
+        mamba_d_head=d_head,
+        mamba_d_conv=int(cfg.get("mamba_d_conv", 4)),
+        mamba_intermediate=m_inter,
+        mamba_chunk_size=int(cfg.get("mamba_chunk_size", 256)),
+        mamba_conv_bias=bool(cfg.get("mamba_conv_bias", True)),
+        mamba_proj_bias=bool(cfg.get("mamba_proj_bias", False)),
+        time_step_limit=time_step_limit(cfg),
+        shared_intermediate_size=int(cfg.get("shared_intermediate_size", 1024)),
+        intermediate_size=int(cfg.get("intermediate_size", 0)),
+        num_experts=n_experts,
+        num_experts_per_tok=top_k,
+        embedding_multiplier=num(cfg, "embedding_multiplier", 1.0),
+        residual_multiplier=num(cfg, "residual_multiplier", 1.0),
+        logits_scaling=num(cfg, "logits_scaling", 1.0),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
+        renames=RENAMES,
+    )

@@ -1,0 +1,64 @@
+"""Mamba2ForCausalLM (state-spaces mamba2-130m ... 2.7b, Mamba-Codestral): Mamba2 mixers only, one
+pre-normed block per layer (`norm`, `mixer`), no attention at all: no KV pool is allocated and the
+scheduler sees zero attention layers. Its configs name no context limit: 65536 tokens unless
+`max_position_embeddings` or --context-length says otherwise. Checkpoint names
+`backbone.embeddings`, `backbone.norm_f` map onto the shared names. `residual_in_fp32` is exact in
+float32; in 16-bit the residual stays in the model dtype."""
+
+from __future__ import annotations
+
+from worker_proc.model.config import (
+    Block,
+    HybridConfig,
+    Sublayer,
+    check_act,
+    check_mamba,
+    max_positions,
+    num,
+    time_step_limit,
+)
+from worker_proc.model.families.common import NO_ATTENTION, NO_GRANITE_MLP, UNIT_SCALARS, dtype_name
+from worker_proc.model.families.nemotron_h import RENAMES
+
+DEFAULT_CONTEXT = 1 << 16  # a Mamba2 config names no context limit; --context-length overrides
+
+
+def layer_kinds(cfg: dict) -> tuple[str, ...]:
+    return ("mamba",) * int(cfg["num_hidden_layers"])
+
+
+def parse(cfg: dict, arch: str) -> HybridConfig:
+    hidden = int(cfg["hidden_size"])
+    check_act(cfg, "hidden_act", "silu")
+    heads, head_dim = int(cfg["num_heads"]), int(cfg.get("head_dim", 64))
+    groups = int(cfg.get("n_groups", 1))
+    inner = int(float(cfg.get("expand", 2)) * hidden)
+    check_mamba(heads, groups, head_dim, inner, ("num_heads", "n_groups", "head_dim"))
+    layers = int(cfg["num_hidden_layers"])
+    return HybridConfig(
+        architecture=arch,
+        vocab_size=int(cfg["vocab_size"]),
+        hidden_size=hidden,
+        layer_kinds=layer_kinds(cfg),
+        rms_norm_eps=num(cfg, "layer_norm_epsilon", 1e-5),
+        max_position_embeddings=max_positions(cfg) if cfg.get("max_position_embeddings") else DEFAULT_CONTEXT,
+        mamba_n_heads=heads,
+        mamba_n_groups=groups,
+        mamba_d_state=int(cfg.get("state_size", 128)),
+        mamba_d_head=head_dim,
+        mamba_d_conv=int(cfg.get("conv_kernel", 4)),
+        mamba_intermediate=inner,
+        mamba_chunk_size=int(cfg.get("chunk_size", 256)),
+        mamba_conv_bias=bool(cfg.get("use_conv_bias", True)),
+        mamba_proj_bias=bool(cfg.get("use_bias", False)),
+        time_step_limit=time_step_limit(cfg),
+        num_experts=0,
+        num_experts_per_tok=0,
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        torch_dtype=dtype_name(cfg),
+        layer_specs=((Sublayer("norm", (Block("mamba", "mixer"),)),),) * layers,
+        renames=RENAMES,
+        **NO_ATTENTION,
+        **NO_GRANITE_MLP,
+        **UNIT_SCALARS,
+    )

@@ -1,0 +1,120 @@
+"""NemotronHForCausalLM (Nemotron-H 8B/47B/56B, NVIDIA-Nemotron-Nano-9B/12B-v2, Nemotron-3-Nano
+MoE): every layer is one pre-normed block (`norm`, `mixer`) with a residual add: a Mamba2 mixer, a
+RoPE-free attention (scale 1/sqrt(head_dim), explicit `head_dim`), a relu2 MLP or the sigmoid-routed
+MoE (worker_proc.model.moe). The pattern comes from `hybrid_override_pattern` (M = Mamba, * =
+attention, - = MLP, E = MoE) or `layers_block_type`. Checkpoint names `backbone.embeddings`,
+`backbone.norm_f` map onto the shared names; MTP layers (`mtp.*`) are not loaded (logged).
+The Mamba dt is clamped below at `time_step_min` (as the reference's chunked scan does)."""
+
+from __future__ import annotations
+
+from worker_proc.model.config import (
+    Block,
+    HybridConfig,
+    Sublayer,
+    check_act,
+    check_attention,
+    check_mamba,
+    max_positions,
+    num,
+)
+from worker_proc.model.families.common import NO_GRANITE_MLP, UNIT_SCALARS, dtype_name
+
+_PATTERN = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
+_TYPES = {"mamba": "mamba", "linear_attention": "mamba", "attention": "attention", "full_attention": "attention",
+          "mlp": "mlp", "moe": "moe"}
+RENAMES = (
+    (r"^backbone\.", "model."),
+    (r"^model\.embeddings\.", "model.embed_tokens."),
+    (r"^model\.norm_f\.", "model.norm."),
+)
+
+
+def block_types(cfg: dict) -> list[str]:
+    """mamba | attention | mlp | moe per layer."""
+    pattern = cfg.get("hybrid_override_pattern")
+    raw = cfg.get("layers_block_type") or cfg.get("layer_types")
+    if raw:
+        bad = [t for t in raw if t not in _TYPES]
+        if bad:
+            raise ValueError(f"unknown layers_block_type {bad[0]!r} (one of {', '.join(_TYPES)})")
+        return [_TYPES[t] for t in raw]
+    if not pattern:
+        raise ValueError("config.json has neither hybrid_override_pattern nor layers_block_type")
+    bad = [c for c in pattern if c not in _PATTERN]
+    if bad:
+        raise ValueError(f"unknown hybrid_override_pattern character {bad[0]!r} (one of M * - E)")
+    return [_PATTERN[c] for c in pattern]
+
+
+_KINDS = {"mamba": "mamba", "attention": "attention", "mlp": "mlp", "moe": "mlp"}
+
+
+def layer_kinds(cfg: dict) -> tuple[str, ...]:
+    return tuple(_KINDS[t] for t in block_types(cfg))
+
+
+def parse(cfg: dict, arch: str) -> HybridConfig:
+    hidden = int(cfg["hidden_size"])
+    types = block_types(cfg)
+    check_act(cfg, "mlp_hidden_act", "relu2")
+    check_act(cfg, "mamba_hidden_act", "silu")
+    if cfg.get("mlp_bias"):
+        raise ValueError("mlp_bias true is not supported")
+    heads = int(cfg.get("num_attention_heads") or 1)
+    kv_heads = int(cfg.get("num_key_value_heads") or heads)
+    check_attention(heads, kv_heads)
+    head_dim = int(cfg.get("head_dim") or cfg.get("attention_head_dim") or hidden // heads)  # older configs
+    m_heads, m_head_dim = int(cfg["mamba_num_heads"]), int(cfg["mamba_head_dim"])
+    groups = int(cfg.get("n_groups", 8))
+    check_mamba(m_heads, groups, m_head_dim, m_heads * m_head_dim, ("mamba_num_heads", "n_groups", "mamba_head_dim"))
+    experts = int(cfg.get("n_routed_experts") or 0) if "moe" in types else 0
+    top_k = int(cfg.get("num_experts_per_tok") or 0) if experts else 0
+    if experts and not 0 < top_k <= experts:
+        raise ValueError(f"num_experts_per_tok {top_k} must be in [1, n_routed_experts={experts}]")
+    n_group = int(cfg.get("n_group") or 1)
+    if experts and (experts % n_group or not 0 < int(cfg.get("topk_group") or 1) <= n_group):
+        raise ValueError(f"n_group {n_group} / topk_group must split n_routed_experts {experts}")
+    mlp = Block("relu2_mlp", "mixer", int(cfg.get("intermediate_size") or 0), "intermediate_size")
+    moe = Block("sigmoid_moe", "mixer", int(cfg.get("moe_intermediate_size") or 0), "moe_intermediate_size")
+    blocks = {"mamba": Block("mamba", "mixer"), "attention": Block("attention", "mixer"), "mlp": mlp, "moe": moe}
+    return HybridConfig(
+        architecture=arch,
+        vocab_size=int(cfg["vocab_size"]),
+        hidden_size=hidden,
+        layer_kinds=tuple(_KINDS[t] for t in types),
+        rms_norm_eps=num(cfg, "layer_norm_epsilon", 1e-5),
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        attention_bias=False,
+        attention_multiplier=head_dim**-0.5,
+        rope_theta=None,
+        max_position_embeddings=max_positions(cfg),
+        mamba_n_heads=m_heads,
+        mamba_n_groups=groups,
+        mamba_d_state=int(cfg.get("ssm_state_size", 128)),
+        mamba_d_head=m_head_dim,
+        mamba_d_conv=int(cfg.get("conv_kernel", 4)),
+        mamba_intermediate=m_heads * m_head_dim,
+        mamba_chunk_size=int(cfg.get("chunk_size", 128)),
+        mamba_conv_bias=bool(cfg.get("use_conv_bias", True)),
+        mamba_proj_bias=bool(cfg.get("use_bias", False)),
+        time_step_limit=(num(cfg, "time_step_min", 0.001), float("inf")),
+        num_experts=experts,
+        num_experts_per_tok=top_k,
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        torch_dtype=dtype_name(cfg),
+        layer_specs=tuple((Sublayer("norm", (blocks[t],)),) for t in types),
+        moe_n_group=n_group,
+        moe_topk_group=int(cfg.get("topk_group") or 1),
+        moe_norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+        moe_routed_scaling=num(cfg, "routed_scaling_factor", 1.0),
+        moe_latent_size=int(cfg.get("moe_latent_size") or 0),
+        moe_shared_size=int(cfg.get("moe_shared_expert_intermediate_size") or 0) if experts else 0,
+        norm_fp32_weight=True,
+        renames=RENAMES,
+        ignored_prefixes=("mtp.",),  # MTP layers are never built; the loader logs the tensors it skipped
+        **NO_GRANITE_MLP,
+        **UNIT_SCALARS,
+    )
