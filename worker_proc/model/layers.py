@@ -11,6 +11,8 @@ all-reduces a sublayer's partial sums once) and name the slice of each weight a 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -34,6 +36,20 @@ def linear(
         return F.linear(x, weight, bias)
     padded = torch.cat([x, x.new_zeros(min_rows - rows, x.shape[1])])
     return F.linear(padded, weight, bias)[:rows]
+
+
+def expert_groups(idx: torch.Tensor, num_experts: int) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+    """Top-k routing choices idx [T, k] grouped by expert, in expert order: (expert, positions in the
+    flattened idx, the token of each position); experts nobody chose are skipped."""
+    k = idx.shape[1]
+    flat = idx.flatten()
+    order = torch.argsort(flat, stable=True)
+    start = 0
+    for expert, count in enumerate(torch.bincount(flat, minlength=num_experts).tolist()):
+        if count:
+            sel = order[start : start + count]
+            start += count
+            yield expert, sel, sel // k
 
 
 class Linear(nn.Linear):
@@ -208,16 +224,7 @@ class SparseMoE(nn.Module):
         out = torch.zeros_like(x)
         w_in = self.input_linear.weight
         w_out = self.output_linear.weight
-        flat_idx = top_idx.flatten()
-        order = torch.argsort(flat_idx, stable=True)
-        counts = torch.bincount(flat_idx, minlength=self.num_experts).tolist()
-        start = 0
-        for expert, count in enumerate(counts):
-            if count == 0:
-                continue
-            sel = order[start : start + count]
-            start += count
-            tokens = sel // self.top_k
+        for expert, sel, tokens in expert_groups(top_idx, self.num_experts):
             gate, up = linear(x[tokens], w_in[expert], min_rows=self.min_rows).chunk(2, dim=-1)
             h = linear(F.silu(gate) * up, w_out[expert], min_rows=self.min_rows)
             h = h * top_w.flatten()[sel][:, None]

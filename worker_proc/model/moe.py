@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from worker_proc.model.config import HybridConfig
-from worker_proc.model.layers import Linear, Relu2MLP, _empty, linear
+from worker_proc.model.layers import Linear, Relu2MLP, _empty, expert_groups, linear
 from worker_proc.model.shard import ShardSpec, TPInfo, column_spec
 
 
@@ -83,17 +83,7 @@ class SigmoidMoE(nn.Module):
         idx, weights = self.route(x)
         latent = x if self.fc1_latent_proj is None else self.fc1_latent_proj(x)
         acc = torch.zeros(latent.shape, dtype=torch.float32, device=x.device)
-        k = idx.shape[1]
-        flat = idx.flatten()
-        order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.cfg.num_experts).tolist()
-        start = 0
-        for expert, count in enumerate(counts):
-            if count == 0:
-                continue
-            sel = order[start : start + count]
-            start += count
-            tokens = sel // k
+        for expert, sel, tokens in expert_groups(idx, self.cfg.num_experts):
             h = torch.relu(linear(latent[tokens], self.experts.up_proj[expert], min_rows=self.min_rows)).square()
             h = linear(h, self.experts.down_proj[expert], min_rows=self.min_rows)
             acc.index_add_(0, tokens, h * weights.flatten()[sel][:, None])

@@ -12,14 +12,12 @@ from worker_proc.model.config import (
     Sublayer,
     check_act,
     check_attention,
-    check_mamba,
     max_positions,
     num,
     rope_theta,
     rotary_fraction,
-    time_step_limit,
 )
-from worker_proc.model.families.common import NO_GRANITE_MLP, UNIT_SCALARS, dtype_name
+from worker_proc.model.families.common import NO_GRANITE_MLP, UNIT_SCALARS, dtype_name, mamba_fields
 
 RENAMES = ((r"^model\.final_layernorm\.", "model.norm."),)
 
@@ -38,22 +36,6 @@ def layer_kinds(cfg: dict) -> tuple[str, ...]:
     if len(kinds) != n:
         raise ValueError(f"{len(kinds)} layer types for num_hidden_layers={n}")
     return kinds
-
-
-def mamba_fields(cfg: dict, inner: int) -> dict:
-    """The Mamba2 fields Bamba and Falcon-H1 share (`mamba_*`), for an intermediate width `inner`."""
-    m_heads = int(cfg.get("mamba_n_heads", 128))
-    d_head = cfg.get("mamba_d_head", "auto")
-    d_head = inner // m_heads if d_head in (None, "auto") else int(d_head)
-    groups = int(cfg.get("mamba_n_groups", 1))
-    check_mamba(m_heads, groups, d_head, inner)
-    return dict(
-        mamba_n_heads=m_heads, mamba_n_groups=groups, mamba_d_state=int(cfg.get("mamba_d_state", 256)),
-        mamba_d_head=d_head, mamba_d_conv=int(cfg.get("mamba_d_conv", 4)), mamba_intermediate=inner,
-        mamba_chunk_size=int(cfg.get("mamba_chunk_size", 256)),
-        mamba_conv_bias=bool(cfg.get("mamba_conv_bias", True)),
-        mamba_proj_bias=bool(cfg.get("mamba_proj_bias", False)), time_step_limit=time_step_limit(cfg),
-    )
 
 
 def attention_fields(cfg: dict, rotary_default: float) -> dict:

@@ -10,8 +10,8 @@ attention layer. The final norm `model.final_layernorm` maps onto the shared `mo
 from __future__ import annotations
 
 from worker_proc.model.config import Block, HybridConfig, Sublayer, check_act, max_positions, num
-from worker_proc.model.families.bamba import RENAMES, attention_fields, mamba_fields
-from worker_proc.model.families.common import NO_GRANITE_MLP, dtype_name
+from worker_proc.model.families.bamba import RENAMES, attention_fields
+from worker_proc.model.families.common import NO_GRANITE_MLP, dtype_name, mamba_fields
 
 
 def _floats(cfg: dict, key: str, n: int) -> tuple[float, ...]:

@@ -5,16 +5,8 @@ attention scale and logits. The arrangement is `HybridConfig.layers()`'s default
 from __future__ import annotations
 
 from shared.errors import ModelLoadError
-from worker_proc.model.config import (
-    HybridConfig,
-    check_act,
-    check_attention,
-    check_mamba,
-    max_positions,
-    num,
-    rope_theta,
-    time_step_limit,
-)
+from worker_proc.model.config import HybridConfig, check_act, check_attention, max_positions, num, rope_theta
+from worker_proc.model.families.common import mamba_fields
 
 _MAMBA_KINDS = {"mamba": "mamba", "linear_attention": "mamba", "mamba2": "mamba"}
 _ATTN_KINDS = {"attention": "attention", "full_attention": "attention"}
@@ -47,12 +39,6 @@ def parse(cfg: dict, arch: str) -> HybridConfig:
     hidden = int(cfg["hidden_size"])
     heads = int(cfg["num_attention_heads"])
     check_act(cfg, "hidden_act", "silu")
-    m_heads = int(cfg.get("mamba_n_heads", 128))
-    m_inter = int(cfg.get("mamba_expand", 2)) * hidden
-    d_head = cfg.get("mamba_d_head", "auto")
-    d_head = m_inter // m_heads if d_head in (None, "auto") else int(d_head)
-    groups = int(cfg.get("mamba_n_groups", 1))
-    check_mamba(m_heads, groups, d_head, m_inter)
     kv_heads = int(cfg.get("num_key_value_heads") or heads)
     check_attention(heads, kv_heads)
     n_experts = int(cfg.get("num_local_experts") or 0)
@@ -72,16 +58,7 @@ def parse(cfg: dict, arch: str) -> HybridConfig:
         attention_multiplier=num(cfg, "attention_multiplier", 1.0),
         rope_theta=rope_theta(cfg, cfg.get("position_embedding_type") == "rope"),
         max_position_embeddings=max_positions(cfg),
-        mamba_n_heads=m_heads,
-        mamba_n_groups=groups,
-        mamba_d_state=int(cfg.get("mamba_d_state", 256)),
-        mamba_d_head=d_head,
-        mamba_d_conv=int(cfg.get("mamba_d_conv", 4)),
-        mamba_intermediate=m_inter,
-        mamba_chunk_size=int(cfg.get("mamba_chunk_size", 256)),
-        mamba_conv_bias=bool(cfg.get("mamba_conv_bias", True)),
-        mamba_proj_bias=bool(cfg.get("mamba_proj_bias", False)),
-        time_step_limit=time_step_limit(cfg),
+        **mamba_fields(cfg, int(cfg.get("mamba_expand", 2)) * hidden),
         shared_intermediate_size=int(cfg.get("shared_intermediate_size", 1024)),
         intermediate_size=int(cfg.get("intermediate_size", 0)),
         num_experts=n_experts,
