@@ -62,11 +62,16 @@ class ReqResources:
         cache = self.cache
         if req.peek is not None and req.peek.epoch == cache.epoch:
             return req.peek
-        if self.cache_enabled:
+        if self.uses_cache(req):
             req.peek = cache.peek(req.tokens, len(req.tokens) - 1)
         else:
             req.peek = PeekResult(cache.root, 0, 0, 0, 0, cache.epoch)
         return req.peek
+
+    def uses_cache(self, req: Req) -> bool:
+        """Whether `req` may start from a cached prefix: not when it wants the logprob of every
+        prompt token (those positions must be computed)."""
+        return self.cache_enabled and req.sampling.prompt_logprobs < 0
 
     def fresh_peek(self, req: Req) -> PeekResult:
         """Admission ignoring any cached state (used only when nothing runs and the hit itself cannot
@@ -105,7 +110,7 @@ class ReqResources:
         Returns "" on success or the refusal reason ("mamba_state", "kv") with everything undone;
         MambaCowAllocError propagates from the cache (which has undone its locks)."""
         assert peek.epoch == self.cache.epoch, "stale peek at admission"
-        if self.cache_enabled:
+        if self.uses_cache(req):
             match = self.cache.match_and_cow(req.tokens, len(req.tokens) - 1, peek)
         else:
             match = CowMatch(self.cache.root, 0, [], None, None)

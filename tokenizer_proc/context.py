@@ -16,9 +16,10 @@ from shared.config import ServerArgs
 from tokenizer_proc.generation import Backend, InFlight
 from tokenizer_proc.metrics import HttpMetrics
 from tokenizer_proc.tokenizer import TextTokenizer
-from tokenizer_proc.validation import Limits, PreparedRequest
+from tokenizer_proc.validation import Limits
 
 B = TypeVar("B")
+R = TypeVar("R")
 
 # Bodies larger than this are tokenised in a worker thread so the event loop keeps streaming.
 THREAD_TOKENIZE_BYTES = 64 * 1024
@@ -34,8 +35,8 @@ class AppContext:
     metrics: HttpMetrics = field(default_factory=HttpMetrics)
 
     async def prepare(
-        self, fn: Callable[[B, TextTokenizer, Limits], PreparedRequest], body: B, size: int
-    ) -> PreparedRequest:
+        self, fn: Callable[[B, TextTokenizer, Limits], R], body: B, size: int
+    ) -> R:
         if size > THREAD_TOKENIZE_BYTES:
             return await asyncio.to_thread(fn, body, self.tok, self.limits)
         return fn(body, self.tok, self.limits)

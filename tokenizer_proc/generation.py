@@ -69,6 +69,9 @@ class Piece:
     completion_tokens: int
     cached_tokens: int
     finish: Finish | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # alternatives of each of token_ids
+    prompt_logprobs: list[float] | None = None  # prompt tokens 1.. (first piece only, when asked)
+    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 class Reservation:
@@ -157,7 +160,8 @@ async def generate(
                     finish = Finish("stop", matched=stop) if stop is not None else _finish_of(out)
                 logprobs = _aligned_logprobs(out) if req.return_logprobs else None
                 done = finish is not None
-                yield Piece(text, list(out.token_ids), logprobs, len(req.input_ids), completion, cached, finish)
+                yield Piece(text, list(out.token_ids), logprobs, len(req.input_ids), completion, cached, finish,
+                            out.top_logprobs, out.prompt_logprobs, out.prompt_top_logprobs)
                 if done:
                     return
         done = True

@@ -46,6 +46,9 @@ class Accumulated:
     text: list[str] = field(default_factory=list)
     ids: list[int] = field(default_factory=list)
     logprobs: list[float | None] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    prompt_logprobs: list[float] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
     last: Piece | None = None
 
     def add(self, piece: Piece) -> None:
@@ -53,6 +56,11 @@ class Accumulated:
         self.ids.extend(piece.token_ids)
         if piece.logprobs is not None:
             self.logprobs.extend(piece.logprobs)
+        if piece.top_logprobs is not None:
+            self.top_logprobs.extend(piece.top_logprobs)
+        if piece.prompt_logprobs is not None:
+            self.prompt_logprobs = piece.prompt_logprobs
+            self.prompt_top_logprobs = piece.prompt_top_logprobs
         self.last = piece
 
 
@@ -87,7 +95,19 @@ def _payload(req: PreparedRequest, acc: Accumulated, started: float) -> dict[str
     }
     if req.return_logprobs:
         meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(acc.logprobs, acc.ids, strict=False)]
+        if req.sampling.top_logprobs:
+            meta["output_top_logprobs"] = [[[v, a, None] for a, v in top] for top in acc.top_logprobs]
+        if acc.prompt_logprobs is not None:
+            meta["input_token_logprobs"] = _input_logprobs(req, acc)
     return {"text": "".join(acc.text), "output_ids": list(acc.ids), "meta_info": meta}
+
+
+def _input_logprobs(req: PreparedRequest, acc: Accumulated) -> list[list[Any]]:
+    """SGLang's input_token_logprobs: [logprob, token id, null] from logprob_start_len on (the
+    first prompt token has logprob null)."""
+    lps = [None, *(acc.prompt_logprobs or [])]
+    rows = [[lp, t, None] for lp, t in zip(lps, req.input_ids, strict=False)]
+    return rows[req.logprob_start_len:]
 
 
 def error_of(finish: Finish | None) -> ApiError | None:

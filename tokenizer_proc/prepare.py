@@ -4,11 +4,21 @@ Pure functions of (body, tokenizer, limits); they may run in a worker thread for
 Defaults for max new tokens: /generate 128 (SGLang), /v1/completions 16 (OpenAI), chat: as many
 as the context allows (capped by --max-new-tokens-limit). Defaults are clamped to the context;
 explicit values that do not fit are rejected.
+
+The OpenAI endpoints prepare a list: one `PreparedRequest` per choice (`n` per prompt, several
+prompts on /v1/completions), indexed `prompt_index * n + i`. Choice i of a request with a seed
+samples with seed + i (so choices differ, and the whole response is reproducible); without a seed
+each choice's rid seeds it (worker_proc/sampling.py).
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+import msgspec
+
 from tokenizer_proc.chat_template import ChatTemplateError
+from tokenizer_proc.compat import check_chat_fields, check_completion_fields
 from tokenizer_proc.errors import bad_request
 from tokenizer_proc.schemas import ChatBody, CompletionBody, GenerateBody, NativeSamplingParams
 from tokenizer_proc.tokenizer import TextTokenizer
@@ -20,7 +30,6 @@ from tokenizer_proc.validation import (
     check_rid,
     check_token_ids,
     new_rid,
-    reject_unsupported,
     require,
 )
 
@@ -41,94 +50,151 @@ def prepare_generate(body: GenerateBody, tok: TextTokenizer, limits: Limits) -> 
     else:
         raise bad_request("one of text or input_ids is required", "text")
     sp = body.sampling_params or NativeSamplingParams()
+    require(sp.n == 1, f"sampling_params.n={sp.n} is not supported on /generate (use /v1/completions)",
+            "sampling_params.n")
+    for name in ("json_schema", "regex", "ebnf"):
+        require(getattr(sp, name) is None, f"sampling_params.{name}: structured output is not supported yet",
+                f"sampling_params.{name}")
+    require(body.logprob_start_len == -1 or body.logprob_start_len >= 0, "logprob_start_len must be -1 or >= 0",
+            "logprob_start_len")
     fields = SamplingFields(
         sp.max_new_tokens, sp.temperature, sp.top_p, sp.top_k, sp.min_p, sp.stop, sp.stop_token_ids,
-        sp.ignore_eos, sp.seed, prefix="sampling_params.",
+        sp.ignore_eos, sp.seed, prefix="sampling_params.", frequency_penalty=sp.frequency_penalty,
+        presence_penalty=sp.presence_penalty, repetition_penalty=sp.repetition_penalty,
+        min_tokens=sp.min_new_tokens, min_tokens_name="min_new_tokens",
+        top_logprobs=body.top_logprobs_num if body.return_logprob else 0, top_logprobs_name="top_logprobs_num",
+        prompt_logprobs=body.top_logprobs_num if body.return_logprob and body.logprob_start_len >= 0 else -1,
     )
     sampling, stops = build_sampling(fields, len(ids), GENERATE_DEFAULT_MAX_NEW, limits, tok, body.return_logprob)
     return PreparedRequest(
         rid=check_rid(body.rid) if body.rid is not None else new_rid(),
         input_ids=ids, sampling=sampling, stops=stops, skip_special_tokens=sp.skip_special_tokens,
         stream=body.stream, return_logprobs=body.return_logprob, priority=body.priority,
+        logprob_start_len=max(0, body.logprob_start_len),
     )
 
 
-def _prompt_ids(body: CompletionBody, tok: TextTokenizer, limits: Limits) -> list[int]:
+MAX_N = 128
+MAX_PROMPTS = 256
+
+
+def _one_prompt(prompt: str | list[int], tok: TextTokenizer, limits: Limits, param: str) -> tuple[list[int], str]:
+    """(token ids, text) of one prompt; text is the prompt string, or the decoded ids."""
+    if isinstance(prompt, str):
+        require(bool(prompt), f"{param} must not be empty", param)
+        ids = tok.encode(prompt)
+        require(bool(ids), f"{param} encodes to no tokens", param)
+        return ids, prompt
+    ids = check_token_ids(prompt, limits.vocab_size, param)
+    require(bool(ids), f"{param} must not be empty", param)
+    return ids, tok.decode(ids)
+
+
+def _prompts(body: CompletionBody, tok: TextTokenizer, limits: Limits) -> list[tuple[list[int], str]]:
+    """Every prompt of the request: a string, a list of token ids, or a batch (list) of either."""
     prompt = body.prompt
     if prompt is None:
         raise bad_request("prompt is required", "prompt")
     if isinstance(prompt, str):
-        text: str | None = prompt
-    elif prompt and all(isinstance(p, int) for p in prompt):
-        return check_token_ids(prompt, limits.vocab_size, "prompt")  # type: ignore[arg-type]
-    elif len(prompt) == 1 and isinstance(prompt[0], str):
-        text = prompt[0]
-    elif len(prompt) == 1 and isinstance(prompt[0], list):
-        ids = check_token_ids(prompt[0], limits.vocab_size, "prompt")
-        require(bool(ids), "prompt must not be empty", "prompt")
-        return ids
-    elif not prompt:
-        raise bad_request("prompt must not be empty", "prompt")
-    else:
-        raise bad_request("prompt must be a string, a list of token ids, or a list of one of those "
-                          "(batches of several prompts are not supported)", "prompt")
-    require(bool(text), "prompt must not be empty", "prompt")
-    ids = tok.encode(text or "")
-    require(bool(ids), "prompt encodes to no tokens", "prompt")
-    return ids
+        return [_one_prompt(prompt, tok, limits, "prompt")]
+    require(bool(prompt), "prompt must not be empty", "prompt")
+    if all(isinstance(p, int) for p in prompt):
+        return [_one_prompt(prompt, tok, limits, "prompt")]  # type: ignore[arg-type]
+    if any(isinstance(p, int) for p in prompt):
+        raise bad_request("prompt must be a string, a list of token ids, or a list of strings or of token-id "
+                          "lists (not a mix of ids and prompts)", "prompt")
+    require(len(prompt) <= MAX_PROMPTS, f"prompt has {len(prompt)} prompts; at most {MAX_PROMPTS}", "prompt")
+    return [_one_prompt(p, tok, limits, f"prompt[{i}]") for i, p in enumerate(prompt)]  # type: ignore[arg-type]
 
 
-def _common_openai_checks(body: CompletionBody | ChatBody) -> None:
-    require(body.n == 1, f"n={body.n} is not supported (only n=1)", "n")
-    reject_unsupported(body, {"frequency_penalty": 0.0, "presence_penalty": 0.0})
+def _check_common(body: CompletionBody | ChatBody) -> None:
+    require(1 <= body.n <= MAX_N, f"n must be in [1, {MAX_N}], got {body.n}", "n")
     require(body.stream or body.stream_options is None,
             "stream_options is only allowed with stream=true", "stream_options")
 
 
-def prepare_completion(body: CompletionBody, tok: TextTokenizer, limits: Limits) -> PreparedRequest:
-    _common_openai_checks(body)
-    reject_unsupported(body, {"echo": False, "best_of": 1})
-    require(body.suffix is None, "suffix is not supported", "suffix")
-    require(body.logprobs is None or body.logprobs == 0,
-            "logprobs: only 0 (the sampled token's log-probability) is supported", "logprobs")
-    ids = _prompt_ids(body, tok, limits)
-    fields = SamplingFields(
-        body.max_tokens, body.temperature, body.top_p, body.top_k, body.min_p, body.stop, body.stop_token_ids,
-        body.ignore_eos, body.seed, max_tokens_name="max_tokens",
-    )
+def _choices(base: PreparedRequest, n: int, prompt_index: int, several: bool) -> list[PreparedRequest]:
+    out = []
+    for i in range(n):
+        index = prompt_index * n + i
+        seed, sampling = base.sampling.seed, base.sampling
+        if seed is not None and i > 0:
+            sampling = msgspec.structs.replace(sampling, seed=(seed + i) % (1 << 63))
+        rid = f"{base.rid}-{index}" if several else base.rid
+        out.append(replace(base, rid=rid, sampling=sampling, index=index, prompt_index=prompt_index))
+    return out
+
+
+def prepare_completion(body: CompletionBody, tok: TextTokenizer, limits: Limits) -> list[PreparedRequest]:
+    _check_common(body)
+    check_completion_fields(body)
+    prompts = _prompts(body, tok, limits)
     want_logprobs = body.logprobs is not None
-    sampling, stops = build_sampling(fields, len(ids), COMPLETION_DEFAULT_MAX_TOKENS, limits, tok, want_logprobs)
-    return PreparedRequest(
-        rid=new_rid("cmpl-"), input_ids=ids, sampling=sampling, stops=stops,
-        skip_special_tokens=body.skip_special_tokens, stream=body.stream,
-        include_usage=bool(body.stream_options and body.stream_options.include_usage),
-        return_logprobs=want_logprobs,
-    )
+    top = body.logprobs or 0
+    rid = new_rid("cmpl-")
+    several = len(prompts) * body.n > 1
+    out: list[PreparedRequest] = []
+    for pi, (ids, text) in enumerate(prompts):
+        fields = SamplingFields(
+            body.max_tokens, body.temperature, body.top_p, body.top_k, body.min_p, body.stop, body.stop_token_ids,
+            body.ignore_eos, body.seed, max_tokens_name="max_tokens", **_openai_extras(body),
+            top_logprobs=top, top_logprobs_name="logprobs",
+            prompt_logprobs=top if body.echo and want_logprobs else -1,
+        )
+        sampling, stops = build_sampling(fields, len(ids), COMPLETION_DEFAULT_MAX_TOKENS, limits, tok, want_logprobs)
+        base = PreparedRequest(
+            rid=rid, input_ids=ids, sampling=sampling, stops=stops,
+            skip_special_tokens=body.skip_special_tokens, stream=body.stream,
+            include_usage=bool(body.stream_options and body.stream_options.include_usage),
+            return_logprobs=want_logprobs, echo=text if body.echo else None,
+        )
+        out.extend(_choices(base, body.n, pi, several))
+    return out
 
 
-def _chat_messages(body: ChatBody) -> list[dict[str, str]]:
+def _openai_extras(body: CompletionBody | ChatBody) -> dict[str, object]:
+    return {
+        "frequency_penalty": body.frequency_penalty, "presence_penalty": body.presence_penalty,
+        "repetition_penalty": body.repetition_penalty, "logit_bias": body.logit_bias,
+        "min_tokens": body.min_tokens,
+    }
+
+
+def _chat_messages(body: ChatBody) -> list[dict[str, object]]:
     if body.messages is None:
         raise bad_request("messages is required", "messages")
     require(bool(body.messages), "messages must not be empty", "messages")
-    out = []
+    out: list[dict[str, object]] = []
     for m in body.messages:
         if isinstance(m.content, list):
             content = "".join(part.text for part in m.content)
         else:
             content = m.content or ""
-        out.append({"role": m.role, "content": content})
+        msg: dict[str, object] = {"role": m.role, "content": content}
+        if m.name is not None:
+            msg["name"] = m.name
+        if m.tool_call_id is not None:
+            msg["tool_call_id"] = m.tool_call_id
+        if m.tool_calls:
+            msg["tool_calls"] = [
+                {"id": c.id, "type": "function",
+                 "function": {"name": c.function.name, "arguments": c.function.arguments}}
+                for c in m.tool_calls
+            ]
+        out.append(msg)
     return out
 
 
-def prepare_chat(body: ChatBody, tok: TextTokenizer, limits: Limits) -> PreparedRequest:
-    _common_openai_checks(body)
+def prepare_chat(body: ChatBody, tok: TextTokenizer, limits: Limits) -> list[PreparedRequest]:
+    _check_common(body)
+    check_chat_fields(body)
     require(body.max_tokens is None or body.max_completion_tokens is None,
             "give max_tokens or max_completion_tokens, not both", "max_completion_tokens")
-    require(not body.top_logprobs, "top_logprobs is not supported (only the sampled token's logprob)",
-            "top_logprobs")
+    require(body.logprobs or not body.top_logprobs, "top_logprobs requires logprobs=true", "top_logprobs")
     messages = _chat_messages(body)
     try:
-        text = tok.render_chat(messages)
+        text = tok.render_chat(messages, add_generation_prompt=body.add_generation_prompt,
+                               extra=body.chat_template_kwargs)
     except ChatTemplateError as e:
         raise bad_request(str(e), "messages") from e
     ids = tok.encode(text, add_special_tokens=False)
@@ -137,12 +203,14 @@ def prepare_chat(body: ChatBody, tok: TextTokenizer, limits: Limits) -> Prepared
     fields = SamplingFields(
         body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens,
         body.temperature, body.top_p, body.top_k, body.min_p, body.stop, body.stop_token_ids,
-        body.ignore_eos, body.seed, max_tokens_name=name,
+        body.ignore_eos, body.seed, max_tokens_name=name, **_openai_extras(body),
+        top_logprobs=body.top_logprobs or 0,
     )
     sampling, stops = build_sampling(fields, len(ids), None, limits, tok, body.logprobs)
-    return PreparedRequest(
+    base = PreparedRequest(
         rid=new_rid("chatcmpl-"), input_ids=ids, sampling=sampling, stops=stops,
         skip_special_tokens=body.skip_special_tokens, stream=body.stream,
         include_usage=bool(body.stream_options and body.stream_options.include_usage),
         return_logprobs=body.logprobs,
     )
+    return _choices(base, body.n, 0, body.n > 1)

@@ -1,0 +1,176 @@
+"""What real clients send beyond the basics, against a fake backend: unknown and harmless fields,
+model names, /v1/models/{id}, /tokenize and /detokenize, n > 1 and batches of prompts (indexes,
+seeds, usage, streaming), echo with prompt logprobs, top logprobs, streamed text_offset."""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.tokenizer.conftest import EOS, FakeBackend
+from tests.tokenizer.test_app import serve
+
+COMP, CHAT = "/v1/completions", "/v1/chat/completions"
+MSGS = [{"role": "user", "content": "hi"}]
+
+
+def _events(text: str) -> list[dict[str, Any]]:
+    lines = [ln[len("data: "):] for ln in text.splitlines() if ln.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(x) for x in lines[:-1]]
+
+
+def test_unknown_and_harmless_fields_are_accepted_and_logged(args, backend, tok, caplog) -> None:
+    harmless = {"metadata": {"k": "v"}, "store": False, "service_tier": "auto", "user": "u",
+                "reasoning_effort": "low", "prediction": {"type": "content", "content": "x"},
+                "modalities": ["text"], "parallel_tool_calls": True, "tool_choice": "none",
+                "response_format": {"type": "text"}}
+
+    async def check(c: httpx.AsyncClient) -> None:
+        with caplog.at_level(logging.WARNING, logger="tokenizer_proc.fields"):
+            r = await c.post(CHAT, json={"messages": MSGS, "max_tokens": 2, **harmless, "frobnicate": 1,
+                                         "x_other": {"deep": [1]}})
+            assert r.status_code == 200, r.text
+            r = await c.post("/generate", json={"text": "a", "sampling_params": {"max_new_tokens": 1, "warp": 9}})
+            assert r.status_code == 200, r.text
+
+    serve(args, backend, tok, check)
+    logged = " ".join(rec.getMessage() for rec in caplog.records)
+    assert "frobnicate" in logged and "x_other" in logged and "sampling_params.warp" in logged
+    assert "metadata" not in logged and "store" not in logged  # declared fields are not "unknown"
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    (CHAT, {"messages": MSGS, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+     "response_format"),
+    (CHAT, {"messages": MSGS, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    (COMP, {"prompt": "a", "guided_regex": "a+"}, "guided_regex"),
+    ("/generate", {"text": "a", "sampling_params": {"regex": "a+"}}, "sampling_params.regex"),
+])
+def test_fields_that_change_results_are_400_naming_them(args, backend, tok, path, body, param) -> None:
+    async def check(c: httpx.AsyncClient) -> None:
+        r = await c.post(path, json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+    serve(args, backend, tok, check)
+    assert backend.submitted == []
+
+
+def test_model_names(args, backend, tok) -> None:
+    async def check(c: httpx.AsyncClient) -> None:
+        r = await c.get(f"/v1/models/{args.model_name}")
+        assert r.status_code == 200 and r.json()["id"] == args.model_name and r.json()["object"] == "model"
+        r = await c.get("/v1/models/other-model")
+        assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+        assert "other-model" in r.json()["error"]["message"]
+        r = await c.post(COMP, json={"model": "other-model", "prompt": "a"})
+        assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+        for name in (args.model_name, args.model_path):
+            r = await c.post(COMP, json={"model": name, "prompt": "a", "max_tokens": 1})
+            assert r.status_code == 200, r.text
+
+    serve(args, backend, tok, check)
+
+
+def test_tokenize_and_detokenize(args, backend, tok) -> None:
+    async def check(c: httpx.AsyncClient) -> None:
+        r = (await c.post("/tokenize", json={"prompt": "hey", "return_token_strs": True})).json()
+        assert r["tokens"] == tok.encode("hey") and r["count"] == len(r["tokens"])
+        assert r["max_model_len"] > 0 and "".join(r["token_strs"]).endswith("hey")
+        r = (await c.post("/tokenize", json={"prompt": ["a", "bc"], "add_special_tokens": False})).json()
+        assert r["tokens"] == [[ord("a")], [ord("b"), ord("c")]] and r["count"] == [1, 2]
+        r = (await c.post("/tokenize", json={"messages": MSGS})).json()
+        assert r["tokens"] == tok.encode(tok.render_chat(MSGS), add_special_tokens=False)
+        r = (await c.post("/detokenize", json={"tokens": [ord("o"), ord("k")]})).json()
+        assert r == {"prompt": "ok", "text": "ok"}
+        r = await c.post("/detokenize", json={"tokens": [10**6]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
+        r = await c.post("/tokenize", json={})
+        assert r.status_code == 400 and "prompt" in r.json()["error"]["message"]
+
+    serve(args, backend, tok, check)
+
+
+def test_n_and_prompt_batches(args, backend, tok) -> None:
+    async def check(c: httpx.AsyncClient) -> None:
+        r = (await c.post(COMP, json={"prompt": ["ab", [ord("x"), ord("y"), ord("z")]], "n": 2, "max_tokens": 3,
+                                      "seed": 10})).json()
+        assert [ch["index"] for ch in r["choices"]] == [0, 1, 2, 3]
+        assert all(ch["text"] == "hel" for ch in r["choices"])
+        assert r["usage"]["prompt_tokens"] == len(tok.encode("ab")) + 3  # each prompt once
+        assert r["usage"]["completion_tokens"] == 12
+        assert not r["id"].endswith(("-0", "-1", "-2", "-3"))
+        r = (await c.post(CHAT, json={"messages": MSGS, "n": 3, "max_tokens": 2})).json()
+        assert [ch["index"] for ch in r["choices"]] == [0, 1, 2]
+        assert all(ch["message"]["content"] == "he" for ch in r["choices"])
+
+    serve(args, backend, tok, check)
+    comp = backend.submitted[:4]
+    assert [s.sampling.seed for s in comp] == [10, 11, 10, 11]  # choice i: seed + i, per prompt
+    assert comp[0].input_ids == comp[1].input_ids == tok.encode("ab")
+    assert comp[2].input_ids == [ord("x"), ord("y"), ord("z")]
+    assert len({s.rid for s in backend.submitted}) == 7
+    assert len({s.sampling.seed for s in backend.submitted[4:]}) == 1  # no seed: the rids differ instead
+
+
+def test_streamed_choices_and_usage(args, backend, tok) -> None:
+    async def check(c: httpx.AsyncClient) -> None:
+        r = await c.post(CHAT, json={"messages": MSGS, "n": 2, "max_tokens": 4, "stream": True,
+                                     "stream_options": {"include_usage": True}})
+        events = _events(r.text)
+        by_index: dict[int, list[dict[str, Any]]] = {0: [], 1: []}
+        for e in events[:-1]:
+            (ch,) = e["choices"]
+            by_index[ch["index"]].append(ch)
+        for chunks in by_index.values():
+            assert chunks[0]["delta"]["role"] == "assistant"
+            assert "".join(ch["delta"].get("content", "") for ch in chunks) == "hell"
+            assert [ch["finish_reason"] for ch in chunks][-1] == "length"
+        assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 8
+
+    serve(args, backend, tok, check)
+
+
+def test_echo_with_prompt_logprobs_and_top_logprobs(args, backend, tok) -> None:
+    prompt = [ord("a"), ord("b"), ord("c")]
+
+    async def check(c: httpx.AsyncClient) -> None:
+        # the shape lm-eval's loglikelihood sends
+        r = (await c.post(COMP, json={"prompt": [prompt], "max_tokens": 1, "logprobs": 1, "echo": True})).json()
+        (ch,) = r["choices"]
+        lp = ch["logprobs"]
+        assert ch["text"] == "abch"
+        assert lp["tokens"] == ["a", "b", "c", "h"]
+        assert lp["token_logprobs"] == [None, -1.0, -1.0, -0.5]
+        assert lp["top_logprobs"] == [None, {"b": -1.0}, {"c": -1.0}, {"h": -0.5}]
+        assert lp["text_offset"] == [0, 1, 2, 3]
+        r = (await c.post(CHAT, json={"messages": MSGS, "max_tokens": 2, "logprobs": True,
+                                      "top_logprobs": 2})).json()
+        content = r["choices"][0]["logprobs"]["content"]
+        assert [x["token"] for x in content] == ["h", "e"]
+        assert [[t["token"] for t in x["top_logprobs"]] for x in content] == [["h", tok.token_text(EOS)],
+                                                                             ["e", tok.token_text(EOS)]]
+
+    serve(args, backend, tok, check)
+    assert backend.submitted[0].sampling.prompt_logprobs == 1 and backend.submitted[0].sampling.top_logprobs == 1
+    assert backend.submitted[1].sampling.prompt_logprobs == -1 and backend.submitted[1].sampling.top_logprobs == 2
+
+
+def test_streamed_text_offset_continues(args, tok) -> None:
+    backend = FakeBackend(plan=lambda req: [[ord(ch)] for ch in "hello"])
+
+    async def check(c: httpx.AsyncClient) -> None:
+        r = await c.post(COMP, json={"prompt": "xy", "max_tokens": 5, "logprobs": 0, "stream": True, "echo": True})
+        events = _events(r.text)
+        offsets = [o for e in events for o in e["choices"][0]["logprobs"]["text_offset"]]
+        text = "".join(e["choices"][0]["text"] for e in events)
+        tokens = [t for e in events for t in e["choices"][0]["logprobs"]["tokens"]]
+        assert text == "xyhello"
+        assert offsets == [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+        assert tokens[-5:] == list("hello") and offsets[-5:] == [2, 3, 4, 5, 6]
+
+    serve(args, backend, tok, check)
