@@ -1,0 +1,127 @@
+"""The API as real clients use it, through a real launch.py: the openai SDK (n, top logprobs, echo,
+streamed text_offset, batches of prompts, /v1/models/{id}), lm-eval's loglikelihood request shape
+(prompt logprobs equal the model's own, across prefill chunks and after a cache hit), and the
+sampling controls (logit_bias, min_tokens, penalties) as they change real outputs."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+
+from tests.e2e.server import Server, running_server
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
+
+MODEL = "hyssm-tiny"
+EOS = 256
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[Server]:
+    # short prefill chunks so a prompt's logprobs are assembled from several slices
+    with running_server(["--random-seed", "0", "--dtype", "float32", "--chunked-prefill-size", "8",
+                         "--max-prefill-tokens", "64"]) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
+
+
+def _reference_prompt_logprobs(runner, ids: list[int]) -> list[float]:
+    import torch
+
+    from shared.messages import ForwardBatch, ReqSlice
+
+    sl = ReqSlice(rid="ref", input_ids=ids, start_pos=0, kv_slots=list(range(1, len(ids) + 1)), mamba_slot=1,
+                  sample=True)
+    logits = runner.forward_all_logits(ForwardBatch(step=0, reqs=[sl], clears=[1]))["ref"]
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return [logp[i, ids[i + 1]].item() for i in range(len(ids) - 1)]
+
+
+def test_loglikelihood_request_shape(server: Server, reference_runner) -> None:
+    ids = list(b"The quick brown fox jumps over the lazy dog")  # 43 tokens: six prefill chunks
+    body = {"model": MODEL, "prompt": [ids], "max_tokens": 1, "logprobs": 1, "echo": True, "temperature": 0}
+    want = _reference_prompt_logprobs(reference_runner, ids)
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        for _ in range(2):  # the second time the prompt is cached: its positions are still computed
+            r = c.post("/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            lp = r.json()["choices"][0]["logprobs"]
+            assert len(lp["tokens"]) == len(ids) + 1 and lp["token_logprobs"][0] is None
+            got = lp["token_logprobs"][1: len(ids)]
+            assert all(math.isclose(g, w, abs_tol=2e-3) for g, w in zip(got, want, strict=True)), (got, want)
+            assert lp["top_logprobs"][0] is None
+            for tok_lp, top in zip(lp["token_logprobs"][1:], lp["top_logprobs"][1:], strict=True):
+                assert max(top.values()) >= tok_lp - 1e-6 and 1 <= len(top) <= 2
+            assert lp["text_offset"] == list(range(len(ids) + 1))
+
+
+def test_openai_n_top_logprobs_and_batches(client: openai.OpenAI) -> None:
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("not-this-model")
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="not-this-model", prompt="a", max_tokens=1)
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], n=2,
+                                       max_tokens=4, logprobs=True, top_logprobs=3, seed=5, temperature=1.0,
+                                       metadata={"trace": "1"}, store=False, service_tier="auto")
+    assert [c.index for c in r.choices] == [0, 1]
+    for c in r.choices:
+        assert c.logprobs is not None and len(c.logprobs.content) == r.usage.completion_tokens // 2
+        for entry in c.logprobs.content:
+            assert len(entry.top_logprobs) == 3
+            assert entry.top_logprobs[0].logprob >= entry.logprob - 1e-6
+    again = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], n=2,
+                                           max_tokens=4, seed=5, temperature=1.0)
+    assert [c.message.content for c in again.choices] == [c.message.content for c in r.choices]
+    b = client.completions.create(model=MODEL, prompt=["one", "two", "three"], max_tokens=3, temperature=0)
+    assert [c.index for c in b.choices] == [0, 1, 2]
+    for i, p in enumerate(["one", "two", "three"]):
+        alone = client.completions.create(model=MODEL, prompt=p, max_tokens=3, temperature=0)
+        assert b.choices[i].text == alone.choices[0].text
+
+
+def test_openai_stream_text_offset_and_echo(client: openai.OpenAI) -> None:
+    whole = client.completions.create(model=MODEL, prompt="Hello", max_tokens=6, temperature=0, logprobs=2,
+                                      echo=True)
+    lp = whole.choices[0].logprobs
+    assert whole.choices[0].text.startswith("Hello") and lp.token_logprobs[0] is None
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    offsets, text = [], ""
+    for chunk in client.completions.create(model=MODEL, prompt="Hello", max_tokens=6, temperature=0, logprobs=2,
+                                           echo=True, stream=True):
+        if chunk.choices:
+            text += chunk.choices[0].text
+            offsets += chunk.choices[0].logprobs.text_offset
+    assert text == whole.choices[0].text and offsets == lp.text_offset
+
+
+def test_sampling_controls_change_outputs(client: openai.OpenAI, server: Server) -> None:
+    base = {"model": MODEL, "prompt": "abc", "max_tokens": 6, "temperature": 0}
+    forced = client.completions.create(**base, logit_bias={str(ord("z")): 100})
+    assert forced.choices[0].text == "zzzzzz"
+    # min_tokens holds EOS back even when it is forced
+    r = client.completions.create(**base, logit_bias={str(EOS): 100}, extra_body={"min_tokens": 3,
+                                                                                   "skip_special_tokens": False})
+    assert r.usage.completion_tokens == 4 and r.choices[0].finish_reason == "stop"
+    # a frequency penalty stops the biased token from repeating once its count outweighs the bias
+    eight = {**base, "max_tokens": 8, "logit_bias": {str(ord("z")): 15}}
+    plain = client.completions.create(**eight)
+    pen = client.completions.create(**eight, frequency_penalty=2.0)
+    assert plain.choices[0].text == "z" * 8 and pen.choices[0].text.count("z") < 8
+    rep = client.completions.create(**base, extra_body={"repetition_penalty": 5.0})
+    again = client.completions.create(**base, extra_body={"repetition_penalty": 5.0})
+    assert rep.choices[0].text == again.choices[0].text  # deterministic
+    with httpx.Client(base_url=server.url, timeout=30) as c:
+        r = c.post("/v1/completions", json={**base, "presence_penalty": 9})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "presence_penalty"
+        r = c.post("/tokenize", json={"prompt": "abc", "add_special_tokens": False})
+        assert r.json()["tokens"] == list(b"abc")
+        assert c.post("/detokenize", json={"tokens": list(b"abc")}).json()["text"] == "abc"
