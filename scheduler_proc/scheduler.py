@@ -300,7 +300,9 @@ class Scheduler:
         logprobs = [lp] if lp is not None else None
         sp = r.sampling
         top = [result.top_logprobs.get(r.rid, [])] if sp.top_logprobs else None
-        if (not sp.ignore_eos and tok in self._eos) or tok in sp.stop_token_ids:
+        if (error := result.grammar_errors.get(r.rid)) is not None:
+            return self._finish(r, "error", [tok], logprobs=logprobs, error=error, top=top)
+        if (not sp.ignore_eos and tok in self._eos) or tok in sp.stop_token_ids or r.rid in result.grammar_done:
             return self._finish(r, "stop", [tok], matched=tok, logprobs=logprobs, top=top)
         if r.num_output >= sp.max_new_tokens:
             return self._finish(r, "length", [tok], logprobs=logprobs, top=top)

@@ -14,6 +14,17 @@ import msgspec
 FinishReason = Literal["stop", "length", "abort", "error"]
 
 
+class GrammarSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """A constraint on the output (structured output), as the client gave it: validated by the
+    tokenizer process, compiled by worker rank 0 (worker_proc/grammar.py, one compilation per
+    distinct spec). `source`: the JSON schema (JSON text), the regex or the EBNF grammar (empty for
+    json_object); `strict`: a json_schema object allows no properties beyond the schema's."""
+
+    kind: Literal["json_schema", "json_object", "regex", "ebnf"]
+    source: str = ""
+    strict: bool = True
+
+
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     """Per-request sampling. Validated by the tokenizer process before a request is accepted."""
 
@@ -35,19 +46,25 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     repetition_penalty: float = 1.0  # tokens of prompt and output: logit / p if positive, x p if not
     logit_bias: dict[int, float] = {}  # added to the logits before sampling
     min_tokens: int = 0  # EOS and stop_token_ids are masked until this many tokens were generated
+    grammar: GrammarSpec | None = None  # the output must match it; the request stops when it is complete
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
 
     @property
-    def needs_history(self) -> bool:
-        """The sampler needs the request's tokens so far (ReqSlice.history) for its penalties."""
+    def has_penalties(self) -> bool:
         return self.frequency_penalty != 0.0 or self.presence_penalty != 0.0 or self.repetition_penalty != 1.0
 
     @property
+    def needs_history(self) -> bool:
+        """The sampler needs the request's tokens so far (ReqSlice.history): for its penalties, and
+        to bring a grammar matcher up to date when it is not (worker_proc/grammar.py)."""
+        return self.has_penalties or self.grammar is not None
+
+    @property
     def processes_logits(self) -> bool:
-        return self.needs_history or bool(self.logit_bias) or self.min_tokens > 0
+        return self.has_penalties or bool(self.logit_bias) or self.min_tokens > 0
 
 
 # ---------------------------------------------------------------- tokenizer -> scheduler
@@ -282,6 +299,8 @@ class StepResult(msgspec.Struct, tag=True, kw_only=True):
     # per prompt-logprob slice: the logprob of the token after each of its positions, and alternatives
     prompt_logprobs: dict[str, list[float]] = {}
     prompt_top_logprobs: dict[str, list[list[tuple[int, float]]]] = {}
+    grammar_done: list[str] = []  # requests whose grammar is complete with this step's token
+    grammar_errors: dict[str, str] = {}  # requests whose grammar could not go on (they end with an error)
     refused: list[str] = []
     error: str | None = None
     elapsed_s: float = 0.0

@@ -1,6 +1,6 @@
 """Declared OpenAI fields whose requested behaviour this server cannot give: a 400 naming the field.
 
-Rule: a field that would change the result (structured output, tools, suffix, best_of > n) is never
+Rule: a field that would change the result (tools, suffix, best_of > n) is never
 silently ignored; a field that changes nothing here is declared in schemas.py and ignored. Values
 that mean "the default behaviour" (`response_format: {"type": "text"}`, `tool_choice: "none"`, an
 empty `tools` list, `best_of == n`) are accepted.
@@ -12,23 +12,7 @@ from tokenizer_proc.errors import bad_request
 from tokenizer_proc.schemas import ChatBody, CompletionBody
 
 
-def _check_structured(body: CompletionBody | ChatBody) -> None:
-    rf = body.response_format
-    if rf is not None:
-        kind = rf.get("type")
-        if kind not in ("text", "json_object", "json_schema"):
-            raise bad_request(f"response_format.type must be text, json_object or json_schema, got {kind!r}",
-                              "response_format")
-        if kind != "text":
-            raise bad_request(f"response_format {kind!r}: structured output is not supported by this server",
-                              "response_format")
-    for name in ("guided_json", "guided_regex"):
-        if getattr(body, name) is not None:
-            raise bad_request(f"{name}: structured output is not supported by this server", name)
-
-
 def check_completion_fields(body: CompletionBody) -> None:
-    _check_structured(body)
     if body.suffix:
         raise bad_request("suffix is not supported: the model has no fill-in-the-middle format", "suffix")
     if body.best_of is not None and body.best_of != body.n:
@@ -36,7 +20,6 @@ def check_completion_fields(body: CompletionBody) -> None:
 
 
 def check_chat_fields(body: ChatBody) -> None:
-    _check_structured(body)
     if body.functions is not None or body.function_call is not None:
         raise bad_request("functions/function_call are deprecated and not supported; use tools", "functions")
     if body.tools and body.tool_choice != "none":

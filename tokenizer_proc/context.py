@@ -35,9 +35,11 @@ class AppContext:
     metrics: HttpMetrics = field(default_factory=HttpMetrics)
 
     async def prepare(
-        self, fn: Callable[[B, TextTokenizer, Limits], R], body: B, size: int
+        self, fn: Callable[[B, TextTokenizer, Limits], R], body: B, size: int, threaded: bool = False
     ) -> R:
-        if size > THREAD_TOKENIZE_BYTES:
+        """fn(body, ...), in a worker thread for large bodies and when `threaded` (work that may
+        block: grammar validation)."""
+        if size > THREAD_TOKENIZE_BYTES or threaded:
             return await asyncio.to_thread(fn, body, self.tok, self.limits)
         return fn(body, self.tok, self.limits)
 

@@ -36,6 +36,7 @@ from tokenizer_proc.http_util import (
 )
 from tokenizer_proc.prepare import prepare_generate
 from tokenizer_proc.schemas import GenerateBody
+from tokenizer_proc.structured import needs_grammar
 from tokenizer_proc.validation import PreparedRequest, decode_body
 
 
@@ -140,7 +141,8 @@ async def generate_endpoint(request: Request) -> Response:
     ctx = get_ctx(request)
     started = time.monotonic()
     data = await read_body(request, ctx.args.max_body_bytes)
-    req = await ctx.prepare(prepare_generate, decode_body(data, GenerateBody), len(data))
+    body = decode_body(data, GenerateBody)
+    req = await ctx.prepare(prepare_generate, body, len(data), needs_grammar(body))
     return await respond(
         ctx, req, request, lambda pieces: _events(pieces, req, started), error_of,
         lambda acc: _payload(req, acc, started),

@@ -35,6 +35,7 @@ from tokenizer_proc.logprobs import CompletionLogprobs, chat_logprobs, merge_com
 from tokenizer_proc.native import Accumulated
 from tokenizer_proc.prepare import prepare_chat, prepare_completion
 from tokenizer_proc.schemas import ChatBody, CompletionBody
+from tokenizer_proc.structured import needs_grammar
 from tokenizer_proc.validation import PreparedRequest, decode_body
 
 
@@ -166,7 +167,7 @@ async def _serve(request: Request, chat: bool) -> Response:
     body: ChatBody | CompletionBody = decode_body(data, ChatBody if chat else CompletionBody)
     check_model(ctx, body.model)
     prepare = prepare_chat if chat else prepare_completion
-    reqs = await ctx.prepare(prepare, body, len(data))  # type: ignore[arg-type]
+    reqs = await ctx.prepare(prepare, body, len(data), needs_grammar(body))  # type: ignore[arg-type]
     fmt = _Format(ctx, reqs, chat)
     return await respond_choices(ctx, reqs, request, lambda pieces: _events(fmt, pieces), openai_error, fmt.whole)
 

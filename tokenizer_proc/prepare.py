@@ -17,10 +17,12 @@ from dataclasses import replace
 
 import msgspec
 
+from shared.messages import GrammarSpec
 from tokenizer_proc.chat_template import ChatTemplateError
 from tokenizer_proc.compat import check_chat_fields, check_completion_fields
 from tokenizer_proc.errors import bad_request
 from tokenizer_proc.schemas import ChatBody, CompletionBody, GenerateBody, NativeSamplingParams
+from tokenizer_proc.structured import native_grammar, openai_grammar
 from tokenizer_proc.tokenizer import TextTokenizer
 from tokenizer_proc.validation import (
     Limits,
@@ -52,9 +54,6 @@ def prepare_generate(body: GenerateBody, tok: TextTokenizer, limits: Limits) -> 
     sp = body.sampling_params or NativeSamplingParams()
     require(sp.n == 1, f"sampling_params.n={sp.n} is not supported on /generate (use /v1/completions)",
             "sampling_params.n")
-    for name in ("json_schema", "regex", "ebnf"):
-        require(getattr(sp, name) is None, f"sampling_params.{name}: structured output is not supported yet",
-                f"sampling_params.{name}")
     require(body.logprob_start_len == -1 or body.logprob_start_len >= 0, "logprob_start_len must be -1 or >= 0",
             "logprob_start_len")
     fields = SamplingFields(
@@ -64,6 +63,7 @@ def prepare_generate(body: GenerateBody, tok: TextTokenizer, limits: Limits) -> 
         min_tokens=sp.min_new_tokens, min_tokens_name="min_new_tokens",
         top_logprobs=body.top_logprobs_num if body.return_logprob else 0, top_logprobs_name="top_logprobs_num",
         prompt_logprobs=body.top_logprobs_num if body.return_logprob and body.logprob_start_len >= 0 else -1,
+        grammar=native_grammar(sp),
     )
     sampling, stops = build_sampling(fields, len(ids), GENERATE_DEFAULT_MAX_NEW, limits, tok, body.return_logprob)
     return PreparedRequest(
@@ -129,6 +129,7 @@ def prepare_completion(body: CompletionBody, tok: TextTokenizer, limits: Limits)
     _check_common(body)
     check_completion_fields(body)
     prompts = _prompts(body, tok, limits)
+    grammar = openai_grammar(body)
     want_logprobs = body.logprobs is not None
     top = body.logprobs or 0
     rid = new_rid("cmpl-")
@@ -137,7 +138,7 @@ def prepare_completion(body: CompletionBody, tok: TextTokenizer, limits: Limits)
     for pi, (ids, text) in enumerate(prompts):
         fields = SamplingFields(
             body.max_tokens, body.temperature, body.top_p, body.top_k, body.min_p, body.stop, body.stop_token_ids,
-            body.ignore_eos, body.seed, max_tokens_name="max_tokens", **_openai_extras(body),
+            body.ignore_eos, body.seed, max_tokens_name="max_tokens", **_openai_extras(body, grammar),
             top_logprobs=top, top_logprobs_name="logprobs",
             prompt_logprobs=top if body.echo and want_logprobs else -1,
         )
@@ -152,11 +153,11 @@ def prepare_completion(body: CompletionBody, tok: TextTokenizer, limits: Limits)
     return out
 
 
-def _openai_extras(body: CompletionBody | ChatBody) -> dict[str, object]:
+def _openai_extras(body: CompletionBody | ChatBody, grammar: GrammarSpec | None) -> dict[str, object]:
     return {
         "frequency_penalty": body.frequency_penalty, "presence_penalty": body.presence_penalty,
         "repetition_penalty": body.repetition_penalty, "logit_bias": body.logit_bias,
-        "min_tokens": body.min_tokens,
+        "min_tokens": body.min_tokens, "grammar": grammar,
     }
 
 
@@ -192,6 +193,7 @@ def prepare_chat(body: ChatBody, tok: TextTokenizer, limits: Limits) -> list[Pre
             "give max_tokens or max_completion_tokens, not both", "max_completion_tokens")
     require(body.logprobs or not body.top_logprobs, "top_logprobs requires logprobs=true", "top_logprobs")
     messages = _chat_messages(body)
+    grammar = openai_grammar(body)
     try:
         text = tok.render_chat(messages, add_generation_prompt=body.add_generation_prompt,
                                extra=body.chat_template_kwargs)
@@ -203,7 +205,7 @@ def prepare_chat(body: ChatBody, tok: TextTokenizer, limits: Limits) -> list[Pre
     fields = SamplingFields(
         body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens,
         body.temperature, body.top_p, body.top_k, body.min_p, body.stop, body.stop_token_ids,
-        body.ignore_eos, body.seed, max_tokens_name=name, **_openai_extras(body),
+        body.ignore_eos, body.seed, max_tokens_name=name, **_openai_extras(body, grammar),
         top_logprobs=body.top_logprobs or 0,
     )
     sampling, stops = build_sampling(fields, len(ids), None, limits, tok, body.logprobs)

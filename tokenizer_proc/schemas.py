@@ -95,6 +95,7 @@ class _OpenAIBody(_Body):
     response_format: dict[str, Any] | None = None
     guided_json: str | dict[str, Any] | None = None
     guided_regex: str | None = None
+    guided_choice: list[str] | None = None
     # accepted and ignored: they change nothing a model server computes
     metadata: dict[str, Any] | None = None
     store: bool | None = None

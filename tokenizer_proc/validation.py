@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 import msgspec
 
 from shared.config import ServerArgs
-from shared.messages import SamplingParams
+from shared.messages import GrammarSpec, SamplingParams
 from tokenizer_proc.errors import ApiError, bad_request
 from tokenizer_proc.fields import warn_unknown
 from tokenizer_proc.tokenizer import TextTokenizer
@@ -87,6 +87,7 @@ class SamplingFields:
     top_logprobs: int = 0
     top_logprobs_name: str = "top_logprobs"
     prompt_logprobs: int = -1
+    grammar: GrammarSpec | None = None
 
 
 def decode_body(data: bytes, body_type: type[T]) -> T:
@@ -182,6 +183,7 @@ def _extra_params(f: SamplingFields, max_new: int, limits: Limits) -> dict[str, 
     out: dict[str, Any] = {
         "logit_bias": _logit_bias(f.logit_bias, limits.vocab_size, p + "logit_bias"),
         "min_tokens": f.min_tokens, "top_logprobs": f.top_logprobs, "prompt_logprobs": f.prompt_logprobs,
+        "grammar": f.grammar,
     }
     for key in ("frequency_penalty", "presence_penalty", "repetition_penalty"):
         if (value := getattr(f, key)) is not None:

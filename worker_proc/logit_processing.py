@@ -46,7 +46,7 @@ def _counts(rows: list[int], reqs: Sequence[SampleRequest], vocab: int, device: 
 
 
 def _penalties(x: torch.Tensor, reqs: Sequence[SampleRequest]) -> None:
-    rows = [i for i, r in enumerate(reqs) if r.params.needs_history]
+    rows = [i for i, r in enumerate(reqs) if r.params.has_penalties]
     if not rows:
         return
     vocab, dev = x.shape[-1], x.device

@@ -22,6 +22,7 @@ import torch
 
 from shared.messages import ForwardBatch, ReqSlice, SamplingParams, StepResult
 from shared.model_info import ModelInfo
+from worker_proc.grammar import GrammarRuntime
 from worker_proc.kernels import get_ops
 from worker_proc.loader import load_model
 from worker_proc.model import StepBatch, build_step_batch
@@ -78,6 +79,7 @@ class ModelRunner:
         self.model.set_batch_invariant(deterministic)
         self.deterministic = deterministic
         self.kv_mirror = KVSlotMirror()  # slot lists of the last batch run (ReqSlice.kv_reuse)
+        self.grammars = GrammarRuntime(model_dir, self.model_info.vocab_size, self.model_info.eos_token_ids)
 
     def _default_budget(self) -> int:
         if self.device.type == "cuda":
@@ -160,8 +162,13 @@ class ModelRunner:
             rows = logits[torch.tensor(sample_rows, dtype=torch.int64, device=logits.device)]
             want = any(s.params.logprobs or s.params.top_logprobs for s in sreqs)
             eos = tuple(self.model_info.eos_token_ids)
-            tokens, lps = sample(rows, sreqs, self.seed, want_logprobs=want, eos_ids=eos)
+            errors: dict[str, str] = {}
+            constrain = self.grammars.constrain(sreqs, errors) if any(s.params.grammar for s in sreqs) else None
+            tokens, lps = sample(rows, sreqs, self.seed, want_logprobs=want, eos_ids=eos, constrain=constrain)
             out["next_tokens"] = {s.rid: t for s, t in zip(sreqs, tokens, strict=True)}
+            if constrain is not None or errors:
+                out["grammar_done"] = self.grammars.accept(sreqs, tokens, errors)
+                out["grammar_errors"] = errors
             if lps is not None:
                 out["logprobs"] = {s.rid: lp for s, lp in zip(sreqs, lps, strict=True) if s.params.logprobs}
             ks = [s.params.top_logprobs for s in sreqs]

@@ -11,6 +11,7 @@ distribution. Penalties, logit_bias and min_tokens (logit_processing.py) change 
 from __future__ import annotations
 
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -61,11 +62,16 @@ def filter_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.T
 
 def sample(
     logits: torch.Tensor, reqs: list[SampleRequest], base_seed: int = 0, want_logprobs: bool = False,
-    eos_ids: tuple[int, ...] = (),
+    eos_ids: tuple[int, ...] = (), constrain: Callable[[torch.Tensor], None] | None = None,
 ) -> tuple[list[int], list[float] | None]:
     """Pick one token per row of `logits` [B, V] (float32). Returns (tokens, logprobs or None).
-    `eos_ids`: the model's EOS tokens (masked while a request is below its min_tokens)."""
+    `eos_ids`: the model's EOS tokens (masked while a request is below its min_tokens);
+    `constrain`: masks the processed logits in place (grammar token masks), before any choice."""
     chosen_from = process_logits(logits, reqs, eos_ids)
+    if constrain is not None:
+        if chosen_from is logits:
+            chosen_from = logits.clone()
+        constrain(chosen_from)
     tokens = torch.argmax(chosen_from, dim=-1)
     random_rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
     if random_rows:

@@ -44,17 +44,28 @@ def test_unknown_and_harmless_fields_are_accepted_and_logged(args, backend, tok,
     assert "metadata" not in logged and "store" not in logged  # declared fields are not "unknown"
 
 
-@pytest.mark.parametrize(("path", "body", "param"), [
+@pytest.mark.parametrize(("path", "body", "param", "text"), [
     (CHAT, {"messages": MSGS, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
-     "response_format"),
-    (CHAT, {"messages": MSGS, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    (COMP, {"prompt": "a", "guided_regex": "a+"}, "guided_regex"),
-    ("/generate", {"text": "a", "sampling_params": {"regex": "a+"}}, "sampling_params.regex"),
+     "response_format", "schema"),
+    (CHAT, {"messages": MSGS, "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": 5}}}},
+     "response_format.json_schema.schema", "Type should be a string"),
+    (CHAT, {"messages": MSGS, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "tools"),
+    (COMP, {"prompt": "a", "guided_regex": "a("}, "guided_regex", "parenthesis"),
+    (COMP, {"prompt": "a", "guided_json": "{not json"}, "guided_json", "JSON"),
+    (COMP, {"prompt": "a", "guided_choice": []}, "guided_choice", "non-empty"),
+    (COMP, {"prompt": "a", "guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex",
+     "one output constraint"),
+    ("/generate", {"text": "a", "sampling_params": {"regex": "[a-"}}, "sampling_params.regex", "regex"),
+    ("/generate", {"text": "a", "sampling_params": {"ebnf": "root ::= x"}}, "sampling_params.ebnf", "not defined"),
+    ("/generate", {"text": "a", "sampling_params": {"json_schema": "[1"}}, "sampling_params.json_schema", "JSON"),
+    ("/generate", {"text": "a", "sampling_params": {"regex": "a", "ebnf": "root ::= \"a\""}},
+     "sampling_params.ebnf", "one of"),
 ])
-def test_fields_that_change_results_are_400_naming_them(args, backend, tok, path, body, param) -> None:
+def test_fields_that_change_results_are_400_naming_them(args, backend, tok, path, body, param, text) -> None:
     async def check(c: httpx.AsyncClient) -> None:
         r = await c.post(path, json=body)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+        assert text in r.json()["error"]["message"]
 
     serve(args, backend, tok, check)
     assert backend.submitted == []
