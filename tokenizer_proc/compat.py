@@ -1,9 +1,8 @@
 """Declared OpenAI fields whose requested behaviour this server cannot give: a 400 naming the field.
 
-Rule: a field that would change the result (tools, suffix, best_of > n) is never
-silently ignored; a field that changes nothing here is declared in schemas.py and ignored. Values
-that mean "the default behaviour" (`response_format: {"type": "text"}`, `tool_choice: "none"`, an
-empty `tools` list, `best_of == n`) are accepted.
+Rule: a field that would change the result (suffix, best_of > n, the deprecated functions) is never
+silently ignored; a field that changes nothing here is declared in schemas.py and ignored.
+`best_of == n` means the default behaviour and is accepted.
 """
 
 from __future__ import annotations
@@ -22,7 +21,3 @@ def check_completion_fields(body: CompletionBody) -> None:
 def check_chat_fields(body: ChatBody) -> None:
     if body.functions is not None or body.function_call is not None:
         raise bad_request("functions/function_call are deprecated and not supported; use tools", "functions")
-    if body.tools and body.tool_choice != "none":
-        raise bad_request("tools are not supported by this server (only tool_choice='none')", "tools")
-    if body.tool_choice is not None and body.tool_choice not in ("none", "auto") and not body.tools:
-        raise bad_request("tool_choice requires tools", "tool_choice")

@@ -36,6 +36,7 @@ from tokenizer_proc.native import Accumulated
 from tokenizer_proc.prepare import prepare_chat, prepare_completion
 from tokenizer_proc.schemas import ChatBody, CompletionBody
 from tokenizer_proc.structured import needs_grammar
+from tokenizer_proc.tools import ToolStream, parse_output
 from tokenizer_proc.validation import PreparedRequest, decode_body
 
 
@@ -66,6 +67,7 @@ class _Format:
         self.object = "chat.completion" if chat else "text_completion"
         self.started = [False] * len(reqs)
         self.lp = [CompletionLogprobs(ctx.tok, r.sampling.top_logprobs) for r in reqs]
+        self.tool_streams = [ToolStream(r.tool_plan) if r.tool_plan is not None else None for r in reqs]
 
     def envelope(self, choices: list[dict[str, Any]], chunk: bool) -> dict[str, Any]:
         obj = self.object + (".chunk" if chunk and self.chat else "")
@@ -92,17 +94,32 @@ class _Format:
         first = not self.started[pos]
         self.started[pos] = True
         c: dict[str, Any] = {"index": req.index}
+        calls: list[dict[str, Any]] = []
         if self.chat and chunk:
             delta: dict[str, Any] = {"role": "assistant"} if first else {}
+            if (ts := self.tool_streams[pos]) is not None:
+                text = ts.feed(text)
+                if finish is not None:
+                    rest, calls = ts.finish()
+                    text += rest
             if text or first:
                 delta["content"] = text
+            if calls:
+                delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(calls)]
             c["delta"] = delta
         elif self.chat:
-            c["message"] = {"role": "assistant", "content": text}
+            content: str | None = text
+            if req.tool_plan is not None:
+                content, calls = parse_output(req.tool_plan, text)
+            c["message"] = {"role": "assistant", "content": content}
+            if calls:
+                c["message"]["tool_calls"] = calls
         else:
             c["text"] = (req.echo or "") + text if first else text
         c["logprobs"] = self._logprobs(pos, acc, first)
         c.update(_finish_fields(finish))
+        if calls:
+            c["finish_reason"] = "tool_calls"
         return c
 
     def usage(self, lasts: list[Piece]) -> dict[str, Any]:
@@ -138,7 +155,10 @@ async def _events(fmt: _Format, pieces: AsyncGenerator[tuple[int, Piece], None])
                 first = not fmt.started[pos]
                 if not (piece.text or piece.finish or first or fmt.reqs[pos].return_logprobs):
                     continue  # nothing to show yet (bytes of an unfinished character, a stop prefix)
-                yield sse(fmt.envelope([fmt.choice(pos, piece.text, piece, piece.finish, True)], True))
+                choice = fmt.choice(pos, piece.text, piece, piece.finish, True)
+                news = not fmt.chat or choice["delta"] or choice["finish_reason"] or choice["logprobs"]
+                if news:  # a tool call being held back sends nothing until it is complete
+                    yield sse(fmt.envelope([choice], True))
                 if piece.finish is not None:
                     lasts[pos] = piece
                     if len(lasts) == len(fmt.reqs) and fmt.req.include_usage:

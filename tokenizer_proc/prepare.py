@@ -24,6 +24,7 @@ from tokenizer_proc.errors import bad_request
 from tokenizer_proc.schemas import ChatBody, CompletionBody, GenerateBody, NativeSamplingParams
 from tokenizer_proc.structured import native_grammar, openai_grammar
 from tokenizer_proc.tokenizer import TextTokenizer
+from tokenizer_proc.tools import plan_tools, template_message_calls
 from tokenizer_proc.validation import (
     Limits,
     PreparedRequest,
@@ -177,11 +178,11 @@ def _chat_messages(body: ChatBody) -> list[dict[str, object]]:
         if m.tool_call_id is not None:
             msg["tool_call_id"] = m.tool_call_id
         if m.tool_calls:
-            msg["tool_calls"] = [
+            msg["tool_calls"] = template_message_calls([
                 {"id": c.id, "type": "function",
                  "function": {"name": c.function.name, "arguments": c.function.arguments}}
                 for c in m.tool_calls
-            ]
+            ])
         out.append(msg)
     return out
 
@@ -193,10 +194,15 @@ def prepare_chat(body: ChatBody, tok: TextTokenizer, limits: Limits) -> list[Pre
             "give max_tokens or max_completion_tokens, not both", "max_completion_tokens")
     require(body.logprobs or not body.top_logprobs, "top_logprobs requires logprobs=true", "top_logprobs")
     messages = _chat_messages(body)
+    plan = plan_tools(body)
     grammar = openai_grammar(body)
+    if plan.grammar is not None:
+        require(grammar is None, "response_format cannot be combined with a required or named tool_choice",
+                "response_format")
+        grammar = plan.grammar
     try:
         text = tok.render_chat(messages, add_generation_prompt=body.add_generation_prompt,
-                               extra=body.chat_template_kwargs)
+                               extra=body.chat_template_kwargs, tools=plan.template_tools)
     except ChatTemplateError as e:
         raise bad_request(str(e), "messages") from e
     ids = tok.encode(text, add_special_tokens=False)
@@ -213,6 +219,6 @@ def prepare_chat(body: ChatBody, tok: TextTokenizer, limits: Limits) -> list[Pre
         rid=new_rid("chatcmpl-"), input_ids=ids, sampling=sampling, stops=stops,
         skip_special_tokens=body.skip_special_tokens, stream=body.stream,
         include_usage=bool(body.stream_options and body.stream_options.include_usage),
-        return_logprobs=body.logprobs,
+        return_logprobs=body.logprobs, tool_plan=plan if plan.mode else None,
     )
     return _choices(base, body.n, 0, body.n > 1)
