@@ -2,8 +2,8 @@
 processes (drive it with httpx.ASGITransport and a fake Backend).
 
 Routes: POST /generate (native.py); POST /v1/completions, POST /v1/chat/completions,
-GET /v1/models, GET /v1/models/{id} (openai_api.py); POST /tokenize, POST /detokenize
-(tokenize_api.py); GET /health, GET /get_server_info, GET /get_model_info,
+GET /v1/models, GET /v1/models/{id} (openai_api.py); POST /tokenize, POST /detokenize,
+GET /tokenizer_info (tokenize_api.py); GET /health, GET /get_server_info, GET /get_model_info,
 GET|POST /flush_cache, GET /metrics (here). With `--api-key`, every route except /health and
 /metrics requires `Authorization: Bearer <key>` (401 otherwise). Every error body is
 `{"error": {"message", "type", "param", "code"}}`.
@@ -35,7 +35,7 @@ from tokenizer_proc.http_util import ClientGoneResponse, json_response
 from tokenizer_proc.metrics import render_metrics
 from tokenizer_proc.native import generate_endpoint
 from tokenizer_proc.openai_api import chat_endpoint, completions_endpoint, model_endpoint, models_endpoint
-from tokenizer_proc.tokenize_api import detokenize_endpoint, tokenize_endpoint
+from tokenizer_proc.tokenize_api import detokenize_endpoint, tokenize_endpoint, tokenizer_info_endpoint
 from tokenizer_proc.tokenizer import TextTokenizer
 from tokenizer_proc.validation import Limits
 
@@ -175,6 +175,7 @@ def create_app(args: ServerArgs, backend: Backend, tokenizer: TextTokenizer | No
         Route("/v1/models/{model_id:path}", model_endpoint, methods=["GET"]),
         Route("/tokenize", tokenize_endpoint, methods=["POST"]),
         Route("/detokenize", detokenize_endpoint, methods=["POST"]),
+        Route("/tokenizer_info", tokenizer_info_endpoint, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/get_server_info", server_info, methods=["GET"]),
         Route("/get_model_info", model_info, methods=["GET"]),

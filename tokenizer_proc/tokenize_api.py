@@ -1,5 +1,6 @@
 """POST /tokenize and POST /detokenize (the vLLM / SGLang shapes).
 
+GET /tokenizer_info: special tokens and the chat template (vLLM's; lm-eval reads it).
 /tokenize `{"prompt": str | [str]}` or `{"messages": [...]}` (rendered by the chat template, then
 encoded without special tokens, as chat requests are) -> `{"tokens", "count", "max_model_len"}`
 (plus `token_strs` with `return_token_strs`); a list of prompts gives lists. /detokenize
@@ -53,6 +54,18 @@ async def tokenize_endpoint(request: Request) -> Response:
         return json_response({"tokens": [x["tokens"] for x in lists], "count": [x["count"] for x in lists],
                               "max_model_len": ctx.limits.context_length})
     return json_response(one(token_lists[0]))
+
+
+async def tokenizer_info_endpoint(request: Request) -> Response:
+    """GET /tokenizer_info (vLLM's): the special tokens and the chat template, which lm-eval's
+    remote tokenizer reads."""
+    tok = get_ctx(request).tok
+    info: dict[str, Any] = {k: tok.special_tokens.get(k) for k in ("bos_token", "eos_token", "pad_token", "unk_token")}
+    if info["eos_token"] is None and tok.eos_token_ids:
+        info["eos_token"] = tok.token_text(tok.eos_token_ids[0])
+    info.update(chat_template=tok.chat_template.source, model_max_length=get_ctx(request).limits.context_length,
+                tokenizer_class="PreTrainedTokenizerFast")
+    return json_response(info)
 
 
 async def detokenize_endpoint(request: Request) -> Response:

@@ -75,6 +75,7 @@ class TextTokenizer:
             for key in ("bos_token", "eos_token", "pad_token", "unk_token")
             if (content := _token_content(config.get(key))) is not None
         }
+        self.special_tokens: dict[str, str] = dict(specials)  # bos/eos/pad/unk token strings of the config
         eos_ids = list(info.eos_token_ids)
         cfg_eos = tokenizer.token_to_id(specials["eos_token"]) if "eos_token" in specials else None
         if cfg_eos is not None and cfg_eos not in eos_ids:
