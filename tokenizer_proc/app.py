@@ -32,6 +32,7 @@ from tokenizer_proc.errors import ApiError, unavailable
 from tokenizer_proc.generation import Backend, BackendUnavailable
 from tokenizer_proc.health import HealthProbe
 from tokenizer_proc.http_util import ClientGoneResponse, json_response
+from tokenizer_proc.latency import LatencyCollector
 from tokenizer_proc.metrics import render_metrics
 from tokenizer_proc.native import generate_endpoint
 from tokenizer_proc.openai_api import chat_endpoint, completions_endpoint, model_endpoint, models_endpoint
@@ -102,7 +103,8 @@ async def metrics(request: Request) -> Response:
             sched_metrics = (await ctx.backend.info()).metrics
         except (BackendUnavailable, TimeoutError) as e:
             logger.warning("/metrics without scheduler metrics: %s", e)
-    body = render_metrics(ctx.metrics, sched_metrics, len(ctx.in_flight), ctx.backend.healthy)
+    body = render_metrics(ctx.metrics, sched_metrics, len(ctx.in_flight), ctx.backend.healthy,
+                          LatencyCollector(ctx.latency))
     return Response(body, media_type=CONTENT_TYPE_LATEST)
 
 

@@ -103,7 +103,8 @@ async def respond_choices(
     except ApiError:
         release_all()
         raise
-    iters = [generate(ctx.backend, ctx.tok, r, ctx.in_flight, h) for r, h in zip(reqs, holds, strict=True)]
+    iters = [ctx.latency.timed(generate(ctx.backend, ctx.tok, r, ctx.in_flight, h))
+             for r, h in zip(reqs, holds, strict=True)]
     if reqs[0].stream:
         return SSEResponse(events(merge(iters)), on_close=release_all)  # type: ignore[return-value]
     try:

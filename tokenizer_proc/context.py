@@ -14,6 +14,7 @@ from starlette.requests import Request
 
 from shared.config import ServerArgs
 from tokenizer_proc.generation import Backend, InFlight
+from tokenizer_proc.latency import LatencyStats
 from tokenizer_proc.metrics import HttpMetrics
 from tokenizer_proc.tokenizer import TextTokenizer
 from tokenizer_proc.validation import Limits
@@ -33,6 +34,7 @@ class AppContext:
     limits: Limits
     in_flight: InFlight = field(default_factory=InFlight)
     metrics: HttpMetrics = field(default_factory=HttpMetrics)
+    latency: LatencyStats = field(default_factory=LatencyStats)
 
     async def prepare(
         self, fn: Callable[[B, TextTokenizer, Limits], R], body: B, size: int, threaded: bool = False

@@ -164,7 +164,7 @@ async def respond(
         hold = precheck(ctx.backend, req, ctx.in_flight)
     except BackendUnavailable as e:
         raise unavailable(str(e)) from e
-    pieces = generate(ctx.backend, ctx.tok, req, ctx.in_flight, hold)
+    pieces = ctx.latency.timed(generate(ctx.backend, ctx.tok, req, ctx.in_flight, hold))
     if req.stream:
         return SSEResponse(events(pieces), on_close=lambda: ctx.in_flight.release(hold))  # type: ignore[return-value]
     try:

@@ -125,3 +125,11 @@ def test_sampling_controls_change_outputs(client: openai.OpenAI, server: Server)
         r = c.post("/tokenize", json={"prompt": "abc", "add_special_tokens": False})
         assert r.json()["tokens"] == list(b"abc")
         assert c.post("/detokenize", json={"tokens": list(b"abc")}).json()["text"] == "abc"
+
+
+def test_metrics_latency_histograms(client: openai.OpenAI, server: Server) -> None:
+    client.completions.create(model=MODEL, prompt="metrics", max_tokens=4, temperature=0)
+    text = httpx.get(server.url + "/metrics", timeout=30).text
+    for name in ("time_to_first_token", "inter_token_latency", "time_per_output_token", "e2e_request_latency"):
+        count = next(ln for ln in text.splitlines() if ln.startswith(f"hyssm_{name}_seconds_count"))
+        assert float(count.split()[-1]) >= 1, name

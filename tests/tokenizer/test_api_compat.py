@@ -191,3 +191,40 @@ def test_streamed_text_offset_continues(args, tok) -> None:
         assert tokens[-5:] == list("hello") and offsets[-5:] == [2, 3, 4, 5, 6]
 
     serve(args, backend, tok, check)
+
+
+def _sample(text: str, name: str) -> float:
+    line = next(ln for ln in text.splitlines() if ln.startswith(name + " "))
+    return float(line.split()[-1])
+
+
+def test_latency_histograms(args, backend, tok) -> None:
+    async def check(c: httpx.AsyncClient) -> None:
+        for stream in (False, True):
+            r = await c.post(COMP, json={"prompt": "ab", "max_tokens": 3, "stream": stream})
+            assert r.status_code == 200
+        r = await c.post("/generate", json={"text": "a", "sampling_params": {"max_new_tokens": 1}})
+        assert r.status_code == 200
+        text = (await c.get("/metrics")).text
+        assert _sample(text, "hyssm_time_to_first_token_seconds_count") == 3
+        assert _sample(text, "hyssm_inter_token_latency_seconds_count") == 4  # 2 gaps in each 3-token request
+        assert _sample(text, "hyssm_time_per_output_token_seconds_count") == 2  # 1-token requests have no TPOT
+        assert _sample(text, "hyssm_e2e_request_latency_seconds_count") == 3
+        assert _sample(text, 'hyssm_e2e_request_latency_seconds_bucket{le="+Inf"}') == 3
+        e2e, ttft = (_sample(text, f"hyssm_{n}_sum") for n in ("e2e_request_latency_seconds",
+                                                              "time_to_first_token_seconds"))
+        assert e2e >= ttft > 0
+
+    serve(args, backend, tok, check)
+
+
+def test_histogram_buckets() -> None:
+    from tokenizer_proc.latency import Histogram
+
+    h = Histogram((0.1, 1.0))
+    for v in (0.05, 0.1, 0.5, 3.0):
+        h.observe(v)
+    h.observe(0.7, 2)
+    fam = h.family("x_seconds", "doc")
+    got = {s.labels.get("le"): s.value for s in fam.samples if s.name == "x_seconds_bucket"}
+    assert got == {"0.1": 2, "1.0": 5, "+Inf": 6} and h.n == 6 and h.total == pytest.approx(5.05)
