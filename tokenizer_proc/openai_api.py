@@ -80,6 +80,8 @@ class _Format:
             return None
         ids, lps = list(acc.ids if isinstance(acc, Accumulated) else acc.token_ids), acc.logprobs or []
         tops = acc.top_logprobs if req.sampling.top_logprobs else None
+        if req.echo_only:
+            ids, lps, tops = [], [], None
         if self.chat:
             return chat_logprobs(self.ctx.tok, ids, lps, tops)
         parts = []
@@ -115,9 +117,12 @@ class _Format:
             if calls:
                 c["message"]["tool_calls"] = calls
         else:
+            text = "" if req.echo_only else text
             c["text"] = (req.echo or "") + text if first else text
         c["logprobs"] = self._logprobs(pos, acc, first)
         c.update(_finish_fields(finish))
+        if req.echo_only and finish is not None and finish.reason in ("stop", "length"):
+            c["finish_reason"], c["matched_stop"] = "length", None
         if calls:
             c["finish_reason"] = "tool_calls"
         return c
@@ -129,7 +134,7 @@ class _Format:
             seen = prompts.get(req.prompt_index, (0, 0))[1]
             prompts[req.prompt_index] = (p.prompt_tokens, max(p.cached_tokens, seen))
         prompt = sum(n for n, _ in prompts.values())
-        completion = sum(p.completion_tokens for p in lasts)
+        completion = sum(0 if r.echo_only else p.completion_tokens for r, p in zip(self.reqs, lasts, strict=True))
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
                 "prompt_tokens_details": {"cached_tokens": sum(c for _, c in prompts.values())}}
 

@@ -133,12 +133,15 @@ def prepare_completion(body: CompletionBody, tok: TextTokenizer, limits: Limits)
     grammar = openai_grammar(body)
     want_logprobs = body.logprobs is not None
     top = body.logprobs or 0
+    # echo with max_tokens 0 scores the prompt only (legacy OpenAI): one token is generated and dropped
+    echo_only = body.echo and body.max_tokens == 0
     rid = new_rid("cmpl-")
     several = len(prompts) * body.n > 1
     out: list[PreparedRequest] = []
     for pi, (ids, text) in enumerate(prompts):
         fields = SamplingFields(
-            body.max_tokens, body.temperature, body.top_p, body.top_k, body.min_p, body.stop, body.stop_token_ids,
+            1 if echo_only else body.max_tokens, body.temperature, body.top_p, body.top_k, body.min_p, body.stop,
+            body.stop_token_ids,
             body.ignore_eos, body.seed, max_tokens_name="max_tokens", **_openai_extras(body, grammar),
             top_logprobs=top, top_logprobs_name="logprobs",
             prompt_logprobs=top if body.echo and want_logprobs else -1,
@@ -148,7 +151,7 @@ def prepare_completion(body: CompletionBody, tok: TextTokenizer, limits: Limits)
             rid=rid, input_ids=ids, sampling=sampling, stops=stops,
             skip_special_tokens=body.skip_special_tokens, stream=body.stream,
             include_usage=bool(body.stream_options and body.stream_options.include_usage),
-            return_logprobs=want_logprobs, echo=text if body.echo else None,
+            return_logprobs=want_logprobs, echo=text if body.echo else None, echo_only=echo_only,
         )
         out.extend(_choices(base, body.n, pi, several))
     return out

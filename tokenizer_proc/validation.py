@@ -60,6 +60,7 @@ class PreparedRequest:
     index: int = 0  # choice index in a response of several (OpenAI: prompt_index * n + i)
     prompt_index: int = 0  # which prompt of the request (usage counts each prompt once)
     echo: str | None = None  # the prompt text, returned before the output (completions echo)
+    echo_only: bool = False  # echo with max_tokens 0: one token is computed and not returned
     logprob_start_len: int = 0  # /generate: first prompt position of input_token_logprobs
     tool_plan: Any = None  # chat with tools: a tokenizer_proc.tools.ToolPlan
 

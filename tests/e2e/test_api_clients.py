@@ -61,6 +61,9 @@ def test_loglikelihood_request_shape(server: Server, reference_runner) -> None:
             for tok_lp, top in zip(lp["token_logprobs"][1:], lp["top_logprobs"][1:], strict=True):
                 assert max(top.values()) >= tok_lp - 1e-6 and 1 <= len(top) <= 2
             assert lp["text_offset"] == list(range(len(ids) + 1))
+        r = c.post("/v1/completions", json={**body, "max_tokens": 0})  # the legacy prompt-only form
+        lp = r.json()["choices"][0]["logprobs"]
+        assert lp["token_logprobs"][1:] == pytest.approx(want, abs=2e-3) and len(lp["tokens"]) == len(ids)
 
 
 def test_openai_n_top_logprobs_and_batches(client: openai.OpenAI) -> None:

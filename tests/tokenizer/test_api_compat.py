@@ -228,3 +228,50 @@ def test_histogram_buckets() -> None:
     fam = h.family("x_seconds", "doc")
     got = {s.labels.get("le"): s.value for s in fam.samples if s.name == "x_seconds_bucket"}
     assert got == {"0.1": 2, "1.0": 5, "+Inf": 6} and h.n == 6 and h.total == pytest.approx(5.05)
+
+
+def test_native_logprobs(args, backend, tok) -> None:
+    async def check(c: httpx.AsyncClient) -> None:
+        r = (await c.post("/generate", json={"input_ids": [5, 6, 7], "return_logprob": True, "top_logprobs_num": 2,
+                                             "logprob_start_len": 1, "sampling_params": {"max_new_tokens": 2}})).json()
+        meta = r["meta_info"]
+        assert meta["output_token_logprobs"] == [[-0.5, ord("h"), None], [-0.5, ord("e"), None]]
+        assert meta["output_top_logprobs"] == [[[-0.5, ord("h"), None], [-2.0, EOS, None]],
+                                               [[-0.5, ord("e"), None], [-2.0, EOS, None]]]
+        assert meta["input_token_logprobs"] == [[-1.0, 6, None], [-1.0, 7, None]]  # from position 1
+
+    serve(args, backend, tok, check)
+    assert backend.submitted[0].sampling.prompt_logprobs == 2 and backend.submitted[0].sampling.top_logprobs == 2
+
+
+def test_chat_template_kwargs_reach_the_template() -> None:
+    from tokenizer_proc.chat_template import ChatTemplate
+
+    t = ChatTemplate("{{ greeting }}{% for m in messages %}{{ m['content'] }}{% endfor %}{{ tools | length }}")
+    assert t.render([{"role": "user", "content": "x"}], extra={"greeting": "hi ", "messages": "ignored"},
+                    tools=[{"a": 1}]) == "hi x1"
+
+
+def test_echo_with_zero_max_tokens_scores_the_prompt_only(args, backend, tok) -> None:
+    async def check(c: httpx.AsyncClient) -> None:
+        for stream in (False, True):
+            body = {"prompt": "abc", "max_tokens": 0, "echo": True, "logprobs": 1, "stream": stream,
+                    "stream_options": {"include_usage": True} if stream else None}
+            r = await c.post(COMP, json={k: v for k, v in body.items() if v is not None})
+            assert r.status_code == 200, r.text
+            if stream:
+                events = _events(r.text)
+                choices = [e["choices"][0] for e in events if e["choices"]]
+                text = "".join(ch["text"] for ch in choices)
+                tokens = [t for ch in choices for t in ch["logprobs"]["tokens"]]
+                usage, finish = events[-1]["usage"], choices[-1]["finish_reason"]
+            else:
+                ch = r.json()["choices"][0]
+                text, tokens, finish = ch["text"], ch["logprobs"]["tokens"], ch["finish_reason"]
+                usage = r.json()["usage"]
+            assert text == "abc" and tokens == ["a", "b", "c"] and finish == "length"
+            assert usage["completion_tokens"] == 0 and usage["prompt_tokens"] == 3
+        r = await c.post(COMP, json={"prompt": "abc", "max_tokens": 0})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+
+    serve(args, backend, tok, check)
