@@ -6,13 +6,12 @@ sampling controls (logit_bias, min_tokens, penalties) as they change real output
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 
 import httpx
 import openai
 import pytest
 
-from tests.e2e.server import Server, running_server
+from tests.e2e.server import Server
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
@@ -21,11 +20,8 @@ EOS = 256
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[Server]:
-    # short prefill chunks so a prompt's logprobs are assembled from several slices
-    with running_server(["--random-seed", "0", "--dtype", "float32", "--chunked-prefill-size", "8",
-                         "--max-prefill-tokens", "64"]) as srv:
-        yield srv
+def server(api_server: Server) -> Server:
+    return api_server
 
 
 @pytest.fixture(scope="module")

@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.e2e.server import Server, running_server
+from tests.e2e.server import Server
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -27,9 +26,8 @@ DOCS = [
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[Server]:
-    with running_server(["--random-seed", "0", "--dtype", "float32"]) as srv:
-        yield srv
+def server(api_server: Server) -> Server:
+    return api_server
 
 
 def _tasks(root: Path) -> Path:

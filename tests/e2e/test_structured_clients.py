@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
 from typing import Literal
 
 import httpx
@@ -17,7 +16,7 @@ import openai
 import pytest
 from pydantic import BaseModel
 
-from tests.e2e.server import Server, running_server
+from tests.e2e.server import Server
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
@@ -41,9 +40,8 @@ class Answer(BaseModel):
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[Server]:
-    with running_server(["--random-seed", "0"]) as srv:
-        yield srv
+def server(api_server: Server) -> Server:
+    return api_server
 
 
 @pytest.fixture(scope="module")
