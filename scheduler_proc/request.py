@@ -33,7 +33,7 @@ class Req:
         "rid", "prompt_len", "tokens", "sampling", "priority", "seq", "status",
         "kv_slots", "tree_len", "node", "mamba_slot", "computed", "cow_node", "splits",
         "pending_ckpt", "cached_tokens", "admitted", "abort_reason", "peek", "queue_token",
-        "retracted_at", "refusals", "sent_kv", "sent_step", "prompt_lps", "prompt_tops",
+        "retracted_at", "refusals", "sent_kv", "sent_step", "prompt_lps", "prompt_tops", "save_prompt_state",
     )  # fmt: skip
 
     def __init__(self, rid: str, input_ids: list[int], sampling: SamplingParams, priority: int, seq: int) -> None:
@@ -66,6 +66,7 @@ class Req:
         # with sampling.prompt_logprobs: entry k is of prompt token k + 1 (filled as prefill slices run)
         self.prompt_lps: list[float] = []
         self.prompt_tops: list[list[tuple[int, float]]] = []
+        self.save_prompt_state = False  # GenerateReq.save_prompt_state: a split point at prompt_len - 1
 
     def mark_sent(self, step: int, n_slots: int) -> None:
         """Batch `step` ran this request with kv_slots[:n_slots]: the workers hold those slots."""

@@ -80,13 +80,16 @@ class ReqResources:
 
     def plan_splits(self, req: Req, peek: PeekResult) -> list[int]:
         """Positions where the prefill is cut and the state saved: the branch point (KV matched past
-        the deepest state) and every `ckpt_interval` tokens, strictly inside the tokens to compute."""
+        the deepest state), every `ckpt_interval` tokens and, for a request with save_prompt_state,
+        prompt_len - 1; strictly inside the tokens to compute."""
         if not (self.cache_enabled and self.track_states):
             return []
         start, end = peek.prefix_len, len(req.tokens)
         points = set()
         if start < peek.kv_len < end:
             points.add(peek.kv_len)
+        if req.save_prompt_state and start < req.prompt_len - 1 < end:
+            points.add(req.prompt_len - 1)
         if self.ckpt_interval:
             first = (start // self.ckpt_interval + 1) * self.ckpt_interval
             points.update(range(first, end, self.ckpt_interval))
@@ -99,6 +102,9 @@ class ReqResources:
             return None
         start, end = peek.prefix_len, len(req.tokens)
         first = peek.kv_len if start < peek.kv_len < end else None
+        last = req.prompt_len - 1
+        if req.save_prompt_state and start < last < end and (first is None or last < first):
+            first = last
         if self.ckpt_interval:
             periodic = (start // self.ckpt_interval + 1) * self.ckpt_interval
             if periodic < end and (first is None or periodic < first):

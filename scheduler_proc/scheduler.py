@@ -108,6 +108,7 @@ class Scheduler:
             return [TokenOut(rid=req.rid, token_ids=[], finished=True, finish_reason="length",
                              prompt_tokens=len(req.input_ids))]  # fmt: skip
         r = Req(req.rid, req.input_ids, req.sampling, req.priority, next(self._seq))
+        r.save_prompt_state = req.save_prompt_state
         if reuse:
             self._reuse[r.rid] = r
         else:

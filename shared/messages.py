@@ -73,6 +73,9 @@ class GenerateReq(msgspec.Struct, tag=True, kw_only=True):
     input_ids: list[int]
     sampling: SamplingParams
     priority: int = 0  # larger = more important (used with --schedule-policy priority)
+    # save the recurrent state after prompt[:-1] in the cache (a checkpoint), so that requests with
+    # the same prompt arriving later (the other choices of n > 1) compute only its last token
+    save_prompt_state: bool = False
 
 
 class AbortReq(msgspec.Struct, tag=True, kw_only=True):

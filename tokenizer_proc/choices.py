@@ -1,10 +1,14 @@
 """Several generations answered as one response (the choices of `n` > 1 and of a batch of prompts).
 
 Rules: every choice's rid is reserved before the response starts (a refusal releases the ones
-already taken); streamed, the choices' pieces are interleaved in arrival order (`merge`), and when
-the consumer stops early (client gone, error) every unfinished choice is closed, so `generate()`
-aborts it at the scheduler exactly once; whole, the choices are collected concurrently and the
-first failure cancels (and so aborts) the rest.
+already taken). With the prefix cache on, of several choices of one prompt the first is submitted
+with `save_prompt_state` and the others only once it has produced its first output (or ended), so
+they find its prompt, and its state before the last prompt token, in the cache: the prompt is
+computed once, plus its last token once per further choice (`share_prompts`). Streamed, the
+choices' pieces are interleaved in arrival order (`merge`), and when the consumer stops early
+(client gone, error) every unfinished choice is closed, so `generate()` aborts it at the scheduler
+exactly once; whole, the choices are collected concurrently and the first failure cancels (and so
+aborts) the rest.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 from starlette.requests import Request
@@ -78,6 +83,41 @@ async def collect_all(iters: Sequence[AsyncIterator[Piece]]) -> list[Accumulated
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+def share_prompts(ctx: AppContext, reqs: Sequence[PreparedRequest]) -> tuple[list[PreparedRequest],
+                                                                            dict[int, asyncio.Event]]:
+    """The requests with the first choice of each shared prompt marked, and one gate per such prompt."""
+    if ctx.args.disable_radix_cache:
+        return list(reqs), {}
+    counts: dict[int, int] = {}
+    for r in reqs:
+        counts[r.prompt_index] = counts.get(r.prompt_index, 0) + 1
+    gates: dict[int, asyncio.Event] = {}
+    out = []
+    for r in reqs:
+        if counts[r.prompt_index] > 1 and r.sampling.prompt_logprobs < 0 and r.prompt_index not in gates:
+            gates[r.prompt_index] = asyncio.Event()
+            r = replace(r, save_prompt_state=True)
+        out.append(r)
+    return out, gates
+
+
+async def _opens(pieces: AsyncIterator[Piece], gate: asyncio.Event) -> AsyncGenerator[Piece, None]:
+    try:
+        async with contextlib.aclosing(pieces) as it:  # type: ignore[type-var]
+            async for piece in it:
+                gate.set()
+                yield piece
+    finally:
+        gate.set()
+
+
+async def _after(pieces: AsyncIterator[Piece], gate: asyncio.Event) -> AsyncGenerator[Piece, None]:
+    await gate.wait()
+    async with contextlib.aclosing(pieces) as it:  # type: ignore[type-var]
+        async for piece in it:
+            yield piece
+
+
 async def respond_choices(
     ctx: AppContext,
     reqs: Sequence[PreparedRequest],
@@ -89,6 +129,7 @@ async def respond_choices(
     """Like native.respond for several requests: `events` gets the merged (position, piece)
     stream, `payload` every choice's output in `reqs` order."""
     holds: list[Reservation] = []
+    reqs, gates = share_prompts(ctx, reqs)
 
     def release_all() -> None:
         for h in holds:
@@ -103,8 +144,12 @@ async def respond_choices(
     except ApiError:
         release_all()
         raise
-    iters = [ctx.latency.timed(generate(ctx.backend, ctx.tok, r, ctx.in_flight, h))
-             for r, h in zip(reqs, holds, strict=True)]
+    iters = []
+    for r, h in zip(reqs, holds, strict=True):
+        pieces: AsyncIterator[Piece] = generate(ctx.backend, ctx.tok, r, ctx.in_flight, h)
+        if (gate := gates.get(r.prompt_index)) is not None:
+            pieces = _opens(pieces, gate) if r.save_prompt_state else _after(pieces, gate)
+        iters.append(ctx.latency.timed(pieces))
     if reqs[0].stream:
         return SSEResponse(events(merge(iters)), on_close=release_all)  # type: ignore[return-value]
     try:

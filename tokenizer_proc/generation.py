@@ -139,7 +139,8 @@ async def generate(
     if not backend.healthy:
         raise BackendUnavailable("the scheduler is not available")
     detok = tok.detokenizer(req.stops, req.skip_special_tokens)
-    msg = GenerateReq(rid=req.rid, input_ids=req.input_ids, sampling=req.sampling, priority=req.priority)
+    msg = GenerateReq(rid=req.rid, input_ids=req.input_ids, sampling=req.sampling, priority=req.priority,
+                      save_prompt_state=req.save_prompt_state)
     done, completion, cached = False, 0, 0
     try:
         async with contextlib.aclosing(backend.submit(msg)) as outs:  # type: ignore[type-var]

@@ -132,3 +132,21 @@ def test_metrics_latency_histograms(client: openai.OpenAI, server: Server) -> No
     for name in ("time_to_first_token", "inter_token_latency", "time_per_output_token", "e2e_request_latency"):
         count = next(ln for ln in text.splitlines() if ln.startswith(f"hyssm_{name}_seconds_count"))
         assert float(count.split()[-1]) >= 1, name
+
+
+def _prefill_tokens(server: Server) -> float:
+    text = httpx.get(server.url + "/metrics", timeout=30).text
+    return float(next(ln for ln in text.splitlines() if ln.startswith("hyssm_prefill_tokens_total")).split()[-1])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_n_computes_the_prompt_once(client: openai.OpenAI, server: Server, stream: bool) -> None:
+    prompt = list(b"%d: n choices share one prefill of this prompt" % stream)  # nothing of it is cached yet
+    before = _prefill_tokens(server)
+    r = client.completions.create(model=MODEL, prompt=prompt, n=4, max_tokens=3, temperature=1.0, seed=9,
+                                  stream=stream)
+    indexes = sorted({c.index for chunk in r for c in chunk.choices}) if stream else [c.index for c in r.choices]
+    assert indexes == [0, 1, 2, 3]
+    # the first choice computes the prompt (its last token is a one-token slice after the saved
+    # state, which the prefill counter does not count); each other choice only that last token
+    assert _prefill_tokens(server) - before == (len(prompt) - 1) + 3

@@ -126,10 +126,14 @@ def test_n_and_prompt_batches(args, backend, tok) -> None:
         assert all(ch["message"]["content"] == "he" for ch in r["choices"])
 
     serve(args, backend, tok, check)
-    comp = backend.submitted[:4]
+    comp = sorted(backend.submitted[:4], key=lambda s: int(s.rid.rsplit("-", 1)[1]))
     assert [s.sampling.seed for s in comp] == [10, 11, 10, 11]  # choice i: seed + i, per prompt
     assert comp[0].input_ids == comp[1].input_ids == tok.encode("ab")
     assert comp[2].input_ids == [ord("x"), ord("y"), ord("z")]
+    # the first choice of each prompt saves the prompt's state and is submitted before its siblings
+    assert [s.save_prompt_state for s in comp] == [True, False, True, False]
+    order = [s.rid for s in backend.submitted[:4]]
+    assert order.index(comp[0].rid) < order.index(comp[1].rid) and order.index(comp[2].rid) < order.index(comp[3].rid)
     assert len({s.rid for s in backend.submitted}) == 7
     assert len({s.sampling.seed for s in backend.submitted[4:]}) == 1  # no seed: the rids differ instead
 
