@@ -1,8 +1,7 @@
 """Declared OpenAI fields whose requested behaviour this server cannot give: a 400 naming the field.
 
-Rule: a field that would change the result (suffix, best_of > n, the deprecated functions) is never
-silently ignored; a field that changes nothing here is declared in schemas.py and ignored.
-`best_of == n` means the default behaviour and is accepted.
+Rule: a field that would change the result (suffix, the deprecated functions) is never silently
+ignored; a field that changes nothing here is declared in schemas.py and ignored.
 """
 
 from __future__ import annotations
@@ -14,8 +13,6 @@ from tokenizer_proc.schemas import ChatBody, CompletionBody
 def check_completion_fields(body: CompletionBody) -> None:
     if body.suffix:
         raise bad_request("suffix is not supported: the model has no fill-in-the-middle format", "suffix")
-    if body.best_of is not None and body.best_of != body.n:
-        raise bad_request(f"best_of={body.best_of} is not supported (only best_of == n, here {body.n})", "best_of")
 
 
 def check_chat_fields(body: ChatBody) -> None:

@@ -159,7 +159,7 @@ async def generate(
                     # might still have completed): it wins over the scheduler's reason
                     stop = detok.matched_stop
                     finish = Finish("stop", matched=stop) if stop is not None else _finish_of(out)
-                logprobs = _aligned_logprobs(out) if req.return_logprobs else None
+                logprobs = _aligned_logprobs(out) if req.sampling.logprobs else None
                 done = finish is not None
                 yield Piece(text, list(out.token_ids), logprobs, len(req.input_ids), completion, cached, finish,
                             out.top_logprobs, out.prompt_logprobs, out.prompt_top_logprobs)

@@ -138,11 +138,27 @@ class _Format:
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
                 "prompt_tokens_details": {"cached_tokens": sum(c for _, c in prompts.values())}}
 
+    def _best(self, accs: list[Accumulated]) -> list[tuple[int, int]]:
+        """(position, returned index) of the choices returned: all of them, or with best_of > n the
+        `keep` of each prompt with the highest sum of logprobs, indexed prompt_index * keep + rank."""
+        if not self.req.keep:
+            return [(pos, r.index) for pos, r in enumerate(self.reqs)]
+        by_prompt: dict[int, list[int]] = {}
+        for pos, r in enumerate(self.reqs):
+            by_prompt.setdefault(r.prompt_index, []).append(pos)
+        out = []
+        for pi, positions in by_prompt.items():
+            ranked = sorted(positions, key=lambda p: -sum(lp for lp in accs[p].logprobs if lp is not None))
+            out += [(p, pi * self.req.keep + rank) for rank, p in enumerate(ranked[: self.req.keep])]
+        return out
+
     def whole(self, accs: list[Accumulated]) -> dict[str, Any]:
         choices = []
-        for pos, acc in enumerate(accs):
+        for pos, index in self._best(accs):
+            acc = accs[pos]
             assert acc.last is not None
-            choices.append(self.choice(pos, "".join(acc.text), acc, acc.last.finish, False))
+            c = self.choice(pos, "".join(acc.text), acc, acc.last.finish, False)
+            choices.append({**c, "index": index})
         body = self.envelope(sorted(choices, key=lambda c: c["index"]), False)
         body["usage"] = self.usage([a.last for a in accs if a.last is not None])
         return body

@@ -135,8 +135,14 @@ def prepare_completion(body: CompletionBody, tok: TextTokenizer, limits: Limits)
     top = body.logprobs or 0
     # echo with max_tokens 0 scores the prompt only (legacy OpenAI): one token is generated and dropped
     echo_only = body.echo and body.max_tokens == 0
+    # best_of > n: best_of choices are generated per prompt and the n with the highest sum of
+    # logprobs are returned (not streamable, as on OpenAI)
+    best_of = body.best_of or body.n
+    require(best_of >= body.n, f"best_of ({best_of}) must be >= n ({body.n})", "best_of")
+    require(best_of <= MAX_N, f"best_of must be at most {MAX_N}", "best_of")
+    require(best_of == body.n or not body.stream, "best_of > n cannot be streamed", "best_of")
     rid = new_rid("cmpl-")
-    several = len(prompts) * body.n > 1
+    several = len(prompts) * best_of > 1
     out: list[PreparedRequest] = []
     for pi, (ids, text) in enumerate(prompts):
         fields = SamplingFields(
@@ -146,14 +152,16 @@ def prepare_completion(body: CompletionBody, tok: TextTokenizer, limits: Limits)
             top_logprobs=top, top_logprobs_name="logprobs",
             prompt_logprobs=top if body.echo and want_logprobs else -1,
         )
-        sampling, stops = build_sampling(fields, len(ids), COMPLETION_DEFAULT_MAX_TOKENS, limits, tok, want_logprobs)
+        sampling, stops = build_sampling(fields, len(ids), COMPLETION_DEFAULT_MAX_TOKENS, limits, tok,
+                                         want_logprobs or best_of > body.n)
         base = PreparedRequest(
             rid=rid, input_ids=ids, sampling=sampling, stops=stops,
             skip_special_tokens=body.skip_special_tokens, stream=body.stream,
             include_usage=bool(body.stream_options and body.stream_options.include_usage),
             return_logprobs=want_logprobs, echo=text if body.echo else None, echo_only=echo_only,
+            keep=body.n if best_of > body.n else 0,
         )
-        out.extend(_choices(base, body.n, pi, several))
+        out.extend(_choices(base, best_of, pi, several))
     return out
 
 

@@ -80,6 +80,11 @@ def test_openai_n_top_logprobs_and_batches(client: openai.OpenAI) -> None:
     again = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], n=2,
                                            max_tokens=4, seed=5, temperature=1.0)
     assert [c.message.content for c in again.choices] == [c.message.content for c in r.choices]
+    best = client.completions.create(model=MODEL, prompt="best", max_tokens=4, temperature=1.0, seed=2, n=2,
+                                     best_of=4, logprobs=0)
+    sums = [sum(c.logprobs.token_logprobs) for c in best.choices]
+    assert [c.index for c in best.choices] == [0, 1] and sums[0] >= sums[1]
+    assert best.usage.completion_tokens == 4 * 4
     b = client.completions.create(model=MODEL, prompt=["one", "two", "three"], max_tokens=3, temperature=0)
     assert [c.index for c in b.choices] == [0, 1, 2]
     for i, p in enumerate(["one", "two", "three"]):

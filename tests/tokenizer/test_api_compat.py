@@ -279,3 +279,23 @@ def test_echo_with_zero_max_tokens_scores_the_prompt_only(args, backend, tok) ->
         assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
 
     serve(args, backend, tok, check)
+
+
+def test_best_of_returns_the_most_likely(args, tok) -> None:
+    def plan(req):  # choice k: 3 - k tokens of logprob -0.5 each, so the last choice is the most likely
+        k = int(req.rid.rsplit("-", 1)[1]) % 3
+        return [[ord("a") + k]] * (3 - k)
+
+    backend = FakeBackend(plan=plan)
+
+    async def check(c: httpx.AsyncClient) -> None:
+        r = (await c.post(COMP, json={"prompt": ["p", "q"], "max_tokens": 3, "best_of": 3, "n": 1})).json()
+        assert [(ch["index"], ch["text"]) for ch in r["choices"]] == [(0, "c"), (1, "c")]
+        assert r["choices"][0]["logprobs"] is None  # not asked for, though used for the ranking
+        assert r["usage"]["completion_tokens"] == 2 * (3 + 2 + 1)
+        r = (await c.post(COMP, json={"prompt": "p", "max_tokens": 3, "best_of": 3, "n": 2, "logprobs": 0})).json()
+        assert [(ch["index"], ch["text"]) for ch in r["choices"]] == [(0, "c"), (1, "bb")]
+        assert r["choices"][1]["logprobs"]["token_logprobs"] == [-0.5, -0.5]
+
+    serve(args, backend, tok, check)
+    assert all(s.sampling.logprobs for s in backend.submitted) and len(backend.submitted) == 9
