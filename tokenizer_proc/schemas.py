@@ -96,6 +96,7 @@ class _OpenAIBody(_Body):
     guided_json: str | dict[str, Any] | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     # accepted and ignored: they change nothing a model server computes
     metadata: dict[str, Any] | None = None
     store: bool | None = None

@@ -4,7 +4,7 @@ Accepted forms (at most one per request, else a 400 naming the second):
 - OpenAI `response_format`: `{"type": "text"}` (no constraint), `{"type": "json_object"}` (any JSON
   object), `{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}`;
 - vLLM `guided_json` (a schema, object or JSON text), `guided_regex`, `guided_choice` (one of the
-  given strings);
+  given strings), `guided_grammar` (EBNF, xgrammar's dialect);
 - SGLang `sampling_params.json_schema` (JSON text), `regex`, `ebnf` on /generate.
 Rule: a spec is parsed by xgrammar here, before the request is queued, so a malformed or
 unsupported schema, regex or grammar is a 400 naming the field and the problem; worker rank 0
@@ -38,7 +38,8 @@ def needs_grammar(body: Any) -> bool:
     rf = getattr(body, "response_format", None)
     if isinstance(rf, dict) and rf.get("type") not in (None, "text"):
         return True
-    if any(getattr(body, n, None) is not None for n in ("guided_json", "guided_regex", "guided_choice")):
+    if any(getattr(body, n, None) is not None for n in ("guided_json", "guided_regex", "guided_choice",
+                                                         "guided_grammar")):
         return True
     if getattr(body, "tools", None):
         return True
@@ -126,6 +127,8 @@ def openai_grammar(body: Any) -> GrammarSpec | None:
         found.append(("guided_regex", validate(GrammarSpec(kind="regex", source=gr), "guided_regex")))
     if (gc := getattr(body, "guided_choice", None)) is not None:
         found.append(("guided_choice", validate(GrammarSpec(kind="regex", source=_choice_regex(gc)), "guided_choice")))
+    if (gg := getattr(body, "guided_grammar", None)) is not None:
+        found.append(("guided_grammar", validate(GrammarSpec(kind="ebnf", source=gg), "guided_grammar")))
     found = [(name, spec) for name, spec in found if spec is not None]
     if len(found) > 1:
         raise bad_request(f"give one output constraint, not {found[0][0]} and {found[1][0]}", found[1][0])

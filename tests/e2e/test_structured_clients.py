@@ -73,6 +73,10 @@ def test_regex_choice_and_ebnf(client: openai.OpenAI, server: Server) -> None:
     r = client.completions.create(model=MODEL, prompt="yes or no?", max_tokens=5, n=3, temperature=1.0,
                                   extra_body={"guided_choice": ["yes", "no"]})
     assert {c.text for c in r.choices} <= {"yes", "no"}
+    r = client.completions.create(model=MODEL, prompt="g", max_tokens=12, temperature=1.0, seed=1,
+                                  extra_body={"guided_grammar": 'root ::= ("ab" | "cd")+ "."'})
+    full = r"(ab|cd)+\." if r.choices[0].finish_reason == "stop" else r"(ab|cd)*[ac]?"  # a prefix when cut
+    assert re.fullmatch(full, r.choices[0].text)
     with httpx.Client(base_url=server.url, timeout=60) as c:
         out = c.post("/generate", json={"text": "x", "sampling_params": {
             "max_new_tokens": 30, "temperature": 1.0, "seed": 5, "ebnf": 'root ::= "a" [b-d]* "!"'}}).json()
