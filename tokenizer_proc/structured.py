@@ -9,17 +9,16 @@ Accepted forms (at most one per request, else a 400 naming the second):
 Rule: a spec is parsed by xgrammar here, before the request is queued, so a malformed or
 unsupported schema, regex or grammar is a 400 naming the field and the problem; worker rank 0
 compiles it (worker_proc/grammar.py). JSON output is compact (no free whitespace between tokens),
-so small models cannot wander off into whitespace. Specs already validated are remembered (LRU).
+so small models cannot wander off into whitespace. Validation is memoised per spec (LRU).
 xgrammar (and with it torch) is imported on the first structured request, in a worker thread
 (`needs_grammar` tells the caller to prepare the request there).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import re
-import threading
-from collections import OrderedDict
 from typing import Any
 
 from shared.messages import GrammarSpec
@@ -29,8 +28,6 @@ MAX_VALIDATED = 512
 MAX_SPEC_CHARS = 256 * 1024
 _XGR_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")
 
-_lock = threading.Lock()
-_validated: OrderedDict[GrammarSpec, None] = OrderedDict()
 
 
 def needs_grammar(body: Any) -> bool:
@@ -52,14 +49,9 @@ def _message(e: Exception) -> str:
     return _XGR_PREFIX.sub("", text)
 
 
-def validate(spec: GrammarSpec, param: str) -> GrammarSpec:
-    """`spec` if xgrammar can parse it, else ApiError 400 naming `param`."""
-    if len(spec.source) > MAX_SPEC_CHARS:
-        raise bad_request(f"{param} is {len(spec.source)} characters; at most {MAX_SPEC_CHARS}", param)
-    with _lock:
-        if spec in _validated:
-            _validated.move_to_end(spec)
-            return spec
+@functools.lru_cache(maxsize=MAX_VALIDATED)
+def _problem(spec: GrammarSpec) -> str | None:
+    """Why xgrammar cannot use `spec` (None: it can). A pure function of the spec, memoised."""
     import xgrammar
 
     try:
@@ -70,11 +62,16 @@ def validate(spec: GrammarSpec, param: str) -> GrammarSpec:
         else:
             xgrammar.Grammar.from_ebnf(spec.source)
     except (RuntimeError, ValueError, TypeError) as e:
-        raise bad_request(f"{param}: {spec.kind} is not usable: {_message(e)}", param) from e
-    with _lock:
-        _validated[spec] = None
-        if len(_validated) > MAX_VALIDATED:
-            _validated.popitem(last=False)
+        return _message(e)
+    return None
+
+
+def validate(spec: GrammarSpec, param: str) -> GrammarSpec:
+    """`spec` if xgrammar can parse it, else ApiError 400 naming `param`."""
+    if len(spec.source) > MAX_SPEC_CHARS:
+        raise bad_request(f"{param} is {len(spec.source)} characters; at most {MAX_SPEC_CHARS}", param)
+    if (problem := _problem(spec)) is not None:
+        raise bad_request(f"{param}: {spec.kind} is not usable: {problem}", param)
     return spec
 
 
