@@ -111,6 +111,13 @@ def _input_logprobs(req: PreparedRequest, acc: Accumulated) -> list[list[Any]]:
     return rows[req.logprob_start_len:]
 
 
+def is_batch(body: GenerateBody) -> bool:
+    """Whether the body asks for several answers (a batch of prompts, or sampling_params.n > 1)."""
+    sp = body.sampling_params
+    return (isinstance(body.text, list) or any(isinstance(t, list) for t in body.input_ids or [])
+            or (sp is not None and sp.n != 1))
+
+
 def error_of(finish: Finish | None) -> ApiError | None:
     """Backend failures become errors (abort is a normal finish on the native API)."""
     if finish is not None and finish.reason == "rejected":
@@ -142,6 +149,11 @@ async def generate_endpoint(request: Request) -> Response:
     started = time.monotonic()
     data = await read_body(request, ctx.args.max_body_bytes)
     body = decode_body(data, GenerateBody)
+    if is_batch(body):  # several answers: native_batch.py
+        from tokenizer_proc.native_batch import prepare_batch, respond_batch
+
+        reqs = await ctx.prepare(prepare_batch, body, len(data), needs_grammar(body))
+        return await respond_batch(ctx, reqs, request, started)
     req = await ctx.prepare(prepare_generate, body, len(data), needs_grammar(body))
     return await respond(
         ctx, req, request, lambda pieces: _events(pieces, req, started), error_of,

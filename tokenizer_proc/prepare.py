@@ -43,18 +43,18 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16
 def prepare_generate(body: GenerateBody, tok: TextTokenizer, limits: Limits) -> PreparedRequest:
     require(not (body.text is not None and body.input_ids is not None),
             "give either text or input_ids, not both", "text")
+    require(not isinstance(body.text, list), "text must be a string here", "text")
     if body.input_ids is not None:
-        ids = check_token_ids(body.input_ids, limits.vocab_size, "input_ids")
+        require(all(isinstance(t, int) for t in body.input_ids), "input_ids must be token ids", "input_ids")
+        ids = check_token_ids(body.input_ids, limits.vocab_size, "input_ids")  # type: ignore[arg-type]
         require(bool(ids), "input_ids must not be empty", "input_ids")
     elif body.text is not None:
         require(bool(body.text), "text must not be empty", "text")
-        ids = tok.encode(body.text)
+        ids = tok.encode(body.text)  # type: ignore[arg-type]
         require(bool(ids), "text encodes to no tokens", "text")
     else:
         raise bad_request("one of text or input_ids is required", "text")
     sp = body.sampling_params or NativeSamplingParams()
-    require(sp.n == 1, f"sampling_params.n={sp.n} is not supported on /generate (use /v1/completions)",
-            "sampling_params.n")
     require(body.logprob_start_len == -1 or body.logprob_start_len >= 0, "logprob_start_len must be -1 or >= 0",
             "logprob_start_len")
     fields = SamplingFields(

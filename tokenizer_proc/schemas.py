@@ -55,8 +55,8 @@ class NativeSamplingParams(_Body):
 class GenerateBody(_Body):
     """POST /generate (SGLang native)."""
 
-    text: str | None = None
-    input_ids: list[Int] | None = None
+    text: str | list[str] | None = None  # a list: a batch, one answer each (native_batch.py)
+    input_ids: list[Int | list[Int]] | None = None  # flat: one prompt; a list of lists: a batch
     sampling_params: NativeSamplingParams | None = None
     stream: bool = False
     rid: str | None = None

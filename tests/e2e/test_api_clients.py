@@ -155,3 +155,14 @@ def test_n_computes_the_prompt_once(client: openai.OpenAI, server: Server, strea
     # the first choice computes the prompt (its last token is a one-token slice after the saved
     # state, which the prefill counter does not count); each other choice only that last token
     assert _prefill_tokens(server) - before == (len(prompt) - 1) + 3
+
+
+def test_native_batch_and_n(server: Server) -> None:
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        body = {"text": ["alpha", "beta"], "sampling_params": {"max_new_tokens": 3, "n": 2, "temperature": 0}}
+        out = c.post("/generate", json=body).json()
+        assert len(out) == 4 and all(o["meta_info"]["completion_tokens"] == 3 for o in out)
+        for i, text in enumerate(["alpha", "alpha", "beta", "beta"]):
+            alone = c.post("/generate", json={"text": text, "sampling_params": {"max_new_tokens": 3,
+                                                                                "temperature": 0}}).json()
+            assert out[i]["output_ids"] == alone["output_ids"]  # greedy: every choice equals the prompt alone

@@ -300,3 +300,25 @@ def test_best_of_returns_the_most_likely(args, tok) -> None:
 
     serve(args, backend, tok, check)
     assert all(s.sampling.logprobs for s in backend.submitted) and len(backend.submitted) == 9
+
+
+def test_native_batches_and_n(args, backend, tok) -> None:
+    async def check(c: httpx.AsyncClient) -> None:
+        r = await c.post("/generate", json={"text": ["a", "bb"], "rid": "job",
+                                            "sampling_params": {"max_new_tokens": 2, "n": 2, "seed": 4}})
+        out = r.json()
+        assert r.status_code == 200 and isinstance(out, list) and len(out) == 4
+        assert [o["meta_info"]["id"] for o in out] == ["job-0", "job-1", "job-2", "job-3"]
+        assert all(o["text"] == "he" for o in out)
+        assert [o["meta_info"]["prompt_tokens"] for o in out] == [1, 1, 2, 2]
+        r = await c.post("/generate", json={"input_ids": [[5, 6], [7]], "stream": True,
+                                            "sampling_params": {"max_new_tokens": 3}})
+        events = _events(r.text)
+        last = {e["index"]: e for e in events}
+        assert sorted(last) == [0, 1] and all(e["text"] == "hel" for e in last.values())
+        single = (await c.post("/generate", json={"text": "a", "sampling_params": {"max_new_tokens": 1}})).json()
+        assert isinstance(single, dict)  # one prompt, n = 1: the single-object answer
+
+    serve(args, backend, tok, check)
+    seeds = {s.rid: s.sampling.seed for s in backend.submitted[:4]}
+    assert seeds == {"job-0": 4, "job-1": 5, "job-2": 4, "job-3": 5}
