@@ -56,6 +56,8 @@ class BatchBuilder:
             r = e.req
             reuse = r.kv_reuse(self.step)
             assert reuse <= e.start, (r, reuse)  # reused slots are those of positions already computed
+            sp, end = r.sampling, e.start + e.n
+            prompt_lp = sp.prompt_logprobs >= 0 and e.start < r.prompt_len - 1
             reqs.append(
                 ReqSlice(
                     rid=r.rid,
@@ -67,6 +69,9 @@ class BatchBuilder:
                     sampling=r.sampling if e.sample else None,
                     output_len=r.num_output,
                     kv_reuse=reuse,
+                    history=list(r.tokens) if e.sample and sp.needs_history else None,
+                    prompt_logprobs=sp.prompt_logprobs if prompt_lp else -1,
+                    prompt_next=r.tokens[end] if prompt_lp and end < r.prompt_len else -1,
                 )
             )
         batch = ForwardBatch(

@@ -33,7 +33,7 @@ class Req:
         "rid", "prompt_len", "tokens", "sampling", "priority", "seq", "status",
         "kv_slots", "tree_len", "node", "mamba_slot", "computed", "cow_node", "splits",
         "pending_ckpt", "cached_tokens", "admitted", "abort_reason", "peek", "queue_token",
-        "retracted_at", "refusals", "sent_kv", "sent_step",
+        "retracted_at", "refusals", "sent_kv", "sent_step", "prompt_lps", "prompt_tops", "save_prompt_state",
     )  # fmt: skip
 
     def __init__(self, rid: str, input_ids: list[int], sampling: SamplingParams, priority: int, seq: int) -> None:
@@ -63,6 +63,10 @@ class Req:
         # sent_step, which ran for this request; valid only while kv_slots[:sent_kv] is unchanged
         self.sent_kv = 0
         self.sent_step = -1
+        # with sampling.prompt_logprobs: entry k is of prompt token k + 1 (filled as prefill slices run)
+        self.prompt_lps: list[float] = []
+        self.prompt_tops: list[list[tuple[int, float]]] = []
+        self.save_prompt_state = False  # GenerateReq.save_prompt_state: a split point at prompt_len - 1
 
     def mark_sent(self, step: int, n_slots: int) -> None:
         """Batch `step` ran this request with kv_slots[:n_slots]: the workers hold those slots."""
@@ -172,10 +176,15 @@ def validate(req: GenerateReq, duplicate: bool, context_length: int, kv_capacity
 
 
 def token_out(r: Req, new: list[int], reason: FinishReason | None, matched: int | None = None,
-              logprobs: list[float] | None = None, error: str | None = None) -> TokenOut:  # fmt: skip
-    """The reply for `r` carrying `new` tokens; final when `reason` is set."""
+              logprobs: list[float] | None = None, error: str | None = None,
+              top: list[list[tuple[int, float]]] | None = None) -> TokenOut:  # fmt: skip
+    """The reply for `r` carrying `new` tokens; final when `reason` is set. The first reply with a
+    token carries the prompt logprobs the request asked for."""
+    first = bool(new) and r.num_output == len(new) and r.sampling.prompt_logprobs >= 0
     return TokenOut(
         rid=r.rid, token_ids=new, finished=reason is not None, finish_reason=reason, matched_stop_token=matched,
         prompt_tokens=r.prompt_len, cached_tokens=r.cached_tokens, completion_tokens=r.num_output,
-        logprobs=logprobs, error=error,
+        logprobs=logprobs, error=error, top_logprobs=top,
+        prompt_logprobs=list(r.prompt_lps) if first else None,
+        prompt_top_logprobs=list(r.prompt_tops) if first and r.sampling.prompt_logprobs > 0 else None,
     )  # fmt: skip

@@ -64,11 +64,16 @@ class ReqResources:
         cache = self.cache
         if req.peek is not None and req.peek.epoch == cache.epoch:
             return req.peek
-        if self.cache_enabled:
+        if self.uses_cache(req):
             req.peek = cache.peek(req.tokens, len(req.tokens) - 1)
         else:
             req.peek = PeekResult(cache.root, 0, 0, 0, 0, cache.epoch)
         return req.peek
+
+    def uses_cache(self, req: Req) -> bool:
+        """Whether `req` may start from a cached prefix: not when it wants the logprob of every
+        prompt token (those positions must be computed)."""
+        return self.cache_enabled and req.sampling.prompt_logprobs < 0
 
     def fresh_peek(self, req: Req) -> PeekResult:
         """Admission ignoring any cached state (used only when nothing runs and the hit itself cannot
@@ -76,17 +81,20 @@ class ReqResources:
         return PeekResult(self.cache.root, 0, 0, 0, 0, self.cache.epoch)
 
     def plan_splits(self, req: Req, peek: PeekResult) -> list[int]:
-        """Positions where the state is saved: the branch point (KV matched past the deepest state) and
-        every `ckpt_interval` tokens, strictly inside the tokens to compute (the prefill is cut there),
-        and, unless --disable-prompt-checkpoint, the end of the prompt (no cut: the prefill ends there),
-        so that a later request extending this prompt, or repeating it, resumes from its state instead of
-        recomputing it all. `first_split` ignores the prompt end: it caps no chunk."""
+        """Positions where the state is saved: the branch point (KV matched past the deepest state),
+        every `ckpt_interval` tokens and, for a request with save_prompt_state, prompt_len - 1, strictly
+        inside the tokens to compute (the prefill is cut there); and, unless --disable-prompt-checkpoint,
+        the end of the prompt (no cut: the prefill ends there), so that a later request extending this
+        prompt, or repeating it, resumes from its state instead of recomputing it all. `first_split`
+        ignores the prompt end: it caps no chunk."""
         if not (self.cache_enabled and self.track_states):
             return []
         start, end = peek.prefix_len, len(req.tokens)
         points = set()
         if start < peek.kv_len < end:
             points.add(peek.kv_len)
+        if req.save_prompt_state and start < req.prompt_len - 1 < end:
+            points.add(req.prompt_len - 1)
         if self.ckpt_interval:
             first = (start // self.ckpt_interval + 1) * self.ckpt_interval
             points.update(range(first, end, self.ckpt_interval))
@@ -101,6 +109,9 @@ class ReqResources:
             return None
         start, end = peek.prefix_len, len(req.tokens)
         first = peek.kv_len if start < peek.kv_len < end else None
+        last = req.prompt_len - 1
+        if req.save_prompt_state and start < last < end and (first is None or last < first):
+            first = last
         if self.ckpt_interval:
             periodic = (start // self.ckpt_interval + 1) * self.ckpt_interval
             if periodic < end and (first is None or periodic < first):
@@ -112,7 +123,7 @@ class ReqResources:
         Returns "" on success or the refusal reason ("mamba_state", "kv") with everything undone;
         MambaCowAllocError propagates from the cache (which has undone its locks)."""
         assert peek.epoch == self.cache.epoch, "stale peek at admission"
-        if self.cache_enabled:
+        if self.uses_cache(req):
             match = self.cache.match_and_cow(req.tokens, len(req.tokens) - 1, peek)
         else:
             match = CowMatch(self.cache.root, 0, [], None, None)

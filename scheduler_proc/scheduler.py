@@ -108,6 +108,7 @@ class Scheduler:
             return [TokenOut(rid=req.rid, token_ids=[], finished=True, finish_reason="length",
                              prompt_tokens=len(req.input_ids))]  # fmt: skip
         r = Req(req.rid, req.input_ids, req.sampling, req.priority, next(self._seq))
+        r.save_prompt_state = req.save_prompt_state
         if reuse:
             self._reuse[r.rid] = r
         else:
@@ -240,6 +241,8 @@ class Scheduler:
                     outs.append(self._finish(r, "abort"))
                 continue
             self.res.after_step(r, e, fl.step)
+            if r.rid in result.prompt_logprobs:
+                self._keep_prompt_logprobs(r, e, result)
             if e.prefill and e.sample:
                 self.res.cache_prompt(r)
             self._account_step(e)
@@ -297,21 +300,36 @@ class Scheduler:
         lp = result.logprobs.get(r.rid) if r.sampling.logprobs else None
         logprobs = [lp] if lp is not None else None
         sp = r.sampling
-        if (not sp.ignore_eos and tok in self._eos) or tok in sp.stop_token_ids:
-            return self._finish(r, "stop", [tok], matched=tok, logprobs=logprobs)
+        top = [result.top_logprobs.get(r.rid, [])] if sp.top_logprobs else None
+        if (error := result.grammar_errors.get(r.rid)) is not None:
+            return self._finish(r, "error", [tok], logprobs=logprobs, error=error, top=top)
+        if (not sp.ignore_eos and tok in self._eos) or tok in sp.stop_token_ids or r.rid in result.grammar_done:
+            return self._finish(r, "stop", [tok], matched=tok, logprobs=logprobs, top=top)
         if r.num_output >= sp.max_new_tokens:
-            return self._finish(r, "length", [tok], logprobs=logprobs)
-        return token_out(r, [tok], None, logprobs=logprobs)
+            return self._finish(r, "length", [tok], logprobs=logprobs, top=top)
+        return token_out(r, [tok], None, logprobs=logprobs, top=top)
+
+    @staticmethod
+    def _keep_prompt_logprobs(r: Req, e: SliceEntry, result: StepResult) -> None:
+        """Entries [e.start, ...) of the request's prompt logprobs, from its slice's result (a
+        recomputed position replaces what an earlier run of it gave)."""
+        want = max(0, r.prompt_len - 1 - e.start)
+        del r.prompt_lps[e.start :]
+        r.prompt_lps.extend(result.prompt_logprobs[r.rid][:want])
+        if r.sampling.prompt_logprobs > 0:
+            del r.prompt_tops[e.start :]
+            r.prompt_tops.extend(result.prompt_top_logprobs.get(r.rid, [])[:want])
 
     def _finish(self, r: Req, reason: FinishReason, new: list[int] | None = None, matched: int | None = None,
-                logprobs: list[float] | None = None, error: str | None = None) -> TokenOut:  # fmt: skip
+                logprobs: list[float] | None = None, error: str | None = None,
+                top: list[list[tuple[int, float]]] | None = None) -> TokenOut:  # fmt: skip
         """Finish `r` (never while its slice is in flight): give back or donate what it holds."""
         self.transition(r, ReqStatus.FINISHED, donate=reason != "error")
         if (reusing := self._reuse.pop(r.rid, None)) is not None:  # a new request waited for this rid
             self.reqs[r.rid] = reusing
             self.waiting.push(reusing)
         self.metrics.inc("hyssm_requests_finished_total", reason=reason)
-        return token_out(r, new or [], reason, matched=matched, logprobs=logprobs, error=error)
+        return token_out(r, new or [], reason, matched=matched, logprobs=logprobs, error=error, top=top)
 
     # ------------------------------------------------------------------ the one status change
     def transition(self, r: Req, to: ReqStatus, donate: bool = False, keep: bool = False) -> None:

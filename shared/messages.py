@@ -14,6 +14,17 @@ import msgspec
 FinishReason = Literal["stop", "length", "abort", "error"]
 
 
+class GrammarSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """A constraint on the output (structured output), as the client gave it: validated by the
+    tokenizer process, compiled by worker rank 0 (worker_proc/grammar.py, one compilation per
+    distinct spec). `source`: the JSON schema (JSON text), the regex or the EBNF grammar (empty for
+    json_object); `strict`: a json_schema object allows no properties beyond the schema's."""
+
+    kind: Literal["json_schema", "json_object", "regex", "ebnf"]
+    source: str = ""
+    strict: bool = True
+
+
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     """Per-request sampling. Validated by the tokenizer process before a request is accepted."""
 
@@ -26,10 +37,34 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
     logprobs: bool = False
+    top_logprobs: int = 0  # alternatives returned beside each sampled token's logprob (0..20)
+    # >= 0: the logprob of every prompt token after the first, and this many alternatives at each
+    # position (the request then never starts from a cached prefix: every position is computed)
+    prompt_logprobs: int = -1
+    frequency_penalty: float = 0.0  # minus penalty x count of the token in the output so far
+    presence_penalty: float = 0.0  # minus penalty once a token occurs in the output
+    repetition_penalty: float = 1.0  # tokens of prompt and output: logit / p if positive, x p if not
+    logit_bias: dict[int, float] = {}  # added to the logits before sampling
+    min_tokens: int = 0  # EOS and stop_token_ids are masked until this many tokens were generated
+    grammar: GrammarSpec | None = None  # the output must match it; the request stops when it is complete
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.frequency_penalty != 0.0 or self.presence_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
+    def needs_history(self) -> bool:
+        """The sampler needs the request's tokens so far (ReqSlice.history): for its penalties, and
+        to bring a grammar matcher up to date when it is not (worker_proc/grammar.py)."""
+        return self.has_penalties or self.grammar is not None
+
+    @property
+    def processes_logits(self) -> bool:
+        return self.has_penalties or bool(self.logit_bias) or self.min_tokens > 0
 
 
 # ---------------------------------------------------------------- tokenizer -> scheduler
@@ -38,6 +73,9 @@ class GenerateReq(msgspec.Struct, tag=True, kw_only=True):
     input_ids: list[int]
     sampling: SamplingParams
     priority: int = 0  # larger = more important (used with --schedule-policy priority)
+    # save the recurrent state after prompt[:-1] in the cache (a checkpoint), so that requests with
+    # the same prompt arriving later (the other choices of n > 1) compute only its last token
+    save_prompt_state: bool = False
 
 
 class AbortReq(msgspec.Struct, tag=True, kw_only=True):
@@ -74,6 +112,12 @@ class TokenOut(msgspec.Struct, kw_only=True, array_like=True):
     # with finish_reason "error": the request itself can never run on this server (it was rejected
     # before running; `error` names the limit), so the client is told 400, not 503
     rejected: bool = False
+    # with SamplingParams.top_logprobs: (token id, logprob) alternatives of each token of token_ids
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    # with SamplingParams.prompt_logprobs, on the first TokenOut only: the logprob of prompt tokens
+    # 1..prompt_len-1 (the first has none) and their alternatives
+    prompt_logprobs: list[float] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 class TokenOutBatch(msgspec.Struct, tag=True, kw_only=True):
@@ -209,6 +253,13 @@ class ReqSlice(msgspec.Struct, kw_only=True, array_like=True):
     sampling: SamplingParams | None = None
     output_len: int = 0  # tokens generated so far (seeds sampling deterministically)
     kv_reuse: int = 0  # leading KV slots taken from the worker's copy of the previous batch
+    # with sampling.needs_history (sampling slices only): every token so far, prompt then output
+    history: list[int] | None = None
+    # >= 0 (prompt slices of a request with prompt_logprobs): return the logprob of each next token
+    # at every position of the slice, with this many alternatives; `prompt_next` is the prompt token
+    # after the slice (-1 when the slice reaches the end of the prompt)
+    prompt_logprobs: int = -1
+    prompt_next: int = -1
 
 
 class ForwardBatch(msgspec.Struct, tag=True, kw_only=True):
@@ -247,6 +298,12 @@ class StepResult(msgspec.Struct, tag=True, kw_only=True):
     step: int
     next_tokens: dict[str, int] = {}
     logprobs: dict[str, float] = {}
+    top_logprobs: dict[str, list[tuple[int, float]]] = {}
+    # per prompt-logprob slice: the logprob of the token after each of its positions, and alternatives
+    prompt_logprobs: dict[str, list[float]] = {}
+    prompt_top_logprobs: dict[str, list[list[tuple[int, float]]]] = {}
+    grammar_done: list[str] = []  # requests whose grammar is complete with this step's token
+    grammar_errors: dict[str, str] = {}  # requests whose grammar could not go on (they end with an error)
     refused: list[str] = []
     error: str | None = None
     elapsed_s: float = 0.0

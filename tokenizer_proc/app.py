@@ -2,7 +2,8 @@
 processes (drive it with httpx.ASGITransport and a fake Backend).
 
 Routes: POST /generate (native.py); POST /v1/completions, POST /v1/chat/completions,
-GET /v1/models (openai_api.py); GET /health, GET /get_server_info, GET /get_model_info,
+GET /v1/models, GET /v1/models/{id} (openai_api.py); POST /tokenize, POST /detokenize,
+GET /tokenizer_info (tokenize_api.py); GET /health, GET /get_server_info, GET /get_model_info,
 GET|POST /flush_cache, GET /metrics (here). With `--api-key`, every route except /health and
 /metrics requires `Authorization: Bearer <key>` (401 otherwise). Every error body is
 `{"error": {"message", "type", "param", "code"}}`.
@@ -31,9 +32,11 @@ from tokenizer_proc.errors import ApiError, unavailable
 from tokenizer_proc.generation import Backend, BackendUnavailable
 from tokenizer_proc.health import HealthProbe
 from tokenizer_proc.http_util import ClientGoneResponse, json_response
+from tokenizer_proc.latency import LatencyCollector
 from tokenizer_proc.metrics import render_metrics
 from tokenizer_proc.native import generate_endpoint
-from tokenizer_proc.openai_api import chat_endpoint, completions_endpoint, models_endpoint
+from tokenizer_proc.openai_api import chat_endpoint, completions_endpoint, model_endpoint, models_endpoint
+from tokenizer_proc.tokenize_api import detokenize_endpoint, tokenize_endpoint, tokenizer_info_endpoint
 from tokenizer_proc.tokenizer import TextTokenizer
 from tokenizer_proc.validation import Limits
 
@@ -100,7 +103,8 @@ async def metrics(request: Request) -> Response:
             sched_metrics = (await ctx.backend.info()).metrics
         except (BackendUnavailable, TimeoutError) as e:
             logger.warning("/metrics without scheduler metrics: %s", e)
-    body = render_metrics(ctx.metrics, sched_metrics, len(ctx.in_flight), ctx.backend.healthy)
+    body = render_metrics(ctx.metrics, sched_metrics, len(ctx.in_flight), ctx.backend.healthy,
+                          LatencyCollector(ctx.latency))
     return Response(body, media_type=CONTENT_TYPE_LATEST)
 
 
@@ -170,6 +174,10 @@ def create_app(args: ServerArgs, backend: Backend, tokenizer: TextTokenizer | No
         Route("/v1/completions", completions_endpoint, methods=["POST"]),
         Route("/v1/chat/completions", chat_endpoint, methods=["POST"]),
         Route("/v1/models", models_endpoint, methods=["GET"]),
+        Route("/v1/models/{model_id:path}", model_endpoint, methods=["GET"]),
+        Route("/tokenize", tokenize_endpoint, methods=["POST"]),
+        Route("/detokenize", detokenize_endpoint, methods=["POST"]),
+        Route("/tokenizer_info", tokenizer_info_endpoint, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/get_server_info", server_info, methods=["GET"]),
         Route("/get_model_info", model_info, methods=["GET"]),

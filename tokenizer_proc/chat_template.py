@@ -72,15 +72,16 @@ class ChatTemplate:
         self.source = source
         self._special = dict(special_tokens or {})
 
-    def render(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def render(
+        self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
+        extra: dict[str, Any] | None = None, tools: list[dict[str, Any]] | None = None,
+    ) -> str:
+        """Render; `extra` (chat_template_kwargs) are more template variables, which cannot replace
+        messages, tools or add_generation_prompt."""
+        variables: dict[str, Any] = {"documents": None, **self._special, **(extra or {})}
+        variables.update(messages=list(messages), add_generation_prompt=add_generation_prompt, tools=tools)
         try:
-            return self._template.render(
-                messages=list(messages),
-                add_generation_prompt=add_generation_prompt,
-                tools=None,
-                documents=None,
-                **self._special,
-            )
+            return self._template.render(**variables)
         except ChatTemplateError:
             raise
         except (jinja2.TemplateError, TypeError, ValueError, KeyError, AttributeError) as e:

@@ -14,11 +14,13 @@ from starlette.requests import Request
 
 from shared.config import ServerArgs
 from tokenizer_proc.generation import Backend, InFlight
+from tokenizer_proc.latency import LatencyStats
 from tokenizer_proc.metrics import HttpMetrics
 from tokenizer_proc.tokenizer import TextTokenizer
-from tokenizer_proc.validation import Limits, PreparedRequest
+from tokenizer_proc.validation import Limits
 
 B = TypeVar("B")
+R = TypeVar("R")
 
 # Bodies larger than this are tokenised in a worker thread so the event loop keeps streaming.
 THREAD_TOKENIZE_BYTES = 64 * 1024
@@ -32,11 +34,14 @@ class AppContext:
     limits: Limits
     in_flight: InFlight = field(default_factory=InFlight)
     metrics: HttpMetrics = field(default_factory=HttpMetrics)
+    latency: LatencyStats = field(default_factory=LatencyStats)
 
     async def prepare(
-        self, fn: Callable[[B, TextTokenizer, Limits], PreparedRequest], body: B, size: int
-    ) -> PreparedRequest:
-        if size > THREAD_TOKENIZE_BYTES:
+        self, fn: Callable[[B, TextTokenizer, Limits], R], body: B, size: int, threaded: bool = False
+    ) -> R:
+        """fn(body, ...), in a worker thread for large bodies and when `threaded` (work that may
+        block: grammar validation)."""
+        if size > THREAD_TOKENIZE_BYTES or threaded:
             return await asyncio.to_thread(fn, body, self.tok, self.limits)
         return fn(body, self.tok, self.limits)
 

@@ -48,6 +48,9 @@ class Accumulated:
     text: list[str] = field(default_factory=list)
     ids: list[int] = field(default_factory=list)
     logprobs: list[float | None] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    prompt_logprobs: list[float] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
     last: Piece | None = None
 
     def add(self, piece: Piece) -> None:
@@ -55,6 +58,11 @@ class Accumulated:
         self.ids.extend(piece.token_ids)
         if piece.logprobs is not None:
             self.logprobs.extend(piece.logprobs)
+        if piece.top_logprobs is not None:
+            self.top_logprobs.extend(piece.top_logprobs)
+        if piece.prompt_logprobs is not None:
+            self.prompt_logprobs = piece.prompt_logprobs
+            self.prompt_top_logprobs = piece.prompt_top_logprobs
         self.last = piece
 
 
@@ -72,8 +80,9 @@ def finish_error(finish: Finish | None, abort_is_error: bool) -> ApiError | None
 
 async def collect(pieces: AsyncIterator[Piece]) -> Accumulated:
     acc = Accumulated()
-    async for piece in pieces:
-        acc.add(piece)
+    async with contextlib.aclosing(pieces) as it:  # type: ignore[type-var]
+        async for piece in it:
+            acc.add(piece)
     return acc
 
 
@@ -107,7 +116,7 @@ async def respond(
         hold = precheck(ctx.backend, req, ctx.in_flight)
     except BackendUnavailable as e:
         raise unavailable(str(e)) from e
-    pieces = generate(ctx.backend, ctx.tok, req, ctx.in_flight, hold)
+    pieces = ctx.latency.timed(generate(ctx.backend, ctx.tok, req, ctx.in_flight, hold))
     if req.stream:
         return SSEResponse(_stream(pieces, events), on_close=lambda: ctx.in_flight.release(hold))  # type: ignore[return-value]
     try:

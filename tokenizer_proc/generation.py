@@ -70,6 +70,9 @@ class Piece:
     completion_tokens: int
     cached_tokens: int
     finish: Finish | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # alternatives of each of token_ids
+    prompt_logprobs: list[float] | None = None  # prompt tokens 1.. (first piece only, when asked)
+    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 class Reservation:
@@ -137,7 +140,8 @@ async def generate(
     """Run one request that passed `precheck` (`hold` reserves its rid); the last Piece has
     `finish` set. Before the first Piece it may raise BackendUnavailable (from `submit`)."""
     detok = tok.detokenizer(req.stops, req.skip_special_tokens)
-    msg = GenerateReq(rid=req.rid, input_ids=req.input_ids, sampling=req.sampling, priority=req.priority)
+    msg = GenerateReq(rid=req.rid, input_ids=req.input_ids, sampling=req.sampling, priority=req.priority,
+                      save_prompt_state=req.save_prompt_state)
     done, completion, cached = False, 0, 0
     try:
         async with contextlib.aclosing(backend.submit(msg)) as outs:  # type: ignore[type-var]
@@ -156,9 +160,10 @@ async def generate(
                     # might still have completed): it wins over the scheduler's reason
                     stop = detok.matched_stop
                     finish = Finish("stop", matched=stop) if stop is not None else _finish_of(out)
-                logprobs = _aligned_logprobs(out) if req.return_logprobs else None
+                logprobs = _aligned_logprobs(out) if req.sampling.logprobs else None
                 done = finish is not None
-                yield Piece(text, list(out.token_ids), logprobs, len(req.input_ids), completion, cached, finish)
+                yield Piece(text, list(out.token_ids), logprobs, len(req.input_ids), completion, cached, finish,
+                            out.top_logprobs, out.prompt_logprobs, out.prompt_top_logprobs)
                 if done:
                     return
         done = True

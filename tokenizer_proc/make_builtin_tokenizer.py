@@ -26,11 +26,25 @@ VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)
 
 # Granite-style: one `<|start_of_role|>ROLE<|end_of_role|>CONTENT<|end_of_text|>\n` per message,
 # then `<|start_of_role|>assistant<|end_of_role|>` as the generation prompt. The newline is an
-# expression (not template whitespace) so trim_blocks/lstrip_blocks cannot change it.
+# expression (not template whitespace) so trim_blocks/lstrip_blocks cannot change it. With `tools`, a
+# first system turn lists them (one JSON object per line) and asks for `<tool_call>{"name", "arguments"}
+# </tool_call>` blocks; an assistant turn's tool_calls are rendered in that same form after its content.
 GRANITE_STYLE_CHAT_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{{- '<|start_of_role|>' + message['role'] + '<|end_of_role|>' + message['content']"
+    "{%- if tools %}"
+    "{{- '<|start_of_role|>system<|end_of_role|>Available tools:\\n<tools>\\n' }}"
+    "{%- for tool in tools %}"
+    "{{- (tool.function if tool.function is defined else tool) | tojson + '\\n' }}"
+    "{%- endfor %}"
+    "{{- '</tools>\\nCall a tool by answering <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>'"
     " + '<|end_of_text|>' + '\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{{- '<|start_of_role|>' + message['role'] + '<|end_of_role|>' + (message['content'] or '') }}"
+    "{%- for call in message.tool_calls or [] %}"
+    "{{- '<tool_call>' + {'name': call.function.name, 'arguments': call.function.arguments} | tojson"
+    " + '</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|end_of_text|>' + '\\n' }}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}"
     "{{- '<|start_of_role|>assistant<|end_of_role|>' }}"

@@ -77,10 +77,13 @@ class SchedulerCollector(Collector):
 
 
 def render_metrics(
-    http: HttpMetrics, scheduler_metrics: list[MetricRecord] | None, in_flight: int, healthy: bool
+    http: HttpMetrics, scheduler_metrics: list[MetricRecord] | None, in_flight: int, healthy: bool,
+    latency: Collector | None = None,
 ) -> bytes:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_HttpCollector(http, in_flight, healthy))
+    if latency is not None:
+        registry.register(latency)
     if scheduler_metrics is not None:
         registry.register(SchedulerCollector(scheduler_metrics))
     return generate_latest(registry)

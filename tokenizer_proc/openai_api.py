@@ -1,29 +1,42 @@
-"""POST /v1/completions, POST /v1/chat/completions, GET /v1/models (OpenAI schema).
+"""POST /v1/completions, POST /v1/chat/completions, GET /v1/models[/{id}] (OpenAI schema).
 
-Streaming chunks carry INCREMENTAL text (OpenAI semantics): completions `choices[0].text`,
-chat `choices[0].delta.content` (the first chat chunk carries `delta.role`). The last choice
+A response has one choice per prepared request (`n` per prompt, indexed prompt_index * n + i).
+Streaming chunks carry INCREMENTAL text (OpenAI semantics) of one choice each: completions
+`choices[0].text` (with echo the first chunk of a choice starts with the prompt), chat
+`choices[0].delta.content` (the first chunk of each choice carries `delta.role`). A choice's last
 chunk has `finish_reason` "stop" or "length"; with `stream_options.include_usage` a final chunk
-with empty `choices` carries `usage`; then `data: [DONE]`. `usage` includes
+with empty `choices` carries `usage` (each prompt counted once) after every choice finished; then
+`data: [DONE]`. A request naming another model is a 404. `usage` includes
 `prompt_tokens_details.cached_tokens` (prefix-cache hits). A request that fails or is aborted
 by the server is HTTP 503 (non-streaming) or an error event before `[DONE]` (streaming).
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response
 
+from tokenizer_proc.choices import respond_choices
 from tokenizer_proc.context import AppContext, get_ctx
-from tokenizer_proc.errors import ApiError
-from tokenizer_proc.flow import Accumulated, finish_error, respond
-from tokenizer_proc.generation import Finish, Piece
-from tokenizer_proc.http_util import json_response, read_body, sse
+from tokenizer_proc.errors import ApiError, internal_error, unavailable
+from tokenizer_proc.flow import Accumulated, finish_error
+from tokenizer_proc.generation import BackendUnavailable, Finish, Piece
+from tokenizer_proc.http_util import (
+    SSE_DONE,
+    json_response,
+    read_body,
+    sse,
+)
+from tokenizer_proc.logprobs import CompletionLogprobs, chat_logprobs, merge_completion
 from tokenizer_proc.prepare import prepare_chat, prepare_completion
 from tokenizer_proc.schemas import ChatBody, CompletionBody
+from tokenizer_proc.structured import needs_grammar
+from tokenizer_proc.tools import ToolStream, parse_output
 from tokenizer_proc.validation import PreparedRequest, decode_body
 
 
@@ -32,103 +45,169 @@ def openai_error(finish: Finish | None) -> ApiError | None:
     return finish_error(finish, abort_is_error=True)
 
 
-def usage(piece: Piece) -> dict[str, Any]:
-    return {
-        "prompt_tokens": piece.prompt_tokens,
-        "completion_tokens": piece.completion_tokens,
-        "total_tokens": piece.prompt_tokens + piece.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": piece.cached_tokens},
-    }
-
-
 def _finish_fields(finish: Finish | None) -> dict[str, Any]:
     if finish is None:
         return {"finish_reason": None}
     return {"finish_reason": finish.reason, "matched_stop": finish.matched}
 
 
-def _completion_logprobs(ctx: AppContext, ids: list[int], lps: list[float | None]) -> dict[str, Any]:
-    tokens = [ctx.tok.token_text(t) for t in ids]
-    offsets, at = [], 0
-    for t in tokens:
-        offsets.append(at)
-        at += len(t)
-    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": None, "text_offset": offsets}
-
-
-def _chat_logprobs(ctx: AppContext, ids: list[int], lps: list[float | None]) -> dict[str, Any]:
-    content = [
-        {"token": ctx.tok.token_text(t), "logprob": lp, "bytes": ctx.tok.token_bytes(t), "top_logprobs": []}
-        for t, lp in zip(ids, lps, strict=False)
-    ]
-    return {"content": content}
-
-
 class _Format:
-    """Object shapes of one endpoint (completions or chat) for one request."""
+    """Object shapes of one endpoint (completions or chat) for the choices of one request, and the
+    per-choice streaming state (first chunk sent, logprob text offsets)."""
 
-    def __init__(self, ctx: AppContext, req: PreparedRequest, chat: bool):
-        self.ctx, self.req, self.chat = ctx, req, chat
+    def __init__(self, ctx: AppContext, reqs: list[PreparedRequest], chat: bool):
+        self.ctx, self.reqs, self.chat = ctx, reqs, chat
+        self.req = reqs[0]
+        # the response id: the rid of a single choice, else the rid the choices' rids extend
+        self.id = self.req.rid if len(reqs) == 1 else self.req.rid.rsplit("-", 1)[0]
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
-        self.logprobs_fn: Callable[..., dict[str, Any]] = _chat_logprobs if chat else _completion_logprobs
+        self.started = [False] * len(reqs)
+        self.lp = [CompletionLogprobs(ctx.tok, r.sampling.top_logprobs) for r in reqs]
+        self.tool_streams = [ToolStream(r.tool_plan) if r.tool_plan is not None else None for r in reqs]
 
     def envelope(self, choices: list[dict[str, Any]], chunk: bool) -> dict[str, Any]:
         obj = self.object + (".chunk" if chunk and self.chat else "")
-        return {"id": self.req.rid, "object": obj, "created": self.created, "model": self.ctx.args.model_name,
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.ctx.args.model_name,
                 "choices": choices}
 
-    def choice(self, text: str, ids: list[int], lps: list[float | None], finish: Finish | None,
-               chunk: bool, first: bool = False) -> dict[str, Any]:
-        c: dict[str, Any] = {"index": 0}
+    def _logprobs(self, pos: int, acc: Accumulated | Piece, first: bool) -> dict[str, Any] | None:
+        req = self.reqs[pos]
+        if not req.return_logprobs:
+            return None
+        ids, lps = list(acc.ids if isinstance(acc, Accumulated) else acc.token_ids), acc.logprobs or []
+        tops = acc.top_logprobs if req.sampling.top_logprobs else None
+        if req.echo_only:
+            ids, lps, tops = [], [], None
+        if self.chat:
+            return chat_logprobs(self.ctx.tok, ids, lps, tops)
+        parts = []
+        if first and req.echo is not None:
+            parts.append(self.lp[pos].prompt(req.input_ids, acc.prompt_logprobs, acc.prompt_top_logprobs))
+        parts.append(self.lp[pos].chunk(ids, lps, tops))
+        return merge_completion(parts)
+
+    def choice(self, pos: int, text: str, acc: Accumulated | Piece, finish: Finish | None,
+               chunk: bool) -> dict[str, Any]:
+        req = self.reqs[pos]
+        first = not self.started[pos]
+        self.started[pos] = True
+        c: dict[str, Any] = {"index": req.index}
+        calls: list[dict[str, Any]] = []
         if self.chat and chunk:
             delta: dict[str, Any] = {"role": "assistant"} if first else {}
+            if (ts := self.tool_streams[pos]) is not None:
+                text = ts.feed(text)
+                if finish is not None:
+                    rest, calls = ts.finish()
+                    text += rest
             if text or first:
                 delta["content"] = text
+            if calls:
+                delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(calls)]
             c["delta"] = delta
         elif self.chat:
-            c["message"] = {"role": "assistant", "content": text}
+            content: str | None = text
+            if req.tool_plan is not None:
+                content, calls = parse_output(req.tool_plan, text)
+            c["message"] = {"role": "assistant", "content": content}
+            if calls:
+                c["message"]["tool_calls"] = calls
         else:
-            c["text"] = text
-        c["logprobs"] = self.logprobs_fn(self.ctx, ids, lps) if self.req.return_logprobs else None
+            text = "" if req.echo_only else text
+            c["text"] = (req.echo or "") + text if first else text
+        c["logprobs"] = self._logprobs(pos, acc, first)
         c.update(_finish_fields(finish))
+        if req.echo_only and finish is not None and finish.reason in ("stop", "length"):
+            c["finish_reason"], c["matched_stop"] = "length", None
+        if calls:
+            c["finish_reason"] = "tool_calls"
         return c
 
-    def whole(self, acc: Accumulated) -> dict[str, Any]:
-        last = acc.last
-        assert last is not None
-        body = self.envelope([self.choice("".join(acc.text), acc.ids, acc.logprobs, last.finish, False)], False)
-        body["usage"] = usage(last)
+    def usage(self, lasts: list[Piece]) -> dict[str, Any]:
+        """Usage over every choice: each prompt counted once, every choice's completion tokens."""
+        prompts: dict[int, tuple[int, int]] = {}
+        for req, p in zip(self.reqs, lasts, strict=True):
+            seen = prompts.get(req.prompt_index, (0, 0))[1]
+            prompts[req.prompt_index] = (p.prompt_tokens, max(p.cached_tokens, seen))
+        prompt = sum(n for n, _ in prompts.values())
+        completion = sum(0 if r.echo_only else p.completion_tokens for r, p in zip(self.reqs, lasts, strict=True))
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": sum(c for _, c in prompts.values())}}
+
+    def _best(self, accs: list[Accumulated]) -> list[tuple[int, int]]:
+        """(position, returned index) of the choices returned: all of them, or with best_of > n the
+        `keep` of each prompt with the highest sum of logprobs, indexed prompt_index * keep + rank."""
+        if not self.req.keep:
+            return [(pos, r.index) for pos, r in enumerate(self.reqs)]
+        by_prompt: dict[int, list[int]] = {}
+        for pos, r in enumerate(self.reqs):
+            by_prompt.setdefault(r.prompt_index, []).append(pos)
+        out = []
+        for pi, positions in by_prompt.items():
+            ranked = sorted(positions, key=lambda p: -sum(lp for lp in accs[p].logprobs if lp is not None))
+            out += [(p, pi * self.req.keep + rank) for rank, p in enumerate(ranked[: self.req.keep])]
+        return out
+
+    def whole(self, accs: list[Accumulated]) -> dict[str, Any]:
+        choices = []
+        for pos, index in self._best(accs):
+            acc = accs[pos]
+            assert acc.last is not None
+            c = self.choice(pos, "".join(acc.text), acc, acc.last.finish, False)
+            choices.append({**c, "index": index})
+        body = self.envelope(sorted(choices, key=lambda c: c["index"]), False)
+        body["usage"] = self.usage([a.last for a in accs if a.last is not None])
         return body
 
 
-async def _events(fmt: _Format, pieces: AsyncIterator[Piece]) -> AsyncGenerator[bytes, None]:
-    first = True
-    async for piece in pieces:
-        err = openai_error(piece.finish)
-        if err is not None:
-            yield sse(err.body())
-            break
-        if not (piece.text or piece.finish or first or fmt.req.return_logprobs):
-            continue  # nothing to show yet (bytes of an unfinished character, a stop prefix)
-        lps = piece.logprobs or []
-        yield sse(fmt.envelope([fmt.choice(piece.text, piece.token_ids, lps, piece.finish, True, first)], True))
-        first = False
-        if piece.finish is not None and fmt.req.include_usage:
-            tail = fmt.envelope([], True)
-            tail["usage"] = usage(piece)
-            yield sse(tail)
+async def _events(fmt: _Format, pieces: AsyncGenerator[tuple[int, Piece], None]) -> AsyncGenerator[bytes, None]:
+    lasts: dict[int, Piece] = {}
+    try:
+        async with contextlib.aclosing(pieces) as it:
+            async for pos, piece in it:
+                err = openai_error(piece.finish)
+                if err is not None:
+                    yield sse(err.body())
+                    break
+                first = not fmt.started[pos]
+                if not (piece.text or piece.finish or first or fmt.reqs[pos].return_logprobs):
+                    continue  # nothing to show yet (bytes of an unfinished character, a stop prefix)
+                choice = fmt.choice(pos, piece.text, piece, piece.finish, True)
+                news = not fmt.chat or choice["delta"] or choice["finish_reason"] or choice["logprobs"]
+                if news:  # a tool call being held back sends nothing until it is complete
+                    yield sse(fmt.envelope([choice], True))
+                if piece.finish is not None:
+                    lasts[pos] = piece
+                    if len(lasts) == len(fmt.reqs) and fmt.req.include_usage:
+                        tail = fmt.envelope([], True)
+                        tail["usage"] = fmt.usage([lasts[i] for i in range(len(fmt.reqs))])
+                        yield sse(tail)
+    except BackendUnavailable as e:
+        yield sse(unavailable(str(e)).body())
+    except ApiError as e:
+        yield sse(e.body())
+    except Exception as e:  # noqa: BLE001 - a stream always ends with an error event and [DONE]
+        yield sse(internal_error(e).body())
+    yield SSE_DONE
+
+
+def check_model(ctx: AppContext, model: str | None) -> None:
+    """A request naming a model this server does not serve is a 404 (OpenAI's model_not_found)."""
+    if model is not None and model not in (ctx.args.model_name, ctx.args.model_path):
+        raise ApiError(404, f"the model {model!r} does not exist; this server serves {ctx.args.model_name!r}",
+                       "model", err_type="not_found_error")
 
 
 async def _serve(request: Request, chat: bool) -> Response:
     ctx = get_ctx(request)
     data = await read_body(request, ctx.args.max_body_bytes)
-    if chat:
-        req = await ctx.prepare(prepare_chat, decode_body(data, ChatBody), len(data))
-    else:
-        req = await ctx.prepare(prepare_completion, decode_body(data, CompletionBody), len(data))
-    fmt = _Format(ctx, req, chat)
-    return await respond(ctx, req, request, lambda pieces: _events(fmt, pieces), openai_error, fmt.whole)
+    body: ChatBody | CompletionBody = decode_body(data, ChatBody if chat else CompletionBody)
+    check_model(ctx, body.model)
+    prepare = prepare_chat if chat else prepare_completion
+    reqs = await ctx.prepare(prepare, body, len(data), needs_grammar(body))  # type: ignore[arg-type]
+    fmt = _Format(ctx, reqs, chat)
+    return await respond_choices(ctx, reqs, request, lambda pieces: _events(fmt, pieces), openai_error, fmt.whole)
 
 
 async def completions_endpoint(request: Request) -> Response:
@@ -139,8 +218,17 @@ async def chat_endpoint(request: Request) -> Response:
     return await _serve(request, chat=True)
 
 
+def _model_card(ctx: AppContext) -> dict[str, Any]:
+    return {"id": ctx.args.model_name, "object": "model", "created": 0, "owned_by": "hyssm",
+            "root": ctx.args.model_path, "max_model_len": ctx.limits.context_length}
+
+
 async def models_endpoint(request: Request) -> Response:
+    return json_response({"object": "list", "data": [_model_card(get_ctx(request))]})
+
+
+async def model_endpoint(request: Request) -> Response:
+    """GET /v1/models/{id}: the model card, or 404 for a model this server does not serve."""
     ctx = get_ctx(request)
-    model = {"id": ctx.args.model_name, "object": "model", "created": 0, "owned_by": "hyssm",
-             "root": ctx.args.model_path, "max_model_len": ctx.limits.context_length}
-    return json_response({"object": "list", "data": [model]})
+    check_model(ctx, request.path_params["model_id"])
+    return json_response(_model_card(ctx))

@@ -4,14 +4,27 @@ Pure functions of (body, tokenizer, limits); they may run in a worker thread for
 Defaults for max new tokens: /generate 128 (SGLang), /v1/completions 16 (OpenAI), chat: as many
 as the context allows (capped by --max-new-tokens-limit). Defaults are clamped to the context;
 explicit values that do not fit are rejected.
+
+The OpenAI endpoints prepare a list: one `PreparedRequest` per choice (`n` per prompt, several
+prompts on /v1/completions), indexed `prompt_index * n + i`. Choice i of a request with a seed
+samples with seed + i (so choices differ, and the whole response is reproducible); without a seed
+each choice's rid seeds it (worker_proc/sampling.py).
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+import msgspec
+
+from shared.messages import GrammarSpec
 from tokenizer_proc.chat_template import ChatTemplateError
+from tokenizer_proc.compat import check_chat_fields, check_completion_fields
 from tokenizer_proc.errors import bad_request
 from tokenizer_proc.schemas import ChatBody, CompletionBody, GenerateBody, NativeSamplingParams
+from tokenizer_proc.structured import native_grammar, openai_grammar
 from tokenizer_proc.tokenizer import TextTokenizer
+from tokenizer_proc.tools import plan_tools, template_message_calls
 from tokenizer_proc.validation import (
     Limits,
     PreparedRequest,
@@ -20,7 +33,6 @@ from tokenizer_proc.validation import (
     check_rid,
     check_token_ids,
     new_rid,
-    reject_unsupported,
     require,
 )
 
@@ -31,104 +43,177 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16
 def prepare_generate(body: GenerateBody, tok: TextTokenizer, limits: Limits) -> PreparedRequest:
     require(not (body.text is not None and body.input_ids is not None),
             "give either text or input_ids, not both", "text")
+    require(not isinstance(body.text, list), "text must be a string here", "text")
     if body.input_ids is not None:
-        ids = check_token_ids(body.input_ids, limits.vocab_size, "input_ids")
+        require(all(isinstance(t, int) for t in body.input_ids), "input_ids must be token ids", "input_ids")
+        ids = check_token_ids(body.input_ids, limits.vocab_size, "input_ids")  # type: ignore[arg-type]
         require(bool(ids), "input_ids must not be empty", "input_ids")
     elif body.text is not None:
         require(bool(body.text), "text must not be empty", "text")
-        ids = tok.encode(body.text)
+        ids = tok.encode(body.text)  # type: ignore[arg-type]
         require(bool(ids), "text encodes to no tokens", "text")
     else:
         raise bad_request("one of text or input_ids is required", "text")
     sp = body.sampling_params or NativeSamplingParams()
+    require(body.logprob_start_len == -1 or body.logprob_start_len >= 0, "logprob_start_len must be -1 or >= 0",
+            "logprob_start_len")
     fields = SamplingFields(
         sp.max_new_tokens, sp.temperature, sp.top_p, sp.top_k, sp.min_p, sp.stop, sp.stop_token_ids,
-        sp.ignore_eos, sp.seed, prefix="sampling_params.",
+        sp.ignore_eos, sp.seed, prefix="sampling_params.", frequency_penalty=sp.frequency_penalty,
+        presence_penalty=sp.presence_penalty, repetition_penalty=sp.repetition_penalty,
+        min_tokens=sp.min_new_tokens, min_tokens_name="min_new_tokens",
+        top_logprobs=body.top_logprobs_num if body.return_logprob else 0, top_logprobs_name="top_logprobs_num",
+        prompt_logprobs=body.top_logprobs_num if body.return_logprob and body.logprob_start_len >= 0 else -1,
+        grammar=native_grammar(sp),
     )
     sampling, stops = build_sampling(fields, len(ids), GENERATE_DEFAULT_MAX_NEW, limits, tok, body.return_logprob)
     return PreparedRequest(
         rid=check_rid(body.rid) if body.rid is not None else new_rid(),
         input_ids=ids, sampling=sampling, stops=stops, skip_special_tokens=sp.skip_special_tokens,
         stream=body.stream, return_logprobs=body.return_logprob, priority=body.priority,
+        logprob_start_len=max(0, body.logprob_start_len),
     )
 
 
-def _prompt_ids(body: CompletionBody, tok: TextTokenizer, limits: Limits) -> list[int]:
+MAX_N = 128
+MAX_PROMPTS = 256
+
+
+def _one_prompt(prompt: str | list[int], tok: TextTokenizer, limits: Limits, param: str) -> tuple[list[int], str]:
+    """(token ids, text) of one prompt; text is the prompt string, or the decoded ids."""
+    if isinstance(prompt, str):
+        require(bool(prompt), f"{param} must not be empty", param)
+        ids = tok.encode(prompt)
+        require(bool(ids), f"{param} encodes to no tokens", param)
+        return ids, prompt
+    ids = check_token_ids(prompt, limits.vocab_size, param)
+    require(bool(ids), f"{param} must not be empty", param)
+    return ids, tok.decode(ids)
+
+
+def _prompts(body: CompletionBody, tok: TextTokenizer, limits: Limits) -> list[tuple[list[int], str]]:
+    """Every prompt of the request: a string, a list of token ids, or a batch (list) of either."""
     prompt = body.prompt
     if prompt is None:
         raise bad_request("prompt is required", "prompt")
     if isinstance(prompt, str):
-        text: str | None = prompt
-    elif prompt and all(isinstance(p, int) for p in prompt):
-        return check_token_ids(prompt, limits.vocab_size, "prompt")  # type: ignore[arg-type]
-    elif len(prompt) == 1 and isinstance(prompt[0], str):
-        text = prompt[0]
-    elif len(prompt) == 1 and isinstance(prompt[0], list):
-        ids = check_token_ids(prompt[0], limits.vocab_size, "prompt")
-        require(bool(ids), "prompt must not be empty", "prompt")
-        return ids
-    elif not prompt:
-        raise bad_request("prompt must not be empty", "prompt")
-    else:
-        raise bad_request("prompt must be a string, a list of token ids, or a list of one of those "
-                          "(batches of several prompts are not supported)", "prompt")
-    require(bool(text), "prompt must not be empty", "prompt")
-    ids = tok.encode(text or "")
-    require(bool(ids), "prompt encodes to no tokens", "prompt")
-    return ids
+        return [_one_prompt(prompt, tok, limits, "prompt")]
+    require(bool(prompt), "prompt must not be empty", "prompt")
+    if all(isinstance(p, int) for p in prompt):
+        return [_one_prompt(prompt, tok, limits, "prompt")]  # type: ignore[arg-type]
+    if any(isinstance(p, int) for p in prompt):
+        raise bad_request("prompt must be a string, a list of token ids, or a list of strings or of token-id "
+                          "lists (not a mix of ids and prompts)", "prompt")
+    require(len(prompt) <= MAX_PROMPTS, f"prompt has {len(prompt)} prompts; at most {MAX_PROMPTS}", "prompt")
+    return [_one_prompt(p, tok, limits, f"prompt[{i}]") for i, p in enumerate(prompt)]  # type: ignore[arg-type]
 
 
-def _common_openai_checks(body: CompletionBody | ChatBody) -> None:
-    require(body.n == 1, f"n={body.n} is not supported (only n=1)", "n")
-    reject_unsupported(body, {"frequency_penalty": 0.0, "presence_penalty": 0.0})
+def _check_common(body: CompletionBody | ChatBody) -> None:
+    require(1 <= body.n <= MAX_N, f"n must be in [1, {MAX_N}], got {body.n}", "n")
     require(body.stream or body.stream_options is None,
             "stream_options is only allowed with stream=true", "stream_options")
 
 
-def prepare_completion(body: CompletionBody, tok: TextTokenizer, limits: Limits) -> PreparedRequest:
-    _common_openai_checks(body)
-    reject_unsupported(body, {"echo": False, "best_of": 1})
-    require(body.suffix is None, "suffix is not supported", "suffix")
-    require(body.logprobs is None or body.logprobs == 0,
-            "logprobs: only 0 (the sampled token's log-probability) is supported", "logprobs")
-    ids = _prompt_ids(body, tok, limits)
-    fields = SamplingFields(
-        body.max_tokens, body.temperature, body.top_p, body.top_k, body.min_p, body.stop, body.stop_token_ids,
-        body.ignore_eos, body.seed, max_tokens_name="max_tokens",
-    )
+def _choices(base: PreparedRequest, n: int, prompt_index: int, several: bool) -> list[PreparedRequest]:
+    out = []
+    for i in range(n):
+        index = prompt_index * n + i
+        seed, sampling = base.sampling.seed, base.sampling
+        if seed is not None and i > 0:
+            sampling = msgspec.structs.replace(sampling, seed=(seed + i) % (1 << 63))
+        rid = f"{base.rid}-{index}" if several else base.rid
+        out.append(replace(base, rid=rid, sampling=sampling, index=index, prompt_index=prompt_index))
+    return out
+
+
+def prepare_completion(body: CompletionBody, tok: TextTokenizer, limits: Limits) -> list[PreparedRequest]:
+    _check_common(body)
+    check_completion_fields(body)
+    prompts = _prompts(body, tok, limits)
+    grammar = openai_grammar(body)
     want_logprobs = body.logprobs is not None
-    sampling, stops = build_sampling(fields, len(ids), COMPLETION_DEFAULT_MAX_TOKENS, limits, tok, want_logprobs)
-    return PreparedRequest(
-        rid=new_rid("cmpl-"), input_ids=ids, sampling=sampling, stops=stops,
-        skip_special_tokens=body.skip_special_tokens, stream=body.stream,
-        include_usage=bool(body.stream_options and body.stream_options.include_usage),
-        return_logprobs=want_logprobs,
-    )
+    top = body.logprobs or 0
+    # echo with max_tokens 0 scores the prompt only (legacy OpenAI): one token is generated and dropped
+    echo_only = body.echo and body.max_tokens == 0
+    # best_of > n: best_of choices are generated per prompt and the n with the highest sum of
+    # logprobs are returned (not streamable, as on OpenAI)
+    best_of = body.best_of or body.n
+    require(best_of >= body.n, f"best_of ({best_of}) must be >= n ({body.n})", "best_of")
+    require(best_of <= MAX_N, f"best_of must be at most {MAX_N}", "best_of")
+    require(best_of == body.n or not body.stream, "best_of > n cannot be streamed", "best_of")
+    rid = new_rid("cmpl-")
+    several = len(prompts) * best_of > 1
+    out: list[PreparedRequest] = []
+    for pi, (ids, text) in enumerate(prompts):
+        fields = SamplingFields(
+            1 if echo_only else body.max_tokens, body.temperature, body.top_p, body.top_k, body.min_p, body.stop,
+            body.stop_token_ids,
+            body.ignore_eos, body.seed, max_tokens_name="max_tokens", **_openai_extras(body, grammar),
+            top_logprobs=top, top_logprobs_name="logprobs",
+            prompt_logprobs=top if body.echo and want_logprobs else -1,
+        )
+        sampling, stops = build_sampling(fields, len(ids), COMPLETION_DEFAULT_MAX_TOKENS, limits, tok,
+                                         want_logprobs or best_of > body.n)
+        base = PreparedRequest(
+            rid=rid, input_ids=ids, sampling=sampling, stops=stops,
+            skip_special_tokens=body.skip_special_tokens, stream=body.stream,
+            include_usage=bool(body.stream_options and body.stream_options.include_usage),
+            return_logprobs=want_logprobs, echo=text if body.echo else None, echo_only=echo_only,
+            keep=body.n if best_of > body.n else 0,
+        )
+        out.extend(_choices(base, best_of, pi, several))
+    return out
 
 
-def _chat_messages(body: ChatBody) -> list[dict[str, str]]:
+def _openai_extras(body: CompletionBody | ChatBody, grammar: GrammarSpec | None) -> dict[str, object]:
+    return {
+        "frequency_penalty": body.frequency_penalty, "presence_penalty": body.presence_penalty,
+        "repetition_penalty": body.repetition_penalty, "logit_bias": body.logit_bias,
+        "min_tokens": body.min_tokens, "grammar": grammar,
+    }
+
+
+def _chat_messages(body: ChatBody) -> list[dict[str, object]]:
     if body.messages is None:
         raise bad_request("messages is required", "messages")
     require(bool(body.messages), "messages must not be empty", "messages")
-    out = []
+    out: list[dict[str, object]] = []
     for m in body.messages:
         if isinstance(m.content, list):
             content = "".join(part.text for part in m.content)
         else:
             content = m.content or ""
-        out.append({"role": m.role, "content": content})
+        msg: dict[str, object] = {"role": m.role, "content": content}
+        if m.name is not None:
+            msg["name"] = m.name
+        if m.tool_call_id is not None:
+            msg["tool_call_id"] = m.tool_call_id
+        if m.tool_calls:
+            msg["tool_calls"] = template_message_calls([
+                {"id": c.id, "type": "function",
+                 "function": {"name": c.function.name, "arguments": c.function.arguments}}
+                for c in m.tool_calls
+            ])
+        out.append(msg)
     return out
 
 
-def prepare_chat(body: ChatBody, tok: TextTokenizer, limits: Limits) -> PreparedRequest:
-    _common_openai_checks(body)
+def prepare_chat(body: ChatBody, tok: TextTokenizer, limits: Limits) -> list[PreparedRequest]:
+    _check_common(body)
+    check_chat_fields(body)
     require(body.max_tokens is None or body.max_completion_tokens is None,
             "give max_tokens or max_completion_tokens, not both", "max_completion_tokens")
-    require(not body.top_logprobs, "top_logprobs is not supported (only the sampled token's logprob)",
-            "top_logprobs")
+    require(body.logprobs or not body.top_logprobs, "top_logprobs requires logprobs=true", "top_logprobs")
     messages = _chat_messages(body)
+    plan = plan_tools(body)
+    grammar = openai_grammar(body)
+    if plan.grammar is not None:
+        require(grammar is None, "response_format cannot be combined with a required or named tool_choice",
+                "response_format")
+        grammar = plan.grammar
     try:
-        text = tok.render_chat(messages)
+        text = tok.render_chat(messages, add_generation_prompt=body.add_generation_prompt,
+                               extra=body.chat_template_kwargs, tools=plan.template_tools)
     except ChatTemplateError as e:
         raise bad_request(str(e), "messages") from e
     ids = tok.encode(text, add_special_tokens=False)
@@ -137,12 +222,14 @@ def prepare_chat(body: ChatBody, tok: TextTokenizer, limits: Limits) -> Prepared
     fields = SamplingFields(
         body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens,
         body.temperature, body.top_p, body.top_k, body.min_p, body.stop, body.stop_token_ids,
-        body.ignore_eos, body.seed, max_tokens_name=name,
+        body.ignore_eos, body.seed, max_tokens_name=name, **_openai_extras(body, grammar),
+        top_logprobs=body.top_logprobs or 0,
     )
     sampling, stops = build_sampling(fields, len(ids), None, limits, tok, body.logprobs)
-    return PreparedRequest(
+    base = PreparedRequest(
         rid=new_rid("chatcmpl-"), input_ids=ids, sampling=sampling, stops=stops,
         skip_special_tokens=body.skip_special_tokens, stream=body.stream,
         include_usage=bool(body.stream_options and body.stream_options.include_usage),
-        return_logprobs=body.logprobs,
+        return_logprobs=body.logprobs, tool_plan=plan if plan.mode else None,
     )
+    return _choices(base, body.n, 0, body.n > 1)

@@ -1,15 +1,19 @@
-"""Request bodies of the HTTP API as msgspec Structs (typed decoding, unknown fields rejected).
+"""Request bodies of the HTTP API as msgspec Structs (typed decoding).
 
 `msgspec.json.decode(body, type=X)` does the type checks and names the offending field
 (`... - at `$.sampling_params.top_k``); range and cross-field checks live in `validation.py`.
-Fields are the SGLang native (`/generate`) and OpenAI (`/v1/...`) names; a few SGLang/vLLM
-extensions (top_k, min_p, ignore_eos, stop_token_ids, skip_special_tokens) are accepted on the
-OpenAI endpoints too.
+Fields are the SGLang native (`/generate`) and OpenAI (`/v1/...`) names; the SGLang/vLLM
+extensions (top_k, min_p, ignore_eos, stop_token_ids, skip_special_tokens, repetition_penalty,
+min_tokens, chat_template_kwargs) are accepted on the OpenAI endpoints too.
+
+Unknown fields are ignored (as vLLM and SGLang do); `fields.py` names them in the log. Fields that
+change nothing here (metadata, store, service_tier, user, reasoning_effort, prediction, modalities)
+are declared so they are type-checked and then ignored.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -17,13 +21,13 @@ import msgspec
 # naming its field (it could not be encoded for the scheduler, and no field means anything there).
 Int = Annotated[int, msgspec.Meta(ge=-(1 << 63), le=(1 << 63) - 1)]
 
-# A prompt as OpenAI allows it: text, token ids, or a batch of either. Only batches of one are
-# served (n=1, one prompt per request); validation rejects the others with a clear message.
+# A prompt as OpenAI allows it: text, token ids, or a batch of either (each prompt of a batch is
+# an independent request).
 PromptT = str | list[str | Int | list[Int]]
 StopT = str | list[str]
 
 
-class _Body(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, omit_defaults=True):
+class _Body(msgspec.Struct, kw_only=True, omit_defaults=True):
     pass
 
 
@@ -38,17 +42,27 @@ class NativeSamplingParams(_Body):
     ignore_eos: bool = False
     seed: Int | None = None
     skip_special_tokens: bool = True
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_new_tokens: Int = 0
+    n: Int = 1
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
 
 class GenerateBody(_Body):
     """POST /generate (SGLang native)."""
 
-    text: str | None = None
-    input_ids: list[Int] | None = None
+    text: str | list[str] | None = None  # a list: a batch, one answer each (native_batch.py)
+    input_ids: list[Int | list[Int]] | None = None  # flat: one prompt; a list of lists: a batch
     sampling_params: NativeSamplingParams | None = None
     stream: bool = False
     rid: str | None = None
     return_logprob: bool = False
+    top_logprobs_num: Int = 0
+    logprob_start_len: Int = -1
     priority: Int = 0
 
 
@@ -69,12 +83,27 @@ class _OpenAIBody(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: Int = 1
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    min_tokens: Int = 0
     user: str | None = None
     ignore_eos: bool = False
     stop_token_ids: list[Int] | None = None
     skip_special_tokens: bool = True
+    response_format: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    # accepted and ignored: they change nothing a model server computes
+    metadata: dict[str, Any] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    reasoning_effort: str | None = None
+    prediction: Any = None
+    modalities: list[str] | None = None
 
 
 class CompletionBody(_OpenAIBody):
@@ -92,11 +121,45 @@ class TextPart(_Body):
     text: str
 
 
+class FunctionCall(_Body):
+    name: str
+    arguments: str = "{}"
+
+
+class ToolCall(_Body):
+    function: FunctionCall
+    id: str | None = None
+    type: Literal["function"] = "function"
+
+
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    refusal: str | None = None
+
+
+class FunctionDef(_Body):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDef(_Body):
+    function: FunctionDef
+    type: Literal["function"] = "function"
+
+
+class NamedToolChoiceFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    function: NamedToolChoiceFunction
+    type: Literal["function"] = "function"
 
 
 class ChatBody(_OpenAIBody):
@@ -106,3 +169,28 @@ class ChatBody(_OpenAIBody):
     max_completion_tokens: Int | None = None
     logprobs: bool = False
     top_logprobs: Int | None = None
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    functions: Any = None
+    function_call: Any = None
+
+
+class TokenizeBody(_Body):
+    """POST /tokenize (vLLM/SGLang): a prompt, or chat messages rendered by the template."""
+
+    model: str | None = None
+    prompt: str | list[str] | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeBody(_Body):
+    """POST /detokenize (vLLM/SGLang)."""
+
+    tokens: list[Int]
+    model: str | None = None

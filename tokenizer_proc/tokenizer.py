@@ -75,6 +75,7 @@ class TextTokenizer:
             for key in ("bos_token", "eos_token", "pad_token", "unk_token")
             if (content := _token_content(config.get(key))) is not None
         }
+        self.special_tokens: dict[str, str] = dict(specials)  # bos/eos/pad/unk token strings of the config
         eos_ids = list(info.eos_token_ids)
         cfg_eos = tokenizer.token_to_id(specials["eos_token"]) if "eos_token" in specials else None
         if cfg_eos is not None and cfg_eos not in eos_ids:
@@ -114,8 +115,18 @@ class TextTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def render_chat(self, messages: Sequence[dict[str, Any]]) -> str:
-        return self.chat_template.render(messages, add_generation_prompt=True)
+    def render_chat(
+        self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
+        extra: dict[str, Any] | None = None, tools: list[dict[str, Any]] | None = None,
+    ) -> str:
+        """The chat template over `messages`; `extra` are chat_template_kwargs, `tools` the tool
+        definitions the template renders (OpenAI shape)."""
+        return self.chat_template.render(messages, add_generation_prompt=add_generation_prompt, extra=extra,
+                                         tools=tools)
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        detok = self.detokenizer((), skip_special_tokens)
+        return detok.push(list(token_ids)) + detok.finish()
 
     def detokenizer(self, stops: Sequence[str] = (), skip_special_tokens: bool = True) -> IncrementalDetokenizer:
         if self._tables is not None:

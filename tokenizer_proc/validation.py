@@ -15,8 +15,9 @@ from typing import Any, TypeVar
 import msgspec
 
 from shared.config import ServerArgs
-from shared.messages import SamplingParams
+from shared.messages import GrammarSpec, SamplingParams
 from tokenizer_proc.errors import ApiError, bad_request
+from tokenizer_proc.fields import warn_unknown
 from tokenizer_proc.tokenizer import TextTokenizer
 
 T = TypeVar("T")
@@ -25,6 +26,8 @@ MAX_STOPS = 16
 MAX_STOP_CHARS = 256
 MAX_RID_CHARS = 256
 MAX_SEED = (1 << 63) - 1
+MAX_TOP_LOGPROBS = 20
+MAX_LOGIT_BIAS = 1024
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,14 @@ class PreparedRequest:
     include_usage: bool = False
     return_logprobs: bool = False
     priority: int = 0
+    index: int = 0  # choice index in a response of several (OpenAI: prompt_index * n + i)
+    prompt_index: int = 0  # which prompt of the request (usage counts each prompt once)
+    echo: str | None = None  # the prompt text, returned before the output (completions echo)
+    echo_only: bool = False  # echo with max_tokens 0: one token is computed and not returned
+    save_prompt_state: bool = False  # the first choice of several with this prompt (choices.py)
+    keep: int = 0  # best_of > n: of this prompt's choices, the `keep` most likely are returned
+    logprob_start_len: int = 0  # /generate: first prompt position of input_token_logprobs
+    tool_plan: Any = None  # chat with tools: a tokenizer_proc.tools.ToolPlan
 
 
 @dataclass(frozen=True)
@@ -71,6 +82,16 @@ class SamplingFields:
     seed: int | None
     max_tokens_name: str = "max_new_tokens"
     prefix: str = ""
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    min_tokens: int = 0
+    min_tokens_name: str = "min_tokens"
+    top_logprobs: int = 0
+    top_logprobs_name: str = "top_logprobs"
+    prompt_logprobs: int = -1
+    grammar: GrammarSpec | None = None
 
 
 def decode_body(data: bytes, body_type: type[T]) -> T:
@@ -78,11 +99,13 @@ def decode_body(data: bytes, body_type: type[T]) -> T:
     if not data.strip():
         raise bad_request("request body is empty; expected a JSON object")
     try:
-        return msgspec.json.decode(data, type=body_type)
+        body = msgspec.json.decode(data, type=body_type)
     except msgspec.ValidationError as e:
         raise bad_request(f"invalid request: {e}", _param_of(str(e))) from e
     except msgspec.DecodeError as e:
         raise bad_request(f"request body is not valid JSON: {e}") from e
+    warn_unknown(data, body_type)
+    return body
 
 
 def _param_of(message: str) -> str | None:
@@ -133,6 +156,45 @@ def _stops(stop: str | list[str] | None, name: str) -> tuple[str, ...]:
     return tuple(stops)
 
 
+def _logit_bias(bias: dict[str, float] | None, vocab_size: int, name: str) -> dict[int, float]:
+    out: dict[int, float] = {}
+    if len(bias or {}) > MAX_LOGIT_BIAS:
+        raise bad_request(f"{name} has {len(bias or {})} entries; at most {MAX_LOGIT_BIAS} are allowed", name)
+    for key, value in (bias or {}).items():
+        try:
+            tok = int(key)
+        except ValueError:
+            raise bad_request(f"{name} keys must be token ids, got {key!r}", name) from None
+        if not 0 <= tok < vocab_size:
+            raise bad_request(f"{name} names token id {tok}, outside [0, {vocab_size})", name)
+        _check_float(value, name, -100.0, 100.0)
+        out[tok] = float(value)
+    return out
+
+
+def _extra_params(f: SamplingFields, max_new: int, limits: Limits) -> dict[str, Any]:
+    """Penalties, logit_bias, min_tokens and top logprobs, range-checked (vLLM/OpenAI ranges)."""
+    p = f.prefix
+    _check_float(f.frequency_penalty, p + "frequency_penalty", -2.0, 2.0)
+    _check_float(f.presence_penalty, p + "presence_penalty", -2.0, 2.0)
+    _check_float(f.repetition_penalty, p + "repetition_penalty", 0.0, 10.0, low_open=True)
+    if not 0 <= f.min_tokens <= max_new:
+        raise bad_request(f"{p}{f.min_tokens_name} must be in [0, {max_new}] (the maximum new tokens), "
+                          f"got {f.min_tokens}", p + f.min_tokens_name)
+    if not 0 <= f.top_logprobs <= MAX_TOP_LOGPROBS:
+        raise bad_request(f"{p}{f.top_logprobs_name} must be in [0, {MAX_TOP_LOGPROBS}], got {f.top_logprobs}",
+                          p + f.top_logprobs_name)
+    out: dict[str, Any] = {
+        "logit_bias": _logit_bias(f.logit_bias, limits.vocab_size, p + "logit_bias"),
+        "min_tokens": f.min_tokens, "top_logprobs": f.top_logprobs, "prompt_logprobs": f.prompt_logprobs,
+        "grammar": f.grammar,
+    }
+    for key in ("frequency_penalty", "presence_penalty", "repetition_penalty"):
+        if (value := getattr(f, key)) is not None:
+            out[key] = float(value)
+    return out
+
+
 def build_sampling(
     f: SamplingFields, prompt_len: int, default_max: int | None, limits: Limits, tok: TextTokenizer,
     logprobs: bool = False,
@@ -169,7 +231,7 @@ def build_sampling(
         stop_ids += [t for t in tok.extra_stop_ids if t not in stop_ids]
     params: dict[str, Any] = {
         "max_new_tokens": max_new, "stop_token_ids": stop_ids, "ignore_eos": f.ignore_eos,
-        "seed": f.seed, "logprobs": logprobs,
+        "seed": f.seed, "logprobs": logprobs, **_extra_params(f, max_new, limits),
     }
     for key in ("temperature", "top_p", "top_k", "min_p"):
         if (value := getattr(f, key)) is not None:

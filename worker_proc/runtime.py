@@ -16,17 +16,19 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 import torch
 
 from shared.messages import ForwardBatch, ReqSlice, StepResult
 from shared.model_info import ModelInfo
+from worker_proc.grammar import GrammarRuntime
 from worker_proc.kernels import get_ops
 from worker_proc.loader import load_model
 from worker_proc.model import StepBatch, build_step_batch
 from worker_proc.model.kv_mirror import KVSlotMirror
 from worker_proc.pools import StatePools, attention_free_kv_slots, cpu_wanted_budget, plan_capacities, pool_budget
-from worker_proc.sampling import SampleRequest, greedy_params, sample
+from worker_proc.sampling import SampleRequest, greedy_params, sample, top_logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +84,7 @@ class ModelRunner:
         self.model.set_batch_invariant(deterministic)
         self.deterministic = deterministic
         self.kv_mirror = KVSlotMirror()  # slot lists of the last batch run (ReqSlice.kv_reuse)
+        self.grammars = GrammarRuntime(model_dir, self.model_info.vocab_size, self.model_info.eos_token_ids)
 
     # ------------------------------------------------------------------ the step
     def step(self, batch: ForwardBatch, refused: frozenset[str] = frozenset()) -> StepResult:
@@ -89,8 +92,7 @@ class ModelRunner:
         module doc. Any exception leaves the KV slot mirror empty (the step failed)."""
         t0 = time.perf_counter()
         reqs = [r for r in batch.reqs if r.rid not in refused]
-        next_tokens: dict[str, int] = {}
-        logprobs: dict[str, float] = {}
+        sampled: dict[str, Any] = {}
         try:
             sb = self.build_batch(reqs, batch.step, all_rows=False)  # raises before anything is written
             self.apply_state_ops(batch, refused)
@@ -98,7 +100,7 @@ class ModelRunner:
                 sampler = self.tp_rank == 0  # rank 0 samples and replies; the others only advance state
                 logits = self.model.forward_step(sb, self.pools, self.ops, want_logits=sampler)
                 if sb.logit_rids and sampler:
-                    next_tokens, logprobs = self._sample(logits, sb, {r.rid: r for r in reqs})
+                    sampled = self._sample(logits, reqs)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
         except BaseException:
@@ -107,9 +109,8 @@ class ModelRunner:
         self.kv_mirror.commit(batch.step, [r.rid for r in reqs], sb.kv_full)
         return StepResult(
             step=batch.step,
-            next_tokens=next_tokens,
-            logprobs=logprobs,
             refused=sorted(refused),
+            **sampled,
             elapsed_s=time.perf_counter() - t0,
         )
 
@@ -131,20 +132,62 @@ class ModelRunner:
             uses_attention=bool(self.cfg.attn_layer_ids), mirror=self.kv_mirror, step=step,
         )
 
-    def _sample(
-        self, logits: torch.Tensor, sb: StepBatch, by_rid: dict[str, ReqSlice]
-    ) -> tuple[dict[str, int], dict[str, float]]:
-        sreqs = []
-        for rid in sb.logit_rids:
-            r = by_rid[rid]
-            sreqs.append(SampleRequest(rid, r.sampling or greedy_params(), r.output_len))
-        want = any(s.params.logprobs for s in sreqs)
-        tokens, lps = sample(logits, sreqs, self.seed, want_logprobs=want)
-        next_tokens = dict(zip(sb.logit_rids, tokens, strict=True))
-        logprobs: dict[str, float] = {}
-        if lps is not None:
-            logprobs = {s.rid: lp for s, lp in zip(sreqs, lps, strict=True) if s.params.logprobs}
-        return next_tokens, logprobs
+    def _sample(self, logits: torch.Tensor, reqs: list[ReqSlice]) -> dict[str, Any]:
+        """Sampling and logprobs of one step: the StepResult fields, from the logit rows of `reqs`
+        (in slice order: every row of a prompt-logprob slice, else the last row of a sampling one)."""
+        sample_rows: list[int] = []
+        sreqs: list[SampleRequest] = []
+        prompt: list[tuple[ReqSlice, int, int]] = []  # (slice, first row, rows)
+        at = 0
+        for r in reqs:
+            n = len(r.input_ids) if r.prompt_logprobs >= 0 else (1 if r.sample else 0)
+            if r.prompt_logprobs >= 0:
+                prompt.append((r, at, n))
+            if r.sample:
+                sample_rows.append(at + n - 1)
+                sreqs.append(SampleRequest(r.rid, r.sampling or greedy_params(), r.output_len, r.history))
+            at += n
+        out: dict[str, Any] = {}
+        if sreqs:
+            rows = logits[torch.tensor(sample_rows, dtype=torch.int64, device=logits.device)]
+            want = any(s.params.logprobs or s.params.top_logprobs for s in sreqs)
+            eos = tuple(self.model_info.eos_token_ids)
+            errors: dict[str, str] = {}
+            constrain = self.grammars.constrain(sreqs, errors) if any(s.params.grammar for s in sreqs) else None
+            tokens, lps = sample(rows, sreqs, self.seed, want_logprobs=want, eos_ids=eos, constrain=constrain)
+            out["next_tokens"] = {s.rid: t for s, t in zip(sreqs, tokens, strict=True)}
+            if constrain is not None or errors:
+                out["grammar_done"] = self.grammars.accept(sreqs, tokens, errors)
+                out["grammar_errors"] = errors
+            if lps is not None:
+                out["logprobs"] = {s.rid: lp for s, lp in zip(sreqs, lps, strict=True) if s.params.logprobs}
+            ks = [s.params.top_logprobs for s in sreqs]
+            if any(ks):
+                tops = top_logprobs(torch.log_softmax(rows, dim=-1), ks)
+                out["top_logprobs"] = {s.rid: t for s, t, k in zip(sreqs, tops, ks, strict=True) if k}
+        if prompt:
+            out["prompt_logprobs"], out["prompt_top_logprobs"] = self._prompt_logprobs(logits, prompt)
+        return out
+
+    @staticmethod
+    def _prompt_logprobs(
+        logits: torch.Tensor, slices: list[tuple[ReqSlice, int, int]]
+    ) -> tuple[dict[str, list[float]], dict[str, list[list[tuple[int, float]]]]]:
+        """Per slice: the logprob of the token after each position (the slice's next input, then
+        `prompt_next`), under the raw distribution, with `prompt_logprobs` alternatives each."""
+        lps: dict[str, list[float]] = {}
+        tops: dict[str, list[list[tuple[int, float]]]] = {}
+        for r, first, _n in slices:
+            targets = list(r.input_ids[1:]) + ([r.prompt_next] if r.prompt_next >= 0 else [])
+            if not targets:
+                lps[r.rid] = []
+                continue
+            logp = torch.log_softmax(logits[first : first + len(targets)], dim=-1)
+            tgt = torch.tensor(targets, dtype=torch.int64, device=logp.device)
+            lps[r.rid] = logp.gather(1, tgt[:, None])[:, 0].tolist()
+            if r.prompt_logprobs > 0:
+                tops[r.rid] = top_logprobs(logp, [r.prompt_logprobs] * len(targets))
+        return lps, tops
 
     def check_integrity(self) -> None:
         self.pools.check_integrity()

@@ -3,18 +3,21 @@
 Rank 0 samples. Determinism rule: the random draw of a request
 depends only on (its seed, its output_len), so a retried or replayed step picks the same token.
 A request without a seed derives one from the runner seed and a stable hash of its rid.
-Logprobs are those of the chosen token under the model's raw distribution (before temperature
-and filtering).
+Logprobs are those of the chosen token under the model's raw distribution (before penalties,
+logit_bias, temperature and filtering); `top_logprobs` are the most likely tokens of that same
+distribution. Penalties, logit_bias and min_tokens (logit_processing.py) change only the choice.
 """
 
 from __future__ import annotations
 
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from shared.messages import SamplingParams
+from worker_proc.logit_processing import process_logits
 
 _GREEDY = SamplingParams(temperature=0.0)
 _MASK64 = (1 << 63) - 1
@@ -25,6 +28,7 @@ class SampleRequest:
     rid: str
     params: SamplingParams
     output_len: int
+    history: list[int] | None = None  # prompt + output tokens so far (only with params.needs_history)
 
 
 def draw_seed(params: SamplingParams, rid: str, output_len: int, base_seed: int) -> int:
@@ -57,14 +61,22 @@ def filter_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.T
 
 
 def sample(
-    logits: torch.Tensor, reqs: list[SampleRequest], base_seed: int = 0, want_logprobs: bool = False
+    logits: torch.Tensor, reqs: list[SampleRequest], base_seed: int = 0, want_logprobs: bool = False,
+    eos_ids: tuple[int, ...] = (), constrain: Callable[[torch.Tensor], None] | None = None,
 ) -> tuple[list[int], list[float] | None]:
-    """Pick one token per row of `logits` [B, V] (float32). Returns (tokens, logprobs or None)."""
-    tokens = torch.argmax(logits, dim=-1)
+    """Pick one token per row of `logits` [B, V] (float32). Returns (tokens, logprobs or None).
+    `eos_ids`: the model's EOS tokens (masked while a request is below its min_tokens);
+    `constrain`: masks the processed logits in place (grammar token masks), before any choice."""
+    chosen_from = process_logits(logits, reqs, eos_ids)
+    if constrain is not None:
+        if chosen_from is logits:
+            chosen_from = logits.clone()
+        constrain(chosen_from)
+    tokens = torch.argmax(chosen_from, dim=-1)
     random_rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
     if random_rows:
         rows = torch.tensor(random_rows, dtype=torch.int64, device=logits.device)
-        filtered = filter_logits(logits[rows], [reqs[i].params for i in random_rows])
+        filtered = filter_logits(chosen_from[rows], [reqs[i].params for i in random_rows])
         probs = filtered.softmax(dim=-1)
         noise = torch.empty_like(probs)
         for j, i in enumerate(random_rows):
@@ -80,6 +92,17 @@ def sample(
         return token_list, None
     logp = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None])[:, 0]
     return token_list, logp.tolist()
+
+
+def top_logprobs(logp: torch.Tensor, ks: list[int]) -> list[list[tuple[int, float]]]:
+    """The `ks[i]` most likely (token, logprob) of row i of log-probabilities `logp` [B, V], most
+    likely first (ties: lower token id first, as torch.topk orders them on CPU)."""
+    k = min(max(ks, default=0), logp.shape[-1])
+    if k <= 0:
+        return [[] for _ in ks]
+    vals, ids = torch.topk(logp, k, dim=-1)
+    vals_l, ids_l = vals.tolist(), ids.tolist()
+    return [list(zip(ids_l[i][: ks[i]], vals_l[i][: ks[i]], strict=True)) for i in range(len(ks))]
 
 
 def greedy_params() -> SamplingParams:

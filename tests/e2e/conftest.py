@@ -22,3 +22,13 @@ def reference_runner():
 
     return ModelRunner(builtin_model_dir(), device="cpu", dtype="float32", kv_slots=4096, mamba_slots=8,
                        deterministic=True)
+
+
+@pytest.fixture(scope="session")
+def api_server() -> Iterator[Server]:
+    """One built-in-model server for the client-compatibility modules (test_api_clients,
+    test_structured_clients, test_lm_eval): float32, and short prefill chunks so a prompt's
+    logprobs are assembled from several slices."""
+    with running_server(["--random-seed", "0", "--dtype", "float32", "--chunked-prefill-size", "8",
+                         "--max-prefill-tokens", "64"]) as srv:
+        yield srv

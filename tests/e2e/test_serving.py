@@ -85,12 +85,13 @@ def test_openai_client_completions_and_chat(server: Server) -> None:
 
 def test_raw_http_chat_and_completions(server: Server) -> None:
     with server.client() as client:
-        r = client.post("/v1/completions", json={"model": "x", "prompt": [1, 2, 3], "max_tokens": 4})
+        r = client.post("/v1/completions", json={"model": "hyssm-tiny", "prompt": [1, 2, 3], "max_tokens": 4})
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["prompt_tokens"] == 3
         r = client.post(
             "/v1/chat/completions",
-            json={"model": "x", "messages": [{"role": "user", "content": "yo"}], "max_tokens": 3, "stream": True},
+            json={"model": "hyssm-tiny", "messages": [{"role": "user", "content": "yo"}], "max_tokens": 3,
+                  "stream": True},
         )
         assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]")
 

@@ -20,38 +20,40 @@ MSGS = [{"role": "user", "content": "hi"}]
 # (name, path, raw body bytes or JSON-able object, headers)
 CASES: list[tuple[str, str, object]] = [
     ("invalid json", COMP, b"{not json"),
-    ("truncated json", CHAT, b'{"model": "x", "messages": ['),
+    ("truncated json", CHAT, b'{"model": "hyssm-tiny", "messages": ['),
     ("json array body", COMP, [1, 2, 3]),
     ("json string body", GEN, "hello"),
     ("empty body", COMP, b""),
-    ("invalid utf-8 body", COMP, b'{"model": "x", "prompt": "\xff\xfe"}'),
-    ("missing prompt", COMP, {"model": "x", "max_tokens": 3}),
-    ("missing messages", CHAT, {"model": "x"}),
-    ("empty prompt", COMP, {"model": "x", "prompt": ""}),
-    ("empty token list", COMP, {"model": "x", "prompt": []}),
-    ("empty messages", CHAT, {"model": "x", "messages": []}),
-    ("prompt wrong type", COMP, {"model": "x", "prompt": 42}),
-    ("max_tokens string", COMP, {"model": "x", "prompt": "a", "max_tokens": "ten"}),
-    ("max_tokens negative", COMP, {"model": "x", "prompt": "a", "max_tokens": -1}),
-    ("max_tokens zero", COMP, {"model": "x", "prompt": "a", "max_tokens": 0}),
-    ("max_tokens huge", COMP, {"model": "x", "prompt": "a", "max_tokens": 10**12}),
-    ("temperature negative", COMP, {"model": "x", "prompt": "a", "temperature": -0.5}),
-    ("temperature string", CHAT, {"model": "x", "messages": MSGS, "temperature": "hot"}),
-    ("top_p zero", COMP, {"model": "x", "prompt": "a", "top_p": 0}),
-    ("top_p above one", CHAT, {"model": "x", "messages": MSGS, "top_p": 1.5}),
+    ("invalid utf-8 body", COMP, b'{"model": "hyssm-tiny", "prompt": "\xff\xfe"}'),
+    ("missing prompt", COMP, {"model": "hyssm-tiny", "max_tokens": 3}),
+    ("missing messages", CHAT, {"model": "hyssm-tiny"}),
+    ("empty prompt", COMP, {"model": "hyssm-tiny", "prompt": ""}),
+    ("empty token list", COMP, {"model": "hyssm-tiny", "prompt": []}),
+    ("empty messages", CHAT, {"model": "hyssm-tiny", "messages": []}),
+    ("prompt wrong type", COMP, {"model": "hyssm-tiny", "prompt": 42}),
+    ("max_tokens string", COMP, {"model": "hyssm-tiny", "prompt": "a", "max_tokens": "ten"}),
+    ("max_tokens negative", COMP, {"model": "hyssm-tiny", "prompt": "a", "max_tokens": -1}),
+    ("max_tokens zero", COMP, {"model": "hyssm-tiny", "prompt": "a", "max_tokens": 0}),
+    ("max_tokens huge", COMP, {"model": "hyssm-tiny", "prompt": "a", "max_tokens": 10**12}),
+    ("temperature negative", COMP, {"model": "hyssm-tiny", "prompt": "a", "temperature": -0.5}),
+    ("temperature string", CHAT, {"model": "hyssm-tiny", "messages": MSGS, "temperature": "hot"}),
+    ("top_p zero", COMP, {"model": "hyssm-tiny", "prompt": "a", "top_p": 0}),
+    ("top_p above one", CHAT, {"model": "hyssm-tiny", "messages": MSGS, "top_p": 1.5}),
     ("top_k zero", GEN, {"text": "a", "sampling_params": {"top_k": 0}}),
-    ("n greater than one", COMP, {"model": "x", "prompt": "a", "n": 3}),
-    ("unknown field", COMP, {"model": "x", "prompt": "a", "frobnicate": True}),
-    ("unknown sampling field", GEN, {"text": "a", "sampling_params": {"warp_speed": 9}}),
-    ("token id out of vocab", COMP, {"model": "x", "prompt": [1, 2, 10**9]}),
+    ("n zero", COMP, {"model": "hyssm-tiny", "prompt": "a", "n": 0}),
+    ("unknown model", COMP, {"model": "x", "prompt": "a"}),
+    ("suffix", COMP, {"model": "hyssm-tiny", "prompt": "a", "suffix": "b"}),
+    ("logit_bias out of vocab", COMP, {"model": "hyssm-tiny", "prompt": "a", "logit_bias": {"99999": 1}}),
+    ("penalty out of range", CHAT, {"model": "hyssm-tiny", "messages": MSGS, "frequency_penalty": 7}),
+    ("token id out of vocab", COMP, {"model": "hyssm-tiny", "prompt": [1, 2, 10**9]}),
     ("negative token id", GEN, {"input_ids": [1, -5, 3]}),
     ("prompt longer than context", GEN, {"input_ids": [1] * 5000, "sampling_params": {"max_new_tokens": 1}}),
     ("text and input_ids both missing", GEN, {"sampling_params": {"max_new_tokens": 2}}),
-    ("message without role", CHAT, {"model": "x", "messages": [{"content": "hi"}]}),
-    ("message content wrong type", CHAT, {"model": "x", "messages": [{"role": "user", "content": 5}]}),
-    ("stop wrong type", COMP, {"model": "x", "prompt": "a", "stop": 12}),
-    ("stream wrong type", COMP, {"model": "x", "prompt": "a", "stream": "yes"}),
-    ("seed wrong type", COMP, {"model": "x", "prompt": "a", "seed": "lucky"}),
+    ("message without role", CHAT, {"model": "hyssm-tiny", "messages": [{"content": "hi"}]}),
+    ("message content wrong type", CHAT, {"model": "hyssm-tiny", "messages": [{"role": "user", "content": 5}]}),
+    ("stop wrong type", COMP, {"model": "hyssm-tiny", "prompt": "a", "stop": 12}),
+    ("stream wrong type", COMP, {"model": "hyssm-tiny", "prompt": "a", "stream": "yes"}),
+    ("seed wrong type", COMP, {"model": "hyssm-tiny", "prompt": "a", "seed": "lucky"}),
     ("sampling_params not an object", GEN, {"text": "a", "sampling_params": [1, 2]}),
 ]
 
@@ -78,26 +80,26 @@ def test_bad_request_gets_4xx_json(server: Server, name: str, path: str, body: o
     assert 400 <= r.status_code < 500, (name, r.status_code, r.text)
     err = r.json()["error"]
     assert isinstance(err["message"], str) and err["message"]
-    ok = _post(server, COMP, {"model": "x", "prompt": "ok", "max_tokens": 2})
+    ok = _post(server, COMP, {"model": "hyssm-tiny", "prompt": "ok", "max_tokens": 2})
     assert ok.status_code == 200, ok.text
 
 
 def test_huge_body_is_413(server: Server) -> None:
-    r = _post(server, COMP, {"model": "x", "prompt": "a" * 200_000})
+    r = _post(server, COMP, {"model": "hyssm-tiny", "prompt": "a" * 200_000})
     assert r.status_code == 413 and "error" in r.json()
 
 
 def test_error_names_the_field(server: Server) -> None:
-    r = _post(server, COMP, {"model": "x", "prompt": "a", "max_tokens": "ten"})
+    r = _post(server, COMP, {"model": "hyssm-tiny", "prompt": "a", "max_tokens": "ten"})
     assert "max_tokens" in r.json()["error"]["message"]
-    r = _post(server, CHAT, {"model": "x", "messages": MSGS, "top_p": 1.5})
+    r = _post(server, CHAT, {"model": "hyssm-tiny", "messages": MSGS, "top_p": 1.5})
     assert "top_p" in r.json()["error"]["message"]
 
 
 GOOD = {
     GEN: {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}},
-    COMP: {"model": "x", "prompt": "ok", "max_tokens": 2},
-    CHAT: {"model": "x", "messages": MSGS, "max_tokens": 2},
+    COMP: {"model": "hyssm-tiny", "prompt": "ok", "max_tokens": 2},
+    CHAT: {"model": "hyssm-tiny", "messages": MSGS, "max_tokens": 2},
 }
 HUGE = 10**24  # wider than 64 bits: it used to reach the scheduler's encoder (OverflowError, 500)
 # (path, body, the field the 400 must name)
@@ -108,17 +110,17 @@ OVERSIZED_INTS: list[tuple[str, dict, str]] = [
     (GEN, {"text": "a", "sampling_params": {"seed": HUGE}}, "sampling_params.seed"),
     (GEN, {"input_ids": [1, HUGE]}, "input_ids"),
     (GEN, {"text": "a", "sampling_params": {"stop_token_ids": [HUGE]}}, "sampling_params.stop_token_ids"),
-    (COMP, {"model": "x", "prompt": "a", "top_k": HUGE}, "top_k"),
-    (COMP, {"model": "x", "prompt": "a", "max_tokens": HUGE}, "max_tokens"),
-    (COMP, {"model": "x", "prompt": [1, HUGE]}, "prompt"),
-    (COMP, {"model": "x", "prompt": [[1, HUGE]]}, "prompt"),
-    (COMP, {"model": "x", "prompt": "a", "n": HUGE}, "n"),
-    (COMP, {"model": "x", "prompt": "a", "logprobs": HUGE}, "logprobs"),
-    (CHAT, {"model": "x", "messages": MSGS, "top_k": HUGE}, "top_k"),
-    (CHAT, {"model": "x", "messages": MSGS, "seed": -HUGE}, "seed"),
-    (CHAT, {"model": "x", "messages": MSGS, "max_completion_tokens": HUGE}, "max_completion_tokens"),
-    (CHAT, {"model": "x", "messages": MSGS, "stop_token_ids": [3, HUGE]}, "stop_token_ids"),
-    (CHAT, {"model": "x", "messages": MSGS, "top_logprobs": HUGE}, "top_logprobs"),
+    (COMP, {"model": "hyssm-tiny", "prompt": "a", "top_k": HUGE}, "top_k"),
+    (COMP, {"model": "hyssm-tiny", "prompt": "a", "max_tokens": HUGE}, "max_tokens"),
+    (COMP, {"model": "hyssm-tiny", "prompt": [1, HUGE]}, "prompt"),
+    (COMP, {"model": "hyssm-tiny", "prompt": [[1, HUGE]]}, "prompt"),
+    (COMP, {"model": "hyssm-tiny", "prompt": "a", "n": HUGE}, "n"),
+    (COMP, {"model": "hyssm-tiny", "prompt": "a", "logprobs": HUGE}, "logprobs"),
+    (CHAT, {"model": "hyssm-tiny", "messages": MSGS, "top_k": HUGE}, "top_k"),
+    (CHAT, {"model": "hyssm-tiny", "messages": MSGS, "seed": -HUGE}, "seed"),
+    (CHAT, {"model": "hyssm-tiny", "messages": MSGS, "max_completion_tokens": HUGE}, "max_completion_tokens"),
+    (CHAT, {"model": "hyssm-tiny", "messages": MSGS, "stop_token_ids": [3, HUGE]}, "stop_token_ids"),
+    (CHAT, {"model": "hyssm-tiny", "messages": MSGS, "top_logprobs": HUGE}, "top_logprobs"),
 ]
 
 
@@ -148,9 +150,9 @@ def test_request_that_can_never_fit_the_kv_pool_is_400_naming_its_size(server: S
     if path == GEN:
         body: dict = {"input_ids": ids, "sampling_params": {"max_new_tokens": 4}}
     elif path == COMP:
-        body = {"model": "x", "prompt": ids, "max_tokens": 4}
+        body = {"model": "hyssm-tiny", "prompt": ids, "max_tokens": 4}
     else:
-        body = {"model": "x", "messages": [{"role": "user", "content": "hello " * 500}], "max_tokens": 4}
+        body = {"model": "hyssm-tiny", "messages": [{"role": "user", "content": "hello " * 500}], "max_tokens": 4}
     r = _post(server, path, {**body, "stream": stream})
     if stream:  # the response has begun when the scheduler rejects it: an error event, then [DONE]
         assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]"), r.text
@@ -160,5 +162,5 @@ def test_request_that_can_never_fit_the_kv_pool_is_400_naming_its_size(server: S
         err = r.json()["error"]
     assert err["code"] == 400 and err["type"] == "invalid_request_error", err
     assert str(KV_POOL) in err["message"] and "KV" in err["message"], err
-    ok = _post(server, COMP, {"model": "x", "prompt": "ok", "max_tokens": 2})
+    ok = _post(server, COMP, {"model": "hyssm-tiny", "prompt": "ok", "max_tokens": 2})
     assert ok.status_code == 200, ok.text

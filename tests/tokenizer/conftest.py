@@ -116,6 +116,12 @@ class FakeBackend:
                     prompt_tokens=len(req.input_ids), cached_tokens=self.cached_tokens,
                     completion_tokens=produced,
                     logprobs=[-0.5] * len(chunk) if req.sampling.logprobs else None,
+                    top_logprobs=[[(t, -0.5), (EOS, -2.0)][: req.sampling.top_logprobs] for t in chunk]
+                    if req.sampling.top_logprobs else None,
+                    prompt_logprobs=[-1.0] * (len(req.input_ids) - 1)
+                    if i == 0 and req.sampling.prompt_logprobs >= 0 else None,
+                    prompt_top_logprobs=[[(t, -1.0)] for t in req.input_ids[1:]]
+                    if i == 0 and req.sampling.prompt_logprobs > 0 else None,
                 )
                 if last:
                     return

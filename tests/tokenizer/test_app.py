@@ -119,7 +119,7 @@ def test_completions_usage_and_streaming_usage(args, backend, tok) -> None:
     backend.cached_tokens = 2
 
     async def check(c: httpx.AsyncClient) -> None:
-        r = await c.post("/v1/completions", json={"model": "m", "prompt": "four", "max_tokens": 7})
+        r = await c.post("/v1/completions", json={"model": args.model_name, "prompt": "four", "max_tokens": 7})
         body = r.json()
         assert r.status_code == 200 and body["object"] == "text_completion"
         assert body["choices"][0]["text"] == "hello w" and body["choices"][0]["finish_reason"] == "length"

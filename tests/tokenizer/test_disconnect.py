@@ -143,3 +143,26 @@ def test_disconnect_while_sending_the_body(args, tok) -> None:
     assert sent[0]["status"] == 499
     assert backend.submitted == []
     assert app.state.ctx.metrics.requests[("/generate", 499)] == 1
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_disconnect_aborts_every_choice(args, tok, stream: bool) -> None:
+    """n > 1 and a batch of prompts: a client that leaves aborts each unfinished choice once."""
+    backend = FakeBackend(gate=asyncio.Event(), free_outputs=1)
+    app = create_app(args, backend, tok)  # type: ignore[arg-type]
+    conn = FakeConnection({"prompt": ["a", "b"], "n": 2, "stream": stream})
+
+    async def main() -> None:
+        call = asyncio.ensure_future(app(_scope("/v1/completions"), conn.receive, conn.send))
+        while len(backend.submitted) < 4 or len(backend.open_streams) < 4:
+            await asyncio.sleep(0)
+        conn.gone.set()
+        await asyncio.wait_for(call, 10)
+
+    asyncio.run(main())
+    ctx: AppContext = app.state.ctx
+    ctx.check_integrity()
+    assert len(ctx.in_flight) == 0
+    assert sorted(rid for rid, _ in backend.aborted) == sorted(r.rid for r in backend.submitted)
+    assert {reason for _, reason in backend.aborted} == {"client disconnected"} and len(backend.aborted) == 4
+    backend.check_integrity()

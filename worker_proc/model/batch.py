@@ -61,7 +61,8 @@ def build_step_batch(
     out of range, wrong kv_slots length, duplicate rid or Mamba slot, a kv_reuse the mirror cannot
     serve); nothing is written either way (the caller commits `kv_full` to the mirror after the step
     ran). Without `mirror` every slice must carry its full slot list (kv_reuse == 0). `all_rows`: want
-    logits for every row of every request (tests), instead of the last row of each slice with sample."""
+    logits for every row of every request (tests), instead of the last row of each slice with sample;
+    a slice with prompt_logprobs >= 0 gets every row too (its last one is its sampling row)."""
     source = mirror if mirror is not None else KVSlotMirror()
     kv_full = source.resolve(reqs, step, device, kv_capacity if uses_attention else 0)
     ids: list[int] = []
@@ -85,7 +86,7 @@ def build_step_batch(
             dec_kv.append(kv)
         else:
             segs.append(PrefillSeg(row, row + n, r.start_pos, kv, r.mamba_slot))
-        if all_rows:
+        if all_rows or r.prompt_logprobs >= 0:  # every row: tests, and prompt logprobs
             logit_rows.extend(range(row, row + n))
             logit_rids.extend([r.rid] * n)
         elif r.sample:

@@ -1,0 +1,143 @@
+"""Tool calling: parsing of each family's call format, the streamed hold-back of a call, the
+tool_choice plans and their grammars, templates given tools and tool_calls, and the HTTP shapes
+(message.tool_calls, finish_reason, streamed tool-call deltas) over a fake backend."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import jsonschema
+import pytest
+
+from shared.config import ServerArgs
+from tests.tokenizer.conftest import FakeBackend, text_plan, write_model_dir
+from tests.tokenizer.test_app import serve
+from tokenizer_proc.schemas import ChatBody
+from tokenizer_proc.tools import ToolPlan, ToolStream, parse_output, parse_tagged, plan_tools
+from tokenizer_proc.validation import decode_body
+
+CHAT = "/v1/chat/completions"
+WEATHER = {"type": "function", "function": {"name": "weather", "parameters": {
+    "type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"]}}}
+NOOP = {"type": "function", "function": {"name": "noop"}}
+MSGS = [{"role": "user", "content": "hi"}]
+
+
+def _body(**kw: Any) -> ChatBody:
+    return decode_body(json.dumps({"messages": MSGS, **kw}).encode(), ChatBody)
+
+
+@pytest.mark.parametrize(("text", "content", "calls"), [
+    ('<tool_call>{"name": "weather", "arguments": {"city": "Rome"}}</tool_call>', None,
+     [("weather", {"city": "Rome"})]),
+    ('Sure. <tool_call>{"name": "a", "arguments": {}}</tool_call>\n<tool_call>{"name": "b", "parameters": {"x": 1}}'
+     '</tool_call>', "Sure.", [("a", {}), ("b", {"x": 1})]),
+    ('<|tool_call|>[{"name": "a", "arguments": {"k": "v"}}]', None, [("a", {"k": "v"})]),
+    ('<TOOLCALL>[{"name": "n", "arguments": {}}]</TOOLCALL> done', "done", [("n", {})]),
+    ("no calls here", "no calls here", []),
+    ('<tool_call>{"name": broken</tool_call>', '<tool_call>{"name": broken</tool_call>', []),
+])
+def test_parse_tagged_formats(text: str, content: str | None, calls: list[tuple[str, dict]]) -> None:
+    got_content, got = parse_tagged(text)
+    assert got_content == content
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in got] == calls
+    assert all(c["id"].startswith("call_") and c["type"] == "function" for c in got)
+
+
+def test_stream_holds_back_a_possible_call() -> None:
+    ts = ToolStream(ToolPlan("auto"))
+    out = [ts.feed(p) for p in ["Hello <", "tool", "_call>", '{"name": "x", "arguments": {}}', "</tool_call>"]]
+    assert out == ["Hello ", "", "", "", ""]
+    content, calls = ts.finish()
+    assert content == "" and [c["function"]["name"] for c in calls] == ["x"]
+    ts = ToolStream(ToolPlan("auto"))
+    assert ts.feed("a <b") == "a <b" and ts.feed(" <to") == " " and ts.feed("x") == "<tox" and ts.finish() == ("", [])
+
+
+def test_plans_and_their_grammars() -> None:
+    assert plan_tools(_body()).mode == "" and plan_tools(_body(tools=[WEATHER])).mode == "auto"
+    assert plan_tools(_body(tools=[WEATHER], tool_choice="none")).mode == ""
+    assert plan_tools(_body(tools=[WEATHER], tool_choice="none")).template_tools == [WEATHER]
+    req = plan_tools(_body(tools=[WEATHER, NOOP], tool_choice="required", parallel_tool_calls=False))
+    assert req.mode == "required" and req.grammar is not None
+    schema = json.loads(req.grammar.source)
+    jsonschema.validate([{"name": "weather", "arguments": {"city": "Paris"}}], schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([{"name": "weather", "arguments": {"city": "Oslo"}}], schema)
+    with pytest.raises(jsonschema.ValidationError):  # one call only without parallel_tool_calls
+        jsonschema.validate([{"name": "noop", "arguments": {}}] * 2, schema)
+    named = plan_tools(_body(tools=[WEATHER, NOOP], tool_choice={"type": "function", "function": {"name": "weather"}}))
+    assert named.mode == "named" and json.loads(named.grammar.source) == WEATHER["function"]["parameters"]
+    content, calls = parse_output(named, '{"city": "Rome"}')
+    assert content is None and calls[0]["function"] == {"name": "weather", "arguments": '{"city": "Rome"}'}
+    content, calls = parse_output(req, '[{"name": "noop", "arguments": {}}]')
+    assert content is None and calls[0]["function"]["name"] == "noop"
+    assert parse_output(req, '[{"name": "noop", "argu') == ('[{"name": "noop", "argu', [])  # cut by length
+
+
+def test_template_gets_tools_and_history(tok) -> None:
+    messages = [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": {"city": "Rome"}}}]},
+        {"role": "tool", "content": "sunny", "tool_call_id": "c1"},
+    ]
+    text = tok.render_chat(messages, tools=[WEATHER])
+    assert '"name": "weather"' in text.split("</tools>")[0]
+    assert '<tool_call>{"name": "weather", "arguments": {"city": "Rome"}}</tool_call>' in text
+    assert "<|start_of_role|>tool<|end_of_role|>sunny" in text
+    assert tok.render_chat(messages[:1]) == tok.render_chat(messages[:1], tools=None)
+    assert "<tools>" not in tok.render_chat(messages[:1])
+
+
+CALL = '<tool_call>{"name": "weather", "arguments": {"city": "Paris"}}</tool_call>'
+
+
+@pytest.fixture
+def long_args(tmp_path) -> ServerArgs:
+    """A model with room for the tools prompt."""
+    return ServerArgs(model_path=write_model_dir(str(tmp_path), context=2048), max_new_tokens_limit=128)
+
+
+def test_http_auto_calls_whole_and_streamed(long_args, tok) -> None:
+    backend = FakeBackend(plan=text_plan("ok " + CALL, per_out=4))
+    n = len(("ok " + CALL).encode())
+
+    async def check(c: httpx.AsyncClient) -> None:
+        body = {"messages": MSGS, "tools": [WEATHER], "max_tokens": n}
+        r = (await c.post(CHAT, json=body)).json()
+        (ch,) = r["choices"]
+        assert ch["finish_reason"] == "tool_calls" and ch["message"]["content"] == "ok"
+        (call,) = ch["message"]["tool_calls"]
+        assert call["function"]["name"] == "weather" and json.loads(call["function"]["arguments"]) == {"city": "Paris"}
+        r = await c.post(CHAT, json={**body, "stream": True})
+        events = [json.loads(x[6:]) for x in r.text.splitlines() if x.startswith("data: {")]
+        deltas = [e["choices"][0]["delta"] for e in events]
+        assert "".join(d.get("content", "") for d in deltas) == "ok "
+        calls = [d["tool_calls"] for d in deltas if "tool_calls" in d]
+        assert len(calls) == 1 and calls[0][0]["index"] == 0 and calls[0][0]["function"]["name"] == "weather"
+        assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
+        assert len(events) <= 4  # nothing is sent while the call is held back
+        r = (await c.post(CHAT, json={**body, "tool_choice": "none"})).json()
+        assert r["choices"][0]["message"]["content"].startswith("ok <tool_call>")
+        assert "tool_calls" not in r["choices"][0]["message"] and r["choices"][0]["finish_reason"] == "length"
+
+    serve(long_args, backend, tok, check)
+    assert all(s.sampling.grammar is None for s in backend.submitted)
+
+
+def test_http_named_choice_is_constrained(long_args, tok) -> None:
+    backend = FakeBackend(plan=text_plan('{"city": "Rome"}', per_out=3))
+
+    async def check(c: httpx.AsyncClient) -> None:
+        r = (await c.post(CHAT, json={"messages": MSGS, "tools": [WEATHER], "max_tokens": 16,
+                                      "tool_choice": {"type": "function", "function": {"name": "weather"}}})).json()
+        (call,) = r["choices"][0]["message"]["tool_calls"]
+        assert call["function"] == {"name": "weather", "arguments": '{"city": "Rome"}'}
+        assert r["choices"][0]["message"]["content"] is None
+
+    serve(long_args, backend, tok, check)
+    (sub,) = backend.submitted
+    assert sub.sampling.grammar is not None and sub.sampling.grammar.kind == "json_schema"

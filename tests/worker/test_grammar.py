@@ -1,0 +1,99 @@
+"""Worker rank 0's grammar runtime on the built-in vocabulary (one byte per token id): masks allow
+exactly the continuations of the grammar, matchers follow the sampled tokens, a matcher out of step
+is rebuilt from the request's history, and completion is reported once."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from shared.config import builtin_model_dir
+from shared.messages import GrammarSpec, SamplingParams
+from shared.model_info import ModelInfo
+from worker_proc.grammar import GrammarRuntime, vocab_of
+from worker_proc.sampling import SampleRequest, sample
+
+pytest.importorskip("xgrammar")
+
+EOS = 256
+REGEX = GrammarSpec(kind="regex", source="ab[0-9]")
+SCHEMA = GrammarSpec(kind="json_schema", source=json.dumps(
+    {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}))
+
+
+@pytest.fixture(scope="module")
+def runtime() -> GrammarRuntime:
+    info = ModelInfo.from_dir(builtin_model_dir())
+    return GrammarRuntime(builtin_model_dir(), info.vocab_size, info.eos_token_ids)
+
+
+def _allowed(rt: GrammarRuntime, req: SampleRequest) -> set[int]:
+    errors: dict[str, str] = {}
+    apply = rt.constrain([req], errors)
+    assert apply is not None and not errors
+    logits = torch.zeros(1, rt.vocab_size)
+    apply(logits)
+    return {i for i in range(rt.vocab_size) if logits[0, i] > -1e30}
+
+
+def _req(rid: str, spec: GrammarSpec, out: list[int], prompt: list[int] = (1, 2)) -> SampleRequest:  # type: ignore[assignment]
+    return SampleRequest(rid, SamplingParams(temperature=0.0, grammar=spec), len(out), list(prompt) + out)
+
+
+def test_vocab_is_byte_level() -> None:
+    encoded, kind, _ = vocab_of(builtin_model_dir(), 260)
+    assert kind == "BYTE_LEVEL" and encoded[ord("a")] == "a" and encoded[EOS] == "<|end_of_text|>"
+
+
+def test_masks_follow_the_grammar_and_completion_is_reported(runtime: GrammarRuntime) -> None:
+    out: list[int] = []
+    steps = [{ord("a")}, {ord("b")}, set(range(ord("0"), ord("9") + 1)), {EOS}]
+    for want, tok in zip(steps, [ord("a"), ord("b"), ord("7"), EOS], strict=True):
+        r = _req("g", REGEX, out)
+        assert _allowed(runtime, r) == want
+        done = runtime.accept([r], [tok], {})
+        out.append(tok)
+        assert done == (["g"] if tok == EOS else [])
+
+
+def test_out_of_step_matcher_is_rebuilt_from_history(runtime: GrammarRuntime) -> None:
+    # first seen mid-output (e.g. after another process's restart): replayed from the history
+    assert _allowed(runtime, _req("late", REGEX, [ord("a")])) == {ord("b")}
+    # the same rid now a new request (output_len 0): a fresh matcher
+    assert _allowed(runtime, _req("late", REGEX, [])) == {ord("a")}
+    # a different grammar under the same rid
+    assert _allowed(runtime, _req("late", SCHEMA, [])) == {ord("{")}
+
+
+def test_history_that_breaks_the_grammar_is_an_error(runtime: GrammarRuntime) -> None:
+    errors: dict[str, str] = {}
+    assert runtime.constrain([_req("bad", REGEX, [ord("z")])], errors) is None
+    assert "structured output failed" in errors["bad"]
+
+
+def test_sampling_under_a_schema_gives_valid_json(runtime: GrammarRuntime) -> None:
+    gen = torch.Generator().manual_seed(0)
+    out: list[int] = []
+    params = SamplingParams(temperature=1.0, seed=4, grammar=SCHEMA)
+    for _ in range(40):
+        r = SampleRequest("j", params, len(out), [5] + out)
+        errors: dict[str, str] = {}
+        apply = runtime.constrain([r], errors)
+        toks, _ = sample(torch.randn(1, runtime.vocab_size, generator=gen), [r], constrain=apply)
+        done = runtime.accept([r], toks, errors)
+        assert not errors
+        out.append(toks[0])
+        if done:
+            break
+    assert out[-1] == EOS
+    assert json.loads(bytes(out[:-1]).decode()) in ({"ok": True}, {"ok": False})
+
+
+def test_unconstrained_rows_are_untouched(runtime: GrammarRuntime) -> None:
+    logits = torch.randn(2, runtime.vocab_size, generator=torch.Generator().manual_seed(1))
+    reqs = [_req("c", REGEX, []), SampleRequest("free", SamplingParams(temperature=0.0), 0)]
+    apply = runtime.constrain(reqs, {})
+    toks, _ = sample(logits, reqs, constrain=apply)
+    assert toks == [ord("a"), int(logits[1].argmax())]

@@ -1,0 +1,20 @@
+"""Declared OpenAI fields whose requested behaviour this server cannot give: a 400 naming the field.
+
+Rule: a field that would change the result (suffix, the deprecated functions) is never silently
+ignored; a field that changes nothing here is declared in schemas.py and ignored.
+"""
+
+from __future__ import annotations
+
+from tokenizer_proc.errors import bad_request
+from tokenizer_proc.schemas import ChatBody, CompletionBody
+
+
+def check_completion_fields(body: CompletionBody) -> None:
+    if body.suffix:
+        raise bad_request("suffix is not supported: the model has no fill-in-the-middle format", "suffix")
+
+
+def check_chat_fields(body: ChatBody) -> None:
+    if body.functions is not None or body.function_call is not None:
+        raise bad_request("functions/function_call are deprecated and not supported; use tools", "functions")

@@ -1,0 +1,92 @@
+"""POST /generate with several answers (SGLang): a batch (`text` a list of strings, `input_ids` a
+list of id lists) and/or `sampling_params.n` > 1.
+
+Each prompt x choice is one request (rid `<rid>-<index>`, index `prompt_index * n + i`, choice i of
+a seeded request with seed + i), run through `choices.respond_choices` (the prompt computed once
+per prompt). The answer is a JSON list of the single-request objects (native.py) in index order;
+streamed, every event is one choice's object (cumulative text) with its `index`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncGenerator
+from dataclasses import replace
+from typing import Any
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+
+from tokenizer_proc.choices import respond_choices
+from tokenizer_proc.context import AppContext
+from tokenizer_proc.errors import ApiError, bad_request, internal_error, unavailable
+from tokenizer_proc.flow import Accumulated
+from tokenizer_proc.generation import BackendUnavailable, Piece
+from tokenizer_proc.http_util import SSE_DONE, sse
+from tokenizer_proc.native import _payload, error_of
+from tokenizer_proc.prepare import MAX_N, prepare_generate
+from tokenizer_proc.schemas import GenerateBody, NativeSamplingParams
+from tokenizer_proc.tokenizer import TextTokenizer
+from tokenizer_proc.validation import Limits, PreparedRequest, new_rid, require
+
+
+def prepare_batch(body: GenerateBody, tok: TextTokenizer, limits: Limits) -> list[PreparedRequest]:
+    sp = body.sampling_params or NativeSamplingParams()
+    require(1 <= sp.n <= MAX_N, f"sampling_params.n must be in [1, {MAX_N}], got {sp.n}",
+            "sampling_params.n")
+    one = msgspec.structs.replace(sp, n=1)
+    if isinstance(body.text, list):
+        require(body.input_ids is None, "give either text or input_ids, not both", "text")
+        singles = [msgspec.structs.replace(body, text=t, sampling_params=one, rid=None) for t in body.text]
+    elif body.input_ids and all(isinstance(t, list) for t in body.input_ids):
+        singles = [msgspec.structs.replace(body, input_ids=ids, sampling_params=one, rid=None)
+                   for ids in body.input_ids]
+    elif body.input_ids and any(isinstance(t, list) for t in body.input_ids):
+        raise bad_request("input_ids must be token ids or a list of token-id lists, not a mix", "input_ids")
+    else:
+        singles = [msgspec.structs.replace(body, sampling_params=one, rid=None)]
+    field = "text" if isinstance(body.text, list) else "input_ids"
+    require(bool(singles), f"{field} is an empty batch", field)
+    require(len(singles) * sp.n <= 2 * MAX_N, f"at most {2 * MAX_N} answers per request", "sampling_params.n")
+    base_rid = body.rid if body.rid is not None else new_rid()
+    out = []
+    for pi, single in enumerate(singles):
+        base = prepare_generate(single, tok, limits)
+        for i in range(sp.n):
+            index = pi * sp.n + i
+            sampling = base.sampling
+            if sampling.seed is not None and i > 0:
+                sampling = msgspec.structs.replace(sampling, seed=(sampling.seed + i) % (1 << 63))
+            out.append(replace(base, rid=f"{base_rid}-{index}", sampling=sampling, index=index, prompt_index=pi))
+    return out
+
+
+async def _events(reqs: list[PreparedRequest], pieces: AsyncGenerator[tuple[int, Piece], None],
+                  started: float) -> AsyncGenerator[bytes, None]:
+    accs = [Accumulated() for _ in reqs]
+    try:
+        async with contextlib.aclosing(pieces) as it:
+            async for pos, piece in it:
+                accs[pos].add(piece)
+                err = error_of(piece.finish)
+                if err is not None:
+                    yield sse(err.body())
+                    break
+                yield sse({**_payload(reqs[pos], accs[pos], started), "index": reqs[pos].index})
+    except BackendUnavailable as e:
+        yield sse(unavailable(str(e)).body())
+    except ApiError as e:
+        yield sse(e.body())
+    except Exception as e:  # noqa: BLE001 - a stream always ends with an error event and [DONE]
+        yield sse(internal_error(e).body())
+    yield SSE_DONE
+
+
+async def respond_batch(ctx: AppContext, reqs: list[PreparedRequest], request: Request, started: float) -> Response:
+    def payload(accs: list[Accumulated]) -> list[dict[str, Any]]:
+        return [_payload(r, a, started) for r, a in sorted(zip(reqs, accs, strict=True), key=lambda x: x[0].index)]
+
+    return await respond_choices(ctx, reqs, request, lambda pieces: _events(reqs, pieces, started), error_of,
+                                 payload)
+

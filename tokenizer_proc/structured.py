@@ -1,0 +1,147 @@
+"""Structured output requests: from the body's fields to one validated `GrammarSpec`.
+
+Accepted forms (at most one per request, else a 400 naming the second):
+- OpenAI `response_format`: `{"type": "text"}` (no constraint), `{"type": "json_object"}` (any JSON
+  object), `{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}`;
+- vLLM `guided_json` (a schema, object or JSON text), `guided_regex`, `guided_choice` (one of the
+  given strings), `guided_grammar` (EBNF, xgrammar's dialect);
+- SGLang `sampling_params.json_schema` (JSON text), `regex`, `ebnf` on /generate.
+Rule: a spec is parsed by xgrammar here, before the request is queued, so a malformed or
+unsupported schema, regex or grammar is a 400 naming the field and the problem; worker rank 0
+compiles it (worker_proc/grammar.py). JSON output is compact (no free whitespace between tokens),
+so small models cannot wander off into whitespace. Validation is memoised per spec (LRU).
+xgrammar (and with it torch) is imported on the first structured request, in a worker thread
+(`needs_grammar` tells the caller to prepare the request there).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+from typing import Any
+
+from shared.messages import GrammarSpec
+from tokenizer_proc.errors import bad_request
+
+MAX_VALIDATED = 512
+MAX_SPEC_CHARS = 256 * 1024
+_XGR_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")
+
+
+
+def needs_grammar(body: Any) -> bool:
+    """Whether preparing `body` may validate a grammar (and so may import xgrammar)."""
+    rf = getattr(body, "response_format", None)
+    if isinstance(rf, dict) and rf.get("type") not in (None, "text"):
+        return True
+    if any(getattr(body, n, None) is not None for n in ("guided_json", "guided_regex", "guided_choice",
+                                                         "guided_grammar")):
+        return True
+    if getattr(body, "tools", None):
+        return True
+    sp = getattr(body, "sampling_params", None)
+    return sp is not None and any(getattr(sp, n, None) is not None for n in ("json_schema", "regex", "ebnf"))
+
+
+def _message(e: Exception) -> str:
+    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return _XGR_PREFIX.sub("", text)
+
+
+@functools.lru_cache(maxsize=MAX_VALIDATED)
+def _problem(spec: GrammarSpec) -> str | None:
+    """Why xgrammar cannot use `spec` (None: it can). A pure function of the spec, memoised."""
+    import xgrammar
+
+    try:
+        if spec.kind in ("json_schema", "json_object"):
+            xgrammar.Grammar.from_json_schema(spec.source, strict_mode=spec.strict, any_whitespace=False)
+        elif spec.kind == "regex":
+            xgrammar.Grammar.from_regex(spec.source)
+        else:
+            xgrammar.Grammar.from_ebnf(spec.source)
+    except (RuntimeError, ValueError, TypeError) as e:
+        return _message(e)
+    return None
+
+
+def validate(spec: GrammarSpec, param: str) -> GrammarSpec:
+    """`spec` if xgrammar can parse it, else ApiError 400 naming `param`."""
+    if len(spec.source) > MAX_SPEC_CHARS:
+        raise bad_request(f"{param} is {len(spec.source)} characters; at most {MAX_SPEC_CHARS}", param)
+    if (problem := _problem(spec)) is not None:
+        raise bad_request(f"{param}: {spec.kind} is not usable: {problem}", param)
+    return spec
+
+
+def _schema_text(schema: Any, param: str) -> str:
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as e:
+            raise bad_request(f"{param} is not valid JSON: {e}", param) from e
+    if not isinstance(schema, (dict, bool)):
+        raise bad_request(f"{param} must be a JSON schema (an object)", param)
+    return json.dumps(schema, separators=(",", ":"))  # property order kept: it is the output order
+
+
+def json_schema_spec(schema: Any, param: str, strict: bool = True) -> GrammarSpec:
+    return validate(GrammarSpec(kind="json_schema", source=_schema_text(schema, param), strict=strict), param)
+
+
+def _from_response_format(rf: dict[str, Any]) -> GrammarSpec | None:
+    kind = rf.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return validate(GrammarSpec(kind="json_object", source='{"type":"object"}', strict=False), "response_format")
+    if kind == "json_schema":
+        js = rf.get("json_schema")
+        if not isinstance(js, dict) or "schema" not in js and "schema_" not in js:
+            raise bad_request("response_format.json_schema must be an object with a schema", "response_format")
+        schema = js.get("schema", js.get("schema_"))
+        return json_schema_spec(schema, "response_format.json_schema.schema", strict=bool(js.get("strict", False)))
+    raise bad_request(f"response_format.type must be text, json_object or json_schema, got {kind!r}",
+                      "response_format")
+
+
+def _choice_regex(choices: Any) -> str:
+    if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
+        raise bad_request("guided_choice must be a non-empty list of non-empty strings", "guided_choice")
+    return "(" + "|".join(re.escape(c) for c in choices) + ")"
+
+
+def openai_grammar(body: Any) -> GrammarSpec | None:
+    """The one constraint of an OpenAI-endpoint body (module doc), validated; None without one."""
+    found: list[tuple[str, GrammarSpec | None]] = []
+    rf = getattr(body, "response_format", None)
+    if rf is not None:
+        found.append(("response_format", _from_response_format(rf)))
+    if (gj := getattr(body, "guided_json", None)) is not None:
+        found.append(("guided_json", json_schema_spec(gj, "guided_json")))
+    if (gr := getattr(body, "guided_regex", None)) is not None:
+        found.append(("guided_regex", validate(GrammarSpec(kind="regex", source=gr), "guided_regex")))
+    if (gc := getattr(body, "guided_choice", None)) is not None:
+        found.append(("guided_choice", validate(GrammarSpec(kind="regex", source=_choice_regex(gc)), "guided_choice")))
+    if (gg := getattr(body, "guided_grammar", None)) is not None:
+        found.append(("guided_grammar", validate(GrammarSpec(kind="ebnf", source=gg), "guided_grammar")))
+    found = [(name, spec) for name, spec in found if spec is not None]
+    if len(found) > 1:
+        raise bad_request(f"give one output constraint, not {found[0][0]} and {found[1][0]}", found[1][0])
+    return found[0][1] if found else None
+
+
+def native_grammar(sp: Any) -> GrammarSpec | None:
+    """SGLang's sampling_params.json_schema / regex / ebnf (at most one), validated."""
+    given = [n for n in ("json_schema", "regex", "ebnf") if getattr(sp, n, None) is not None]
+    if len(given) > 1:
+        raise bad_request(f"give one of sampling_params.json_schema, regex and ebnf, not {given[0]} and "
+                          f"{given[1]}", f"sampling_params.{given[1]}")
+    if not given:
+        return None
+    name = given[0]
+    param = f"sampling_params.{name}"
+    if name == "json_schema":
+        return json_schema_spec(sp.json_schema, param)
+    return validate(GrammarSpec(kind="regex" if name == "regex" else "ebnf", source=getattr(sp, name)), param)

@@ -1,0 +1,77 @@
+"""POST /tokenize and POST /detokenize (the vLLM / SGLang shapes).
+
+GET /tokenizer_info: special tokens and the chat template (vLLM's; lm-eval reads it).
+/tokenize `{"prompt": str | [str]}` or `{"messages": [...]}` (rendered by the chat template, then
+encoded without special tokens, as chat requests are) -> `{"tokens", "count", "max_model_len"}`
+(plus `token_strs` with `return_token_strs`); a list of prompts gives lists. /detokenize
+`{"tokens": [ids]}` -> `{"prompt": text, "text": text}` (vLLM's and SGLang's key). Ids outside the
+vocabulary and a model name this server does not serve are 4xx.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from tokenizer_proc.chat_template import ChatTemplateError
+from tokenizer_proc.context import get_ctx
+from tokenizer_proc.errors import bad_request
+from tokenizer_proc.http_util import json_response, read_body
+from tokenizer_proc.openai_api import check_model
+from tokenizer_proc.schemas import ChatBody, DetokenizeBody, TokenizeBody
+from tokenizer_proc.validation import check_token_ids, decode_body
+
+
+async def tokenize_endpoint(request: Request) -> Response:
+    ctx = get_ctx(request)
+    body = decode_body(await read_body(request, ctx.args.max_body_bytes), TokenizeBody)
+    check_model(ctx, body.model)
+    if (body.prompt is None) == (body.messages is None):
+        raise bad_request("give exactly one of prompt or messages", "prompt")
+    if body.messages is not None:
+        from tokenizer_proc.prepare import _chat_messages
+
+        messages = _chat_messages(ChatBody(messages=body.messages))
+        try:
+            text = ctx.tok.render_chat(messages, add_generation_prompt=body.add_generation_prompt)
+        except ChatTemplateError as e:
+            raise bad_request(str(e), "messages") from e
+        token_lists = [ctx.tok.encode(text, add_special_tokens=False)]
+    else:
+        prompts = [body.prompt] if isinstance(body.prompt, str) else list(body.prompt or [])
+        token_lists = [ctx.tok.encode(p, add_special_tokens=body.add_special_tokens) for p in prompts]
+
+    def one(ids: list[int]) -> dict[str, Any]:
+        out: dict[str, Any] = {"tokens": ids, "count": len(ids), "max_model_len": ctx.limits.context_length}
+        if body.return_token_strs:
+            out["token_strs"] = [ctx.tok.token_text(t) for t in ids]
+        return out
+
+    if isinstance(body.prompt, list):
+        lists = [one(ids) for ids in token_lists]
+        return json_response({"tokens": [x["tokens"] for x in lists], "count": [x["count"] for x in lists],
+                              "max_model_len": ctx.limits.context_length})
+    return json_response(one(token_lists[0]))
+
+
+async def tokenizer_info_endpoint(request: Request) -> Response:
+    """GET /tokenizer_info (vLLM's): the special tokens and the chat template, which lm-eval's
+    remote tokenizer reads."""
+    tok = get_ctx(request).tok
+    info: dict[str, Any] = {k: tok.special_tokens.get(k) for k in ("bos_token", "eos_token", "pad_token", "unk_token")}
+    if info["eos_token"] is None and tok.eos_token_ids:
+        info["eos_token"] = tok.token_text(tok.eos_token_ids[0])
+    info.update(chat_template=tok.chat_template.source, model_max_length=get_ctx(request).limits.context_length,
+                tokenizer_class="PreTrainedTokenizerFast")
+    return json_response(info)
+
+
+async def detokenize_endpoint(request: Request) -> Response:
+    ctx = get_ctx(request)
+    body = decode_body(await read_body(request, ctx.args.max_body_bytes), DetokenizeBody)
+    check_model(ctx, body.model)
+    ids = check_token_ids(body.tokens, ctx.limits.vocab_size, "tokens")
+    text = ctx.tok.decode(ids)
+    return json_response({"prompt": text, "text": text})

@@ -1,0 +1,174 @@
+"""Structured output on worker rank 0: grammar compilation, token masks, matcher state (xgrammar).
+
+Who holds what: the tokenizer process validates a request's `GrammarSpec` (tokenizer_proc/
+structured.py) before it is queued; rank 0, which samples, holds the compiled grammars (one
+compilation per distinct spec, kept in an LRU) and one matcher per constrained request, keyed by rid.
+Each step, before sampling, every constrained row's logits get its matcher's token mask (tokens that
+cannot continue the grammar are -inf; after the grammar is complete only the stop tokens remain);
+after sampling, the matcher accepts the chosen token. A matcher whose grammar is then terminated is
+reported in `StepResult.grammar_done` (the scheduler finishes the request with "stop") and dropped.
+
+Sync rule: a matcher is valid for (rid, spec) after exactly `output_len` accepted tokens. A slice
+whose matcher is missing (evicted, a new request reusing the rid, a step that failed) or out of step
+gets a fresh one that replays the request's output tokens from `ReqSlice.history`; so the state is
+a function of the tokens the scheduler holds, whatever happened to earlier steps.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from shared.messages import GrammarSpec
+from worker_proc.sampling import SampleRequest
+
+logger = logging.getLogger(__name__)
+
+MAX_COMPILED = 256
+MAX_MATCHERS = 8192
+
+
+def vocab_of(model_dir: str, vocab_size: int) -> tuple[list[str], str, bool]:
+    """(token string of every id up to `vocab_size`, xgrammar vocab type name, add_prefix_space)
+    from the model's tokenizer.json: ByteLevel decoders are BYTE_LEVEL, ByteFallback ones
+    BYTE_FALLBACK, anything else RAW."""
+    from tokenizers import Tokenizer
+
+    path = os.path.join(model_dir, "tokenizer.json")
+    tok = Tokenizer.from_file(path)
+    encoded = [""] * vocab_size
+    for text, idx in tok.get_vocab(with_added_tokens=True).items():
+        if 0 <= idx < vocab_size:
+            encoded[idx] = text
+    with open(path, encoding="utf-8") as f:
+        decoder = json.load(f).get("decoder") or {}
+    parts = decoder.get("decoders", [decoder]) if decoder.get("type") == "Sequence" else [decoder]
+    kinds = {p.get("type") for p in parts if isinstance(p, dict)}
+    if "ByteLevel" in kinds:
+        return encoded, "BYTE_LEVEL", False
+    if "ByteFallback" in kinds:
+        return encoded, "BYTE_FALLBACK", "Metaspace" in kinds or "Strip" in kinds
+    return encoded, "RAW", False
+
+
+@dataclass
+class _Matcher:
+    spec: GrammarSpec
+    matcher: Any
+    accepted: int
+
+
+class GrammarRuntime:
+    """Rank 0's compiled grammars and matchers (module doc). xgrammar is imported on first use."""
+
+    def __init__(self, model_dir: str, vocab_size: int, eos_ids: Sequence[int]) -> None:
+        self.model_dir, self.vocab_size, self.eos_ids = model_dir, vocab_size, tuple(eos_ids)
+        self._xgr: Any = None
+        self._compiler: Any = None
+        self._compiled: OrderedDict[GrammarSpec, Any] = OrderedDict()
+        self._matchers: OrderedDict[str, _Matcher] = OrderedDict()
+
+    def _setup(self) -> None:
+        import xgrammar
+
+        encoded, kind, prefix_space = vocab_of(self.model_dir, self.vocab_size)
+        info = xgrammar.TokenizerInfo(encoded, getattr(xgrammar.VocabType, kind), vocab_size=self.vocab_size,
+                                      stop_token_ids=list(self.eos_ids) or None, add_prefix_space=prefix_space)
+        self._xgr, self._compiler = xgrammar, xgrammar.GrammarCompiler(info, max_threads=1)
+
+    def compiled(self, spec: GrammarSpec) -> Any:
+        """The compiled grammar of `spec` (compiled once while it stays among the MAX_COMPILED most
+        recently used)."""
+        if self._compiler is None:
+            self._setup()
+        if (hit := self._compiled.get(spec)) is not None:
+            self._compiled.move_to_end(spec)
+            return hit
+        c = self._compiler
+        if spec.kind in ("json_schema", "json_object"):  # compact JSON (tokenizer_proc/structured.py)
+            out = c.compile_json_schema(spec.source, strict_mode=spec.strict, any_whitespace=False)
+        elif spec.kind == "regex":
+            out = c.compile_regex(spec.source)
+        else:
+            out = c.compile_grammar(spec.source)
+        self._compiled[spec] = out
+        if len(self._compiled) > MAX_COMPILED:
+            self._compiled.popitem(last=False)
+        return out
+
+    def _stops(self, r: SampleRequest) -> list[int]:
+        p = r.params
+        stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_ids))
+        return sorted(t for t in stops if 0 <= t < self.vocab_size) or list(self.eos_ids)
+
+    def _matcher(self, r: SampleRequest) -> _Matcher:
+        spec = r.params.grammar
+        assert spec is not None
+        m = self._matchers.get(r.rid)
+        if m is None or m.spec != spec or m.accepted != r.output_len:
+            matcher = self._xgr_matcher(spec, r)
+            hist = list(r.history or [])
+            for tok in hist[len(hist) - r.output_len:] if r.output_len else []:
+                if not matcher.accept_token(tok):
+                    raise ValueError(f"output token {tok} does not match the grammar")
+            m = self._matchers[r.rid] = _Matcher(spec, matcher, r.output_len)
+            if len(self._matchers) > MAX_MATCHERS:
+                self._matchers.popitem(last=False)
+        self._matchers.move_to_end(r.rid)
+        return m
+
+    def _xgr_matcher(self, spec: GrammarSpec, r: SampleRequest) -> Any:
+        compiled = self.compiled(spec)
+        return self._xgr.GrammarMatcher(compiled, override_stop_tokens=self._stops(r))
+
+    def constrain(self, reqs: Sequence[SampleRequest], errors: dict[str, str]) -> Callable[[torch.Tensor], None] | None:
+        """A function that masks the constrained rows of the logits sampling chooses from (None when
+        no row is constrained). A request whose matcher cannot be brought up to date is put in
+        `errors` and left unconstrained (the scheduler ends it with that error)."""
+        rows: list[int] = []
+        matchers: list[_Matcher] = []
+        for i, r in enumerate(reqs):
+            if r.params.grammar is None:
+                continue
+            try:
+                matchers.append(self._matcher(r))
+                rows.append(i)
+            except (ValueError, RuntimeError) as e:
+                errors[r.rid] = f"structured output failed: {e}"
+        if not rows:
+            return None
+        bitmask = self._xgr.allocate_token_bitmask(len(rows), self.vocab_size)
+        for j, m in enumerate(matchers):
+            m.matcher.fill_next_token_bitmask(bitmask, j)
+
+        def apply(logits: torch.Tensor) -> None:
+            sub = logits[rows]
+            self._xgr.apply_token_bitmask_inplace(sub, bitmask.to(logits.device))
+            logits[rows] = sub
+
+        return apply
+
+    def accept(self, reqs: Sequence[SampleRequest], tokens: Sequence[int], errors: dict[str, str]) -> list[str]:
+        """Advance every constrained request's matcher by its sampled token; the rids whose grammar
+        is now terminated (their matchers are dropped)."""
+        done = []
+        for r, tok in zip(reqs, tokens, strict=True):
+            if r.params.grammar is None or r.rid in errors:
+                continue
+            m = self._matchers.get(r.rid)
+            if m is None or not m.matcher.accept_token(tok):
+                errors[r.rid] = f"structured output failed: sampled token {tok} does not match the grammar"
+                self._matchers.pop(r.rid, None)
+                continue
+            m.accepted += 1
+            if m.matcher.is_terminated():
+                done.append(r.rid)
+                del self._matchers[r.rid]
+        return done

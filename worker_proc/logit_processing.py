@@ -1,0 +1,104 @@
+"""Per-request logit processing before sampling (rank 0): penalties, logit_bias, min_tokens.
+
+Rules (OpenAI / vLLM semantics), applied in this order to float32 logits [B, V], batched (the only
+Python loops are over requests and over their listed token ids, never over the vocabulary):
+- repetition_penalty p (tokens that occur in prompt or output): a positive logit is divided by p, a
+  negative one multiplied by p;
+- frequency_penalty f and presence_penalty q (tokens of the output only): logit -= f * count + q * [count > 0];
+- logit_bias: logit[token] += bias;
+- min_tokens m: while output_len < m, the stop tokens (the model's EOS ids unless ignore_eos, and
+  stop_token_ids) are -inf.
+Logprobs are still reported under the raw distribution (sampling.py); these only change the choice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from worker_proc.sampling import SampleRequest
+
+
+def _counts(rows: list[int], reqs: Sequence[SampleRequest], vocab: int, device: torch.device,
+            output_only: bool) -> torch.Tensor:
+    """[len(rows), V] float32 token counts of each row's history (or of its output part only)."""
+    seqs = []
+    for i in rows:
+        r = reqs[i]
+        hist = list(r.history or [])
+        if output_only:
+            hist = hist[len(hist) - r.output_len:] if r.output_len else []
+        seqs.append(hist)
+    width = max((len(h) for h in seqs), default=0)
+    if width == 0:
+        return torch.zeros(len(rows), vocab, device=device)
+    ids = torch.full((len(rows), width), vocab, dtype=torch.int64)
+    for j, h in enumerate(seqs):
+        if h:
+            ids[j, : len(h)] = torch.tensor(h, dtype=torch.int64).clamp_(0, vocab)
+    ids = ids.to(device)
+    counts = torch.zeros(len(rows), vocab + 1, device=device)
+    counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))
+    return counts[:, :vocab]
+
+
+def _penalties(x: torch.Tensor, reqs: Sequence[SampleRequest]) -> None:
+    rows = [i for i, r in enumerate(reqs) if r.params.has_penalties]
+    if not rows:
+        return
+    vocab, dev = x.shape[-1], x.device
+    idx = torch.tensor(rows, dtype=torch.int64, device=dev)
+    sub = x[idx]
+    rep = torch.tensor([reqs[i].params.repetition_penalty for i in rows], dtype=torch.float32, device=dev)
+    if bool((rep != 1.0).any()):
+        seen = _counts(rows, reqs, vocab, dev, output_only=False) > 0
+        scaled = torch.where(sub > 0, sub / rep[:, None], sub * rep[:, None])
+        sub = torch.where(seen, scaled, sub)
+    freq = torch.tensor([reqs[i].params.frequency_penalty for i in rows], dtype=torch.float32, device=dev)
+    pres = torch.tensor([reqs[i].params.presence_penalty for i in rows], dtype=torch.float32, device=dev)
+    if bool((freq != 0).any() or (pres != 0).any()):
+        out = _counts(rows, reqs, vocab, dev, output_only=True)
+        sub = sub - freq[:, None] * out - pres[:, None] * (out > 0).float()
+    x[idx] = sub
+
+
+def _sparse_add(x: torch.Tensor, rows: list[int], cols: list[int], vals: list[float]) -> None:
+    if rows:
+        dev = x.device
+        index = (torch.tensor(rows, device=dev), torch.tensor(cols, device=dev))
+        x.index_put_(index, torch.tensor(vals, dtype=x.dtype, device=dev), accumulate=True)
+
+
+def process_logits(logits: torch.Tensor, reqs: Sequence[SampleRequest], eos_ids: Sequence[int] = ()) -> torch.Tensor:
+    """The logits sampling chooses from: `logits` itself when no request processes them, else a
+    processed copy (module doc). Token ids outside the vocabulary are ignored."""
+    if not any(r.params.processes_logits for r in reqs):
+        return logits
+    x = logits.clone()
+    vocab = x.shape[-1]
+    _penalties(x, reqs)
+    rows: list[int] = []
+    cols: list[int] = []
+    vals: list[float] = []
+    mask_rows: list[int] = []
+    mask_cols: list[int] = []
+    for i, r in enumerate(reqs):
+        p = r.params
+        for tok, bias in p.logit_bias.items():
+            if 0 <= tok < vocab:
+                rows.append(i)
+                cols.append(tok)
+                vals.append(bias)
+        if r.output_len < p.min_tokens:
+            stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_ids))
+            for tok in stops:
+                if 0 <= tok < vocab:
+                    mask_rows.append(i)
+                    mask_cols.append(tok)
+    _sparse_add(x, rows, cols, vals)
+    if mask_rows:
+        x[torch.tensor(mask_rows, device=x.device), torch.tensor(mask_cols, device=x.device)] = float("-inf")
+    return x
