@@ -36,6 +36,7 @@ from tqdm import tqdm
 if __package__ in (None, ""):  # run as a file: make the repo importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks import make_family_model
 from benchmarks.bench_model_shapes import SHAPES, bench_config, tensor_shapes  # noqa: E402
 from benchmarks.bench_tokenizer import write_tokenizer  # noqa: E402
 
@@ -139,7 +140,10 @@ def make_bench_model(
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--shape", required=True, choices=sorted(SHAPES))
+    family_shapes = sorted(set(make_family_model.SHAPES) - set(SHAPES))
+    p.add_argument("--shape", required=True, choices=sorted(SHAPES) + family_shapes,
+                   help="a Granite-4.0-H shape (full checkpoint with tokenizer), or another family's shape "
+                        "(weights and config only, as benchmarks/make_family_model.py writes them)")  # fmt: skip
     p.add_argument("out", help="output directory (created)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     p.add_argument("--seed", type=int, default=0)
@@ -150,6 +154,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if ns.max_shard_gb <= 0:
         p.error("--max-shard-gb must be > 0")
+    if ns.shape in family_shapes:
+        make_family_model.write(ns.out, ns.shape, ns.num_layers or 0, ns.seed)
+        return 0
     try:
         make_bench_model(ns.out, ns.shape, dtype=ns.dtype, seed=ns.seed, num_layers=ns.num_layers,
                          max_shard_gb=ns.max_shard_gb)  # fmt: skip

@@ -152,3 +152,17 @@ def test_cli_refuses_unknown_shape_and_an_existing_checkpoint(small_ckpt: Path, 
     with pytest.raises(SystemExit) as exc:
         main(["--shape", "granite-4.0-h-350m", str(small_ckpt), "--num-layers", "2"])
     assert exc.value.code == 2 and "already holds a checkpoint" in capsys.readouterr().err
+
+
+def test_other_families_shapes_are_known(tmp_path: Path) -> None:
+    """make_bench_model also writes one real shape per other family (weights and config, reduced here)."""
+    import json
+
+    from benchmarks import make_bench_model
+
+    for shape, arch in (("falcon-h1-0.5b", "FalconH1ForCausalLM"),):  # the smallest vocabulary of them
+        out = tmp_path / shape
+        assert make_bench_model.main(["--shape", shape, str(out), "--num-layers", "1"]) == 0
+        cfg = json.loads((out / "config.json").read_text())
+        assert cfg["architectures"] == [arch]
+        assert (out / "model.safetensors").is_file()
