@@ -158,7 +158,9 @@ async def measure_http(
 ) -> dict[str, float]:
     """One run's figures against a ready server (see the module docstring)."""
     bc = BenchConfig(base_url=base_url, backend=backend, disable_tqdm=True, timeout_s=cfg.request_timeout_s)
-    limits = httpx.Limits(max_connections=max(cfg.levels))
+    # a fresh connection per request: llama-server may close an idle keep-alive connection just as the next
+    # request goes out on it ("Server disconnected without sending a response"); loopback setup costs ~0.1 ms
+    limits = httpx.Limits(max_connections=max(cfg.levels), max_keepalive_connections=0)
     timeout = httpx.Timeout(cfg.request_timeout_s, connect=30.0)
     m: dict[str, float] = {}
     async with httpx.AsyncClient(base_url=base_url, limits=limits, timeout=timeout) as client:
