@@ -86,12 +86,12 @@ async def collect(pieces: AsyncIterator[Piece]) -> Accumulated:
     return acc
 
 
-async def _stream(pieces: AsyncGenerator[Piece, None], events: EventsFn) -> AsyncGenerator[bytes, None]:
-    """`events(pieces)`, then `[DONE]`; any failure becomes one error event before it. Closing
-    this closes both generators (so an unfinished request is aborted)."""
+async def ended(frames: AsyncGenerator[bytes, None]) -> AsyncGenerator[bytes, None]:
+    """`frames`, then `[DONE]`; any failure becomes one error event before it. Every SSE stream of
+    the API goes through this; closing it closes `frames`."""
     try:
-        async with contextlib.aclosing(pieces), contextlib.aclosing(events(pieces)) as frames:
-            async for frame in frames:
+        async with contextlib.aclosing(frames) as it:
+            async for frame in it:
                 yield frame
     except BackendUnavailable as e:
         yield sse(unavailable(str(e)).body())
@@ -100,6 +100,13 @@ async def _stream(pieces: AsyncGenerator[Piece, None], events: EventsFn) -> Asyn
     except Exception as e:  # noqa: BLE001 - a stream always ends with an error event and [DONE]
         yield sse(internal_error(e).body())
     yield SSE_DONE
+
+
+async def _stream(pieces: AsyncGenerator[Piece, None], events: EventsFn) -> AsyncGenerator[bytes, None]:
+    """`ended(events(pieces))`; closing this closes both generators (so an unfinished request is aborted)."""
+    async with contextlib.aclosing(pieces), contextlib.aclosing(ended(events(pieces))) as frames:
+        async for frame in frames:
+            yield frame
 
 
 async def respond(

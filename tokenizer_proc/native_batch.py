@@ -20,10 +20,10 @@ from starlette.responses import Response
 
 from tokenizer_proc.choices import respond_choices
 from tokenizer_proc.context import AppContext
-from tokenizer_proc.errors import ApiError, bad_request, internal_error, unavailable
-from tokenizer_proc.flow import Accumulated
-from tokenizer_proc.generation import BackendUnavailable, Piece
-from tokenizer_proc.http_util import SSE_DONE, sse
+from tokenizer_proc.errors import bad_request
+from tokenizer_proc.flow import Accumulated, ended
+from tokenizer_proc.generation import Piece
+from tokenizer_proc.http_util import sse
 from tokenizer_proc.native import _payload, error_of
 from tokenizer_proc.prepare import MAX_N, prepare_generate
 from tokenizer_proc.schemas import GenerateBody, NativeSamplingParams
@@ -62,25 +62,22 @@ def prepare_batch(body: GenerateBody, tok: TextTokenizer, limits: Limits) -> lis
     return out
 
 
-async def _events(reqs: list[PreparedRequest], pieces: AsyncGenerator[tuple[int, Piece], None],
+def _events(reqs: list[PreparedRequest], pieces: AsyncGenerator[tuple[int, Piece], None],
+            started: float) -> AsyncGenerator[bytes, None]:
+    return ended(_frames(reqs, pieces, started))
+
+
+async def _frames(reqs: list[PreparedRequest], pieces: AsyncGenerator[tuple[int, Piece], None],
                   started: float) -> AsyncGenerator[bytes, None]:
     accs = [Accumulated() for _ in reqs]
-    try:
-        async with contextlib.aclosing(pieces) as it:
-            async for pos, piece in it:
-                accs[pos].add(piece)
-                err = error_of(piece.finish)
-                if err is not None:
-                    yield sse(err.body())
-                    break
-                yield sse({**_payload(reqs[pos], accs[pos], started), "index": reqs[pos].index})
-    except BackendUnavailable as e:
-        yield sse(unavailable(str(e)).body())
-    except ApiError as e:
-        yield sse(e.body())
-    except Exception as e:  # noqa: BLE001 - a stream always ends with an error event and [DONE]
-        yield sse(internal_error(e).body())
-    yield SSE_DONE
+    async with contextlib.aclosing(pieces) as it:
+        async for pos, piece in it:
+            accs[pos].add(piece)
+            err = error_of(piece.finish)
+            if err is not None:
+                yield sse(err.body())
+                break
+            yield sse({**_payload(reqs[pos], accs[pos], started), "index": reqs[pos].index})
 
 
 async def respond_batch(ctx: AppContext, reqs: list[PreparedRequest], request: Request, started: float) -> Response:

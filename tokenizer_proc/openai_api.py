@@ -23,11 +23,10 @@ from starlette.responses import Response
 
 from tokenizer_proc.choices import respond_choices
 from tokenizer_proc.context import AppContext, get_ctx
-from tokenizer_proc.errors import ApiError, internal_error, unavailable
-from tokenizer_proc.flow import Accumulated, finish_error
-from tokenizer_proc.generation import BackendUnavailable, Finish, Piece
+from tokenizer_proc.errors import ApiError
+from tokenizer_proc.flow import Accumulated, ended, finish_error
+from tokenizer_proc.generation import Finish, Piece
 from tokenizer_proc.http_util import (
-    SSE_DONE,
     json_response,
     read_body,
     sse,
@@ -161,35 +160,31 @@ class _Format:
         return body
 
 
-async def _events(fmt: _Format, pieces: AsyncGenerator[tuple[int, Piece], None]) -> AsyncGenerator[bytes, None]:
+def _events(fmt: _Format, pieces: AsyncGenerator[tuple[int, Piece], None]) -> AsyncGenerator[bytes, None]:
+    return ended(_frames(fmt, pieces))
+
+
+async def _frames(fmt: _Format, pieces: AsyncGenerator[tuple[int, Piece], None]) -> AsyncGenerator[bytes, None]:
     lasts: dict[int, Piece] = {}
-    try:
-        async with contextlib.aclosing(pieces) as it:
-            async for pos, piece in it:
-                err = openai_error(piece.finish)
-                if err is not None:
-                    yield sse(err.body())
-                    break
-                first = not fmt.started[pos]
-                if not (piece.text or piece.finish or first or fmt.reqs[pos].return_logprobs):
-                    continue  # nothing to show yet (bytes of an unfinished character, a stop prefix)
-                choice = fmt.choice(pos, piece.text, piece, piece.finish, True)
-                news = not fmt.chat or choice["delta"] or choice["finish_reason"] or choice["logprobs"]
-                if news:  # a tool call being held back sends nothing until it is complete
-                    yield sse(fmt.envelope([choice], True))
-                if piece.finish is not None:
-                    lasts[pos] = piece
-                    if len(lasts) == len(fmt.reqs) and fmt.req.include_usage:
-                        tail = fmt.envelope([], True)
-                        tail["usage"] = fmt.usage([lasts[i] for i in range(len(fmt.reqs))])
-                        yield sse(tail)
-    except BackendUnavailable as e:
-        yield sse(unavailable(str(e)).body())
-    except ApiError as e:
-        yield sse(e.body())
-    except Exception as e:  # noqa: BLE001 - a stream always ends with an error event and [DONE]
-        yield sse(internal_error(e).body())
-    yield SSE_DONE
+    async with contextlib.aclosing(pieces) as it:
+        async for pos, piece in it:
+            err = openai_error(piece.finish)
+            if err is not None:
+                yield sse(err.body())
+                break
+            first = not fmt.started[pos]
+            if not (piece.text or piece.finish or first or fmt.reqs[pos].return_logprobs):
+                continue  # nothing to show yet (bytes of an unfinished character, a stop prefix)
+            choice = fmt.choice(pos, piece.text, piece, piece.finish, True)
+            news = not fmt.chat or choice["delta"] or choice["finish_reason"] or choice["logprobs"]
+            if news:  # a tool call being held back sends nothing until it is complete
+                yield sse(fmt.envelope([choice], True))
+            if piece.finish is not None:
+                lasts[pos] = piece
+                if len(lasts) == len(fmt.reqs) and fmt.req.include_usage:
+                    tail = fmt.envelope([], True)
+                    tail["usage"] = fmt.usage([lasts[i] for i in range(len(fmt.reqs))])
+                    yield sse(tail)
 
 
 def check_model(ctx: AppContext, model: str | None) -> None:

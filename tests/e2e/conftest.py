@@ -2,6 +2,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import openai
 import pytest
 
 from shared.config import builtin_model_dir
@@ -32,3 +33,10 @@ def api_server() -> Iterator[Server]:
     with running_server(["--random-seed", "0", "--dtype", "float32", "--chunked-prefill-size", "8",
                          "--max-prefill-tokens", "64"]) as srv:
         yield srv
+
+
+@pytest.fixture(scope="module")
+def openai_client(server: Server) -> openai.OpenAI:
+    """The openai SDK against the module's `server` (the client-compatibility modules alias it to
+    `api_server`)."""
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)

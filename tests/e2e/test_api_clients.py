@@ -24,10 +24,6 @@ def server(api_server: Server) -> Server:
     return api_server
 
 
-@pytest.fixture(scope="module")
-def client(server: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
-
 
 def _reference_prompt_logprobs(runner, ids: list[int]) -> list[float]:
     import torch
@@ -64,13 +60,13 @@ def test_loglikelihood_request_shape(server: Server, reference_runner) -> None:
         assert lp["token_logprobs"][1:] == pytest.approx(want, abs=2e-3) and len(lp["tokens"]) == len(ids)
 
 
-def test_openai_n_top_logprobs_and_batches(client: openai.OpenAI) -> None:
-    assert client.models.retrieve(MODEL).id == MODEL
+def test_openai_n_top_logprobs_and_batches(openai_client: openai.OpenAI) -> None:
+    assert openai_client.models.retrieve(MODEL).id == MODEL
     with pytest.raises(openai.NotFoundError):
-        client.models.retrieve("not-this-model")
+        openai_client.models.retrieve("not-this-model")
     with pytest.raises(openai.NotFoundError):
-        client.completions.create(model="not-this-model", prompt="a", max_tokens=1)
-    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], n=2,
+        openai_client.completions.create(model="not-this-model", prompt="a", max_tokens=1)
+    r = openai_client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], n=2,
                                        max_tokens=4, logprobs=True, top_logprobs=3, seed=5, temperature=1.0,
                                        metadata={"trace": "1"}, store=False, service_tier="auto")
     assert [c.index for c in r.choices] == [0, 1]
@@ -79,29 +75,29 @@ def test_openai_n_top_logprobs_and_batches(client: openai.OpenAI) -> None:
         for entry in c.logprobs.content:
             assert len(entry.top_logprobs) == 3
             assert entry.top_logprobs[0].logprob >= entry.logprob - 1e-6
-    again = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], n=2,
+    again = openai_client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], n=2,
                                            max_tokens=4, seed=5, temperature=1.0)
     assert [c.message.content for c in again.choices] == [c.message.content for c in r.choices]
-    best = client.completions.create(model=MODEL, prompt="best", max_tokens=4, temperature=1.0, seed=2, n=2,
+    best = openai_client.completions.create(model=MODEL, prompt="best", max_tokens=4, temperature=1.0, seed=2, n=2,
                                      best_of=4, logprobs=0)
     sums = [sum(c.logprobs.token_logprobs) for c in best.choices]
     assert [c.index for c in best.choices] == [0, 1] and sums[0] >= sums[1]
     assert best.usage.completion_tokens == 4 * 4
-    b = client.completions.create(model=MODEL, prompt=["one", "two", "three"], max_tokens=3, temperature=0)
+    b = openai_client.completions.create(model=MODEL, prompt=["one", "two", "three"], max_tokens=3, temperature=0)
     assert [c.index for c in b.choices] == [0, 1, 2]
     for i, p in enumerate(["one", "two", "three"]):
-        alone = client.completions.create(model=MODEL, prompt=p, max_tokens=3, temperature=0)
+        alone = openai_client.completions.create(model=MODEL, prompt=p, max_tokens=3, temperature=0)
         assert b.choices[i].text == alone.choices[0].text
 
 
-def test_openai_stream_text_offset_and_echo(client: openai.OpenAI) -> None:
-    whole = client.completions.create(model=MODEL, prompt="Hello", max_tokens=6, temperature=0, logprobs=2,
+def test_openai_stream_text_offset_and_echo(openai_client: openai.OpenAI) -> None:
+    whole = openai_client.completions.create(model=MODEL, prompt="Hello", max_tokens=6, temperature=0, logprobs=2,
                                       echo=True)
     lp = whole.choices[0].logprobs
     assert whole.choices[0].text.startswith("Hello") and lp.token_logprobs[0] is None
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
     offsets, text = [], ""
-    for chunk in client.completions.create(model=MODEL, prompt="Hello", max_tokens=6, temperature=0, logprobs=2,
+    for chunk in openai_client.completions.create(model=MODEL, prompt="Hello", max_tokens=6, temperature=0, logprobs=2,
                                            echo=True, stream=True):
         if chunk.choices:
             text += chunk.choices[0].text
@@ -109,21 +105,21 @@ def test_openai_stream_text_offset_and_echo(client: openai.OpenAI) -> None:
     assert text == whole.choices[0].text and offsets == lp.text_offset
 
 
-def test_sampling_controls_change_outputs(client: openai.OpenAI, server: Server) -> None:
+def test_sampling_controls_change_outputs(openai_client: openai.OpenAI, server: Server) -> None:
     base = {"model": MODEL, "prompt": "abc", "max_tokens": 6, "temperature": 0}
-    forced = client.completions.create(**base, logit_bias={str(ord("z")): 100})
+    forced = openai_client.completions.create(**base, logit_bias={str(ord("z")): 100})
     assert forced.choices[0].text == "zzzzzz"
     # min_tokens holds EOS back even when it is forced
-    r = client.completions.create(**base, logit_bias={str(EOS): 100}, extra_body={"min_tokens": 3,
+    r = openai_client.completions.create(**base, logit_bias={str(EOS): 100}, extra_body={"min_tokens": 3,
                                                                                    "skip_special_tokens": False})
     assert r.usage.completion_tokens == 4 and r.choices[0].finish_reason == "stop"
     # a frequency penalty stops the biased token from repeating once its count outweighs the bias
     eight = {**base, "max_tokens": 8, "logit_bias": {str(ord("z")): 15}}
-    plain = client.completions.create(**eight)
-    pen = client.completions.create(**eight, frequency_penalty=2.0)
+    plain = openai_client.completions.create(**eight)
+    pen = openai_client.completions.create(**eight, frequency_penalty=2.0)
     assert plain.choices[0].text == "z" * 8 and pen.choices[0].text.count("z") < 8
-    rep = client.completions.create(**base, extra_body={"repetition_penalty": 5.0})
-    again = client.completions.create(**base, extra_body={"repetition_penalty": 5.0})
+    rep = openai_client.completions.create(**base, extra_body={"repetition_penalty": 5.0})
+    again = openai_client.completions.create(**base, extra_body={"repetition_penalty": 5.0})
     assert rep.choices[0].text == again.choices[0].text  # deterministic
     with httpx.Client(base_url=server.url, timeout=30) as c:
         r = c.post("/v1/completions", json={**base, "presence_penalty": 9})
@@ -133,8 +129,8 @@ def test_sampling_controls_change_outputs(client: openai.OpenAI, server: Server)
         assert c.post("/detokenize", json={"tokens": list(b"abc")}).json()["text"] == "abc"
 
 
-def test_metrics_latency_histograms(client: openai.OpenAI, server: Server) -> None:
-    client.completions.create(model=MODEL, prompt="metrics", max_tokens=4, temperature=0)
+def test_metrics_latency_histograms(openai_client: openai.OpenAI, server: Server) -> None:
+    openai_client.completions.create(model=MODEL, prompt="metrics", max_tokens=4, temperature=0)
     text = httpx.get(server.url + "/metrics", timeout=30).text
     for name in ("time_to_first_token", "inter_token_latency", "time_per_output_token", "e2e_request_latency"):
         count = next(ln for ln in text.splitlines() if ln.startswith(f"hyssm_{name}_seconds_count"))
@@ -147,10 +143,10 @@ def _prefill_tokens(server: Server) -> float:
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_n_computes_the_prompt_once(client: openai.OpenAI, server: Server, stream: bool) -> None:
+def test_n_computes_the_prompt_once(openai_client: openai.OpenAI, server: Server, stream: bool) -> None:
     prompt = list(b"%d: n choices share one prefill of this prompt" % stream)  # nothing of it is cached yet
     before = _prefill_tokens(server)
-    r = client.completions.create(model=MODEL, prompt=prompt, n=4, max_tokens=3, temperature=1.0, seed=9,
+    r = openai_client.completions.create(model=MODEL, prompt=prompt, n=4, max_tokens=3, temperature=1.0, seed=9,
                                   stream=stream)
     indexes = sorted({c.index for chunk in r for c in chunk.choices}) if stream else [c.index for c in r.choices]
     assert indexes == [0, 1, 2, 3]

@@ -44,36 +44,33 @@ def server(api_server: Server) -> Server:
     return api_server
 
 
-@pytest.fixture(scope="module")
-def client(server: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
 
-
-def test_json_schema_output_validates_and_is_deterministic(client: openai.OpenAI) -> None:
+def test_json_schema_output_validates_and_is_deterministic(openai_client: openai.OpenAI) -> None:
     rf = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA, "strict": True}}
     texts = []
     for seed in (1, 1, 2):
-        r = client.chat.completions.create(model=MODEL, messages=MSGS, response_format=rf, max_tokens=60,
+        r = openai_client.chat.completions.create(model=MODEL, messages=MSGS, response_format=rf, max_tokens=60,
                                            temperature=1.0, seed=seed)
         assert r.choices[0].finish_reason == "stop"
         jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMA)
         texts.append(r.choices[0].message.content)
     assert texts[0] == texts[1]
-    parsed = client.beta.chat.completions.parse(model=MODEL, messages=MSGS, response_format=Answer, max_tokens=60)
+    parsed = openai_client.beta.chat.completions.parse(model=MODEL, messages=MSGS, response_format=Answer,
+                                                       max_tokens=60)
     assert isinstance(parsed.choices[0].message.parsed, Answer)
-    stream = client.chat.completions.create(model=MODEL, messages=MSGS, response_format=rf, max_tokens=60,
+    stream = openai_client.chat.completions.create(model=MODEL, messages=MSGS, response_format=rf, max_tokens=60,
                                             temperature=1.0, seed=1, stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == texts[0]
 
 
-def test_regex_choice_and_ebnf(client: openai.OpenAI, server: Server) -> None:
-    r = client.completions.create(model=MODEL, prompt="code:", max_tokens=12, temperature=1.0, seed=3,
+def test_regex_choice_and_ebnf(openai_client: openai.OpenAI, server: Server) -> None:
+    r = openai_client.completions.create(model=MODEL, prompt="code:", max_tokens=12, temperature=1.0, seed=3,
                                   extra_body={"guided_regex": "[0-9]{3}-[a-c]{2}"})
     assert re.fullmatch(r"[0-9]{3}-[a-c]{2}", r.choices[0].text) and r.choices[0].finish_reason == "stop"
-    r = client.completions.create(model=MODEL, prompt="yes or no?", max_tokens=5, n=3, temperature=1.0,
+    r = openai_client.completions.create(model=MODEL, prompt="yes or no?", max_tokens=5, n=3, temperature=1.0,
                                   extra_body={"guided_choice": ["yes", "no"]})
     assert {c.text for c in r.choices} <= {"yes", "no"}
-    r = client.completions.create(model=MODEL, prompt="g", max_tokens=12, temperature=1.0, seed=1,
+    r = openai_client.completions.create(model=MODEL, prompt="g", max_tokens=12, temperature=1.0, seed=1,
                                   extra_body={"guided_grammar": 'root ::= ("ab" | "cd")+ "."'})
     full = r"(ab|cd)+\." if r.choices[0].finish_reason == "stop" else r"(ab|cd)*[ac]?"  # a prefix when cut
     assert re.fullmatch(full, r.choices[0].text)
@@ -88,20 +85,21 @@ def test_regex_choice_and_ebnf(client: openai.OpenAI, server: Server) -> None:
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "sampling_params.regex"
 
 
-def test_tool_choices(client: openai.OpenAI) -> None:
+def test_tool_choices(openai_client: openai.OpenAI) -> None:
     tools = [WEATHER, CLOCK]
-    named = client.chat.completions.create(model=MODEL, messages=MSGS, tools=tools, max_tokens=30, temperature=0,
+    named = openai_client.chat.completions.create(model=MODEL, messages=MSGS, tools=tools, max_tokens=30, temperature=0,
                                            tool_choice={"type": "function", "function": {"name": "weather"}})
     (call,) = named.choices[0].message.tool_calls
     assert call.function.name == "weather" and named.choices[0].finish_reason == "tool_calls"
     jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
-    req = client.chat.completions.create(model=MODEL, messages=MSGS, tools=tools, tool_choice="required",
+    req = openai_client.chat.completions.create(model=MODEL, messages=MSGS, tools=tools, tool_choice="required",
                                          parallel_tool_calls=False, max_tokens=80)
     (call,) = req.choices[0].message.tool_calls
     assert call.function.name in ("weather", "clock")
-    none = client.chat.completions.create(model=MODEL, messages=MSGS, tools=tools, tool_choice="none", max_tokens=5)
+    none = openai_client.chat.completions.create(model=MODEL, messages=MSGS, tools=tools, tool_choice="none",
+                                                 max_tokens=5)
     assert none.choices[0].message.tool_calls is None and none.choices[0].message.content
-    auto = client.chat.completions.create(model=MODEL, messages=MSGS, tools=tools, max_tokens=5)
+    auto = openai_client.chat.completions.create(model=MODEL, messages=MSGS, tools=tools, max_tokens=5)
     assert auto.choices[0].finish_reason in ("length", "stop", "tool_calls")
     history = MSGS + [
         {"role": "assistant", "content": None, "tool_calls": [
@@ -109,9 +107,9 @@ def test_tool_choices(client: openai.OpenAI) -> None:
                                                              "arguments": call.function.arguments}}]},
         {"role": "tool", "tool_call_id": call.id, "content": "sunny"},
     ]
-    follow = client.chat.completions.create(model=MODEL, messages=history, tools=tools, max_tokens=4)
+    follow = openai_client.chat.completions.create(model=MODEL, messages=history, tools=tools, max_tokens=4)
     assert follow.usage.prompt_tokens > auto.usage.prompt_tokens  # the call and its result were rendered
-    chunks = list(client.chat.completions.create(
+    chunks = list(openai_client.chat.completions.create(
         model=MODEL, messages=MSGS, tools=tools, max_tokens=30, stream=True, temperature=0,
         tool_choice={"type": "function", "function": {"name": "weather"}}))
     deltas = [c.choices[0].delta.tool_calls for c in chunks if c.choices and c.choices[0].delta.tool_calls]
