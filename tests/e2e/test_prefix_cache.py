@@ -74,7 +74,8 @@ def test_memory_pressure_completes_identically(reference_runner) -> None:
     # Capacity is checked before any copy-on-write allocation, so CoW failures come from the
     # workers here (injected refusals), never from the scheduler's own allocator.
     args = ["--max-total-tokens", "500", "--max-mamba-cache-size", "10", "--max-running-requests", "16",
-            "--chunked-prefill-size", "32", "--max-prefill-tokens", "128", "--fault-refuse-cow-fraction", "0.2"]
+            "--chunked-prefill-size", "32", "--max-prefill-tokens", "128", "--fault-refuse-cow-fraction", "0.2",
+            "--disable-prompt-checkpoint"]  # 10 state slots: retracted progress, not prompt ends, is under test
     with running_server([*args, *DETERMINISTIC]) as server:
         t0 = time.monotonic()
         outputs = asyncio.run(_concurrent(server, prompts, 24))
