@@ -82,7 +82,6 @@ class ModelRunner:
                     how, kv, mamba)
         self.ops = get_ops(self.device, kernels, deterministic)
         self.model.set_batch_invariant(deterministic)
-        self.deterministic = deterministic
         self.kv_mirror = KVSlotMirror()  # slot lists of the last batch run (ReqSlice.kv_reuse)
         self.grammars = GrammarRuntime(model_dir, self.model_info.vocab_size, self.model_info.eos_token_ids)
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -12,15 +11,6 @@ from benchmarks.bench_serving import SHARED_PREFIX_PRESET, main, parse_args
 from tests.bench.fake_server import MODEL_NAME, VOCAB_SIZE, FakeServer
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture(scope="module")
-def server() -> Iterator[FakeServer]:
-    srv = FakeServer()
-    try:
-        yield srv
-    finally:
-        srv.stop()
 
 
 def _strict_json(path: Path) -> dict[str, object]:

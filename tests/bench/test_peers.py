@@ -9,7 +9,6 @@ import json
 import os
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -94,15 +93,6 @@ def test_prompts_are_shared_distinct_and_avoid_special_ids() -> None:
     assert len({tuple(p) for p in flat}) == 5 and all(len(p) == 10 for p in flat)
     assert run["prefix"][0][:20] == run["prefix_only"][0] and len(run["prefix"][0]) == 25  # type: ignore[index]
     assert not {0, 1, 2} & {t for p in flat + run["prefix"] for t in p}  # type: ignore[operator]
-
-
-@pytest.fixture(scope="module")
-def server() -> Iterator[FakeServer]:
-    srv = FakeServer()
-    try:
-        yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.mark.parametrize("backend", ["hyssm", "llama-server"])
