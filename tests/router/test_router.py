@@ -7,6 +7,7 @@ while the router serves later requests from the others."""
 from __future__ import annotations
 
 import concurrent.futures as cf
+import json
 import os
 import random
 import signal
@@ -204,3 +205,20 @@ def test_server_killed_mid_load(tmp_path) -> None:
     finally:
         for s in servers:
             s.stop()
+
+
+@pytest.mark.parametrize("flags", [["--backend", "hyssm"], ["--backend", "openai", "--prompt-format", "text"]])
+def test_bench_serving_through_the_router(pair: tuple[list[Server], Router], tmp_path, flags: list[str]) -> None:
+    """benchmarks/bench_serving.py targets the router like a server: every request completes and
+    the prefix-cache hit rate (the workers' cached_tokens passed through) is reported."""
+    from benchmarks.bench_serving import main
+
+    _, router = pair
+    out = tmp_path / "bench.json"
+    rc = main(["--base-url", router.url, *flags, "--num-prompts", "12", "--concurrency", "4", "--shared-prefix-len",
+               "120", "--num-prefix-groups", "2", "--input-len", "16", "--output-len", "4", "--flush-cache",
+               "--vocab-size", "256", "--disable-tqdm", "--output-json", str(out)])  # fmt: skip
+    m = json.loads(out.read_text())
+    assert rc == 0 and (m["completed"], m["failed"]) == (12, 0), m["errors"]
+    assert m["total_input_tokens"] == 12 * 136 and m["total_output_tokens"] == 12 * 4
+    assert 0 < m["prefix_cache_hit_rate"] < 1 and m["total_cached_tokens"] > 0
