@@ -74,3 +74,32 @@ def test_health_generate_needs_no_api_key(args: ServerArgs, backend: FakeBackend
         assert (await c.get("/get_load", headers={"Authorization": "Bearer k"})).status_code == 200
 
     serve(args, backend, tok, check)
+
+
+ROUTER_GENERATE = {"model": None, "return_text_in_logprobs": False, "log_metrics": True, "return_hidden_states": False,
+                   "background": False, "no_logs": False, "return_bytes": False, "return_entropy": False}
+ROUTER_OPENAI = {"no_stop_trim": False, "return_hidden_states": False}
+ROUTER_CHAT = {**ROUTER_OPENAI, "continue_final_message": False, "separate_reasoning": True, "stream_reasoning": True}
+
+
+def test_bodies_as_the_router_forwards_them(args: ServerArgs, backend: FakeBackend, tok: TextTokenizer,
+                                            caplog) -> None:  # fmt: skip
+    """sglang-router re-serializes every body with its own defaults for SGLang's extra fields:
+    those are served without an unknown-field warning; asking for what they enable is a 400."""
+    chat = {"model": args.model_name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    comp = {"model": args.model_name, "prompt": "hi", "max_tokens": 2}
+    gen = {"text": "hi", "sampling_params": {"max_new_tokens": 2}}
+
+    async def check(c: httpx.AsyncClient) -> None:
+        for path, body, extra in (("/generate", gen, ROUTER_GENERATE), ("/v1/completions", comp, ROUTER_OPENAI),
+                                  ("/v1/chat/completions", chat, ROUTER_CHAT)):  # fmt: skip
+            r = await c.post(path, json={**body, **extra})
+            assert r.status_code == 200, (path, r.text)
+            for name, value in extra.items():
+                if value is False and name not in ("no_logs",):
+                    r = await c.post(path, json={**body, **extra, name: True})
+                    assert r.status_code == 400 and r.json()["error"]["param"] == name, (path, name, r.text)
+
+    with caplog.at_level("WARNING", logger="tokenizer_proc.fields"):
+        serve(args, backend, tok, check)
+    assert "ignoring unknown request fields" not in caplog.text
