@@ -151,7 +151,7 @@ class Client:
 
     def __call__(self) -> None:
         body = {"input_ids": self.ids, "stream": self.stream,
-                "sampling_params": {"max_new_tokens": 400, "temperature": 0, "ignore_eos": True}}  # fmt: skip
+                "sampling_params": {"max_new_tokens": 300, "temperature": 0, "ignore_eos": True}}  # fmt: skip
         try:
             with httpx.Client(base_url=self.url, timeout=BOUND_S * 2) as c:
                 if self.stream:
