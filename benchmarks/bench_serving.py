@@ -16,7 +16,8 @@ all at once), at most ``--concurrency`` in flight. ``--warmup`` requests use the
 
 Metric definitions live in serving_metrics.py. Report: a table on stdout and, with ``--output-json``,
 the same numbers as strict JSON (NaN -> null). Diagnostics go to logging. Request bodies per backend
-(``--backend hyssm|openai|llama-server``; ``generate`` is an alias of hyssm) are in serving_backends.py;
+(``--backend hyssm|openai|llama-server``; ``generate`` is an alias of hyssm; ``--prompt-format text`` for
+servers or routers that take only text prompts, e.g. sglang-router's /v1/completions) are in serving_backends.py;
 the vocabulary size comes from ``--vocab-size``, else /get_server_info (hyssm, SGLang), else
 /v1/models (llama-server's ``meta.n_vocab``), else 256.
 """
@@ -90,6 +91,7 @@ class BenchConfig:
     temperature: float = 0.0
     ignore_eos: bool = True
     extra_body: dict[str, object] = field(default_factory=dict)
+    prompt_format: str = "ids"
     warmup: int = 0
     flush_cache: bool = False
     runs: int = 1
@@ -104,7 +106,8 @@ class BenchConfig:
 
 def _payload(cfg: BenchConfig, spec: RequestSpec, model: str | None) -> tuple[str, dict[str, object]]:
     return request_for(cfg.backend, spec.prompt_ids, spec.output_len, model=model, temperature=cfg.temperature,
-                       ignore_eos=cfg.ignore_eos, extra=cfg.extra_body)  # fmt: skip
+                       ignore_eos=cfg.ignore_eos, extra=cfg.extra_body,
+                       as_text=cfg.prompt_format == "text")  # fmt: skip
 
 
 async def send_request(
@@ -281,6 +284,8 @@ def parse_args(argv: Sequence[str] | None = None) -> BenchConfig:
     a("--temperature", type=float, default=0.0)
     a("--no-ignore-eos", dest="ignore_eos", action="store_false", help="let EOS end requests early")
     a("--extra-body", default=None, metavar="JSON", help="JSON object merged into every request body")
+    a("--prompt-format", choices=("ids", "text"), default="ids", help="send prompts as token ids, or as text "
+      "(one letter per id; the server counts the tokens): sglang-router's /v1/completions takes only text")
     a("--warmup", type=int, default=0, help="unmeasured requests (own random prompts) sent first")
     a("--flush-cache", action="store_true", help="POST /flush_cache before each measured run")
     a("--runs", type=int, default=1, help="measured runs (run k uses seed+k); report the median")

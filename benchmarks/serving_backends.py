@@ -10,6 +10,12 @@ new tokens, the given temperature, EOS ignored unless asked otherwise, streamed 
   ``cache_prompt`` (reuse of a slot's matching prompt prefix, the peer of a prefix cache).
 ``extra`` (``--extra-body``) is merged last into the top level of the body, for server-specific
 options (e.g. ``{"min_tokens": 32}`` for vLLM).
+
+``as_text`` (``--prompt-format text``) sends the prompt as a string instead of ids (``text`` on
+/generate, ``prompt`` elsewhere): id ``k`` becomes the letter ``chr(ord("a") + k % 26)``, so prompts
+sharing an id prefix share a text prefix. The server tokenizes it; prompt and cached token counts
+are then the server's. sglang-router needs it for ``/v1/completions`` (it accepts only string
+prompts there); its ``/generate`` passes ids through.
 """
 
 from __future__ import annotations
@@ -28,6 +34,11 @@ def canonical_backend(name: str) -> str:
     return name
 
 
+def ids_as_text(prompt_ids: Sequence[int]) -> str:
+    """The text form of a prompt of ids: one lowercase letter per id (id mod 26)."""
+    return "".join(chr(ord("a") + i % 26) for i in prompt_ids)
+
+
 def request_for(
     backend: str,
     prompt_ids: Sequence[int],
@@ -37,14 +48,15 @@ def request_for(
     temperature: float,
     ignore_eos: bool,
     extra: Mapping[str, object] | None = None,
+    as_text: bool = False,
 ) -> tuple[str, dict[str, object]]:
     """(path, JSON body) of one streaming request of `output_len` new tokens."""
     backend = canonical_backend(backend)
-    ids = list(prompt_ids)
+    ids: list[int] | str = ids_as_text(prompt_ids) if as_text else list(prompt_ids)
     body: dict[str, object]
     if backend == "hyssm":
         params = {"max_new_tokens": output_len, "temperature": temperature, "ignore_eos": ignore_eos}
-        path, body = "/generate", {"input_ids": ids, "sampling_params": params, "stream": True}
+        path, body = "/generate", {"text" if as_text else "input_ids": ids, "sampling_params": params, "stream": True}
     elif backend == "llama-server":
         path = "/completion"
         body = {"prompt": ids, "n_predict": output_len, "temperature": temperature, "stream": True,

@@ -3,10 +3,11 @@ processes (drive it with httpx.ASGITransport and a fake Backend).
 
 Routes: POST /generate (native.py); POST /v1/completions, POST /v1/chat/completions,
 GET /v1/models, GET /v1/models/{id} (openai_api.py); POST /tokenize, POST /detokenize,
-GET /tokenizer_info (tokenize_api.py); GET /health, GET /get_server_info, GET /get_model_info,
-GET|POST /flush_cache, GET /metrics (here). With `--api-key`, every route except /health and
-/metrics requires `Authorization: Bearer <key>` (401 otherwise). Every error body is
-`{"error": {"message", "type", "param", "code"}}`.
+GET /tokenizer_info (tokenize_api.py); GET /health (and /health_generate), GET /get_server_info
+(and /server_info), GET /get_model_info (and /model_info), GET|POST /flush_cache, GET /metrics
+(here); GET /get_load (router_api.py, with what sglang-router reads from the info documents).
+With `--api-key`, every route except /health, /health_generate and /metrics requires
+`Authorization: Bearer <key>` (401 otherwise). Every error body is `{"error": {"message", "type", "param", "code"}}`.
 """
 
 from __future__ import annotations
@@ -36,13 +37,14 @@ from tokenizer_proc.latency import LatencyCollector
 from tokenizer_proc.metrics import render_metrics
 from tokenizer_proc.native import generate_endpoint
 from tokenizer_proc.openai_api import chat_endpoint, completions_endpoint, model_endpoint, models_endpoint
+from tokenizer_proc.router_api import get_load, sglang_model_fields, sglang_server_fields
 from tokenizer_proc.tokenize_api import detokenize_endpoint, tokenize_endpoint, tokenizer_info_endpoint
 from tokenizer_proc.tokenizer import TextTokenizer
 from tokenizer_proc.validation import Limits
 
 logger = logging.getLogger(__name__)
 
-PUBLIC_PATHS = frozenset({"/health", "/metrics"})
+PUBLIC_PATHS = frozenset({"/health", "/health_generate", "/metrics"})
 VERSION = "0.1.0"
 
 
@@ -67,6 +69,7 @@ async def server_info(request: Request) -> Response:
     if args.get("api_key"):
         args["api_key"] = "<redacted>"
     return json_response({
+        **sglang_server_fields(ctx),
         "version": VERSION,
         "model_name": ctx.args.model_name,
         "context_length": ctx.limits.context_length,
@@ -80,7 +83,7 @@ async def server_info(request: Request) -> Response:
 
 async def model_info(request: Request) -> Response:
     ctx = get_ctx(request)
-    return json_response({"model_path": ctx.args.resolved_model_path, "model_name": ctx.args.model_name,
+    return json_response({**sglang_model_fields(ctx), "model_name": ctx.args.model_name,
                           "is_generation": True, "context_length": ctx.limits.context_length})
 
 
@@ -179,8 +182,12 @@ def create_app(args: ServerArgs, backend: Backend, tokenizer: TextTokenizer | No
         Route("/detokenize", detokenize_endpoint, methods=["POST"]),
         Route("/tokenizer_info", tokenizer_info_endpoint, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
+        Route("/health_generate", health, methods=["GET"]),
         Route("/get_server_info", server_info, methods=["GET"]),
+        Route("/server_info", server_info, methods=["GET"]),
         Route("/get_model_info", model_info, methods=["GET"]),
+        Route("/model_info", model_info, methods=["GET"]),
+        Route("/get_load", get_load, methods=["GET"]),
         Route("/flush_cache", flush_cache, methods=["GET", "POST"]),
         Route("/metrics", metrics, methods=["GET"]),
     ]

@@ -19,7 +19,7 @@ import msgspec
 
 from shared.messages import GrammarSpec
 from tokenizer_proc.chat_template import ChatTemplateError
-from tokenizer_proc.compat import check_chat_fields, check_completion_fields
+from tokenizer_proc.compat import check_chat_fields, check_completion_fields, check_generate_fields
 from tokenizer_proc.errors import bad_request
 from tokenizer_proc.schemas import ChatBody, CompletionBody, GenerateBody, NativeSamplingParams
 from tokenizer_proc.structured import native_grammar, openai_grammar
@@ -41,6 +41,7 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16
 
 
 def prepare_generate(body: GenerateBody, tok: TextTokenizer, limits: Limits) -> PreparedRequest:
+    check_generate_fields(body)
     require(not (body.text is not None and body.input_ids is not None),
             "give either text or input_ids, not both", "text")
     require(not isinstance(body.text, list), "text must be a string here", "text")

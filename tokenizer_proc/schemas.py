@@ -64,6 +64,16 @@ class GenerateBody(_Body):
     top_logprobs_num: Int = 0
     logprob_start_len: Int = -1
     priority: Int = 0
+    # SGLang fields that sglang-router writes into every request it forwards (with these values):
+    # logging-only ones are ignored; a true value of the others is a 400 (compat.py)
+    model: str | None = None
+    log_metrics: bool = True
+    no_logs: bool = False
+    return_text_in_logprobs: bool = False
+    return_hidden_states: bool = False
+    return_bytes: bool = False
+    return_entropy: bool = False
+    background: bool = False
 
 
 class StreamOptions(_Body):
@@ -104,6 +114,9 @@ class _OpenAIBody(_Body):
     reasoning_effort: str | None = None
     prediction: Any = None
     modalities: list[str] | None = None
+    # SGLang extensions sglang-router writes into every request it forwards (a true value is a 400)
+    no_stop_trim: bool = False
+    return_hidden_states: bool = False
 
 
 class CompletionBody(_OpenAIBody):
@@ -176,6 +189,9 @@ class ChatBody(_OpenAIBody):
     add_generation_prompt: bool = True
     functions: Any = None
     function_call: Any = None
+    continue_final_message: bool = False  # true is a 400 (compat.py)
+    separate_reasoning: bool = True  # no reasoning parser here: nothing to separate or stream apart
+    stream_reasoning: bool = True
 
 
 class TokenizeBody(_Body):

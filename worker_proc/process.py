@@ -80,7 +80,10 @@ def init_distributed(args: ServerArgs, rank: int, device: str) -> object | None:
         )
     except Exception as e:  # noqa: BLE001 - re-raised with the address named
         raise StartupError(f"rank {rank}: cannot join the process group at {args.dist_init_addr}: {e}") from e
-    return dist.group.WORLD
+    # The step collectives wait at most the watchdog timeout (a step may not take longer): a rank
+    # whose peer is gone (a node lost, a partitioned link) fails its step instead of hanging
+    # there for the start-up timeout, then exits on the scheduler's silence.
+    return dist.new_group(list(range(args.tp_size)), timeout=timedelta(seconds=args.watchdog_timeout))
 
 
 class FaultInjector:

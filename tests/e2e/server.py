@@ -59,12 +59,15 @@ def wait_group_empty(pgid: int, timeout: float = 5.0) -> list[int]:
 class Server:
     """A launch.py subprocess. `output` accumulates its stdout+stderr (read by a thread)."""
 
-    def __init__(self, extra_args: list[str], port: int | None = None, env: dict[str, str] | None = None):
+    def __init__(self, extra_args: list[str], port: int | None = None, env: dict[str, str] | None = None,
+                 prefix: list[str] | None = None):  # fmt: skip
+        """`prefix`: a command that execs the launch (e.g. `ip netns exec NAME`), so the pid and
+        process group stay the launch's own."""
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, os.path.join(ROOT, "launch.py"), "--port", str(self.port), "--device", "cpu"]
         self.proc = subprocess.Popen(
-            cmd + extra_args,
+            (prefix or []) + cmd + extra_args,
             cwd=ROOT,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,

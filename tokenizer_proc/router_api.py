@@ -1,0 +1,84 @@
+"""What sglang-router (the SGLang model gateway) asks a worker, in SGLang's shapes.
+
+A router registering a worker reads `GET /server_info` (falling back to `/get_server_info`) for
+`model_path`, `served_model_name`, `tp_size`, `dp_size` and the capacity fields, and
+`GET /model_info` (falling back to `/get_model_info`) for `model_path`, `tokenizer_path`,
+`is_generation`, `model_type` and `architectures`; it then probes `GET /health` (or the endpoint
+given by `--health-check-endpoint`, e.g. `/health_generate`), reads `GET /get_load` for its
+load-aware policies and fans `POST /flush_cache` out to every worker.
+
+Rules: the info documents put SGLang's flat server-argument names at the top level (SGLang
+returns its ServerArgs flattened) next to hyssm's own nested keys, so both kinds of reader work.
+`/get_load` is a list with one entry per data-parallel rank:
+`{"dp_rank", "num_reqs" (running + waiting), "num_waiting_reqs", "num_tokens" (KV token slots held
+by requests)}`; a scheduler that does not answer is 503, never a made-up zero load.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from shared.model_info import read_config_json
+from tokenizer_proc.context import AppContext, get_ctx
+from tokenizer_proc.errors import unavailable
+from tokenizer_proc.generation import BackendUnavailable
+from tokenizer_proc.http_util import json_response
+
+logger = logging.getLogger(__name__)
+
+
+def sglang_server_fields(ctx: AppContext) -> dict[str, Any]:
+    """The flat SGLang ServerArgs names a router reads from /server_info (hyssm's values)."""
+    args = ctx.args
+    return {
+        "model_path": args.resolved_model_path,
+        "tokenizer_path": args.resolved_model_path,
+        "served_model_name": args.model_name,
+        "tp_size": args.tp_size,
+        "dp_size": getattr(args, "dp_size", 1),
+        "nnodes": args.nnodes,
+        "max_running_requests": args.max_running_requests,
+        "max_total_tokens": args.max_total_tokens or None,
+        "max_prefill_tokens": args.max_prefill_tokens,
+        "chunked_prefill_size": args.chunked_prefill_size,
+        "context_length": ctx.limits.context_length,
+        "disable_radix_cache": args.disable_radix_cache,
+        "schedule_policy": args.schedule_policy,
+        "disaggregation_mode": "null",
+    }
+
+
+def sglang_model_fields(ctx: AppContext) -> dict[str, Any]:
+    """The /model_info fields a router reads: paths, model_type and architectures of config.json."""
+    path = ctx.args.resolved_model_path
+    try:
+        cfg = read_config_json(path)
+    except Exception as e:  # noqa: BLE001 - the model loaded at start-up; a later read failure is only logged
+        logger.warning("model_info without config.json fields: %s", e)
+        cfg = {}
+    return {
+        "model_path": path,
+        "tokenizer_path": path,
+        "model_type": cfg.get("model_type"),
+        "architectures": cfg.get("architectures"),
+    }
+
+
+async def get_load(request: Request) -> Response:
+    """GET /get_load: one entry per data-parallel rank (see the module rules)."""
+    ctx = get_ctx(request)
+    try:
+        info = await ctx.backend.info()
+    except (BackendUnavailable, TimeoutError) as e:
+        raise unavailable(f"the scheduler did not answer: {e}") from e
+    state = info.server
+    return json_response([{
+        "dp_rank": 0,
+        "num_reqs": state.num_running + state.num_waiting,
+        "num_waiting_reqs": state.num_waiting,
+        "num_tokens": state.kv_used_by_requests,
+    }])
