@@ -61,6 +61,10 @@ class ModelRunner:
         self.model = load_model(
             model_dir, device=self.device, dtype=dtype, tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group
         )
+        self.model.set_batch_invariant(deterministic)
+        packed = 0 if deterministic else self.model.pack_weights()
+        if packed:
+            logger.info("rank %d: %d projection weights packed for oneDNN (%s)", tp_rank, packed, self.model.dtype)
         self.cfg = self.model.cfg
         self.dtype = self.model.dtype
         self.seed = seed
@@ -81,7 +85,6 @@ class ModelRunner:
         logger.info("rank %d pools on %s (%s): %d KV token slots, %d Mamba state slots", tp_rank, self.device,
                     how, kv, mamba)
         self.ops = get_ops(self.device, kernels, deterministic)
-        self.model.set_batch_invariant(deterministic)
         self.kv_mirror = KVSlotMirror()  # slot lists of the last batch run (ReqSlice.kv_reuse)
         self.grammars = GrammarRuntime(model_dir, self.model_info.vocab_size, self.model_info.eos_token_ids)
 

@@ -1,6 +1,7 @@
-"""`layers.linear`: the split CPU GEMM used for few float32 rows gives F.linear's results (to fp32
-rounding) for every row count, thread count and output width; the deterministic padding and the
-16-bit and non-contiguous cases keep F.linear exactly."""
+"""`layers.linear` and packed `Linear`: the split CPU GEMM used for few float32 rows and oneDNN-packed
+weights give F.linear's results (to fp32 rounding) for every row count, thread count and output width;
+the deterministic padding and the 16-bit and non-contiguous cases keep F.linear exactly; the model packs
+its weights in the throughput mode only."""
 
 from __future__ import annotations
 
@@ -8,7 +9,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from worker_proc.model.layers import SPLIT_GEMM_MAX_ROWS, gemm_parts, linear, split_gemm
+from worker_proc.model.layers import (
+    PACK_ROWS,
+    SPLIT_GEMM_MAX_ROWS,
+    Linear,
+    gemm_parts,
+    linear,
+    packing_supported,
+    split_gemm,
+)
 
 G = torch.Generator().manual_seed(3)
 
@@ -57,3 +66,45 @@ def test_padded_and_other_dtypes_are_plain_f_linear() -> None:
     assert torch.equal(linear(xb, wb), F.linear(xb, wb))
     wt = torch.randn(32, 64, generator=G).t()  # a transposed view: not split
     assert torch.equal(linear(x, wt), F.linear(x, wt))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_linear_matches_dense(dtype: torch.dtype) -> None:
+    layer = Linear(40, 24, bias=True, dtype=dtype)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(24, 40, generator=G))
+        layer.bias.copy_(torch.randn(24, generator=G))
+    dense_w, dense_b = layer.weight.detach().clone(), layer.bias.detach().clone()
+    layer.pack()
+    assert layer.packed is not None and layer.weight.numel() == 0  # the dense copy is freed
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    for rows in (1, 3, PACK_ROWS, 100):
+        x = torch.randn(rows, 40, generator=G).to(dtype)
+        want = F.linear(x.float(), dense_w.float(), dense_b.float())
+        assert torch.allclose(layer(x).float(), want, rtol=tol, atol=tol * 10)
+        assert torch.allclose(layer.matmul(x).float(), want - dense_b.float(), rtol=tol, atol=tol * 10)
+    x3 = torch.randn(2, 5, 40, generator=G).to(dtype)
+    assert layer(x3).shape == (2, 5, 24)
+
+
+def test_packing_refused_where_it_cannot_hold() -> None:
+    layer = Linear(8, 8, bias=False)
+    layer.min_rows = 16
+    with pytest.raises(RuntimeError, match="batch invariant"):
+        layer.pack()
+    assert not packing_supported(torch.float16, torch.device("cpu"))
+    assert not packing_supported(torch.float32, torch.device("meta"))
+
+
+def test_model_packs_in_throughput_mode_only() -> None:
+    from tests.worker.util import fixture_dir
+    from worker_proc.runtime import ModelRunner
+
+    fast = ModelRunner(fixture_dir("rope_moe"), kv_slots=64, mamba_slots=2)
+    linears = [m for m in fast.model.modules() if isinstance(m, Linear)]
+    assert linears and all(m.packed is not None for m in linears)
+    with pytest.raises(RuntimeError, match="dense weights"):
+        fast.model.set_batch_invariant(True)
+    det = ModelRunner(fixture_dir("rope_moe"), kv_slots=64, mamba_slots=2, deterministic=True)
+    assert all(m.packed is None and m.weight.numel() for m in det.model.modules() if isinstance(m, Linear))
+    assert det.model.pack_weights() == 0

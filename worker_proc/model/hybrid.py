@@ -40,6 +40,7 @@ from worker_proc.model.layers import (
     SplitGatedMLP,
     _empty,
     linear,
+    packing_supported,
 )
 from worker_proc.model.mamba import MambaMixer
 from worker_proc.model.moe import SigmoidMoE
@@ -184,14 +185,24 @@ class HybridForCausalLM(nn.Module):
     def set_batch_invariant(self, on: bool) -> None:
         """Deterministic mode: pad every CPU GEMM to MIN_GEMM_ROWS rows so a row's result does not
         depend on what it is batched with (see `layers.linear`); off: plain GEMMs (the default)."""
+        if on and any(isinstance(m, Linear) and m.packed is not None for m in self.modules()):
+            raise RuntimeError("the deterministic mode needs dense weights; these were packed (pack_weights)")
         rows = MIN_GEMM_ROWS if on else 0
         self.min_rows = rows
         for module in self.modules():
             if isinstance(module, _BATCH_INVARIANT):
                 module.min_rows = rows
 
-    def lm_head_weight(self) -> torch.Tensor:
-        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+    def pack_weights(self) -> int:
+        """Throughput mode on CPU: every `Linear` (projections, MLPs, an untied LM head) moves its
+        weight into oneDNN's packed layout (see `Linear.pack`); the tied LM head stays the dense
+        embedding table. Returns how many weights were packed (0 where packing does not apply)."""
+        if self.min_rows or not packing_supported(self.dtype, self.device):
+            return 0
+        linears = [m for m in self.modules() if isinstance(m, Linear) and m.packed is None]
+        for module in linears:
+            module.pack()
+        return len(linears)
 
     @torch.inference_mode()
     def forward_step(
@@ -212,7 +223,10 @@ class HybridForCausalLM(nn.Module):
         if not want_logits:
             return h.new_empty(0, cfg.vocab_size, dtype=torch.float32)
         h = self.model.norm(h[batch.logit_rows])
-        logits = linear(h, self.lm_head_weight(), min_rows=self.min_rows).float()
+        if self.lm_head is None:
+            logits = linear(h, self.model.embed_tokens.weight, min_rows=self.min_rows).float()
+        else:
+            logits = self.lm_head(h).float()
         if cfg.lm_head_multiplier != 1.0:
             logits = logits * cfg.lm_head_multiplier
         return logits / cfg.logits_scaling

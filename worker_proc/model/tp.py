@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from worker_proc.model.config import HybridConfig
-from worker_proc.model.layers import Linear, _empty, linear
+from worker_proc.model.layers import Linear, _empty
 from worker_proc.model.shard import Range, ShardSpec, TPInfo, column_spec
 
 __all__ = ["AttnShard", "MambaShard", "Range", "ShardSpec", "SpanGatedRMSNorm", "TPInfo", "column_spec",
@@ -138,7 +138,7 @@ def row_parallel(x: torch.Tensor, layer: Linear, tp: TPInfo) -> torch.Tensor:
     all-reduced, and the bias (replicated) is added once after the sum. One rank: `layer(x)`."""
     if tp.size == 1:
         return layer(x)
-    out = tp.all_reduce(linear(x, layer.weight, min_rows=layer.min_rows))
+    out = tp.all_reduce(layer.matmul(x))
     return out if layer.bias is None else out + layer.bias
 
 
