@@ -103,6 +103,9 @@ def test_model_packs_in_throughput_mode_only() -> None:
     fast = ModelRunner(fixture_dir("rope_moe"), kv_slots=64, mamba_slots=2)
     linears = [m for m in fast.model.modules() if isinstance(m, Linear)]
     assert linears and all(m.packed is not None for m in linears)
+    model = fast.model
+    assert (model.lm_head is None) == (model.packed_embedding is not None)  # a tied head gets a packed copy
+    assert model.model.embed_tokens.weight.numel()  # the table itself stays dense for the lookups
     with pytest.raises(RuntimeError, match="dense weights"):
         fast.model.set_batch_invariant(True)
     det = ModelRunner(fixture_dir("rope_moe"), kv_slots=64, mamba_slots=2, deterministic=True)

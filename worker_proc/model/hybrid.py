@@ -40,6 +40,8 @@ from worker_proc.model.layers import (
     SplitGatedMLP,
     _empty,
     linear,
+    pack_weight,
+    packed_product,
     packing_supported,
 )
 from worker_proc.model.mamba import MambaMixer
@@ -162,6 +164,7 @@ class HybridForCausalLM(nn.Module):
             else Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, device=device)
         )
         self.min_rows = 0
+        self.packed_embedding: torch.Tensor | None = None  # a tied LM head's packed copy (pack_weights)
 
     def shard_spec(self, name: str) -> ShardSpec | None:
         """Which slice of checkpoint tensor `name` (parameter name) this rank holds; None = whole.
@@ -185,7 +188,8 @@ class HybridForCausalLM(nn.Module):
     def set_batch_invariant(self, on: bool) -> None:
         """Deterministic mode: pad every CPU GEMM to MIN_GEMM_ROWS rows so a row's result does not
         depend on what it is batched with (see `layers.linear`); off: plain GEMMs (the default)."""
-        if on and any(isinstance(m, Linear) and m.packed is not None for m in self.modules()):
+        packed = self.packed_embedding is not None
+        if on and (packed or any(isinstance(m, Linear) and m.packed is not None for m in self.modules())):
             raise RuntimeError("the deterministic mode needs dense weights; these were packed (pack_weights)")
         rows = MIN_GEMM_ROWS if on else 0
         self.min_rows = rows
@@ -195,13 +199,18 @@ class HybridForCausalLM(nn.Module):
 
     def pack_weights(self) -> int:
         """Throughput mode on CPU: every `Linear` (projections, MLPs, an untied LM head) moves its
-        weight into oneDNN's packed layout (see `Linear.pack`); the tied LM head stays the dense
-        embedding table. Returns how many weights were packed (0 where packing does not apply)."""
+        weight into oneDNN's packed layout (see `Linear.pack`); a tied LM head gets a packed copy of
+        the embedding table (the table itself stays dense for the lookups; the copy serves steps
+        sampling two or more rows, where it is 1.5-2x faster than the dense product). Returns how many
+        weights were packed (0 where packing does not apply)."""
         if self.min_rows or not packing_supported(self.dtype, self.device):
             return 0
         linears = [m for m in self.modules() if isinstance(m, Linear) and m.packed is None]
         for module in linears:
             module.pack()
+        if self.lm_head is None and self.packed_embedding is None:
+            self.packed_embedding = pack_weight(self.model.embed_tokens.weight)
+            return len(linears) + 1
         return len(linears)
 
     @torch.inference_mode()
@@ -223,10 +232,12 @@ class HybridForCausalLM(nn.Module):
         if not want_logits:
             return h.new_empty(0, cfg.vocab_size, dtype=torch.float32)
         h = self.model.norm(h[batch.logit_rows])
-        if self.lm_head is None:
-            logits = linear(h, self.model.embed_tokens.weight, min_rows=self.min_rows).float()
-        else:
+        if self.lm_head is not None:
             logits = self.lm_head(h).float()
+        elif self.packed_embedding is not None and h.shape[0] > 1:
+            logits = packed_product(h, self.packed_embedding, None).float()
+        else:  # one row: the split dense product is the faster one (see `layers.linear`)
+            logits = linear(h, self.model.embed_tokens.weight, min_rows=self.min_rows).float()
         if cfg.lm_head_multiplier != 1.0:
             logits = logits * cfg.lm_head_multiplier
         return logits / cfg.logits_scaling

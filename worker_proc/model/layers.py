@@ -107,13 +107,13 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
-            return _packed_product(x, self.packed, self.bias)
+            return packed_product(x, self.packed, self.bias)
         return linear(x, self.weight, self.bias, self.min_rows)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x @ weight.T without the bias (a row-parallel rank's partial sum)."""
         if self.packed is not None:
-            return _packed_product(x, self.packed, None)
+            return packed_product(x, self.packed, None)
         return linear(x, self.weight, None, self.min_rows)
 
     def pack(self) -> None:
@@ -123,11 +123,17 @@ class Linear(nn.Linear):
             raise RuntimeError("packed weights are not batch invariant; the deterministic mode keeps them dense")
         if not packing_supported(self.weight.dtype, self.weight.device):
             raise RuntimeError(f"oneDNN cannot pack a {self.weight.dtype} weight on {self.weight.device}")
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), PACK_ROWS)
+        self.packed = pack_weight(self.weight)
         self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
 
 
-def _packed_product(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """A [out, in] weight in oneDNN's packed layout (an opaque tensor only `packed_product` reads)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS)
+
+
+def packed_product(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ weight.T (+ bias) for a weight from `pack_weight`; x: [..., in]."""
     if x.dim() == 2:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     flat = x.reshape(-1, x.shape[-1])
