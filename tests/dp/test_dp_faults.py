@@ -95,7 +95,10 @@ def _replicas(server: Server) -> list[dict]:
         return client.get("/get_server_info").json()["replicas"]
 
 
-def test_killed_replica_fails_alone_then_last_one_ends_the_launch() -> None:
+@pytest.mark.parametrize(("first", "last"), [("worker-dp1-tp0", "worker-dp0-tp0"), ("scheduler-dp0", "scheduler-dp1")])
+def test_killed_replica_fails_alone_then_last_one_ends_the_launch(first: str, last: str) -> None:
+    dead = int(first.split("-dp")[1][0])
+    alive = 1 - dead
     server = Server(["--dp-size", "2", "--fault-delay-step-s", "0.02"])
     try:
         server.wait_ready()
@@ -107,7 +110,7 @@ def test_killed_replica_fails_alone_then_last_one_ends_the_launch() -> None:
                 assert started.acquire(timeout=60), server.output[-3000:]
             loads = [r["in_flight_requests"] for r in _replicas(server)]
             assert loads[0] > 0 and loads[1] > 0, loads  # distinct prompts are spread by load
-            os.kill(find_process(server, "hyssm::worker-dp1-tp0"), signal.SIGKILL)
+            os.kill(find_process(server, f"hyssm::{first}"), signal.SIGKILL)
             t0 = time.monotonic()
             cf.wait(futures, timeout=60)
         failed = [c for c in clients if c.outcome != "ok"]
@@ -118,8 +121,8 @@ def test_killed_replica_fails_alone_then_last_one_ends_the_launch() -> None:
             assert c.outcome in ("ok", "error-event", "http-503"), c.outcome
             if c.outcome == "ok":
                 assert c.tokens == NEW_TOKENS
-        # every request of replica 1 failed (none was finished when it died), none of replica 0's did
-        assert len(failed) == loads[1], ([c.outcome for c in clients], loads)
+        # every request of the dead replica failed (none was finished when it died), none of the other's did
+        assert len(failed) == loads[dead], ([c.outcome for c in clients], loads)
         assert server.proc.poll() is None, server.output[-3000:]
 
         with server.client() as client:
@@ -127,18 +130,18 @@ def test_killed_replica_fails_alone_then_last_one_ends_the_launch() -> None:
             assert health.status_code == 200, health.text
             assert health.json() == {"status": "ok", "degraded": True, "replicas_up": 1, "dp_size": 2}
             replicas = _replicas(server)
-            assert [r["up"] for r in replicas] == [True, False]
-            assert "worker-dp1-tp0 exited unexpectedly" in replicas[1]["error"]
-            routed_before = sum(replicas[0]["routed_requests"].values())
+            assert [r["up"] for r in replicas] == [d == alive for d in (0, 1)]
+            assert f"{first} exited unexpectedly" in replicas[dead]["error"]
+            routed_before = sum(replicas[alive]["routed_requests"].values())
             for i in range(4):
                 short = {"input_ids": [5 + i, 6, 7], "sampling_params": {"max_new_tokens": 4}}
                 r = client.post("/generate", json=short)
                 assert r.status_code == 200, r.text
-            assert sum(_replicas(server)[0]["routed_requests"].values()) == routed_before + 4
-            assert 'hyssm_dp_replica_up{dp_rank="1"} 0.0' in client.get("/metrics").text
-        assert wait_titles_gone(server, {"hyssm::scheduler-dp1", "hyssm::worker-dp1-tp0"}) == set()
+            assert sum(_replicas(server)[alive]["routed_requests"].values()) == routed_before + 4
+            assert f'hyssm_dp_replica_up{{dp_rank="{dead}"}} 0.0' in client.get("/metrics").text
+        assert wait_titles_gone(server, {f"hyssm::scheduler-dp{dead}", f"hyssm::worker-dp{dead}-tp0"}) == set()
 
-        os.kill(find_process(server, "hyssm::worker-dp0-tp0"), signal.SIGKILL)
+        os.kill(find_process(server, f"hyssm::{last}"), signal.SIGKILL)
         code = server.wait_exit(BOUND_S + 10)
         assert code != 0
         assert "no replica is left" in server.output, server.output[-3000:]

@@ -121,3 +121,15 @@ def test_under_load_both_replicas_work_and_counters_sum(dp1: Server, dp2: Server
         health = client.get("/health")
     assert health.status_code == 200 and health.json() == {
         "status": "ok", "degraded": False, "replicas_up": 2, "dp_size": 2}
+
+
+def test_replicas_with_tensor_parallel_ranks(dp1: Server) -> None:
+    """Each replica is a scheduler with its own TP ranks (and rendezvous port): outputs equal one rank."""
+    prompts = shared_prefix_prompts(seed=3, groups=2, per_group=3)
+    one = concurrent(dp1, prompts, 8, limit=2)
+    with running_server(["--dp-size", "2", "--tp-size", "2", *FLAGS]) as dp2tp2:
+        two = concurrent(dp2tp2, prompts, 8, limit=2)
+        info = server_info(dp2tp2)
+    assert [r["output_ids"] for r in two] == [r["output_ids"] for r in one]
+    assert all(sum(r["routed_requests"].values()) > 0 for r in info["replicas"]), info["replicas"]
+    assert sum(r["meta_info"]["cached_tokens"] for r in two) > 0
