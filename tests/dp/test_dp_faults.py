@@ -95,11 +95,15 @@ def _replicas(server: Server) -> list[dict]:
         return client.get("/get_server_info").json()["replicas"]
 
 
-@pytest.mark.parametrize(("first", "last"), [("worker-dp1-tp0", "worker-dp0-tp0"), ("scheduler-dp0", "scheduler-dp1")])
-def test_killed_replica_fails_alone_then_last_one_ends_the_launch(first: str, last: str) -> None:
+@pytest.mark.parametrize(("first", "sig", "last"), [
+    ("worker-dp1-tp0", signal.SIGKILL, "worker-dp0-tp0"),
+    ("scheduler-dp0", signal.SIGKILL, "scheduler-dp1"),
+    ("worker-dp1-tp0", signal.SIGSTOP, "worker-dp0-tp0"),  # a hung worker: its scheduler's watchdog fires
+])
+def test_killed_replica_fails_alone_then_last_one_ends_the_launch(first: str, sig: int, last: str) -> None:
     dead = int(first.split("-dp")[1][0])
     alive = 1 - dead
-    server = Server(["--dp-size", "2", "--fault-delay-step-s", "0.02"])
+    server = Server(["--dp-size", "2", "--fault-delay-step-s", "0.02", "--watchdog-timeout", "3"])
     try:
         server.wait_ready()
         started = threading.Semaphore(0)
@@ -110,7 +114,7 @@ def test_killed_replica_fails_alone_then_last_one_ends_the_launch(first: str, la
                 assert started.acquire(timeout=60), server.output[-3000:]
             loads = [r["in_flight_requests"] for r in _replicas(server)]
             assert loads[0] > 0 and loads[1] > 0, loads  # distinct prompts are spread by load
-            os.kill(find_process(server, f"hyssm::{first}"), signal.SIGKILL)
+            os.kill(find_process(server, f"hyssm::{first}"), sig)
             t0 = time.monotonic()
             cf.wait(futures, timeout=60)
         failed = [c for c in clients if c.outcome != "ok"]
@@ -131,7 +135,8 @@ def test_killed_replica_fails_alone_then_last_one_ends_the_launch(first: str, la
             assert health.json() == {"status": "ok", "degraded": True, "replicas_up": 1, "dp_size": 2}
             replicas = _replicas(server)
             assert [r["up"] for r in replicas] == [d == alive for d in (0, 1)]
-            assert f"{first} exited unexpectedly" in replicas[dead]["error"]
+            exited = first if sig == signal.SIGKILL else f"scheduler-dp{dead}"  # the watchdog ends the scheduler
+            assert f"{exited} exited unexpectedly" in replicas[dead]["error"], replicas[dead]["error"]
             routed_before = sum(replicas[alive]["routed_requests"].values())
             for i in range(4):
                 short = {"input_ids": [5 + i, 6, 7], "sampling_params": {"max_new_tokens": 4}}

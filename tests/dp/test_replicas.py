@@ -177,6 +177,8 @@ def test_info_keeps_counters_of_a_replica_gone() -> None:
     backend = ReplicatedBackend(replicas)  # type: ignore[list-item]
 
     async def main() -> None:
+        backend.router.choose(list(range(64)), [0, 1], [0, 0])
+        assert len(backend.router.indexes[0]) == 4
         assert (await backend.info()).server.prefix_state_hit_tokens == 12
         replicas[1].go_down("gone")
         info = await backend.info()
@@ -184,5 +186,8 @@ def test_info_keeps_counters_of_a_replica_gone() -> None:
         hits = [r.value for r in info.metrics if r.name == "hyssm_prefix_cache_hit_tokens_total"]
         assert hits == [12]  # the counter never goes back
         assert await backend.flush_cache() == (True, "")
+        assert len(backend.router.indexes[0]) == 0  # a flushed replica holds no prefix any more
+        replicas[0].flush_result = (False, "cannot flush the cache while requests are running")
+        assert await backend.flush_cache() == (False, "replica 0: cannot flush the cache while requests are running")
 
     asyncio.run(main())
