@@ -19,8 +19,9 @@ queue is far longer than another's costs more in waiting than one recomputation 
 other replica, which from then on holds the prefix too (ties among equal matches then spread the
 load). This is SGLang's cache-aware router policy (sglang-router `cache_aware`: prefix-match
 threshold, absolute and relative balance thresholds) applied inside one server, with the load test
-made against the chosen replica; SGLang's in-process DP controller routes by round robin or shortest
-queue only, which loses the prefix hits that matter most here.
+made against the chosen replica. SGLang's in-process DP controller balances by round robin, shortest
+queue or fewest tokens, none of which looks at the prompt, so it loses the prefix hits that matter
+most here.
 
 The index is approximate by design: it records what was sent, not what the scheduler still caches
 (it may have evicted it, or not yet computed it), and it is bounded (`max_blocks` per replica, least
