@@ -153,3 +153,30 @@ def test_killed_replica_fails_alone_then_last_one_ends_the_launch(first: str, si
         assert wait_group_empty(server.pgid) == []
     finally:
         server.kill_group()
+
+
+def test_sigterm_stops_every_replica_gracefully() -> None:
+    """SIGTERM with requests in flight on both replicas: each is answered (finish "abort"), exit 0, nothing left."""
+    server = Server(["--dp-size", "2", "--fault-delay-step-s", "0.05"])
+    try:
+        server.wait_ready()
+        started = threading.Semaphore(0)
+        clients = [Client(server, i, stream=False, started=started) for i in range(4)]
+        with cf.ThreadPoolExecutor(len(clients)) as pool:
+            futures = [pool.submit(c) for c in clients]
+            for _ in clients:
+                assert started.acquire(timeout=60)
+            deadline = time.monotonic() + 30
+            while min(r["in_flight_requests"] for r in _replicas(server)) == 0:  # both replicas decoding
+                assert time.monotonic() < deadline, _replicas(server)
+                time.sleep(0.05)
+            server.proc.send_signal(signal.SIGTERM)
+            code = server.wait_exit(BOUND_S + 10)
+            cf.wait(futures, timeout=BOUND_S)
+        assert code == 0, server.output[-3000:]
+        # answered 200 with the tokens so far (aborted at shutdown), before max_new_tokens
+        assert all(c.outcome == "ok" and 0 < c.tokens < NEW_TOKENS for c in clients), [
+            (c.outcome, c.tokens) for c in clients]
+        assert wait_group_empty(server.pgid) == []
+    finally:
+        server.kill_group()
