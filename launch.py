@@ -1,9 +1,11 @@
 """hyssm launcher: parse flags, start every process, wait for readiness, supervise, tear down.
 
-Node 0 runs the tokenizer (HTTP), the scheduler and its worker ranks; other nodes run only
-their worker ranks. The launcher owns the children: it watches their sentinels, and when any
-of them dies it tells the tokenizer (so in-flight requests get a final error and /health
-turns 503), stops the rest and exits non-zero. SIGTERM/SIGINT shut down gracefully (exit 0),
+Node 0 runs the tokenizer (HTTP), the scheduler and its worker ranks (with --dp-size N: N
+schedulers, each with its own ranks; shared/replicas.py); other nodes run only their worker ranks.
+The launcher owns the children: it watches their sentinels, and when any of them dies it tells the
+tokenizer (so in-flight requests get a final error and /health turns 503), stops the rest and exits
+non-zero. With replicas, a death inside one replica stops only that replica while another is up
+(the tokenizer is told, so only that replica's requests fail). SIGTERM/SIGINT shut down gracefully (exit 0),
 whether they reach launch.py alone or the whole process group (see shared/proc.py).
 """
 
@@ -30,6 +32,7 @@ from shared.log import setup_logging
 from shared.messages import ProcFailed, ProcReady, SchedulerDead
 from shared.model_info import ModelInfo
 from shared.proc import STOP_SIGNAL, child_main
+from shared.replicas import ReplicaSet, dist_addrs, node_processes
 from shared.rundir import RunDir, remove_stale
 
 logger = logging.getLogger("launch")
@@ -53,6 +56,8 @@ _HELP = {
     "batched with, whether its prefix came from the cache, or the TP size (slower on CPU)",
     "max_connections": "open HTTP connections at most; more are answered 503 and closed (default: 4096)",
     "http_read_timeout": "seconds from a request's first byte until its head and body are in (default: 30)",
+    "dp_size": "data-parallel engine replicas on this node, each a scheduler with its own --tp-size ranks, "
+    "behind the one HTTP server (requests are routed by cached prefix, then load: tokenizer_proc/routing.py)",
     "http_keep_alive_timeout": "seconds an HTTP connection may be idle before or between requests (default: 30)",
 }
 
@@ -69,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _OneLineParser(prog="hyssm-launch", description="Serve a hybrid SSM model.")
     hints = get_type_hints(ServerArgs)
     for f in dataclasses.fields(ServerArgs):
-        if f.name in ("faults", "run_dir"):
+        if f.name in ("faults", "run_dir", "dp_rank"):
             continue
         flag = "--" + f.name.replace("_", "-")
         default = f.default
@@ -119,9 +124,10 @@ def preflight(args: ServerArgs) -> ModelInfo:
         import torch  # only for the GPU count; children import torch themselves
 
         n_gpus = torch.cuda.device_count()
-        if args.device == "cuda" and n_gpus < args.base_gpu_id + args.ranks_per_node:
+        wanted = args.ranks_per_node * args.dp_size
+        if args.device == "cuda" and n_gpus < args.base_gpu_id + wanted:
             raise ConfigError(
-                f"--tp-size {args.tp_size} needs {args.ranks_per_node} GPUs from --base-gpu-id "
+                f"--tp-size {args.tp_size} x --dp-size {args.dp_size} needs {wanted} GPUs from --base-gpu-id "
                 f"{args.base_gpu_id} on this node, found {n_gpus}"
             )
     if args.node_rank > 0:
@@ -180,16 +186,16 @@ class Launcher:
         self.procs: dict[str, mp.process.BaseProcess] = {}
         self.ready_rx: Receiver = Receiver(self.ctx, TO_LAUNCHER, args)
         self.stop_requested = False
+        self.replicas = ReplicaSet([])
 
-    def start(self) -> None:
+    def start(self, addrs: list[str]) -> None:
+        """Start every child of this node (shared/replicas.py); `addrs`: each replica's rendezvous address."""
         spawn = mp.get_context("spawn")
-        data = self.args.to_bytes()
-        for rank in self.args.local_ranks():
-            name = f"worker-tp{rank}"
-            self.procs[name] = spawn.Process(target=child_main, args=("worker", data, rank), name=name)
-        if self.args.node_rank == 0:
-            self.procs["scheduler"] = spawn.Process(target=child_main, args=("scheduler", data), name="scheduler")
-            self.procs["tokenizer"] = spawn.Process(target=child_main, args=("tokenizer", data), name="tokenizer")
+        specs = node_processes(self.args, addrs)
+        self.replicas = ReplicaSet(specs)
+        for spec in specs:
+            target_args = (spec.kind, spec.args.to_bytes()) + (() if spec.rank is None else (spec.rank,))
+            self.procs[spec.name] = spawn.Process(target=child_main, args=target_args, name=spec.name)
         for proc in self.procs.values():
             proc.start()
 
@@ -221,26 +227,70 @@ class Launcher:
         return info
 
     def supervise(self) -> int:
-        """Wait until a child dies (exit 1) or a stop signal arrives (exit 0)."""
+        """Wait until a child dies (exit 1) or a stop signal arrives (exit 0). With --dp-size > 1 a
+        death inside one replica takes down only that replica while another one is up."""
         sentinels = {p.sentinel: name for name, p in self.procs.items()}
         while not self.stop_requested:
             done = wait(list(sentinels), timeout=0.5)
             if self.stop_requested:  # a group signal: children may stop as it arrives
                 break
             if done:
-                name = sentinels[done[0]]
+                name = sentinels.pop(done[0])
                 self.procs[name].join(5.0)  # the sentinel closes before the exit status can be read
                 code = self.procs[name].exitcode
                 if code == 0 and self.args.node_rank > 0:  # told to stop by node 0's scheduler
                     logger.info("%s stopped: node 0 shut down", name)
                     self.shutdown("")
                     return 0
-                logger.error("%s exited unexpectedly (code %s); shutting down", name, code)
-                self.shutdown(f"{name} exited unexpectedly (code {code})")
+                failure = f"{name} exited unexpectedly (code {code})"
+                if not self.replicas.ends_launch(name):
+                    for stopped in self._replica_down(name, failure):
+                        sentinels.pop(self.procs[stopped].sentinel, None)
+                    continue
+                if self.args.dp_size > 1 and name != "tokenizer":
+                    failure += "; no replica is left"
+                logger.error("%s; shutting down", failure)
+                self.shutdown(failure)
                 return 1
             self._drain_reports()
         self.shutdown("")
         return 0
+
+    def _replica_down(self, name: str, failure: str) -> list[str]:
+        """Take down the replica of `name`: tell the tokenizer (its requests there end with an error,
+        new ones go to the replicas up), stop its other processes. Returns their names."""
+        d, others = self.replicas.take_down(name, failure)
+        logger.error("%s: replica %d is down, %d replica(s) still serving", failure, d, len(self.replicas.up))
+        self._tell_tokenizer(self.replicas.args_of(d), failure)
+        self._stop(others)
+        return others
+
+    def _tell_tokenizer(self, args: ServerArgs, failure: str) -> None:
+        tok = self.procs.get("tokenizer")
+        if tok is None or not tok.is_alive():
+            return
+        try:
+            tx = Sender(self.ctx, SCHEDULER_TO_TOKENIZER, args)
+            tx.send(SchedulerDead(reason=failure), 1000)
+            tx.close(linger_ms=1000)
+        except ChannelTimeout:
+            pass
+
+    def _stop(self, names: list[str]) -> None:
+        """Stop `names` in order (tokenizer with SIGTERM, others with STOP_SIGNAL); SIGKILL what is
+        still alive after the grace period."""
+        for name in names:
+            proc = self.procs[name]
+            if proc.is_alive():
+                if name == "tokenizer":
+                    proc.terminate()
+                elif proc.pid is not None:
+                    os.kill(proc.pid, STOP_SIGNAL)
+                proc.join(5.0 if name == "tokenizer" else 3.0)
+        for name in names:
+            if self.procs[name].is_alive():
+                self.procs[name].kill()
+                self.procs[name].join(2.0)
 
     def _drain_reports(self) -> None:
         for msg in self.ready_rx.drain(16):
@@ -248,29 +298,14 @@ class Launcher:
                 logger.error("%s reported: %s", msg.name, msg.error)
 
     def shutdown(self, failure: str) -> None:
-        """Tell the tokenizer (on failure), then stop children: tokenizer first so clients get their
-        answers, then scheduler and workers. Bounded: SIGKILL after the grace period."""
-        tok = self.procs.get("tokenizer")
-        if failure and tok is not None and tok.is_alive():
-            try:
-                tx = Sender(self.ctx, SCHEDULER_TO_TOKENIZER, self.args)
-                tx.send(SchedulerDead(reason=failure), 1000)
-                tx.close(linger_ms=1000)
-            except ChannelTimeout:
-                pass
-        order = ["tokenizer", "scheduler"] + [n for n in self.procs if n.startswith("worker")]
-        for name in order:
-            proc = self.procs.get(name)
-            if proc is not None and proc.is_alive():
-                if name == "tokenizer":
-                    proc.terminate()
-                elif proc.pid is not None:
-                    os.kill(proc.pid, STOP_SIGNAL)
-                proc.join(5.0 if name == "tokenizer" else 3.0)
-        for proc in self.procs.values():
-            if proc.is_alive():
-                proc.kill()
-                proc.join(2.0)
+        """Tell the tokenizer (on failure, for every replica still up), then stop children: tokenizer
+        first so clients get their answers, then schedulers and workers. Bounded: SIGKILL after the
+        grace period."""
+        if failure:
+            for d in self.replicas.up:
+                self._tell_tokenizer(self.replicas.args_of(d), failure)
+        kinds = ("tokenizer", "scheduler", "worker")
+        self._stop([n for kind in kinds for n in self.procs if n.startswith(kind)])
         self.ready_rx.close()
         self.ctx.term()
 
@@ -297,15 +332,13 @@ def main(argv: list[str] | None = None) -> int:
         logger.info("removed %d run directories left by launches that did not exit: %s", len(stale), stale)
     run = RunDir.create()
     logger.info("run directory %s", run.path)
-    changes: dict[str, Any] = {"run_dir": run.path}
-    if args.tp_size > 1 and not args.dist_init_addr:
-        changes["dist_init_addr"] = f"127.0.0.1:{_free_port()}"
-    args = args.replace(**changes)
+    addrs = dist_addrs(args, _free_port)
+    args = args.replace(run_dir=run.path, dist_init_addr=addrs[0] or args.dist_init_addr)
     launcher = Launcher(args)
     signal.signal(signal.SIGTERM, launcher.request_stop)
     signal.signal(signal.SIGINT, launcher.request_stop)
     try:
-        launcher.start()
+        launcher.start(addrs)
         info = launcher.wait_ready()
     except HyssmError as e:
         print(f"hyssm-launch: error: {e}", file=sys.stderr)

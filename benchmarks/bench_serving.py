@@ -14,7 +14,9 @@ a group prefix of P ids (``--num-prefix-groups`` distinct prefixes, assigned rou
 distinct suffix whose length follows ``--input-len``. Arrivals are Poisson at ``--request-rate`` (inf:
 all at once), at most ``--concurrency`` in flight. ``--warmup`` requests use their own random prompts.
 
-Metric definitions live in serving_metrics.py. Report: a table on stdout and, with ``--output-json``,
+Metric definitions live in serving_metrics.py; the server's own prefix hit rate and the requests
+each ``--dp-size`` replica took (read from /metrics and /get_server_info around each run, when the
+server has them) in server_stats.py. Report: a table on stdout and, with ``--output-json``,
 the same numbers as strict JSON (NaN -> null). Diagnostics go to logging. Request bodies per backend
 (``--backend hyssm|openai|llama-server``; ``generate`` is an alias of hyssm; ``--prompt-format text`` for
 servers or routers that take only text prompts, e.g. sglang-router's /v1/completions) are in serving_backends.py;
@@ -42,6 +44,7 @@ from tqdm import tqdm
 if __package__ in (None, ""):  # run as a file (python benchmarks/bench_serving.py): make the repo importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.server_stats import counters_delta, read_counters  # noqa: E402
 from benchmarks.serving_backends import ALIASES, BACKENDS, canonical_backend, request_for  # noqa: E402
 from benchmarks.serving_metrics import (  # noqa: E402
     RequestResult,
@@ -253,8 +256,9 @@ async def _measured_run(
         vocab_size=vocab,
     )
     gaps = poisson_gaps(rng, cfg.request_rate, len(specs))
+    before = await read_counters(client)
     results, duration = await run_requests(client, cfg, specs, gaps, model, desc)
-    return compute_metrics(results, duration)
+    return {**compute_metrics(results, duration), **counters_delta(before, await read_counters(client))}
 
 
 # ---------------------------------------------------------------- CLI

@@ -224,6 +224,13 @@ def format_report(m: dict[str, object], title: str = "Serving Benchmark Result")
         ("Input token throughput (tok/s)", f"{m['input_token_throughput']:.2f}"),
         ("Output token throughput (tok/s)", f"{m['output_token_throughput']:.2f}"),
     ]
+    if "server_prefix_hit_rate" in m:
+        rate = m["server_prefix_hit_rate"]
+        shown = f"{rate:.2%}" if isinstance(rate, float) and math.isfinite(rate) else "n/a"
+        rows.append(("Prefix hit rate (server /metrics)", shown))
+    routed = m.get("replica_requests")
+    if isinstance(routed, dict) and routed:
+        rows.append(("Requests per replica", " ".join(f"{v:g}" for _, v in sorted(routed.items()))))
     for key, name in (("ttft_ms", "TTFT (ms)"), ("itl_ms", "ITL (ms)"), ("e2e_ms", "E2E latency (ms)")):
         stats = m[key]
         assert isinstance(stats, dict)

@@ -151,7 +151,7 @@ class SchedulerLoop:
         self.sched = Scheduler(self.args, model, caps["kv_capacity"], caps["mamba_capacity"])
         logger.info("scheduler ready: %s", caps)
         tx = Sender(self.ctx, TO_LAUNCHER, self.args)
-        tx.send(ProcReady(name="scheduler", info=caps))
+        tx.send(ProcReady(name=self.args.proc_name("scheduler"), info=caps))
         tx.close(linger_ms=2000)
 
     # ------------------------------------------------------------------ loop

@@ -4,7 +4,10 @@ which side binds, and the endpoint.
 All channels are PUSH -> PULL (ordered, no drops once connected). The receiving side binds,
 except the scheduler -> worker channels where the scheduler binds one PUSH socket per rank so
 that workers of other nodes can connect to node 0. Endpoints are `ipc://` under the launch's
-run directory on one node and `tcp://` on node 0's address when `--nnodes > 1`.
+run directory on one node and `tcp://` on node 0's address when `--nnodes > 1`. With
+`--dp-size > 1` every channel but the one to launch.py exists once per replica: its ipc name
+carries `-dp<D>` (ServerArgs.dp_rank), so each replica's scheduler and workers talk only to each
+other, and the tokenizer holds one pair of scheduler channels per replica.
 """
 
 from __future__ import annotations
@@ -32,9 +35,12 @@ class Channel(Generic[T]):
     msg_type: Any
     sender_binds: bool
     tcp_port_offset: int  # offset from the --dist-init-addr port for multi-node runs
+    per_replica: bool = True  # one endpoint per --dp-size replica (all but the launcher's)
 
     def endpoint(self, args: ServerArgs, rank: int | None = None) -> str:
-        suffix = f"{self.name}-{rank}" if rank is not None else self.name
+        suffix = f"{self.name}-dp{args.dp_rank}" if self.per_replica and args.dp_size > 1 else self.name
+        if rank is not None:
+            suffix = f"{suffix}-{rank}"
         if args.nnodes > 1 and self.name.startswith(("sched_to_worker", "worker_to_sched")):
             host, _, port = args.dist_init_addr.rpartition(":")
             return f"tcp://{host}:{int(port) + self.tcp_port_offset + (rank or 0)}"
@@ -49,7 +55,7 @@ SCHEDULER_TO_WORKER: Channel[ToWorker] = Channel("sched_to_worker", ToWorker, Tr
 WORKER_TO_SCHEDULER: Channel[ToSchedulerFromWorker] = Channel(
     "worker_to_sched", ToSchedulerFromWorker, False, 1
 )
-TO_LAUNCHER: Channel[ToLauncher] = Channel("to_launcher", ToLauncher, False, 0)
+TO_LAUNCHER: Channel[ToLauncher] = Channel("to_launcher", ToLauncher, False, 0, per_replica=False)
 
 
 class Sender(Generic[T]):

@@ -36,7 +36,7 @@ class FaultConfig:
     refuse_cow_fraction: float = 0.0  # workers refuse this fraction of copy-on-write ops
     raise_at_step: int = -1  # worker raises inside this step number
     delay_step_s: float = 0.0  # worker sleeps this long in every step (simulated slow device)
-    crash_process: str = ""  # "tokenizer" | "scheduler" | "worker-tp<N>"
+    crash_process: str = ""  # a ServerArgs.proc_name: "tokenizer" | "scheduler" | "worker-tp<N>" | ...
     crash_at_step: int = -1  # step at which crash_process exits abruptly
     seed: int = 0
 
@@ -57,6 +57,8 @@ class ServerArgs:
     port: int = 30000
     api_key: str = ""
     tp_size: int = 1
+    dp_size: int = 1  # engine replicas (each a scheduler with its own TP ranks) behind one tokenizer
+    dp_rank: int = 0  # which replica a scheduler or worker process belongs to; launch.py fills it in
     nnodes: int = 1
     node_rank: int = 0
     dist_init_addr: str = ""
@@ -101,6 +103,7 @@ class ServerArgs:
         positive = {
             "--port": self.port,
             "--tp-size": self.tp_size,
+            "--dp-size": self.dp_size,
             "--nnodes": self.nnodes,
             "--max-running-requests": self.max_running_requests,
             "--chunked-prefill-size": self.chunked_prefill_size,
@@ -132,6 +135,10 @@ class ServerArgs:
             raise ConfigError("--mamba-full-memory-ratio must be in (0, 1)")
         if not 0 <= self.node_rank < self.nnodes:
             raise ConfigError(f"--node-rank must be in [0, {self.nnodes}), got {self.node_rank}")
+        if not 0 <= self.dp_rank < self.dp_size:
+            raise ConfigError(f"dp_rank must be in [0, {self.dp_size}), got {self.dp_rank}")
+        if self.dp_size > 1 and self.nnodes > 1:
+            raise ConfigError("--dp-size > 1 runs on one node; across nodes run one server per node behind a router")
         if self.tp_size % self.nnodes != 0:
             raise ConfigError(f"--tp-size {self.tp_size} must be divisible by --nnodes {self.nnodes}")
         if self.nnodes > 1 and not self.dist_init_addr:
@@ -163,6 +170,13 @@ class ServerArgs:
     @property
     def ranks_per_node(self) -> int:
         return self.tp_size // self.nnodes
+
+    def proc_name(self, kind: str, rank: int | None = None) -> str:
+        """The name of a process of this launch (its title after `hyssm::`, its ProcReady name, the
+        fault-injection target): "tokenizer", "scheduler", "worker-tp<R>"; with --dp-size > 1 the
+        scheduler and workers of replica D are "scheduler-dp<D>" and "worker-dp<D>-tp<R>"."""
+        replica = f"-dp{self.dp_rank}" if self.dp_size > 1 and kind != "tokenizer" else ""
+        return f"{kind}{replica}" if rank is None else f"{kind}{replica}-tp{rank}"
 
     def local_ranks(self) -> range:
         start = self.node_rank * self.ranks_per_node

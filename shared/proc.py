@@ -64,8 +64,8 @@ def set_parent_death_signal(sig: int = signal.SIGKILL) -> None:
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
-def process_title(kind: str, rank: int | None) -> str:
-    return f"hyssm::{kind}" if rank is None else f"hyssm::{kind}-tp{rank}"
+def process_title(args: ServerArgs, kind: str, rank: int | None) -> str:
+    return f"hyssm::{args.proc_name(kind, rank)}"
 
 
 def _forward_sigterm_to(launcher_pid: int) -> None:
@@ -80,7 +80,7 @@ def _forward_sigterm_to(launcher_pid: int) -> None:
 def child_main(kind: str, args_bytes: bytes, rank: int | None = None) -> None:
     """Entry of every child process (target of multiprocessing.Process)."""
     args = ServerArgs.from_bytes(args_bytes)
-    title = process_title(kind, rank)
+    title = process_title(args, kind, rank)
     try:
         import setproctitle
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+from typing import Any
 
 import msgspec
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -37,6 +38,7 @@ from tokenizer_proc.latency import LatencyCollector
 from tokenizer_proc.metrics import render_metrics
 from tokenizer_proc.native import generate_endpoint
 from tokenizer_proc.openai_api import chat_endpoint, completions_endpoint, model_endpoint, models_endpoint
+from tokenizer_proc.replicas import ReplicatedBackend
 from tokenizer_proc.router_api import get_load, sglang_model_fields, sglang_server_fields
 from tokenizer_proc.tokenize_api import detokenize_endpoint, tokenize_endpoint, tokenizer_info_endpoint
 from tokenizer_proc.tokenizer import TextTokenizer
@@ -49,9 +51,15 @@ VERSION = "0.1.0"
 
 
 async def health(request: Request) -> Response:
+    """200 {"status": "ok"} while a generation goes through. With --dp-size > 1 the body also has
+    "degraded" (true while some replica is down), "replicas_up" and "dp_size": a server with any
+    replica up still serves, and routers (sglang-router) keep a worker whose /health answers 200 in
+    rotation and drop one answering 503, so 503 is kept for a server that cannot serve at all."""
     problem = await request.app.state.health.check()
     if problem is None:
-        return json_response({"status": "ok"})
+        backend = get_ctx(request).backend
+        detail = backend.health_detail() if isinstance(backend, ReplicatedBackend) else {}
+        return json_response({"status": "ok", **detail})
     raise unavailable(f"the server is not healthy: {problem}")
 
 
@@ -63,8 +71,19 @@ async def _backend_info(ctx: AppContext) -> SchedulerInfo:
 
 
 async def server_info(request: Request) -> Response:
+    """The server's config and state; "scheduler" is summed over the replicas with --dp-size > 1,
+    and "replicas" lists each one (up or not, why not, load, routing counts, its own scheduler info)."""
     ctx = get_ctx(request)
-    info = await _backend_info(ctx)
+    replicas: dict[str, Any] = {}
+    if isinstance(ctx.backend, ReplicatedBackend):
+        try:
+            infos = await ctx.backend.replica_infos()
+        except (BackendUnavailable, TimeoutError) as e:
+            raise unavailable(f"the scheduler did not answer: {e}") from e
+        info = ctx.backend.merged_info(infos)
+        replicas = {"dp_size": len(ctx.backend.clients), "replicas": ctx.backend.replicas(infos)}
+    else:
+        info = await _backend_info(ctx)
     args = msgspec.to_builtins(ctx.args)
     if args.get("api_key"):
         args["api_key"] = "<redacted>"
@@ -78,6 +97,7 @@ async def server_info(request: Request) -> Response:
         "server_args": args,
         "tokenizer": {"in_flight_requests": len(ctx.in_flight)},
         "scheduler": info,
+        **replicas,
     })
 
 

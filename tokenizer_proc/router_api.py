@@ -9,7 +9,8 @@ load-aware policies and fans `POST /flush_cache` out to every worker.
 
 Rules: the info documents put SGLang's flat server-argument names at the top level (SGLang
 returns its ServerArgs flattened) next to hyssm's own nested keys, so both kinds of reader work.
-`/get_load` is a list with one entry per data-parallel rank:
+`/get_load` is a list with one entry per data-parallel rank that answers (a replica that is down
+has none):
 `{"dp_rank", "num_reqs" (running + waiting), "num_waiting_reqs", "num_tokens" (KV token slots held
 by requests)}`; a scheduler that does not answer is 503, never a made-up zero load.
 """
@@ -27,6 +28,7 @@ from tokenizer_proc.context import AppContext, get_ctx
 from tokenizer_proc.errors import unavailable
 from tokenizer_proc.generation import BackendUnavailable
 from tokenizer_proc.http_util import json_response
+from tokenizer_proc.replicas import ReplicatedBackend
 
 logger = logging.getLogger(__name__)
 
@@ -69,16 +71,19 @@ def sglang_model_fields(ctx: AppContext) -> dict[str, Any]:
 
 
 async def get_load(request: Request) -> Response:
-    """GET /get_load: one entry per data-parallel rank (see the module rules)."""
+    """GET /get_load: one entry per data-parallel rank that answered (see the module rules)."""
     ctx = get_ctx(request)
+    backend = ctx.backend
     try:
-        info = await ctx.backend.info()
+        if isinstance(backend, ReplicatedBackend):
+            states = {d: info.server for d, info in (await backend.replica_infos()).items()}
+        else:
+            states = {0: (await backend.info()).server}
     except (BackendUnavailable, TimeoutError) as e:
         raise unavailable(f"the scheduler did not answer: {e}") from e
-    state = info.server
     return json_response([{
-        "dp_rank": 0,
+        "dp_rank": d,
         "num_reqs": state.num_running + state.num_waiting,
         "num_waiting_reqs": state.num_waiting,
         "num_tokens": state.kv_used_by_requests,
-    }])
+    } for d, state in sorted(states.items())])

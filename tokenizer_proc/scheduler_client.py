@@ -66,6 +66,11 @@ class SchedulerClient:
     def healthy(self) -> bool:
         return self._dead is None and self._reader is not None and not self._reader.done()
 
+    @property
+    def dead_reason(self) -> str | None:
+        """Why the scheduler is gone (None while it serves)."""
+        return self._dead
+
     def _send(self, msg: ToScheduler) -> None:
         try:
             self._tx.send_nowait(msg)

@@ -28,6 +28,7 @@ from shared.config import ServerArgs
 from shared.messages import ProcFailed, ProcReady, ToLauncher
 from tokenizer_proc.app import create_app
 from tokenizer_proc.http_protocol import HttpLimits, protocol_class
+from tokenizer_proc.replicas import ReplicatedBackend
 from tokenizer_proc.scheduler_client import SchedulerClient
 from tokenizer_proc.tokenizer import TextTokenizer
 
@@ -94,6 +95,13 @@ def connection_limit(wanted: int) -> int:
     return limit
 
 
+def open_backend(zctx: zmq.asyncio.Context, args: ServerArgs) -> SchedulerClient | ReplicatedBackend:
+    """One SchedulerClient, or with --dp-size > 1 one per replica behind a ReplicatedBackend."""
+    if args.dp_size == 1:
+        return SchedulerClient(zctx, args)
+    return ReplicatedBackend([SchedulerClient(zctx, args.replace(dp_rank=d)) for d in range(args.dp_size)])
+
+
 def _report(launcher: Sender[ToLauncher], msg: ToLauncher) -> None:
     try:
         launcher.send(msg, timeout_ms=2000)
@@ -110,7 +118,7 @@ async def _serve(args: ServerArgs, launcher: Sender[ToLauncher]) -> None:
     zctx = zmq.asyncio.Context()
     try:
         try:
-            client = SchedulerClient(zctx, args)
+            client = open_backend(zctx, args)
         except zmq.ZMQError as e:
             raise StartupFailed(f"cannot open the scheduler channels: {e}") from e
         client.start()
@@ -125,7 +133,7 @@ async def _serve(args: ServerArgs, launcher: Sender[ToLauncher]) -> None:
 
 
 async def _serve_http(
-    args: ServerArgs, client: SchedulerClient, tokenizer: TextTokenizer, sock: socket.socket,
+    args: ServerArgs, client: SchedulerClient | ReplicatedBackend, tokenizer: TextTokenizer, sock: socket.socket,
     launcher: Sender[ToLauncher],
 ) -> None:
     limits = HttpLimits(read_timeout_s=args.http_read_timeout, max_connections=connection_limit(args.max_connections))

@@ -42,13 +42,13 @@ def cpu_threads(args: ServerArgs, cores: int, hidden_size: int) -> int:
     """Torch threads per rank on CPU: `--cpu-threads` when given; otherwise the node's cores shared
     by its ranks (the tokenizer and scheduler are idle while a step runs, so they keep no core), and
     one thread for a small model, whose per-step work is too short to amortise waking a second
-    thread. Ranks never get more threads together than the node has cores: oversubscribed OpenMP
-    threads spin against each other and make GEMMs many times slower."""
+    thread. Ranks (those of every --dp-size replica together) never get more threads than the node
+    has cores: oversubscribed OpenMP threads spin against each other and make GEMMs many times slower."""
     if args.cpu_threads > 0:
         return args.cpu_threads
     if hidden_size < SMALL_MODEL_HIDDEN:
         return 1
-    return max(1, cores // args.ranks_per_node)
+    return max(1, cores // (args.ranks_per_node * args.dp_size))
 
 
 def available_cores() -> int:
@@ -89,10 +89,10 @@ def init_distributed(args: ServerArgs, rank: int, device: str) -> object | None:
 class FaultInjector:
     """This rank's fault decisions; deterministic in (seed, rank, step)."""
 
-    def __init__(self, faults: FaultConfig, rank: int) -> None:
+    def __init__(self, faults: FaultConfig, rank: int, name: str = "") -> None:
         self.faults = faults
         self.rank = rank
-        self.name = f"worker-tp{rank}"
+        self.name = name or f"worker-tp{rank}"
 
     def refusals(self, batch: ForwardBatch) -> set[str]:
         frac = self.faults.refuse_cow_fraction
@@ -163,10 +163,11 @@ def run(args: ServerArgs, rank: int) -> None:
     )
     tx.send(ready, int(args.startup_timeout * 1000))
     to_launcher: Sender = Sender(ctx, TO_LAUNCHER, args)
-    to_launcher.send(ProcReady(name=f"worker-tp{rank}", info={f"rank{rank}_device": device}))
+    to_launcher.send(ProcReady(name=args.proc_name("worker", rank), info={f"rank{rank}_device": device}))
     to_launcher.close(linger_ms=2000)
     logger.info("rank %d ready on %s: kv=%d mamba=%d", rank, device, runner.kv_capacity, runner.mamba_capacity)
-    serve(runner, rx, tx if rank == 0 else None, FaultInjector(args.faults, rank), group, args)
+    faults = FaultInjector(args.faults, rank, args.proc_name("worker", rank))
+    serve(runner, rx, tx if rank == 0 else None, faults, group, args)
 
 
 def serve(
