@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from worker_proc.model.layers import (
+    PACK_MIN_FLOAT32_ELEMENTS,
     PACK_ROWS,
     SPLIT_GEMM_MAX_ROWS,
     Linear,
@@ -17,6 +18,7 @@ from worker_proc.model.layers import (
     linear,
     packing_supported,
     split_gemm,
+    worth_packing,
 )
 
 G = torch.Generator().manual_seed(3)
@@ -46,8 +48,8 @@ def test_linear_matches_f_linear(threads: int, rows: int, out_features: int) -> 
 def test_parts_divide_the_rows(threads: int) -> None:
     for n in (1, 7, 12, 96, 100352):
         parts = gemm_parts(n)
-        assert 1 <= parts <= threads and n % parts == 0
-    assert gemm_parts(12) == threads  # 1, 2 and 3 all divide 12
+        assert 1 <= parts <= max(2, threads) and n % parts == 0
+    assert gemm_parts(12) == max(2, threads)  # 2 and 3 divide 12
 
 
 def test_split_gemm_uses_every_block() -> None:
@@ -96,9 +98,22 @@ def test_packing_refused_where_it_cannot_hold() -> None:
     assert not packing_supported(torch.float32, torch.device("meta"))
 
 
-def test_model_packs_in_throughput_mode_only() -> None:
+def test_only_weights_worth_it_are_packed() -> None:
+    cpu = torch.device("cpu")
+    small, big = torch.empty(256, 128), torch.empty(PACK_MIN_FLOAT32_ELEMENTS // 512, 512)
+    assert not worth_packing(small) and worth_packing(big)
+    assert worth_packing(small.bfloat16()) and not worth_packing(small.half())
+    assert packing_supported(torch.float32, cpu)
+
+
+def test_model_packs_in_throughput_mode_only(monkeypatch: pytest.MonkeyPatch) -> None:
     from tests.worker.util import fixture_dir
+    from worker_proc.model import layers
     from worker_proc.runtime import ModelRunner
+
+    small = ModelRunner(fixture_dir("rope_moe"), kv_slots=64, mamba_slots=2)
+    assert not any(m.packed is not None for m in small.model.modules() if isinstance(m, Linear))  # all tiny
+    monkeypatch.setattr(layers, "PACK_MIN_FLOAT32_ELEMENTS", 0)
 
     fast = ModelRunner(fixture_dir("rope_moe"), kv_slots=64, mamba_slots=2)
     linears = [m for m in fast.model.modules() if isinstance(m, Linear)]

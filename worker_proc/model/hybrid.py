@@ -43,6 +43,7 @@ from worker_proc.model.layers import (
     pack_weight,
     packed_product,
     packing_supported,
+    worth_packing,
 )
 from worker_proc.model.mamba import MambaMixer
 from worker_proc.model.moe import SigmoidMoE
@@ -198,18 +199,20 @@ class HybridForCausalLM(nn.Module):
                 module.min_rows = rows
 
     def pack_weights(self) -> int:
-        """Throughput mode on CPU: every `Linear` (projections, MLPs, an untied LM head) moves its
-        weight into oneDNN's packed layout (see `Linear.pack`); a tied LM head gets a packed copy of
-        the embedding table (the table itself stays dense for the lookups; the copy serves steps
-        sampling two or more rows, where it is 1.5-2x faster than the dense product). Returns how many
-        weights were packed (0 where packing does not apply)."""
+        """Throughput mode on CPU: every `Linear` (projections, MLPs, an untied LM head) whose weight is
+        `worth_packing` moves it into oneDNN's packed layout (see `Linear.pack`); a tied LM head gets a
+        packed copy of the embedding table (the table itself stays dense for the lookups; the copy
+        serves steps sampling two or more rows, where it is 1.5-2x faster than the dense product).
+        Returns how many weights were packed (0 where packing does not apply)."""
         if self.min_rows or not packing_supported(self.dtype, self.device):
             return 0
-        linears = [m for m in self.modules() if isinstance(m, Linear) and m.packed is None]
+        linears = [m for m in self.modules()
+                   if isinstance(m, Linear) and m.packed is None and worth_packing(m.weight)]
         for module in linears:
             module.pack()
-        if self.lm_head is None and self.packed_embedding is None:
-            self.packed_embedding = pack_weight(self.model.embed_tokens.weight)
+        embedding = self.model.embed_tokens.weight
+        if self.lm_head is None and self.packed_embedding is None and worth_packing(embedding):
+            self.packed_embedding = pack_weight(embedding)
             return len(linears) + 1
         return len(linears)
 

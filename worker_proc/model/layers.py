@@ -23,16 +23,17 @@ MIN_GEMM_ROWS = 16
 """Row count below which CPU BLAS switches to kernels whose rounding depends on the row count;
 padding small inputs up to it makes every row's result independent of what it is batched with."""
 
-SPLIT_GEMM_MAX_ROWS = 64
-"""Up to this many rows a float32 CPU product goes through `split_gemm` (measured on the 350M shape,
-2 threads: 2-3x faster than F.linear at 1-4 rows, 1.2-1.4x at 8-64)."""
+SPLIT_GEMM_MAX_ROWS = 4
+"""Up to this many rows a dense float32 CPU product goes through `split_gemm`. Measured (350M shapes,
+weights streamed from memory, 1 thread): 2x faster than F.linear at one row, 1.5-3x at 2-4 rows; at
+8 rows and more F.linear is as fast or faster."""
 
 
 def split_gemm(x: torch.Tensor, weight: torch.Tensor, parts: int) -> torch.Tensor:
     """x [M, in] @ weight[out, in].T with the weight's output rows cut into `parts` equal blocks, one
-    batch entry of a bmm each: the CPU bmm runs its batch entries on separate threads, each streaming
-    its own block of the weight, where F.linear with few rows runs a one-thread GEMV (memory-bound:
-    one core's bandwidth). The weight is only viewed, never copied."""
+    batch entry of a bmm each. MKL's one-row product streams the weight at about half the memory
+    bandwidth the bmm reaches, and the CPU bmm runs its batch entries on separate threads. The weight
+    is only viewed, never copied."""
     rows = x.shape[0]
     blocks = weight.view(parts, weight.shape[0] // parts, weight.shape[1])
     out = torch.bmm(blocks, x.t().unsqueeze(0).expand(parts, -1, -1))  # [parts, out/parts, M]
@@ -40,9 +41,9 @@ def split_gemm(x: torch.Tensor, weight: torch.Tensor, parts: int) -> torch.Tenso
 
 
 def gemm_parts(out_features: int) -> int:
-    """How many blocks `split_gemm` cuts a weight into: one per torch thread, fewer when the rows do
-    not divide evenly (1: the weight as one block, still the faster NN layout for 2-4 rows)."""
-    parts = torch.get_num_threads()
+    """How many blocks `split_gemm` cuts a weight into: one per torch thread and at least two (also
+    faster on one thread), fewer when the rows do not divide evenly (1: the weight as one block)."""
+    parts = max(2, torch.get_num_threads())
     while out_features % parts:
         parts -= 1
     return parts
@@ -92,9 +93,22 @@ a weight packed for 8 rows multiplies faster than F.linear at every row count fr
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
 
+PACK_MIN_FLOAT32_ELEMENTS = 1 << 20
+"""A float32 weight smaller than this stays dense: a oneDNN call costs ~15 us of fixed overhead,
+more than a small MKL product takes (measured: 4 us for 256x128 at one row; 1536x768 is already faster
+packed). bfloat16 weights are faster packed at every size measured (128x256 and up)."""
+
+
 def packing_supported(dtype: torch.dtype, device: torch.device) -> bool:
     """oneDNN weight packing applies: a CPU build with oneDNN and a dtype it packs."""
     return device.type == "cpu" and dtype in PACKED_DTYPES and torch.backends.mkldnn.is_available()
+
+
+def worth_packing(weight: torch.Tensor) -> bool:
+    """Packing applies to this weight and pays (see PACK_MIN_FLOAT32_ELEMENTS)."""
+    if not packing_supported(weight.dtype, weight.device):
+        return False
+    return weight.dtype != torch.float32 or weight.numel() >= PACK_MIN_FLOAT32_ELEMENTS
 
 
 class Linear(nn.Linear):
