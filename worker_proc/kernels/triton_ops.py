@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from worker_proc.kernels import triton_attention, triton_conv, triton_ssd, triton_ssd_step
+from worker_proc.kernels.gdn_ops import GdnMethods, ReferenceGdn
 from worker_proc.kernels.interface import SsdParams
 from worker_proc.kernels.triton_plan import plan_chunks
 
@@ -31,11 +32,15 @@ def _index_tensor(values: list[int], device: torch.device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int32).to(device, non_blocking=True)
 
 
-class TritonOps:
-    """Fused Triton kernels over pool slots (CUDA; CPU only under TRITON_INTERPRET=1). Stateless."""
+class TritonOps(GdnMethods):
+    """Fused Triton kernels over pool slots (CUDA; CPU only under TRITON_INTERPRET=1). Stateless but
+    for `gdn`, the gated-delta backend (flash-linear-attention when installed, see gdn_ops)."""
 
     name = "triton"
     batch_invariant = True
+
+    def __init__(self, gdn: object | None = None) -> None:
+        self.gdn = gdn or ReferenceGdn()  # type: ignore[assignment]
 
     def conv_prefill(self, x: Tensor, conv_pool: Tensor, slot: int, weight: Tensor, bias: Tensor | None) -> Tensor:
         length = x.shape[0]

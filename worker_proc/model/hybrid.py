@@ -30,25 +30,27 @@ from worker_proc.kernels import KernelOps
 from worker_proc.model.attention import Attention, rope_cos_sin
 from worker_proc.model.batch import StepBatch
 from worker_proc.model.config import Block, HybridConfig, Sublayer, tp_layout_error
+from worker_proc.model.gated_deltanet import GatedDeltaNet
 from worker_proc.model.layers import (
     MIN_GEMM_ROWS,
     GatedMLP,
     Linear,
     Relu2MLP,
-    RMSNorm,
     SparseMoE,
     SplitGatedMLP,
     _empty,
     linear,
+    make_norm,
 )
 from worker_proc.model.mamba import MambaMixer
 from worker_proc.model.moe import SigmoidMoE
+from worker_proc.model.qwen_moe import SharedGateMoE
 from worker_proc.model.shard import ShardSpec, TPInfo
 from worker_proc.pools import StatePools
 
 __all__ = ["DecoderLayer", "HybridForCausalLM", "HybridModel", "TPInfo"]
 
-_BATCH_INVARIANT = (Linear, SparseMoE, SigmoidMoE)  # every module doing GEMMs through `linear`
+_BATCH_INVARIANT = (Linear, SparseMoE, SigmoidMoE, SharedGateMoE)  # every module doing GEMMs through `linear`
 _LAYER_PARAM = re.compile(r"^model\.layers\.(\d+)\.([^.]+)\.(.+)$")
 
 
@@ -59,6 +61,8 @@ def build_block(block: Block, cfg: HybridConfig, dtype: torch.dtype, device: tor
         return MambaMixer(cfg, dtype, device, tp)
     if block.kind == "attention":
         return Attention(cfg, dtype, device, tp)
+    if block.kind == "gdn":
+        return GatedDeltaNet(cfg, dtype, device, tp)
     if block.kind == "fused_gated_mlp":
         return GatedMLP(hidden, width, dtype, device, tp)
     if block.kind == "gated_mlp":
@@ -69,6 +73,8 @@ def build_block(block: Block, cfg: HybridConfig, dtype: torch.dtype, device: tor
         return SparseMoE(hidden, width, cfg.num_experts, cfg.num_experts_per_tok, dtype, device, tp)
     if block.kind == "sigmoid_moe":
         return SigmoidMoE(cfg, block.size, dtype, device, tp)
+    if block.kind == "shared_gate_moe":
+        return SharedGateMoE(cfg, block.size, dtype, device, tp)
     raise ValueError(f"unknown block kind {block.kind!r}")
 
 
@@ -83,11 +89,13 @@ class DecoderLayer(nn.Module):
         self.subs: tuple[Sublayer, ...] = cfg.layers()[index]
         self.kind = cfg.layer_kinds[index]
         for sub in self.subs:
-            self.add_module(sub.norm, RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, cfg.norm_fp32_weight))
+            self.add_module(sub.norm, make_norm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, cfg.norm_unit_offset,
+                                                cfg.norm_fp32_weight))
             for block in sub.blocks:
                 self.add_module(block.name, build_block(block, cfg, dtype, device, tp))
         self.attn_index = cfg.attn_layer_ids.index(index) if index in cfg.attn_layer_ids else -1
         self.mamba_index = cfg.mamba_layer_ids.index(index) if index in cfg.mamba_layer_ids else -1
+        self.gdn_index = cfg.gdn_layer_ids.index(index) if index in cfg.gdn_layer_ids else -1
 
     def _run(self, module: nn.Module, x: torch.Tensor, batch: StepBatch,
              rope: tuple[torch.Tensor, torch.Tensor] | None, pools: StatePools, ops: KernelOps) -> torch.Tensor:
@@ -97,6 +105,9 @@ class DecoderLayer(nn.Module):
         if isinstance(module, Attention):
             i = self.attn_index
             return module(x, batch, rope, pools.k[i], pools.v[i], ops)
+        if isinstance(module, GatedDeltaNet):
+            i = self.gdn_index
+            return module(x, batch, pools.states["gdn_conv"][i], pools.states["gdn_state"][i], ops)
         return module(x)
 
     def forward(
@@ -134,7 +145,8 @@ class HybridModel(nn.Module):
         self.embed_tokens = nn.Module()
         self.embed_tokens.weight = _empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype, device, tp) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, cfg.norm_fp32_weight)
+        self.norm = make_norm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, cfg.norm_unit_offset,
+                              cfg.norm_fp32_weight)
 
 
 class HybridForCausalLM(nn.Module):

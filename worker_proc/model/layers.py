@@ -85,6 +85,29 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
+class UnitOffsetRMSNorm(nn.Module):
+    """Zero-centred RMSNorm (Qwen3-Next / Qwen3.5): (x / rms(x) * (1 + weight)) in float32, cast back
+    to x's dtype; the weight is stored around 0."""
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.weight = _empty(size, dtype=dtype, device=device)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * (1.0 + self.weight.float())).to(x.dtype)
+
+
+def make_norm(size: int, eps: float, dtype: torch.dtype, device: torch.device, unit_offset: bool = False,
+              fp32_weight: bool = False) -> nn.Module:
+    """The residual-stream (and q/k) norm of a family: zero-centred with `unit_offset`, else RMSNorm."""
+    if unit_offset:
+        return UnitOffsetRMSNorm(size, eps, dtype, device)
+    return RMSNorm(size, eps, dtype, device, fp32_weight)
+
+
 class GatedRMSNorm(nn.Module):
     """Mamba2 output norm: RMSNorm(y * silu(z)) computed per group of `size // groups` channels;
     with `before_gate`, RMSNorm(y) * silu(z) (Falcon-H1's `mamba_norm_before_gate`)."""
