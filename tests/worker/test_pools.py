@@ -144,7 +144,8 @@ def test_gated_deltanet_state_layout_bytes_and_slot_ops() -> None:
     assert p.conv.numel() == 0 and p.ssm.numel() == 0  # no Mamba layer
     grown = StatePools(cfg, kv_slots=6, mamba_slots=4, dtype=torch.bfloat16, device="cpu")
     per_slot = slot_bytes(cfg, torch.bfloat16).mamba_state
-    assert per_slot == n_gdn * (conv_dim * (cfg.gdn_d_conv - 1) * 2 + cfg.gdn_v_heads * cfg.gdn_k_dim * cfg.gdn_v_dim * 4)
+    recurrent = cfg.gdn_v_heads * cfg.gdn_k_dim * cfg.gdn_v_dim * 4
+    assert per_slot == n_gdn * (conv_dim * (cfg.gdn_d_conv - 1) * 2 + recurrent)
     assert grown.nbytes() - p.nbytes() == per_slot
     half = slot_bytes(cfg, torch.bfloat16, tp_size=2, tp_rank=1).mamba_state
     assert half * 2 == per_slot  # heads sharded: each rank holds half of every state tensor

@@ -158,6 +158,10 @@ def test_qwen3_5_multimodal_wrapper_loads_its_text_model(tmp_path, caplog) -> No
     assert max_diff(logits, ref["prompt_logits"]) <= 1e-4
 
 
+def _mlp_kinds(cfg: object) -> list[str]:
+    return [b.kind for layer in cfg.layers() for sub in layer for b in sub.blocks if sub.norm.startswith("post")]
+
+
 def test_qwen_configs_refuse_bad_layouts_in_one_line() -> None:
     cfg = _config("qwen3_next_moe")
     with pytest.raises(ModelLoadError, match="linear_num_key_heads 3 does not divide linear_num_value_heads 4"):
@@ -169,8 +173,8 @@ def test_qwen_configs_refuse_bad_layouts_in_one_line() -> None:
     parsed = parse_config(cfg)
     assert tp_layout_error(parsed, 2) is None
     assert "linear_num_key_heads 2" in (tp_layout_error(parsed, 4) or "")
-    kinds = [b.kind for layer in parsed.layers() for sub in layer for b in sub.blocks if sub.norm.startswith("post")]
+    kinds = _mlp_kinds(parsed)
     assert kinds == ["shared_gate_moe", "shared_gate_moe", "gated_mlp", "shared_gate_moe"]  # mlp_only_layers [2]
     every_other = parse_config(dict(cfg, mlp_only_layers=[], decoder_sparse_step=2))
-    kinds = [b.kind for layer in every_other.layers() for sub in layer for b in sub.blocks if sub.norm.startswith("post")]
+    kinds = _mlp_kinds(every_other)
     assert kinds == ["gated_mlp", "shared_gate_moe", "gated_mlp", "shared_gate_moe"]

@@ -100,8 +100,10 @@ class GatedDeltaNet(nn.Module):
         """h: [T, hidden]; conv_pool: [S, conv_dim, K-1] and state_pool: [S, Hv, Dk, Dv] of this layer."""
         s = self.shard
         qkv, z, b, a = self._project(h)
-        beta = torch.sigmoid(b.float())
-        g = -torch.exp(self.A_log.float()) * F.softplus(a.float() + self.dt_bias.float())
+        # per-head scalars in float64, rounded: float32 SIMD and scalar tails of sigmoid / softplus
+        # differ in the last bit, which would make a token's values depend on the batch's size
+        beta = torch.sigmoid(b.double()).float()
+        g = (-torch.exp(self.A_log.double()) * F.softplus(a.double() + self.dt_bias.double())).float()
         weight = self.conv1d.weight[:, 0, :]
         scale = s.k_dim**-0.5
         o = torch.empty(h.shape[0], s.v_heads, s.v_dim, dtype=torch.float32, device=h.device)

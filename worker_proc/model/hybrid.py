@@ -50,7 +50,8 @@ from worker_proc.pools import StatePools
 
 __all__ = ["DecoderLayer", "HybridForCausalLM", "HybridModel", "TPInfo"]
 
-_BATCH_INVARIANT = (Linear, SparseMoE, SigmoidMoE, SharedGateMoE)  # every module doing GEMMs through `linear`
+# every module doing GEMMs through `linear` (or an activation made exact in the deterministic mode)
+_BATCH_INVARIANT = (Linear, SparseMoE, SigmoidMoE, SharedGateMoE, SplitGatedMLP)
 _LAYER_PARAM = re.compile(r"^model\.layers\.(\d+)\.([^.]+)\.(.+)$")
 
 

@@ -38,6 +38,13 @@ def linear(
     return F.linear(padded, weight, bias)[:rows]
 
 
+def silu(x: torch.Tensor, exact: bool = False) -> torch.Tensor:
+    """SiLU; `exact` (the deterministic mode) takes it in float64 and rounds: float32 SIMD and scalar
+    tails differ in the last bit, and where a row's elements fall relative to the tail depends on
+    the row count whenever the width is not a multiple of the vector length."""
+    return F.silu(x.double()).to(x.dtype) if exact else F.silu(x)
+
+
 def expert_groups(idx: torch.Tensor, num_experts: int) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
     """Top-k routing choices idx [T, k] grouped by expert, in expert order: (expert, positions in the
     flattened idx, the token of each position); experts nobody chose are skipped."""
@@ -179,12 +186,13 @@ class SplitGatedMLP(nn.Module):
         self.up_proj = Linear(hidden, inner, bias=bias, dtype=dtype, device=device)
         self.down_proj = Linear(inner, hidden, bias=bias, dtype=dtype, device=device)
         self.gate_mult, self.down_mult = gate_mult, down_mult
+        self.min_rows = 0  # MIN_GEMM_ROWS in the deterministic mode: the SiLU is then exact (see `silu`)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate = self.gate_proj(x)
         if self.gate_mult != 1.0:
             gate = gate * self.gate_mult
-        out = self.down_proj(F.silu(gate) * self.up_proj(x))
+        out = self.down_proj(silu(gate, bool(self.min_rows)) * self.up_proj(x))
         return out if self.down_mult == 1.0 else out * self.down_mult
 
     def shard_spec(self, sub: str) -> ShardSpec | None:

@@ -14,11 +14,10 @@ all-reduce the decoder does).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from worker_proc.model.config import HybridConfig
-from worker_proc.model.layers import Linear, SplitGatedMLP, _empty, expert_groups, linear
+from worker_proc.model.layers import Linear, SplitGatedMLP, _empty, expert_groups, linear, silu
 from worker_proc.model.shard import ShardSpec, TPInfo, column_spec
 
 
@@ -57,18 +56,28 @@ class SharedGateMoE(nn.Module):
             top = top / top.sum(dim=-1, keepdim=True)
         return idx, top.to(x.dtype)
 
+    def _shared_gate_logit(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ shared_expert_gate.weightᵀ [T, 1]. In the deterministic mode a row-wise dot product: a
+        one-column GEMM's rounding depends on the row count on CPU, which MIN_GEMM_ROWS padding does not
+        fix. The sigmoid after it is taken in float64 (float32 SIMD and scalar tails differ)."""
+        assert self.shared_expert_gate is not None
+        if not self.min_rows:
+            return self.shared_expert_gate(x)
+        return (x * self.shared_expert_gate.weight[0]).sum(-1, keepdim=True)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         idx, weights = self.route(x)
         out = torch.zeros_like(x)
         e = self.experts
         for expert, sel, tokens in expert_groups(idx, self.cfg.num_experts):
             xs = x[tokens]
-            h = F.silu(linear(xs, e.gate_proj[expert], min_rows=self.min_rows))
+            h = silu(linear(xs, e.gate_proj[expert], min_rows=self.min_rows), bool(self.min_rows))
             h = linear(h * linear(xs, e.up_proj[expert], min_rows=self.min_rows), e.down_proj[expert],
                        min_rows=self.min_rows)  # fmt: skip
             out.index_add_(0, tokens, h * weights.flatten()[sel][:, None])
         if self.shared_expert is not None and self.shared_expert_gate is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+            gate = torch.sigmoid(self._shared_gate_logit(x).double()).to(x.dtype)
+            out = out + gate * self.shared_expert(x)
         return out
 
     def shard_spec(self, sub: str) -> ShardSpec | None:
