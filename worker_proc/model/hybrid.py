@@ -10,6 +10,9 @@ and divided by `logits_scaling`. Module names are the blocks' names under `model
 checkpoint's tensor names (after the family's renames, applied by the loader) are this module's
 `state_dict` keys: `model.embed_tokens`, `model.layers.N.<norm>`, `model.layers.N.<block>.*`,
 `model.norm`, `lm_head`.
+Recurrent mixers (Mamba2, Gated DeltaNet) read and advance their layer's tensors of the worker's
+state pools (`pools.conv`/`pools.ssm`, `pools.states["gdn_conv"]`/`["gdn_state"]`) at the request's
+state slot; attention its layer's KV pool.
 Tensor parallelism: the constructor takes `tp`; every block is built with this rank's sizes and
 names the slice of each of its tensors (`shard_spec`, rules in worker_proc.model.tp). Mixers
 all-reduce their own output; MLP and MoE blocks return partial sums, all-reduced once per
@@ -210,7 +213,7 @@ class HybridForCausalLM(nn.Module):
     def forward_step(
         self, batch: StepBatch, pools: StatePools, ops: KernelOps, want_logits: bool = True
     ) -> torch.Tensor:
-        """Run every layer over the step's rows, writing KV and advancing Mamba state in place.
+        """Run every layer over the step's rows, writing KV and advancing recurrent state in place.
         Returns float32 logits [len(batch.logit_rows), vocab] (already scaled); with
         `want_logits=False` (ranks that do not sample) the LM head is skipped: [0, vocab]."""
         cfg = self.cfg
