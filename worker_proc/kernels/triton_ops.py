@@ -9,7 +9,8 @@ interface does; they call the varlen kernels with a batch of one, so a batched r
 No Mamba or attention case falls back to the reference; the gated delta rule (Gated DeltaNet
 layers) runs flash-linear-attention's kernels when `fla` imports, else the pure-torch ones
 (worker_proc.kernels.gdn_ops); their conv is `conv_prefill` / `conv_decode` here. Requirements
-beyond the reference's (checked, ValueError): the SSM pool keeps each head's [P, N] state contiguous (true of `StatePools`). Kernels launch on
+beyond the reference's (checked, ValueError): the SSM pool keeps each head's [P, N] state
+contiguous (true of `StatePools`). Kernels launch on
 the current CUDA device: a worker on `cuda:N` must `torch.cuda.set_device(N)` first. Every op is
 batch invariant (a request's result is bitwise the same alone or batched), and decode rows whose
 slot is 0 (padding) are computed from the zero padding state but never written back.
