@@ -75,7 +75,9 @@ def gated_delta_step(state: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor, 
                      scale: float) -> tuple[Tensor, Tensor]:  # fmt: skip
     """One token per request, batched. state: [Bt, H, Dk, Dv]; q, k: [Bt, H, Dk]; v: [Bt, H, Dv];
     g, beta: [Bt, H]. Returns (o [Bt, H, Dv] float32, new state [Bt, H, Dk, Dv] float32)."""
-    s = state.float() * g.float().exp()[..., None, None]
+    # the decay in float64, rounded: float32 exp's SIMD and scalar tails differ in the last bit, which
+    # would make a request's state depend on how many share the decode call
+    s = state.float() * g.double().exp().float()[..., None, None]
     kf = k.float()
     pred = (s * kf[..., None]).sum(-2)  # Sᵀ k: [Bt, H, Dv]
     u = (v.float() - pred) * beta.float()[..., None]
@@ -99,4 +101,5 @@ def gated_delta_naive(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, 
 def l2_normalize(x: Tensor, eps: float = 1e-6) -> Tensor:
     """x * rsqrt(sum(x²) + eps) over the last dim, in float32 (Qwen's and flash-linear-attention's)."""
     xf = x.float()
-    return xf * torch.rsqrt((xf * xf).sum(-1, keepdim=True) + eps)
+    # the inverse norm in float64, rounded (float32 rsqrt's SIMD and scalar tails may differ)
+    return xf * torch.rsqrt((xf * xf).sum(-1, keepdim=True).double() + eps).float()

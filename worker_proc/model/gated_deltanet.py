@@ -100,10 +100,11 @@ class GatedDeltaNet(nn.Module):
         """h: [T, hidden]; conv_pool: [S, conv_dim, K-1] and state_pool: [S, Hv, Dk, Dv] of this layer."""
         s = self.shard
         qkv, z, b, a = self._project(h)
-        # per-head scalars in float64, rounded: float32 SIMD and scalar tails of sigmoid / softplus
-        # differ in the last bit, which would make a token's values depend on the batch's size
+        # the float32 steps of the reference, but sigmoid and softplus taken in float64 and rounded:
+        # their float32 SIMD and scalar tails differ in the last bit, which would make a token's
+        # values depend on the batch's size
         beta = torch.sigmoid(b.double()).float()
-        g = (-torch.exp(self.A_log.double()) * F.softplus(a.double() + self.dt_bias.double())).float()
+        g = -torch.exp(self.A_log.float()) * F.softplus((a.float() + self.dt_bias.float()).double()).float()
         weight = self.conv1d.weight[:, 0, :]
         scale = s.k_dim**-0.5
         o = torch.empty(h.shape[0], s.v_heads, s.v_dim, dtype=torch.float32, device=h.device)
