@@ -39,7 +39,9 @@ class ReferenceGdn:
 
 class FlaGdn:
     """flash-linear-attention's `chunk_gated_delta_rule` (prefill) and
-    `fused_recurrent_gated_delta_rule` (decode), in float32. Raises ImportError without `fla`."""
+    `fused_recurrent_gated_delta_rule` (decode). q, k and v go in the model dtype (v's: bf16 on a
+    bf16 model, fp32 on an fp32 one), g and beta in float32; the kernels accumulate in float32 and
+    read and return the float32 [N, Hv, Dk, Dv] state. Raises ImportError without `fla`."""
 
     name = "fla"
 
@@ -51,16 +53,16 @@ class FlaGdn:
 
     def prefill(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float, state_pool: Tensor,
                 slot: int) -> Tensor:  # fmt: skip
-        f = torch.float32
-        o, final = self._chunk(q[None].to(f), k[None].to(f), v[None].to(f), g[None].to(f), beta[None].to(f),
+        dt, f = v.dtype, torch.float32
+        o, final = self._chunk(q[None].to(dt), k[None].to(dt), v[None], g[None].to(f), beta[None].to(f),
                                scale=scale, initial_state=state_pool[slot : slot + 1], output_final_state=True)
         state_pool[slot].copy_(final[0])
         return o[0].float()
 
     def decode(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float, state_pool: Tensor,
                slots: Tensor) -> Tensor:  # fmt: skip
-        f = torch.float32
-        o, final = self._recurrent(q[:, None].to(f), k[:, None].to(f), v[:, None].to(f), g[:, None].to(f),
+        dt, f = v.dtype, torch.float32
+        o, final = self._recurrent(q[:, None].to(dt), k[:, None].to(dt), v[:, None], g[:, None].to(f),
                                    beta[:, None].to(f), scale=scale, initial_state=state_pool.index_select(0, slots),
                                    output_final_state=True)
         state_pool.index_copy_(0, slots, final.float())
