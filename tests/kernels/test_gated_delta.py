@@ -11,7 +11,7 @@ import torch
 from tests.kernels.util import max_diff, pool
 from worker_proc.kernels import ReferenceOps, select_ops
 from worker_proc.kernels.gated_delta import gated_delta_chunked, gated_delta_naive, gated_delta_step, l2_normalize
-from worker_proc.kernels.gdn_ops import FlaGdn, ReferenceGdn, gdn_backend
+from worker_proc.kernels.gdn_ops import FastGdn, FlaGdn, ReferenceGdn, gdn_backend
 
 TOL = 1e-4
 H, DK, DV = 3, 16, 8
@@ -83,10 +83,23 @@ def test_ops_touch_only_the_given_slots() -> None:
     assert torch.equal(states[[0, 2, 3, 4]], mid[[0, 2, 3, 4]])
 
 
-def test_cpu_selects_the_pure_torch_backend_under_every_choice() -> None:
-    assert isinstance(gdn_backend("cpu"), ReferenceGdn)
-    for choice in ("auto", "reference", "fast"):
-        assert isinstance(select_ops("cpu", choice).gdn, ReferenceGdn)
+def test_fast_decode_updates_the_pool_rows_in_place_like_the_reference() -> None:
+    gen = torch.Generator().manual_seed(6)
+    states = pool(gen, 6, H, DK, DV)
+    twin, before = states.clone(), states.clone()
+    q, k, v, g, beta = _inputs(gen, 3)
+    slots = torch.tensor([4, 1, 6])
+    o_fast = FastGdn().decode(q, k, v, g, beta, 0.25, states, slots)
+    o_ref = ReferenceGdn().decode(q, k, v, g, beta, 0.25, twin, slots)
+    assert max_diff(o_fast, o_ref) <= 1e-5 and max_diff(states, twin) <= 1e-5
+    assert torch.equal(states[[0, 2, 3, 5]], before[[0, 2, 3, 5]])  # rows not given stay bitwise
+
+
+def test_cpu_selects_the_pure_torch_backends() -> None:
+    assert isinstance(gdn_backend("cpu"), ReferenceGdn) and isinstance(gdn_backend("cpu", fast=True), FastGdn)
+    assert isinstance(select_ops("cpu", "auto").gdn, FastGdn) and isinstance(select_ops("cpu", "fast").gdn, FastGdn)
+    assert type(select_ops("cpu", "reference").gdn) is ReferenceGdn
+    assert type(select_ops("cpu", "auto", deterministic=True).gdn) is ReferenceGdn
 
 
 def _fla_skip_reason() -> str:

@@ -1,10 +1,12 @@
 """The gated delta rule behind `KernelOps` (`gdn_prefill`, `gdn_decode`): which implementation runs.
 
 `ReferenceGdn` is the pure-torch form (worker_proc.kernels.gated_delta) and runs on every device;
-`FlaGdn` calls flash-linear-attention's Triton kernels (the optional `fla-core` package, extra
-`hyssm[fla]`). `gdn_backend` picks FlaGdn on CUDA when `fla` imports, else the reference (logged
-once). Both read and write the recurrent-state pool only at the slots they are given; the state is
-float32; q and k arrive L2-normalised and expanded to one head per value head, q not yet scaled.
+`FastGdn` (the `fast` CPU kernels' choice) advances each decode request's pool row in place instead
+of gathering and scattering the states (a Qwen3.5 state is 1 MiB per layer and request); `FlaGdn`
+calls flash-linear-attention's Triton kernels (the optional `fla-core` package, extra `hyssm[fla]`).
+`gdn_backend` picks FlaGdn on CUDA when `fla` imports, else a pure-torch one (logged). All read and
+write the recurrent-state pool only at the slots they are given; the state is float32; q and k
+arrive L2-normalised and expanded to one head per value head, q not yet scaled.
 """
 
 from __future__ import annotations
@@ -34,6 +36,27 @@ class ReferenceGdn:
                slots: Tensor) -> Tensor:  # fmt: skip
         o, new_state = gated_delta_step(state_pool.index_select(0, slots), q, k, v, g, beta, scale)
         state_pool.index_copy_(0, slots, new_state)
+        return o
+
+
+class FastGdn(ReferenceGdn):
+    """The reference prefill; decode updates each request's state row in place with batched matrix
+    products over the heads: S *= exp(g); u = beta (v - Sᵀk); S += k uᵀ; o = Sᵀ(scale q).
+    Not batch invariant by contract (the deterministic mode runs ReferenceGdn)."""
+
+    name = "fast"
+
+    def decode(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float, state_pool: Tensor,
+               slots: Tensor) -> Tensor:  # fmt: skip
+        decay = g.float().exp()[..., None, None]  # [Bt, H, 1, 1]
+        kf, qs, vf, bf = k.float()[:, :, None, :], (q.float() * scale)[:, :, None, :], v.float(), beta.float()
+        o = torch.empty_like(vf)
+        for i, slot in enumerate(slots.tolist()):
+            state = state_pool[slot]  # [H, Dk, Dv] view of the pool row
+            state.mul_(decay[i])
+            u = (vf[i] - torch.bmm(kf[i], state)[:, 0]) * bf[i][:, None]  # [H, Dv]
+            state.baddbmm_(kf[i].transpose(1, 2), u[:, None, :])
+            torch.bmm(qs[i], state, out=o[i][:, None, :])
         return o
 
 
@@ -69,10 +92,11 @@ class FlaGdn:
         return o[:, 0].float()
 
 
-def gdn_backend(device: torch.device | str) -> ReferenceGdn | FlaGdn:
-    """FlaGdn on CUDA when `fla` imports; the reference otherwise (and on every other device)."""
+def gdn_backend(device: torch.device | str, fast: bool = False) -> ReferenceGdn | FlaGdn:
+    """FlaGdn on CUDA when `fla` imports, else the pure-torch kernels: FastGdn with `fast` (the
+    `fast` CPU ops), ReferenceGdn otherwise."""
     if torch.device(device).type != "cuda":
-        return ReferenceGdn()
+        return FastGdn() if fast else ReferenceGdn()
     try:
         return FlaGdn()
     except ImportError as exc:

@@ -37,7 +37,7 @@ def select_ops(device: torch.device | str, choice: str = "auto", deterministic: 
     if choice == "reference" or (choice == "auto" and dev.type != "cuda" and deterministic):
         return ReferenceOps(batch_invariant=deterministic or dev.type == "cpu", gdn=gdn_backend(dev))
     if choice == "fast" or (choice == "auto" and dev.type != "cuda"):
-        return FastOps(gdn=gdn_backend(dev))
+        return FastOps(gdn=gdn_backend(dev, fast=True))
     try:
         from worker_proc.kernels import triton_common  # imports triton: only when Triton is chosen
         from worker_proc.kernels.triton_ops import TritonOps
