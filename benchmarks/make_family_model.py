@@ -25,6 +25,7 @@ from safetensors.torch import save_file
 
 logger = logging.getLogger(__name__)
 
+_QWEN_PATTERN = ["linear_attention"] * 3 + ["full_attention"]
 _NANO9B_PATTERN = "M-M-M-MM-M-M-M*-M-M-M*-M-M-M-M*-M-M-M-M*-M-MM-M-M-M-M-M-"
 SHAPES: dict[str, dict] = {
     "nemotron-nano-9b-v2": dict(
@@ -62,6 +63,27 @@ SHAPES: dict[str, dict] = {
         intermediate_size=512, num_local_experts=64, num_experts_per_tok=6, position_embedding_type="nope",
         max_position_embeddings=131072,
     ),
+    # Qwen3.5-0.8B's text model (the checkpoint is a Qwen3_5ForConditionalGeneration wrapper; hyssm
+    # serves its text model, which is what this writes): 18 Gated DeltaNet + 6 gated attention layers
+    "qwen3.5-0.8b": dict(
+        architectures=["Qwen3_5ForCausalLM"], vocab_size=248320, hidden_size=1024, intermediate_size=3584,
+        num_hidden_layers=24, layer_types=_QWEN_PATTERN * 6, num_attention_heads=8, num_key_value_heads=2,
+        head_dim=256, linear_num_key_heads=16, linear_num_value_heads=16, linear_key_head_dim=128,
+        linear_value_head_dim=128, linear_conv_kernel_dim=4, rms_norm_eps=1e-6, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
+        max_position_embeddings=262144, eos_token_id=248044,
+    ),
+    # Qwen3-Next-80B-A3B: fused GDN projections, 512 experts (top-10) + gated shared expert per layer
+    "qwen3-next-80b-a3b": dict(
+        architectures=["Qwen3NextForCausalLM"], vocab_size=151936, hidden_size=2048, intermediate_size=5120,
+        num_hidden_layers=48, layer_types=_QWEN_PATTERN * 12, num_attention_heads=16, num_key_value_heads=2,
+        head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+        linear_value_head_dim=128, linear_conv_kernel_dim=4, num_experts=512, num_experts_per_tok=10,
+        moe_intermediate_size=512, shared_expert_intermediate_size=512, norm_topk_prob=True, decoder_sparse_step=1,
+        mlp_only_layers=[], rms_norm_eps=1e-6, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
+        max_position_embeddings=262144,
+    ),
 }
 
 
@@ -77,8 +99,9 @@ def truncate(cfg: dict, n: int) -> dict:
         out["hybrid_override_pattern"] = head
     elif "layer_types" in cfg:
         kinds = cfg["layer_types"][:n]
-        if "attention" in cfg["layer_types"] and "attention" not in kinds:
-            kinds[-1] = "attention"
+        for kind in dict.fromkeys(cfg["layer_types"]):
+            if kind not in kinds:
+                kinds[-1] = kind
         out["layer_types"], out["num_hidden_layers"] = kinds, n
     else:
         out["num_hidden_layers"] = n

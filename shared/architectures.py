@@ -4,8 +4,10 @@ Torch-free (every process reads it). A family module under `worker_proc/model/fa
 `parse(cfg: dict, arch: str) -> HybridConfig`: it maps the family's config fields onto the shared
 description (`worker_proc.model.config`), including the arrangement of the shared blocks in each
 layer and the checkpoint's tensor names; and `layer_kinds(cfg) -> tuple[str, ...]` (plus, when its
-configs may lack `max_position_embeddings`, `DEFAULT_CONTEXT`), which is all the scheduler and the
-tokenizer read (`summary`: only the layout fields are required). Adding a family is one module and
+configs may lack `max_position_embeddings`, `DEFAULT_CONTEXT`; when its fields live elsewhere than
+the top level, e.g. a multimodal wrapper's `text_config`, `text_config(cfg) -> dict` and
+`context(cfg) -> int`), which is all the scheduler and the tokenizer read (`summary`: only the
+layout fields are required). Adding a family is one module and
 one line here.
 """
 
@@ -27,6 +29,11 @@ FAMILIES: dict[str, str] = {
     "BambaForCausalLM": "bamba",
     "Mamba2ForCausalLM": "mamba2",
     "FalconH1ForCausalLM": "falcon_h1",
+    "Qwen3NextForCausalLM": "qwen3_next",
+    "Qwen3_5ForCausalLM": "qwen3_next",
+    "Qwen3_5MoeForCausalLM": "qwen3_next",
+    "Qwen3_5ForConditionalGeneration": "qwen3_next",
+    "Qwen3_5MoeForConditionalGeneration": "qwen3_next",
 }
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
 
@@ -62,7 +69,18 @@ def summary(cfg: dict, source: str = "config.json") -> tuple[str, tuple[str, ...
     kinds = _call(lambda: tuple(family.layer_kinds(cfg)), source)  # type: ignore[attr-defined]
     default = getattr(family, "DEFAULT_CONTEXT", None)
     context = max_positions(cfg) if default is None or cfg.get("max_position_embeddings") else default
+    if hasattr(family, "context"):
+        context = _call(lambda: int(family.context(cfg)), source)  # type: ignore[attr-defined]
     return arch, kinds, context
+
+
+def text_fields(cfg: dict) -> dict:
+    """The fields of the language model (vocab_size, eos_token_id, ...): the family's `text_config`
+    when it has one (a multimodal wrapper's), else `cfg`. Unknown architectures: `cfg`."""
+    arch = (cfg.get("architectures") or [""])[0]
+    family = family_module(arch) if arch in FAMILIES else None
+    fn = getattr(family, "text_config", None)
+    return fn(cfg) if callable(fn) else cfg
 
 
 def _call(fn: Callable[[], T], source: str) -> T:

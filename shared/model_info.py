@@ -10,7 +10,7 @@ import json
 import os
 from dataclasses import dataclass
 
-from shared.architectures import SUPPORTED_ARCHITECTURES, summary
+from shared.architectures import SUPPORTED_ARCHITECTURES, summary, text_fields
 from shared.errors import ModelLoadError
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "ModelInfo", "read_config_json"]
@@ -41,14 +41,16 @@ def read_config_json(model_dir: str) -> dict:
 @dataclass(frozen=True)
 class ModelInfo:
     architecture: str
-    layer_kinds: tuple[str, ...]  # "mamba" | "attention" | "parallel" (both) | "mlp" (neither)
+    layer_kinds: tuple[str, ...]  # "mamba" | "attention" | "parallel" (both) | "gdn" | "mlp" (none)
     vocab_size: int
     eos_token_ids: tuple[int, ...]
     max_position_embeddings: int
 
     @property
     def has_mamba(self) -> bool:
-        return any(k in ("mamba", "parallel") for k in self.layer_kinds)
+        """True when a layer carries a recurrent state (Mamba or Gated DeltaNet): requests then need
+        a state slot, which the scheduler tracks, checkpoints and copies on write."""
+        return any(k in ("mamba", "parallel", "gdn") for k in self.layer_kinds)
 
     @property
     def has_attention(self) -> bool:
@@ -58,6 +60,7 @@ class ModelInfo:
     def from_dir(model_dir: str) -> ModelInfo:
         cfg = read_config_json(model_dir)
         arch, kinds, context = summary(cfg, f"{model_dir}/config.json")  # the family's layout (torch-free)
+        cfg = text_fields(cfg)  # a multimodal wrapper's text model
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         return ModelInfo(

@@ -205,7 +205,7 @@ def load_model(
     model = HybridForCausalLM(cfg, torch_dtype, dev, TPInfo(tp_rank, tp_size, tp_group))
     load_weights(model, files)
     model.eval()
-    letters = {"mamba": "M", "attention": "A", "parallel": "P", "mlp": "-"}
+    letters = {"mamba": "M", "attention": "A", "parallel": "P", "gdn": "G", "mlp": "-"}
     logger.info("loaded %s from %s: %d layers (%s), %s on %s", cfg.architecture, model_dir, cfg.num_layers,
                 "".join(letters[k] for k in cfg.layer_kinds), torch_dtype, dev)
     return model

@@ -1,4 +1,4 @@
-"""`StatePools`: the worker's attention KV pool and Mamba conv/SSM state pools.
+"""`StatePools`: the worker's attention KV pool and the recurrent-state pools of every layer kind.
 
 One instance per worker rank. The scheduler owns every slot *number*: it decides
 which slots a request uses, and the worker only reads/writes the tensors at those slots. Slot 0 of
@@ -7,23 +7,31 @@ every pool is padding: never handed out, never written, always zero (checked by 
 Layout (S = capacity + 1; head and channel counts are this rank's, see worker_proc.model.tp:
 kv_heads / tp or 1 replicated KV head, heads / tp, conv channels of the rank's heads and groups):
   k, v : [attn_layers,  S_kv,    kv_heads, head_dim]            model dtype
-  conv : [mamba_layers, S_mamba, conv_dim, d_conv - 1]          model dtype
-  ssm  : [mamba_layers, S_mamba, heads, head_dim, d_state]      float32 (always)
-Capacities are planned per rank from the rank's own slot sizes; the scheduler uses the minimum.
-A model without attention layers allocates no KV memory (attention_layers = 0) and a model without
-Mamba layers no state memory; see `attention_free_kv_slots` for the token slots the former reports.
+and one tensor [layers of the kind, S_state, *shape] per `StateTensor` a recurrent layer kind
+declares (`state_tensors`):
+  conv      : Mamba   [conv_dim, d_conv - 1]              model dtype
+  ssm       : Mamba   [heads, head_dim, d_state]          float32 (always)
+  gdn_conv  : GDN     [2 * k_heads * k_dim + v_heads * v_dim, d_conv - 1]   model dtype
+  gdn_state : GDN     [v_heads, k_dim, v_dim]             float32 (always)
+One state slot (a request's, a checkpoint's, a cached prefix's) is the same slot number in every
+one of them: `copy_state` / `clear_state` move every layer's state of every kind at once, and a
+slot costs the sum of all of them (`slot_bytes`). Capacities are planned per rank from the rank's
+own slot sizes; the scheduler uses the minimum. A model without attention layers allocates no KV
+memory (attention_layers = 0) and a model without recurrent layers no state memory; see
+`attention_free_kv_slots` for the token slots the former reports.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 from dataclasses import dataclass
 
 import torch
 
 from worker_proc.model.config import HybridConfig
-from worker_proc.model.tp import AttnShard, MambaShard
+from worker_proc.model.tp import AttnShard, GdnShard, MambaShard
 
 logger = logging.getLogger(__name__)
 
@@ -47,20 +55,61 @@ def available_ram_bytes() -> int:
 
 
 @dataclass(frozen=True)
+class StateTensor:
+    """One tensor of a recurrent layer kind's state: `layers` of them, `shape` per slot and layer."""
+
+    name: str
+    layers: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def slot_bytes(self) -> int:
+        return self.layers * math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+
+
+def mamba_state_tensors(cfg: HybridConfig, dtype: torch.dtype, tp_size: int, tp_rank: int) -> list[StateTensor]:
+    """Mamba2: the conv window (model dtype) and the SSM state (float32). Always declared (a model
+    without Mamba layers has zero of them), as `pools.conv` / `pools.ssm` are always there."""
+    n, m = len(cfg.mamba_layer_ids), MambaShard.of(cfg, tp_rank, tp_size)
+    return [StateTensor("conv", n, (m.conv_dim, max(cfg.mamba_d_conv - 1, 0)), dtype),
+            StateTensor("ssm", n, (m.heads, cfg.mamba_d_head, cfg.mamba_d_state), torch.float32)]
+
+
+def gdn_state_tensors(cfg: HybridConfig, dtype: torch.dtype, tp_size: int, tp_rank: int) -> list[StateTensor]:
+    """Gated DeltaNet: the conv window over q | k | v (model dtype) and the [Hv, Dk, Dv] recurrent
+    state (float32); declared only when the model has such layers."""
+    n = len(cfg.gdn_layer_ids)
+    if not n:
+        return []
+    g = GdnShard.of(cfg, tp_rank, tp_size)
+    return [StateTensor("gdn_conv", n, (g.conv_dim, cfg.gdn_d_conv - 1), dtype),
+            StateTensor("gdn_state", n, (g.v_heads, cfg.gdn_k_dim, cfg.gdn_v_dim), torch.float32)]
+
+
+STATE_KINDS = (mamba_state_tensors, gdn_state_tensors)
+"""Every recurrent layer kind's declaration of its state tensors."""
+
+
+def state_tensors(cfg: HybridConfig, dtype: torch.dtype, tp_size: int = 1, tp_rank: int = 0) -> list[StateTensor]:
+    """The tensors one state slot holds on this rank, every recurrent layer kind's."""
+    return [t for kind in STATE_KINDS for t in kind(cfg, dtype, tp_size, tp_rank)]
+
+
+@dataclass(frozen=True)
 class SlotBytes:
     """Bytes one slot costs across all layers."""
 
     kv_token: int  # one KV token slot (K and V, every attention layer)
-    mamba_state: int  # one Mamba state slot (conv + ssm, every Mamba layer)
+    mamba_state: int  # one state slot: every recurrent layer's state tensors (Mamba and Gated DeltaNet)
 
 
 def slot_bytes(cfg: HybridConfig, dtype: torch.dtype, tp_size: int = 1, tp_rank: int = 0) -> SlotBytes:
     elt = torch.empty((), dtype=dtype).element_size()
-    attn, mamba = AttnShard.of(cfg, tp_rank, tp_size), MambaShard.of(cfg, tp_rank, tp_size)
+    attn = AttnShard.of(cfg, tp_rank, tp_size)
     kv = len(cfg.attn_layer_ids) * 2 * attn.kv_heads * cfg.head_dim * elt
-    conv = mamba.conv_dim * (cfg.mamba_d_conv - 1) * elt
-    ssm = mamba.heads * cfg.mamba_d_head * cfg.mamba_d_state * 4
-    return SlotBytes(kv_token=kv, mamba_state=len(cfg.mamba_layer_ids) * (conv + ssm))
+    state = sum(t.slot_bytes for t in state_tensors(cfg, dtype, tp_size, tp_rank))
+    return SlotBytes(kv_token=kv, mamba_state=state)
 
 
 def pool_budget(
@@ -99,8 +148,9 @@ def pool_budget(
 def cpu_wanted_budget(cfg: HybridConfig, dtype: torch.dtype, running: int, mamba_ratio: float,
                       tp_size: int = 1, tp_rank: int = 0) -> int:
     """Pool bytes that give `running` requests a state slot each plus a quarter more for cached
-    prefix states and checkpoints, with KV in the `mamba_ratio` split (0 for a model without Mamba)."""
-    if not cfg.mamba_layer_ids:
+    prefix states and checkpoints, with KV in the `mamba_ratio` split (0 for a model without
+    recurrent layers)."""
+    if not cfg.state_layer_ids:
         return 0
     states = running + running // 4 + 2
     return int(states * slot_bytes(cfg, dtype, tp_size, tp_rank).mamba_state / mamba_ratio)
@@ -112,8 +162,8 @@ def plan_capacities(
 ) -> tuple[int, int]:
     """Split `budget_bytes` into (kv_slots, mamba_slots), usable counts excluding padding slot 0.
 
-    `mamba_ratio` is the fraction of the budget given to the Mamba state pools (the rest to KV);
-    a model without Mamba layers (or without attention) gives the whole budget to the other pool.
+    `mamba_ratio` is the fraction of the budget given to the state pools (the rest to KV); a model
+    without recurrent layers (or without attention) gives the whole budget to the other pool.
     Raises ValueError when the budget cannot hold one usable slot of each pool the model needs.
     """
     if not 0.0 < mamba_ratio < 1.0:
@@ -128,7 +178,7 @@ def plan_capacities(
     if (sb.kv_token and kv_slots < 1) or (sb.mamba_state and mamba_slots < 1):
         raise ValueError(
             f"memory budget {budget_bytes} B too small: {sb.kv_token} B per KV token, "
-            f"{sb.mamba_state} B per Mamba state, ratio {mamba_ratio}"
+            f"{sb.mamba_state} B per recurrent state slot, ratio {mamba_ratio}"
         )
     return max(kv_slots, 0), max(mamba_slots, 0)
 
@@ -148,7 +198,7 @@ def attention_free_kv_slots(requested: int, mamba_slots: int, context: int) -> i
 
 
 class StatePools:
-    """KV and Mamba state tensors of one worker rank. See the module docstring for layout."""
+    """KV and recurrent state tensors of one worker rank. See the module docstring for layout."""
 
     def __init__(
         self,
@@ -165,46 +215,62 @@ class StatePools:
         self.kv_capacity = kv_slots
         self.mamba_capacity = mamba_slots
         self.dtype = dtype
-        n_attn, n_mamba = len(cfg.attn_layer_ids), len(cfg.mamba_layer_ids)
-        attn, mamba = AttnShard.of(cfg, tp_rank, tp_size), MambaShard.of(cfg, tp_rank, tp_size)
+        n_attn = len(cfg.attn_layer_ids)
+        attn = AttnShard.of(cfg, tp_rank, tp_size)
         kv_shape = (n_attn, kv_slots + 1, attn.kv_heads, cfg.head_dim)
         self.k = torch.zeros(kv_shape, dtype=dtype, device=device)
         self.v = torch.zeros(kv_shape, dtype=dtype, device=device)
-        conv_shape = (n_mamba, mamba_slots + 1, mamba.conv_dim, cfg.mamba_d_conv - 1)
-        self.conv = torch.zeros(conv_shape, dtype=dtype, device=device)
-        ssm_shape = (n_mamba, mamba_slots + 1, mamba.heads, cfg.mamba_d_head, cfg.mamba_d_state)
-        self.ssm = torch.zeros(ssm_shape, dtype=torch.float32, device=device)
+        self.layout = tuple(state_tensors(cfg, dtype, tp_size, tp_rank))
+        self.states: dict[str, torch.Tensor] = {
+            t.name: torch.zeros((t.layers, mamba_slots + 1, *t.shape), dtype=t.dtype, device=device)
+            for t in self.layout
+        }
         logger.info(
-            "state pools: %d KV token slots (%d attention layers), %d Mamba slots (%d Mamba layers), %.1f MiB",
-            kv_slots, n_attn, mamba_slots, n_mamba, self.nbytes() / 2**20,
+            "state pools: %d KV token slots (%d attention layers), %d state slots (%d recurrent layers: %s), %.1f MiB",
+            kv_slots, n_attn, mamba_slots, len(cfg.state_layer_ids),
+            ", ".join(f"{t.name} {t.layers}x{list(t.shape)}" for t in self.layout if t.layers), self.nbytes() / 2**20,
         )
 
+    @property
+    def conv(self) -> torch.Tensor:
+        """Mamba conv windows [mamba_layers, S, conv_dim, d_conv - 1]."""
+        return self.states["conv"]
+
+    @property
+    def ssm(self) -> torch.Tensor:
+        """Mamba SSM states [mamba_layers, S, heads, head_dim, d_state] float32."""
+        return self.states["ssm"]
+
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.conv, self.ssm))
+        return sum(t.numel() * t.element_size() for t in (self.k, self.v, *self.states.values()))
 
     def _check_mamba_slot(self, slot: int, what: str) -> None:
         if not 1 <= slot <= self.mamba_capacity:
-            raise ValueError(f"{what} Mamba slot {slot} outside [1, {self.mamba_capacity}]")
+            raise ValueError(f"{what} Mamba slot {slot} outside [1, {self.mamba_capacity}]")  # the state slot
 
     def copy_state(self, src: int, dst: int) -> None:
-        """Copy the Mamba state (conv + ssm, every layer) of slot `src` into slot `dst`."""
+        """Copy the recurrent state (every tensor of every recurrent layer) of slot `src` into `dst`."""
         self._check_mamba_slot(src, "source")
         self._check_mamba_slot(dst, "destination")
         if src == dst:
             return
-        self.conv[:, dst].copy_(self.conv[:, src])
-        self.ssm[:, dst].copy_(self.ssm[:, src])
+        for pool in self.states.values():
+            pool[:, dst].copy_(pool[:, src])
 
     def clear_state(self, slot: int) -> None:
-        """Zero the Mamba state of `slot` (a fresh request starts from zeros)."""
+        """Zero the recurrent state of `slot` (a fresh request starts from zeros)."""
         self._check_mamba_slot(slot, "cleared")
-        self.conv[:, slot].zero_()
-        self.ssm[:, slot].zero_()
+        for pool in self.states.values():
+            pool[:, slot].zero_()
 
     def check_integrity(self) -> None:
         """Raise AssertionError if shapes/dtypes are off or padding slot 0 was ever written."""
         assert self.k.shape == self.v.shape and self.k.shape[1] == self.kv_capacity + 1
-        assert self.conv.shape[:2] == self.ssm.shape[:2] and self.ssm.shape[1] == self.mamba_capacity + 1
-        assert self.ssm.dtype == torch.float32 and self.k.dtype == self.dtype == self.conv.dtype
-        for name, pool in (("k", self.k), ("v", self.v), ("conv", self.conv), ("ssm", self.ssm)):
+        assert self.k.dtype == self.dtype
+        for t in self.layout:
+            pool = self.states[t.name]
+            assert pool.shape == (t.layers, self.mamba_capacity + 1, *t.shape), f"{t.name} pool shape {pool.shape}"
+            assert pool.dtype == t.dtype, f"{t.name} pool dtype {pool.dtype}"
+        assert self.ssm.dtype == torch.float32 and self.conv.dtype == self.dtype
+        for name, pool in (("k", self.k), ("v", self.v), *self.states.items()):
             assert not torch.any(pool[:, 0] != 0), f"padding slot 0 of the {name} pool was written"

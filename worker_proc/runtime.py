@@ -130,7 +130,7 @@ class ModelRunner:
         ValueError on a malformed batch, before anything is written). `all_rows`: a logit row for
         every input position of a sampled slice, not only its last."""
         return build_step_batch(
-            reqs, self.device, self.kv_capacity, self.mamba_capacity, bool(self.cfg.mamba_layer_ids), all_rows,
+            reqs, self.device, self.kv_capacity, self.mamba_capacity, bool(self.cfg.state_layer_ids), all_rows,
             uses_attention=bool(self.cfg.attn_layer_ids), mirror=self.kv_mirror, step=step,
         )
 

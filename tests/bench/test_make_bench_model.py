@@ -166,3 +166,20 @@ def test_other_families_shapes_are_known(tmp_path: Path) -> None:
         cfg = json.loads((out / "config.json").read_text())
         assert cfg["architectures"] == [arch]
         assert (out / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("shape, gdn, attn, params", [("qwen3.5-0.8b", 18, 6, 0.752e9),
+                                                       ("qwen3-next-80b-a3b", 36, 12, 79.67e9)])
+def test_gated_deltanet_shapes_are_the_published_ones(shape: str, gdn: int, attn: int, params: float) -> None:
+    """The Qwen shapes parse into their layer pattern and parameter count (text model; built on
+    the meta device), and a reduction keeps one layer of each kind."""
+    from benchmarks.make_family_model import SHAPES, truncate
+    from shared.architectures import parse_config
+    from worker_proc.model import HybridForCausalLM
+
+    cfg = parse_config(dict(SHAPES[shape]))
+    assert (cfg.layer_kinds.count("gdn"), cfg.layer_kinds.count("attention")) == (gdn, attn)
+    with torch.device("meta"):
+        model = HybridForCausalLM(cfg, torch.float32, "meta")
+    assert abs(sum(p.numel() for p in model.parameters()) - params) / params < 1e-3
+    assert parse_config(truncate(SHAPES[shape], 2)).layer_kinds == ("gdn", "attention")

@@ -1,4 +1,7 @@
-"""Scheduler + real in-process model runtime (CPU tensors, built-in tiny checkpoint, no stubs).
+"""Scheduler + real in-process model runtime (CPU tensors, no stubs), over the built-in tiny
+checkpoint (GraniteMoeHybrid: Mamba2 state) and a tiny Gated DeltaNet checkpoint (the Qwen3.5 dense
+parity fixture: conv + [heads, k_dim, v_dim] recurrent state): the scheduler, admission and radix
+cache are about states, whatever the recurrent layer kind.
 
 Greedy outputs must not depend on caching, chunking, batching, copy-on-write or retraction."""
 
@@ -12,6 +15,7 @@ from shared.messages import GenerateReq
 from shared.model_info import ModelInfo
 from tests.scheduler import harness
 from tests.scheduler.util import greq, make, rids, round_
+from tests.worker.util import fixture_dir
 
 torch = pytest.importorskip("torch")
 runtime = pytest.importorskip("worker_proc.runtime")
@@ -19,15 +23,20 @@ runtime = pytest.importorskip("worker_proc.runtime")
 KV_SLOTS, MAMBA_SLOTS = 256, 3
 
 
+@pytest.fixture(scope="module", params=["builtin", "qwen3_5_dense"])
+def model_dir(request: pytest.FixtureRequest) -> str:
+    return builtin_model_dir() if request.param == "builtin" else fixture_dir(request.param)
+
+
 @pytest.fixture(scope="module")
-def runner() -> object:
+def runner(model_dir: str) -> object:
     torch.manual_seed(0)
-    return runtime.ModelRunner(builtin_model_dir(), kv_slots=KV_SLOTS, mamba_slots=MAMBA_SLOTS, deterministic=True)
+    return runtime.ModelRunner(model_dir, kv_slots=KV_SLOTS, mamba_slots=MAMBA_SLOTS, deterministic=True)
 
 
 @pytest.fixture(scope="module")
-def model() -> ModelInfo:
-    return ModelInfo.from_dir(builtin_model_dir())
+def model(model_dir: str) -> ModelInfo:
+    return ModelInfo.from_dir(model_dir)
 
 
 def reference(runner: object, model: ModelInfo, reqs: list[GenerateReq], **args: object) -> dict[str, list[int]]:

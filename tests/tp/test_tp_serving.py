@@ -72,10 +72,11 @@ def test_tp2_serves_the_single_rank_outputs(expected: list[Case]) -> None:
         assert "rank1_device" in server.output or "rank 1 ready" in server.output
 
 
-@pytest.mark.parametrize("name", ["nemotron_h_moe", "falcon_h1", "mamba2"])
+@pytest.mark.parametrize("name", ["nemotron_h_moe", "falcon_h1", "mamba2", "qwen3_next_moe"])
 def test_tp2_serves_other_families(tmp_path, name: str) -> None:
-    """Nemotron-H MoE, Falcon-H1 and the attention-free Mamba2 under --tp-size 2 serve the greedy
-    outputs of the single-rank runtime (the parity fixtures with the built-in tokenizer files)."""
+    """Nemotron-H MoE, Falcon-H1, the attention-free Mamba2 and the Gated DeltaNet Qwen3-Next MoE
+    under --tp-size 2 serve the greedy outputs of the single-rank runtime (the parity fixtures
+    with the built-in tokenizer files)."""
     from tests.e2e.test_families import model_dir
     from worker_proc.runtime import ModelRunner
 

@@ -10,7 +10,7 @@ import torch
 
 from shared.messages import ReqSlice
 from tests.model_driver import forward_all_logits, forward_logits
-from tests.worker.util import FAMILY_FIXTURES, batch, max_diff, req, runner
+from tests.worker.util import FAMILY_FIXTURES, GDN_FIXTURES, batch, max_diff, req, runner
 from worker_proc.runtime import ModelRunner
 
 TOL = {True: 0.0, False: 1e-4}  # by deterministic mode
@@ -41,7 +41,7 @@ def _setup(r: ModelRunner) -> list[ReqSlice]:
 
 
 @pytest.mark.parametrize("deterministic", [True, False])
-@pytest.mark.parametrize("name", ["rope_moe", "nope_groups2", *FAMILY_FIXTURES])
+@pytest.mark.parametrize("name", ["rope_moe", "nope_groups2", *FAMILY_FIXTURES, *GDN_FIXTURES])
 def test_mixed_batch_equals_each_alone(name: str, deterministic: bool) -> None:
     alone, together = runner(name, deterministic=deterministic), runner(name, deterministic=deterministic)
     slices = _setup(alone)
@@ -55,10 +55,12 @@ def test_mixed_batch_equals_each_alone(name: str, deterministic: bool) -> None:
     assert set(got) == set(expected) == {"a", "b", "c", "d", "e", "f"}
     for rid in expected:
         assert max_diff(got[rid], expected[rid]) <= TOL[deterministic], rid
-    for pool in ("k", "v", "conv", "ssm"):
-        if getattr(alone.pools, pool).numel() == 0:  # no attention layer (Mamba2): no KV tensor
+    pools = {"k": (alone.pools.k, together.pools.k), "v": (alone.pools.v, together.pools.v)}
+    pools.update({name: (t, together.pools.states[name]) for name, t in alone.pools.states.items()})
+    for pool, (a, b) in pools.items():
+        if a.numel() == 0:  # no such layer (Mamba2: no KV tensor; GDN models: no Mamba state)
             continue
-        assert max_diff(getattr(alone.pools, pool), getattr(together.pools, pool)) <= TOL[deterministic], pool
+        assert max_diff(a, b) <= TOL[deterministic], pool
     together.check_integrity()
 
 

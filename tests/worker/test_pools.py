@@ -128,3 +128,36 @@ def test_cpu_default_grows_with_the_running_requests_states(monkeypatch: pytest.
     monkeypatch.setattr(pools, "available_ram_bytes", lambda: 2 << 30)
     budget, how = pool_budget(cpu, 0, 0.85, wanted)
     assert budget == (2 << 30) // 4 and "capped" in how  # at most a quarter of the available RAM
+
+
+def test_gated_deltanet_state_layout_bytes_and_slot_ops() -> None:
+    """A Gated DeltaNet hybrid declares its own state tensors (conv window in the model dtype, the
+    [Hv, Dk, Dv] recurrent state in float32); one state slot holds all of them, slot_bytes counts
+    exactly what the pools allocate per slot, and copy/clear/check_integrity cover them."""
+    cfg = load_config(fixture_dir("qwen3_next_moe"))
+    n_gdn = len(cfg.gdn_layer_ids)
+    conv_dim = 2 * cfg.gdn_k_heads * cfg.gdn_k_dim + cfg.gdn_v_heads * cfg.gdn_v_dim
+    p = StatePools(cfg, kv_slots=6, mamba_slots=3, dtype=torch.bfloat16, device="cpu")
+    assert p.states["gdn_conv"].shape == (n_gdn, 4, conv_dim, cfg.gdn_d_conv - 1)
+    assert p.states["gdn_state"].shape == (n_gdn, 4, cfg.gdn_v_heads, cfg.gdn_k_dim, cfg.gdn_v_dim)
+    assert p.states["gdn_conv"].dtype == torch.bfloat16 and p.states["gdn_state"].dtype == torch.float32
+    assert p.conv.numel() == 0 and p.ssm.numel() == 0  # no Mamba layer
+    grown = StatePools(cfg, kv_slots=6, mamba_slots=4, dtype=torch.bfloat16, device="cpu")
+    per_slot = slot_bytes(cfg, torch.bfloat16).mamba_state
+    recurrent = cfg.gdn_v_heads * cfg.gdn_k_dim * cfg.gdn_v_dim * 4
+    assert per_slot == n_gdn * (conv_dim * (cfg.gdn_d_conv - 1) * 2 + recurrent)
+    assert grown.nbytes() - p.nbytes() == per_slot
+    half = slot_bytes(cfg, torch.bfloat16, tp_size=2, tp_rank=1).mamba_state
+    assert half * 2 == per_slot  # heads sharded: each rank holds half of every state tensor
+    kv, states = plan_capacities(cfg, 4_000_000, 0.5, torch.bfloat16)
+    assert states == 2_000_000 // per_slot - 1
+    for pool in p.states.values():
+        pool[:, 1].normal_()
+    p.copy_state(1, 3)
+    assert all(torch.equal(pool[:, 3], pool[:, 1]) for pool in p.states.values())
+    p.clear_state(1)
+    assert all(not pool[:, 1].any() and pool[:, 3].any() for pool in p.states.values() if pool.numel())
+    p.check_integrity()
+    p.states["gdn_state"][1, 0, 0, 0, 0] = 1.0
+    with pytest.raises(AssertionError, match="padding slot 0 of the gdn_state pool"):
+        p.check_integrity()

@@ -14,12 +14,13 @@ from safetensors.torch import load_file, save_file
 from shared.architectures import FAMILIES, SUPPORTED_ARCHITECTURES, parse_config, summary
 from shared.errors import ModelLoadError
 from shared.model_info import ModelInfo, read_config_json
-from tests.worker.util import ALL_FIXTURES, fixture_dir, runner
+from tests.worker.util import ALL_FIXTURES, GDN_FIXTURES, fixture_dir, reference, runner
 from worker_proc.loader import load_config, load_model
 
 SHARED_BLOCK_MODULES = {
     "worker_proc.model.hybrid", "worker_proc.model.layers", "worker_proc.model.mamba",
     "worker_proc.model.attention", "worker_proc.model.moe", "worker_proc.model.tp", "torch.nn.modules.container",
+    "worker_proc.model.gated_deltanet", "worker_proc.model.qwen_moe",
     "torch.nn.modules.module",
 }
 
@@ -37,11 +38,12 @@ def test_unknown_architecture_is_one_line_listing_the_supported() -> None:
         assert all(arch in msg for arch in SUPPORTED_ARCHITECTURES)
     assert set(SUPPORTED_ARCHITECTURES) == {
         "GraniteMoeHybridForCausalLM", "NemotronHForCausalLM", "FalconH1ForCausalLM", "BambaForCausalLM",
-        "Mamba2ForCausalLM",
+        "Mamba2ForCausalLM", "Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM",
+        "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration",
     }
 
 
-@pytest.mark.parametrize("name", ALL_FIXTURES)
+@pytest.mark.parametrize("name", ALL_FIXTURES + GDN_FIXTURES)
 def test_every_family_is_built_from_the_shared_blocks(name: str) -> None:
     cfg = load_config(fixture_dir(name))
     assert cfg.architecture == _config(name)["architectures"][0]
@@ -65,7 +67,7 @@ def test_family_modules_are_torch_free() -> None:
     res = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=60,
                          env={**os.environ, "PYTHONPATH": root})
     assert res.returncode == 0, res.stderr
-    assert len(FAMILIES) == 5
+    assert len(set(FAMILIES.values())) == 6
 
 
 def test_nemotron_pattern_and_block_type_spellings_agree() -> None:
@@ -119,3 +121,60 @@ def test_tp_refuses_mlp_bias_in_one_line() -> None:
     cfg = parse_config(dict(_config("bamba"), mlp_bias=True))
     assert tp_layout_error(cfg, 1) is None
     assert "mlp_bias" in (tp_layout_error(cfg, 2) or "")
+
+
+def test_qwen3_5_multimodal_wrapper_loads_its_text_model(tmp_path, caplog) -> None:
+    """A Qwen3.5 checkpoint as shipped (Qwen3_5ForConditionalGeneration: `text_config`, tensors under
+    `model.language_model.`, a vision tower and MTP layers) serves its text model: same weights,
+    same logits as the text-only fixture; the vision and MTP tensors are skipped with a log line."""
+    import json
+
+    from tests.model_driver import forward_all_logits
+    from tests.worker.util import batch, max_diff, req
+    from worker_proc.runtime import ModelRunner
+
+    src = _config("qwen3_5_dense")
+    text = {k: v for k, v in src.items() if k not in ("architectures", "tie_word_embeddings")}
+    wrapper = {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
+               "tie_word_embeddings": src["tie_word_embeddings"], "text_config": text, "vision_config": {"depth": 1}}
+    out = tmp_path / "wrapped"
+    out.mkdir()
+    (out / "config.json").write_text(json.dumps(wrapper))
+    tensors = {k.replace("model.", "model.language_model.", 1): v
+               for k, v in load_file(os.path.join(fixture_dir("qwen3_5_dense"), "model.safetensors")).items()}
+    tensors["model.visual.blocks.0.attn.qkv.weight"] = torch.zeros(3, 3)
+    tensors["mtp.fc.weight"] = torch.zeros(2, 2)
+    save_file(tensors, str(out / "model.safetensors"))
+    info = ModelInfo.from_dir(str(out))
+    assert info.vocab_size == src["vocab_size"] and info.max_position_embeddings == src["max_position_embeddings"]
+    assert info.layer_kinds == ("gdn", "gdn", "attention", "gdn") and info.has_mamba
+    with caplog.at_level("INFO", logger="worker_proc.loader"):
+        r = ModelRunner(str(out), kv_slots=200, mamba_slots=4)
+    assert any("model.visual." in rec.message for rec in caplog.records)
+    ref = reference("qwen3_5_dense")
+    prompt = ref["prompt"].tolist()
+    n = len(prompt)
+    logits = forward_all_logits(r, batch(0, [req("a", prompt, 0, list(range(1, n + 1)), 1)], clears=[1]))["a"]
+    assert max_diff(logits, ref["prompt_logits"]) <= 1e-4
+
+
+def _mlp_kinds(cfg: object) -> list[str]:
+    return [b.kind for layer in cfg.layers() for sub in layer for b in sub.blocks if sub.norm.startswith("post")]
+
+
+def test_qwen_configs_refuse_bad_layouts_in_one_line() -> None:
+    cfg = _config("qwen3_next_moe")
+    with pytest.raises(ModelLoadError, match="linear_num_key_heads 3 does not divide linear_num_value_heads 4"):
+        parse_config(dict(cfg, linear_num_key_heads=3))
+    with pytest.raises(ModelLoadError, match="unknown layer_types entry 'mamba'"):
+        parse_config(dict(cfg, layer_types=["mamba"] * 4))
+    from worker_proc.model.config import tp_layout_error
+
+    parsed = parse_config(cfg)
+    assert tp_layout_error(parsed, 2) is None
+    assert "linear_num_key_heads 2" in (tp_layout_error(parsed, 4) or "")
+    kinds = _mlp_kinds(parsed)
+    assert kinds == ["shared_gate_moe", "shared_gate_moe", "gated_mlp", "shared_gate_moe"]  # mlp_only_layers [2]
+    every_other = parse_config(dict(cfg, mlp_only_layers=[], decoder_sparse_step=2))
+    kinds = _mlp_kinds(every_other)
+    assert kinds == ["gated_mlp", "shared_gate_moe", "gated_mlp", "shared_gate_moe"]

@@ -10,17 +10,18 @@ from tests.model_driver import forward_all_logits, forward_logits
 from tests.worker.util import batch, max_diff, reference, req, runner
 
 
-def _snapshot(r, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return r.pools.conv[:, slot].clone(), r.pools.ssm[:, slot].clone()
+def _snapshot(r, slot: int) -> dict[str, torch.Tensor]:
+    """Every recurrent state tensor of `slot` (Mamba conv + ssm, or GDN conv + recurrent state)."""
+    return {name: pool[:, slot].clone() for name, pool in r.pools.states.items() if pool.numel()}
 
 
-@pytest.mark.parametrize("name", ["nope_groups2", "rope_moe"])
-def test_resume_from_copied_state_equals_uninterrupted(name: str) -> None:
+@pytest.mark.parametrize("name, cut", [("nope_groups2", 9), ("rope_moe", 9), ("qwen3_next_moe", 70)])
+def test_resume_from_copied_state_equals_uninterrupted(name: str, cut: int) -> None:
     prompt = reference(name)["prompt"].tolist()
-    n, cut = len(prompt), 9
-    r = runner(name)
+    n = len(prompt)
+    r = runner(name, kv_slots=400)
     kv = list(range(1, n + 1))
-    whole = forward_all_logits(r, batch(0, [req("x", prompt, 0, list(range(30, 30 + n)), 4)], clears=[4]))["x"]
+    whole = forward_all_logits(r, batch(0, [req("x", prompt, 0, list(range(200, 200 + n)), 4)], clears=[4]))["x"]
     # a cached prefix: state after `cut` tokens in slot 1
     forward_logits(r, batch(1, [req("p", prompt[:cut], 0, kv[:cut], 1, sample=False)], clears=[1]))
     src_before = _snapshot(r, 1)
@@ -28,10 +29,12 @@ def test_resume_from_copied_state_equals_uninterrupted(name: str) -> None:
     sl = req("y", prompt[cut:], cut, kv, 2)
     rest = forward_all_logits(r, batch(2, [sl], copies=[CopyOp(src=1, dst=2, rid="y")]))["y"]
     assert max_diff(rest, whole[cut:]) <= 1e-4  # same tolerance as chunked-prefill parity
-    src_after = _snapshot(r, 1)
-    assert torch.equal(src_before[0], src_after[0]) and torch.equal(src_before[1], src_after[1])
-    assert not torch.equal(r.pools.ssm[:, 2], r.pools.ssm[:, 1])  # the copy advanced, the source did not
-    assert max_diff(r.pools.ssm[:, 2], r.pools.ssm[:, 4]) <= 1e-4  # equals the uninterrupted state
+    src_after, copy, uninterrupted = _snapshot(r, 1), _snapshot(r, 2), _snapshot(r, 4)
+    assert src_before.keys() == src_after.keys() and len(src_before) == 2
+    for pool in src_before:
+        assert torch.equal(src_before[pool], src_after[pool]), pool  # the source is untouched
+        assert not torch.equal(copy[pool], src_after[pool]), pool  # the copy advanced, the source did not
+        assert max_diff(copy[pool], uninterrupted[pool]) <= 1e-4, pool  # equals the uninterrupted state
     r.check_integrity()
 
 

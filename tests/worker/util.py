@@ -17,6 +17,7 @@ FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__
 FIXTURE_NAMES = ("nope_groups2", "rope_moe", "blocktype_bias")  # GraniteMoeHybrid
 FAMILY_FIXTURES = ("nemotron_h_dense", "nemotron_h_moe", "falcon_h1", "falcon_h1_nonorm", "bamba", "mamba2")
 ALL_FIXTURES = FIXTURE_NAMES + FAMILY_FIXTURES
+GDN_FIXTURES = ("qwen3_next_moe", "qwen3_5_dense", "qwen3_5_moe")  # Gated DeltaNet; prompts > 64 tokens
 GREEDY = SamplingParams(temperature=0.0)
 
 

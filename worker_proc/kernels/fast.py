@@ -80,8 +80,8 @@ class FastOps(ReferenceOps):
 
     name = "fast"
 
-    def __init__(self) -> None:
-        super().__init__(batch_invariant=False)
+    def __init__(self, gdn: object | None = None) -> None:
+        super().__init__(batch_invariant=False, gdn=gdn)
 
     def ssd_prefill(self, x: Tensor, dt: Tensor, b: Tensor, c: Tensor, p: SsdParams, ssm_pool: Tensor,
                     slot: int) -> Tensor:  # fmt: skip

@@ -8,7 +8,8 @@ these semantics; the model calls nothing else. Rules that hold for every method:
   whatever the model dtype; the SSM pool is float32.
 Shape letters are those of `worker_proc.kernels.reference`: L tokens of one request, Bt requests of
 a decode group, H Mamba heads, P head dim, G groups, N state size, Cd conv channels, K conv width,
-h query heads, kvh KV heads, d attention head dim.
+h query heads, kvh KV heads, d attention head dim; for the gated delta rule (Gated DeltaNet layers)
+Hv value heads, Dk key dim, Dv value dim.
 """
 
 from __future__ import annotations
@@ -67,4 +68,18 @@ class KernelOps(Protocol):
     def attn_decode(self, q: Tensor, k_pool: Tensor, v_pool: Tensor, kv_idx: Tensor, lengths: Tensor,
                     scale: float) -> Tensor:  # fmt: skip
         """q: [Bt, h, d]; kv_idx: [Bt, T] int64 slots, padded with 0 past lengths[b]; returns [Bt, h, d]."""
+        ...
+
+    def gdn_prefill(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
+                    state_pool: Tensor, slot: int) -> Tensor:  # fmt: skip
+        """The gated delta rule over one request (worker_proc.kernels.gated_delta states it): q, k:
+        [L, Hv, Dk] L2-normalised, one per value head, q multiplied by `scale` here; v: [L, Hv, Dv];
+        g: [L, Hv] log decay (<= 0); beta: [L, Hv]; state_pool: [S, Hv, Dk, Dv] fp32, row `slot`
+        advanced. Returns o [L, Hv, Dv] fp32, independent of the kernel's chunking beyond rounding."""
+        ...
+
+    def gdn_decode(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
+                   state_pool: Tensor, slots: Tensor) -> Tensor:  # fmt: skip
+        """One token per request: q, k: [Bt, Hv, Dk]; v: [Bt, Hv, Dv]; g, beta: [Bt, Hv]; slots: [Bt]
+        int64 (distinct). Returns o [Bt, Hv, Dv] fp32; rows `slots` of state_pool advanced by one."""
         ...

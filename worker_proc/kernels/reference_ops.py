@@ -10,21 +10,24 @@ import torch
 from torch import Tensor
 
 from worker_proc.kernels import reference as ref
+from worker_proc.kernels.gdn_ops import GdnMethods, ReferenceGdn
 from worker_proc.kernels.interface import SsdParams
 
 
-class ReferenceOps:
+class ReferenceOps(GdnMethods):
     """Pure-torch ops over pool slots; correct on every device, fast on none.
 
     `batch_invariant`: decode attention runs request by request with exactly the computation a
     request gets alone, so a request's logits do not depend on what it is batched with (the
     deterministic mode). Otherwise decode attention is one padded batched computation.
+    `gdn`: the gated-delta backend (worker_proc.kernels.gdn_ops; the pure-torch one by default).
     """
 
     name = "reference"
 
-    def __init__(self, batch_invariant: bool = True) -> None:
+    def __init__(self, batch_invariant: bool = True, gdn: object | None = None) -> None:
         self.batch_invariant = batch_invariant
+        self.gdn = gdn or ReferenceGdn()  # type: ignore[assignment]
 
     def conv_prefill(self, x: Tensor, conv_pool: Tensor, slot: int, weight: Tensor, bias: Tensor | None) -> Tensor:
         out, new_state = ref.causal_conv1d(x, conv_pool[slot], weight, bias)

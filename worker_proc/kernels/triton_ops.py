@@ -6,8 +6,11 @@ interface does; they call the varlen kernels with a batch of one, so a batched r
 `*_varlen` functions of
 `triton_conv`, `triton_ssd` and `triton_attention` directly with no change to the kernels.
 
-No case falls back to the reference. Requirements beyond the reference's (checked, ValueError):
-the SSM pool keeps each head's [P, N] state contiguous (true of `StatePools`). Kernels launch on
+No Mamba or attention case falls back to the reference; the gated delta rule (Gated DeltaNet
+layers) runs flash-linear-attention's kernels when `fla` imports, else the pure-torch ones
+(worker_proc.kernels.gdn_ops); their conv is `conv_prefill` / `conv_decode` here. Requirements
+beyond the reference's (checked, ValueError): the SSM pool keeps each head's [P, N] state
+contiguous (true of `StatePools`). Kernels launch on
 the current CUDA device: a worker on `cuda:N` must `torch.cuda.set_device(N)` first. Every op is
 batch invariant (a request's result is bitwise the same alone or batched), and decode rows whose
 slot is 0 (padding) are computed from the zero padding state but never written back.
@@ -20,6 +23,7 @@ import torch
 from torch import Tensor
 
 from worker_proc.kernels import triton_attention, triton_conv, triton_ssd, triton_ssd_step
+from worker_proc.kernels.gdn_ops import GdnMethods, ReferenceGdn
 from worker_proc.kernels.interface import SsdParams
 from worker_proc.kernels.triton_plan import plan_chunks
 
@@ -31,11 +35,15 @@ def _index_tensor(values: list[int], device: torch.device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int32).to(device, non_blocking=True)
 
 
-class TritonOps:
-    """Fused Triton kernels over pool slots (CUDA; CPU only under TRITON_INTERPRET=1). Stateless."""
+class TritonOps(GdnMethods):
+    """Fused Triton kernels over pool slots (CUDA; CPU only under TRITON_INTERPRET=1). Stateless but
+    for `gdn`, the gated-delta backend (flash-linear-attention when installed, see gdn_ops)."""
 
     name = "triton"
     batch_invariant = True
+
+    def __init__(self, gdn: object | None = None) -> None:
+        self.gdn = gdn or ReferenceGdn()  # type: ignore[assignment]
 
     def conv_prefill(self, x: Tensor, conv_pool: Tensor, slot: int, weight: Tensor, bias: Tensor | None) -> Tensor:
         length = x.shape[0]

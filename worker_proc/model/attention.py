@@ -5,6 +5,9 @@ Softmax scale = `attention_multiplier` (the family's parser sets it:
 Granite's muP scale, else 1/sqrt(head_dim)); K is scaled by `key_multiplier` (Falcon-H1). K/V of this
 step's tokens are written into the worker's KV pool at their slots *before* attention reads it, so
 a request attends over its cached prefix and its own new tokens through the same slot list.
+Gated attention (Qwen3-Next / Qwen3.5, `attn_output_gate`): q_proj yields [query | gate] per head and
+the attention output is multiplied by sigmoid(gate) before o_proj; with `attn_qk_norm` q and k are
+RMS-normed per head (`q_norm`, `k_norm`, zero-centred with `norm_unit_offset`) before RoPE.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from torch import nn
 from worker_proc.kernels import KernelOps
 from worker_proc.model.batch import StepBatch
 from worker_proc.model.config import HybridConfig
-from worker_proc.model.layers import Linear
+from worker_proc.model.layers import Linear, make_norm
 from worker_proc.model.tp import AttnShard, ShardSpec, TPInfo, attn_spec, row_parallel
 
 
@@ -61,10 +64,15 @@ class Attention(nn.Module):
         shard = self.shard = AttnShard.of(cfg, tp.rank, tp.size)
         self.heads, self.kv_heads = shard.heads, shard.kv_heads
         hd, bias = cfg.head_dim, cfg.attention_bias
-        self.q_proj = Linear(cfg.hidden_size, self.heads * hd, bias=bias, dtype=dtype, device=device)
+        q_out = self.heads * hd * (2 if cfg.attn_output_gate else 1)
+        self.q_proj = Linear(cfg.hidden_size, q_out, bias=bias, dtype=dtype, device=device)
         self.k_proj = Linear(cfg.hidden_size, self.kv_heads * hd, bias=bias, dtype=dtype, device=device)
         self.v_proj = Linear(cfg.hidden_size, self.kv_heads * hd, bias=bias, dtype=dtype, device=device)
         self.o_proj = Linear(self.heads * hd, cfg.hidden_size, bias=bias, dtype=dtype, device=device)
+        self.q_norm = self.k_norm = None
+        if cfg.attn_qk_norm:
+            self.q_norm = make_norm(hd, cfg.rms_norm_eps, dtype, device, cfg.norm_unit_offset)
+            self.k_norm = make_norm(hd, cfg.rms_norm_eps, dtype, device, cfg.norm_unit_offset)
 
     def shard_spec(self, sub: str) -> ShardSpec | None:
         return None if self.tp.size == 1 else attn_spec(self.cfg, self.shard, sub)
@@ -81,8 +89,14 @@ class Attention(nn.Module):
         """h: [T, hidden]; k_pool, v_pool: [S, kvh, d] of this layer; rope: (cos, sin) or None."""
         cfg = self.cfg
         t = h.shape[0]
-        q = self.q_proj(h).view(t, self.heads, cfg.head_dim)
+        gate = None
+        if cfg.attn_output_gate:
+            q, gate = self.q_proj(h).view(t, self.heads, 2 * cfg.head_dim).chunk(2, dim=-1)
+        else:
+            q = self.q_proj(h).view(t, self.heads, cfg.head_dim)
         k = self.k_proj(h).view(t, self.kv_heads, cfg.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         if cfg.key_multiplier != 1.0:
             k = k * cfg.key_multiplier
         v = self.v_proj(h).view(t, self.kv_heads, cfg.head_dim)
@@ -98,4 +112,7 @@ class Attention(nn.Module):
         for seg in batch.prefill:
             rows = slice(seg.row_start, seg.row_end)
             out[rows] = ops.attn_prefill(q[rows], k_pool, v_pool, seg.kv_idx, seg.start_pos, scale)
-        return row_parallel(out.view(t, -1), self.o_proj, self.tp)
+        out = out.reshape(t, -1)
+        if gate is not None:
+            out = out * torch.sigmoid(gate.reshape(t, -1))
+        return row_parallel(out, self.o_proj, self.tp)

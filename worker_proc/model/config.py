@@ -17,8 +17,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-BLOCK_KINDS = ("mamba", "attention", "fused_gated_mlp", "gated_mlp", "relu2_mlp", "softmax_moe", "sigmoid_moe")
-MIXER_KINDS = ("mamba", "attention")
+BLOCK_KINDS = ("mamba", "attention", "gdn", "fused_gated_mlp", "gated_mlp", "relu2_mlp", "softmax_moe", "sigmoid_moe",
+               "shared_gate_moe")
+MIXER_KINDS = ("mamba", "attention", "gdn")
+RECURRENT_KINDS = ("mamba", "parallel", "gdn")
+"""Layer kinds that carry a recurrent state (one state slot per request holds all of them)."""
 
 
 @dataclass(frozen=True)
@@ -50,7 +53,7 @@ class HybridConfig:
     architecture: str
     vocab_size: int
     hidden_size: int
-    layer_kinds: tuple[str, ...]  # per layer: "mamba" | "attention" | "parallel" (both) | "mlp" (neither)
+    layer_kinds: tuple[str, ...]  # per layer: "mamba" | "attention" | "parallel" (both) | "gdn" | "mlp" (none)
     rms_norm_eps: float
     # attention
     num_heads: int
@@ -103,6 +106,20 @@ class HybridConfig:
     moe_shared_size: int = 0  # width of the shared expert
     # checkpoint names -> parameter names: (regex, replacement) applied in order; tensors whose
     # (renamed) name starts with one of `ignored_prefixes` are not loaded (e.g. MTP layers)
+    # Gated DeltaNet (Qwen3-Next / Qwen3.5 `linear_attn`): key heads, value heads (a multiple), their
+    # dims, the conv width; `gdn_fused_proj`: in_proj_qkvz + in_proj_ba grouped per key head
+    # (Qwen3-Next), else in_proj_qkv / in_proj_z / in_proj_b / in_proj_a (Qwen3.5)
+    gdn_k_heads: int = 0
+    gdn_v_heads: int = 0
+    gdn_k_dim: int = 0
+    gdn_v_dim: int = 0
+    gdn_d_conv: int = 4
+    gdn_fused_proj: bool = False
+    # gated attention (Qwen3-Next / Qwen3.5): q_proj yields [query | gate] per head, the output is
+    # multiplied by sigmoid(gate) before o_proj; q and k are RMS-normed per head (`q_norm`, `k_norm`)
+    attn_output_gate: bool = False
+    attn_qk_norm: bool = False
+    norm_unit_offset: bool = False  # zero-centred RMSNorm: x̂ * (1 + weight) (every norm but gated ones)
     renames: tuple[tuple[str, str], ...] = ()
     ignored_prefixes: tuple[str, ...] = field(default=())
 
@@ -121,6 +138,15 @@ class HybridConfig:
     @property
     def mamba_layer_ids(self) -> tuple[int, ...]:
         return tuple(i for i, k in enumerate(self.layer_kinds) if k in ("mamba", "parallel"))
+
+    @property
+    def gdn_layer_ids(self) -> tuple[int, ...]:
+        return tuple(i for i, k in enumerate(self.layer_kinds) if k == "gdn")
+
+    @property
+    def state_layer_ids(self) -> tuple[int, ...]:
+        """Layers with a recurrent state (Mamba and Gated DeltaNet)."""
+        return tuple(i for i, k in enumerate(self.layer_kinds) if k in RECURRENT_KINDS)
 
     @property
     def rope_dim(self) -> int:
@@ -164,10 +190,14 @@ def tp_layout_error(cfg: HybridConfig, tp_size: int) -> str | None:
             counts.append((cfg.num_kv_heads, "num_key_value_heads"))
     if cfg.mamba_layer_ids:
         counts.append((cfg.mamba_n_heads, "mamba_n_heads"))
+    if cfg.gdn_layer_ids:
+        counts.append((cfg.gdn_k_heads, "linear_num_key_heads"))
     for block in cfg.blocks():
         sizes = [(block.size, block.size_field)] if block.size_field else []
         if block.kind == "sigmoid_moe" and cfg.moe_shared_size:
             sizes.append((cfg.moe_shared_size, "moe_shared_expert_intermediate_size"))
+        if block.kind == "shared_gate_moe" and cfg.moe_shared_size:
+            sizes.append((cfg.moe_shared_size, "shared_expert_intermediate_size"))
         counts.extend(s for s in sizes if s not in counts)
     if cfg.mlp_bias and any(b.kind == "gated_mlp" for b in cfg.blocks()):
         return f"--tp-size {tp_size}: mlp_bias true in the model's config.json is not supported with tensor parallelism"

@@ -10,6 +10,9 @@ and divided by `logits_scaling`. Module names are the blocks' names under `model
 checkpoint's tensor names (after the family's renames, applied by the loader) are this module's
 `state_dict` keys: `model.embed_tokens`, `model.layers.N.<norm>`, `model.layers.N.<block>.*`,
 `model.norm`, `lm_head`.
+Recurrent mixers (Mamba2, Gated DeltaNet) read and advance their layer's tensors of the worker's
+state pools (`pools.conv`/`pools.ssm`, `pools.states["gdn_conv"]`/`["gdn_state"]`) at the request's
+state slot; attention its layer's KV pool.
 Tensor parallelism: the constructor takes `tp`; every block is built with this rank's sizes and
 names the slice of each of its tensors (`shard_spec`, rules in worker_proc.model.tp). Mixers
 all-reduce their own output; MLP and MoE blocks return partial sums, all-reduced once per
@@ -30,16 +33,17 @@ from worker_proc.kernels import KernelOps
 from worker_proc.model.attention import Attention, rope_cos_sin
 from worker_proc.model.batch import StepBatch
 from worker_proc.model.config import Block, HybridConfig, Sublayer, tp_layout_error
+from worker_proc.model.gated_deltanet import GatedDeltaNet
 from worker_proc.model.layers import (
     MIN_GEMM_ROWS,
     GatedMLP,
     Linear,
     Relu2MLP,
-    RMSNorm,
     SparseMoE,
     SplitGatedMLP,
     _empty,
     linear,
+    make_norm,
     pack_weight,
     packed_product,
     packing_supported,
@@ -47,12 +51,14 @@ from worker_proc.model.layers import (
 )
 from worker_proc.model.mamba import MambaMixer
 from worker_proc.model.moe import SigmoidMoE
+from worker_proc.model.qwen_moe import SharedGateMoE
 from worker_proc.model.shard import ShardSpec, TPInfo
 from worker_proc.pools import StatePools
 
 __all__ = ["DecoderLayer", "HybridForCausalLM", "HybridModel", "TPInfo"]
 
-_BATCH_INVARIANT = (Linear, SparseMoE, SigmoidMoE)  # every module doing GEMMs through `linear`
+# every module doing GEMMs through `linear` (or an activation made exact in the deterministic mode)
+_BATCH_INVARIANT = (Linear, SparseMoE, SigmoidMoE, SharedGateMoE, SplitGatedMLP)
 _LAYER_PARAM = re.compile(r"^model\.layers\.(\d+)\.([^.]+)\.(.+)$")
 
 
@@ -63,6 +69,8 @@ def build_block(block: Block, cfg: HybridConfig, dtype: torch.dtype, device: tor
         return MambaMixer(cfg, dtype, device, tp)
     if block.kind == "attention":
         return Attention(cfg, dtype, device, tp)
+    if block.kind == "gdn":
+        return GatedDeltaNet(cfg, dtype, device, tp)
     if block.kind == "fused_gated_mlp":
         return GatedMLP(hidden, width, dtype, device, tp)
     if block.kind == "gated_mlp":
@@ -73,6 +81,8 @@ def build_block(block: Block, cfg: HybridConfig, dtype: torch.dtype, device: tor
         return SparseMoE(hidden, width, cfg.num_experts, cfg.num_experts_per_tok, dtype, device, tp)
     if block.kind == "sigmoid_moe":
         return SigmoidMoE(cfg, block.size, dtype, device, tp)
+    if block.kind == "shared_gate_moe":
+        return SharedGateMoE(cfg, block.size, dtype, device, tp)
     raise ValueError(f"unknown block kind {block.kind!r}")
 
 
@@ -87,11 +97,13 @@ class DecoderLayer(nn.Module):
         self.subs: tuple[Sublayer, ...] = cfg.layers()[index]
         self.kind = cfg.layer_kinds[index]
         for sub in self.subs:
-            self.add_module(sub.norm, RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, cfg.norm_fp32_weight))
+            self.add_module(sub.norm, make_norm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, cfg.norm_unit_offset,
+                                                cfg.norm_fp32_weight))
             for block in sub.blocks:
                 self.add_module(block.name, build_block(block, cfg, dtype, device, tp))
         self.attn_index = cfg.attn_layer_ids.index(index) if index in cfg.attn_layer_ids else -1
         self.mamba_index = cfg.mamba_layer_ids.index(index) if index in cfg.mamba_layer_ids else -1
+        self.gdn_index = cfg.gdn_layer_ids.index(index) if index in cfg.gdn_layer_ids else -1
 
     def _run(self, module: nn.Module, x: torch.Tensor, batch: StepBatch,
              rope: tuple[torch.Tensor, torch.Tensor] | None, pools: StatePools, ops: KernelOps) -> torch.Tensor:
@@ -101,6 +113,9 @@ class DecoderLayer(nn.Module):
         if isinstance(module, Attention):
             i = self.attn_index
             return module(x, batch, rope, pools.k[i], pools.v[i], ops)
+        if isinstance(module, GatedDeltaNet):
+            i = self.gdn_index
+            return module(x, batch, pools.states["gdn_conv"][i], pools.states["gdn_state"][i], ops)
         return module(x)
 
     def forward(
@@ -138,7 +153,8 @@ class HybridModel(nn.Module):
         self.embed_tokens = nn.Module()
         self.embed_tokens.weight = _empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype, device, tp) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, cfg.norm_fp32_weight)
+        self.norm = make_norm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, cfg.norm_unit_offset,
+                              cfg.norm_fp32_weight)
 
 
 class HybridForCausalLM(nn.Module):
@@ -220,7 +236,7 @@ class HybridForCausalLM(nn.Module):
     def forward_step(
         self, batch: StepBatch, pools: StatePools, ops: KernelOps, want_logits: bool = True
     ) -> torch.Tensor:
-        """Run every layer over the step's rows, writing KV and advancing Mamba state in place.
+        """Run every layer over the step's rows, writing KV and advancing recurrent state in place.
         Returns float32 logits [len(batch.logit_rows), vocab] (already scaled); with
         `want_logits=False` (ranks that do not sample) the LM head is skipped: [0, vocab]."""
         cfg = self.cfg

@@ -71,6 +71,13 @@ def linear(
     return out if bias is None else out + bias
 
 
+def silu(x: torch.Tensor, exact: bool = False) -> torch.Tensor:
+    """SiLU; `exact` (the deterministic mode) takes it in float64 and rounds: float32 SIMD and scalar
+    tails differ in the last bit, and where a row's elements fall relative to the tail depends on
+    the row count whenever the width is not a multiple of the vector length."""
+    return F.silu(x.double()).to(x.dtype) if exact else F.silu(x)
+
+
 def expert_groups(idx: torch.Tensor, num_experts: int) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
     """Top-k routing choices idx [T, k] grouped by expert, in expert order: (expert, positions in the
     flattened idx, the token of each position); experts nobody chose are skipped."""
@@ -178,6 +185,29 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
+class UnitOffsetRMSNorm(nn.Module):
+    """Zero-centred RMSNorm (Qwen3-Next / Qwen3.5): (x / rms(x) * (1 + weight)) in float32, cast back
+    to x's dtype; the weight is stored around 0."""
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.weight = _empty(size, dtype=dtype, device=device)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * (1.0 + self.weight.float())).to(x.dtype)
+
+
+def make_norm(size: int, eps: float, dtype: torch.dtype, device: torch.device, unit_offset: bool = False,
+              fp32_weight: bool = False) -> nn.Module:
+    """The residual-stream (and q/k) norm of a family: zero-centred with `unit_offset`, else RMSNorm."""
+    if unit_offset:
+        return UnitOffsetRMSNorm(size, eps, dtype, device)
+    return RMSNorm(size, eps, dtype, device, fp32_weight)
+
+
 class GatedRMSNorm(nn.Module):
     """Mamba2 output norm: RMSNorm(y * silu(z)) computed per group of `size // groups` channels;
     with `before_gate`, RMSNorm(y) * silu(z) (Falcon-H1's `mamba_norm_before_gate`)."""
@@ -249,12 +279,13 @@ class SplitGatedMLP(nn.Module):
         self.up_proj = Linear(hidden, inner, bias=bias, dtype=dtype, device=device)
         self.down_proj = Linear(inner, hidden, bias=bias, dtype=dtype, device=device)
         self.gate_mult, self.down_mult = gate_mult, down_mult
+        self.min_rows = 0  # MIN_GEMM_ROWS in the deterministic mode: the SiLU is then exact (see `silu`)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate = self.gate_proj(x)
         if self.gate_mult != 1.0:
             gate = gate * self.gate_mult
-        out = self.down_proj(F.silu(gate) * self.up_proj(x))
+        out = self.down_proj(silu(gate, bool(self.min_rows)) * self.up_proj(x))
         return out if self.down_mult == 1.0 else out * self.down_mult
 
     def shard_spec(self, sub: str) -> ShardSpec | None:

@@ -11,6 +11,10 @@ The rules (N = tp size, r = rank):
 - Gated RMSNorm is grouped by n_groups: when N divides n_groups each rank holds whole norm
   groups and normalises locally; otherwise a norm group spans ranks and the per-group sums of
   squares are all-reduced before normalising (exact, every rank gets the same statistics).
+- Gated DeltaNet: key heads split evenly, each rank with the value heads that read them (value
+  head j reads key head j // (v_heads / k_heads)): their q/k/v conv channels, z, b, a, A_log and
+  dt_bias; the per-head output norm is replicated, out_proj row-parallel.
+- Gated attention (output gate): q_proj's rows are [query | gate] per head, split by whole heads.
 - MLPs (fused or split gated, relu2) and MoE experts: split on the intermediate dimension (gate
   and up halves each); routers and Nemotron-H's latent projections are replicated. A sublayer's
   MLP + MoE partial sums are all-reduced once (worker_proc.model.hybrid).
@@ -33,7 +37,7 @@ from worker_proc.model.config import HybridConfig
 from worker_proc.model.layers import Linear, _empty
 from worker_proc.model.shard import Range, ShardSpec, TPInfo, column_spec
 
-__all__ = ["AttnShard", "MambaShard", "Range", "ShardSpec", "SpanGatedRMSNorm", "TPInfo", "column_spec",
+__all__ = ["AttnShard", "GdnShard", "MambaShard", "Range", "ShardSpec", "SpanGatedRMSNorm", "TPInfo", "column_spec",
            "row_parallel"]
 
 @dataclass(frozen=True)
@@ -101,12 +105,65 @@ class MambaShard:
         return self.inner + 2 * self.group_dim
 
 
+@dataclass(frozen=True)
+class GdnShard:
+    k_heads: int  # local key heads [k_start, k_start + k_heads)
+    k_start: int
+    v_heads: int  # local value heads [v_start, v_start + v_heads)
+    v_start: int
+    k_dim: int
+    v_dim: int
+
+    @staticmethod
+    def of(cfg: HybridConfig, rank: int, size: int) -> GdnShard:
+        if not cfg.gdn_layer_ids:
+            return GdnShard(0, 0, 0, 0, cfg.gdn_k_dim, cfg.gdn_v_dim)
+        kh = cfg.gdn_k_heads // size
+        vh = kh * (cfg.gdn_v_heads // cfg.gdn_k_heads)
+        return GdnShard(kh, rank * kh, vh, rank * vh, cfg.gdn_k_dim, cfg.gdn_v_dim)
+
+    @property
+    def key_dim(self) -> int:
+        return self.k_heads * self.k_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.v_heads * self.v_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.key_dim + self.value_dim
+
+
+def gdn_spec(cfg: HybridConfig, s: GdnShard, sub: str) -> ShardSpec | None:
+    """This rank's slice of a Gated DeltaNet tensor (both projection layouts)."""
+    key_all = cfg.gdn_k_heads * cfg.gdn_k_dim
+    q = (s.k_start * s.k_dim, s.k_start * s.k_dim + s.key_dim)
+    v = (s.v_start * s.v_dim, s.v_start * s.v_dim + s.value_dim)
+    heads = (s.v_start, s.v_start + s.v_heads)
+    qkv = (q, (q[0] + key_all, q[1] + key_all), (v[0] + 2 * key_all, v[1] + 2 * key_all))
+    per_k = s.v_heads // max(s.k_heads, 1)  # value heads per key head
+    group = 2 * s.k_dim + 2 * per_k * s.v_dim  # in_proj_qkvz rows of one key head
+    k_heads = (s.k_start, s.k_start + s.k_heads)
+    table = {
+        "conv1d.weight": (0, qkv), "in_proj_qkv.weight": (0, qkv), "in_proj_z.weight": (0, (v,)),
+        "in_proj_b.weight": (0, (heads,)), "in_proj_a.weight": (0, (heads,)),
+        "in_proj_qkvz.weight": (0, ((k_heads[0] * group, k_heads[1] * group),)),
+        "in_proj_ba.weight": (0, ((k_heads[0] * 2 * per_k, k_heads[1] * 2 * per_k),)),
+        "A_log": (0, (heads,)), "dt_bias": (0, (heads,)), "out_proj.weight": (1, (v,)),
+    }
+    hit = table.get(sub)
+    return None if hit is None else ShardSpec(*hit)
+
+
 def attn_spec(cfg: HybridConfig, s: AttnShard, sub: str) -> ShardSpec | None:
     hd = cfg.head_dim
-    q = ((s.head_start * hd, (s.head_start + s.heads) * hd),)
+    qd = 2 * hd if cfg.attn_output_gate else hd  # q_proj rows per head ([query | gate] when gated)
+    q = ((s.head_start * qd, (s.head_start + s.heads) * qd),)
+    o = ((s.head_start * hd, (s.head_start + s.heads) * hd),)
     kv = ((s.kv_start * hd, (s.kv_start + s.kv_heads) * hd),)
     table = {"q_proj.weight": (0, q), "q_proj.bias": (0, q), "k_proj.weight": (0, kv), "k_proj.bias": (0, kv),
-             "v_proj.weight": (0, kv), "v_proj.bias": (0, kv), "o_proj.weight": (1, q)}
+             "v_proj.weight": (0, kv), "v_proj.bias": (0, kv), "o_proj.weight": (1, o)}
     hit = table.get(sub)
     return None if hit is None else ShardSpec(*hit)
 

@@ -1,0 +1,118 @@
+"""The gated delta rule behind `KernelOps` (`gdn_prefill`, `gdn_decode`): which implementation runs.
+
+`ReferenceGdn` is the pure-torch form (worker_proc.kernels.gated_delta) and runs on every device;
+`FastGdn` (the `fast` CPU kernels' choice) advances each decode request's pool row in place instead
+of gathering and scattering the states (a Qwen3.5 state is 1 MiB per layer and request); `FlaGdn`
+calls flash-linear-attention's Triton kernels (the optional `fla-core` package, extra `hyssm[fla]`).
+`gdn_backend` picks FlaGdn on CUDA when `fla` imports, else a pure-torch one (logged). All read and
+write the recurrent-state pool only at the slots they are given; the state is float32; q and k
+arrive L2-normalised and expanded to one head per value head, q not yet scaled.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import Tensor
+
+from worker_proc.kernels.gated_delta import CHUNK_SIZE, gated_delta_chunked, gated_delta_step
+
+logger = logging.getLogger(__name__)
+
+
+class ReferenceGdn:
+    """Pure torch; chunked prefill (`CHUNK_SIZE`), batched single-step decode."""
+
+    name = "reference"
+
+    def prefill(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float, state_pool: Tensor,
+                slot: int) -> Tensor:  # fmt: skip
+        o, final = gated_delta_chunked(q, k, v, g, beta, scale, state_pool[slot], CHUNK_SIZE)
+        state_pool[slot].copy_(final)
+        return o
+
+    def decode(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float, state_pool: Tensor,
+               slots: Tensor) -> Tensor:  # fmt: skip
+        o, new_state = gated_delta_step(state_pool.index_select(0, slots), q, k, v, g, beta, scale)
+        state_pool.index_copy_(0, slots, new_state)
+        return o
+
+
+class FastGdn(ReferenceGdn):
+    """The reference prefill; decode updates each request's state row in place with batched matrix
+    products over the heads: S *= exp(g); u = beta (v - Sᵀk); S += k uᵀ; o = Sᵀ(scale q).
+    Not batch invariant by contract (the deterministic mode runs ReferenceGdn)."""
+
+    name = "fast"
+
+    def decode(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float, state_pool: Tensor,
+               slots: Tensor) -> Tensor:  # fmt: skip
+        decay = g.float().exp()[..., None, None]  # [Bt, H, 1, 1]
+        kf, qs, vf, bf = k.float()[:, :, None, :], (q.float() * scale)[:, :, None, :], v.float(), beta.float()
+        o = torch.empty_like(vf)
+        for i, slot in enumerate(slots.tolist()):
+            state = state_pool[slot]  # [H, Dk, Dv] view of the pool row
+            state.mul_(decay[i])
+            u = (vf[i] - torch.bmm(kf[i], state)[:, 0]) * bf[i][:, None]  # [H, Dv]
+            state.baddbmm_(kf[i].transpose(1, 2), u[:, None, :])
+            torch.bmm(qs[i], state, out=o[i][:, None, :])
+        return o
+
+
+class FlaGdn:
+    """flash-linear-attention's `chunk_gated_delta_rule` (prefill) and
+    `fused_recurrent_gated_delta_rule` (decode). q, k and v go in the model dtype (v's: bf16 on a
+    bf16 model, fp32 on an fp32 one), g and beta in float32; the kernels accumulate in float32 and
+    read and return the float32 [N, Hv, Dk, Dv] state. Raises ImportError without `fla`."""
+
+    name = "fla"
+
+    def __init__(self) -> None:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+
+        self._chunk = chunk_gated_delta_rule
+        self._recurrent = fused_recurrent_gated_delta_rule
+
+    def prefill(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float, state_pool: Tensor,
+                slot: int) -> Tensor:  # fmt: skip
+        dt, f = v.dtype, torch.float32
+        o, final = self._chunk(q[None].to(dt), k[None].to(dt), v[None], g[None].to(f), beta[None].to(f),
+                               scale=scale, initial_state=state_pool[slot : slot + 1], output_final_state=True)
+        state_pool[slot].copy_(final[0])
+        return o[0].float()
+
+    def decode(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float, state_pool: Tensor,
+               slots: Tensor) -> Tensor:  # fmt: skip
+        dt, f = v.dtype, torch.float32
+        o, final = self._recurrent(q[:, None].to(dt), k[:, None].to(dt), v[:, None], g[:, None].to(f),
+                                   beta[:, None].to(f), scale=scale, initial_state=state_pool.index_select(0, slots),
+                                   output_final_state=True)
+        state_pool.index_copy_(0, slots, final.float())
+        return o[:, 0].float()
+
+
+def gdn_backend(device: torch.device | str, fast: bool = False) -> ReferenceGdn | FlaGdn:
+    """FlaGdn on CUDA when `fla` imports, else the pure-torch kernels: FastGdn with `fast` (the
+    `fast` CPU ops), ReferenceGdn otherwise."""
+    if torch.device(device).type != "cuda":
+        return FastGdn() if fast else ReferenceGdn()
+    try:
+        return FlaGdn()
+    except ImportError as exc:
+        logger.info("fla-core not importable (%s): Gated DeltaNet layers use the pure-torch kernels", exc)
+        return ReferenceGdn()
+
+
+class GdnMethods:
+    """The `KernelOps` gated-delta methods, delegated to `self.gdn` (a backend above)."""
+
+    gdn: ReferenceGdn | FlaGdn = ReferenceGdn()
+
+    def gdn_prefill(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
+                    state_pool: Tensor, slot: int) -> Tensor:  # fmt: skip
+        return self.gdn.prefill(q, k, v, g, beta, scale, state_pool, slot)
+
+    def gdn_decode(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
+                   state_pool: Tensor, slots: Tensor) -> Tensor:  # fmt: skip
+        return self.gdn.decode(q, k, v, g, beta, scale, state_pool, slots)

@@ -1,0 +1,151 @@
+"""Qwen3-Next and Qwen3.5 (dense and MoE): Gated DeltaNet hybrids.
+
+Architectures: `Qwen3NextForCausalLM`, `Qwen3_5ForCausalLM`, `Qwen3_5MoeForCausalLM`, and the
+multimodal wrappers the Qwen3.5 checkpoints ship as (`Qwen3_5ForConditionalGeneration`,
+`Qwen3_5MoeForConditionalGeneration`): of those only the text model is loaded (`text_config`,
+tensors `model.language_model.*` mapped onto `model.*`; the vision tower `model.visual.*` and the
+MTP layers `mtp.*` are skipped, logged by the loader); image and video inputs are not served.
+
+Every layer: zero-centred RMSNorm (x̂ * (1 + w)) `input_layernorm` -> mixer -> residual, then
+`post_attention_layernorm` -> `mlp` -> residual. The mixer (`layer_types`: "linear_attention" or
+"full_attention"; else every `full_attention_interval`-th layer is attention) is a Gated DeltaNet
+(`linear_attn`, worker_proc.model.gated_deltanet; Qwen3-Next's fused in_proj_qkvz / in_proj_ba or
+Qwen3.5's split projections) or gated attention (`self_attn`: output gate, zero-centred q/k
+RMSNorm, RoPE on the first `partial_rotary_factor` of each head, scale 1/sqrt(head_dim)). The `mlp`
+is the sparse MoE with a sigmoid-gated shared expert (worker_proc.model.qwen_moe) where
+num_experts > 0, the layer is not in `mlp_only_layers` and (layer + 1) % decoder_sparse_step == 0
+(Qwen3.5-MoE: every layer, normalised top-k), else a split gated SiLU MLP (`intermediate_size`).
+The final norm is zero-centred too.
+"""
+
+from __future__ import annotations
+
+from worker_proc.model.config import (
+    Block,
+    HybridConfig,
+    Sublayer,
+    check_act,
+    check_attention,
+    max_positions,
+    num,
+    rope_theta,
+    rotary_fraction,
+)
+from worker_proc.model.families.common import NO_GRANITE_MLP, UNIT_SCALARS, dtype_name
+
+WRAPPERS = ("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration")
+MOE_EVERY_LAYER = ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration")
+FUSED_PROJ = ("Qwen3NextForCausalLM",)
+_KINDS = {"linear_attention": "gdn", "full_attention": "attention"}
+NO_MAMBA = dict(
+    mamba_n_heads=0, mamba_n_groups=1, mamba_d_state=0, mamba_d_head=0, mamba_d_conv=0, mamba_intermediate=0,
+    mamba_chunk_size=1, mamba_conv_bias=False, mamba_proj_bias=False, time_step_limit=(0.0, float("inf")),
+)
+
+
+def text_config(cfg: dict) -> dict:
+    """The text model's fields: `text_config` of a multimodal wrapper (with the wrapper's fields it
+    lacks), else the config itself."""
+    text = cfg.get("text_config")
+    if not isinstance(text, dict):
+        return cfg
+    return {**{k: v for k, v in cfg.items() if k != "text_config"}, **text}
+
+
+def layer_kinds(cfg: dict) -> tuple[str, ...]:
+    cfg = text_config(cfg)
+    n = int(cfg["num_hidden_layers"])
+    raw = cfg.get("layer_types")
+    if raw is None:
+        interval = int(cfg.get("full_attention_interval") or 4)
+        raw = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(n)]
+    bad = [t for t in raw if t not in _KINDS]
+    if bad:
+        raise ValueError(f"unknown layer_types entry {bad[0]!r} (one of {', '.join(_KINDS)})")
+    if len(raw) != n:
+        raise ValueError(f"{len(raw)} layer_types for num_hidden_layers={n}")
+    return tuple(_KINDS[t] for t in raw)
+
+
+def context(cfg: dict) -> int:
+    return max_positions(text_config(cfg))
+
+
+def _gdn_fields(cfg: dict, arch: str) -> dict:
+    k_heads, v_heads = int(cfg.get("linear_num_key_heads", 16)), int(cfg.get("linear_num_value_heads", 32))
+    if k_heads <= 0 or v_heads % k_heads:
+        raise ValueError(f"linear_num_key_heads {k_heads} does not divide linear_num_value_heads {v_heads}")
+    return dict(
+        gdn_k_heads=k_heads, gdn_v_heads=v_heads, gdn_k_dim=int(cfg.get("linear_key_head_dim", 128)),
+        gdn_v_dim=int(cfg.get("linear_value_head_dim", 128)), gdn_d_conv=int(cfg.get("linear_conv_kernel_dim", 4)),
+        gdn_fused_proj=arch in FUSED_PROJ,
+    )
+
+
+def _attention_fields(cfg: dict) -> dict:
+    heads = int(cfg["num_attention_heads"])
+    kv_heads = int(cfg.get("num_key_value_heads") or heads)
+    check_attention(heads, kv_heads)
+    head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
+    rotary = int(head_dim * rotary_fraction(cfg, 0.25))
+    if rotary % 2 or not 0 < rotary <= head_dim:
+        raise ValueError(f"partial_rotary_factor gives {rotary} rotary channels of head_dim {head_dim}")
+    return dict(
+        num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, attention_bias=bool(cfg.get("attention_bias")),
+        attention_multiplier=head_dim**-0.5, rope_theta=rope_theta(cfg, True), rotary_dim=rotary,
+        attn_output_gate=True, attn_qk_norm=True,
+    )
+
+
+def _mlp_blocks(cfg: dict, arch: str, n: int) -> tuple[tuple[Block, ...], dict]:
+    """The `mlp` block of every layer and the MoE fields."""
+    experts = int(cfg.get("num_experts") or 0)
+    dense = Block("gated_mlp", "mlp", int(cfg.get("intermediate_size") or 0), "intermediate_size")
+    if not experts:
+        return (dense,) * n, dict(num_experts=0, num_experts_per_tok=0)
+    top_k = int(cfg.get("num_experts_per_tok") or 0)
+    if not 0 < top_k <= experts:
+        raise ValueError(f"num_experts_per_tok {top_k} must be in [1, num_experts={experts}]")
+    moe = Block("shared_gate_moe", "mlp", int(cfg["moe_intermediate_size"]), "moe_intermediate_size")
+    if arch in MOE_EVERY_LAYER:
+        only, step, norm_topk = set(), 1, True
+    else:
+        only = {int(i) for i in cfg.get("mlp_only_layers") or ()}
+        step, norm_topk = int(cfg.get("decoder_sparse_step") or 1), bool(cfg.get("norm_topk_prob", True))
+    blocks = tuple(moe if i not in only and (i + 1) % step == 0 else dense for i in range(n))
+    fields = dict(num_experts=experts, num_experts_per_tok=top_k, moe_norm_topk_prob=norm_topk,
+                  moe_shared_size=int(cfg.get("shared_expert_intermediate_size") or 0))
+    return blocks, fields
+
+
+def parse(raw: dict, arch: str) -> HybridConfig:
+    cfg = text_config(raw)
+    check_act(cfg, "hidden_act", "silu")
+    kinds = layer_kinds(cfg)
+    mlps, moe_fields = _mlp_blocks(cfg, arch, len(kinds))
+    mixers = {"gdn": Block("gdn", "linear_attn"), "attention": Block("attention", "self_attn")}
+    specs = tuple(
+        (Sublayer("input_layernorm", (mixers[k],)), Sublayer("post_attention_layernorm", (mlp,)))
+        for k, mlp in zip(kinds, mlps, strict=True)
+    )
+    wrapper = arch in WRAPPERS
+    return HybridConfig(
+        architecture=arch,
+        vocab_size=int(cfg["vocab_size"]),
+        hidden_size=int(cfg["hidden_size"]),
+        layer_kinds=kinds,
+        rms_norm_eps=num(cfg, "rms_norm_eps", 1e-6),
+        max_position_embeddings=max_positions(cfg),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", cfg.get("tie_word_embeddings", False))),
+        torch_dtype=dtype_name(cfg),
+        layer_specs=specs,
+        norm_unit_offset=True,
+        renames=((r"^model\.language_model\.", "model."),) if wrapper else (),
+        ignored_prefixes=("mtp.", "model.visual.") if wrapper else ("mtp.",),
+        **moe_fields,
+        **_gdn_fields(cfg, arch),
+        **_attention_fields(cfg),
+        **NO_MAMBA,
+        **NO_GRANITE_MLP,
+        **UNIT_SCALARS,
+    )

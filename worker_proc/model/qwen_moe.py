@@ -1,0 +1,88 @@
+"""The sparse MoE of Qwen3-Next / Qwen3.5-MoE (`mlp.gate`, `mlp.experts`, `mlp.shared_expert`,
+`mlp.shared_expert_gate`).
+
+Routing, per token: p = softmax(x @ gate.weightᵀ) over all experts in float32; the top-k experts
+are taken with weights p (renormalised to sum 1 with `norm_topk_prob`), cast to the model dtype.
+Experts are split gated SiLU MLPs (per-expert checkpoint tensors `experts.<j>.gate_proj|up_proj|
+down_proj.weight`, stacked by the loader into [E, I, H] / [E, H, I]). The shared expert (a split
+gated MLP) is scaled per token by sigmoid(shared_expert_gate(x)) and added. Tensor parallelism:
+expert and shared-expert widths are split, the router and the shared gate replicated; the output is
+this rank's partial sum (the per-token gate is the same on every rank, so it commutes with the
+all-reduce the decoder does).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from worker_proc.model.config import HybridConfig
+from worker_proc.model.layers import Linear, SplitGatedMLP, _empty, expert_groups, linear, silu
+from worker_proc.model.shard import ShardSpec, TPInfo, column_spec
+
+
+class Experts(nn.Module):
+    def __init__(self, experts: int, inner: int, hidden: int, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.gate_proj = _empty(experts, inner, hidden, dtype=dtype, device=device)
+        self.up_proj = _empty(experts, inner, hidden, dtype=dtype, device=device)
+        self.down_proj = _empty(experts, hidden, inner, dtype=dtype, device=device)
+
+
+class SharedGateMoE(nn.Module):
+    reduced = False
+
+    def __init__(self, cfg: HybridConfig, inner: int, dtype: torch.dtype, device: torch.device, tp: TPInfo) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tp = tp
+        hidden = cfg.hidden_size
+        self.gate = nn.Module()
+        self.gate.weight = _empty(cfg.num_experts, hidden, dtype=dtype, device=device)
+        self.experts = Experts(cfg.num_experts, inner // tp.size, hidden, dtype, device)
+        self.shared_expert: SplitGatedMLP | None = None
+        self.shared_expert_gate: Linear | None = None
+        if cfg.moe_shared_size:
+            self.shared_expert = SplitGatedMLP(hidden, cfg.moe_shared_size // tp.size, False, dtype, device, tp)
+            self.shared_expert_gate = Linear(hidden, 1, bias=False, dtype=dtype, device=device)
+        self.min_rows = 0  # MIN_GEMM_ROWS in the deterministic mode (see `linear`)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(top-k expert ids [T, k], their weights [T, k] in x's dtype)."""
+        logits = linear(x, self.gate.weight, min_rows=self.min_rows)
+        probs = logits.float().softmax(dim=-1)
+        top, idx = probs.topk(self.cfg.num_experts_per_tok, dim=-1)
+        if self.cfg.moe_norm_topk_prob:
+            top = top / top.sum(dim=-1, keepdim=True)
+        return idx, top.to(x.dtype)
+
+    def _shared_gate_logit(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ shared_expert_gate.weightᵀ [T, 1]. In the deterministic mode a row-wise dot product: a
+        one-column GEMM's rounding depends on the row count on CPU, which MIN_GEMM_ROWS padding does not
+        fix. The sigmoid after it is taken in float64 (float32 SIMD and scalar tails differ)."""
+        assert self.shared_expert_gate is not None
+        if not self.min_rows:
+            return self.shared_expert_gate(x)
+        return (x * self.shared_expert_gate.weight[0]).sum(-1, keepdim=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        idx, weights = self.route(x)
+        out = torch.zeros_like(x)
+        e = self.experts
+        for expert, sel, tokens in expert_groups(idx, self.cfg.num_experts):
+            xs = x[tokens]
+            h = silu(linear(xs, e.gate_proj[expert], min_rows=self.min_rows), bool(self.min_rows))
+            h = linear(h * linear(xs, e.up_proj[expert], min_rows=self.min_rows), e.down_proj[expert],
+                       min_rows=self.min_rows)  # fmt: skip
+            out.index_add_(0, tokens, h * weights.flatten()[sel][:, None])
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            gate = torch.sigmoid(self._shared_gate_logit(x).double()).to(x.dtype)
+            out = out + gate * self.shared_expert(x)
+        return out
+
+    def shard_spec(self, sub: str) -> ShardSpec | None:
+        if sub.startswith("shared_expert.") and self.shared_expert is not None:
+            return self.shared_expert.shard_spec(sub.removeprefix("shared_expert."))
+        inner = self.experts.down_proj.shape[2]
+        return column_spec(self.tp, sub, inner, ("experts.gate_proj", "experts.up_proj"), ("experts.down_proj",),
+                           lead=1)
