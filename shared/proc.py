@@ -21,7 +21,6 @@ import signal
 import sys
 import threading
 import traceback
-from collections.abc import MutableMapping
 
 import zmq
 
@@ -78,17 +77,6 @@ def _forward_sigterm_to(launcher_pid: int) -> None:
     signal.signal(signal.SIGTERM, forward)
 
 
-def openmp_environment(environ: MutableMapping[str, str]) -> None:
-    """A worker's OpenMP threads sleep when a parallel region ends instead of spinning for their next
-    one (OMP_WAIT_POLICY=PASSIVE, unless the environment already says otherwise). Spinning threads
-    take the core from whatever else runs on it (the tokenizer and scheduler answering requests,
-    another replica), and a parallel region then waits for its descheduled thread: measured on the
-    2-core CI machine under load, decode steps were 3-20x slower spinning than sleeping. libgomp reads
-    the variable when torch loads, so this runs before the worker imports torch (shared.proc and
-    launch.py import no torch: tests/worker/test_thread_policy.py)."""
-    environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-
 def child_main(kind: str, args_bytes: bytes, rank: int | None = None) -> None:
     """Entry of every child process (target of multiprocessing.Process)."""
     args = ServerArgs.from_bytes(args_bytes)
@@ -105,8 +93,6 @@ def child_main(kind: str, args_bytes: bytes, rank: int | None = None) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if kind != "tokenizer":  # the tokenizer's own SIGTERM handling is its graceful stop
         _forward_sigterm_to(os.getppid())
-    if kind == "worker":
-        openmp_environment(os.environ)
     module = importlib.import_module(_ENTRIES[kind])
     try:
         if rank is None:

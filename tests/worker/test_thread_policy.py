@@ -2,15 +2,8 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
 from shared.config import ServerArgs
-from shared.proc import openmp_environment
 from worker_proc.process import SMALL_MODEL_HIDDEN, cpu_threads
-
-REPO = Path(__file__).resolve().parents[2]
 
 BIG = SMALL_MODEL_HIDDEN * 2
 
@@ -32,16 +25,3 @@ def test_small_models_run_one_thread_unless_told() -> None:
     assert cpu_threads(ServerArgs(), cores=16, hidden_size=SMALL_MODEL_HIDDEN - 1) == 1
     assert cpu_threads(ServerArgs(cpu_threads=3), cores=16, hidden_size=128) == 3
     assert cpu_threads(ServerArgs(cpu_threads=3), cores=16, hidden_size=BIG) == 3
-
-
-def test_workers_get_passive_openmp_waiting_before_torch_loads() -> None:
-    env: dict[str, str] = {}
-    openmp_environment(env)
-    assert env == {"OMP_WAIT_POLICY": "PASSIVE"}
-    env = {"OMP_WAIT_POLICY": "ACTIVE"}  # the user's choice stays
-    openmp_environment(env)
-    assert env["OMP_WAIT_POLICY"] == "ACTIVE"
-    # the variable only works if torch (libgomp) is not loaded yet when child_main sets it
-    code = "import sys, launch, shared.proc; sys.exit(int('torch' in sys.modules))"
-    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, timeout=60, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr or "launch.py or shared.proc imports torch"
