@@ -9,10 +9,10 @@ import signal
 import threading
 import time
 
-import httpx
 import pytest
 
 from tests.e2e.server import Server, group_pids, wait_group_empty
+from tests.long_request import LongRequest
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -32,50 +32,12 @@ def find_process(server: Server, title: str) -> int:
     raise LookupError(f"no process titled {title!r} in {group_pids(server.pgid)}")
 
 
-class Client:
-    """One request in a thread; records how it ended and when."""
-
-    def __init__(self, server: Server, stream: bool, started: threading.Semaphore) -> None:
-        self.server, self.stream, self.started = server, stream, started
-        self.outcome = ""
-        self.ended_at = 0.0
-
-    def __call__(self) -> None:
-        body = {
-            "input_ids": list(range(1, 30)),
-            "stream": self.stream,
-            "sampling_params": {"max_new_tokens": 3000, "temperature": 0, "ignore_eos": True},
-        }
-        try:
-            with httpx.Client(base_url=self.server.url, timeout=60) as c:
-                if self.stream:
-                    with c.stream("POST", "/generate", json=body) as r:
-                        done = False
-                        for line in r.iter_lines():
-                            done = done or line == "data: [DONE]"
-                            if line.startswith("data: ") and '"error"' in line:
-                                self.outcome = "error-event"
-                            elif line.startswith("data: ") and not self.outcome:
-                                self.outcome = "streaming"
-                                self.started.release()
-                    if not (self.outcome == "error-event" and done):
-                        self.outcome = "closed"
-                else:
-                    self.started.release()
-                    r = c.post("/generate", json=body)
-                    has_error_body = r.status_code != 200 and "error" in r.json()
-                    self.outcome = f"http-{r.status_code}" + ("" if has_error_body else "-without-error-body")
-        except httpx.HTTPError as e:
-            self.outcome = f"closed:{type(e).__name__}"
-        self.ended_at = time.monotonic()
-
-
 def _run_fault(extra: list[str], title: str, sig: int = signal.SIGKILL) -> None:
     server = Server(["--fault-delay-step-s", "0.02", *extra])
     try:
         server.wait_ready()
         started = threading.Semaphore(0)
-        clients = [Client(server, stream=i % 2 == 0, started=started) for i in range(16)]
+        clients = [LongRequest(server.url, stream=i % 2 == 0, started=started) for i in range(16)]
         with cf.ThreadPoolExecutor(16) as pool:
             futures = [pool.submit(c) for c in clients]
             for _ in clients:

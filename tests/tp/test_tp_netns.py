@@ -10,12 +10,12 @@ import concurrent.futures as cf
 import threading
 import time
 from collections.abc import Iterator
-from typing import Any
 
 import httpx
 import pytest
 
 from tests.e2e.server import DETERMINISTIC, Server, group_pids, wait_group_empty
+from tests.long_request import LongRequest
 from tests.tp.netns import ADDR_A, HostPair, enter, skip_unless_netns_possible
 from tests.tp.test_tp_serving import Case, expected, runner  # noqa: F401 - the module's fixtures
 
@@ -86,40 +86,6 @@ def test_two_nodes_across_network_namespaces(hosts: HostPair, expected: list[Cas
     assert hosts.pids(hosts.ns_a) == [] and hosts.pids(hosts.ns_b) == []
 
 
-class Client:
-    """One long generation from inside namespace A; records how it ended and when."""
-
-    def __init__(self, url: str, stream: bool, started: threading.Semaphore) -> None:
-        self.url, self.stream, self.started = url, stream, started
-        self.outcome = ""
-        self.ended_at = 0.0
-
-    def __call__(self) -> None:
-        body: dict[str, Any] = {"input_ids": list(range(3, 40)), "stream": self.stream,
-                                "sampling_params": {"max_new_tokens": 3000, "temperature": 0, "ignore_eos": True}}
-        try:
-            with httpx.Client(base_url=self.url, timeout=60) as c:
-                if self.stream:
-                    with c.stream("POST", "/generate", json=body) as r:
-                        done = False
-                        for line in r.iter_lines():
-                            done = done or line == "data: [DONE]"
-                            if line.startswith("data: ") and '"error"' in line:
-                                self.outcome = "error-event"
-                            elif line.startswith("data: {") and not self.outcome:
-                                self.outcome = "streaming"
-                                self.started.release()
-                    if not (self.outcome == "error-event" and done):
-                        self.outcome = f"ended-after-{self.outcome or 'nothing'}"
-                else:
-                    self.started.release()
-                    r = c.post("/generate", json=body)
-                    self.outcome = f"http-{r.status_code}" + ("" if "error" in r.json() else "-without-error")
-        except httpx.HTTPError as e:
-            self.outcome = f"closed:{type(e).__name__}"
-        self.ended_at = time.monotonic()
-
-
 def test_partition_mid_generation(hosts: HostPair) -> None:
     """The link goes down while 8 generations run: each client gets its error (an error event
     then [DONE], or a 503 JSON body) within the watchdog, node 0 exits non-zero (its watchdog),
@@ -128,7 +94,7 @@ def test_partition_mid_generation(hosts: HostPair) -> None:
     node0, node1 = start_nodes(hosts, ["--watchdog-timeout", str(WATCHDOG_S)])
     try:
         started = threading.Semaphore(0)
-        clients = [Client(node0.url, stream=i % 2 == 0, started=started) for i in range(8)]
+        clients = [LongRequest(node0.url, stream=i % 2 == 0, started=started) for i in range(8)]
         with pool_in(hosts.ns_a, len(clients)) as pool:
             futures = [pool.submit(c) for c in clients]
             for _ in clients:
