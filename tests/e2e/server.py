@@ -6,6 +6,7 @@ Every process of one launch shares the process group created for launch.py
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import signal
@@ -129,15 +130,7 @@ class Server:
         return self.proc.returncode
 
     def kill_group(self) -> None:
-        try:
-            os.killpg(self.pgid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            pass
-        wait_group_empty(self.pgid, 10)
+        kill_group(self.proc, self.pgid)
 
 
 @contextmanager
@@ -148,3 +141,30 @@ def running_server(extra_args: list[str], ready_timeout: float = 120.0, **kw: ob
         yield server
     finally:
         server.stop()
+
+
+async def generate_concurrently(server: Server, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """Greedy `n`-token generations of all `prompts` at once; their output ids, in order."""
+    async with httpx.AsyncClient(base_url=server.url, timeout=300) as client:
+
+        async def one(ids: list[int]) -> list[int]:
+            body = {"input_ids": ids, "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}}
+            r = await client.post("/generate", json=body)
+            assert r.status_code == 200, r.text
+            return r.json()["output_ids"]
+
+        return await asyncio.gather(*(one(p) for p in prompts))
+
+
+def kill_group(proc: subprocess.Popen, pgid: int) -> None:
+    """SIGKILL every process of the group `pgid` that `proc` leads, reap `proc`, and wait until the
+    group is empty."""
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        pass
+    wait_group_empty(pgid, 10)

@@ -11,10 +11,9 @@ from __future__ import annotations
 import asyncio
 import random
 
-import httpx
 import pytest
 
-from tests.e2e.server import DETERMINISTIC, Server, running_server
+from tests.e2e.server import DETERMINISTIC, generate_concurrently, running_server
 from tests.e2e.test_families import greedy, model_dir
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
@@ -49,18 +48,6 @@ def test_gdn_serves_with_branch_point_prefix_hits(tmp_path, name: str) -> None:
     assert info["scheduler"]["server"]["prefix_state_hit_tokens"] >= 2 * (SYSTEM - CHUNK)
 
 
-async def _concurrent(server: Server, prompts: list[list[int]], n: int) -> list[list[int]]:
-    async with httpx.AsyncClient(base_url=server.url, timeout=300) as client:
-
-        async def one(ids: list[int]) -> list[int]:
-            body = {"input_ids": ids, "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}}
-            r = await client.post("/generate", json=body)
-            assert r.status_code == 200, r.text
-            return r.json()["output_ids"]
-
-        return await asyncio.gather(*(one(p) for p in prompts))
-
-
 def test_gdn_memory_pressure_completes_identically(tmp_path) -> None:
     from tests.model_driver import generate_greedy
     from worker_proc.runtime import ModelRunner
@@ -75,7 +62,7 @@ def test_gdn_memory_pressure_completes_identically(tmp_path) -> None:
             "--max-running-requests", "8", "--chunked-prefill-size", "32", "--max-prefill-tokens", "96",
             "--fault-refuse-cow-fraction", "0.2", "--disable-prompt-checkpoint"]
     with running_server([*args, *DETERMINISTIC]) as server:
-        outputs = asyncio.run(_concurrent(server, prompts, 24))
+        outputs = asyncio.run(generate_concurrently(server, prompts, 24))
         assert outputs == expected
         assert server.metric("hyssm_admission_refusals_total") > 0
         assert server.metric("hyssm_admission_refusals_total", reason="worker_refusal") > 0  # injected CoW refusals

@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from tests.e2e.server import DETERMINISTIC, Server, running_server
+from tests.e2e.server import DETERMINISTIC, generate_concurrently, running_server
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
@@ -52,18 +52,6 @@ def test_multi_turn_chat_reuses_the_whole_conversation() -> None:
             conversation = conversation + res["output_ids"] + [rng.randrange(256) for _ in range(20)]
 
 
-async def _concurrent(server: Server, prompts: list[list[int]], n: int) -> list[list[int]]:
-    async with httpx.AsyncClient(base_url=server.url, timeout=300) as client:
-
-        async def one(ids: list[int]) -> list[int]:
-            body = {"input_ids": ids, "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}}
-            r = await client.post("/generate", json=body)
-            assert r.status_code == 200, r.text
-            return r.json()["output_ids"]
-
-        return await asyncio.gather(*(one(p) for p in prompts))
-
-
 def test_memory_pressure_completes_identically(reference_runner) -> None:
     from tests.model_driver import generate_greedy
 
@@ -78,7 +66,7 @@ def test_memory_pressure_completes_identically(reference_runner) -> None:
             "--disable-prompt-checkpoint"]  # 10 state slots: retracted progress, not prompt ends, is under test
     with running_server([*args, *DETERMINISTIC]) as server:
         t0 = time.monotonic()
-        outputs = asyncio.run(_concurrent(server, prompts, 24))
+        outputs = asyncio.run(generate_concurrently(server, prompts, 24))
         assert time.monotonic() - t0 < 240
         assert outputs == expected
         assert server.metric("hyssm_admission_refusals_total") > 0

@@ -7,7 +7,6 @@ and nothing else. Its log goes to a file (read on failure), so a full pipe never
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -18,7 +17,7 @@ from contextlib import contextmanager
 import httpx
 import pytest
 
-from tests.e2e.server import free_port, wait_group_empty
+from tests.e2e.server import free_port, kill_group
 
 
 def require_router() -> None:
@@ -86,15 +85,7 @@ class Router:
                 self.proc.wait(10)
             except subprocess.TimeoutExpired:
                 pass
-        try:
-            os.killpg(self.pgid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            pass
-        wait_group_empty(self.pgid, 10)
+        kill_group(self.proc, self.pgid)
         self._log.close()
 
 
