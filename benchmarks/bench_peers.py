@@ -10,15 +10,25 @@ One invocation runs the three systems one after another on the same prompts:
 - llama.cpp: ``llama-server -m MODEL.f32.gguf --parallel 32 --threads $(nproc) -c 32*1024``, native
   /completion with cache_prompt. The GGUF is converted on first use with the peers script
   (``llama-server.sh convert``) and cached beside the model directory (redone when older than the
-  weights). Skipped with a message when the binary (``--llama-server``, default: where
-  ``llama-server.sh build`` puts it) does not exist; this tool never builds it;
+  weights); a checkpoint llama.cpp cannot load as it is (e.g. a BPE tokenizer without merges) is
+  converted from a staged copy, see peers_gguf.py. Skipped with a message when the binary
+  (``--llama-server``, default: where ``llama-server.sh build`` puts it) does not exist; this tool
+  never builds it;
 - transformers: peers_transformers.py in a subprocess (skipped with a message when not installed).
 Workload per run k (prompts from random.Random(seed + k), the same for every system; ids avoid the
-config's bos/eos/pad): --input-len (128) token prompts with --output-len (32) new tokens, greedy,
-EOS ignored, at each concurrency level (one wave of c distinct prompts; transformers: one static
-batch of c); a cold prompt (1 new token: TTFT); a --prefix-len (512) prefix sent once, then the prefix
-plus --suffix-len (32) new tokens (TTFT of that request). ms per decode token = median inter-token
-latency at concurrency 1. Peak RSS = the process tree's summed VmRSS over the server's whole life.
+config's bos/eos/pad), in this order:
+- throughput: --input-len (128) token prompts with --output-len (32) new tokens, greedy, EOS ignored,
+  at each concurrency level (one wave of c distinct prompts; transformers: one static batch of c);
+  ms per decode token = median inter-token latency at concurrency 1;
+- cold prompt: one new --input-len prompt, 1 new token (its TTFT);
+- continuation of a cached prompt: a --prefix-len (512) token prompt P sent alone, then P plus
+  --suffix-len (32) new tokens (TTFT of that request; the server can resume from where P ended);
+- shared prefix, new suffix (many users sharing a system prompt): a fresh --prefix-len prompt P2 (no
+  prefix in common with the prompts above) and three distinct --suffix-len suffixes; P2+sA, then P2+sB,
+  one at a time, 1 new token each (not measured: how a server learns the shared prefix), then P2+sC,
+  whose TTFT is measured (the server must branch off P2, not continue a previous prompt).
+transformers keeps no cache: it gets the measured prompt of each of the last two as a whole prompt.
+Peak RSS = the process tree's summed VmRSS over the server's whole life.
 Figures are medians over --runs; see peers_report.py for the table. Servers are stopped (their
 process group only) at the end, on error and on Ctrl-C/SIGTERM.
 """
@@ -36,7 +46,6 @@ import random
 import re
 import shlex
 import signal
-import subprocess
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -48,6 +57,7 @@ if __package__ in (None, ""):  # run as a file: make the repo importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.bench_serving import BenchConfig, run_requests  # noqa: E402
+from benchmarks.peers_gguf import gguf_for  # noqa: E402
 from benchmarks.peers_procs import ManagedProcess, PeerError, free_port  # noqa: E402
 from benchmarks.peers_report import format_table, median_runs, to_json  # noqa: E402
 from benchmarks.serving_metrics import RequestSpec, compute_metrics  # noqa: E402
@@ -115,29 +125,38 @@ def transformers_skip_reason(cfg: PeersConfig, find_spec=importlib.util.find_spe
 
 
 def make_prompts(cfg: PeersConfig, vocab: int, banned: set[int]) -> list[RunPrompts]:
-    """Per run: {"throughput": {c: [c prompts]}, "cold": [p], "prefix_only": [prefix], "prefix": [prefix+suffix]}."""
+    """Per run: {"throughput": {c: [c prompts]}, "cold": [p], "prefix_only": [prefix], "prefix": [prefix+suffix],
+    "shared_warm": [P2+sA, P2+sB], "shared": [P2+sC]}. P2 starts with an id no other prompt of the run starts
+    with (so it shares no prefix with any of them), and sA, sB, sC start with three different ids (so P2+sC
+    shares exactly P2 with the two before it). The draws of the continuation scenario come first, so
+    its prompts are those of earlier versions of this tool."""
+    allowed = vocab - len({t for t in banned if 0 <= t < vocab})
     out = []
     for k in range(cfg.runs):
         rng = random.Random(cfg.seed + k)
 
-        def draw(n: int, rng: random.Random = rng) -> list[int]:
-            ids = []
+        def draw(n: int, avoid_first: frozenset[int] = frozenset(), rng: random.Random = rng) -> list[int]:
+            if len(avoid_first) >= allowed:
+                raise ValueError(f"a vocabulary of {vocab} ids ({len(banned)} banned) is too small for the prompts")
+            ids: list[int] = []
             while len(ids) < n:
                 t = rng.randrange(vocab)
-                if t not in banned:
+                if t not in banned and (ids or t not in avoid_first):
                     ids.append(t)
             return ids
 
         thr = {c: [draw(cfg.input_len) for _ in range(c)] for c in cfg.levels}
         prefix = draw(cfg.prefix_len)
-        out.append(
-            {
-                "throughput": thr,
-                "cold": [draw(cfg.input_len)],
-                "prefix_only": [prefix],
-                "prefix": [prefix + draw(cfg.suffix_len)],
-            }
-        )
+        run: RunPrompts = {"throughput": thr, "cold": [draw(cfg.input_len)], "prefix_only": [prefix]}
+        run["prefix"] = [prefix + draw(cfg.suffix_len)]
+        firsts = frozenset(p[0] for c in cfg.levels for p in thr[c]) | {run["cold"][0][0], prefix[0]}  # type: ignore[index]
+        shared = draw(cfg.prefix_len, firsts)
+        suffixes: list[list[int]] = []
+        for _ in range(3):
+            suffixes.append(draw(cfg.suffix_len, frozenset(sfx[0] for sfx in suffixes)))
+        run["shared_warm"] = [shared + suffixes[0], shared + suffixes[1]]
+        run["shared"] = [shared + suffixes[2]]
+        out.append(run)
     return out
 
 
@@ -176,6 +195,10 @@ async def measure_http(
         await _one_wave(client, bc, run["prefix_only"], 1, f"{backend} prefix")  # type: ignore[arg-type]
         hit = await _one_wave(client, bc, run["prefix"], 1, f"{backend} prefix hit")  # type: ignore[arg-type]
         m["ttft_prefix_ms"] = float(hit["ttft_ms"]["median"])  # type: ignore[index]
+        for i, prompt in enumerate(run["shared_warm"]):  # type: ignore[attr-defined]
+            await _one_wave(client, bc, [prompt], 1, f"{backend} shared prefix, request {i + 1}")  # one at a time
+        shared = await _one_wave(client, bc, run["shared"], 1, f"{backend} shared prefix, measured request")  # type: ignore[arg-type]
+        m["ttft_shared_ms"] = float(shared["ttft_ms"]["median"])  # type: ignore[index]
     return m
 
 
@@ -200,35 +223,12 @@ def run_server(
     return out
 
 
-def gguf_for(cfg: PeersConfig, log_dir: Path) -> Path:
-    """MODEL.f32.gguf beside the model directory, converted now if missing or older than the weights."""
-    model = Path(cfg.model).resolve()
-    # beside the model, except for a model inside this repository (the GGUF stays out of it)
-    gguf = (log_dir if model.is_relative_to(REPO) else model.parent) / f"{model.name}.f32.gguf"
-    newest = max(p.stat().st_mtime for p in model.iterdir() if p.is_file())
-    if gguf.is_file() and gguf.stat().st_mtime >= newest:
-        return gguf
-    tmp = gguf.with_suffix(".gguf.tmp")
-    logger.info("converting %s to %s (once; cached)", model, gguf)
-    with open(log_dir / "convert.log", "wb") as log:
-        rc = subprocess.call(
-            ["bash", cfg.peers_script, "convert", str(model), str(tmp), "f32"],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            timeout=3600,
-        )
-    if rc != 0 or not tmp.is_file():
-        raise PeerError(f"GGUF conversion failed (rc {rc}); see {log_dir / 'convert.log'}")
-    os.replace(tmp, gguf)
-    return gguf
-
-
 def run_transformers(runs: list[RunPrompts], cfg: PeersConfig, log_dir: Path) -> list[dict[str, float]]:
     job = {
         "model": cfg.model,
         "threads": cfg.threads,
         "output_len": cfg.output_len,
-        "runs": [{"throughput": r["throughput"], "cold": r["cold"], "prefix": r["prefix"]} for r in runs],
+        "runs": [{k: r[k] for k in ("throughput", "cold", "prefix", "shared")} for r in runs],
     }
     job_path, out_path = log_dir / "transformers_job.json", log_dir / "transformers_out.json"
     job_path.write_text(json.dumps(job))
@@ -284,7 +284,7 @@ def benchmark(cfg: PeersConfig, log_dir: Path) -> tuple[dict[str, dict[str, floa
         notes.append(skip)
     else:
         try:
-            gguf, port = gguf_for(cfg, log_dir), free_port()
+            gguf, port = gguf_for(cfg.model, cfg.peers_script, log_dir), free_port()
             binary = cfg.llama_server or str(default_llama_server(cfg.peers_script))
             ctx = max(cfg.levels) * 1024 * max(1, -(-(cfg.prefix_len + cfg.suffix_len + cfg.output_len) // 1024))
             cmd = [
@@ -318,7 +318,9 @@ def benchmark(cfg: PeersConfig, log_dir: Path) -> tuple[dict[str, dict[str, floa
     notes.insert(
         0,
         f"workload: {cfg.input_len}-token prompts, {cfg.output_len} new tokens, greedy, EOS ignored; "
-        f"prefix hit: {cfg.prefix_len}-token prefix + {cfg.suffix_len} new prompt tokens; "
+        f"continuation: a {cfg.prefix_len}-token prompt, then it + {cfg.suffix_len} new prompt tokens; "
+        f"shared prefix: a new {cfg.prefix_len}-token prefix with 3 distinct {cfg.suffix_len}-token suffixes "
+        f"sent in turn, the third measured; "
         f"medians of {cfg.runs} run(s); threads {cfg.threads}",
     )
     return medians, per_run, notes

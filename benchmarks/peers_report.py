@@ -27,7 +27,8 @@ METRICS: tuple[Metric, ...] = (
     Metric("tps_c8", "out tok/s, concurrency 8 (tf: static batch 8)", True),
     Metric("tps_c32", "out tok/s, concurrency 32 (tf: static batch 32)", True),
     Metric("ttft_cold_ms", "TTFT ms, cold prompt", False),
-    Metric("ttft_prefix_ms", "TTFT ms, new suffix after cached prefix (tf: whole prompt)", False),
+    Metric("ttft_prefix_ms", "TTFT ms, continuation of a cached prompt (tf: whole prompt)", False),
+    Metric("ttft_shared_ms", "TTFT ms, shared prefix + new suffix, third request (tf: whole prompt)", False),
     Metric("decode_ms", "ms per decode token, concurrency 1", False),
     Metric("peak_rss_mib", "peak RSS MiB (process tree)", False),
 )

@@ -3,13 +3,17 @@
 Run by bench_peers as ``python benchmarks/peers_transformers.py JOB.json OUT.json``;
 transformers is imported only here (it is not a dependency of the project). JOB holds the model
 directory, the thread count, the output length and, per run, the same prompts the servers get:
-``throughput`` {batch size: [prompts]}, ``cold`` [prompt], ``prefix`` [prefix + suffix] (each a list of
-token ids; all prompts of a batch have the same length, so no padding). OUT gets, per run, the
+``throughput`` {batch size: [prompts]}, ``cold`` [prompt], ``prefix`` [prefix + suffix], ``shared``
+[shared prefix + third suffix] (each a list of token ids; all prompts of a batch have the same length,
+so no padding). OUT gets, per run, the
 bench_peers metric keys (see peers_report.METRICS). Definitions (greedy, EOS ignored through
 min_new_tokens = max_new_tokens):
 - ``tps_cB``: B * out / seconds of one static-batch generate of B prompts;
 - ``ttft_cold_ms``: generate of 1 token on the cold prompt (prefill + one step);
-- ``ttft_prefix_ms``: the same on the 544-token prompt (transformers keeps no cache across calls);
+- ``ttft_prefix_ms``: the same on the continuation prompt, prefix + suffix (transformers keeps no
+  cache across calls, so it is a whole prompt);
+- ``ttft_shared_ms``: the same on the shared-prefix scenario's measured prompt (also a whole prompt;
+  the two requests that teach a server the prefix have nothing to teach here and are not sent);
 - ``decode_ms``: median gap between consecutive new tokens of the batch-1 generate, timed by a
   streamer (transformers calls its put() once per generated token).
 """
@@ -69,6 +73,7 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         m: dict[str, float] = {}
         m["ttft_cold_ms"] = _generate(model, torch, run["cold"], 1, pad) * 1000.0
         m["ttft_prefix_ms"] = _generate(model, torch, run["prefix"], 1, pad) * 1000.0
+        m["ttft_shared_ms"] = _generate(model, torch, run["shared"], 1, pad) * 1000.0
         for b, prompts in sorted(run["throughput"].items(), key=lambda kv: int(kv[0])):
             clock = _TokenClock() if int(b) == 1 else None  # streamers take batch 1 only
             dt = _generate(model, torch, prompts, out_len, pad, clock)

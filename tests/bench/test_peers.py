@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -23,6 +24,7 @@ from benchmarks.bench_peers import (
     parse_args,
     transformers_skip_reason,
 )
+from benchmarks.peers_gguf import gguf_for, placeholder_merge, safetensors_header
 from benchmarks.peers_procs import ManagedProcess, PeerError, free_port, parse_ppid, parse_vmrss_kb, process_tree
 from benchmarks.peers_report import format_table, median_runs, ratio, to_json
 from tests.bench.fake_server import VOCAB_SIZE, FakeServer
@@ -42,9 +44,11 @@ def test_median_ignores_missing_and_ratio_direction() -> None:
 
 def test_table_values_ratios_and_notes() -> None:
     results = {
-        "hyssm": {"tps_c1": 6.0, "tps_c8": 30.0, "ttft_cold_ms": 500.0, "decode_ms": 100.0, "peak_rss_mib": 2048.0},
-        "llama.cpp": {"tps_c1": 12.0, "tps_c8": 25.0, "ttft_cold_ms": 1000.0, "decode_ms": 50.0,
-                      "peak_rss_mib": 1024.0},
+        "hyssm": {"tps_c1": 6.0, "tps_c8": 30.0, "ttft_cold_ms": 500.0, "ttft_prefix_ms": 40.0,
+                  "ttft_shared_ms": 90.0, "decode_ms": 100.0, "peak_rss_mib": 2048.0},
+        "llama.cpp": {"tps_c1": 12.0, "tps_c8": 25.0, "ttft_cold_ms": 1000.0, "ttft_prefix_ms": 50.0,
+                      "ttft_shared_ms": 60.0, "decode_ms": 50.0, "peak_rss_mib": 1024.0},
+        "transformers": {"ttft_shared_ms": 300.0},
     }
     table = format_table(results, ["transformers: skipped (--skip-transformers)"])
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]] for line in table.splitlines()
@@ -53,6 +57,12 @@ def test_table_values_ratios_and_notes() -> None:
     assert c1 == ["6.00", "12.00", "-", "0.50x", "-"]  # behind: no '+'
     assert rows["out tok/s, concurrency 8 (tf: static batch 8) [higher is better]"][3] == "1.20x +"
     assert rows["TTFT ms, cold prompt [lower is better]"][:4] == ["500", "1000", "-", "0.50x +"]  # lower wins
+    labels = list(rows)
+    cont = "TTFT ms, continuation of a cached prompt (tf: whole prompt) [lower is better]"
+    shared = "TTFT ms, shared prefix + new suffix, third request (tf: whole prompt) [lower is better]"
+    assert labels.index(shared) == labels.index(cont) + 1  # the new row right after the continuation row
+    assert rows[cont] == ["40.00", "50.00", "-", "0.80x +", "-"]
+    assert rows[shared] == ["90.00", "60.00", "300", "1.50x", "0.30x +"]
     assert rows["ms per decode token, concurrency 1 [lower is better]"][3] == "2.00x"
     assert rows["peak RSS MiB (process tree) [lower is better]"][:4] == ["2048", "1024", "-", "2.00x"]
     assert rows["out tok/s, concurrency 32 (tf: static batch 32) [higher is better]"] == ["-"] * 5
@@ -61,6 +71,7 @@ def test_table_values_ratios_and_notes() -> None:
                      parse_constant=lambda c: pytest.fail(f"non-strict JSON {c}"))  # fmt: skip
     assert doc["ratios"]["hyssm/llama.cpp"]["tps_c8"] == pytest.approx(1.2)
     assert doc["ratios"]["hyssm/transformers"]["tps_c1"] is None
+    assert doc["ratios"]["hyssm/transformers"]["ttft_shared_ms"] == pytest.approx(0.3)
 
 
 def test_skip_messages(tmp_path: Path) -> None:
@@ -92,7 +103,28 @@ def test_prompts_are_shared_distinct_and_avoid_special_ids() -> None:
     flat = [p for c in (1, 3) for p in run["throughput"][c]] + run["cold"]  # type: ignore[index, operator]
     assert len({tuple(p) for p in flat}) == 5 and all(len(p) == 10 for p in flat)
     assert run["prefix"][0][:20] == run["prefix_only"][0] and len(run["prefix"][0]) == 25  # type: ignore[index]
-    assert not {0, 1, 2} & {t for p in flat + run["prefix"] for t in p}  # type: ignore[operator]
+    every = flat + run["prefix"] + run["shared_warm"] + run["shared"]  # type: ignore[operator]
+    assert not {0, 1, 2} & {t for p in every for t in p}
+
+
+def _common(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
+def test_shared_prefix_prompts() -> None:
+    # a small vocabulary, so distinct first ids are a property of make_prompts, not of chance
+    cfg = PeersConfig(model="m", runs=3, levels=(1, 8), input_len=10, prefix_len=20, suffix_len=5)
+    for run in make_prompts(cfg, 16, {0, 1}):
+        (pa, pb), (pc,) = run["shared_warm"], run["shared"]  # type: ignore[misc]
+        p2 = pc[:20]
+        assert len(pa) == len(pb) == len(pc) == 25 and pa[:20] == pb[:20] == p2
+        assert len({pa[20], pb[20], pc[20]}) == 3  # three distinct suffixes, so exactly P2 is shared
+        assert _common(pc, pa) == _common(pc, pb) == _common(pa, pb) == 20
+        others = [p for c in (1, 8) for p in run["throughput"][c]] + run["cold"] + run["prefix"]  # type: ignore[index, operator]
+        assert all(_common(p2, p) == 0 for p in others)  # P2 is fresh: no prefix in common with any other prompt
+        assert p2 != run["prefix_only"][0]  # type: ignore[index]
+    with pytest.raises(ValueError, match="too small"):  # one allowed id: P2 cannot start differently
+        make_prompts(cfg, 3, {0, 1})
 
 
 @pytest.mark.parametrize("backend", ["hyssm", "llama-server"])
@@ -102,10 +134,13 @@ def test_measure_http_against_the_fake(server: FakeServer, backend: str) -> None
     run = make_prompts(cfg, VOCAB_SIZE, set())[0]
     m = asyncio.run(measure_http(server.base_url, backend, run, cfg, warmup=True))
     seen = server.state.seen
-    assert len(seen) == 1 + 1 + 4 + 1 + 2  # warm-up, c=1, c=4, cold, prefix, prefix hit
-    assert [s.max_tokens for s in seen] == [2, 5, 5, 5, 5, 5, 1, 1, 1]
-    assert seen[-1].prompt_ids[:12] == seen[-2].prompt_ids and seen[-1].cached_tokens == 12
-    assert set(m) == {"tps_c1", "tps_c4", "decode_ms", "ttft_cold_ms", "ttft_prefix_ms"}
+    assert len(seen) == 1 + 1 + 4 + 1 + 2 + 3  # warm-up, c=1, c=4, cold, prefix, prefix hit, shared x3
+    assert [s.max_tokens for s in seen] == [2, 5, 5, 5, 5, 5, 1, 1, 1, 1, 1, 1]
+    assert seen[8].prompt_ids[:12] == seen[7].prompt_ids and seen[8].cached_tokens == 12
+    # the shared-prefix scenario last, in order: P2+sA, P2+sB (teaching), then the measured P2+sC
+    assert [s.prompt_ids for s in seen[9:]] == [*run["shared_warm"], *run["shared"]]  # type: ignore[misc]
+    assert [s.cached_tokens for s in seen[9:]] == [0, 12, 12]  # fresh P2, then exactly P2 shared
+    assert set(m) == {"tps_c1", "tps_c4", "decode_ms", "ttft_cold_ms", "ttft_prefix_ms", "ttft_shared_ms"}
     assert all(v > 0 for v in m.values())
     assert m["tps_c4"] > m["tps_c1"]  # four streams in parallel against the fake's fixed pace
 
@@ -188,4 +223,98 @@ def test_main_on_the_builtin_model_with_peers_skipped(tmp_path: Path, capsys) ->
     doc = json.loads(out.read_text())
     hy = doc["medians"]["hyssm"]
     assert hy["tps_c1"] > 0 and hy["tps_c8"] is None and hy["ttft_prefix_ms"] > 0 and hy["peak_rss_mib"] > 50
+    assert hy["ttft_shared_ms"] > 0 and "shared prefix: a new 16-token prefix with 3 distinct 4-token" in table
     assert set(doc["medians"]) == {"hyssm"} and (tmp_path / "logs" / "hyssm.log").is_file()
+
+
+def _builtin_tokenizer() -> dict:
+    return json.loads((Path(BUILTIN) / "tokenizer.json").read_text(encoding="utf-8"))
+
+
+def test_placeholder_merge_for_a_bpe_vocabulary_without_merges() -> None:
+    tok = _builtin_tokenizer()
+    original = json.dumps(tok)
+    assert tok["model"]["type"] == "BPE" and tok["model"]["merges"] == [] and len(tok["model"]["vocab"]) == 256
+    staged, what = placeholder_merge(tok)  # type: ignore[misc]
+    assert json.dumps(tok) == original  # the input is not modified
+    vocab, old = staged["model"]["vocab"], tok["model"]["vocab"]
+    assert staged["model"]["merges"] == ["\u00fe \u00fe"]
+    a, b = staged["model"]["merges"][0].split(" ")
+    assert a in vocab and b in vocab and a + b in vocab  # what tokenizers (and so the converter) requires
+    assert sorted(vocab.values()) == sorted(old.values()) == list(range(256))  # same ids, same size
+    changed = {k: v for k, v in vocab.items() if old.get(k) != v}
+    assert changed == {"\u00fe\u00fe": old["\u00ff"]} and set(old) - set(vocab) == {"\u00ff"}
+    assert vocab["\u010a"] == 10  # the newline token llama.cpp looks up stays
+    assert staged["added_tokens"] == tok["added_tokens"] and staged["pre_tokenizer"] == tok["pre_tokenizer"]
+    assert "re-pointed token 255" in what and "llama.cpp requires" in what
+    # nothing to do: merges present, or not BPE; a merged token already in the vocabulary: no re-pointing
+    assert placeholder_merge({**tok, "model": {**tok["model"], "merges": ["a b"]}}) is None
+    assert placeholder_merge({**tok, "model": {"type": "Unigram", "vocab": []}}) is None
+    with_merged = {**tok, "model": {**tok["model"], "vocab": {**old, "\u00fe\u00fe": 256}}}
+    staged2, what2 = placeholder_merge(with_merged)  # type: ignore[misc]
+    assert staged2["model"]["vocab"] == with_merged["model"]["vocab"] and "re-pointed" not in what2
+    not_bytes = {**tok, "model": {**tok["model"], "vocab": {"a": 0, "b": 1}}}
+    with pytest.raises(PeerError, match="no byte-level token '\u00fe'"):
+        placeholder_merge(not_bytes)
+
+
+def test_staged_tokenizer_loads_and_tokenizes_text_as_before() -> None:
+    tokenizers = pytest.importorskip("tokenizers")
+    tok = _builtin_tokenizer()
+    staged, _ = placeholder_merge(tok)  # type: ignore[misc]
+    before, after = tokenizers.Tokenizer.from_str(json.dumps(tok)), tokenizers.Tokenizer.from_str(json.dumps(staged))
+    text = "hello \u00fe\u00fe world\n\u00ff\u00ff caf\u00e9 \u65e5\u672c <|pad|>"
+    assert after.encode(text).ids == before.encode(text).ids and len(before.encode(text).ids) > 20
+
+
+FAKE_CONVERT = """#!/bin/bash
+set -euo pipefail
+[ "$1" = convert ] && [ "$4" = f32 ]
+n=$(ls {rec} | wc -l); mkdir {rec}/$n
+cp -L "$2"/tokenizer.json "$2"/config.json "$2"/model.safetensors {rec}/$n/
+echo "$2" > {rec}/$n/src
+echo gguf > "$3"
+"""
+
+
+def test_gguf_for_stages_a_copy_caches_it_and_redoes_a_stale_one(tmp_path: Path) -> None:
+    model, rec, logs = tmp_path / "builtin", tmp_path / "rec", tmp_path / "logs"
+    shutil.copytree(BUILTIN, model)
+    rec.mkdir()
+    logs.mkdir()
+    script = tmp_path / "convert.sh"
+    script.write_text(FAKE_CONVERT.replace("{rec}", str(rec)))
+    before = {p.name: p.read_bytes() for p in model.iterdir()}
+    stale = tmp_path / "builtin.f32.gguf"
+    stale.write_text("converted before staging existed")  # newer than the weights, but without a sidecar
+    assert gguf_for(str(model), str(script), logs) == stale and stale.read_text() == "gguf\n"
+    assert {p.name: p.read_bytes() for p in model.iterdir()} == before  # the model directory is untouched
+    got = rec / "0"
+    src = Path((got / "src").read_text().strip())
+    assert src.parent == logs and not src.exists()  # a staged temporary copy in the log dir, removed after
+    assert json.loads((got / "tokenizer.json").read_text(encoding="utf-8"))["model"]["merges"] == ["\u00fe \u00fe"]
+    config = json.loads((got / "config.json").read_text())
+    assert config["vocab_size"] == 264 and {**config, "vocab_size": 260} == json.loads(before["config.json"])
+    with open(got / "model.safetensors", "rb") as f:
+        header, base = safetensors_header(f)
+        data = f.read()
+    with open(model / "model.safetensors", "rb") as f:
+        old_header, _ = safetensors_header(f)
+        old_data = f.read()
+    emb, old_emb = header["model.embed_tokens.weight"], old_header["model.embed_tokens.weight"]
+    assert emb["shape"] == [264, 128] and old_emb["shape"] == [260, 128] and emb["dtype"] == old_emb["dtype"]
+    start, end = emb["data_offsets"]
+    o_start, o_end = old_emb["data_offsets"]
+    assert data[start : start + o_end - o_start] == old_data[o_start:o_end]
+    assert data[start + o_end - o_start : end] == bytes(4 * 128 * 2)  # four zero bf16 rows
+    for name, info in old_header.items():  # every other tensor byte-identical
+        if name not in ("__metadata__", "model.embed_tokens.weight"):
+            s0, e0 = info["data_offsets"]
+            s1, e1 = header[name]["data_offsets"]
+            assert header[name]["shape"] == info["shape"] and data[s1:e1] == old_data[s0:e0]
+    sidecar = json.loads((tmp_path / "builtin.f32.gguf.staging.json").read_text(encoding="utf-8"))
+    assert len(sidecar) == 2 and "merges" in sidecar[0] and "padded model.embed_tokens.weight" in sidecar[1]
+    assert gguf_for(str(model), str(script), logs) == stale and len(list(rec.iterdir())) == 1  # cached
+    later = stale.stat().st_mtime + 10
+    os.utime(model / "model.safetensors", (later, later))  # newer weights: converted again
+    assert gguf_for(str(model), str(script), logs) == stale and len(list(rec.iterdir())) == 2
