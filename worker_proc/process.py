@@ -23,6 +23,7 @@ from shared.errors import StartupError
 from shared.messages import ForwardBatch, Heartbeat, ProcReady, Shutdown, StepResult, WorkerReady
 from shared.model_info import read_config_json
 from worker_proc.runtime import ModelRunner
+from worker_proc.threads import LARGE_STEP_ROWS, StepThreads, available_cores, cpu_threads
 
 logger = logging.getLogger(__name__)
 
@@ -34,34 +35,10 @@ def resolve_device(args: ServerArgs, rank: int) -> str:
     return f"cuda:{args.base_gpu_id + local}"
 
 
-SMALL_MODEL_HIDDEN = 512
-"""Below this hidden size a step's GEMMs are too small to split across threads: one thread per rank."""
-
-
-def cpu_threads(args: ServerArgs, cores: int, hidden_size: int) -> int:
-    """Torch threads per rank on CPU: `--cpu-threads` when given; otherwise the node's cores shared
-    by its ranks (the tokenizer and scheduler are idle while a step runs, so they keep no core), and
-    one thread for a small model, whose per-step work is too short to amortise waking a second
-    thread. Ranks (those of every --dp-size replica together) never get more threads than the node
-    has cores: oversubscribed OpenMP threads spin against each other and make GEMMs many times slower."""
-    if args.cpu_threads > 0:
-        return args.cpu_threads
-    if hidden_size < SMALL_MODEL_HIDDEN:
-        return 1
-    return max(1, cores // (args.ranks_per_node * args.dp_size))
-
-
-def available_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
-
-
-def set_cpu_threads(args: ServerArgs) -> int:
+def step_threads(args: ServerArgs) -> StepThreads:
     cfg = read_config_json(args.resolved_model_path)
     threads = cpu_threads(args, available_cores(), int(cfg.get("hidden_size") or 0))
-    torch.set_num_threads(threads)
+    torch.set_num_threads(threads.small)
     return threads
 
 
@@ -130,7 +107,10 @@ def agree_refusals(
 def run(args: ServerArgs, rank: int) -> None:
     """Process entry for one rank: load, report ready, serve batches until Shutdown or killed."""
     device = resolve_device(args, rank)
-    logger.info("rank %d: %d torch threads", rank, set_cpu_threads(args))
+    threads = step_threads(args) if device == "cpu" else None
+    if threads is not None:
+        logger.info("rank %d: %d torch threads (%d for steps of >= %d token rows)", rank, threads.small,
+                    threads.large, LARGE_STEP_ROWS)
     if device.startswith("cuda"):
         torch.cuda.set_device(device)
     group = init_distributed(args, rank, device)
@@ -150,6 +130,7 @@ def run(args: ServerArgs, rank: int) -> None:
         tp_group=group,
         deterministic=args.enable_deterministic_inference,
         kernels=args.kernels,
+        threads=threads,
     )
     ctx = zmq.Context()
     rx: Receiver = Receiver(ctx, SCHEDULER_TO_WORKER, args, rank)

@@ -29,6 +29,7 @@ from worker_proc.model import StepBatch, build_step_batch
 from worker_proc.model.kv_mirror import KVSlotMirror
 from worker_proc.pools import StatePools, attention_free_kv_slots, cpu_wanted_budget, plan_capacities, pool_budget
 from worker_proc.sampling import SampleRequest, greedy_params, sample, top_logprobs
+from worker_proc.threads import StepThreads
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +56,7 @@ class ModelRunner:
         tp_group: object = None,
         deterministic: bool = False,
         kernels: str = "auto",
+        threads: StepThreads | None = None,
     ) -> None:
         self.model_info = ModelInfo.from_dir(model_dir)
         self.device = torch.device(device)
@@ -87,6 +89,7 @@ class ModelRunner:
         self.ops = get_ops(self.device, kernels, deterministic)
         self.kv_mirror = KVSlotMirror()  # slot lists of the last batch run (ReqSlice.kv_reuse)
         self.grammars = GrammarRuntime(model_dir, self.model_info.vocab_size, self.model_info.eos_token_ids)
+        self.threads = threads  # CPU: torch threads per step by its size; None leaves torch's setting alone
 
     # ------------------------------------------------------------------ the step
     def step(self, batch: ForwardBatch, refused: frozenset[str] = frozenset()) -> StepResult:
@@ -99,6 +102,8 @@ class ModelRunner:
             sb = self.build_batch(reqs, batch.step, all_rows=False)  # raises before anything is written
             self.apply_state_ops(batch, refused)
             if reqs:
+                if self.threads is not None:
+                    self.threads.apply(int(sb.input_ids.numel()))
                 sampler = self.tp_rank == 0  # rank 0 samples and replies; the others only advance state
                 logits = self.model.forward_step(sb, self.pools, self.ops, want_logits=sampler)
                 if sb.logit_rids and sampler:

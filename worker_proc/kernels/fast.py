@@ -92,22 +92,25 @@ class FastOps(ReferenceOps):
 
     def ssd_decode(self, x: Tensor, dt: Tensor, b: Tensor, c: Tensor, p: SsdParams, ssm_pool: Tensor,
                    slots: Tensor) -> Tensor:  # fmt: skip
-        """Each request's pool row is advanced in place: state = state * exp(dt A) + (dt x) ⊗ B."""
+        """Each request's pool row is advanced in place: state = state * exp(dt A) + (dt x) ⊗ B, so the
+        state's traffic is one read and one write (gathering the group's states into a batch and scattering
+        them back measured 1.7x slower at 32 requests even for a 32 KB state)."""
         heads, groups = x.shape[1], b.shape[1]
         bt, n = x.shape[0], b.shape[2]
+        xf = x.float()
         dt = ref.discretize_dt(dt, p.dt_bias, p.dt_limit)  # [Bt, H]
-        decay = torch.exp(dt * p.a.float()[None])[..., None, None]  # [Bt, H, 1, 1]
-        dtx = _grouped((dt[..., None] * x.float())[..., None], groups)  # [Bt, G, H/G, P, 1]
+        decay = torch.exp(dt * p.a)[..., None, None]  # [Bt, H, 1, 1]
+        dtx = _grouped((dt[..., None] * xf)[..., None], groups)  # [Bt, G, H/G, P, 1]
         bf = b.float()[:, :, None, None, :]  # [Bt, G, 1, 1, N]
         cf = c.float()[..., None]  # [Bt, G, N, 1]
         y = torch.empty(bt, groups, heads // groups * x.shape[2], 1, dtype=torch.float32, device=x.device)
         for i, slot in enumerate(slots.tolist()):
-            state = ssm_pool[slot]  # [H, P, N] view of the pool row
-            state.mul_(decay[i])
-            _grouped(state, groups, 0).addcmul_(dtx[i], bf[i])
+            row = ssm_pool[slot]  # [H, P, N] view of the pool row
+            row.mul_(decay[i])
+            _grouped(row, groups, 0).addcmul_(dtx[i], bf[i])
             # one matrix-vector product per group: [(H/G) * P, N] @ [N, 1]
-            torch.matmul(state.view(groups, -1, n), cf[i], out=y[i])
-        return y.view(x.shape[0], heads, x.shape[2]) + x.float() * p.d.float()[None, :, None]
+            torch.matmul(row.view(groups, -1, n), cf[i], out=y[i])
+        return torch.addcmul(y.view(bt, heads, x.shape[2]), xf, p.d.float()[None, :, None])
 
     def attn_prefill(self, q: Tensor, k_pool: Tensor, v_pool: Tensor, kv_idx: Tensor, start_pos: int,
                      scale: float) -> Tensor:  # fmt: skip

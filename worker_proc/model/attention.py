@@ -104,15 +104,24 @@ class Attention(nn.Module):
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         k_pool.index_copy_(0, batch.new_kv_slots, k.to(k_pool.dtype))
         v_pool.index_copy_(0, batch.new_kv_slots, v.to(v_pool.dtype))
-        out = torch.empty_like(q)
         scale = cfg.attention_multiplier
+        if batch.decode_only:
+            out = ops.attn_decode(q.contiguous(), k_pool, v_pool, batch.dec_kv_idx, batch.dec_kv_len, scale)
+        else:
+            out = self._mixed(q, batch, k_pool, v_pool, ops, scale)
+        out = out.reshape(t, -1)
+        if gate is not None:
+            out = out * torch.sigmoid(gate.reshape(t, -1))
+        return row_parallel(out, self.o_proj, self.tp)
+
+    def _mixed(self, q: torch.Tensor, batch: StepBatch, k_pool: torch.Tensor, v_pool: torch.Tensor,
+               ops: KernelOps, scale: float) -> torch.Tensor:  # fmt: skip
+        """Attention of a step with prefill segments: the decode group at once, each segment alone."""
+        out = torch.empty_like(q)
         if batch.dec_rows.numel():
             rows = batch.dec_rows
             out[rows] = ops.attn_decode(q[rows], k_pool, v_pool, batch.dec_kv_idx, batch.dec_kv_len, scale)
         for seg in batch.prefill:
             rows = slice(seg.row_start, seg.row_end)
             out[rows] = ops.attn_prefill(q[rows], k_pool, v_pool, seg.kv_idx, seg.start_pos, scale)
-        out = out.reshape(t, -1)
-        if gate is not None:
-            out = out * torch.sigmoid(gate.reshape(t, -1))
-        return row_parallel(out, self.o_proj, self.tp)
+        return out

@@ -45,6 +45,11 @@ class StepBatch:
     logit_rids: tuple[str, ...]  # request id of each logit row
     kv_full: tuple[torch.Tensor, ...] = ()  # full KV slot list of each request, in slice order
 
+    @property
+    def decode_only(self) -> bool:
+        """Every row is the one new token of a decode-group request (then dec_rows == arange(T))."""
+        return not self.prefill and self.dec_rows.numel() > 0
+
 
 def build_step_batch(
     reqs: list[ReqSlice],

@@ -107,6 +107,12 @@ class GatedDeltaNet(nn.Module):
         g = -torch.exp(self.A_log.float()) * F.softplus((a.float() + self.dt_bias.float()).double()).float()
         weight = self.conv1d.weight[:, 0, :]
         scale = s.k_dim**-0.5
+        if batch.decode_only:  # every row is one request's token: no gather, no scatter
+            slots = batch.dec_mamba_slots
+            q, k, v = self._heads(ops.conv_decode(qkv, conv_pool, slots, weight, None))
+            o = ops.gdn_decode(q, k, v, g, beta, scale, state_pool, slots)
+            out = self.norm(o, z, h.dtype).reshape(h.shape[0], s.value_dim)
+            return row_parallel(out, self.out_proj, self.tp)
         o = torch.empty(h.shape[0], s.v_heads, s.v_dim, dtype=torch.float32, device=h.device)
         if batch.dec_rows.numel():
             rows, slots = batch.dec_rows, batch.dec_mamba_slots

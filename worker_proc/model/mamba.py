@@ -54,6 +54,7 @@ class MambaMixer(nn.Module):
         head_group = None if s.head_group is None else torch.tensor(s.head_group, dtype=torch.int64, device=device)
         self.register_buffer("head_group", head_group, persistent=False)
         self.register_buffer("mup", self._mup_vector(cfg, dtype, device), persistent=False)
+        self._a_cache: tuple[torch.Tensor, int, torch.Tensor] | None = None
 
     def _mup_vector(self, cfg: HybridConfig, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
         """This rank's in_proj output scale (z | x | B | C | dt), or None when all are 1."""
@@ -82,7 +83,7 @@ class MambaMixer(nn.Module):
         ops: KernelOps,
     ) -> torch.Tensor:
         """h: [T, hidden]; conv_pool: [S, conv_dim, K-1] and ssm_pool: [S, H, P, N] of this layer."""
-        cfg, s = self.cfg, self.shard
+        s = self.shard
         inner, heads, p, gn = s.inner, s.heads, s.d_head, s.group_dim
         proj = self.in_proj(h)
         if self.mup is not None:
@@ -90,8 +91,13 @@ class MambaMixer(nn.Module):
         z, xbc, dt = proj.split([inner, s.conv_dim, heads], dim=-1)
         weight = self.conv1d.weight[:, 0, :]
         bias = self.conv1d.bias
-        a = -torch.exp(self.A_log.float())
-        params = SsdParams(a, self.D, self.dt_bias, cfg.time_step_limit, cfg.mamba_chunk_size)
+        params = self._ssd_params()
+        if batch.decode_only:  # every row is one request's token: no gather, no scatter
+            slots = batch.dec_mamba_slots
+            conv_out = ops.conv_decode(xbc, conv_pool, slots, weight, bias)
+            x, b, c = conv_out.split([inner, gn, gn], dim=-1)
+            y = ops.ssd_decode(x.reshape(-1, heads, p), dt, self._groups(b), self._groups(c), params, ssm_pool, slots)
+            return self._output(y, z, h)
         y = torch.empty(h.shape[0], heads, p, dtype=torch.float32, device=h.device)
         if batch.dec_rows.numel():
             rows = batch.dec_rows
@@ -106,6 +112,19 @@ class MambaMixer(nn.Module):
             x, b, c = conv_out.split([inner, gn, gn], dim=-1)
             y[rows] = ops.ssd_prefill(x.reshape(-1, heads, p), dt[rows], self._groups(b), self._groups(c), params,
                                       ssm_pool, seg.mamba_slot)  # fmt: skip
-        y = y.view(h.shape[0], inner)
+        return self._output(y, z, h)
+
+    def _output(self, y: torch.Tensor, z: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """The scan output y [T, H, P] through the gate/norm and out_proj (all-reduced under TP)."""
+        y = y.view(h.shape[0], self.shard.inner)
         out = y * F.silu(z.float()) if self.norm is None else self.norm(y, z)
         return row_parallel(out.to(h.dtype), self.out_proj, self.tp)
+
+    def _ssd_params(self) -> SsdParams:
+        """The scan constants; A = -exp(A_log) is computed again only when A_log was replaced or written."""
+        a_log = self.A_log
+        cache = self._a_cache
+        if cache is None or cache[0] is not a_log or cache[1] != a_log._version:  # loaded (or replaced) since
+            cache = self._a_cache = (a_log, a_log._version, -torch.exp(a_log.float()))
+        cfg = self.cfg
+        return SsdParams(cache[2], self.D, self.dt_bias, cfg.time_step_limit, cfg.mamba_chunk_size)
