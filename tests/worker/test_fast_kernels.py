@@ -92,3 +92,22 @@ def test_attention_ops_match_reference() -> None:
     lengths = torch.tensor([5, 2, 4])
     assert _close(fast.attn_decode(q, k_pool, v_pool, idx, lengths, 0.3),
                   ref.attn_decode(q, k_pool, v_pool, idx, lengths, 0.3))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_conv_decode_matches_reference_and_touches_only_its_slots(dtype: torch.dtype, with_bias: bool) -> None:
+    channels, width = 12, 4
+    pool = _rand(6, channels, width - 1).to(dtype)
+    pool[0] = 0
+    ref_pool, before = pool.clone(), pool.clone()
+    x, weight = _rand(3, channels).to(dtype), _rand(channels, width).to(dtype)
+    bias = _rand(channels).to(dtype) if with_bias else None
+    slots = torch.tensor([4, 1, 3])
+    out = FastOps().conv_decode(x, pool, slots, weight, bias)
+    out_ref = ReferenceOps().conv_decode(x, ref_pool, slots, weight, bias)
+    assert out.dtype == out_ref.dtype == dtype
+    assert _close(out.float(), out_ref.float()) and torch.equal(pool, ref_pool)
+    assert not torch.equal(pool[4], before[4])
+    for untouched in (0, 2, 5):
+        assert torch.equal(pool[untouched], before[untouched])

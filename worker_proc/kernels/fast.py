@@ -83,6 +83,15 @@ class FastOps(ReferenceOps):
     def __init__(self, gdn: object | None = None) -> None:
         super().__init__(batch_invariant=False, gdn=gdn)
 
+    def conv_decode(self, x: Tensor, conv_pool: Tensor, slots: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        """The reference's step with the float32 SiLU (its float64 one is for batch invariance) and no casts."""
+        if not x.dtype == conv_pool.dtype == weight.dtype == torch.float32:
+            return super().conv_decode(x, conv_pool, slots, weight, bias)
+        window = torch.cat([conv_pool.index_select(0, slots), x[:, :, None]], dim=-1)  # [Bt, Cd, K]
+        conv_pool.index_copy_(0, slots, window[:, :, 1:])
+        out = (window * weight).sum(-1)
+        return F.silu(out if bias is None else out.add_(bias))
+
     def ssd_prefill(self, x: Tensor, dt: Tensor, b: Tensor, c: Tensor, p: SsdParams, ssm_pool: Tensor,
                     slot: int) -> Tensor:  # fmt: skip
         dt = ref.discretize_dt(dt, p.dt_bias, p.dt_limit)

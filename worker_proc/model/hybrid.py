@@ -143,7 +143,7 @@ class DecoderLayer(nn.Module):
             if partial is not None:
                 partial = self.tp.all_reduce(partial)  # one sum of every MLP/MoE partial
             y = partial if whole is None else (whole if partial is None else whole + partial)
-            h = h + (y if sub.multiplier == 1.0 else y * sub.multiplier)
+            h = h + y if sub.multiplier == 1.0 else torch.add(h, y, alpha=sub.multiplier)
         return h
 
 

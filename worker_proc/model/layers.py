@@ -178,6 +178,8 @@ class RMSNorm(nn.Module):
         self.fp32_weight = fp32_weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:  # the same arithmetic, one call
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.fp32_weight:
@@ -225,8 +227,7 @@ class GatedRMSNorm(nn.Module):
         gate = F.silu(z.float())
         h = y.float() if self.before_gate else y.float() * gate
         g = h.view(h.shape[0], self.groups, -1)
-        g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)
-        out = self.weight.float() * g.view_as(h)
+        out = F.rms_norm(g, (g.shape[-1],), None, self.eps).view_as(h) * self.weight.float()
         return out * gate if self.before_gate else out
 
 
