@@ -22,6 +22,7 @@ from shared.config import FaultConfig, ServerArgs
 from shared.errors import StartupError
 from shared.messages import ForwardBatch, Heartbeat, ProcReady, Shutdown, StepResult, WorkerReady
 from shared.model_info import read_config_json
+from worker_proc.host_memory import keep_freed_memory
 from worker_proc.runtime import ModelRunner
 from worker_proc.threads import LARGE_STEP_ROWS, StepThreads, available_cores, cpu_threads
 
@@ -108,6 +109,8 @@ def run(args: ServerArgs, rank: int) -> None:
     """Process entry for one rank: load, report ready, serve batches until Shutdown or killed."""
     device = resolve_device(args, rank)
     threads = step_threads(args) if device == "cpu" else None
+    if keep_freed_memory():
+        logger.info("rank %d: freed host memory stays in the heap (no page faults on each step's temporaries)", rank)
     if threads is not None:
         logger.info("rank %d: %d torch threads (%d for steps of >= %d token rows)", rank, threads.small,
                     threads.large, LARGE_STEP_ROWS)

@@ -1,0 +1,39 @@
+"""Host heap policy of a worker process: freed blocks stay in the heap for the next step.
+
+glibc's malloc serves a block above its mmap threshold with a fresh mapping and returns the top of
+the heap to the kernel once more than its trim threshold is free. A step's temporaries are megabytes
+each and freed at the step's end, so by default every step faults their pages in again, zeroed by the
+kernel: measured 20,000-45,000 page faults in one step of 32 prompts of 128 tokens on the built-in
+model (a fifth of its time). `keep_freed_memory` raises the mmap threshold to glibc's maximum (32 MiB)
+and the trim threshold to 1 GiB: the process's resident memory then stays at its peak (which is what
+the pools are sized against), and a step reuses the previous step's pages.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+
+logger = logging.getLogger(__name__)
+
+M_TRIM_THRESHOLD = -1
+M_MMAP_THRESHOLD = -3
+MMAP_THRESHOLD_BYTES = 32 << 20
+"""glibc's largest accepted mmap threshold on 64-bit systems; larger blocks are still mapped."""
+TRIM_THRESHOLD_BYTES = 1 << 30
+
+
+def keep_freed_memory() -> bool:
+    """Apply the policy (see the module doc). Returns False, changing nothing, where the C library is
+    not glibc (no `mallopt`) or refuses a setting."""
+    name = ctypes.util.find_library("c")
+    try:
+        mallopt = ctypes.CDLL(name).mallopt
+    except (OSError, AttributeError, TypeError):
+        return False
+    mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
+    mallopt.restype = ctypes.c_int
+    if not mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES):
+        return False
+    return bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))
