@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from worker_proc.kernels import FastOps, ReferenceOps
-from worker_proc.kernels.fast import SCAN_CHUNK, ssd_scan_fast
+from worker_proc.kernels.fast import SCAN_CHUNK, batchable, ssd_scan_fast
 from worker_proc.kernels.interface import SsdParams
 from worker_proc.kernels.reference import ssd_chunk_scan
 
@@ -111,3 +111,41 @@ def test_conv_decode_matches_reference_and_touches_only_its_slots(dtype: torch.d
     assert not torch.equal(pool[4], before[4])
     for untouched in (0, 2, 5):
         assert torch.equal(pool[untouched], before[untouched])
+
+
+@pytest.mark.parametrize("lengths", [[128, 128, 128], [70, 64, 5, 60], [1, 2], [200, 3, 150], [37]])
+def test_prefill_of_many_segments_matches_one_call_each(lengths: list[int]) -> None:
+    """The batched conv and scan over several segments (padded to the longest when `batchable`, one call
+    each when not) give each segment's single-call outputs and states, and touch only their slots."""
+    heads, p, groups, n, width = 6, 4, 3, 8, 4
+    channels = heads * p + 2 * groups * n
+    slots = [5, 2, 7, 1][: len(lengths)]
+    spans = tuple(zip(lengths, slots, strict=True))
+    total = sum(lengths)
+    conv_pool, ssm_pool = _rand(9, channels, width - 1), _pools(9, heads, p, n)
+    before = (conv_pool.clone(), ssm_pool.clone())
+    ref_conv, ref_ssm = conv_pool.clone(), ssm_pool.clone()
+    xbc, weight, bias = _rand(total, channels), _rand(channels, width), _rand(channels)
+    x, dt, a, _, _, d, _ = _scan_inputs(total, heads, p, groups, n)
+    b, c = _rand(total, groups, n), _rand(total, groups, n)
+    params = SsdParams(a, d, _rand(heads), (0.001, 0.5), 32)
+    fast, ref = FastOps(), ReferenceOps(batch_invariant=False)
+    conv = fast.conv_prefill_many(xbc, conv_pool, spans, weight, bias)
+    y = fast.ssd_prefill_many(x, dt, b, c, params, ssm_pool, spans)
+    conv_ref, y_ref, start = [], [], 0
+    for length, slot in spans:
+        rows = slice(start, start + length)
+        conv_ref.append(ref.conv_prefill(xbc[rows], ref_conv, slot, weight, bias))
+        y_ref.append(ref.ssd_prefill(x[rows], dt[rows], b[rows], c[rows], params, ref_ssm, slot))
+        start += length
+    assert conv.shape == (total, channels) and y.shape == (total, heads, p)
+    assert _close(conv, torch.cat(conv_ref)) and _close(conv_pool, ref_conv)
+    assert _close(y, torch.cat(y_ref)) and _close(ssm_pool, ref_ssm)
+    for untouched in set(range(9)) - set(slots):
+        assert torch.equal(conv_pool[untouched], before[0][untouched])
+        assert torch.equal(ssm_pool[untouched], before[1][untouched])
+
+
+def test_segments_are_batched_only_when_padding_is_cheap() -> None:
+    assert batchable([128, 128]) and batchable([70, 64, 60])
+    assert not batchable([37]) and not batchable([200, 3, 150]) and not batchable([512, 1])

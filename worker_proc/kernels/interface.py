@@ -59,6 +59,19 @@ class KernelOps(Protocol):
         Returns y [Bt, H, P] fp32; rows `slots` of ssm_pool advanced by one token."""
         ...
 
+    def conv_prefill_many(self, x: Tensor, conv_pool: Tensor, spans: tuple[tuple[int, int], ...], weight: Tensor,
+                          bias: Tensor | None) -> Tensor:  # fmt: skip
+        """`conv_prefill` of several requests at once: x: [sum of lengths, Cd], the segments' rows
+        concatenated; spans: (length, slot) of each, in order (worker_proc.kernels.segments). Returns
+        [sum of lengths, Cd]; every span's slot advanced past its segment."""
+        ...
+
+    def ssd_prefill_many(self, x: Tensor, dt: Tensor, b: Tensor, c: Tensor, p: SsdParams, ssm_pool: Tensor,
+                         spans: tuple[tuple[int, int], ...]) -> Tensor:  # fmt: skip
+        """`ssd_prefill` of several requests at once, the rows of `spans` concatenated as in
+        `conv_prefill_many`. Returns y [sum of lengths, H, P] fp32."""
+        ...
+
     def attn_prefill(self, q: Tensor, k_pool: Tensor, v_pool: Tensor, kv_idx: Tensor, start_pos: int,
                      scale: float) -> Tensor:  # fmt: skip
         """q: [L, h, d]; k_pool, v_pool: [S, kvh, d] (this step's K/V already written);

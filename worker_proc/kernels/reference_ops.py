@@ -12,9 +12,10 @@ from torch import Tensor
 from worker_proc.kernels import reference as ref
 from worker_proc.kernels.gdn_ops import GdnMethods, ReferenceGdn
 from worker_proc.kernels.interface import SsdParams
+from worker_proc.kernels.segments import PerSegment
 
 
-class ReferenceOps(GdnMethods):
+class ReferenceOps(PerSegment, GdnMethods):
     """Pure-torch ops over pool slots; correct on every device, fast on none.
 
     `batch_invariant`: decode attention runs request by request with exactly the computation a

@@ -13,6 +13,7 @@ and the decode index is padded by copies, never through a Python list of every s
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -44,6 +45,19 @@ class StepBatch:
     logit_rows: torch.Tensor  # [R] int64 rows whose logits are wanted
     logit_rids: tuple[str, ...]  # request id of each logit row
     kv_full: tuple[torch.Tensor, ...] = ()  # full KV slot list of each request, in slice order
+
+    @cached_property
+    def prefill_spans(self) -> tuple[tuple[int, int], ...]:
+        """(length, state slot) of each prefill segment, in row order (worker_proc.kernels.segments)."""
+        return tuple((seg.row_end - seg.row_start, seg.mamba_slot) for seg in self.prefill)
+
+    @cached_property
+    def prefill_rows(self) -> torch.Tensor | None:
+        """The prefill segments' rows, concatenated in order; None when they are every row of the step."""
+        if not self.dec_rows.numel():
+            return None
+        rows = [torch.arange(seg.row_start, seg.row_end) for seg in self.prefill]
+        return torch.cat(rows).to(self.dec_rows.device)
 
     @property
     def decode_only(self) -> bool:

@@ -106,17 +106,23 @@ class MambaMixer(nn.Module):
             x, b, c = conv_out.split([inner, gn, gn], dim=-1)
             y[rows] = ops.ssd_decode(x.reshape(-1, heads, p), dt[rows], self._groups(b), self._groups(c), params,
                                      ssm_pool, slots)  # fmt: skip
-        for seg in batch.prefill:
-            rows = slice(seg.row_start, seg.row_end)
-            conv_out = ops.conv_prefill(xbc[rows], conv_pool, seg.mamba_slot, weight, bias)
+        if batch.prefill:
+            rows = batch.prefill_rows  # None: the prefill segments are the whole step
+            spans = batch.prefill_spans
+            pre = (xbc, dt) if rows is None else (xbc[rows], dt[rows])
+            conv_out = ops.conv_prefill_many(pre[0], conv_pool, spans, weight, bias)
             x, b, c = conv_out.split([inner, gn, gn], dim=-1)
-            y[rows] = ops.ssd_prefill(x.reshape(-1, heads, p), dt[rows], self._groups(b), self._groups(c), params,
-                                      ssm_pool, seg.mamba_slot)  # fmt: skip
+            out = ops.ssd_prefill_many(x.reshape(-1, heads, p), pre[1], self._groups(b), self._groups(c), params,
+                                       ssm_pool, spans)  # fmt: skip
+            if rows is None:
+                y = out
+            else:
+                y[rows] = out
         return self._output(y, z, h)
 
     def _output(self, y: torch.Tensor, z: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         """The scan output y [T, H, P] through the gate/norm and out_proj (all-reduced under TP)."""
-        y = y.view(h.shape[0], self.shard.inner)
+        y = y.reshape(h.shape[0], self.shard.inner)
         out = y * F.silu(z.float()) if self.norm is None else self.norm(y, z)
         return row_parallel(out.to(h.dtype), self.out_proj, self.tp)
 
