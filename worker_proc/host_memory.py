@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import os
 
 logger = logging.getLogger(__name__)
 
@@ -22,6 +23,8 @@ M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD_BYTES = 32 << 20
 """glibc's largest accepted mmap threshold on 64-bit systems; larger blocks are still mapped."""
 TRIM_THRESHOLD_BYTES = 1 << 30
+SPARE_COPY_FRACTION = 1 / 16
+"""A second copy of some weights is affordable when it takes at most this share of the host's memory."""
 
 
 def keep_freed_memory() -> bool:
@@ -37,3 +40,17 @@ def keep_freed_memory() -> bool:
     if not mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES):
         return False
     return bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))
+
+
+def physical_memory_bytes() -> int:
+    """The host's memory (0 where the platform does not say)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def copy_affordable(nbytes: int, physical: int | None = None) -> bool:
+    """Whether keeping `nbytes` more of weights costs at most SPARE_COPY_FRACTION of the host's memory."""
+    total = physical_memory_bytes() if physical is None else physical
+    return 0 < nbytes <= total * SPARE_COPY_FRACTION

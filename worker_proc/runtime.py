@@ -23,10 +23,12 @@ import torch
 from shared.messages import ForwardBatch, ReqSlice, StepResult
 from shared.model_info import ModelInfo
 from worker_proc.grammar import GrammarRuntime
+from worker_proc.host_memory import copy_affordable
 from worker_proc.kernels import get_ops
 from worker_proc.loader import load_model
 from worker_proc.model import StepBatch, build_step_batch
 from worker_proc.model.kv_mirror import KVSlotMirror
+from worker_proc.model.layers import Linear, worth_packing
 from worker_proc.pools import StatePools, attention_free_kv_slots, cpu_wanted_budget, plan_capacities, pool_budget
 from worker_proc.sampling import SampleRequest, greedy_params, sample, top_logprobs
 from worker_proc.threads import StepThreads
@@ -64,9 +66,8 @@ class ModelRunner:
             model_dir, device=self.device, dtype=dtype, tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group
         )
         self.model.set_batch_invariant(deterministic)
-        packed = 0 if deterministic else self.model.pack_weights()
-        if packed:
-            logger.info("rank %d: %d projection weights packed for oneDNN (%s)", tp_rank, packed, self.model.dtype)
+        if not deterministic:
+            self._pack_weights(tp_rank)
         self.cfg = self.model.cfg
         self.dtype = self.model.dtype
         self.seed = seed
@@ -90,6 +91,18 @@ class ModelRunner:
         self.kv_mirror = KVSlotMirror()  # slot lists of the last batch run (ReqSlice.kv_reuse)
         self.grammars = GrammarRuntime(model_dir, self.model_info.vocab_size, self.model_info.eos_token_ids)
         self.threads = threads  # CPU: torch threads per step by its size; None leaves torch's setting alone
+
+    def _pack_weights(self, tp_rank: int) -> None:
+        """oneDNN-packed projection weights (see `HybridForCausalLM.pack_weights`); float32 ones keep their
+        dense copy for one-row (concurrency-1 decode) products when the host can spare it (`copy_affordable`)."""
+        dense = sum(m.weight.numel() * m.weight.element_size() for m in self.model.modules()
+                    if isinstance(m, Linear) and m.weight.dtype == torch.float32 and worth_packing(m.weight))
+        keep = copy_affordable(dense)
+        packed = self.model.pack_weights(keep_dense=keep)
+        if packed:
+            kept = f"; dense copies kept for one-row products: {dense / 2**20:.0f} MiB" if keep else ""
+            logger.info("rank %d: %d projection weights packed for oneDNN (%s)%s", tp_rank, packed, self.model.dtype,
+                        kept)
 
     # ------------------------------------------------------------------ the step
     def step(self, batch: ForwardBatch, refused: frozenset[str] = frozenset()) -> StepResult:

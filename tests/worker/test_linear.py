@@ -89,6 +89,42 @@ def test_packed_linear_matches_dense(dtype: torch.dtype) -> None:
     assert layer(x3).shape == (2, 5, 24)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_kept_dense_copy_serves_one_row_products(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """float32 keeps its dense copy and runs one-row products on it (split_gemm), every other row count
+    packed; bfloat16 frees it whatever was asked."""
+    from worker_proc.model import layers
+
+    layer = Linear(40, 24, bias=True, dtype=dtype)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(24, 40, generator=G))
+        layer.bias.copy_(torch.randn(24, generator=G))
+    dense_w, dense_b = layer.weight.detach().clone(), layer.bias.detach().clone()
+    layer.pack(keep_dense=True)
+    assert layer.packed is not None
+    assert layer.weight.numel() == (dense_w.numel() if dtype == torch.float32 else 0)
+    calls: list[int] = []
+    product = layers.packed_product
+    monkeypatch.setattr(layers, "packed_product", lambda x, *a: (calls.append(x.shape[0]), product(x, *a))[1])
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    for rows in (1, 2, PACK_ROWS):
+        x = torch.randn(rows, 40, generator=G).to(dtype)
+        want = F.linear(x.float(), dense_w.float(), dense_b.float())
+        assert torch.allclose(layer(x).float(), want, rtol=tol, atol=tol * 10)
+        assert torch.allclose(layer.matmul(x).float(), want - dense_b.float(), rtol=tol, atol=tol * 10)
+    assert calls == ([2, 2, PACK_ROWS, PACK_ROWS] if dtype == torch.float32 else [1, 1, 2, 2, PACK_ROWS, PACK_ROWS])
+
+
+def test_a_second_copy_only_where_the_host_can_spare_it() -> None:
+    from worker_proc.host_memory import SPARE_COPY_FRACTION, copy_affordable, physical_memory_bytes
+
+    host = 16 << 30
+    assert copy_affordable(int(host * SPARE_COPY_FRACTION), physical=host)
+    assert not copy_affordable(int(host * SPARE_COPY_FRACTION) + 1, physical=host)
+    assert not copy_affordable(0, physical=host) and not copy_affordable(1, physical=0)
+    assert physical_memory_bytes() > 0
+
+
 def test_packing_refused_where_it_cannot_hold() -> None:
     layer = Linear(8, 8, bias=False)
     layer.min_rows = 16

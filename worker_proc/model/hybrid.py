@@ -214,18 +214,19 @@ class HybridForCausalLM(nn.Module):
             if isinstance(module, _BATCH_INVARIANT):
                 module.min_rows = rows
 
-    def pack_weights(self) -> int:
+    def pack_weights(self, keep_dense: bool = False) -> int:
         """Throughput mode on CPU: every `Linear` (projections, MLPs, an untied LM head) whose weight is
         `worth_packing` moves it into oneDNN's packed layout (see `Linear.pack`); a tied LM head gets a
         packed copy of the embedding table (the table itself stays dense for the lookups; the copy
         serves steps sampling two or more rows, where it is 1.5-2x faster than the dense product).
+        `keep_dense`: float32 weights keep their dense copy too, for one-row products (`Linear.pack`).
         Returns how many weights were packed (0 where packing does not apply)."""
         if self.min_rows or not packing_supported(self.dtype, self.device):
             return 0
         linears = [m for m in self.modules()
                    if isinstance(m, Linear) and m.packed is None and worth_packing(m.weight)]
         for module in linears:
-            module.pack()
+            module.pack(keep_dense)
         embedding = self.model.embed_tokens.weight
         if self.lm_head is None and self.packed_embedding is None and worth_packing(embedding):
             self.packed_embedding = pack_weight(embedding)
