@@ -10,10 +10,19 @@ mode. Tolerance: 1e-4 max abs logit difference (fp32).
 from __future__ import annotations
 
 import pytest
-import torch
 
-from tests.model_driver import forward_all_logits, forward_logits, generate_greedy
-from tests.worker.util import ALL_FIXTURES, batch, fixture_dir, max_diff, reference, req, runner
+from tests.model_driver import forward_all_logits, generate_greedy
+from tests.worker.util import (
+    ALL_FIXTURES,
+    batch,
+    chunked_prompt_logits,
+    decode_logit_diffs,
+    fixture_dir,
+    max_diff,
+    reference,
+    req,
+    runner,
+)
 from worker_proc.loader import load_config
 
 TOL = 1e-4
@@ -42,14 +51,7 @@ def test_chunked_prefill_logits(name: str, chunks: tuple[int, ...], deterministi
     assert sum(chunks) == len(prompt)
     assert any(c % cfg.mamba_chunk_size for c in chunks)  # boundaries not aligned to the SSD chunk
     r = runner(name, deterministic=deterministic)
-    kv = [5 + 2 * i for i in range(len(prompt))]  # scattered, non-contiguous KV slots
-    rows, start = [], 0
-    for step, c in enumerate(chunks):
-        sl = req("a", prompt[start : start + c], start, kv[: start + c], 3)
-        out = forward_all_logits(r, batch(step, [sl], clears=[3] if start == 0 else []))
-        rows.append(out["a"])
-        start += c
-    assert max_diff(torch.cat(rows), ref["prompt_logits"]) <= TOL
+    assert max_diff(chunked_prompt_logits(r, prompt, chunks), ref["prompt_logits"]) <= TOL
     r.check_integrity()
 
 
@@ -60,14 +62,8 @@ def test_decode_logits_and_greedy_tokens(name: str, deterministic: bool) -> None
     prompt = ref["prompt"].tolist()
     gen = ref["gen_tokens"].tolist()
     r = runner(name, deterministic=deterministic)
-    n = len(prompt)
-    kv = list(range(1, n + len(gen) + 1))
-    logits = forward_logits(r, batch(0, [req("a", prompt, 0, kv[:n], 2)], clears=[2]))["a"]
-    assert max_diff(logits, ref["gen_logits"][0]) <= TOL
-    for i in range(1, len(gen)):
-        pos = n + i - 1
-        logits = forward_logits(r, batch(i, [req("a", [gen[i - 1]], pos, kv[: pos + 1], 2)]))["a"]
-        assert max_diff(logits, ref["gen_logits"][i]) <= TOL, f"decode step {i}"
+    diffs = decode_logit_diffs(r, prompt, gen, ref["gen_logits"])
+    assert len(diffs) == len(gen) and max(diffs) <= TOL, diffs
     r.check_integrity()
 
 

@@ -11,10 +11,18 @@ default and the deterministic mode. Tolerance: 1e-4 max abs logit difference (fp
 from __future__ import annotations
 
 import pytest
-import torch
 
-from tests.model_driver import forward_all_logits, forward_logits, generate_greedy
-from tests.worker.util import GDN_FIXTURES, batch, max_diff, reference, req, runner
+from tests.model_driver import forward_all_logits, generate_greedy
+from tests.worker.util import (
+    GDN_FIXTURES,
+    batch,
+    chunked_prompt_logits,
+    decode_logit_diffs,
+    max_diff,
+    reference,
+    req,
+    runner,
+)
 
 TOL = 1e-4
 KV = 400
@@ -47,13 +55,7 @@ def test_chunked_prefill_logits(name: str, pattern: str, deterministic: bool) ->
     ref = reference(name)
     prompt = ref["prompt"].tolist()
     r = runner(name, kv_slots=KV, deterministic=deterministic)
-    kv = [5 + 2 * i for i in range(len(prompt))]  # scattered, non-contiguous KV slots
-    rows, start = [], 0
-    for step, c in enumerate(_chunks(len(prompt), pattern)):
-        sl = req("a", prompt[start : start + c], start, kv[: start + c], 3)
-        rows.append(forward_all_logits(r, batch(step, [sl], clears=[3] if start == 0 else []))["a"])
-        start += c
-    assert max_diff(torch.cat(rows), ref["prompt_logits"]) <= TOL
+    assert max_diff(chunked_prompt_logits(r, prompt, _chunks(len(prompt), pattern)), ref["prompt_logits"]) <= TOL
     r.check_integrity()
 
 
@@ -63,13 +65,7 @@ def test_decode_logits_and_greedy_tokens(name: str, deterministic: bool) -> None
     ref = reference(name)
     prompt, gen = ref["prompt"].tolist(), ref["gen_tokens"].tolist()
     r = runner(name, kv_slots=KV, deterministic=deterministic)
-    n = len(prompt)
-    kv = list(range(1, n + len(gen) + 1))
-    logits = forward_logits(r, batch(0, [req("a", prompt, 0, kv[:n], 2)], clears=[2]))["a"]
-    assert max_diff(logits, ref["gen_logits"][0]) <= TOL
-    for i in range(1, len(gen)):
-        pos = n + i - 1
-        logits = forward_logits(r, batch(i, [req("a", [gen[i - 1]], pos, kv[: pos + 1], 2)]))["a"]
-        assert max_diff(logits, ref["gen_logits"][i]) <= TOL, f"decode step {i}"
+    diffs = decode_logit_diffs(r, prompt, gen, ref["gen_logits"])
+    assert len(diffs) == len(gen) and max(diffs) <= TOL, diffs
     r.check_integrity()
     assert generate_greedy(r, prompt, len(gen)) == gen

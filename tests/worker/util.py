@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from shared.messages import CopyOp, ForwardBatch, ReqSlice, SamplingParams, ToWorker
+from tests.model_driver import forward_all_logits, forward_logits
 from worker_proc.runtime import ModelRunner
 
 FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures")
@@ -72,3 +73,28 @@ def batch(step: int, reqs: list[ReqSlice], copies: list[CopyOp] | None = None,
 
 def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).abs().max())
+
+
+def chunked_prompt_logits(r: ModelRunner, prompt: list[int], chunks: list[int] | tuple[int, ...]) -> torch.Tensor:
+    """Every prompt row's logits, the prompt prefilled in `chunks` (one step each) over scattered KV slots."""
+    kv = [5 + 2 * i for i in range(len(prompt))]  # scattered, non-contiguous KV slots
+    rows, start = [], 0
+    for step, c in enumerate(chunks):
+        sl = req("a", prompt[start : start + c], start, kv[: start + c], 3)
+        rows.append(forward_all_logits(r, batch(step, [sl], clears=[3] if start == 0 else []))["a"])
+        start += c
+    return torch.cat(rows)
+
+
+def decode_logit_diffs(r: ModelRunner, prompt: list[int], gen: list[int], gen_logits: torch.Tensor) -> list[float]:
+    """Max |logit difference| against `gen_logits[i]` at each step: the prompt's last row, then each
+    decode step fed the reference's previous token."""
+    n = len(prompt)
+    kv = list(range(1, n + len(gen) + 1))
+    logits = forward_logits(r, batch(0, [req("a", prompt, 0, kv[:n], 2)], clears=[2]))["a"]
+    diffs = [max_diff(logits, gen_logits[0])]
+    for i in range(1, len(gen)):
+        pos = n + i - 1
+        logits = forward_logits(r, batch(i, [req("a", [gen[i - 1]], pos, kv[: pos + 1], 2)]))["a"]
+        diffs.append(max_diff(logits, gen_logits[i]))
+    return diffs
