@@ -18,14 +18,7 @@ Spans = tuple[tuple[int, int], ...]
 
 
 class PerSegment:
-    """`conv_prefill_many` / `ssd_prefill_many` as a loop of `conv_prefill` / `ssd_prefill`."""
-
-    def conv_prefill(self, x: Tensor, conv_pool: Tensor, slot: int, weight: Tensor, bias: Tensor | None) -> Tensor:
-        raise NotImplementedError
-
-    def ssd_prefill(self, x: Tensor, dt: Tensor, b: Tensor, c: Tensor, p: SsdParams, ssm_pool: Tensor,
-                    slot: int) -> Tensor:  # fmt: skip
-        raise NotImplementedError
+    """`conv_prefill_many` / `ssd_prefill_many` as a loop of the class's own `conv_prefill` / `ssd_prefill`."""
 
     def conv_prefill_many(self, x: Tensor, conv_pool: Tensor, spans: Spans, weight: Tensor,
                           bias: Tensor | None) -> Tensor:  # fmt: skip

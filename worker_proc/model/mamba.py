@@ -98,7 +98,8 @@ class MambaMixer(nn.Module):
             x, b, c = conv_out.split([inner, gn, gn], dim=-1)
             y = ops.ssd_decode(x.reshape(-1, heads, p), dt, self._groups(b), self._groups(c), params, ssm_pool, slots)
             return self._output(y, z, h)
-        y = torch.empty(h.shape[0], heads, p, dtype=torch.float32, device=h.device)
+        # a step with both groups writes each group's rows of one output; a prefill-only step's output is its own
+        y = torch.empty(h.shape[0], heads, p, dtype=torch.float32, device=h.device) if batch.dec_rows.numel() else None
         if batch.dec_rows.numel():
             rows = batch.dec_rows
             slots = batch.dec_mamba_slots
@@ -114,10 +115,11 @@ class MambaMixer(nn.Module):
             x, b, c = conv_out.split([inner, gn, gn], dim=-1)
             out = ops.ssd_prefill_many(x.reshape(-1, heads, p), pre[1], self._groups(b), self._groups(c), params,
                                        ssm_pool, spans)  # fmt: skip
-            if rows is None:
+            if y is None:
                 y = out
             else:
                 y[rows] = out
+        assert y is not None  # a step has decode rows, prefill segments or both
         return self._output(y, z, h)
 
     def _output(self, y: torch.Tensor, z: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
