@@ -109,6 +109,7 @@ async def model_info(request: Request) -> Response:
 
 async def flush_cache(request: Request) -> Response:
     ctx = get_ctx(request)
+    await request.app.state.health.settle()  # this server's own /health probe is not a running request to refuse for
     try:
         ok, message = await ctx.backend.flush_cache()
     except (BackendUnavailable, TimeoutError) as e:

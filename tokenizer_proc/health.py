@@ -37,6 +37,13 @@ class HealthProbe:
             self._probe = asyncio.get_running_loop().create_task(self._run(), name="health-probe")
         return await asyncio.shield(self._probe)  # a caller that leaves does not end the probe
 
+    async def settle(self) -> None:
+        """Wait for a running probe to end (its request is then no longer running in the scheduler):
+        a cache flush is refused while any request runs, and a router probes /health every second."""
+        probe = self._probe
+        if probe is not None and not probe.done():
+            await asyncio.wait({probe})
+
     async def _run(self) -> str | None:
         rid = f"health-{uuid.uuid4().hex}"
         req = GenerateReq(rid=rid, input_ids=[PROBE_TOKEN],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures as cf
 import json
 import random
@@ -133,3 +134,21 @@ def test_disconnect_mid_stream_frees_resources(server: Server) -> None:
             assert time.monotonic() < deadline, info
             time.sleep(0.1)
         assert _find(info, "mamba_used_by_requests") == 0
+
+
+def test_flush_is_not_refused_for_the_servers_own_health_probe(server: Server) -> None:
+    """A router probes /health every second and each probe is a one-token request: a /flush_cache arriving
+    with a probe in flight waits for it instead of being refused as 'requests are running'."""
+
+    async def health_then_flush(c: httpx.AsyncClient) -> tuple[int, int]:
+        health = asyncio.ensure_future(c.get("/health"))
+        await asyncio.sleep(0)  # lets the probe go out first; the assertion holds in either order
+        flush = await c.post("/flush_cache")
+        return (await health).status_code, flush.status_code
+
+    async def rounds() -> list[tuple[int, int]]:
+        async with httpx.AsyncClient(base_url=server.url, timeout=30) as c:
+            return [await health_then_flush(c) for _ in range(20)]
+
+    codes = asyncio.run(rounds())
+    assert codes == [(200, 200)] * 20, codes
