@@ -60,10 +60,14 @@ def test_gdn_memory_pressure_completes_identically(tmp_path) -> None:
     expected = [generate_greedy(ref, p, 24) for p in prompts]
     args = ["--model-path", path, "--dtype", "float32", "--max-total-tokens", "300", "--max-mamba-cache-size", "8",
             "--max-running-requests", "8", "--chunked-prefill-size", "32", "--max-prefill-tokens", "96",
-            "--fault-refuse-cow-fraction", "0.2", "--disable-prompt-checkpoint"]
+            "--fault-refuse-cow-fraction", "0.3", "--disable-prompt-checkpoint"]
     with running_server([*args, *DETERMINISTIC]) as server:
-        outputs = asyncio.run(generate_concurrently(server, prompts, 24))
-        assert outputs == expected
+        # The first wave arrives before any prefix is cached, so how many of its requests resume from a
+        # cached state (a copy-on-write) depends on arrival order (measured: 11-14); the second wave finds
+        # most branch points cached (measured: 17 more). Odds of no injected refusal in ~30 copies: ~1e-5.
+        for wave in range(2):
+            outputs = asyncio.run(generate_concurrently(server, prompts, 24))
+            assert outputs == expected, wave
         assert server.metric("hyssm_admission_refusals_total") > 0
         assert server.metric("hyssm_admission_refusals_total", reason="worker_refusal") > 0  # injected CoW refusals
         assert server.metric("hyssm_admission_retries_total") > 0
