@@ -1,4 +1,5 @@
-"""Host heap policy of a worker process: freed blocks stay in the heap for the next step.
+"""Host memory of a worker process: freed blocks stay in the heap for the next step, and the state
+pools take pages only as their slots are used (`zeros`).
 
 glibc's malloc serves a block above its mmap threshold with a fresh mapping and returns the top of
 the heap to the kernel once more than its trim threshold is free. A step's temporaries are megabytes
@@ -14,7 +15,11 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import math
+import mmap
 import os
+
+import torch
 
 logger = logging.getLogger(__name__)
 
@@ -54,3 +59,18 @@ def copy_affordable(nbytes: int, physical: int | None = None) -> bool:
     """Whether keeping `nbytes` more of weights costs at most SPARE_COPY_FRACTION of the host's memory."""
     total = physical_memory_bytes() if physical is None else physical
     return 0 < nbytes <= total * SPARE_COPY_FRACTION
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A zero tensor whose host pages are taken only when first touched.
+
+    On the CPU the tensor views an anonymous mapping, which the kernel fills with zeros on first
+    access: a pool sized for the most requests the server admits costs resident memory only for the
+    slots it uses (`torch.zeros` writes every page at once). The tensor keeps the mapping alive.
+    Other devices get `torch.zeros`."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)

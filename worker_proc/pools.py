@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from worker_proc.host_memory import zeros
 from worker_proc.model.config import HybridConfig
 from worker_proc.model.tp import AttnShard, GdnShard, MambaShard
 
@@ -218,11 +219,11 @@ class StatePools:
         n_attn = len(cfg.attn_layer_ids)
         attn = AttnShard.of(cfg, tp_rank, tp_size)
         kv_shape = (n_attn, kv_slots + 1, attn.kv_heads, cfg.head_dim)
-        self.k = torch.zeros(kv_shape, dtype=dtype, device=device)
-        self.v = torch.zeros(kv_shape, dtype=dtype, device=device)
+        self.k = zeros(kv_shape, dtype, device)
+        self.v = zeros(kv_shape, dtype, device)
         self.layout = tuple(state_tensors(cfg, dtype, tp_size, tp_rank))
         self.states: dict[str, torch.Tensor] = {
-            t.name: torch.zeros((t.layers, mamba_slots + 1, *t.shape), dtype=t.dtype, device=device)
+            t.name: zeros((t.layers, mamba_slots + 1, *t.shape), t.dtype, device)
             for t in self.layout
         }
         logger.info(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -50,3 +51,24 @@ def test_freed_blocks_are_reused_without_page_faults() -> None:
     assert pinned == applied == "True"
     assert mapped > 5000  # every block above the threshold is a fresh mapping: megabytes faulted in per step
     assert kept < mapped / 10
+
+
+def _resident_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/statm")
+def test_pool_zeros_take_pages_only_where_written() -> None:
+    import torch
+
+    from worker_proc.host_memory import zeros
+
+    before = _resident_mib()
+    pool = zeros((4, 1024, 16384), torch.float32, "cpu")  # 256 MiB
+    assert _resident_mib() - before < 32
+    assert pool.shape == (4, 1024, 16384) and pool.dtype == torch.float32 and pool.is_contiguous()
+    pool[:, 7] = 3.0  # one slot of every layer: 256 KiB
+    assert _resident_mib() - before < 32
+    assert float(pool[:, 7].sum()) == 3.0 * 4 * 16384 and float(pool[:, 8].abs().max()) == 0.0
+    assert zeros((0, 5), torch.bfloat16, "cpu").shape == (0, 5)
