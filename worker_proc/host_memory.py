@@ -47,6 +47,39 @@ def keep_freed_memory() -> bool:
     return bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))
 
 
+def last_level_cache_bytes(cpu_dir: str = "/sys/devices/system/cpu/cpu0/cache") -> int:
+    """The size of the CPU's last-level cache as Linux reports it (0 where it does not say)."""
+    best = (0, 0)
+    try:
+        entries = os.listdir(cpu_dir)
+    except OSError:
+        return 0
+    for entry in entries:
+        if not entry.startswith("index"):
+            continue
+        try:
+            with open(os.path.join(cpu_dir, entry, "level")) as f:
+                level = int(f.read())
+            with open(os.path.join(cpu_dir, entry, "size")) as f:
+                size = f.read().strip()
+        except (OSError, ValueError):
+            continue
+        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+        try:
+            nbytes = int(size[:-1]) * units[size[-1]] if size[-1:] in units else int(size)
+        except ValueError:
+            continue
+        best = max(best, (level, nbytes))
+    return best[1]
+
+
+def cache_resident(nbytes: int, cache: int | None = None) -> bool:
+    """Whether `nbytes` of weights stay in the last-level cache from one step to the next: at most half
+    of it (the step's activations and state take the rest). False where the cache size is unknown."""
+    size = last_level_cache_bytes() if cache is None else cache
+    return 0 < nbytes <= size // 2
+
+
 def physical_memory_bytes() -> int:
     """The host's memory (0 where the platform does not say)."""
     try:

@@ -23,7 +23,7 @@ import torch
 from shared.messages import ForwardBatch, ReqSlice, StepResult
 from shared.model_info import ModelInfo
 from worker_proc.grammar import GrammarRuntime
-from worker_proc.host_memory import copy_affordable
+from worker_proc.host_memory import cache_resident, copy_affordable
 from worker_proc.kernels import get_ops
 from worker_proc.loader import load_model
 from worker_proc.model import StepBatch, build_step_batch
@@ -94,7 +94,13 @@ class ModelRunner:
 
     def _pack_weights(self, tp_rank: int) -> None:
         """oneDNN-packed projection weights (see `HybridForCausalLM.pack_weights`); float32 ones keep their
-        dense copy for one-row (concurrency-1 decode) products when the host can spare it (`copy_affordable`)."""
+        dense copy for one-row (concurrency-1 decode) products when the host can spare it (`copy_affordable`).
+        A model whose weights stay in the CPU's cache runs its one-row products unsplit (`Linear.split_rows`)."""
+        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        if self.device.type == "cpu" and cache_resident(weights):
+            self.model.set_split_rows(0)
+            logger.info("rank %d: the weights (%.1f MiB) stay in the CPU cache: one-row products are not split",
+                        tp_rank, weights / 2**20)
         dense = sum(m.weight.numel() * m.weight.element_size() for m in self.model.modules()
                     if isinstance(m, Linear) and m.weight.dtype == torch.float32 and worth_packing(m.weight))
         keep = copy_affordable(dense)

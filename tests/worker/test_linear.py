@@ -162,3 +162,36 @@ def test_model_packs_in_throughput_mode_only(monkeypatch: pytest.MonkeyPatch) ->
     det = ModelRunner(fixture_dir("rope_moe"), kv_slots=64, mamba_slots=2, deterministic=True)
     assert all(m.packed is None and m.weight.numel() for m in det.model.modules() if isinstance(m, Linear))
     assert det.model.pack_weights() == 0
+
+
+def test_split_rule_follows_the_weights_cache_residence(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model whose weights fit in half the last-level cache runs one-row products unsplit; a larger
+    one, or one on a host that does not report its cache, splits them. Results match F.linear both ways."""
+    from tests.worker.util import fixture_dir
+    from worker_proc import host_memory, runtime
+    from worker_proc.model import layers
+
+    for index, (level, size) in enumerate([(1, "32K"), (2, "1024K"), (3, "32768K")]):
+        (tmp_path / f"index{index}").mkdir()
+        (tmp_path / f"index{index}" / "level").write_text(f"{level}\n")
+        (tmp_path / f"index{index}" / "size").write_text(f"{size}\n")
+    (tmp_path / "uevent").write_text("")
+    assert host_memory.last_level_cache_bytes(str(tmp_path)) == 32 << 20
+    assert host_memory.last_level_cache_bytes(str(tmp_path / "absent")) == 0
+    assert host_memory.cache_resident(16 << 20, cache=32 << 20)
+    assert not host_memory.cache_resident((16 << 20) + 1, cache=32 << 20)
+    assert not host_memory.cache_resident(1, cache=0)
+
+    calls: list[int] = []
+    split = layers.split_gemm
+    monkeypatch.setattr(layers, "split_gemm", lambda x, *a: (calls.append(x.shape[0]), split(x, *a))[1])
+    for cache, split_rows in ((1 << 30, 0), (0, SPLIT_GEMM_MAX_ROWS)):
+        monkeypatch.setattr(runtime, "cache_resident", lambda n, c=cache: host_memory.cache_resident(n, cache=c))
+        runner = runtime.ModelRunner(fixture_dir("rope_moe"), kv_slots=64, mamba_slots=2)
+        linears = [m for m in runner.model.modules() if isinstance(m, Linear)]
+        assert runner.model.split_rows == split_rows and all(m.split_rows == split_rows for m in linears)
+        calls.clear()
+        layer = linears[0]
+        x = torch.randn(1, layer.in_features, generator=G)
+        assert torch.allclose(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+        assert calls == ([] if split_rows == 0 else [1])

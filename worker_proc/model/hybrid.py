@@ -36,6 +36,7 @@ from worker_proc.model.config import Block, HybridConfig, Sublayer, tp_layout_er
 from worker_proc.model.gated_deltanet import GatedDeltaNet
 from worker_proc.model.layers import (
     MIN_GEMM_ROWS,
+    SPLIT_GEMM_MAX_ROWS,
     GatedMLP,
     Linear,
     Relu2MLP,
@@ -181,6 +182,7 @@ class HybridForCausalLM(nn.Module):
             else Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, device=device)
         )
         self.min_rows = 0
+        self.split_rows = SPLIT_GEMM_MAX_ROWS
         self.packed_embedding: torch.Tensor | None = None  # a tied LM head's packed copy (pack_weights)
 
     def shard_spec(self, name: str) -> ShardSpec | None:
@@ -213,6 +215,14 @@ class HybridForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, _BATCH_INVARIANT):
                 module.min_rows = rows
+
+    def set_split_rows(self, rows: int) -> None:
+        """Up to how many rows dense float32 products go through `split_gemm` (`Linear.split_rows`), in
+        every Linear and the tied LM head."""
+        self.split_rows = rows
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.split_rows = rows
 
     def pack_weights(self, keep_dense: bool = False) -> int:
         """Throughput mode on CPU: every `Linear` (projections, MLPs, an untied LM head) whose weight is
@@ -257,7 +267,8 @@ class HybridForCausalLM(nn.Module):
         elif self.packed_embedding is not None and h.shape[0] > 1:
             logits = packed_product(h, self.packed_embedding, None).float()
         else:  # one row: the split dense product is the faster one (see `layers.linear`)
-            logits = linear(h, self.model.embed_tokens.weight, min_rows=self.min_rows).float()
+            embedding = self.model.embed_tokens.weight
+            logits = linear(h, embedding, min_rows=self.min_rows, split_rows=self.split_rows).float()
         if cfg.lm_head_multiplier != 1.0:
             logits = logits * cfg.lm_head_multiplier
         return logits / cfg.logits_scaling

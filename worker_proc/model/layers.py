@@ -50,21 +50,23 @@ def gemm_parts(out_features: int) -> int:
 
 
 def linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, min_rows: int = 0
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, min_rows: int = 0,
+    split_rows: int = SPLIT_GEMM_MAX_ROWS,
 ) -> torch.Tensor:
     """F.linear over [T, in]. With `min_rows` (the deterministic mode passes MIN_GEMM_ROWS) a CPU input
     of fewer rows is zero-padded up to it, so each row's result does not depend on T (batch
     invariance; measured with MKL on x86: every row count >= MIN_GEMM_ROWS gives identical rows).
     Padding is the price of that rule: a one-row GEMV becomes a 16-row GEMM. Without it, a float32
-    CPU input of at most SPLIT_GEMM_MAX_ROWS rows goes through `split_gemm` (16-bit dtypes are
-    faster in F.linear: oneDNN handles them at every row count)."""
+    CPU input of at most `split_rows` rows goes through `split_gemm` (16-bit dtypes are faster in
+    F.linear: oneDNN handles them at every row count; weights that stay in the CPU's cache between
+    steps pass 0, see `Linear.split_rows`)."""
     rows = x.shape[0]
     if x.dim() != 2 or x.device.type != "cpu":
         return F.linear(x, weight, bias)
     if rows < min_rows:
         padded = torch.cat([x, x.new_zeros(min_rows - rows, x.shape[1])])
         return F.linear(padded, weight, bias)[:rows]
-    if (min_rows or rows > SPLIT_GEMM_MAX_ROWS or x.dtype != torch.float32 or weight.dtype != torch.float32
+    if (min_rows or rows > split_rows or x.dtype != torch.float32 or weight.dtype != torch.float32
             or not weight.is_contiguous()):
         return F.linear(x, weight, bias)
     out = split_gemm(x, weight, gemm_parts(weight.shape[0]))
@@ -125,6 +127,10 @@ class Linear(nn.Linear):
     every other product runs through oneDNN."""
 
     min_rows = 0
+    split_rows = SPLIT_GEMM_MAX_ROWS
+    """`linear`'s split rule. `split_gemm` pays where the weight streams from memory on each step; a model
+    whose weights all stay in the CPU's cache sets 0 (`HybridForCausalLM.set_split_rows`): measured on
+    the built-in model's shapes, F.linear takes 4-7 us per one-row product and `split_gemm` 11-15 us."""
     packed: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -136,7 +142,7 @@ class Linear(nn.Linear):
 
     def _product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.packed is None:
-            return linear(x, self.weight, bias, self.min_rows)
+            return linear(x, self.weight, bias, self.min_rows, self.split_rows)
         if self.weight.numel() and x.dim() == 2 and x.shape[0] == 1:  # a kept dense copy: one row is faster split
             return linear(x, self.weight, bias)
         return packed_product(x, self.packed, bias)
