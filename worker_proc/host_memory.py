@@ -47,27 +47,24 @@ def keep_freed_memory() -> bool:
     return bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))
 
 
+SIZE_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
 def last_level_cache_bytes(cpu_dir: str = "/sys/devices/system/cpu/cpu0/cache") -> int:
     """The size of the CPU's last-level cache as Linux reports it (0 where it does not say)."""
     best = (0, 0)
     try:
-        entries = os.listdir(cpu_dir)
+        entries = [e for e in os.listdir(cpu_dir) if e.startswith("index")]
     except OSError:
         return 0
     for entry in entries:
-        if not entry.startswith("index"):
-            continue
         try:
             with open(os.path.join(cpu_dir, entry, "level")) as f:
                 level = int(f.read())
             with open(os.path.join(cpu_dir, entry, "size")) as f:
                 size = f.read().strip()
+            nbytes = int(size[:-1]) * SIZE_UNITS[size[-1]] if size[-1:] in SIZE_UNITS else int(size)
         except (OSError, ValueError):
-            continue
-        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-        try:
-            nbytes = int(size[:-1]) * units[size[-1]] if size[-1:] in units else int(size)
-        except ValueError:
             continue
         best = max(best, (level, nbytes))
     return best[1]
