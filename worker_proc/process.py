@@ -28,6 +28,12 @@ from worker_proc.threads import LARGE_STEP_ROWS, StepThreads, available_cores, c
 
 logger = logging.getLogger(__name__)
 
+STEP_SPIN_S = 0.002
+"""How long a rank polls for its next batch without blocking before it sleeps in a blocking poll. The
+scheduler's next batch usually follows a result within a millisecond; a rank that slept meanwhile ran
+its next step cold. Measured on a 2-core VM, built-in model served at concurrency 1: 4.5-4.9 -> 3.1-3.2
+ms per decode token, 179-203 -> 231-259 tok/s. Idle, the spin costs 2 ms per second of waiting."""
+
 
 def resolve_device(args: ServerArgs, rank: int) -> str:
     if args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available()):
@@ -169,7 +175,7 @@ def serve(
     last_heard = time.monotonic()
     while True:
         try:
-            msg = rx.recv(1000)
+            msg = rx.recv_spinning(STEP_SPIN_S, 1000)
         except ChannelTimeout:
             if time.monotonic() - last_heard > silence_limit:
                 raise TimeoutError(f"no message from the scheduler for {silence_limit:.0f}s") from None
