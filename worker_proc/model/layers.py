@@ -144,7 +144,7 @@ class Linear(nn.Linear):
         if self.packed is None:
             return linear(x, self.weight, bias, self.min_rows, self.split_rows)
         if self.weight.numel() and x.dim() == 2 and x.shape[0] == 1:  # a kept dense copy: one row is faster split
-            return linear(x, self.weight, bias)
+            return linear(x, self.weight, bias, split_rows=self.split_rows)
         return packed_product(x, self.packed, bias)
 
     def pack(self, keep_dense: bool = False) -> None:

@@ -99,8 +99,9 @@ class MambaMixer(nn.Module):
             y = ops.ssd_decode(x.reshape(-1, heads, p), dt, self._groups(b), self._groups(c), params, ssm_pool, slots)
             return self._output(y, z, h)
         # a step with both groups writes each group's rows of one output; a prefill-only step's output is its own
-        y = torch.empty(h.shape[0], heads, p, dtype=torch.float32, device=h.device) if batch.dec_rows.numel() else None
+        y: torch.Tensor | None = None
         if batch.dec_rows.numel():
+            y = torch.empty(h.shape[0], heads, p, dtype=torch.float32, device=h.device)
             rows = batch.dec_rows
             slots = batch.dec_mamba_slots
             conv_out = ops.conv_decode(xbc[rows], conv_pool, slots, weight, bias)
