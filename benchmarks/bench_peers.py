@@ -5,16 +5,18 @@ One invocation runs the three systems one after another on the same prompts:
     python benchmarks/make_bench_model.py --shape granite-4.0-h-350m /work/bench-models/granite-350m
     python benchmarks/bench_peers.py --model /work/bench-models/granite-350m --runs 3 --output-json peers.json
 
-- hyssm: ``launch.py --model-path MODEL --dtype float32 [--hyssm-args ...]`` on a free loopback port,
+All three run the weights in --dtype (float32, the default, or bfloat16; see peers_commands.py):
+- hyssm: ``launch.py --model-path MODEL --dtype DTYPE [--hyssm-args ...]`` on a free loopback port,
   native /generate (its pool sizes are launch.py's defaults unless --hyssm-args sets them);
-- llama.cpp: ``llama-server -m MODEL.f32.gguf --parallel 32 --threads $(nproc) -c 32*1024``, native
-  /completion with cache_prompt. The GGUF is converted on first use with the peers script
-  (``llama-server.sh convert``) and cached beside the model directory (redone when older than the
-  weights); a checkpoint llama.cpp cannot load as it is (e.g. a BPE tokenizer without merges) is
-  converted from a staged copy, see peers_gguf.py. Skipped with a message when the binary
-  (``--llama-server``, default: where ``llama-server.sh build`` puts it) does not exist; this tool
-  never builds it;
-- transformers: peers_transformers.py in a subprocess (skipped with a message when not installed).
+- llama.cpp: ``llama-server -m MODEL.f32.gguf --parallel 32 --threads $(nproc) -c 32*1024``
+  (``MODEL.bf16.gguf`` for bfloat16), native /completion with cache_prompt. The GGUF is converted on
+  first use with the peers script (``llama-server.sh convert ... f32|bf16``) and cached beside the
+  model directory, one file per type (redone when older than the weights); a checkpoint llama.cpp
+  cannot load as it is (e.g. a BPE tokenizer without merges) is converted from a staged copy, see
+  peers_gguf.py. Skipped with a message when the binary (``--llama-server``, default: where
+  ``llama-server.sh build`` puts it) does not exist; this tool never builds it;
+- transformers: peers_transformers.py in a subprocess, the model loaded in DTYPE (skipped with a message
+  when not installed).
 Workload per run k (prompts from random.Random(seed + k), the same for every system; ids avoid the
 config's bos/eos/pad), in this order:
 - throughput: --input-len (128) token prompts with --output-len (32) new tokens, greedy, EOS ignored,
@@ -43,7 +45,6 @@ import json
 import logging
 import os
 import random
-import re
 import shlex
 import signal
 import sys
@@ -57,6 +58,15 @@ if __package__ in (None, ""):  # run as a file: make the repo importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.bench_serving import BenchConfig, run_requests  # noqa: E402
+from benchmarks.peers_commands import (  # noqa: E402
+    DEFAULT_PEERS_SCRIPT,
+    DTYPES,
+    PeersConfig,
+    default_llama_server,
+    hyssm_command,
+    llama_command,
+    transformers_job,
+)
 from benchmarks.peers_gguf import gguf_for  # noqa: E402
 from benchmarks.peers_procs import ManagedProcess, PeerError, free_port  # noqa: E402
 from benchmarks.peers_report import format_table, median_runs, to_json  # noqa: E402
@@ -65,43 +75,7 @@ from benchmarks.serving_metrics import RequestSpec, compute_metrics  # noqa: E40
 logger = logging.getLogger(__name__)
 
 REPO = Path(__file__).resolve().parent.parent
-DEFAULT_PEERS_SCRIPT = REPO.parent / "shared" / "peers" / "llama-server.sh"
 RunPrompts = dict[str, object]
-
-
-@dataclasses.dataclass(frozen=True)
-class PeersConfig:
-    model: str
-    runs: int = 3
-    skip_llama: bool = False
-    skip_transformers: bool = False
-    llama_server: str | None = None
-    hyssm_args: tuple[str, ...] = ()
-    peers_script: str = str(DEFAULT_PEERS_SCRIPT)
-    threads: int = os.cpu_count() or 1
-    levels: tuple[int, ...] = (1, 8, 32)
-    input_len: int = 128
-    output_len: int = 32
-    prefix_len: int = 512
-    suffix_len: int = 32
-    seed: int = 0
-    ready_timeout_s: float = 900.0
-    request_timeout_s: float = 3600.0
-    output_json: str | None = None
-    log_dir: str | None = None
-
-
-def default_llama_server(script: str) -> Path | None:
-    """Where ``llama-server.sh build`` puts the binary (its ROOT/VER rule), without building it."""
-    try:
-        text = Path(script).read_text()
-    except OSError:
-        return None
-    ver = re.search(r"^VER=(\S+)", text, re.M)
-    if ver is None:
-        return None
-    root = Path(os.environ.get("HYSSM_PEERS", Path.home() / ".cache" / "hyssm-peers"))  # the script's own rule
-    return root / f"llama_cpp_python-{ver.group(1)}" / "vendor" / "llama.cpp" / "build" / "bin" / "llama-server"
 
 
 def llama_skip_reason(cfg: PeersConfig) -> str | None:
@@ -224,12 +198,9 @@ def run_server(
 
 
 def run_transformers(runs: list[RunPrompts], cfg: PeersConfig, log_dir: Path) -> list[dict[str, float]]:
-    job = {
-        "model": cfg.model,
-        "threads": cfg.threads,
-        "output_len": cfg.output_len,
-        "runs": [{k: r[k] for k in ("throughput", "cold", "prefix", "shared")} for r in runs],
-    }
+    """peers_transformers.py on the runs' prompts in a subprocess; its per-run figures, peak RSS added.
+    Raises PeerError when it fails or ran in another dtype than cfg.dtype."""
+    job = transformers_job(runs, cfg)
     job_path, out_path = log_dir / "transformers_job.json", log_dir / "transformers_out.json"
     job_path.write_text(json.dumps(job))
     cmd = [sys.executable, str(REPO / "benchmarks" / "peers_transformers.py"), str(job_path), str(out_path)]
@@ -240,7 +211,10 @@ def run_transformers(runs: list[RunPrompts], cfg: PeersConfig, log_dir: Path) ->
         proc.stop()
     if rc != 0 or not out_path.is_file():
         raise PeerError(f"transformers subprocess exited with {rc}:\n{proc.log_tail()}")
-    out = json.loads(out_path.read_text())["runs"]
+    doc = json.loads(out_path.read_text())
+    if doc.get("dtype") != cfg.dtype:
+        raise PeerError(f"transformers ran in {doc.get('dtype')}, not {cfg.dtype}:\n{proc.log_tail()}")
+    out = doc["runs"]
     for m in out:
         m["peak_rss_mib"] = proc.peak_rss_bytes / 2**20
     return out
@@ -260,21 +234,7 @@ def benchmark(cfg: PeersConfig, log_dir: Path) -> tuple[dict[str, dict[str, floa
     per_run: dict[str, list] = {}
     notes: list[str] = []
     port = free_port()
-    hyssm_cmd = [
-        sys.executable,
-        str(REPO / "launch.py"),
-        "--model-path",
-        cfg.model,
-        "--dtype",
-        "float32",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--max-running-requests",
-        str(max(64, *cfg.levels)),
-        *cfg.hyssm_args,
-    ]
+    hyssm_cmd = hyssm_command(cfg, port)
     try:
         per_run["hyssm"] = run_server("hyssm", hyssm_cmd, port, "hyssm", runs, cfg, log_dir)
     except PeerError as e:
@@ -284,25 +244,9 @@ def benchmark(cfg: PeersConfig, log_dir: Path) -> tuple[dict[str, dict[str, floa
         notes.append(skip)
     else:
         try:
-            gguf, port = gguf_for(cfg.model, cfg.peers_script, log_dir), free_port()
+            gguf, port = gguf_for(cfg.model, cfg.peers_script, log_dir, cfg.gguf_type), free_port()
             binary = cfg.llama_server or str(default_llama_server(cfg.peers_script))
-            ctx = max(cfg.levels) * 1024 * max(1, -(-(cfg.prefix_len + cfg.suffix_len + cfg.output_len) // 1024))
-            cmd = [
-                binary,
-                "-m",
-                str(gguf),
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                "--parallel",
-                str(max(cfg.levels)),
-                "--threads",
-                str(cfg.threads),
-                "-c",
-                str(ctx),
-                "--no-webui",
-            ]
+            cmd = llama_command(cfg, binary, gguf, port)
             per_run["llama.cpp"] = run_server("llama.cpp", cmd, port, "llama-server", runs, cfg, log_dir)
         except PeerError as e:
             notes.append(f"llama.cpp: failed: {e}")
@@ -331,6 +275,7 @@ def parse_args(argv: Sequence[str] | None = None) -> PeersConfig:
     a = p.add_argument
     a("--model", required=True, help="checkpoint directory (e.g. from make_bench_model.py)")
     a("--runs", type=int, default=3, help="measured runs per system; the table shows medians")
+    a("--dtype", choices=DTYPES, default="float32", help="weights of every system (llama.cpp: an f32 or bf16 GGUF)")
     a("--skip-llama", action="store_true")
     a("--skip-transformers", action="store_true")
     a("--llama-server", default=None, metavar="PATH", help="llama-server binary (default: llama-server.sh's)")
@@ -382,9 +327,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         medians, per_run, notes = benchmark(cfg, log_dir)
     finally:
         signal.signal(signal.SIGTERM, previous)
-    print(format_table(medians, notes))
+    print(format_table(medians, notes, dtype=cfg.dtype))
     if cfg.output_json:
-        Path(cfg.output_json).write_text(to_json(medians, per_run, notes, dataclasses.asdict(cfg)))
+        Path(cfg.output_json).write_text(to_json(medians, per_run, notes, dataclasses.asdict(cfg), dtype=cfg.dtype))
     return 0 if "hyssm" in medians else 1
 
 if __name__ == "__main__":

@@ -2,10 +2,11 @@
 when llama.cpp cannot load the checkpoint as it is.
 
 Rules:
-- path: ``NAME.f32.gguf`` beside the model directory (in the log dir for a model inside this
-  repository); reused while it is at least as new as every file of the model directory and, for a
-  staged conversion, while its sidecar ``NAME.f32.gguf.staging.json`` records the same staging (a GGUF
-  converted before staging existed is redone);
+- path: ``NAME.TYPE.gguf`` beside the model directory (in the log dir for a model inside this
+  repository), TYPE the converter's output type (``f32``, ``bf16``; one file per type, so they
+  coexist); reused while it is at least as new as every file of the model directory and, for a
+  staged conversion, while its sidecar ``NAME.TYPE.gguf.staging.json`` records the same staging (a
+  GGUF converted before staging existed is redone);
 - the model directory is never modified; a staged copy is a temporary directory in the log dir holding
   symlinks to the model's files, with these files replaced:
   - ``tokenizer.json``, when it is a BPE model with an empty merges list (a byte-level vocabulary and
@@ -42,6 +43,7 @@ logger = logging.getLogger(__name__)
 REPO = Path(__file__).resolve().parent.parent
 VOCAB_MULTIPLE = 8
 VOCAB_TENSOR_SUFFIXES = ("embed_tokens.weight", "embeddings.weight", "lm_head.weight")
+GGUF_OUTTYPES = ("f32", "bf16", "f16", "q8_0")  # what llama-server.sh convert writes
 PLACEHOLDER_PART, SPARE_TOKEN = "\u00fe", "\u00ff"  # byte-level BPE's characters of bytes 0xFE and 0xFF
 
 
@@ -163,11 +165,14 @@ def write_staging(model: Path, plan: Staging, staging: Path) -> None:
             (staging / p.name).symlink_to(p.resolve())
 
 
-def gguf_for(model_dir: str, peers_script: str, log_dir: Path) -> Path:
-    """The cached f32 GGUF of `model_dir` for llama-server, converted now when missing, older than the
-    weights or staged differently (see the module docstring)."""
+def gguf_for(model_dir: str, peers_script: str, log_dir: Path, outtype: str = "f32") -> Path:
+    """The cached GGUF of type `outtype` (``llama-server.sh convert``'s f32, bf16, ...) of `model_dir`
+    for llama-server, converted now when missing, older than the weights or staged differently (see the
+    module docstring)."""
+    if outtype not in GGUF_OUTTYPES:
+        raise PeerError(f"GGUF type must be one of {', '.join(GGUF_OUTTYPES)}, got {outtype!r}")
     model = Path(model_dir).resolve()
-    gguf = (log_dir if model.is_relative_to(REPO) else model.parent) / f"{model.name}.f32.gguf"
+    gguf = (log_dir if model.is_relative_to(REPO) else model.parent) / f"{model.name}.{outtype}.gguf"
     sidecar = gguf.with_name(gguf.name + ".staging.json")
     newest = max(p.stat().st_mtime for p in model.iterdir() if p.is_file())
     plan = plan_staging(model)
@@ -175,23 +180,23 @@ def gguf_for(model_dir: str, peers_script: str, log_dir: Path) -> Path:
     if gguf.is_file() and gguf.stat().st_mtime >= newest and recorded == list(plan.notes):
         return gguf
     if not plan.notes:
-        _convert(model, gguf, peers_script, log_dir)
+        _convert(model, gguf, outtype, peers_script, log_dir)
         sidecar.unlink(missing_ok=True)
         return gguf
     logger.info("llama.cpp: converting a staged copy of %s (the model directory is untouched): %s",
                 model, "; ".join(plan.notes))  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="gguf-staging-", dir=log_dir) as tmp:
         write_staging(model, plan, Path(tmp))
-        _convert(Path(tmp), gguf, peers_script, log_dir)
+        _convert(Path(tmp), gguf, outtype, peers_script, log_dir)
     sidecar.write_text(json.dumps(plan.notes, indent=1, ensure_ascii=False), encoding="utf-8")
     return gguf
 
 
-def _convert(src: Path, gguf: Path, peers_script: str, log_dir: Path) -> None:
+def _convert(src: Path, gguf: Path, outtype: str, peers_script: str, log_dir: Path) -> None:
     tmp = gguf.with_suffix(".gguf.tmp")
     logger.info("converting %s to %s (once; cached)", src, gguf)
     with open(log_dir / "convert.log", "wb") as log:
-        rc = subprocess.call(["bash", peers_script, "convert", str(src), str(tmp), "f32"],
+        rc = subprocess.call(["bash", peers_script, "convert", str(src), str(tmp), outtype],
                              stdout=log, stderr=subprocess.STDOUT, timeout=3600)  # fmt: skip
     if rc != 0 or not tmp.is_file():
         raise PeerError(f"GGUF conversion failed (rc {rc}); see {log_dir / 'convert.log'}")

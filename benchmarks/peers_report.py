@@ -3,7 +3,8 @@
 A system's result is {metric key: value or None}; None (not measured, or the
 system skipped) prints as "-" and gives no ratio. Ratios are hyssm / peer for every metric; the
 row label says which way is better (tok/s: higher, ms and MiB: lower), so for tok/s a ratio > 1
-means hyssm is ahead and for latencies and memory a ratio < 1 does.
+means hyssm is ahead and for latencies and memory a ratio < 1 does. The weights' dtype, the same in
+every system, is a line of the table and a top-level key of the JSON.
 """
 
 from __future__ import annotations
@@ -79,8 +80,11 @@ def build_rows(results: Mapping[str, Mapping[str, float | None]]) -> list[list[s
     return rows
 
 
-def format_table(results: Mapping[str, Mapping[str, float | None]], notes: Sequence[str] = ()) -> str:
-    """A Markdown table of the median figures with ratio columns; notes (e.g. skip messages) below."""
+def format_table(
+    results: Mapping[str, Mapping[str, float | None]], notes: Sequence[str] = (), dtype: str | None = None
+) -> str:
+    """A Markdown table of the median figures with ratio columns; the dtype line (when given) and the
+    notes (e.g. skip messages) below, the notes last."""
     header = ["metric", *SYSTEMS, *(f"hyssm/{p}" for p in PEERS)]
     rows = [header, *build_rows(results)]
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
@@ -96,6 +100,8 @@ def format_table(results: Mapping[str, Mapping[str, float | None]], notes: Seque
 
     out = [line(header), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *(line(r) for r in rows[1:])]
     out.append("ratios are hyssm/peer; '+' marks where hyssm is ahead (tok/s ratio > 1, ms/MiB ratio < 1)")
+    if dtype is not None:
+        out.append(f"dtype: {dtype} (hyssm --dtype, llama.cpp's GGUF type, transformers' dtype)")
     out.extend(f"note: {n}" for n in notes)
     return "\n".join(out)
 
@@ -105,13 +111,14 @@ def to_json(
     runs: Mapping[str, Sequence[Mapping[str, object]]],
     notes: Sequence[str],
     config: Mapping[str, object],
+    dtype: str | None = None,
 ) -> str:
-    """Strict JSON of the medians, the ratios, every run, the notes and the config."""
+    """Strict JSON of the dtype, the medians, the ratios, every run, the notes and the config."""
     ratios = {
         f"hyssm/{p}": {
             m.key: ratio(results.get("hyssm", {}).get(m.key), results.get(p, {}).get(m.key)) for m in METRICS
         }
         for p in PEERS
     }
-    doc = {"medians": results, "ratios": ratios, "runs": runs, "notes": list(notes), "config": config}
+    doc = {"dtype": dtype, "medians": results, "ratios": ratios, "runs": runs, "notes": list(notes), "config": config}
     return json.dumps(doc, indent=2, allow_nan=False)

@@ -2,7 +2,9 @@
 
 Run by bench_peers as ``python benchmarks/peers_transformers.py JOB.json OUT.json``;
 transformers is imported only here (it is not a dependency of the project). JOB holds the model
-directory, the thread count, the output length and, per run, the same prompts the servers get:
+directory, its dtype (``float32`` when absent; the model is loaded in it and OUT's ``dtype`` says
+which dtype its parameters had), the thread count, the output length and, per run, the same prompts the
+servers get:
 ``throughput`` {batch size: [prompts]}, ``cold`` [prompt], ``prefix`` [prefix + suffix], ``shared``
 [shared prefix + third suffix] (each a list of token ids; all prompts of a batch have the same length,
 so no padding). OUT gets, per run, the
@@ -55,15 +57,23 @@ def _generate(model: Any, torch: Any, prompts: list[list[int]], new: int, pad_id
     return dt
 
 
+DTYPES = ("float32", "bfloat16")
+
+
 def run_job(job: dict[str, Any]) -> dict[str, Any]:
+    """Every run of `job` (see the module docstring); raises ValueError on a dtype not in DTYPES."""
     import torch
     from transformers import AutoModelForCausalLM
 
+    dtype = str(job.get("dtype", "float32"))
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     torch.set_num_threads(int(job["threads"]))
     t0 = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(job["model"], dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(job["model"], dtype=getattr(torch, dtype))
     model.eval()
     load_s = time.perf_counter() - t0
+    loaded = str(next(model.parameters()).dtype).removeprefix("torch.")
     pad = int(model.config.pad_token_id or 0)
     out_len = int(job["output_len"])
     first = job["runs"][0]["cold"]
@@ -83,7 +93,7 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
                 m["decode_ms"] = statistics.median(gaps) * 1000.0
         runs.append(m)
         logger.info("transformers run: %s", m)
-    return {"runs": runs, "load_s": load_s, "transformers": __import__("transformers").__version__}
+    return {"runs": runs, "load_s": load_s, "dtype": loaded, "transformers": __import__("transformers").__version__}
 
 
 def main(argv: list[str]) -> int:

@@ -183,3 +183,39 @@ def test_gated_deltanet_shapes_are_the_published_ones(shape: str, gdn: int, attn
         model = HybridForCausalLM(cfg, torch.float32, "meta")
     assert abs(sum(p.numel() for p in model.parameters()) - params) / params < 1e-3
     assert parse_config(truncate(SHAPES[shape], 2)).layer_kinds == ("gdn", "attention")
+
+
+def test_transformers_init_has_the_generators_layout_and_transformers_values(small_ckpt: Path, tmp_path: Path) -> None:
+    """--init transformers: the generator's tensor names and shapes, hyssm loads it, and the values are
+    those of transformers' own from_config (same seed) rather than the generator's."""
+    transformers = pytest.importorskip("transformers")
+    out = tmp_path / "tf"
+    assert main(["--shape", "granite-4.0-h-350m", str(out), "--num-layers", "2", "--seed", "3",
+                 "--init", "transformers", "--log-level", "WARNING"]) == 0  # fmt: skip
+    assert sorted(os.listdir(out)) == sorted(os.listdir(small_ckpt))
+    assert json.loads((out / "config.json").read_text()) == json.loads((small_ckpt / "config.json").read_text())
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        ours = {k: f.get_tensor(k) for k in f.keys()}
+    with safe_open(str(small_ckpt / "model.safetensors"), framework="pt") as f:
+        gen = {k: f.get_tensor(k) for k in f.keys()}
+    assert list(ours) == list(gen) and {k: t.shape for k, t in ours.items()} == {k: t.shape for k, t in gen.items()}
+    assert not torch.equal(ours["model.embed_tokens.weight"], gen["model.embed_tokens.weight"])
+    assert not torch.equal(ours["model.layers.0.mamba.A_log"], gen["model.layers.0.mamba.A_log"])
+    # transformers' Mamba init: A_log = log(1..heads); norms 1
+    assert torch.allclose(ours["model.layers.0.mamba.A_log"], torch.log(torch.arange(1, 49, dtype=torch.float32)))
+    assert torch.equal(ours["model.layers.1.input_layernorm.weight"], torch.ones(768))
+    assert torch.equal(ours["model.layers.0.mamba.norm.weight"], torch.ones(1536))
+    # and exactly what transformers builds from the written config with that seed
+    torch.manual_seed(3)
+    config = transformers.AutoConfig.from_pretrained(str(out))
+    ref = transformers.AutoModelForCausalLM.from_config(config).state_dict()  # config.json: float32
+    assert all(torch.equal(t, ref[k]) for k, t in ours.items())
+    model = load_model(str(out), dtype="float32")
+    params = dict(model.named_parameters())
+    assert set(params) == set(ours) and torch.equal(params["model.layers.0.mamba.D"], ours["model.layers.0.mamba.D"])
+
+
+def test_transformers_init_is_refused_for_other_families(tmp_path: Path, capsys) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["--shape", "falcon-h1-0.5b", str(tmp_path / "x"), "--init", "transformers"])
+    assert exc.value.code == 2 and "Granite-4.0-H shapes only" in capsys.readouterr().err

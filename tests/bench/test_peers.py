@@ -5,6 +5,7 @@ hyssm's built-in model (llama.cpp and transformers skipped, as in CI)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import shutil
@@ -14,8 +15,10 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks import bench_peers
 from benchmarks.bench_peers import (
     PeersConfig,
+    benchmark,
     default_llama_server,
     llama_skip_reason,
     main,
@@ -209,6 +212,12 @@ def test_cli_validation(tmp_path: Path) -> None:
     assert parse_args(["--model", BUILTIN]).levels == (1, 8, 32)
     cfg = parse_args(["--model", BUILTIN, "--hyssm-args", "--max-mamba-cache-size 64 --log-level warning"])
     assert cfg.hyssm_args == ("--max-mamba-cache-size", "64", "--log-level", "warning")
+    assert cfg.dtype == "float32" and parse_args(["--model", BUILTIN, "--dtype", "bfloat16"]).dtype == "bfloat16"
+    with pytest.raises(SystemExit) as exc:
+        parse_args(["--model", BUILTIN, "--dtype", "float16"])
+    assert exc.value.code == 2
+    with pytest.raises(ValueError, match="dtype must be one of float32, bfloat16"):
+        PeersConfig(model="m", dtype="float16")
 
 
 def test_main_on_the_builtin_model_with_peers_skipped(tmp_path: Path, capsys) -> None:
@@ -318,3 +327,97 @@ def test_gguf_for_stages_a_copy_caches_it_and_redoes_a_stale_one(tmp_path: Path)
     later = stale.stat().st_mtime + 10
     os.utime(model / "model.safetensors", (later, later))  # newer weights: converted again
     assert gguf_for(str(model), str(script), logs) == stale and len(list(rec.iterdir())) == 2
+
+
+def test_dtype_line_in_the_table_and_the_json() -> None:
+    results = {"hyssm": {"tps_c1": 6.0}}
+    table = format_table(results, ["a note"], dtype="bfloat16")
+    assert table.splitlines()[-2:] == [
+        "dtype: bfloat16 (hyssm --dtype, llama.cpp's GGUF type, transformers' dtype)", "note: a note"]  # fmt: skip
+    assert "dtype:" not in format_table(results, ["a note"])
+    assert json.loads(to_json(results, {}, [], {"dtype": "bfloat16"}, dtype="bfloat16"))["dtype"] == "bfloat16"
+
+
+FAKE_TYPED_CONVERT = """#!/bin/bash
+set -euo pipefail
+[ "$1" = convert ]
+echo "$4" >> {rec}
+echo "gguf $4" > "$3"
+"""
+
+
+class _FakeTransformersProcess:
+    """Stands in for ManagedProcess in run_transformers: records the job, answers in `answer_dtype`
+    (None: the job's dtype)."""
+
+    jobs: list[dict] = []
+    answer_dtype: str | None = None
+
+    def __init__(self, name: str, cmd: list[str], log_path: Path, cwd: str | None = None) -> None:
+        assert name == "transformers" and cmd[1].endswith("peers_transformers.py")
+        job = json.loads(Path(cmd[2]).read_text())
+        self.jobs.append(job)
+        runs = [{"tps_c1": 1.0} for _ in job["runs"]]
+        Path(cmd[3]).write_text(json.dumps({"runs": runs, "dtype": self.answer_dtype or job["dtype"]}))
+        self.peak_rss_bytes = 0
+
+    def wait(self, timeout_s: float) -> int:
+        return 0
+
+    def stop(self) -> None:
+        pass
+
+    def log_tail(self) -> str:
+        return ""
+
+
+def test_dtype_reaches_every_command_and_the_gguf_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--dtype: hyssm's --dtype, llama-server's GGUF (converted to that type, cached under a name with
+    the type, so both types coexist beside the model) and transformers' job; servers are not started."""
+    model, rec, logs = tmp_path / "m", tmp_path / "converted", tmp_path / "logs"
+    shutil.copytree(BUILTIN, model)
+    logs.mkdir()
+    script = tmp_path / "convert.sh"
+    script.write_text(FAKE_TYPED_CONVERT.replace("{rec}", str(rec)))
+    llama = tmp_path / "llama-server"
+    llama.write_text("#!/bin/sh\n")
+    llama.chmod(0o755)
+    commands: list[tuple[str, list[str]]] = []
+
+    def fake_run_server(name: str, cmd: list[str], *args: object) -> list[dict[str, float]]:
+        commands.append((name, cmd))
+        return [{"tps_c1": 1.0}]
+
+    monkeypatch.setattr(bench_peers, "run_server", fake_run_server)
+    monkeypatch.setattr(bench_peers, "transformers_skip_reason", lambda cfg: None)
+    monkeypatch.setattr(bench_peers, "ManagedProcess", _FakeTransformersProcess)
+    monkeypatch.setattr(_FakeTransformersProcess, "jobs", [])
+    for dtype, typ in (("float32", "f32"), ("bfloat16", "bf16"), ("float32", "f32")):
+        cfg = PeersConfig(model=str(model), runs=1, dtype=dtype, levels=(1,), input_len=4, output_len=2,
+                          prefix_len=4, suffix_len=2, llama_server=str(llama), peers_script=str(script))  # fmt: skip
+        commands.clear()
+        medians, _, notes = benchmark(cfg, logs)
+        assert set(medians) == {"hyssm", "llama.cpp", "transformers"}, notes
+        cmds = dict(commands)
+        hy = cmds["hyssm"]
+        assert hy[hy.index("--dtype") + 1] == dtype and hy.count("--dtype") == 1
+        gguf = Path(cmds["llama.cpp"][cmds["llama.cpp"].index("-m") + 1])
+        assert gguf == tmp_path / f"m.{typ}.gguf" and gguf.read_text() == f"gguf {typ}\n"
+        assert _FakeTransformersProcess.jobs[-1]["dtype"] == dtype
+    assert rec.read_text().split() == ["f32", "bf16"]  # each type converted once, then reused
+    assert (tmp_path / "m.f32.gguf").is_file() and (tmp_path / "m.bf16.gguf").is_file()
+    monkeypatch.setattr(_FakeTransformersProcess, "answer_dtype", "float32")
+    _, _, notes = benchmark(dataclasses.replace(cfg, dtype="bfloat16"), logs)
+    assert any(n.startswith("transformers: failed: transformers ran in float32, not bfloat16") for n in notes)
+
+
+def test_transformers_loads_the_model_in_the_jobs_dtype() -> None:
+    pytest.importorskip("transformers")
+    from benchmarks.peers_transformers import run_job
+
+    prompt = [3, 4, 5, 6, 7, 8]
+    run = {"throughput": {"1": [prompt]}, "cold": [prompt], "prefix": [prompt], "shared": [prompt]}
+    out = run_job({"model": BUILTIN, "dtype": "bfloat16", "threads": 1, "output_len": 3, "runs": [run]})
+    assert out["dtype"] == "bfloat16" and out["runs"][0]["tps_c1"] > 0
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        run_job({"model": BUILTIN, "dtype": "float16", "threads": 1, "output_len": 3, "runs": [run]})
