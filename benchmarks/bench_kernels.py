@@ -1,6 +1,6 @@
 """Micro-benchmark of the Triton kernels against the pure-torch reference (and mamba_ssm / causal_conv1d).
 
-Needs a CUDA GPU; without one it says so and exits 0
+Needs a CUDA GPU; without one it says so and exits 0, or 2 with ``--device cuda``
 (``--cpu-reference`` then times the reference ops on tiny CPU shapes instead).
 
     python benchmarks/bench_kernels.py                      # every case, bf16, both presets
@@ -190,6 +190,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--cpu-reference", action="store_true", help="without a GPU: time the reference on CPU")
     p.add_argument("--output-json", type=Path)
     p.add_argument("--model-parity", action="store_true", help="also run the fixture models end to end (fp32)")
+    p.add_argument("--device", choices=["auto", "cuda"], default="auto",
+                   help="auto: the GPU if there is one, else nothing timed (exit 0); cuda: no GPU exits 2")  # fmt: skip
     return p.parse_args(argv)
 
 
@@ -198,6 +200,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_kernels: no CUDA GPU on this machine; the Triton kernels need one (nothing timed).")
+        if args.device == "cuda":
+            return 2
         if args.cpu_reference:
             print(format_rows(cpu_reference(args.iters)))
         return 0

@@ -29,3 +29,10 @@ def test_without_a_gpu_it_says_so_and_succeeds(capsys) -> None:
         return
     assert main([]) == 0
     assert "no CUDA GPU" in capsys.readouterr().out
+
+
+def test_device_cuda_without_a_gpu_is_an_error(capsys) -> None:
+    if torch.cuda.is_available():
+        return
+    assert main(["--device", "cuda"]) == 2
+    assert "no CUDA GPU" in capsys.readouterr().out
