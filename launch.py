@@ -50,8 +50,12 @@ _HELP = {
     "kernels": "kernel implementation: auto (Triton on CUDA, fast torch kernels on CPU), reference, fast, triton",
     "disable_prompt_checkpoint": "do not save each prompt's final Mamba state in the cache (a later request that "
     "extends or repeats the prompt then recomputes it)",
-    "cpu_threads": "torch threads per worker rank on CPU (0 = the node's cores shared by its ranks; a model with "
-    "hidden size < 512 decodes on 1 and runs steps of >= 256 token rows on the whole share)",
+    "cpu_threads": "torch threads per worker rank on CPU (0 = the execution plan measures, per step size, one "
+    "thread against the rank's share of the node's cores)",
+    "execution_plan": "run this execution plan file (a measured plan the log names, possibly edited) instead of "
+    "measuring one at start-up; refused when it lacks a rule for one of the model's product shapes",
+    "execution_plan_cache": "directory of measured execution plans, keyed by CPU, cores, torch version and the "
+    "model's shapes ('' = $XDG_CACHE_HOME/hyssm/execution-plans, 'none' = measure on every start)",
     "enable_deterministic_inference": "batch-invariant numerics: a request's output does not depend on what it is "
     "batched with, whether its prefix came from the cache, or the TP size (slower on CPU)",
     "max_connections": "open HTTP connections at most; more are answered 503 and closed (default: 4096)",

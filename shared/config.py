@@ -67,7 +67,9 @@ class ServerArgs:
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     kernels: Literal["auto", "reference", "fast", "triton"] = "auto"
     enable_deterministic_inference: bool = False
-    cpu_threads: int = 0  # torch threads per worker rank on CPU; 0 = by the node's cores and the model
+    cpu_threads: int = 0  # torch threads per worker rank on CPU; 0 = measured per step size within the share
+    execution_plan: str = ""  # a plan file to run instead of measuring one (worker_proc/plan_cache.py)
+    execution_plan_cache: str = ""  # where measured plans are kept; "" = $XDG_CACHE_HOME/hyssm; "none" = nowhere
     random_seed: int = 0
     log_level: str = "info"
     # capacities (0 = derive from the memory budget)

@@ -70,13 +70,6 @@ def last_level_cache_bytes(cpu_dir: str = "/sys/devices/system/cpu/cpu0/cache") 
     return best[1]
 
 
-def cache_resident(nbytes: int, cache: int | None = None) -> bool:
-    """Whether `nbytes` of weights stay in the last-level cache from one step to the next: at most half
-    of it (the step's activations and state take the rest). False where the cache size is unknown."""
-    size = last_level_cache_bytes() if cache is None else cache
-    return 0 < nbytes <= size // 2
-
-
 def physical_memory_bytes() -> int:
     """The host's memory (0 where the platform does not say)."""
     try:

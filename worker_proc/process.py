@@ -12,6 +12,7 @@ import os
 import random
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -21,10 +22,11 @@ from shared.channels import SCHEDULER_TO_WORKER, TO_LAUNCHER, WORKER_TO_SCHEDULE
 from shared.config import FaultConfig, ServerArgs
 from shared.errors import StartupError
 from shared.messages import ForwardBatch, Heartbeat, ProcReady, Shutdown, StepResult, WorkerReady
-from shared.model_info import read_config_json
 from worker_proc.host_memory import keep_freed_memory
+from worker_proc.numerics import flush_denormals
+from worker_proc.plan_cache import default_cache_dir
 from worker_proc.runtime import ModelRunner
-from worker_proc.threads import LARGE_STEP_ROWS, StepThreads, available_cores, cpu_threads
+from worker_proc.threads import available_cores, thread_options
 
 logger = logging.getLogger(__name__)
 
@@ -42,11 +44,10 @@ def resolve_device(args: ServerArgs, rank: int) -> str:
     return f"cuda:{args.base_gpu_id + local}"
 
 
-def step_threads(args: ServerArgs) -> StepThreads:
-    cfg = read_config_json(args.resolved_model_path)
-    threads = cpu_threads(args, available_cores(), int(cfg.get("hidden_size") or 0))
-    torch.set_num_threads(threads.small)
-    return threads
+def plan_cache_dir(args: ServerArgs) -> Path | None:
+    if args.execution_plan_cache == "none":
+        return None
+    return Path(args.execution_plan_cache) if args.execution_plan_cache else default_cache_dir()
 
 
 def init_distributed(args: ServerArgs, rank: int, device: str) -> object | None:
@@ -114,12 +115,14 @@ def agree_refusals(
 def run(args: ServerArgs, rank: int) -> None:
     """Process entry for one rank: load, report ready, serve batches until Shutdown or killed."""
     device = resolve_device(args, rank)
-    threads = step_threads(args) if device == "cpu" else None
+    options: tuple[int, ...] = ()
+    if device == "cpu":
+        if not flush_denormals():  # before any parallel region: the threads it starts inherit the mode
+            logger.warning("rank %d: this CPU does not flush subnormal floats to zero", rank)
+        options = thread_options(args, available_cores())
+        torch.set_num_threads(max(options))
     if keep_freed_memory():
         logger.info("rank %d: freed host memory stays in the heap (no page faults on each step's temporaries)", rank)
-    if threads is not None:
-        logger.info("rank %d: %d torch threads (%d for steps of >= %d token rows)", rank, threads.small,
-                    threads.large, LARGE_STEP_ROWS)
     if device.startswith("cuda"):
         torch.cuda.set_device(device)
     group = init_distributed(args, rank, device)
@@ -139,7 +142,9 @@ def run(args: ServerArgs, rank: int) -> None:
         tp_group=group,
         deterministic=args.enable_deterministic_inference,
         kernels=args.kernels,
-        threads=threads,
+        thread_options=options,
+        execution_plan=args.execution_plan,
+        plan_cache_dir=plan_cache_dir(args),
     )
     ctx = zmq.Context()
     rx: Receiver = Receiver(ctx, SCHEDULER_TO_WORKER, args, rank)

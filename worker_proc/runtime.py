@@ -16,22 +16,24 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from shared.messages import ForwardBatch, ReqSlice, StepResult
 from shared.model_info import ModelInfo
+from worker_proc.execution_plan import product_sites
 from worker_proc.grammar import GrammarRuntime
-from worker_proc.host_memory import cache_resident, copy_affordable
 from worker_proc.kernels import get_ops
 from worker_proc.loader import load_model
 from worker_proc.model import StepBatch, build_step_batch
 from worker_proc.model.kv_mirror import KVSlotMirror
-from worker_proc.model.layers import Linear, worth_packing
+from worker_proc.numerics import flush_denormals, flush_subnormal_
+from worker_proc.plan_cache import plan_for
 from worker_proc.pools import StatePools, attention_free_kv_slots, cpu_wanted_budget, plan_capacities, pool_budget
 from worker_proc.sampling import SampleRequest, greedy_params, sample, top_logprobs
-from worker_proc.threads import StepThreads
+from worker_proc.threads import available_cores
 
 logger = logging.getLogger(__name__)
 
@@ -58,16 +60,26 @@ class ModelRunner:
         tp_group: object = None,
         deterministic: bool = False,
         kernels: str = "auto",
-        threads: StepThreads | None = None,
+        thread_options: tuple[int, ...] = (),
+        execution_plan: str = "",
+        plan_cache_dir: Path | None = None,
     ) -> None:
         self.model_info = ModelInfo.from_dir(model_dir)
         self.device = torch.device(device)
+        if self.device.type == "cpu" and not flush_denormals():
+            logger.warning("rank %d: subnormal floats are not flushed on every thread: products over them run "
+                           "many times slower", tp_rank)
         self.model = load_model(
             model_dir, device=self.device, dtype=dtype, tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group
         )
-        self.model.set_batch_invariant(deterministic)
-        if not deterministic:
-            self._pack_weights(tp_rank)
+        flushed = flush_subnormal_(self.model)
+        if flushed:
+            logger.info("rank %d: %d subnormal weight elements set to zero", tp_rank, flushed)
+        self.plan = plan_for(self.model, self.device, deterministic=deterministic, thread_options=thread_options,
+                             cores=available_cores(), pinned=execution_plan, cache_dir=plan_cache_dir)
+        self.plan.bind(self.model)
+        logger.info("rank %d execution plan (%s, %s):%s", tp_rank, self.plan.mode, self.plan.source,
+                    "".join(f"\n  {line}" for line in self.plan.describe()))
         self.cfg = self.model.cfg
         self.dtype = self.model.dtype
         self.seed = seed
@@ -90,25 +102,6 @@ class ModelRunner:
         self.ops = get_ops(self.device, kernels, deterministic)
         self.kv_mirror = KVSlotMirror()  # slot lists of the last batch run (ReqSlice.kv_reuse)
         self.grammars = GrammarRuntime(model_dir, self.model_info.vocab_size, self.model_info.eos_token_ids)
-        self.threads = threads  # CPU: torch threads per step by its size; None leaves torch's setting alone
-
-    def _pack_weights(self, tp_rank: int) -> None:
-        """oneDNN-packed projection weights (see `HybridForCausalLM.pack_weights`); float32 ones keep their
-        dense copy for one-row (concurrency-1 decode) products when the host can spare it (`copy_affordable`).
-        A model whose weights stay in the CPU's cache runs its one-row products unsplit (`Linear.split_rows`)."""
-        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        if self.device.type == "cpu" and cache_resident(weights):
-            self.model.set_split_rows(0)
-            logger.info("rank %d: the weights (%.1f MiB) stay in the CPU cache: one-row products are not split",
-                        tp_rank, weights / 2**20)
-        dense = sum(m.weight.numel() * m.weight.element_size() for m in self.model.modules()
-                    if isinstance(m, Linear) and m.weight.dtype == torch.float32 and worth_packing(m.weight))
-        keep = copy_affordable(dense)
-        packed = self.model.pack_weights(keep_dense=keep)
-        if packed:
-            kept = f"; dense copies kept for one-row products: {dense / 2**20:.0f} MiB" if keep else ""
-            logger.info("rank %d: %d projection weights packed for oneDNN (%s)%s", tp_rank, packed, self.model.dtype,
-                        kept)
 
     # ------------------------------------------------------------------ the step
     def step(self, batch: ForwardBatch, refused: frozenset[str] = frozenset()) -> StepResult:
@@ -121,8 +114,7 @@ class ModelRunner:
             sb = self.build_batch(reqs, batch.step, all_rows=False)  # raises before anything is written
             self.apply_state_ops(batch, refused)
             if reqs:
-                if self.threads is not None:
-                    self.threads.apply(int(sb.input_ids.numel()))
+                self.plan.apply_threads(int(sb.input_ids.numel()))
                 sampler = self.tp_rank == 0  # rank 0 samples and replies; the others only advance state
                 logits = self.model.forward_step(sb, self.pools, self.ops, want_logits=sampler)
                 if sb.logit_rids and sampler:
@@ -217,5 +209,7 @@ class ModelRunner:
 
     def check_integrity(self) -> None:
         self.pools.check_integrity()
+        for _, site, weight in product_sites(self.model):
+            site.check_integrity(weight)
         self.kv_mirror.check_integrity()
 

@@ -23,6 +23,7 @@ head are replicated (every rank computes the logits).
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -34,22 +35,8 @@ from worker_proc.model.attention import Attention, rope_cos_sin
 from worker_proc.model.batch import StepBatch
 from worker_proc.model.config import Block, HybridConfig, Sublayer, tp_layout_error
 from worker_proc.model.gated_deltanet import GatedDeltaNet
-from worker_proc.model.layers import (
-    MIN_GEMM_ROWS,
-    SPLIT_GEMM_MAX_ROWS,
-    GatedMLP,
-    Linear,
-    Relu2MLP,
-    SparseMoE,
-    SplitGatedMLP,
-    _empty,
-    linear,
-    make_norm,
-    pack_weight,
-    packed_product,
-    packing_supported,
-    worth_packing,
-)
+from worker_proc.model.gemm import GemmOwner, GemmSite
+from worker_proc.model.layers import GatedMLP, Linear, Relu2MLP, SparseMoE, SplitGatedMLP, _empty, make_norm
 from worker_proc.model.mamba import MambaMixer
 from worker_proc.model.moe import SigmoidMoE
 from worker_proc.model.qwen_moe import SharedGateMoE
@@ -58,8 +45,6 @@ from worker_proc.pools import StatePools
 
 __all__ = ["DecoderLayer", "HybridForCausalLM", "HybridModel", "TPInfo"]
 
-# every module doing GEMMs through `linear` (or an activation made exact in the deterministic mode)
-_BATCH_INVARIANT = (Linear, SparseMoE, SigmoidMoE, SharedGateMoE, SplitGatedMLP)
 _LAYER_PARAM = re.compile(r"^model\.layers\.(\d+)\.([^.]+)\.(.+)$")
 
 
@@ -158,7 +143,7 @@ class HybridModel(nn.Module):
                               cfg.norm_fp32_weight)
 
 
-class HybridForCausalLM(nn.Module):
+class HybridForCausalLM(nn.Module, GemmOwner):
     """The whole model. `forward_step` is the only entry point the runtime calls."""
 
     def __init__(
@@ -181,9 +166,7 @@ class HybridForCausalLM(nn.Module):
             if cfg.tie_word_embeddings
             else Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, device=device)
         )
-        self.min_rows = 0
-        self.split_rows = SPLIT_GEMM_MAX_ROWS
-        self.packed_embedding: torch.Tensor | None = None  # a tied LM head's packed copy (pack_weights)
+        self.head_gemm = GemmSite(cfg.vocab_size, cfg.hidden_size, dtype, packable=True)  # a tied LM head
 
     def shard_spec(self, name: str) -> ShardSpec | None:
         """Which slice of checkpoint tensor `name` (parameter name) this rank holds; None = whole.
@@ -204,44 +187,10 @@ class HybridForCausalLM(nn.Module):
         spec = self.shard_spec(name)
         return tensor if spec is None else spec.apply(tensor)
 
-    def set_batch_invariant(self, on: bool) -> None:
-        """Deterministic mode: pad every CPU GEMM to MIN_GEMM_ROWS rows so a row's result does not
-        depend on what it is batched with (see `layers.linear`); off: plain GEMMs (the default)."""
-        packed = self.packed_embedding is not None
-        if on and (packed or any(isinstance(m, Linear) and m.packed is not None for m in self.modules())):
-            raise RuntimeError("the deterministic mode needs dense weights; these were packed (pack_weights)")
-        rows = MIN_GEMM_ROWS if on else 0
-        self.min_rows = rows
-        for module in self.modules():
-            if isinstance(module, _BATCH_INVARIANT):
-                module.min_rows = rows
-
-    def set_split_rows(self, rows: int) -> None:
-        """Up to how many rows dense float32 products go through `split_gemm` (`Linear.split_rows`), in
-        every Linear and the tied LM head."""
-        self.split_rows = rows
-        for module in self.modules():
-            if isinstance(module, Linear):
-                module.split_rows = rows
-
-    def pack_weights(self, keep_dense: bool = False) -> int:
-        """Throughput mode on CPU: every `Linear` (projections, MLPs, an untied LM head) whose weight is
-        `worth_packing` moves it into oneDNN's packed layout (see `Linear.pack`); a tied LM head gets a
-        packed copy of the embedding table (the table itself stays dense for the lookups; the copy
-        serves steps sampling two or more rows, where it is 1.5-2x faster than the dense product).
-        `keep_dense`: float32 weights keep their dense copy too, for one-row products (`Linear.pack`).
-        Returns how many weights were packed (0 where packing does not apply)."""
-        if self.min_rows or not packing_supported(self.dtype, self.device):
-            return 0
-        linears = [m for m in self.modules()
-                   if isinstance(m, Linear) and m.packed is None and worth_packing(m.weight)]
-        for module in linears:
-            module.pack(keep_dense)
-        embedding = self.model.embed_tokens.weight
-        if self.lm_head is None and self.packed_embedding is None and worth_packing(embedding):
-            self.packed_embedding = pack_weight(embedding)
-            return len(linears) + 1
-        return len(linears)
+    def gemm_sites(self) -> Iterator[tuple[GemmSite, torch.Tensor]]:
+        """A tied LM head's site over the embedding table (whose dense copy the lookups keep)."""
+        if self.lm_head is None:
+            yield self.head_gemm, self.model.embed_tokens.weight
 
     @torch.inference_mode()
     def forward_step(
@@ -264,11 +213,8 @@ class HybridForCausalLM(nn.Module):
         h = self.model.norm(h[batch.logit_rows])
         if self.lm_head is not None:
             logits = self.lm_head(h).float()
-        elif self.packed_embedding is not None and h.shape[0] > 1:
-            logits = packed_product(h, self.packed_embedding, None).float()
-        else:  # one row: the split dense product is the faster one (see `layers.linear`)
-            embedding = self.model.embed_tokens.weight
-            logits = linear(h, embedding, min_rows=self.min_rows, split_rows=self.split_rows).float()
+        else:
+            logits = self.head_gemm.apply(h, self.model.embed_tokens.weight).float()
         if cfg.lm_head_multiplier != 1.0:
             logits = logits * cfg.lm_head_multiplier
         return logits / cfg.logits_scaling

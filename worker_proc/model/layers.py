@@ -17,60 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from worker_proc.model.gemm import GemmOwner, GemmSite
 from worker_proc.model.shard import ShardSpec, TPInfo, column_spec
-
-MIN_GEMM_ROWS = 16
-"""Row count below which CPU BLAS switches to kernels whose rounding depends on the row count;
-padding small inputs up to it makes every row's result independent of what it is batched with."""
-
-SPLIT_GEMM_MAX_ROWS = 4
-"""Up to this many rows a dense float32 CPU product goes through `split_gemm`. Measured (350M shapes,
-weights streamed from memory, 1 thread): 2x faster than F.linear at one row, 1.5-3x at 2-4 rows; at
-8 rows and more F.linear is as fast or faster."""
-
-
-def split_gemm(x: torch.Tensor, weight: torch.Tensor, parts: int) -> torch.Tensor:
-    """x [M, in] @ weight[out, in].T with the weight's output rows cut into `parts` equal blocks, one
-    batch entry of a bmm each. MKL's one-row product streams the weight at about half the memory
-    bandwidth the bmm reaches, and the CPU bmm runs its batch entries on separate threads. The weight
-    is only viewed, never copied."""
-    rows = x.shape[0]
-    blocks = weight.view(parts, weight.shape[0] // parts, weight.shape[1])
-    out = torch.bmm(blocks, x.t().unsqueeze(0).expand(parts, -1, -1))  # [parts, out/parts, M]
-    return out.permute(2, 0, 1).reshape(rows, weight.shape[0]).contiguous()
-
-
-def gemm_parts(out_features: int) -> int:
-    """How many blocks `split_gemm` cuts a weight into: one per torch thread and at least two (also
-    faster on one thread), fewer when the rows do not divide evenly (1: the weight as one block)."""
-    parts = max(2, torch.get_num_threads())
-    while out_features % parts:
-        parts -= 1
-    return parts
-
-
-def linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, min_rows: int = 0,
-    split_rows: int = SPLIT_GEMM_MAX_ROWS,
-) -> torch.Tensor:
-    """F.linear over [T, in]. With `min_rows` (the deterministic mode passes MIN_GEMM_ROWS) a CPU input
-    of fewer rows is zero-padded up to it, so each row's result does not depend on T (batch
-    invariance; measured with MKL on x86: every row count >= MIN_GEMM_ROWS gives identical rows).
-    Padding is the price of that rule: a one-row GEMV becomes a 16-row GEMM. Without it, a float32
-    CPU input of at most `split_rows` rows goes through `split_gemm` (16-bit dtypes are faster in
-    F.linear: oneDNN handles them at every row count; weights that stay in the CPU's cache between
-    steps pass 0, see `Linear.split_rows`)."""
-    rows = x.shape[0]
-    if x.dim() != 2 or x.device.type != "cpu":
-        return F.linear(x, weight, bias)
-    if rows < min_rows:
-        padded = torch.cat([x, x.new_zeros(min_rows - rows, x.shape[1])])
-        return F.linear(padded, weight, bias)[:rows]
-    if (min_rows or rows > split_rows or x.dtype != torch.float32 or weight.dtype != torch.float32
-            or not weight.is_contiguous()):
-        return F.linear(x, weight, bias)
-    out = split_gemm(x, weight, gemm_parts(weight.shape[0]))
-    return out if bias is None else out + bias
 
 
 def silu(x: torch.Tensor, exact: bool = False) -> torch.Tensor:
@@ -94,85 +42,31 @@ def expert_groups(idx: torch.Tensor, num_experts: int) -> Iterator[tuple[int, to
             yield expert, sel, sel // k
 
 
-PACK_ROWS = 8
-"""The row count oneDNN lays a packed weight out for. Measured on the 350M shape (1 and 2 threads):
-a weight packed for 8 rows multiplies faster than F.linear at every row count from 1 to 1024
-(1.1x at 1024 rows, 2-3x at 2-32), float32 and bfloat16."""
+class Linear(nn.Linear, GemmOwner):
+    """nn.Linear (same parameter names) whose products go through its `gemm` site: the execution plan
+    binds the site's method per row count (worker_proc.execution_plan), and may replace `weight` by an
+    empty tensor when every bound method reads the site's packed copy instead."""
 
-PACKED_DTYPES = (torch.float32, torch.bfloat16)
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, dtype: torch.dtype | None = None,
+                 device: torch.device | None = None) -> None:
+        super().__init__(in_features, out_features, bias=bias, dtype=dtype, device=device)
+        self.gemm = GemmSite(out_features, in_features, self.weight.dtype, packable=True)
 
-
-PACK_MIN_FLOAT32_ELEMENTS = 1 << 20
-"""A float32 weight smaller than this stays dense: a oneDNN call costs ~15 us of fixed overhead,
-more than a small MKL product takes (measured: 4 us for 256x128 at one row; 1536x768 is already faster
-packed). bfloat16 weights are faster packed at every size measured (128x256 and up)."""
-
-
-def packing_supported(dtype: torch.dtype, device: torch.device) -> bool:
-    """oneDNN weight packing applies: a CPU build with oneDNN and a dtype it packs."""
-    return device.type == "cpu" and dtype in PACKED_DTYPES and torch.backends.mkldnn.is_available()
-
-
-def worth_packing(weight: torch.Tensor) -> bool:
-    """Packing applies to this weight and pays (see PACK_MIN_FLOAT32_ELEMENTS)."""
-    if not packing_supported(weight.dtype, weight.device):
-        return False
-    return weight.dtype != torch.float32 or weight.numel() >= PACK_MIN_FLOAT32_ELEMENTS
-
-
-class Linear(nn.Linear):
-    """nn.Linear (same parameter names) computed through `linear`; `min_rows` is set by the model
-    (`HybridForCausalLM.set_batch_invariant`). After `pack()` the weight lives in oneDNN's packed
-    layout (`packed`; `weight` is then empty unless a dense copy was kept for one-row products) and
-    every other product runs through oneDNN."""
-
-    min_rows = 0
-    split_rows = SPLIT_GEMM_MAX_ROWS
-    """`linear`'s split rule. `split_gemm` pays where the weight streams from memory on each step; a model
-    whose weights all stay in the CPU's cache sets 0 (`HybridForCausalLM.set_split_rows`): measured on
-    the built-in model's shapes, F.linear takes 4-7 us per one-row product and `split_gemm` 11-15 us."""
-    packed: torch.Tensor | None = None
+    def gemm_sites(self) -> Iterator[tuple[GemmSite, torch.Tensor]]:
+        yield self.gemm, self.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._product(x, self.bias)
+        return self.gemm.apply(x, self.weight, self.bias)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x @ weight.T without the bias (a row-parallel rank's partial sum)."""
-        return self._product(x, None)
-
-    def _product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.packed is None:
-            return linear(x, self.weight, bias, self.min_rows, self.split_rows)
-        if self.weight.numel() and x.dim() == 2 and x.shape[0] == 1:  # a kept dense copy: one row is faster split
-            return linear(x, self.weight, bias, split_rows=self.split_rows)
-        return packed_product(x, self.packed, bias)
-
-    def pack(self, keep_dense: bool = False) -> None:
-        """Move the weight into oneDNN's packed layout, freeing the dense copy unless `keep_dense`
-        (float32 only: one-row products then run as `split_gemm` over it, ~30% faster than the packed
-        product; every other row count uses the packed one). Only for the throughput mode: packed
-        products are not batch invariant (see `linear`)."""
-        if self.min_rows:
-            raise RuntimeError("packed weights are not batch invariant; the deterministic mode keeps them dense")
-        if not packing_supported(self.weight.dtype, self.weight.device):
-            raise RuntimeError(f"oneDNN cannot pack a {self.weight.dtype} weight on {self.weight.device}")
-        self.packed = pack_weight(self.weight)
-        if not (keep_dense and self.weight.dtype == torch.float32):
-            self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
+        return self.gemm.apply(x, self.weight, None)
 
 
-def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """A [out, in] weight in oneDNN's packed layout (an opaque tensor only `packed_product` reads)."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS)
-
-
-def packed_product(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x @ weight.T (+ bias) for a weight from `pack_weight`; x: [..., in]."""
-    if x.dim() == 2:
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-    flat = x.reshape(-1, x.shape[-1])
-    out = torch.ops.mkldnn._linear_pointwise(flat, packed, bias, "none", [], "")
-    return out.view(*x.shape[:-1], out.shape[-1])
+def expert_sites(stacked: torch.Tensor) -> GemmSite:
+    """The site of one expert's slice of a stacked [E, out, in] weight (no packed copy: the slice
+    changes with each expert)."""
+    return GemmSite(stacked.shape[1], stacked.shape[2], stacked.dtype, packable=False)
 
 
 def _empty(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
@@ -293,13 +187,13 @@ class SplitGatedMLP(nn.Module):
         self.up_proj = Linear(hidden, inner, bias=bias, dtype=dtype, device=device)
         self.down_proj = Linear(inner, hidden, bias=bias, dtype=dtype, device=device)
         self.gate_mult, self.down_mult = gate_mult, down_mult
-        self.min_rows = 0  # MIN_GEMM_ROWS in the deterministic mode: the SiLU is then exact (see `silu`)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate = self.gate_proj(x)
         if self.gate_mult != 1.0:
             gate = gate * self.gate_mult
-        out = self.down_proj(silu(gate, bool(self.min_rows)) * self.up_proj(x))
+        # batch-invariant products need a batch-invariant activation between them
+        out = self.down_proj(silu(gate, self.gate_proj.gemm.batch_invariant) * self.up_proj(x))
         return out if self.down_mult == 1.0 else out * self.down_mult
 
     def shard_spec(self, sub: str) -> ShardSpec | None:
@@ -331,7 +225,7 @@ class Router(nn.Module):
         self.layer = Linear(hidden, experts, bias=False, dtype=dtype, device=device)
 
 
-class SparseMoE(nn.Module):
+class SparseMoE(nn.Module, GemmOwner):
     """`block_sparse_moe`: top-k router (softmax over the chosen logits) and stacked experts.
 
     input_linear.weight: [E, 2 * inner, hidden]; output_linear.weight: [E, hidden, inner] (`inner`:
@@ -353,7 +247,12 @@ class SparseMoE(nn.Module):
         self.output_linear.weight = _empty(experts, hidden, inner, dtype=dtype, device=device)
         self.num_experts = experts
         self.top_k = top_k
-        self.min_rows = 0  # MIN_GEMM_ROWS in the deterministic mode (see `linear`)
+        self.gemm_in = expert_sites(self.input_linear.weight)
+        self.gemm_out = expert_sites(self.output_linear.weight)
+
+    def gemm_sites(self) -> Iterator[tuple[GemmSite, torch.Tensor]]:
+        yield self.gemm_in, self.input_linear.weight[0]
+        yield self.gemm_out, self.output_linear.weight[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.router.layer(x).float()
@@ -363,8 +262,8 @@ class SparseMoE(nn.Module):
         w_in = self.input_linear.weight
         w_out = self.output_linear.weight
         for expert, sel, tokens in expert_groups(top_idx, self.num_experts):
-            gate, up = linear(x[tokens], w_in[expert], min_rows=self.min_rows).chunk(2, dim=-1)
-            h = linear(F.silu(gate) * up, w_out[expert], min_rows=self.min_rows)
+            gate, up = self.gemm_in.apply(x[tokens], w_in[expert]).chunk(2, dim=-1)
+            h = self.gemm_out.apply(F.silu(gate) * up, w_out[expert])
             h = h * top_w.flatten()[sel][:, None]
             out.index_add_(0, tokens, h)
         return out

@@ -15,11 +15,14 @@ the all-reduce the decoder does).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 from torch import nn
 
 from worker_proc.model.config import HybridConfig
-from worker_proc.model.layers import Linear, Relu2MLP, _empty, expert_groups, linear
+from worker_proc.model.gemm import GemmOwner, GemmSite
+from worker_proc.model.layers import Linear, Relu2MLP, _empty, expert_groups, expert_sites
 from worker_proc.model.shard import ShardSpec, TPInfo, column_spec
 
 
@@ -37,7 +40,7 @@ class Experts(nn.Module):
         self.down_proj = _empty(experts, width, inner, dtype=dtype, device=device)
 
 
-class SigmoidMoE(nn.Module):
+class SigmoidMoE(nn.Module, GemmOwner):
     reduced = False
 
     def __init__(self, cfg: HybridConfig, inner: int, dtype: torch.dtype, device: torch.device, tp: TPInfo) -> None:
@@ -56,7 +59,14 @@ class SigmoidMoE(nn.Module):
         if cfg.moe_latent_size:
             self.fc1_latent_proj = Linear(cfg.hidden_size, width, bias=False, dtype=dtype, device=device)
             self.fc2_latent_proj = Linear(width, cfg.hidden_size, bias=False, dtype=dtype, device=device)
-        self.min_rows = 0  # MIN_GEMM_ROWS in the deterministic mode (see `linear`)
+        self.gate_gemm = GemmSite(e, cfg.hidden_size, torch.float32, packable=False)
+        self.up_gemm = expert_sites(self.experts.up_proj)
+        self.down_gemm = expert_sites(self.experts.down_proj)
+
+    def gemm_sites(self) -> Iterator[tuple[GemmSite, torch.Tensor]]:
+        yield self.gate_gemm, self.gate.weight
+        yield self.up_gemm, self.experts.up_proj[0]
+        yield self.down_gemm, self.experts.down_proj[0]
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(top-k expert ids [T, k], their weights [T, k] float32)."""
@@ -64,7 +74,7 @@ class SigmoidMoE(nn.Module):
         e, g = cfg.num_experts, cfg.moe_n_group
         # the sigmoid is taken in float64 and rounded: float32 SIMD and scalar tails differ in the last
         # bit, which would make a token's routing weights depend on the batch's size
-        logits = linear(x.float(), self.gate.weight.float(), min_rows=self.min_rows)
+        logits = self.gate_gemm.apply(x.float(), self.gate.weight.float())
         scores = logits.double().sigmoid().float()
         choice = scores + self.gate.e_score_correction_bias.float()
         if g > 1:
@@ -84,8 +94,8 @@ class SigmoidMoE(nn.Module):
         latent = x if self.fc1_latent_proj is None else self.fc1_latent_proj(x)
         acc = torch.zeros(latent.shape, dtype=torch.float32, device=x.device)
         for expert, sel, tokens in expert_groups(idx, self.cfg.num_experts):
-            h = torch.relu(linear(latent[tokens], self.experts.up_proj[expert], min_rows=self.min_rows)).square()
-            h = linear(h, self.experts.down_proj[expert], min_rows=self.min_rows)
+            h = torch.relu(self.up_gemm.apply(latent[tokens], self.experts.up_proj[expert])).square()
+            h = self.down_gemm.apply(h, self.experts.down_proj[expert])
             acc.index_add_(0, tokens, h * weights.flatten()[sel][:, None])
         out = acc.to(x.dtype)
         if self.fc2_latent_proj is not None:

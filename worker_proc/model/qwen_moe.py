@@ -13,11 +13,14 @@ all-reduce the decoder does).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 from torch import nn
 
 from worker_proc.model.config import HybridConfig
-from worker_proc.model.layers import Linear, SplitGatedMLP, _empty, expert_groups, linear, silu
+from worker_proc.model.gemm import GemmOwner, GemmSite
+from worker_proc.model.layers import Linear, SplitGatedMLP, _empty, expert_groups, expert_sites, silu
 from worker_proc.model.shard import ShardSpec, TPInfo, column_spec
 
 
@@ -29,7 +32,7 @@ class Experts(nn.Module):
         self.down_proj = _empty(experts, hidden, inner, dtype=dtype, device=device)
 
 
-class SharedGateMoE(nn.Module):
+class SharedGateMoE(nn.Module, GemmOwner):
     reduced = False
 
     def __init__(self, cfg: HybridConfig, inner: int, dtype: torch.dtype, device: torch.device, tp: TPInfo) -> None:
@@ -45,11 +48,18 @@ class SharedGateMoE(nn.Module):
         if cfg.moe_shared_size:
             self.shared_expert = SplitGatedMLP(hidden, cfg.moe_shared_size // tp.size, False, dtype, device, tp)
             self.shared_expert_gate = Linear(hidden, 1, bias=False, dtype=dtype, device=device)
-        self.min_rows = 0  # MIN_GEMM_ROWS in the deterministic mode (see `linear`)
+        self.gate_gemm = GemmSite(cfg.num_experts, hidden, dtype, packable=False)
+        self.gate_up_gemm = expert_sites(self.experts.gate_proj)
+        self.down_gemm = expert_sites(self.experts.down_proj)
+
+    def gemm_sites(self) -> Iterator[tuple[GemmSite, torch.Tensor]]:
+        yield self.gate_gemm, self.gate.weight
+        yield self.gate_up_gemm, self.experts.gate_proj[0]
+        yield self.down_gemm, self.experts.down_proj[0]
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(top-k expert ids [T, k], their weights [T, k] in x's dtype)."""
-        logits = linear(x, self.gate.weight, min_rows=self.min_rows)
+        logits = self.gate_gemm.apply(x, self.gate.weight)
         probs = logits.float().softmax(dim=-1)
         top, idx = probs.topk(self.cfg.num_experts_per_tok, dim=-1)
         if self.cfg.moe_norm_topk_prob:
@@ -58,10 +68,10 @@ class SharedGateMoE(nn.Module):
 
     def _shared_gate_logit(self, x: torch.Tensor) -> torch.Tensor:
         """x @ shared_expert_gate.weightᵀ [T, 1]. In the deterministic mode a row-wise dot product: a
-        one-column GEMM's rounding depends on the row count on CPU, which MIN_GEMM_ROWS padding does not
+        one-column GEMM's rounding depends on the row count on CPU, which padding the rows does not
         fix. The sigmoid after it is taken in float64 (float32 SIMD and scalar tails differ)."""
         assert self.shared_expert_gate is not None
-        if not self.min_rows:
+        if not self.gate_gemm.batch_invariant:
             return self.shared_expert_gate(x)
         return (x * self.shared_expert_gate.weight[0]).sum(-1, keepdim=True)
 
@@ -71,9 +81,9 @@ class SharedGateMoE(nn.Module):
         e = self.experts
         for expert, sel, tokens in expert_groups(idx, self.cfg.num_experts):
             xs = x[tokens]
-            h = silu(linear(xs, e.gate_proj[expert], min_rows=self.min_rows), bool(self.min_rows))
-            h = linear(h * linear(xs, e.up_proj[expert], min_rows=self.min_rows), e.down_proj[expert],
-                       min_rows=self.min_rows)  # fmt: skip
+            gemm = self.gate_up_gemm
+            h = silu(gemm.apply(xs, e.gate_proj[expert]), gemm.batch_invariant)
+            h = self.down_gemm.apply(h * gemm.apply(xs, e.up_proj[expert]), e.down_proj[expert])
             out.index_add_(0, tokens, h * weights.flatten()[sel][:, None])
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             gate = torch.sigmoid(self._shared_gate_logit(x).double()).to(x.dtype)

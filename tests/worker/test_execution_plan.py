@@ -1,0 +1,167 @@
+"""The execution plan (worker_proc.execution_plan, plan_cache, threads): it picks what measures
+fastest, keeps `dense` and fewer threads against noise, keeps one weight copy where two do not fit,
+round-trips through its cache (and a different key measures again), honours a pinned file, and the
+runner runs each step on the plan's threads."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from shared.config import ServerArgs, builtin_model_dir
+from shared.errors import ModelLoadError
+from shared.messages import ForwardBatch, ReqSlice, SamplingParams
+from worker_proc import plan_cache
+from worker_proc.execution_plan import ROW_BUCKETS, choose, instances_of, product_sites
+from worker_proc.model.gemm import GemmMethod, GemmSite
+from worker_proc.plan_timing import GemmKey, ProductTimer
+from worker_proc.runtime import ModelRunner
+from worker_proc.threads import thread_options
+
+A = GemmKey(64, 32, "float32")
+B = GemmKey(16, 32, "float32")
+
+
+def _instances(*keys: GemmKey) -> list[tuple[GemmSite, torch.Tensor]]:
+    return [(GemmSite(k.out_features, k.in_features, torch.float32, True), torch.zeros(k.out_features, k.in_features))
+            for k in keys]
+
+
+def _fake(speeds: dict[tuple[str, int], float], keys: tuple[GemmKey, ...] = (A, B)):
+    """A measure whose seconds per product are `speeds[(method, threads)]` (scaled by rows), 1.0 if absent."""
+    calls: list[tuple[str, int, int]] = []
+
+    def measure(method: GemmMethod, rows: int, threads: int) -> dict[GemmKey, float]:
+        calls.append((method.name, rows, threads))
+        return {k: speeds.get((method.name, threads), 1.0) * rows for k in keys}
+
+    return measure, calls
+
+
+def test_the_faster_of_two_candidates_is_chosen() -> None:
+    measure, calls = _fake({("dense", 1): 1.0, ("split", 1): 0.5, ("packed", 1): 2.0})
+    plan = choose(_instances(A, B), (1,), measure, lambda n: True)
+    assert plan.gemms[A].methods == ("split",) and plan.gemms[A].bounds == ()
+    assert {rows for _, rows, _ in calls} == set(ROW_BUCKETS)
+    measure, _ = _fake({("dense", 1): 1.0, ("split", 1): 2.0, ("packed", 1): 0.5})
+    assert choose(_instances(A), (1,), measure, lambda n: True).gemms[A].methods == ("packed",)
+
+
+def test_dense_and_fewer_threads_win_within_the_margin() -> None:
+    measure, _ = _fake({("dense", 1): 1.0, ("split", 1): 0.99, ("packed", 1): 0.985, ("dense", 2): 0.99})
+    plan = choose(_instances(A), (1, 2), measure, lambda n: True)
+    assert plan.gemms[A].methods == ("dense",) and plan.threads == ((ROW_BUCKETS[-1], 1),)
+    measure, _ = _fake({("dense", 2): 0.5})
+    assert choose(_instances(A), (1, 2), measure, lambda n: True).threads == ((ROW_BUCKETS[-1], 2),)
+
+
+def test_rules_change_by_row_bucket_and_two_copies_need_the_memory() -> None:
+    def measure(method: GemmMethod, rows: int, threads: int) -> dict[GemmKey, float]:
+        fast = "split" if rows <= 4 else "packed"
+        return {A: 0.5 if method.name == fast else 1.0}
+
+    both = choose(_instances(A), (1,), measure, lambda n: True)
+    assert both.gemms[A].bounds == (4,) and both.gemms[A].methods == ("split", "packed")
+    one = choose(_instances(A), (1,), measure, lambda n: False)  # no room for a dense and a packed copy
+    assert len({m for m in one.gemms[A].methods}) == 1 and one.gemms[A].methods[0] in ("packed", "dense")
+
+
+def test_the_real_timer_reports_every_supported_key() -> None:
+    from worker_proc.model.gemm import DENSE, PACKED
+
+    timer = ProductTimer(_instances(A, B, A), cache_bytes=1 << 20, reps=2)
+    for method in (DENSE, PACKED):
+        got = timer(method, 2, 1)
+        assert set(got) == {A, B} and all(s > 0 for s in got.values())
+    timer.release()
+
+
+def _runner(tmp_path: Path, **kw: object) -> ModelRunner:
+    return ModelRunner(builtin_model_dir(), kv_slots=512, mamba_slots=4, plan_cache_dir=tmp_path, **kw)
+
+
+def test_the_cache_round_trips_and_a_new_key_measures_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    measured: list[tuple[int, ...]] = []
+    real = plan_cache.measure_plan
+    monkeypatch.setattr(plan_cache, "measure_plan", lambda m, t: (measured.append(t), real(m, t))[1])
+    first = _runner(tmp_path, thread_options=(1,))
+    assert measured == [(1,)] and "saved to" in first.plan.source
+    again = _runner(tmp_path, thread_options=(1,))
+    assert measured == [(1,)] and again.plan.source.startswith("cached")
+    assert again.plan.gemms == first.plan.gemms and again.plan.threads == first.plan.threads
+    other = {**plan_cache.cpu_identity(), "cpu": "another CPU"}
+    monkeypatch.setattr(plan_cache, "cpu_identity", lambda: other)
+    _runner(tmp_path, thread_options=(1,))
+    assert len(measured) == 2 and len(list(tmp_path.glob("plan-*.json"))) == 2
+    first.check_integrity()
+
+
+def _write_plan(path: Path, runner: ModelRunner, method: str, threads: list[list[int]]) -> None:
+    data = plan_cache.plan_to_json(runner.plan)
+    for g in data["gemms"]:  # type: ignore[union-attr]
+        g["bounds"], g["methods"] = [], [method]
+    data["threads"] = threads
+    path.write_text(json.dumps(data))
+
+
+def test_a_pinned_plan_is_honoured_and_runs_each_step_on_its_threads(tmp_path: Path) -> None:
+    base = _runner(tmp_path, thread_options=(1,))
+    pinned = tmp_path / "pinned.json"
+    _write_plan(pinned, base, "split", [[8, 1], [256, 2]])
+    runner = _runner(tmp_path, thread_options=(1, 2), execution_plan=str(pinned))
+    assert runner.plan.source == f"pinned {pinned}"
+    assert all(site.methods[0].name == "split" for _, site, _ in product_sites(runner.model))
+    seen: list[int] = []
+    forward = runner.model.forward_step
+    runner.model.forward_step = lambda *a, **k: (seen.append(torch.get_num_threads()), forward(*a, **k))[1]
+    before = torch.get_num_threads()
+    greedy = SamplingParams(temperature=0.0)
+    try:
+        n = 300
+        prompt = ReqSlice(rid="a", input_ids=[3] * n, start_pos=0, kv_slots=list(range(1, n + 1)), mamba_slot=1,
+                          sample=True, sampling=greedy, output_len=0)  # fmt: skip
+        tok = runner.step(ForwardBatch(step=1, reqs=[prompt], clears=[1])).next_tokens["a"]
+        decode = ReqSlice(rid="a", input_ids=[tok], start_pos=n, kv_slots=list(range(1, n + 2)), mamba_slot=1,
+                          sample=True, sampling=greedy, output_len=1)  # fmt: skip
+        runner.step(ForwardBatch(step=2, reqs=[decode]))
+    finally:
+        torch.set_num_threads(before)
+    assert seen == [2, 1]
+
+
+def test_a_pinned_plan_that_does_not_fit_is_refused(tmp_path: Path) -> None:
+    base = _runner(tmp_path, thread_options=(1,))
+    pinned = tmp_path / "pinned.json"
+    data = plan_cache.plan_to_json(base.plan)
+    data["gemms"] = data["gemms"][1:]  # type: ignore[index]
+    pinned.write_text(json.dumps(data))
+    with pytest.raises(ModelLoadError, match="has no rule for"):
+        _runner(tmp_path, execution_plan=str(pinned))
+    pinned.write_text('{"version": 1, "gemms": [{"out": "x"}]}')
+    with pytest.raises(ModelLoadError, match="malformed"):
+        _runner(tmp_path, execution_plan=str(pinned))
+    with pytest.raises(ModelLoadError, match="No such file"):
+        _runner(tmp_path, execution_plan=str(tmp_path / "absent.json"))
+
+
+def test_the_deterministic_mode_pads_every_product(tmp_path: Path) -> None:
+    runner = _runner(tmp_path, deterministic=True, thread_options=(2,))
+    sites = [site for _, site, _ in product_sites(runner.model)]
+    assert sites and all(site.batch_invariant for site in sites)
+    assert runner.plan.threads == ((1, 2),) and not list(tmp_path.glob("plan-*.json"))
+    assert len(instances_of(runner.model)) == len(sites)
+
+
+def test_ranks_share_the_node_cores_and_never_oversubscribe() -> None:
+    assert thread_options(ServerArgs(), cores=2) == (1, 2)
+    assert thread_options(ServerArgs(), cores=16) == (1, 16)
+    assert thread_options(ServerArgs(tp_size=2), cores=2) == (1,)
+    assert thread_options(ServerArgs(tp_size=4), cores=16) == (1, 4)
+    two_nodes = ServerArgs(tp_size=4, nnodes=2, node_rank=1, dist_init_addr="127.0.0.1:29500")
+    assert thread_options(two_nodes, cores=8) == (1, 4)  # two ranks on this node
+    assert thread_options(ServerArgs(dp_size=2, tp_size=2), cores=16) == (1, 4)
+    assert thread_options(ServerArgs(cpu_threads=3), cores=16) == (3,)
+    assert thread_options(ServerArgs(enable_deterministic_inference=True), cores=16) == (16,)

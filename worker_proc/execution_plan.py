@@ -1,0 +1,214 @@
+"""The execution plan of a worker rank: the one place that decides which method runs each matrix
+product at each row count, and how many torch threads a step of a given size runs on.
+
+Built once per rank after the weights are loaded (`plan_for`, worker_proc.plan_cache) and bound to
+the model (`ExecutionPlan.bind`); nothing else changes how a product runs. Rules:
+- not on the CPU: every product is `dense` (F.linear: cuBLAS picks its own kernels);
+- the deterministic mode: every product is `padded` (batch invariant), on one thread count;
+- otherwise, by measurement on this machine (`choose`): for each weight shape and dtype and each row
+  bucket (`ROW_BUCKETS`: a product of r rows takes the rule of the smallest bucket >= r, the largest
+  beyond it) the fastest of `THROUGHPUT_METHODS`, at the thread count whose products of that bucket
+  take the least time over the whole model. `dense` is kept unless another method is more than
+  `MARGIN` faster, and fewer threads unless more are more than `MARGIN` faster (timing noise must not
+  buy a second weight copy or a second woken core). A shape whose methods need both a dense and a
+  packed copy keeps both only when all such copies together are affordable
+  (worker_proc.host_memory.copy_affordable); else each keeps the one storage its buckets lose
+  least with.
+"""
+
+from __future__ import annotations
+
+import logging
+from bisect import bisect_left
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from worker_proc.model.gemm import (
+    DENSE,
+    METHODS,
+    PADDED,
+    THROUGHPUT_METHODS,
+    GemmMethod,
+    GemmOwner,
+    GemmSite,
+    pack_weight,
+)
+from worker_proc.model.layers import Linear
+from worker_proc.plan_timing import GemmKey, Instance, Measure
+
+logger = logging.getLogger(__name__)
+
+ROW_BUCKETS = (1, 2, 4, 8, 16, 64, 256)
+MARGIN = 0.03
+
+
+@dataclass(frozen=True)
+class GemmRule:
+    """`methods[i]` for products of at most `bounds[i]` rows, the last one for every larger product;
+    `timings`: the measured seconds per product, by bucket and method (for the log and the file)."""
+
+    bounds: tuple[int, ...]
+    methods: tuple[str, ...]
+    timings: dict[int, dict[str, float]] = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        if len(self.methods) != len(self.bounds) + 1 or any(m not in METHODS for m in self.methods):
+            raise ValueError(f"bad rule: bounds {self.bounds}, methods {self.methods}")
+
+    def method_for(self, rows: int) -> str:
+        return self.methods[bisect_left(self.bounds, rows)]
+
+
+def rule_from_buckets(per_bucket: list[str], timings: dict[int, dict[str, float]] | None = None) -> GemmRule:
+    """Merge runs of equal choices over `ROW_BUCKETS` into bounds."""
+    bounds: list[int] = []
+    methods = [per_bucket[0]]
+    for i in range(1, len(per_bucket)):
+        if per_bucket[i] != per_bucket[i - 1]:
+            bounds.append(ROW_BUCKETS[i - 1])
+            methods.append(per_bucket[i])
+    return GemmRule(tuple(bounds), tuple(methods), timings or {})
+
+
+@dataclass(frozen=True)
+class ExecutionPlan:
+    """What runs where (see the module doc). `threads`: (bound, count) pairs, a step of r token rows
+    on the count of the first bound >= r (the last pair's beyond them); empty: torch's setting is left
+    alone. `source`: how the plan was made (measured, cached FILE, pinned FILE, a fixed rule)."""
+
+    mode: str
+    gemms: dict[GemmKey, GemmRule]
+    threads: tuple[tuple[int, int], ...] = ()
+    source: str = "fixed"
+
+    def threads_for(self, rows: int) -> int:
+        bounds = [b for b, _ in self.threads]
+        return self.threads[min(bisect_left(bounds, rows), len(self.threads) - 1)][1]
+
+    def apply_threads(self, rows: int) -> None:
+        """Set torch's intra-op thread count for a step of `rows` token rows (a no-op when unchanged)."""
+        if self.threads:
+            n = self.threads_for(rows)
+            if torch.get_num_threads() != n:
+                torch.set_num_threads(n)
+
+    def bind(self, model: nn.Module) -> None:
+        """Give every product site of `model` its rule (packing the weights of sites whose rule reads
+        a packed copy; a Linear whose rule reads only that copy drops its dense weight)."""
+        for owner, site, weight in product_sites(model):
+            key = GemmKey.of(site)
+            rule = self.gemms.get(key)
+            if rule is None:
+                raise ValueError(f"the execution plan has no rule for {key.label()} products")
+            methods = tuple(METHODS[m] for m in rule.methods)
+            needs_packed = any(m.storage == "packed" for m in methods)
+            site.bind(rule.bounds, methods, pack_weight(weight) if needs_packed else None)
+            if isinstance(owner, Linear) and "dense" not in site.storages:
+                owner.weight = nn.Parameter(weight.new_empty(0), requires_grad=False)
+
+    def describe(self) -> Iterator[str]:
+        """One log line per shape, then the thread rule."""
+        for key, rule in sorted(self.gemms.items(), key=lambda kv: kv[0].label()):
+            parts = []
+            lower = 1
+            for bound, method in zip((*rule.bounds, None), rule.methods, strict=True):
+                span = f"rows {lower}+" if bound is None else f"rows {lower}-{bound}"
+                parts.append(f"{span}: {method}")
+                lower = (bound or 0) + 1
+            timed = "; ".join(f"{b}: " + " ".join(f"{m} {s * 1e6:.0f}us" for m, s in t.items())
+                              for b, t in sorted(rule.timings.items()))
+            yield f"{key.label()}: {', '.join(parts)}" + (f" (measured {timed})" if timed else "")
+        if self.threads:
+            yield "threads: " + ", ".join(f"rows <= {b}: {n}" for b, n in self.threads[:-1]) + (
+                f"{', ' if len(self.threads) > 1 else ''}larger: {self.threads[-1][1]}")
+
+
+def product_sites(model: nn.Module) -> Iterator[tuple[GemmOwner, GemmSite, torch.Tensor]]:
+    for module in model.modules():
+        if isinstance(module, GemmOwner):
+            for site, weight in module.gemm_sites():
+                yield module, site, weight
+
+
+def fixed_plan(model: nn.Module, method: GemmMethod, threads: int = 0, mode: str = "fixed") -> ExecutionPlan:
+    """Every product on `method`; every step on `threads` (0: torch's setting left alone)."""
+    keys = {GemmKey.of(site) for _, site, _ in product_sites(model)}
+    return ExecutionPlan(mode, {k: GemmRule((), (method.name,)) for k in keys},
+                         ((1, threads),) if threads else (), source=f"{method.name} everywhere")
+
+
+def deterministic_plan(model: nn.Module, threads: int) -> ExecutionPlan:
+    return fixed_plan(model, PADDED, threads, mode="batch_invariant")
+
+
+def instances_of(model: nn.Module) -> list[Instance]:
+    return [(site, weight) for _, site, weight in product_sites(model)]
+
+
+def choose(instances: list[Instance], thread_options: tuple[int, ...], measure: Measure,
+           affordable: Callable[[int], bool]) -> ExecutionPlan:
+    """The measured plan (see the module doc) over these sites."""
+    counts: dict[GemmKey, int] = {}
+    nbytes: dict[GemmKey, int] = {}
+    for site, weight in instances:
+        key = GemmKey.of(site)
+        counts[key] = counts.get(key, 0) + 1
+        nbytes[key] = nbytes.get(key, 0) + weight.numel() * weight.element_size()
+    picks: dict[GemmKey, list[dict[str, float]]] = {k: [] for k in counts}
+    threads: list[int] = []
+    for rows in ROW_BUCKETS:
+        by_threads = {t: _timed(measure, rows, t) for t in thread_options}
+        totals = {t: sum(counts.get(k, 0) * min(ts.values()) for k, ts in timed.items())
+                  for t, timed in by_threads.items()}
+        best = min(thread_options, key=lambda t: (totals[t], t))
+        chosen = min((t for t in thread_options if totals[t] <= totals[best] * (1 + MARGIN)), default=best)
+        threads.append(chosen)
+        for key in counts:
+            picks[key].append(by_threads[chosen].get(key, {}))
+    dual = {k for k in counts if len({METHODS[_pick(t)].storage for t in picks[k]}) > 1}
+    keep_both = affordable(sum(nbytes[k] for k in dual))
+    gemms = {}
+    for key, timed in picks.items():
+        per_bucket = [_pick(t) for t in timed]
+        if key in dual and not keep_both:
+            per_bucket = _one_storage(timed)
+        gemms[key] = rule_from_buckets(per_bucket, dict(zip(ROW_BUCKETS, timed, strict=True)))
+    rule: list[tuple[int, int]] = []
+    for bucket, n in zip(ROW_BUCKETS, threads, strict=True):
+        if rule and rule[-1][1] == n:
+            rule[-1] = (bucket, n)
+        else:
+            rule.append((bucket, n))
+    return ExecutionPlan("throughput", gemms, tuple(rule), source="measured")
+
+
+def _timed(measure: Measure, rows: int, threads: int) -> dict[GemmKey, dict[str, float]]:
+    out: dict[GemmKey, dict[str, float]] = {}
+    for method in THROUGHPUT_METHODS:
+        for key, seconds in measure(method, rows, threads).items():
+            out.setdefault(key, {})[method.name] = seconds
+    return out
+
+
+def _pick(timed: dict[str, float]) -> str:
+    """The fastest method, `dense` unless another beats it by more than MARGIN."""
+    if not timed:
+        return DENSE.name
+    best = min(timed, key=lambda m: timed[m])
+    if DENSE.name in timed and timed[DENSE.name] <= timed[best] * (1 + MARGIN):
+        return DENSE.name
+    return best
+
+
+def _one_storage(timed: list[dict[str, float]]) -> list[str]:
+    """Per bucket, the fastest method of the one storage whose choices lose least in total."""
+    options = []
+    for storage in ("dense", "packed"):
+        per_bucket = [{m: s for m, s in t.items() if METHODS[m].storage == storage} for t in timed]
+        if all(per_bucket):
+            loss = sum(min(p.values()) / min(t.values()) for p, t in zip(per_bucket, timed, strict=True))
+            options.append((loss, storage != "dense", [_pick(p) for p in per_bucket]))
+    return min(options)[2] if options else [DENSE.name] * len(timed)

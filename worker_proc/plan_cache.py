@@ -1,0 +1,170 @@
+"""Where a worker's execution plan comes from (`plan_for`): a pinned file, the on-disk cache, or a
+fresh measurement, and the plan's file format.
+
+A measured plan is stored under the cache directory keyed by everything its timings depend on
+(`plan_key`: the CPU model and its instruction sets, the cores the rank may use, the thread options,
+torch's version, the mode, the model's product shapes); a restart with the same key reads it instead
+of measuring. `--execution-plan FILE` pins a plan: it is used as it is (measured elsewhere, edited by
+hand) and refused at start-up when it lacks a rule for one of the model's shapes. Writes are atomic
+(a rank reads a whole file or none), so ranks measuring the same key at once only race to the same
+content.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from shared.errors import ModelLoadError
+from worker_proc.execution_plan import (
+    ExecutionPlan,
+    GemmRule,
+    choose,
+    deterministic_plan,
+    fixed_plan,
+    instances_of,
+)
+from worker_proc.host_memory import copy_affordable, last_level_cache_bytes
+from worker_proc.model.gemm import DENSE
+from worker_proc.plan_timing import GemmKey, ProductTimer
+
+logger = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8", "asimd", "sve")
+
+
+def default_cache_dir() -> Path:
+    """`$XDG_CACHE_HOME/hyssm/execution-plans` (`~/.cache/...` by default)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "hyssm" / "execution-plans"
+
+
+def cpu_identity() -> dict[str, object]:
+    """The CPU model name and the instruction sets products depend on (from /proc/cpuinfo on Linux)."""
+    name, flags = platform.processor() or platform.machine(), set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                field, _, value = line.partition(":")
+                if field.strip() == "model name":
+                    name = value.strip()
+                elif field.strip() in ("flags", "Features"):
+                    flags = set(value.split())
+                if name and flags:
+                    break
+    except OSError:
+        pass
+    return {"cpu": name, "flags": sorted(f for f in CPU_FLAGS if f in flags)}
+
+
+def plan_key(model: nn.Module, mode: str, thread_options: tuple[int, ...], cores: int) -> dict[str, object]:
+    shapes: dict[str, int] = {}
+    for site, _ in instances_of(model):
+        label = GemmKey.of(site).label()
+        shapes[label] = shapes.get(label, 0) + 1
+    return {**cpu_identity(), "cores": cores, "threads": list(thread_options), "torch": torch.__version__,
+            "mode": mode, "shapes": dict(sorted(shapes.items()))}
+
+
+def key_digest(key: dict[str, object]) -> str:
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def plan_to_json(plan: ExecutionPlan, key: dict[str, object] | None = None) -> dict[str, object]:
+    gemms = [{"out": k.out_features, "in": k.in_features, "dtype": k.dtype, "bounds": list(r.bounds),
+              "methods": list(r.methods), "timings_s": {str(b): t for b, t in r.timings.items()}}
+             for k, r in sorted(plan.gemms.items(), key=lambda kv: kv[0].label())]
+    return {"version": FORMAT_VERSION, "key": key or {}, "mode": plan.mode,
+            "threads": [list(t) for t in plan.threads], "gemms": gemms}
+
+
+def plan_from_json(data: dict[str, object], source: str) -> ExecutionPlan:
+    """Parse a plan file's content; ValueError naming what is wrong."""
+    if not isinstance(data, dict) or data.get("version") != FORMAT_VERSION:
+        raise ValueError(f"not an execution plan of format version {FORMAT_VERSION}")
+    try:
+        gemms = {
+            GemmKey(int(g["out"]), int(g["in"]), str(g["dtype"])): GemmRule(
+                tuple(int(b) for b in g["bounds"]), tuple(str(m) for m in g["methods"]),
+                {int(b): dict(t) for b, t in g.get("timings_s", {}).items()})
+            for g in data["gemms"]  # type: ignore[union-attr]
+        }
+        threads = tuple((int(b), int(n)) for b, n in data["threads"])  # type: ignore[union-attr]
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"malformed execution plan ({type(e).__name__}: {e})") from e
+    if any(n < 1 for _, n in threads):
+        raise ValueError("an execution plan's thread counts must be >= 1")
+    return ExecutionPlan(str(data.get("mode", "throughput")), gemms, threads, source=source)
+
+
+def write_plan(path: Path, plan: ExecutionPlan, key: dict[str, object]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".plan-", suffix=".json")
+    with os.fdopen(fd, "w") as f:
+        json.dump(plan_to_json(plan, key), f, indent=1)
+    os.replace(tmp, path)
+
+
+def read_plan(path: Path, source: str) -> ExecutionPlan:
+    with open(path) as f:
+        return plan_from_json(json.load(f), source)
+
+
+def plan_for(model: nn.Module, device: torch.device, *, deterministic: bool, thread_options: tuple[int, ...],
+             cores: int, pinned: str = "", cache_dir: Path | None = None) -> ExecutionPlan:
+    """The rank's plan (see the module doc). `thread_options`: the thread counts a step may run on
+    (empty: torch's setting is left alone and products are timed on it); `cache_dir` None: no cache."""
+    if device.type != "cpu":
+        return fixed_plan(model, DENSE)
+    if deterministic:
+        return deterministic_plan(model, max(thread_options, default=0))
+    if pinned:
+        try:
+            plan = read_plan(Path(pinned), f"pinned {pinned}")
+        except (OSError, ValueError) as e:
+            raise ModelLoadError(f"--execution-plan {pinned}: {e}") from e
+        missing = {GemmKey.of(s).label() for s, _ in instances_of(model)} - {k.label() for k in plan.gemms}
+        if missing:
+            raise ModelLoadError(f"--execution-plan {pinned} has no rule for {', '.join(sorted(missing))}")
+        return plan
+    options = thread_options or (torch.get_num_threads(),)
+    key = plan_key(model, "throughput", options, cores)
+    path = cache_dir / f"plan-{key_digest(key)}.json" if cache_dir is not None else None
+    if path is not None and path.exists():
+        try:
+            return read_plan(path, f"cached {path}")
+        except (OSError, ValueError) as e:
+            logger.warning("ignoring the cached execution plan %s (%s): measuring again", path, e)
+    plan = measure_plan(model, options)
+    if path is not None:
+        try:
+            write_plan(path, plan, key)
+            plan = ExecutionPlan(plan.mode, plan.gemms, plan.threads, source=f"measured, saved to {path}")
+        except OSError as e:
+            logger.warning("cannot save the execution plan to %s: %s", path, e)
+    return plan
+
+
+def measure_plan(model: nn.Module, thread_options: tuple[int, ...]) -> ExecutionPlan:
+    instances = instances_of(model)
+    before = torch.get_num_threads()
+    timer = ProductTimer(instances, last_level_cache_bytes())
+    t0 = time.perf_counter()
+    logger.info("measuring the execution plan: %d product sites, threads %s", len(instances), thread_options)
+    try:
+        plan = choose(instances, thread_options, timer, copy_affordable)
+    finally:
+        timer.release()
+        torch.set_num_threads(before)
+    logger.info("execution plan measured in %.1f s", time.perf_counter() - t0)
+    return plan

@@ -1,0 +1,107 @@
+"""How the execution plan times a product method on this machine (`ProductTimer`).
+
+A product of few rows reads its whole weight for little arithmetic: its speed is the speed at which
+the weight streams from wherever it lives between steps. So it is timed as a decode step meets it:
+over the model's own weights in model order, as many as stream at least twice the last-level cache
+through (all of them when the model is smaller; then they stay cached, as they do in serving). A
+product of more than `STREAM_ROWS` rows reuses each weight row many times and is timed on one weight
+per shape, warm. Each figure is the median of `reps` rounds after one untimed round (which also
+creates oneDNN's primitives and faults in the inputs' pages).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from worker_proc.model.gemm import GemmMethod, GemmSite, pack_weight
+
+STREAM_ROWS = 8
+"""Up to this many rows a product is timed streaming its weights (see the module doc)."""
+DEFAULT_STREAM_BYTES = 256 << 20
+"""Bytes streamed per round where the host does not report its last-level cache."""
+
+
+@dataclass(frozen=True)
+class GemmKey:
+    """What a product's speed depends on besides its row count: the weight's shape and dtype."""
+
+    out_features: int
+    in_features: int
+    dtype: str
+
+    @classmethod
+    def of(cls, site: GemmSite) -> GemmKey:
+        return cls(site.shape[0], site.shape[1], str(site.dtype).removeprefix("torch."))
+
+    def label(self) -> str:
+        return f"{self.out_features}x{self.in_features} {self.dtype}"
+
+
+Instance = tuple[GemmSite, torch.Tensor]
+Measure = Callable[[GemmMethod, int, int], dict[GemmKey, float]]
+"""(method, rows, threads) -> seconds per product for every key the method supports."""
+
+
+class ProductTimer:
+    """Times methods over a model's product sites (see the module doc); a `Measure`."""
+
+    def __init__(self, instances: list[Instance], cache_bytes: int, reps: int = 5) -> None:
+        self.instances = instances
+        budget = 2 * cache_bytes if cache_bytes > 0 else DEFAULT_STREAM_BYTES
+        self.streamed: list[Instance] = []
+        streamed_bytes = 0
+        for site, weight in instances:
+            if streamed_bytes >= budget:
+                break
+            self.streamed.append((site, weight))
+            streamed_bytes += weight.numel() * weight.element_size()
+        self.first: dict[GemmKey, Instance] = {}
+        for site, weight in instances:
+            self.first.setdefault(GemmKey.of(site), (site, weight))
+        self.reps = reps
+        self.packed: dict[int, torch.Tensor] = {}  # id(weight) -> a packed copy made for timing
+        self.inputs: dict[tuple[GemmKey, int], torch.Tensor] = {}
+
+    def __call__(self, method: GemmMethod, rows: int, threads: int) -> dict[GemmKey, float]:
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+        chosen = self.streamed if rows <= STREAM_ROWS else list(self.first.values())
+        chosen = [(s, w) for s, w in chosen if method.supports(w.dtype, w.device, s.packable)]
+        samples: dict[GemmKey, list[float]] = {}
+        for rep in range(self.reps + 1):
+            spent: dict[GemmKey, list[float]] = {}
+            for site, weight in chosen:
+                key = GemmKey.of(site)
+                x = self._input(key, rows, weight)
+                packed = self._packed(weight) if method.storage == "packed" else None
+                t0 = time.perf_counter()
+                method.apply(x, weight, packed, None)
+                spent.setdefault(key, []).append(time.perf_counter() - t0)
+            if rep:
+                for key, times in spent.items():
+                    samples.setdefault(key, []).append(sum(times) / len(times))
+        return {key: statistics.median(times) for key, times in samples.items()}
+
+    def _input(self, key: GemmKey, rows: int, weight: torch.Tensor) -> torch.Tensor:
+        x = self.inputs.get((key, rows))
+        if x is None:
+            gen = torch.Generator().manual_seed(rows)
+            x = torch.randn(rows, key.in_features, generator=gen).to(weight.dtype)
+            self.inputs[(key, rows)] = x
+        return x
+
+    def _packed(self, weight: torch.Tensor) -> torch.Tensor:
+        packed = self.packed.get(id(weight))
+        if packed is None:
+            packed = self.packed[id(weight)] = pack_weight(weight)
+        return packed
+
+    def release(self) -> None:
+        """Free the copies made for timing."""
+        self.packed.clear()
+        self.inputs.clear()
