@@ -19,6 +19,7 @@ import torch
 
 from shared.config import builtin_model_dir
 from shared.messages import ForwardBatch, ReqSlice, SamplingParams
+from worker_proc.numerics import flush_denormals
 from worker_proc.runtime import ModelRunner
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -75,6 +76,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--device", default="cpu", help="torch device of the model: cpu (default), cuda, cuda:N")
     args = ap.parse_args(argv)
+    flush_denormals()  # as a worker process does, before its first parallel region
     torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batches.split(",")]
     runner = ModelRunner(args.model_path, device=args.device, dtype=args.dtype, kv_slots=max(batches) * SLOT_STRIDE,

@@ -47,11 +47,16 @@ def subnormal_count(t: torch.Tensor) -> int:
 
 
 def flush_denormals() -> bool:
-    """Set FTZ/DAZ on this thread and check it holds on every intra-op thread: a product whose exact
-    result is subnormal, computed in parallel, must come out zero everywhere. False where the CPU
-    cannot flush or some thread does not (see the module doc)."""
-    if not torch.set_flush_denormal(True):
-        return False
+    """Set FTZ/DAZ on this thread and check it holds on every intra-op thread (`denormals_flushed`).
+    False where the CPU cannot flush or some thread does not (see the module doc). The mode is the
+    whole process's: a worker process or an in-process benchmark sets it, a library user's process is
+    left as it is."""
+    return torch.set_flush_denormal(True) and denormals_flushed()
+
+
+def denormals_flushed() -> bool:
+    """Whether a product whose exact result is subnormal, computed on every intra-op thread, comes
+    out zero everywhere."""
     small = torch.full((PROBE_ELEMENTS,), 1e-30)
     return subnormal_count(small * small.new_full((), 1e-10)) == 0
 

@@ -29,7 +29,7 @@ from worker_proc.kernels import get_ops
 from worker_proc.loader import load_model
 from worker_proc.model import StepBatch, build_step_batch
 from worker_proc.model.kv_mirror import KVSlotMirror
-from worker_proc.numerics import flush_denormals, flush_subnormal_
+from worker_proc.numerics import denormals_flushed, flush_subnormal_
 from worker_proc.plan_cache import plan_for
 from worker_proc.pools import StatePools, attention_free_kv_slots, cpu_wanted_budget, plan_capacities, pool_budget
 from worker_proc.sampling import SampleRequest, greedy_params, sample, top_logprobs
@@ -66,9 +66,9 @@ class ModelRunner:
     ) -> None:
         self.model_info = ModelInfo.from_dir(model_dir)
         self.device = torch.device(device)
-        if self.device.type == "cpu" and not flush_denormals():
-            logger.warning("rank %d: subnormal floats are not flushed on every thread: products over them run "
-                           "many times slower", tp_rank)
+        if self.device.type == "cpu" and not denormals_flushed():
+            logger.warning("rank %d: subnormal floats are not flushed on every thread (worker_proc.numerics): "
+                           "products over them run many times slower", tp_rank)
         self.model = load_model(
             model_dir, device=self.device, dtype=dtype, tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group
         )

@@ -22,7 +22,7 @@ import json, sys, random
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from shared.messages import ForwardBatch, ReqSlice, SamplingParams
-from worker_proc.numerics import subnormal_count
+from worker_proc.numerics import flush_denormals, subnormal_count
 from worker_proc.runtime import ModelRunner
 
 GEMMS = ("mm", "bmm", "addmm", "baddbmm", "_linear_pointwise", "linear", "matmul")
@@ -41,6 +41,7 @@ class CountSubnormals(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 torch.set_num_threads(2)
+assert flush_denormals()  # as the worker process does, before any parallel region
 runner = ModelRunner(sys.argv[1], kv_slots=300, mamba_slots=4, thread_options=(2,))
 ids = [random.Random(0).randrange(3, 300) for _ in range(256)]
 
