@@ -77,12 +77,16 @@ def rule_from_buckets(per_bucket: list[str], timings: dict[int, dict[str, float]
 class ExecutionPlan:
     """What runs where (see the module doc). `threads`: (bound, count) pairs, a step of r token rows
     on the count of the first bound >= r (the last pair's beyond them); empty: torch's setting is left
-    alone. `source`: how the plan was made (measured, cached FILE, pinned FILE, a fixed rule)."""
+    alone. `source`: how the plan was made (measured, cached FILE, pinned FILE, a fixed rule).
+    `weight_bytes` / `read_bytes_per_s`: the products' weights and how fast the rank read them when the
+    plan was measured (their ratio is a one-row step's floor; 0 where not measured)."""
 
     mode: str
     gemms: dict[GemmKey, GemmRule]
     threads: tuple[tuple[int, int], ...] = ()
     source: str = "fixed"
+    weight_bytes: int = 0
+    read_bytes_per_s: float = 0.0
 
     def threads_for(self, rows: int) -> int:
         bounds = [b for b, _ in self.threads]
@@ -121,6 +125,9 @@ class ExecutionPlan:
             timed = "; ".join(f"{b}: " + " ".join(f"{m} {s * 1e6:.0f}us" for m, s in t.items())
                               for b, t in sorted(rule.timings.items()))
             yield f"{key.label()}: {', '.join(parts)}" + (f" (measured {timed})" if timed else "")
+        if self.read_bytes_per_s > 0:
+            yield (f"weights {self.weight_bytes / 2**20:.0f} MiB read at {self.read_bytes_per_s / 1e9:.1f} GB/s: "
+                   f"a one-row step's floor is {self.weight_bytes / self.read_bytes_per_s * 1e3:.1f} ms")
         if self.threads:
             yield "threads: " + ", ".join(f"rows <= {b}: {n}" for b, n in self.threads[:-1]) + (
                 f"{', ' if len(self.threads) > 1 else ''}larger: {self.threads[-1][1]}")

@@ -12,6 +12,7 @@ content.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -35,7 +36,7 @@ from worker_proc.execution_plan import (
 )
 from worker_proc.host_memory import copy_affordable, last_level_cache_bytes
 from worker_proc.model.gemm import DENSE
-from worker_proc.plan_timing import GemmKey, ProductTimer
+from worker_proc.plan_timing import GemmKey, ProductTimer, read_bytes_per_s
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +86,8 @@ def plan_to_json(plan: ExecutionPlan, key: dict[str, object] | None = None) -> d
               "methods": list(r.methods), "timings_s": {str(b): t for b, t in r.timings.items()}}
              for k, r in sorted(plan.gemms.items(), key=lambda kv: kv[0].label())]
     return {"version": FORMAT_VERSION, "key": key or {}, "mode": plan.mode,
-            "threads": [list(t) for t in plan.threads], "gemms": gemms}
+            "threads": [list(t) for t in plan.threads], "weight_bytes": plan.weight_bytes,
+            "read_bytes_per_s": plan.read_bytes_per_s, "gemms": gemms}
 
 
 def plan_from_json(data: dict[str, object], source: str) -> ExecutionPlan:
@@ -100,11 +102,13 @@ def plan_from_json(data: dict[str, object], source: str) -> ExecutionPlan:
             for g in data["gemms"]  # type: ignore[union-attr]
         }
         threads = tuple((int(b), int(n)) for b, n in data["threads"])  # type: ignore[union-attr]
+        weight_bytes = int(data.get("weight_bytes", 0))  # type: ignore[arg-type]
+        read = float(data.get("read_bytes_per_s", 0.0))  # type: ignore[arg-type]
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"malformed execution plan ({type(e).__name__}: {e})") from e
     if any(n < 1 for _, n in threads):
         raise ValueError("an execution plan's thread counts must be >= 1")
-    return ExecutionPlan(str(data.get("mode", "throughput")), gemms, threads, source=source)
+    return ExecutionPlan(str(data.get("mode", "throughput")), gemms, threads, source, weight_bytes, read)
 
 
 def write_plan(path: Path, plan: ExecutionPlan, key: dict[str, object]) -> None:
@@ -149,7 +153,7 @@ def plan_for(model: nn.Module, device: torch.device, *, deterministic: bool, thr
     if path is not None:
         try:
             write_plan(path, plan, key)
-            plan = ExecutionPlan(plan.mode, plan.gemms, plan.threads, source=f"measured, saved to {path}")
+            plan = dataclasses.replace(plan, source=f"measured, saved to {path}")
         except OSError as e:
             logger.warning("cannot save the execution plan to %s: %s", path, e)
     return plan
@@ -163,6 +167,9 @@ def measure_plan(model: nn.Module, thread_options: tuple[int, ...]) -> Execution
     logger.info("measuring the execution plan: %d product sites, threads %s", len(instances), thread_options)
     try:
         plan = choose(instances, thread_options, timer, copy_affordable)
+        torch.set_num_threads(max(thread_options))
+        weight_bytes = sum(w.numel() * w.element_size() for w in {id(w): w for _, w in instances}.values())
+        plan = dataclasses.replace(plan, weight_bytes=weight_bytes, read_bytes_per_s=read_bytes_per_s(instances))
     finally:
         timer.release()
         torch.set_num_threads(before)
