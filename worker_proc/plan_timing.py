@@ -52,7 +52,6 @@ class ProductTimer:
     """Times methods over a model's product sites (see the module doc); a `Measure`."""
 
     def __init__(self, instances: list[Instance], cache_bytes: int, reps: int = 3) -> None:
-        self.instances = instances
         budget = 2 * cache_bytes if cache_bytes > 0 else DEFAULT_STREAM_BYTES
         self.streamed: list[Instance] = []
         streamed_bytes = 0

@@ -63,7 +63,7 @@ class Linear(nn.Linear, GemmOwner):
         return self.gemm.apply(x, self.weight, None)
 
 
-def expert_sites(stacked: torch.Tensor) -> GemmSite:
+def expert_site(stacked: torch.Tensor) -> GemmSite:
     """The site of one expert's slice of a stacked [E, out, in] weight (no packed copy: the slice
     changes with each expert)."""
     return GemmSite(stacked.shape[1], stacked.shape[2], stacked.dtype, packable=False)
@@ -247,8 +247,8 @@ class SparseMoE(nn.Module, GemmOwner):
         self.output_linear.weight = _empty(experts, hidden, inner, dtype=dtype, device=device)
         self.num_experts = experts
         self.top_k = top_k
-        self.gemm_in = expert_sites(self.input_linear.weight)
-        self.gemm_out = expert_sites(self.output_linear.weight)
+        self.gemm_in = expert_site(self.input_linear.weight)
+        self.gemm_out = expert_site(self.output_linear.weight)
 
     def gemm_sites(self) -> Iterator[tuple[GemmSite, torch.Tensor]]:
         yield self.gemm_in, self.input_linear.weight[0]

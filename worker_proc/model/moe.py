@@ -22,7 +22,7 @@ from torch import nn
 
 from worker_proc.model.config import HybridConfig
 from worker_proc.model.gemm import GemmOwner, GemmSite
-from worker_proc.model.layers import Linear, Relu2MLP, _empty, expert_groups, expert_sites
+from worker_proc.model.layers import Linear, Relu2MLP, _empty, expert_groups, expert_site
 from worker_proc.model.shard import ShardSpec, TPInfo, column_spec
 
 
@@ -60,8 +60,8 @@ class SigmoidMoE(nn.Module, GemmOwner):
             self.fc1_latent_proj = Linear(cfg.hidden_size, width, bias=False, dtype=dtype, device=device)
             self.fc2_latent_proj = Linear(width, cfg.hidden_size, bias=False, dtype=dtype, device=device)
         self.gate_gemm = GemmSite(e, cfg.hidden_size, torch.float32, packable=False)
-        self.up_gemm = expert_sites(self.experts.up_proj)
-        self.down_gemm = expert_sites(self.experts.down_proj)
+        self.up_gemm = expert_site(self.experts.up_proj)
+        self.down_gemm = expert_site(self.experts.down_proj)
 
     def gemm_sites(self) -> Iterator[tuple[GemmSite, torch.Tensor]]:
         yield self.gate_gemm, self.gate.weight

@@ -20,7 +20,7 @@ from torch import nn
 
 from worker_proc.model.config import HybridConfig
 from worker_proc.model.gemm import GemmOwner, GemmSite
-from worker_proc.model.layers import Linear, SplitGatedMLP, _empty, expert_groups, expert_sites, silu
+from worker_proc.model.layers import Linear, SplitGatedMLP, _empty, expert_groups, expert_site, silu
 from worker_proc.model.shard import ShardSpec, TPInfo, column_spec
 
 
@@ -49,8 +49,8 @@ class SharedGateMoE(nn.Module, GemmOwner):
             self.shared_expert = SplitGatedMLP(hidden, cfg.moe_shared_size // tp.size, False, dtype, device, tp)
             self.shared_expert_gate = Linear(hidden, 1, bias=False, dtype=dtype, device=device)
         self.gate_gemm = GemmSite(cfg.num_experts, hidden, dtype, packable=False)
-        self.gate_up_gemm = expert_sites(self.experts.gate_proj)
-        self.down_gemm = expert_sites(self.experts.down_proj)
+        self.gate_up_gemm = expert_site(self.experts.gate_proj)
+        self.down_gemm = expert_site(self.experts.down_proj)
 
     def gemm_sites(self) -> Iterator[tuple[GemmSite, torch.Tensor]]:
         yield self.gate_gemm, self.gate.weight
