@@ -75,12 +75,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--deterministic", action="store_true", help="the batch-invariant mode")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--device", default="cpu", help="torch device of the model: cpu (default), cuda, cuda:N")
+    ap.add_argument("--quantization", default="", choices=("", "int8", "int4", "fp8"),
+                    help="weights quantized at load, as the server's --quantization")
     args = ap.parse_args(argv)
     flush_denormals()  # as a worker process does, before its first parallel region
     torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batches.split(",")]
     runner = ModelRunner(args.model_path, device=args.device, dtype=args.dtype, kv_slots=max(batches) * SLOT_STRIDE,
-                         mamba_slots=max(batches), deterministic=args.deterministic)  # fmt: skip
+                         mamba_slots=max(batches), deterministic=args.deterministic,
+                         quantization=args.quantization)  # fmt: skip
     results: dict[int, list[tuple[float, float]]] = {b: [] for b in batches}
     step = 0
     for _ in range(args.runs):
@@ -88,7 +91,8 @@ def main(argv: list[str] | None = None) -> None:
             results[b].append(run_batch(runner, b, args.prompt_len, args.decode_steps, step))
             step += 10_000
     mode = "deterministic" if args.deterministic else "default"
-    print(f"{args.model_path} ({runner.dtype} on {runner.device}, {args.threads} threads, {mode} mode, "
+    quant = f", {args.quantization} weights" if args.quantization else ""
+    print(f"{args.model_path} ({runner.dtype}{quant} on {runner.device}, {args.threads} threads, {mode} mode, "
           f"{runner.ops.name} kernels); medians of {args.runs} runs")
     print(f"{'batch':>5} | {'prefill ' + str(args.prompt_len) + ' ms':>14} | {'decode ms/step':>14} | {'tok/s':>8}")
     for b in batches:

@@ -66,6 +66,8 @@ class ServerArgs:
     base_gpu_id: int = 0
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     kernels: Literal["auto", "reference", "fast", "triton"] = "auto"
+    quantization: Literal["", "int8", "int4", "fp8"] = ""  # weights quantized at load (worker_proc/quantization.py)
+    disable_lm_head_quantization: bool = False  # with --quantization, the LM head stays in the model dtype
     enable_deterministic_inference: bool = False
     cpu_threads: int = 0  # torch threads per worker rank on CPU; 0 = measured per step size within the share
     execution_plan: str = ""  # a plan file to run instead of measuring one (worker_proc/plan_cache.py)
@@ -153,6 +155,8 @@ class ServerArgs:
             raise ConfigError("--http-read-timeout and --http-keep-alive-timeout must be positive")
         if self.watchdog_timeout <= 0 or self.startup_timeout <= 0:
             raise ConfigError("--watchdog-timeout and --startup-timeout must be positive")
+        if self.quantization == "int4" and self.device == "cuda":
+            raise ConfigError("--quantization int4 runs on the CPU only (torch's CPU 4-bit kernel); use int8 or fp8")
         if self.log_level.lower() not in ("debug", "info", "warning", "error", "critical"):
             raise ConfigError(f"--log-level must be debug|info|warning|error|critical, got {self.log_level}")
 

@@ -27,9 +27,11 @@ import torch
 from torch import nn
 
 from worker_proc.model.gemm import (
+    ACCELERATOR,
     DENSE,
+    DEQUANT,
+    DETERMINISTIC,
     METHODS,
-    PADDED,
     THROUGHPUT_METHODS,
     GemmMethod,
     GemmOwner,
@@ -140,15 +142,22 @@ def product_sites(model: nn.Module) -> Iterator[tuple[GemmOwner, GemmSite, torch
                 yield module, site, weight
 
 
-def fixed_plan(model: nn.Module, method: GemmMethod, threads: int = 0, mode: str = "fixed") -> ExecutionPlan:
-    """Every product on `method`; every step on `threads` (0: torch's setting left alone)."""
+def fixed_plan(model: nn.Module, methods: dict[str, GemmMethod], threads: int = 0,
+               mode: str = "fixed") -> ExecutionPlan:
+    """Every product on the method `methods` names for its weight's storage; every step on `threads`
+    (0: torch's setting left alone)."""
     keys = {GemmKey.of(site) for _, site, _ in product_sites(model)}
-    return ExecutionPlan(mode, {k: GemmRule((), (method.name,)) for k in keys},
-                         ((1, threads),) if threads else (), source=f"{method.name} everywhere")
+    used = sorted({methods[k.storage].name for k in keys})
+    return ExecutionPlan(mode, {k: GemmRule((), (methods[k.storage].name,)) for k in keys},
+                         ((1, threads),) if threads else (), source=f"{', '.join(used)} everywhere")
+
+
+def accelerator_plan(model: nn.Module) -> ExecutionPlan:
+    return fixed_plan(model, ACCELERATOR)
 
 
 def deterministic_plan(model: nn.Module, threads: int) -> ExecutionPlan:
-    return fixed_plan(model, PADDED, threads, mode="batch_invariant")
+    return fixed_plan(model, DETERMINISTIC, threads, mode="batch_invariant")
 
 
 def instances_of(model: nn.Module) -> list[Instance]:
@@ -163,7 +172,7 @@ def choose(instances: list[Instance], thread_options: tuple[int, ...], measure: 
     for site, weight in instances:
         key = GemmKey.of(site)
         counts[key] = counts.get(key, 0) + 1
-        nbytes[key] = nbytes.get(key, 0) + weight.numel() * weight.element_size()
+        nbytes[key] = nbytes.get(key, 0) + site.weight_bytes(weight)
     picks: dict[GemmKey, list[dict[str, float]]] = {k: [] for k in counts}
     threads: list[int] = []
     for rows in ROW_BUCKETS:
@@ -175,11 +184,11 @@ def choose(instances: list[Instance], thread_options: tuple[int, ...], measure: 
         threads.append(chosen)
         for key in counts:
             picks[key].append(by_threads[chosen].get(key, {}))
-    dual = {k for k in counts if len({METHODS[_pick(t)].storage for t in picks[k]}) > 1}
+    dual = {k for k in counts if len({METHODS[_pick(t, k.storage)].storage for t in picks[k]}) > 1}
     keep_both = affordable(sum(nbytes[k] for k in dual))
     gemms = {}
     for key, timed in picks.items():
-        per_bucket = [_pick(t) for t in timed]
+        per_bucket = [_pick(t, key.storage) for t in timed]
         if key in dual and not keep_both:
             per_bucket = _one_storage(timed)
         gemms[key] = rule_from_buckets(per_bucket, dict(zip(ROW_BUCKETS, timed, strict=True)))
@@ -200,10 +209,11 @@ def _timed(measure: Measure, rows: int, threads: int) -> dict[GemmKey, dict[str,
     return out
 
 
-def _pick(timed: dict[str, float]) -> str:
-    """The fastest method, `dense` unless another beats it by more than MARGIN."""
+def _pick(timed: dict[str, float], storage: str = "dense") -> str:
+    """The fastest method, `dense` unless another beats it by more than MARGIN (nothing measured: the
+    storage's reference product)."""
     if not timed:
-        return DENSE.name
+        return DENSE.name if storage == "dense" else DEQUANT[storage].name
     best = min(timed, key=lambda m: timed[m])
     if DENSE.name in timed and timed[DENSE.name] <= timed[best] * (1 + MARGIN):
         return DENSE.name

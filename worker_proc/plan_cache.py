@@ -29,14 +29,13 @@ from shared.errors import ModelLoadError
 from worker_proc.execution_plan import (
     ExecutionPlan,
     GemmRule,
+    accelerator_plan,
     choose,
     deterministic_plan,
-    fixed_plan,
     instances_of,
 )
 from worker_proc.host_memory import copy_affordable, last_level_cache_bytes
-from worker_proc.model.gemm import DENSE
-from worker_proc.plan_timing import GemmKey, ProductTimer, read_bytes_per_s
+from worker_proc.plan_timing import GemmKey, ProductTimer, read_bytes_per_s, read_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +81,8 @@ def key_digest(key: dict[str, object]) -> str:
 
 
 def plan_to_json(plan: ExecutionPlan, key: dict[str, object] | None = None) -> dict[str, object]:
-    gemms = [{"out": k.out_features, "in": k.in_features, "dtype": k.dtype, "bounds": list(r.bounds),
+    gemms = [{"out": k.out_features, "in": k.in_features, "dtype": k.dtype, "storage": k.storage,
+              "bounds": list(r.bounds),
               "methods": list(r.methods), "timings_s": {str(b): t for b, t in r.timings.items()}}
              for k, r in sorted(plan.gemms.items(), key=lambda kv: kv[0].label())]
     return {"version": FORMAT_VERSION, "key": key or {}, "mode": plan.mode,
@@ -96,7 +96,7 @@ def plan_from_json(data: dict[str, object], source: str) -> ExecutionPlan:
         raise ValueError(f"not an execution plan of format version {FORMAT_VERSION}")
     try:
         gemms = {
-            GemmKey(int(g["out"]), int(g["in"]), str(g["dtype"])): GemmRule(
+            GemmKey(int(g["out"]), int(g["in"]), str(g["dtype"]), str(g.get("storage", "dense"))): GemmRule(
                 tuple(int(b) for b in g["bounds"]), tuple(str(m) for m in g["methods"]),
                 {int(b): dict(t) for b, t in g.get("timings_s", {}).items()})
             for g in data["gemms"]  # type: ignore[union-attr]
@@ -129,7 +129,7 @@ def plan_for(model: nn.Module, device: torch.device, *, deterministic: bool, thr
     """The rank's plan (see the module doc). `thread_options`: the thread counts a step may run on
     (empty: torch's setting is left alone and products are timed on it); `cache_dir` None: no cache."""
     if device.type != "cpu":
-        return fixed_plan(model, DENSE)
+        return accelerator_plan(model)
     if deterministic:
         return deterministic_plan(model, max(thread_options, default=0))
     if pinned:
@@ -168,7 +168,8 @@ def measure_plan(model: nn.Module, thread_options: tuple[int, ...]) -> Execution
     try:
         plan = choose(instances, thread_options, timer, copy_affordable)
         torch.set_num_threads(max(thread_options))
-        weight_bytes = sum(w.numel() * w.element_size() for w in {id(w): w for _, w in instances}.values())
+        weight_bytes = sum(t.numel() * t.element_size()
+                           for t in {id(t): t for s, w in instances for t in read_tensors(s, w)}.values())
         plan = dataclasses.replace(plan, weight_bytes=weight_bytes, read_bytes_per_s=read_bytes_per_s(instances))
     finally:
         timer.release()

@@ -29,18 +29,21 @@ WARM_BUDGET_S = 0.05
 
 @dataclass(frozen=True)
 class GemmKey:
-    """What a product's speed depends on besides its row count: the weight's shape and dtype."""
+    """What a product's speed depends on besides its row count: the weight's shape, the activations'
+    dtype and the format the weight is stored in (`dense` or a quantized one)."""
 
     out_features: int
     in_features: int
     dtype: str
+    storage: str = "dense"
 
     @classmethod
     def of(cls, site: GemmSite) -> GemmKey:
-        return cls(site.shape[0], site.shape[1], str(site.dtype).removeprefix("torch."))
+        return cls(site.shape[0], site.shape[1], str(site.dtype).removeprefix("torch."), site.storage_format)
 
     def label(self) -> str:
-        return f"{self.out_features}x{self.in_features} {self.dtype}"
+        base = f"{self.out_features}x{self.in_features} {self.dtype}"
+        return base if self.storage == "dense" else f"{base} {self.storage}"
 
 
 Instance = tuple[GemmSite, torch.Tensor]
@@ -59,7 +62,7 @@ class ProductTimer:
             if streamed_bytes >= budget:
                 break
             self.streamed.append((site, weight))
-            streamed_bytes += weight.numel() * weight.element_size()
+            streamed_bytes += site.weight_bytes(weight)
         self.first: dict[GemmKey, Instance] = {}
         for site, weight in instances:
             self.first.setdefault(GemmKey.of(site), (site, weight))
@@ -72,14 +75,14 @@ class ProductTimer:
             torch.set_num_threads(threads)
         streaming = rows <= STREAM_ROWS
         chosen = self.streamed if streaming else list(self.first.values())
-        chosen = [(s, w) for s, w in chosen if method.supports(w.dtype, w.device, s.packable)]
+        chosen = [(s, w) for s, w in chosen if method.supports(s, w.device)]
         if streaming:
             samples: dict[GemmKey, list[float]] = {}
             for rep in range(self.reps + 1):
                 spent: dict[GemmKey, list[float]] = {}
                 for site, weight in chosen:
                     key = GemmKey.of(site)
-                    spent.setdefault(key, []).append(self._once(method, key, rows, weight))
+                    spent.setdefault(key, []).append(self._once(method, key, rows, site, weight))
                 if rep:
                     for key, times in spent.items():
                         samples.setdefault(key, []).append(sum(times) / len(times))
@@ -87,25 +90,30 @@ class ProductTimer:
         out = {}
         for site, weight in chosen:
             key = GemmKey.of(site)
-            self._once(method, key, rows, weight)
-            times = [self._once(method, key, rows, weight)]
+            self._once(method, key, rows, site, weight)
+            times = [self._once(method, key, rows, site, weight)]
             while len(times) < self.reps and sum(times) < WARM_BUDGET_S:
-                times.append(self._once(method, key, rows, weight))
+                times.append(self._once(method, key, rows, site, weight))
             out[key] = min(times)
         return out
 
-    def _once(self, method: GemmMethod, key: GemmKey, rows: int, weight: torch.Tensor) -> float:
-        x = self._input(key, rows, weight)
-        packed = self._packed(weight) if method.storage == "packed" else None
+    def _once(self, method: GemmMethod, key: GemmKey, rows: int, site: GemmSite, weight: torch.Tensor) -> float:
+        x = self._input(key, rows, site)
+        q = site.quantized
+        stored: object = None
+        if q is not None:
+            stored = q[0] if q.experts else q
+        elif method.storage == "packed":
+            stored = self._packed(weight)
         t0 = time.perf_counter()
-        method.apply(x, weight, packed, None)
+        method.apply(x, weight, stored, None)
         return time.perf_counter() - t0
 
-    def _input(self, key: GemmKey, rows: int, weight: torch.Tensor) -> torch.Tensor:
+    def _input(self, key: GemmKey, rows: int, site: GemmSite) -> torch.Tensor:
         x = self.inputs.get((key, rows))
         if x is None:
             gen = torch.Generator().manual_seed(rows)
-            x = torch.randn(rows, key.in_features, generator=gen).to(weight.dtype)
+            x = torch.randn(rows, key.in_features, generator=gen).to(site.dtype)
             self.inputs[(key, rows)] = x
         return x
 
@@ -121,11 +129,18 @@ class ProductTimer:
         self.inputs.clear()
 
 
+def read_tensors(site: GemmSite, weight: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors a site's products read: its quantized weight's, else the dense weight."""
+    q = site.quantized
+    return [q.data, q.scale] if q is not None else [weight]
+
+
 def read_bytes_per_s(instances: list[Instance], reps: int = 3) -> float:
     """How fast this thread count reads the model's weights from memory: the fastest of `reps` passes
     summing each weight once, its bytes read as float32 whatever its dtype (a float32 sum runs at the
     memory's speed; what a one-row step can at best do)."""
-    words = [w.reshape(-1).view(torch.float32) for w in {id(w): w for _, w in instances}.values()
+    tensors = {id(t): t for site, w in instances for t in read_tensors(site, w)}
+    words = [w.reshape(-1).view(torch.float32) for w in tensors.values()
              if w.is_contiguous() and (w.numel() * w.element_size()) % 4 == 0 and w.device.type == "cpu"]
     nbytes = sum(w.numel() * 4 for w in words)
     best = float("inf")

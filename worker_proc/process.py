@@ -144,6 +144,8 @@ def run(args: ServerArgs, rank: int) -> None:
         kernels=args.kernels,
         thread_options=options,
         execution_plan=args.execution_plan,
+        quantization=args.quantization,
+        quantize_lm_head=not args.disable_lm_head_quantization,
         plan_cache_dir=plan_cache_dir(args),
     )
     ctx = zmq.Context()

@@ -32,6 +32,7 @@ from worker_proc.model.kv_mirror import KVSlotMirror
 from worker_proc.numerics import denormals_flushed, flush_subnormal_
 from worker_proc.plan_cache import plan_for
 from worker_proc.pools import StatePools, attention_free_kv_slots, cpu_wanted_budget, plan_capacities, pool_budget
+from worker_proc.quantization import QuantScheme, quantize_model
 from worker_proc.sampling import SampleRequest, greedy_params, sample, top_logprobs
 from worker_proc.threads import available_cores
 
@@ -63,6 +64,8 @@ class ModelRunner:
         thread_options: tuple[int, ...] = (),
         execution_plan: str = "",
         plan_cache_dir: Path | None = None,
+        quantization: str = "",
+        quantize_lm_head: bool = True,
     ) -> None:
         self.model_info = ModelInfo.from_dir(model_dir)
         self.device = torch.device(device)
@@ -75,6 +78,8 @@ class ModelRunner:
         flushed = flush_subnormal_(self.model)
         if flushed:
             logger.info("rank %d: %d subnormal weight elements set to zero", tp_rank, flushed)
+        if quantization:
+            quantize_model(self.model, QuantScheme(quantization, lm_head=quantize_lm_head))
         self.plan = plan_for(self.model, self.device, deterministic=deterministic, thread_options=thread_options,
                              cores=available_cores(), pinned=execution_plan, cache_dir=plan_cache_dir)
         self.plan.bind(self.model)

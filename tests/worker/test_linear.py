@@ -75,10 +75,14 @@ def test_padded_is_f_linear_over_the_padded_rows() -> None:
 
 def test_which_methods_apply_where() -> None:
     cpu, meta = torch.device("cpu"), torch.device("meta")
-    assert SPLIT.supports(torch.float32, cpu, True) and not SPLIT.supports(torch.bfloat16, cpu, True)
-    assert PACKED.supports(torch.bfloat16, cpu, True) and not PACKED.supports(torch.float32, cpu, False)
-    assert not PACKED.supports(torch.float16, cpu, True)
-    assert DENSE.supports(torch.float32, meta, True) and not PADDED.supports(torch.float32, meta, True)
+
+    def site(dtype: torch.dtype, packable: bool = True) -> GemmSite:
+        return GemmSite(8, 16, dtype, packable)
+
+    assert SPLIT.supports(site(torch.float32), cpu) and not SPLIT.supports(site(torch.bfloat16), cpu)
+    assert PACKED.supports(site(torch.bfloat16), cpu) and not PACKED.supports(site(torch.float32, False), cpu)
+    assert not PACKED.supports(site(torch.float16), cpu)
+    assert DENSE.supports(site(torch.float32), meta) and not PADDED.supports(site(torch.float32), meta)
     assert not packing_supported(torch.float32, meta)
 
 

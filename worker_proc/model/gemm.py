@@ -4,18 +4,30 @@ object each product of a module goes through.
 Which method a site runs at which row count is the execution plan's decision
 (worker_proc.execution_plan binds every site once, after the weights are loaded); a site only holds
 the storages its methods read and picks the method by the input's row count. Storages: `dense` (the
-module's own [out, in] tensor, passed in on each call) and `packed` (oneDNN's layout, held by the
-site). A site that was never bound runs `DENSE` (F.linear) at every row count.
+module's own [out, in] tensor, passed in on each call), `packed` (oneDNN's layout, held by the site)
+or, for a quantized site, its `QuantizedWeight` (worker_proc.model.quantized) and nothing else. A
+site that was never bound runs `DENSE` (F.linear) at every row count, a quantized one `dequant`.
 """
 
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
+from worker_proc.model.quantized import (
+    FORMATS,
+    QuantizedWeight,
+    fp8_bf16,
+    fp8_scaled,
+    w4a16,
+    w8a8,
+    w8a16,
+)
 
 MIN_GEMM_ROWS = 16
 """Row count below which CPU BLAS switches to kernels whose rounding depends on the row count;
@@ -59,64 +71,133 @@ def packed_product(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | N
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+Kernel = Callable[[torch.Tensor, torch.Tensor, object, "torch.Tensor | None"], torch.Tensor]
+"""(x, the dense weight, the site's stored copy (packed or quantized), bias) -> x @ weight.T + bias."""
+
+
+def padded_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear with fewer than MIN_GEMM_ROWS rows padded up to it (batch invariant)."""
+    rows = x.shape[0]
+    if rows >= MIN_GEMM_ROWS:
+        return F.linear(x, weight, bias)
+    padded = torch.cat([x, x.new_zeros(MIN_GEMM_ROWS - rows, x.shape[1])])
+    return F.linear(padded, weight, bias)[:rows]
+
+
+def _dense(x: torch.Tensor, weight: torch.Tensor, stored: object, bias: torch.Tensor | None) -> torch.Tensor:
+    return F.linear(x, weight, bias)
+
+
+def _split(x: torch.Tensor, weight: torch.Tensor, stored: object, bias: torch.Tensor | None) -> torch.Tensor:
+    out = split_gemm(x, weight, gemm_parts(weight.shape[0]))
+    return out if bias is None else out + bias
+
+
+def _packed(x: torch.Tensor, weight: torch.Tensor, stored: object, bias: torch.Tensor | None) -> torch.Tensor:
+    assert isinstance(stored, torch.Tensor), "a packed method on a site without a packed weight"
+    return packed_product(x, stored, bias)
+
+
+def _padded(x: torch.Tensor, weight: torch.Tensor, stored: object, bias: torch.Tensor | None) -> torch.Tensor:
+    return padded_product(x, weight, bias)
+
+
+def _quantized(fn: Callable[[torch.Tensor, QuantizedWeight, torch.Tensor | None], torch.Tensor]) -> Kernel:
+    def run(x: torch.Tensor, weight: torch.Tensor, stored: object, bias: torch.Tensor | None) -> torch.Tensor:
+        assert isinstance(stored, QuantizedWeight), "a quantized method on a site without a quantized weight"
+        return fn(x, stored, bias)
+    return run
+
+
+def _dequant_padded(x: torch.Tensor, weight: torch.Tensor, stored: object, bias: torch.Tensor | None) -> torch.Tensor:
+    assert isinstance(stored, QuantizedWeight)
+    return padded_product(x, stored.dequantize(x.dtype), bias)
+
+
 @dataclass(frozen=True)
 class GemmMethod:
-    """One way to compute x @ weight.T. `storage`: which copy of the weight it reads; `batch_invariant`:
-    each row's result does not depend on the row count."""
+    """One way to compute x @ weight.T. `storage`: which copy of the weight it reads (`dense`, `packed`,
+    or a quantized format); `batch_invariant`: each row's result does not depend on the row count;
+    `devices`: the device types it runs on; `per_row_scale`: it needs a quantized weight with one scale
+    per output row."""
 
     name: str
     storage: str
+    kernel: Kernel = field(compare=False, repr=False)
     batch_invariant: bool = False
+    devices: tuple[str, ...] = ("cpu",)
+    dtypes: tuple[torch.dtype, ...] = ()
+    per_row_scale: bool = False
 
-    def supports(self, dtype: torch.dtype, device: torch.device, packable: bool) -> bool:
-        if device.type != "cpu":
-            return self.name == "dense"
-        if self.name == "split":
-            return dtype == torch.float32
-        if self.name == "packed":
-            return packable and packing_supported(dtype, device)
-        return True
+    def supports(self, site: GemmSite, device: torch.device) -> bool:
+        if device.type not in self.devices or self.dtypes and site.dtype not in self.dtypes:
+            return False
+        if self.storage == "packed":
+            return site.quantized is None and site.packable and packing_supported(site.dtype, device)
+        if self.storage != site.storage_format:
+            return False
+        return not (self.per_row_scale and site.quantized is not None and site.quantized.group)
 
-    def apply(self, x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
+    def apply(self, x: torch.Tensor, weight: torch.Tensor, stored: object,
               bias: torch.Tensor | None) -> torch.Tensor:
-        if self.name == "dense":
-            return F.linear(x, weight, bias)
-        if self.name == "packed":
-            assert packed is not None, "a packed method on a site without a packed weight"
-            return packed_product(x, packed, bias)
-        if self.name == "split":
-            out = split_gemm(x, weight, gemm_parts(weight.shape[0]))
-            return out if bias is None else out + bias
-        rows = x.shape[0]  # padded
-        if rows >= MIN_GEMM_ROWS:
-            return F.linear(x, weight, bias)
-        padded = torch.cat([x, x.new_zeros(MIN_GEMM_ROWS - rows, x.shape[1])])
-        return F.linear(padded, weight, bias)[:rows]
+        return self.kernel(x, weight, stored, bias)
 
 
-DENSE = GemmMethod("dense", "dense")
-SPLIT = GemmMethod("split", "dense")
-PACKED = GemmMethod("packed", "packed")
-PADDED = GemmMethod("padded", "dense", batch_invariant=True)
-METHODS = {m.name: m for m in (DENSE, SPLIT, PACKED, PADDED)}
-THROUGHPUT_METHODS = (DENSE, SPLIT, PACKED)
-"""The candidates the plan measures outside the deterministic mode (PADDED is the deterministic one)."""
+ANY_DEVICE = ("cpu", "cuda", "mps", "xpu", "meta")
+DENSE = GemmMethod("dense", "dense", _dense, devices=ANY_DEVICE)
+SPLIT = GemmMethod("split", "dense", _split, dtypes=(torch.float32,))
+PACKED = GemmMethod("packed", "packed", _packed)
+PADDED = GemmMethod("padded", "dense", _padded, batch_invariant=True)
+W8A16 = GemmMethod("w8a16", "int8", _quantized(w8a16))
+W8A8 = GemmMethod("w8a8", "int8", _quantized(w8a8), batch_invariant=True, devices=("cpu", "cuda"))
+W4A16 = GemmMethod("w4a16", "int4", _quantized(w4a16), batch_invariant=True)
+FP8_BF16 = GemmMethod("fp8_bf16", "fp8", _quantized(fp8_bf16), per_row_scale=True)
+FP8_SCALED = GemmMethod("fp8_scaled", "fp8", _quantized(fp8_scaled), devices=("cuda",), per_row_scale=True)
+DEQUANT = {fmt: GemmMethod(f"dequant_{fmt}", fmt, _dequant_padded, batch_invariant=True, devices=ANY_DEVICE)
+           for fmt in FORMATS}
+"""Every format's reference product (the weight materialised, padded like PADDED): any device."""
+METHODS = {m.name: m for m in (DENSE, SPLIT, PACKED, PADDED, W8A16, W8A8, W4A16, FP8_BF16, FP8_SCALED,
+                               *DEQUANT.values())}
+THROUGHPUT_METHODS = (DENSE, SPLIT, PACKED, W8A16, W8A8, W4A16, FP8_BF16)
+"""The candidates the plan measures on the CPU outside the deterministic mode (each site is timed with
+those that `supports` it)."""
+DETERMINISTIC = {"dense": PADDED, "int8": W8A8, "int4": W4A16, "fp8": DEQUANT["fp8"]}
+"""The batch-invariant product of each storage, the deterministic mode's."""
+ACCELERATOR = {"dense": DENSE, "int8": W8A8, "int4": DEQUANT["int4"], "fp8": FP8_SCALED}
+"""Each storage's product off the CPU."""
 
 
 class GemmSite:
-    """The products over one weight of shape [out, in] (or one expert's slice of a stacked weight).
+    """The products over one weight of shape [out, in] (or over each expert of a stack [E, out, in]).
 
     `packable`: the weight is fixed (a module's own parameter), so a packed copy can be made; expert
-    slices are not. After `bind`, `methods[i]` serves inputs of at most `bounds[i]` rows and the last
-    method every larger input; `packed` holds oneDNN's copy when a bound method reads it."""
+    slices are not. `quantizable`: worker_proc.model.quantization may replace the weight by a
+    `QuantizedWeight` (`quantized`, held here; the owner drops its dense copy). After `bind`,
+    `methods[i]` serves inputs of at most `bounds[i]` rows and the last method every larger input;
+    `packed` holds oneDNN's copy when a bound method reads it."""
 
-    def __init__(self, out_features: int, in_features: int, dtype: torch.dtype, packable: bool) -> None:
+    def __init__(self, out_features: int, in_features: int, dtype: torch.dtype, packable: bool,
+                 quantizable: bool = True) -> None:
         self.shape = (out_features, in_features)
         self.dtype = dtype
         self.packable = packable
+        self.quantizable = quantizable
+        self.quantized: QuantizedWeight | None = None
         self.bounds: tuple[int, ...] = ()
         self.methods: tuple[GemmMethod, ...] = (DENSE,)
         self.packed: torch.Tensor | None = None
+
+    @property
+    def storage_format(self) -> str:
+        """`dense` or the quantized format the site's weight is held in."""
+        return self.quantized.fmt if self.quantized is not None else "dense"
+
+    def quantize(self, weight: QuantizedWeight) -> None:
+        if not self.quantizable:
+            raise ValueError("this product's weight stays in the model dtype")
+        self.quantized = weight
+        self.methods = (DEQUANT[weight.fmt],)
+        self.bounds = ()
 
     def bind(self, bounds: tuple[int, ...], methods: tuple[GemmMethod, ...],
              packed: torch.Tensor | None = None) -> None:
@@ -125,6 +206,10 @@ class GemmSite:
             raise ValueError(f"{len(methods)} methods for {len(bounds)} row bounds")
         if any(m.storage == "packed" for m in methods) and packed is None:
             raise ValueError("a packed method needs the packed weight")
+        wrong = [m.name for m in methods if m.storage not in (self.storage_format, "packed")
+                 or m.storage == "packed" and self.quantized is not None]
+        if wrong:
+            raise ValueError(f"{', '.join(wrong)} cannot read a {self.storage_format} weight")
         self.bounds, self.methods, self.packed = bounds, methods, packed
 
     @property
@@ -139,23 +224,50 @@ class GemmSite:
         methods = self.methods
         return methods[0] if len(methods) == 1 else methods[bisect_left(self.bounds, rows)]
 
+    def stored(self, expert: int | None = None) -> object:
+        if self.quantized is not None:
+            return self.quantized if expert is None else self.quantized[expert]
+        return self.packed
+
     def apply(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [..., in] @ weight.T (+ bias) by the method bound for x's row count."""
         if x.dim() != 2:
             flat = self.apply(x.reshape(-1, x.shape[-1]), weight, bias)
             return flat.view(*x.shape[:-1], flat.shape[-1])
-        return self.method_for(x.shape[0]).apply(x, weight, self.packed, bias)
+        return self.method_for(x.shape[0]).apply(x, weight, self.stored(), bias)
+
+    def apply_expert(self, x: torch.Tensor, stack: torch.Tensor, expert: int) -> torch.Tensor:
+        """x [T, in] @ stack[expert].T, the expert's quantized matrix when the stack is quantized."""
+        weight = stack if self.quantized is not None else stack[expert]
+        return self.method_for(x.shape[0]).apply(x, weight, self.stored(expert), None)
+
+    def weight_bytes(self, weight: torch.Tensor) -> int:
+        """Bytes one product reads (one expert's, for a stack)."""
+        q = self.quantized
+        if q is not None:
+            return q.nbytes // max(q.experts, 1)
+        return weight.numel() * weight.element_size()
 
     def check_integrity(self, weight: torch.Tensor) -> None:
         assert len(self.methods) == len(self.bounds) + 1 and list(self.bounds) == sorted(set(self.bounds))
         if "dense" in self.storages:
             assert tuple(weight.shape[-2:]) == self.shape, "a dense method without the dense weight"
         assert ("packed" in self.storages) == (self.packed is not None)
+        if self.quantized is not None:
+            assert self.storages == {self.quantized.fmt} and self.quantized.shape == self.shape
+            self.quantized.check_integrity()
 
 
 class GemmOwner:
-    """A module whose products run through `GemmSite`s; it names each site with the weight it
-    multiplies (2-D: an expert site gets its stack's first expert, of the same shape as every other)."""
+    """A module whose products run through `GemmSite`s; it names each site with the module and the
+    parameter name of the whole weight the site multiplies (the stack [E, out, in], for experts)."""
+
+    def gemm_weights(self) -> Iterator[tuple[GemmSite, nn.Module, str]]:
+        raise NotImplementedError
 
     def gemm_sites(self) -> Iterator[tuple[GemmSite, torch.Tensor]]:
-        raise NotImplementedError
+        """Each site with its dense weight (a stack's first expert, of every expert's shape; an empty
+        tensor once the site is quantized or reads only a packed copy)."""
+        for site, module, name in self.gemm_weights():
+            weight = getattr(module, name)
+            yield site, weight[0] if weight.dim() == 3 else weight

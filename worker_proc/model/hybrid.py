@@ -39,6 +39,7 @@ from worker_proc.model.gemm import GemmOwner, GemmSite
 from worker_proc.model.layers import GatedMLP, Linear, Relu2MLP, SparseMoE, SplitGatedMLP, _empty, make_norm
 from worker_proc.model.mamba import MambaMixer
 from worker_proc.model.moe import SigmoidMoE
+from worker_proc.model.quantized import QuantizedWeight
 from worker_proc.model.qwen_moe import SharedGateMoE
 from worker_proc.model.shard import ShardSpec, TPInfo
 from worker_proc.pools import StatePools
@@ -167,6 +168,16 @@ class HybridForCausalLM(nn.Module, GemmOwner):
             else Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, device=device)
         )
         self.head_gemm = GemmSite(cfg.vocab_size, cfg.hidden_size, dtype, packable=True)  # a tied LM head
+        self.embed_rows: QuantizedWeight | None = None
+        """The quantized rows the embedding lookups read once a tied head is quantized (the table's dense
+        copy is then gone; worker_proc.quantization)."""
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """The embedding rows of `ids` in the model dtype."""
+        q = self.embed_rows
+        if q is None:
+            return F.embedding(ids, self.model.embed_tokens.weight)
+        return (q.data[ids].float() * q.scale[ids][:, None]).to(self.dtype)
 
     def shard_spec(self, name: str) -> ShardSpec | None:
         """Which slice of checkpoint tensor `name` (parameter name) this rank holds; None = whole.
@@ -187,10 +198,10 @@ class HybridForCausalLM(nn.Module, GemmOwner):
         spec = self.shard_spec(name)
         return tensor if spec is None else spec.apply(tensor)
 
-    def gemm_sites(self) -> Iterator[tuple[GemmSite, torch.Tensor]]:
-        """A tied LM head's site over the embedding table (whose dense copy the lookups keep)."""
+    def gemm_weights(self) -> Iterator[tuple[GemmSite, nn.Module, str]]:
+        """A tied LM head's site over the embedding table."""
         if self.lm_head is None:
-            yield self.head_gemm, self.model.embed_tokens.weight
+            yield self.head_gemm, self.model.embed_tokens, "weight"
 
     @torch.inference_mode()
     def forward_step(
@@ -200,7 +211,7 @@ class HybridForCausalLM(nn.Module, GemmOwner):
         Returns float32 logits [len(batch.logit_rows), vocab] (already scaled); with
         `want_logits=False` (ranks that do not sample) the LM head is skipped: [0, vocab]."""
         cfg = self.cfg
-        h = F.embedding(batch.input_ids, self.model.embed_tokens.weight)
+        h = self.embed(batch.input_ids)
         if cfg.embedding_multiplier != 1.0:
             h = h * cfg.embedding_multiplier
         rope = None

@@ -45,15 +45,16 @@ def expert_groups(idx: torch.Tensor, num_experts: int) -> Iterator[tuple[int, to
 class Linear(nn.Linear, GemmOwner):
     """nn.Linear (same parameter names) whose products go through its `gemm` site: the execution plan
     binds the site's method per row count (worker_proc.execution_plan), and may replace `weight` by an
-    empty tensor when every bound method reads the site's packed copy instead."""
+    empty tensor when every bound method reads the site's packed copy instead (and the quantization
+    does when it quantizes the site)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, dtype: torch.dtype | None = None,
-                 device: torch.device | None = None) -> None:
+                 device: torch.device | None = None, quantizable: bool = True) -> None:
         super().__init__(in_features, out_features, bias=bias, dtype=dtype, device=device)
-        self.gemm = GemmSite(out_features, in_features, self.weight.dtype, packable=True)
+        self.gemm = GemmSite(out_features, in_features, self.weight.dtype, packable=True, quantizable=quantizable)
 
-    def gemm_sites(self) -> Iterator[tuple[GemmSite, torch.Tensor]]:
-        yield self.gemm, self.weight
+    def gemm_weights(self) -> Iterator[tuple[GemmSite, nn.Module, str]]:
+        yield self.gemm, self, "weight"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.gemm.apply(x, self.weight, self.bias)
@@ -222,7 +223,7 @@ class Relu2MLP(nn.Module):
 class Router(nn.Module):
     def __init__(self, hidden: int, experts: int, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
-        self.layer = Linear(hidden, experts, bias=False, dtype=dtype, device=device)
+        self.layer = Linear(hidden, experts, bias=False, dtype=dtype, device=device, quantizable=False)
 
 
 class SparseMoE(nn.Module, GemmOwner):
@@ -250,9 +251,9 @@ class SparseMoE(nn.Module, GemmOwner):
         self.gemm_in = expert_site(self.input_linear.weight)
         self.gemm_out = expert_site(self.output_linear.weight)
 
-    def gemm_sites(self) -> Iterator[tuple[GemmSite, torch.Tensor]]:
-        yield self.gemm_in, self.input_linear.weight[0]
-        yield self.gemm_out, self.output_linear.weight[0]
+    def gemm_weights(self) -> Iterator[tuple[GemmSite, nn.Module, str]]:
+        yield self.gemm_in, self.input_linear, "weight"
+        yield self.gemm_out, self.output_linear, "weight"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.router.layer(x).float()
@@ -262,8 +263,8 @@ class SparseMoE(nn.Module, GemmOwner):
         w_in = self.input_linear.weight
         w_out = self.output_linear.weight
         for expert, sel, tokens in expert_groups(top_idx, self.num_experts):
-            gate, up = self.gemm_in.apply(x[tokens], w_in[expert]).chunk(2, dim=-1)
-            h = self.gemm_out.apply(F.silu(gate) * up, w_out[expert])
+            gate, up = self.gemm_in.apply_expert(x[tokens], w_in, expert).chunk(2, dim=-1)
+            h = self.gemm_out.apply_expert(F.silu(gate) * up, w_out, expert)
             h = h * top_w.flatten()[sel][:, None]
             out.index_add_(0, tokens, h)
         return out

@@ -59,14 +59,14 @@ class SigmoidMoE(nn.Module, GemmOwner):
         if cfg.moe_latent_size:
             self.fc1_latent_proj = Linear(cfg.hidden_size, width, bias=False, dtype=dtype, device=device)
             self.fc2_latent_proj = Linear(width, cfg.hidden_size, bias=False, dtype=dtype, device=device)
-        self.gate_gemm = GemmSite(e, cfg.hidden_size, torch.float32, packable=False)
+        self.gate_gemm = GemmSite(e, cfg.hidden_size, torch.float32, packable=False, quantizable=False)
         self.up_gemm = expert_site(self.experts.up_proj)
         self.down_gemm = expert_site(self.experts.down_proj)
 
-    def gemm_sites(self) -> Iterator[tuple[GemmSite, torch.Tensor]]:
-        yield self.gate_gemm, self.gate.weight
-        yield self.up_gemm, self.experts.up_proj[0]
-        yield self.down_gemm, self.experts.down_proj[0]
+    def gemm_weights(self) -> Iterator[tuple[GemmSite, nn.Module, str]]:
+        yield self.gate_gemm, self.gate, "weight"
+        yield self.up_gemm, self.experts, "up_proj"
+        yield self.down_gemm, self.experts, "down_proj"
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(top-k expert ids [T, k], their weights [T, k] float32)."""
@@ -94,8 +94,8 @@ class SigmoidMoE(nn.Module, GemmOwner):
         latent = x if self.fc1_latent_proj is None else self.fc1_latent_proj(x)
         acc = torch.zeros(latent.shape, dtype=torch.float32, device=x.device)
         for expert, sel, tokens in expert_groups(idx, self.cfg.num_experts):
-            h = torch.relu(self.up_gemm.apply(latent[tokens], self.experts.up_proj[expert])).square()
-            h = self.down_gemm.apply(h, self.experts.down_proj[expert])
+            h = torch.relu(self.up_gemm.apply_expert(latent[tokens], self.experts.up_proj, expert)).square()
+            h = self.down_gemm.apply_expert(h, self.experts.down_proj, expert)
             acc.index_add_(0, tokens, h * weights.flatten()[sel][:, None])
         out = acc.to(x.dtype)
         if self.fc2_latent_proj is not None:

@@ -47,15 +47,17 @@ class SharedGateMoE(nn.Module, GemmOwner):
         self.shared_expert_gate: Linear | None = None
         if cfg.moe_shared_size:
             self.shared_expert = SplitGatedMLP(hidden, cfg.moe_shared_size // tp.size, False, dtype, device, tp)
-            self.shared_expert_gate = Linear(hidden, 1, bias=False, dtype=dtype, device=device)
-        self.gate_gemm = GemmSite(cfg.num_experts, hidden, dtype, packable=False)
-        self.gate_up_gemm = expert_site(self.experts.gate_proj)
+            self.shared_expert_gate = Linear(hidden, 1, bias=False, dtype=dtype, device=device, quantizable=False)
+        self.gate_gemm = GemmSite(cfg.num_experts, hidden, dtype, packable=False, quantizable=False)
+        self.gate_proj_gemm = expert_site(self.experts.gate_proj)
+        self.up_proj_gemm = expert_site(self.experts.up_proj)
         self.down_gemm = expert_site(self.experts.down_proj)
 
-    def gemm_sites(self) -> Iterator[tuple[GemmSite, torch.Tensor]]:
-        yield self.gate_gemm, self.gate.weight
-        yield self.gate_up_gemm, self.experts.gate_proj[0]
-        yield self.down_gemm, self.experts.down_proj[0]
+    def gemm_weights(self) -> Iterator[tuple[GemmSite, nn.Module, str]]:
+        yield self.gate_gemm, self.gate, "weight"
+        yield self.gate_proj_gemm, self.experts, "gate_proj"
+        yield self.up_proj_gemm, self.experts, "up_proj"
+        yield self.down_gemm, self.experts, "down_proj"
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(top-k expert ids [T, k], their weights [T, k] in x's dtype)."""
@@ -81,9 +83,10 @@ class SharedGateMoE(nn.Module, GemmOwner):
         e = self.experts
         for expert, sel, tokens in expert_groups(idx, self.cfg.num_experts):
             xs = x[tokens]
-            gemm = self.gate_up_gemm
-            h = silu(gemm.apply(xs, e.gate_proj[expert]), gemm.batch_invariant)
-            h = self.down_gemm.apply(h * gemm.apply(xs, e.up_proj[expert]), e.down_proj[expert])
+            gemm = self.gate_proj_gemm
+            h = silu(gemm.apply_expert(xs, e.gate_proj, expert), gemm.batch_invariant)
+            h = self.down_gemm.apply_expert(h * self.up_proj_gemm.apply_expert(xs, e.up_proj, expert), e.down_proj,
+                                            expert)
             out.index_add_(0, tokens, h * weights.flatten()[sel][:, None])
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             gate = torch.sigmoid(self._shared_gate_logit(x).double()).to(x.dtype)

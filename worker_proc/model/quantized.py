@@ -1,0 +1,189 @@
+"""Quantized weight storages (`QuantizedWeight`) and the products that read them.
+
+A quantized site holds one `QuantizedWeight` in place of its dense weight (worker_proc.model.quantization
+decides which sites are quantized; the execution plan which of a format's products runs at which row
+count). Formats, for a weight w [out, in] (or a stack [E, out, in] of expert weights, every field
+with the leading E):
+- `int8`: `data` int8 [out, in], `scale` float32 [out]: w = data * scale, symmetric per output row
+  (scale = max |w_row| / 127).
+- `int4`: `data` torch's CPU 4-bit layout of q in [0, 15] (`torch._convert_weight_to_int4pack_for_cpu`,
+  [out, in / 2] uint8), `scale` bfloat16 [in / group, out, 2] holding (s, z) per group of `group`
+  consecutive inputs of a row: w = (q - 8) * s + z, i.e. q spans [min, max] of the group.
+- `fp8`: e4m3 values with a float32 scale per output row ([out]) or per `group` x `group` block
+  ([out / group, in / group]): w = value * scale. On the CPU the values are held as bfloat16 (every
+  e4m3 value is exact in bfloat16, and the CPU has no fast e4m3 product); on CUDA as float8_e4m3fn.
+
+Products: x [M, in] -> [M, out] in x's dtype. `w8a16` runs torch's int8-weight kernel on bfloat16
+activations; `w8a8` quantizes each row of x to int8 (symmetric, per row) and multiplies in int32,
+exactly, so its rows never depend on the row count; `w4a16` runs torch's CPU 4-bit kernel on bfloat16
+activations; `fp8_bf16` is a bfloat16 product over the held values, scaled per output row after it;
+`fp8_scaled` quantizes rows of x to e4m3 and runs `torch._scaled_mm`; `dequant` (any format, any
+device) materialises the weight in x's dtype first: the reference every other product is tested
+against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+FORMATS = ("int8", "int4", "fp8")
+INT8_MAX = 127.0
+FP8_MAX = 448.0
+INT4_GROUPS = (32, 64, 128)
+"""The group sizes a 4-bit weight may use, the smallest dividing its input width first."""
+INT4_OUT_MULTIPLE = 16
+"""torch's CPU 4-bit layout needs the output width to be a multiple of this."""
+
+
+@dataclass(frozen=True, eq=False)
+class QuantizedWeight:
+    """One quantized weight or expert stack (see the module doc for each format's fields)."""
+
+    fmt: str
+    data: torch.Tensor
+    scale: torch.Tensor
+    shape: tuple[int, int]  # (out, in) of one matrix
+    group: int = 0  # int4: inputs per group; fp8: block side (0: one scale per row)
+
+    @property
+    def experts(self) -> int:
+        """Matrices in the stack (0: a single matrix)."""
+        return self.data.shape[0] if self.data.dim() == 3 else 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size() + self.scale.numel() * self.scale.element_size()
+
+    def __getitem__(self, expert: int) -> QuantizedWeight:
+        """One matrix of a stack (views; nothing is copied)."""
+        if not self.experts:
+            raise IndexError("a single quantized matrix has no experts")
+        return QuantizedWeight(self.fmt, self.data[expert], self.scale[expert], self.shape, self.group)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight [out, in] (one matrix) in `dtype`, computed in float32."""
+        if self.experts:
+            raise ValueError("dequantize one expert of a stack at a time")
+        out, inp = self.shape
+        if self.fmt == "int8":
+            return (self.data.float() * self.scale[:, None]).to(dtype)
+        if self.fmt == "int4":  # the product with the identity reads the opaque layout back
+            eye = torch.eye(inp, dtype=torch.bfloat16, device=self.data.device)
+            wt = torch._weight_int4pack_mm_for_cpu(eye, self.data, self.group, self.scale)
+            return wt.t().to(dtype).contiguous()
+        values = self.data.float()
+        if self.group:
+            b = self.group
+            scale = self.scale.repeat_interleave(b, 0).repeat_interleave(b, 1)[:out, :inp]
+            return (values * scale).to(dtype)
+        return (values * self.scale[:, None]).to(dtype)
+
+    def check_integrity(self) -> None:
+        lead = self.data.shape[:-2] if self.fmt != "int4" or self.data.dim() == 3 else ()
+        out, inp = self.shape
+        if self.fmt == "int8":
+            assert self.data.dtype == torch.int8 and tuple(self.data.shape[-2:]) == (out, inp)
+            assert tuple(self.scale.shape) == (*lead, out) and self.scale.dtype == torch.float32
+        elif self.fmt == "int4":
+            assert self.group in INT4_GROUPS and inp % self.group == 0 and out % INT4_OUT_MULTIPLE == 0
+            assert tuple(self.scale.shape[-3:]) == (inp // self.group, out, 2)
+        else:
+            assert self.fmt == "fp8" and tuple(self.data.shape[-2:]) == (out, inp)
+            assert bool(torch.isfinite(self.scale).all()) and bool((self.scale >= 0).all())
+
+
+def int4_group(in_features: int, out_features: int) -> int:
+    """The group size a weight of this shape gets in `int4` (0: the layout cannot hold it)."""
+    if out_features % INT4_OUT_MULTIPLE:
+        return 0
+    return next((g for g in INT4_GROUPS if in_features % g == 0), 0)
+
+
+def quantize_int8(w: torch.Tensor) -> QuantizedWeight:
+    """Symmetric per-row int8 of w [..., out, in]."""
+    wf = w.float()
+    scale = wf.abs().amax(-1) / INT8_MAX
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    data = torch.round(wf / safe[..., None]).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return QuantizedWeight("int8", data, scale.contiguous(), (w.shape[-2], w.shape[-1]))
+
+
+def _int4_matrix(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    out, inp = w.shape
+    wg = w.float().view(out, inp // group, group)
+    lo, hi = wg.amin(-1), wg.amax(-1)
+    s = (hi - lo) / 15.0
+    safe = torch.where(s > 0, s, torch.ones_like(s))
+    q = torch.round((wg - lo[..., None]) / safe[..., None]).clamp_(0, 15).to(torch.int32).view(out, inp)
+    data = torch._convert_weight_to_int4pack_for_cpu(q, 2)
+    scale = torch.stack((s, lo + 8.0 * s), -1).transpose(0, 1).contiguous().to(torch.bfloat16)
+    return data, scale
+
+
+def quantize_int4(w: torch.Tensor, group: int) -> QuantizedWeight:
+    """Asymmetric group-wise 4-bit of w [..., out, in] in torch's CPU layout."""
+    if w.dim() == 3:
+        parts = [_int4_matrix(m, group) for m in w]
+        data, scale = torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts])
+    else:
+        data, scale = _int4_matrix(w, group)
+    return QuantizedWeight("int4", data, scale, (w.shape[-2], w.shape[-1]), group)
+
+
+def fp8_values(values: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """e4m3 values as a product on `device` reads them (see the module doc)."""
+    e4m3 = values.to(torch.float8_e4m3fn)
+    return e4m3 if device.type == "cuda" else e4m3.to(torch.bfloat16)
+
+
+def quantize_fp8(w: torch.Tensor) -> QuantizedWeight:
+    """e4m3 with one float32 scale per output row, of w [..., out, in]."""
+    wf = w.float()
+    scale = wf.abs().amax(-1) / FP8_MAX
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return QuantizedWeight("fp8", fp8_values(wf / safe[..., None], w.device), scale.contiguous(),
+                           (w.shape[-2], w.shape[-1]))
+
+
+def _bias(out: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return out if bias is None else out + bias
+
+
+def w8a16(x: torch.Tensor, q: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    out = torch._weight_int8pack_mm(x.to(torch.bfloat16), q.data, q.scale.to(torch.bfloat16))
+    return _bias(out.to(x.dtype), bias)
+
+
+def w8a8(x: torch.Tensor, q: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    xf = x.float()
+    xs = xf.abs().amax(-1, keepdim=True) / INT8_MAX
+    xs = torch.where(xs > 0, xs, torch.ones_like(xs))
+    xq = torch.round(xf / xs).to(torch.int8)
+    acc = torch._int_mm(xq, q.data.t())
+    return _bias((acc.float() * (xs * q.scale)).to(x.dtype), bias)
+
+
+def w4a16(x: torch.Tensor, q: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    out = torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), q.data, q.group, q.scale)
+    return _bias(out.to(x.dtype), bias)
+
+
+def fp8_bf16(x: torch.Tensor, q: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    out = F.linear(x.to(torch.bfloat16), q.data).float() * q.scale
+    return _bias(out.to(x.dtype), bias)
+
+
+def fp8_scaled(x: torch.Tensor, q: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    xf = x.float()
+    xs = xf.abs().amax(-1, keepdim=True) / FP8_MAX
+    xs = torch.where(xs > 0, xs, torch.ones_like(xs))
+    xq = (xf / xs).to(torch.float8_e4m3fn)
+    out = torch._scaled_mm(xq, q.data.t(), scale_a=xs, scale_b=q.scale[None, :].float(), out_dtype=torch.float32)
+    return _bias(out.to(x.dtype), bias)
+
+
+def dequant(x: torch.Tensor, q: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    return F.linear(x, q.dequantize(x.dtype), bias)
