@@ -112,7 +112,7 @@ def test_a_quantized_model_holds_only_quantized_products(fmt: str) -> None:
     dense = {id(s): w.detach().clone() for _, s, w in product_sites(model)}
     report = quantize_model(model, QuantScheme(fmt))
     assert sum(report.sites.values()) == len(dense) and report.quantized_bytes < report.dense_bytes / 1.9
-    for owner, site, weight in product_sites(model):
+    for _, site, weight in product_sites(model):
         assert site.quantized is not None and weight.numel() == 0
         site.check_integrity(weight)
         err = (site.quantized.dequantize() - dense[id(site)]).abs().max() / dense[id(site)].abs().max()

@@ -128,9 +128,13 @@ class GemmMethod:
     devices: tuple[str, ...] = ("cpu",)
     dtypes: tuple[torch.dtype, ...] = ()
     per_row_scale: bool = False
+    in_multiple: int = 1
+    """The input width must be a multiple of this (torch's int8-weight CPU kernel reads 16 at a time)."""
 
     def supports(self, site: GemmSite, device: torch.device) -> bool:
         if device.type not in self.devices or self.dtypes and site.dtype not in self.dtypes:
+            return False
+        if site.shape[1] % self.in_multiple:
             return False
         if self.storage == "packed":
             return site.quantized is None and site.packable and packing_supported(site.dtype, device)
@@ -148,7 +152,7 @@ DENSE = GemmMethod("dense", "dense", _dense, devices=ANY_DEVICE)
 SPLIT = GemmMethod("split", "dense", _split, dtypes=(torch.float32,))
 PACKED = GemmMethod("packed", "packed", _packed)
 PADDED = GemmMethod("padded", "dense", _padded, batch_invariant=True)
-W8A16 = GemmMethod("w8a16", "int8", _quantized(w8a16))
+W8A16 = GemmMethod("w8a16", "int8", _quantized(w8a16), in_multiple=16)
 W8A8 = GemmMethod("w8a8", "int8", _quantized(w8a8), batch_invariant=True, devices=("cpu", "cuda"))
 W4A16 = GemmMethod("w4a16", "int4", _quantized(w4a16), batch_invariant=True)
 FP8_BF16 = GemmMethod("fp8_bf16", "fp8", _quantized(fp8_bf16), per_row_scale=True)
