@@ -72,18 +72,18 @@ def is_float32(pool: StatePool) -> bool:
 
 def quantize(state: Tensor) -> tuple[Tensor, Tensor]:
     """float32 states [..., H, a, b] -> (int8 values of the same shape, float32 scales [..., H]).
-    Symmetric per head: scale = amax / 127; an all-zero head has scale 0 and values 0."""
+    Symmetric per head: scale = amax / 127; an all-zero head has scale 0 and values 0. No clamp is
+    needed: |x| <= amax, so |x * fl(127 / amax)| < 127.5 and rounds to at most 127."""
     state = state.float()
     amax = state.abs().amax(dim=(-2, -1))
-    scale = amax / QMAX
-    inv = torch.where(scale > 0, QMAX / amax.clamp(min=torch.finfo(torch.float32).tiny), torch.zeros_like(scale))
-    values = torch.round(state * inv[..., None, None]).clamp_(-QMAX, QMAX).to(torch.int8)
-    return values, scale
+    inv = torch.where(amax > 0, QMAX / amax, torch.zeros_like(amax))
+    values = state.mul(inv[..., None, None]).round_().to(torch.int8)
+    return values, amax / QMAX
 
 
-def dequantize(values: Tensor, scale: Tensor) -> Tensor:
-    """int8 values [..., H, a, b] and scales [..., H] -> float32 states."""
-    return values.float() * scale[..., None, None]
+def dequantize(values: Tensor, scale: Tensor, out: Tensor | None = None) -> Tensor:
+    """int8 values [..., H, a, b] and scales [..., H] -> float32 states (into `out` when given)."""
+    return torch.mul(values, scale[..., None, None], out=out) if out is not None else values * scale[..., None, None]
 
 
 def load(pool: StatePool, slots: Tensor | int) -> Tensor:
@@ -124,10 +124,14 @@ def run_on_float32(pool: StatePool, slots: Tensor, kernel: Callable[[Tensor, Ten
     `scratch` [B + 1, H, a, b] float32 holds the states of `slots` at rows 1..B (row 0 zero, the
     padding row), `local_slots` is 1..B; afterwards rows 1..B are stored back into `slots` of `pool`
     (slot 0 entries dropped). Returns the kernel's result."""
-    rows = load(pool, slots)
-    scratch = torch.zeros((rows.shape[0] + 1, *rows.shape[1:]), dtype=torch.float32, device=rows.device)
-    scratch[1:] = rows
-    local = torch.arange(1, rows.shape[0] + 1, dtype=slots.dtype, device=slots.device)
+    values = pool.values if isinstance(pool, QuantizedPool) else pool
+    scratch = torch.empty((slots.shape[0] + 1, *values.shape[1:]), dtype=torch.float32, device=values.device)
+    scratch[0].zero_()
+    if isinstance(pool, QuantizedPool):
+        dequantize(pool.values.index_select(0, slots), pool.scale.index_select(0, slots), out=scratch[1:])
+    else:
+        scratch[1:].copy_(pool.index_select(0, slots))
+    local = torch.arange(1, slots.shape[0] + 1, dtype=slots.dtype, device=slots.device)
     out = kernel(scratch, local)
     store(scratch[1:], pool, slots)
     return out
