@@ -195,3 +195,7 @@ def test_kernels_update_the_decoded_state_in_float32_and_encode_it_once(ops_name
     kept = torch.tensor([s for s in range(5) if s not in written])
     assert torch.equal(codec.load(pool, kept), codec.load(before, kept)) and slot0_zero(pool)
     assert not same(pool, before)
+
+
+def test_every_flag_value_has_a_storage() -> None:
+    assert set(codec.STORAGE) == set(codec.STATE_DTYPES) == {"float32", "bfloat16", "int8"}

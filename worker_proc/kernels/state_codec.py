@@ -22,12 +22,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import TypeVar, get_args
 
 import torch
 from torch import Tensor
 
-STATE_DTYPES = ("float32", "bfloat16", "int8")
+from shared.config import StateDtype
+
+STATE_DTYPES: tuple[str, ...] = get_args(StateDtype)
 """The `--mamba-ssm-dtype` values (shared.config.ServerArgs.mamba_ssm_dtype)."""
 STORAGE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8}
 """The element type a state pool holds for each state dtype."""
@@ -44,14 +46,6 @@ class QuantizedPool:
 
     values: Tensor
     scale: Tensor
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.values.shape
-
-    @property
-    def device(self) -> torch.device:
-        return self.values.device
 
 
 StatePool = Tensor | QuantizedPool
