@@ -1,7 +1,7 @@
 """Worker step time in process: `ModelRunner.step` for a prefill and for decode at several batch sizes.
 
     python benchmarks/bench_step.py --model-path DIR [--threads 2] [--batches 1,8,32] [--prompt-len 128]
-        [--dtype float32] [--deterministic] [--runs 3] [--device cpu|cuda]
+        [--dtype float32] [--mamba-ssm-dtype float32] [--deterministic] [--runs 3] [--device cpu|cuda]
 
 No server, no sockets: the figures are the model's own cost per step (what `/get_server_info`
 reports as `scheduler.loop.worker_ms_mean` on a live server). Each batch size prefills its requests
@@ -72,6 +72,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--decode-steps", type=int, default=8)
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--mamba-ssm-dtype", default="float32", help="recurrent-state storage: float32, bfloat16, int8")
     ap.add_argument("--deterministic", action="store_true", help="the batch-invariant mode")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--device", default="cpu", help="torch device of the model: cpu (default), cuda, cuda:N")
@@ -83,7 +84,7 @@ def main(argv: list[str] | None = None) -> None:
     batches = [int(b) for b in args.batches.split(",")]
     runner = ModelRunner(args.model_path, device=args.device, dtype=args.dtype, kv_slots=max(batches) * SLOT_STRIDE,
                          mamba_slots=max(batches), deterministic=args.deterministic,
-                         quantization=args.quantization)  # fmt: skip
+                         quantization=args.quantization, state_dtype=args.mamba_ssm_dtype)  # fmt: skip
     results: dict[int, list[tuple[float, float]]] = {b: [] for b in batches}
     step = 0
     for _ in range(args.runs):
@@ -92,8 +93,8 @@ def main(argv: list[str] | None = None) -> None:
             step += 10_000
     mode = "deterministic" if args.deterministic else "default"
     quant = f", {args.quantization} weights" if args.quantization else ""
-    print(f"{args.model_path} ({runner.dtype}{quant} on {runner.device}, {args.threads} threads, {mode} mode, "
-          f"{runner.ops.name} kernels); medians of {args.runs} runs")
+    print(f"{args.model_path} ({runner.dtype}{quant} on {runner.device}, {args.mamba_ssm_dtype} state, "
+          f"{args.threads} threads, {mode} mode, {runner.ops.name} kernels); medians of {args.runs} runs")
     print(f"{'batch':>5} | {'prefill ' + str(args.prompt_len) + ' ms':>14} | {'decode ms/step':>14} | {'tok/s':>8}")
     for b in batches:
         prefill = statistics.median(r[0] for r in results[b]) * 1000

@@ -10,9 +10,12 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, get_args
 
 import msgspec
+
+StateDtype = Literal["float32", "bfloat16", "int8"]
+"""`--mamba-ssm-dtype`: the storage of the Mamba SSM and Gated DeltaNet recurrent states (computed in float32)."""
 
 BUILTIN_MODEL = "builtin"
 """`--model-path` value that selects the tiny checkpoint shipped inside `worker_proc`."""
@@ -65,6 +68,7 @@ class ServerArgs:
     device: Literal["auto", "cpu", "cuda"] = "auto"
     base_gpu_id: int = 0
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    mamba_ssm_dtype: StateDtype = "float32"  # how recurrent states are stored (worker_proc/kernels/state_codec.py)
     kernels: Literal["auto", "reference", "fast", "triton"] = "auto"
     quantization: Literal["", "int8", "int4", "fp8"] = ""  # weights quantized at load (worker_proc/quantization.py)
     disable_lm_head_quantization: bool = False  # with --quantization, the LM head stays in the model dtype
@@ -157,6 +161,10 @@ class ServerArgs:
             raise ConfigError("--watchdog-timeout and --startup-timeout must be positive")
         if self.quantization == "int4" and self.device == "cuda":
             raise ConfigError("--quantization int4 runs on the CPU only (torch's CPU 4-bit kernel); use int8 or fp8")
+        if self.mamba_ssm_dtype not in get_args(StateDtype):
+            raise ConfigError(
+                f"--mamba-ssm-dtype must be {'|'.join(get_args(StateDtype))}, got {self.mamba_ssm_dtype!r}"
+            )
         if self.log_level.lower() not in ("debug", "info", "warning", "error", "critical"):
             raise ConfigError(f"--log-level must be debug|info|warning|error|critical, got {self.log_level}")
 

@@ -10,14 +10,21 @@ kv_heads / tp or 1 replicated KV head, heads / tp, conv channels of the rank's h
 and one tensor [layers of the kind, S_state, *shape] per `StateTensor` a recurrent layer kind
 declares (`state_tensors`):
   conv      : Mamba   [conv_dim, d_conv - 1]              model dtype
-  ssm       : Mamba   [heads, head_dim, d_state]          float32 (always)
+  ssm       : Mamba   [heads, head_dim, d_state]          the state dtype
+  ssm_scale : Mamba   [heads]                             float32, int8 state only
   gdn_conv  : GDN     [2 * k_heads * k_dim + v_heads * v_dim, d_conv - 1]   model dtype
-  gdn_state : GDN     [v_heads, k_dim, v_dim]             float32 (always)
-One state slot (a request's, a checkpoint's, a cached prefix's) is the same slot number in every
-one of them: `copy_state` / `clear_state` move every layer's state of every kind at once, and a
-slot costs the sum of all of them (`slot_bytes`). Capacities are planned per rank from the rank's
-own slot sizes; the scheduler uses the minimum. A model without attention layers allocates no KV
-memory (attention_layers = 0) and a model without recurrent layers no state memory; see
+  gdn_state : GDN     [v_heads, k_dim, v_dim]             the state dtype
+  gdn_state_scale : GDN [v_heads]                         float32, int8 state only
+The state dtype (`--mamba-ssm-dtype`: float32, bfloat16 or int8; worker_proc.kernels.state_codec owns
+the encodings) decides how the recurrent states are stored, never how they are computed; an int8
+state keeps one scale per (slot, layer, head) in its `*_scale` tensor, and `state_pool` hands the
+kernels the values and scales of a layer together. One state slot (a request's, a checkpoint's, a
+cached prefix's) is the same slot number in every one of them: `copy_state` / `clear_state` move
+every tensor of the slot (values and scales alike) of every layer of every kind at once, and a slot
+costs the sum of all of them (`slot_bytes`, scales included), so a narrower state dtype gives more
+slots in the same budget. Capacities are planned per rank from the rank's own slot sizes; the
+scheduler uses the minimum. A model without attention layers allocates no KV memory
+(attention_layers = 0) and a model without recurrent layers no state memory; see
 `attention_free_kv_slots` for the token slots the former reports.
 """
 
@@ -31,6 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from worker_proc.host_memory import zeros
+from worker_proc.kernels.state_codec import QuantizedPool, StatePool, storage_dtype
 from worker_proc.model.config import HybridConfig
 from worker_proc.model.tp import AttnShard, GdnShard, MambaShard
 
@@ -69,32 +77,49 @@ class StateTensor:
         return self.layers * math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
 
 
-def mamba_state_tensors(cfg: HybridConfig, dtype: torch.dtype, tp_size: int, tp_rank: int) -> list[StateTensor]:
-    """Mamba2: the conv window (model dtype) and the SSM state (float32). Always declared (a model
-    without Mamba layers has zero of them), as `pools.conv` / `pools.ssm` are always there."""
+SCALE_SUFFIX = "_scale"
+"""An int8 state tensor NAME keeps its per-head scales in the state tensor NAME + SCALE_SUFFIX."""
+
+
+def _recurrent(name: str, layers: int, shape: tuple[int, ...], state_dtype: str) -> list[StateTensor]:
+    """A recurrent state [heads, a, b] stored as `state_dtype`, and its per-head scales when int8."""
+    storage = storage_dtype(state_dtype)
+    out = [StateTensor(name, layers, shape, storage)]
+    if storage == torch.int8:
+        out.append(StateTensor(name + SCALE_SUFFIX, layers, shape[:1], torch.float32))
+    return out
+
+
+def mamba_state_tensors(cfg: HybridConfig, dtype: torch.dtype, tp_size: int, tp_rank: int,
+                        state_dtype: str = "float32") -> list[StateTensor]:  # fmt: skip
+    """Mamba2: the conv window (model dtype) and the SSM state (`state_dtype`, with `ssm_scale` when
+    int8). Always declared (a model without Mamba layers has zero of them), as `pools.conv` /
+    `pools.ssm` are always there."""
     n, m = len(cfg.mamba_layer_ids), MambaShard.of(cfg, tp_rank, tp_size)
     return [StateTensor("conv", n, (m.conv_dim, max(cfg.mamba_d_conv - 1, 0)), dtype),
-            StateTensor("ssm", n, (m.heads, cfg.mamba_d_head, cfg.mamba_d_state), torch.float32)]
+            *_recurrent("ssm", n, (m.heads, cfg.mamba_d_head, cfg.mamba_d_state), state_dtype)]
 
 
-def gdn_state_tensors(cfg: HybridConfig, dtype: torch.dtype, tp_size: int, tp_rank: int) -> list[StateTensor]:
+def gdn_state_tensors(cfg: HybridConfig, dtype: torch.dtype, tp_size: int, tp_rank: int,
+                      state_dtype: str = "float32") -> list[StateTensor]:  # fmt: skip
     """Gated DeltaNet: the conv window over q | k | v (model dtype) and the [Hv, Dk, Dv] recurrent
-    state (float32); declared only when the model has such layers."""
+    state (`state_dtype`, with `gdn_state_scale` when int8); declared only when the model has such layers."""
     n = len(cfg.gdn_layer_ids)
     if not n:
         return []
     g = GdnShard.of(cfg, tp_rank, tp_size)
     return [StateTensor("gdn_conv", n, (g.conv_dim, cfg.gdn_d_conv - 1), dtype),
-            StateTensor("gdn_state", n, (g.v_heads, cfg.gdn_k_dim, cfg.gdn_v_dim), torch.float32)]
+            *_recurrent("gdn_state", n, (g.v_heads, cfg.gdn_k_dim, cfg.gdn_v_dim), state_dtype)]
 
 
 STATE_KINDS = (mamba_state_tensors, gdn_state_tensors)
 """Every recurrent layer kind's declaration of its state tensors."""
 
 
-def state_tensors(cfg: HybridConfig, dtype: torch.dtype, tp_size: int = 1, tp_rank: int = 0) -> list[StateTensor]:
+def state_tensors(cfg: HybridConfig, dtype: torch.dtype, tp_size: int = 1, tp_rank: int = 0,
+                  state_dtype: str = "float32") -> list[StateTensor]:  # fmt: skip
     """The tensors one state slot holds on this rank, every recurrent layer kind's."""
-    return [t for kind in STATE_KINDS for t in kind(cfg, dtype, tp_size, tp_rank)]
+    return [t for kind in STATE_KINDS for t in kind(cfg, dtype, tp_size, tp_rank, state_dtype)]
 
 
 @dataclass(frozen=True)
@@ -105,11 +130,14 @@ class SlotBytes:
     mamba_state: int  # one state slot: every recurrent layer's state tensors (Mamba and Gated DeltaNet)
 
 
-def slot_bytes(cfg: HybridConfig, dtype: torch.dtype, tp_size: int = 1, tp_rank: int = 0) -> SlotBytes:
+def slot_bytes(cfg: HybridConfig, dtype: torch.dtype, tp_size: int = 1, tp_rank: int = 0,
+               state_dtype: str = "float32") -> SlotBytes:  # fmt: skip
+    """What `StatePools` allocates per slot on this rank: KV in the model dtype, every state tensor
+    (recurrent states in `state_dtype`, their scales) of one state slot."""
     elt = torch.empty((), dtype=dtype).element_size()
     attn = AttnShard.of(cfg, tp_rank, tp_size)
     kv = len(cfg.attn_layer_ids) * 2 * attn.kv_heads * cfg.head_dim * elt
-    state = sum(t.slot_bytes for t in state_tensors(cfg, dtype, tp_size, tp_rank))
+    state = sum(t.slot_bytes for t in state_tensors(cfg, dtype, tp_size, tp_rank, state_dtype))
     return SlotBytes(kv_token=kv, mamba_state=state)
 
 
@@ -147,19 +175,19 @@ def pool_budget(
 
 
 def cpu_wanted_budget(cfg: HybridConfig, dtype: torch.dtype, running: int, mamba_ratio: float,
-                      tp_size: int = 1, tp_rank: int = 0) -> int:
+                      tp_size: int = 1, tp_rank: int = 0, state_dtype: str = "float32") -> int:
     """Pool bytes that give `running` requests a state slot each plus a quarter more for cached
     prefix states and checkpoints, with KV in the `mamba_ratio` split (0 for a model without
     recurrent layers)."""
     if not cfg.state_layer_ids:
         return 0
     states = running + running // 4 + 2
-    return int(states * slot_bytes(cfg, dtype, tp_size, tp_rank).mamba_state / mamba_ratio)
+    return int(states * slot_bytes(cfg, dtype, tp_size, tp_rank, state_dtype).mamba_state / mamba_ratio)
 
 
 def plan_capacities(
     cfg: HybridConfig, budget_bytes: int, mamba_ratio: float, dtype: torch.dtype, tp_size: int = 1,
-    tp_rank: int = 0,
+    tp_rank: int = 0, state_dtype: str = "float32",
 ) -> tuple[int, int]:
     """Split `budget_bytes` into (kv_slots, mamba_slots), usable counts excluding padding slot 0.
 
@@ -169,7 +197,7 @@ def plan_capacities(
     """
     if not 0.0 < mamba_ratio < 1.0:
         raise ValueError(f"mamba_ratio must be in (0, 1), got {mamba_ratio}")
-    sb = slot_bytes(cfg, dtype, tp_size, tp_rank)
+    sb = slot_bytes(cfg, dtype, tp_size, tp_rank, state_dtype)
     if sb.mamba_state == 0:
         mamba_ratio = 0.0
     elif sb.kv_token == 0:
@@ -210,26 +238,32 @@ class StatePools:
         device: torch.device | str,
         tp_size: int = 1,
         tp_rank: int = 0,
+        state_dtype: str = "float32",
     ) -> None:
         if kv_slots < 0 or mamba_slots < 0:
             raise ValueError("pool capacities must be >= 0")
         self.kv_capacity = kv_slots
         self.mamba_capacity = mamba_slots
         self.dtype = dtype
+        self.state_dtype = state_dtype
+        self.state_storage = storage_dtype(state_dtype)
         n_attn = len(cfg.attn_layer_ids)
         attn = AttnShard.of(cfg, tp_rank, tp_size)
         kv_shape = (n_attn, kv_slots + 1, attn.kv_heads, cfg.head_dim)
         self.k = zeros(kv_shape, dtype, device)
         self.v = zeros(kv_shape, dtype, device)
-        self.layout = tuple(state_tensors(cfg, dtype, tp_size, tp_rank))
+        self.layout = tuple(state_tensors(cfg, dtype, tp_size, tp_rank, state_dtype))
         self.states: dict[str, torch.Tensor] = {
             t.name: zeros((t.layers, mamba_slots + 1, *t.shape), t.dtype, device)
             for t in self.layout
         }
         logger.info(
-            "state pools: %d KV token slots (%d attention layers), %d state slots (%d recurrent layers: %s), %.1f MiB",
+            "state pools: %d KV token slots (%d attention layers), %d state slots (%d recurrent layers: %s; "
+            "state dtype %s, %d B per state slot), %.1f MiB",
             kv_slots, n_attn, mamba_slots, len(cfg.state_layer_ids),
-            ", ".join(f"{t.name} {t.layers}x{list(t.shape)}" for t in self.layout if t.layers), self.nbytes() / 2**20,
+            ", ".join(f"{t.name} {t.layers}x{list(t.shape)} {str(t.dtype).removeprefix('torch.')}"
+                      for t in self.layout if t.layers),
+            state_dtype, sum(t.slot_bytes for t in self.layout), self.nbytes() / 2**20,
         )
 
     @property
@@ -239,8 +273,18 @@ class StatePools:
 
     @property
     def ssm(self) -> torch.Tensor:
-        """Mamba SSM states [mamba_layers, S, heads, head_dim, d_state] float32."""
+        """Mamba SSM states [mamba_layers, S, heads, head_dim, d_state] in the state storage dtype
+        (int8: the values; their scales are `states["ssm_scale"]`)."""
         return self.states["ssm"]
+
+    def state_pool(self, name: str, layer: int) -> StatePool:
+        """The kernels' view of recurrent state `name` ("ssm", "gdn_state") of one layer (its index
+        among the layers of its kind): the [S, ...] tensor, or with an int8 state its values and
+        scales together."""
+        values = self.states[name][layer]
+        if self.state_storage != torch.int8:
+            return values
+        return QuantizedPool(values, self.states[name + SCALE_SUFFIX][layer])
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.k, self.v, *self.states.values()))
@@ -272,6 +316,6 @@ class StatePools:
             pool = self.states[t.name]
             assert pool.shape == (t.layers, self.mamba_capacity + 1, *t.shape), f"{t.name} pool shape {pool.shape}"
             assert pool.dtype == t.dtype, f"{t.name} pool dtype {pool.dtype}"
-        assert self.ssm.dtype == torch.float32 and self.conv.dtype == self.dtype
+        assert self.ssm.dtype == self.state_storage and self.conv.dtype == self.dtype
         for name, pool in (("k", self.k), ("v", self.v), *self.states.items()):
             assert not torch.any(pool[:, 0] != 0), f"padding slot 0 of the {name} pool was written"

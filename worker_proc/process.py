@@ -130,6 +130,7 @@ def run(args: ServerArgs, rank: int) -> None:
         args.resolved_model_path,
         device=device,
         dtype=args.dtype,
+        state_dtype=args.mamba_ssm_dtype,
         kv_slots=args.max_total_tokens,
         mamba_slots=args.max_mamba_cache_size,
         mem_budget_bytes=int(args.mem_budget_gb * (1 << 30)),

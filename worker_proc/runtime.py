@@ -31,7 +31,14 @@ from worker_proc.model import StepBatch, build_step_batch
 from worker_proc.model.kv_mirror import KVSlotMirror
 from worker_proc.numerics import denormals_flushed, flush_subnormal_
 from worker_proc.plan_cache import plan_for
-from worker_proc.pools import StatePools, attention_free_kv_slots, cpu_wanted_budget, plan_capacities, pool_budget
+from worker_proc.pools import (
+    StatePools,
+    attention_free_kv_slots,
+    cpu_wanted_budget,
+    plan_capacities,
+    pool_budget,
+    slot_bytes,
+)
 from worker_proc.quantization import QuantScheme, quantize_model
 from worker_proc.sampling import SampleRequest, greedy_params, sample, top_logprobs
 from worker_proc.threads import available_cores
@@ -41,7 +48,9 @@ logger = logging.getLogger(__name__)
 
 class ModelRunner:
     """One rank's model runtime. Attributes read by the worker process: `kv_capacity`,
-    `mamba_capacity` (usable slots, padding slot 0 excluded), `model_info`, `device`, `dtype`."""
+    `mamba_capacity` (usable slots, padding slot 0 excluded), `model_info`, `device`, `dtype`.
+    `state_dtype` (`--mamba-ssm-dtype`) is how the state pools store the recurrent states; the
+    capacities planned from the memory budget count its bytes per slot."""
 
     def __init__(
         self,
@@ -49,6 +58,7 @@ class ModelRunner:
         *,
         device: str = "cpu",
         dtype: str = "auto",
+        state_dtype: str = "float32",
         kv_slots: int = 0,
         mamba_slots: int = 0,
         mem_budget_bytes: int = 0,
@@ -91,19 +101,24 @@ class ModelRunner:
         self.tp_rank = tp_rank
         kv, mamba, how = kv_slots, mamba_slots, "--max-total-tokens and --max-mamba-cache-size"
         if kv <= 0 or mamba <= 0:
-            wanted = cpu_wanted_budget(self.cfg, self.dtype, running_requests, mamba_ratio, tp_size, tp_rank)
+            wanted = cpu_wanted_budget(self.cfg, self.dtype, running_requests, mamba_ratio, tp_size, tp_rank,
+                                       state_dtype)
             budget, how = pool_budget(self.device, mem_budget_bytes, mem_fraction_static, wanted)
             how = f"{budget / 2**30:.3f} GiB from {how}"
-            planned_kv, planned_mamba = plan_capacities(self.cfg, budget, mamba_ratio, self.dtype, tp_size, tp_rank)
+            planned_kv, planned_mamba = plan_capacities(self.cfg, budget, mamba_ratio, self.dtype, tp_size, tp_rank,
+                                                        state_dtype)
             kv = kv if kv > 0 else planned_kv
             mamba = mamba if mamba > 0 else planned_mamba
         if not self.cfg.attn_layer_ids:  # no KV tensor: the slots are only the scheduler's bookkeeping
             kv = attention_free_kv_slots(kv_slots, mamba, self.model_info.max_position_embeddings)
-        self.pools = StatePools(self.cfg, kv, mamba, self.dtype, self.device, tp_size, tp_rank)
+        self.pools = StatePools(self.cfg, kv, mamba, self.dtype, self.device, tp_size, tp_rank, state_dtype)
         self.kv_capacity = kv
         self.mamba_capacity = mamba
-        logger.info("rank %d pools on %s (%s): %d KV token slots, %d Mamba state slots", tp_rank, self.device,
-                    how, kv, mamba)
+        self.state_dtype = state_dtype
+        sb = slot_bytes(self.cfg, self.dtype, tp_size, tp_rank, state_dtype)
+        logger.info("rank %d pools on %s (%s): %d KV token slots, %d Mamba state slots; recurrent state dtype %s, "
+                    "%d B per state slot, %d B per KV token", tp_rank, self.device, how, kv, mamba, state_dtype,
+                    sb.mamba_state, sb.kv_token)
         self.ops = get_ops(self.device, kernels, deterministic)
         self.kv_mirror = KVSlotMirror()  # slot lists of the last batch run (ReqSlice.kv_reuse)
         self.grammars = GrammarRuntime(model_dir, self.model_info.vocab_size, self.model_info.eos_token_ids)

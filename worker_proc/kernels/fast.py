@@ -13,19 +13,24 @@ the kernel level, <= 1e-4 on logits against transformers). What differs, and why
   rivals the weights.
 - Decode attention is one padded batched computation over the decode group.
 Rules that must hold: every op reads and writes the pools only at the slots it is given; slots of
-one decode call are distinct; recurrent math is float32 whatever the model dtype.
+one decode call are distinct; recurrent math is float32 whatever the model dtype and whatever the
+SSM pool stores (`state_codec`: decoded to float32 before the update, encoded after).
 """
 
 from __future__ import annotations
+
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from worker_proc.kernels import reference as ref
+from worker_proc.kernels import state_codec as codec
 from worker_proc.kernels.interface import SsdParams
 from worker_proc.kernels.reference_ops import ReferenceOps
 from worker_proc.kernels.segments import Spans
+from worker_proc.kernels.state_codec import StatePool
 
 SCAN_CHUNK = 64
 """Longest chunk of the CPU scan: intra-chunk work grows with the chunk, state passing shrinks."""
@@ -131,11 +136,11 @@ class FastOps(ReferenceOps):
         out = (window * weight).sum(-1)
         return F.silu(out if bias is None else out.add_(bias))
 
-    def ssd_prefill(self, x: Tensor, dt: Tensor, b: Tensor, c: Tensor, p: SsdParams, ssm_pool: Tensor,
+    def ssd_prefill(self, x: Tensor, dt: Tensor, b: Tensor, c: Tensor, p: SsdParams, ssm_pool: StatePool,
                     slot: int) -> Tensor:  # fmt: skip
         dt = ref.discretize_dt(dt, p.dt_bias, p.dt_limit)
-        y, final = ssd_scan_fast(x, dt, p.a, b, c, p.d, p.chunk_size, ssm_pool[slot])
-        ssm_pool[slot].copy_(final)
+        y, final = ssd_scan_fast(x, dt, p.a, b, c, p.d, p.chunk_size, codec.load(ssm_pool, slot))
+        codec.store(final, ssm_pool, slot)
         return y
 
     def conv_prefill_many(self, x: Tensor, conv_pool: Tensor, spans: Spans, weight: Tensor,
@@ -153,7 +158,7 @@ class FastOps(ReferenceOps):
         conv_pool.index_copy_(0, slots, window.gather(2, last[:, None, :].expand(-1, window.shape[1], -1)))
         return _unpack(out.transpose(1, 2), lengths)
 
-    def ssd_prefill_many(self, x: Tensor, dt: Tensor, b: Tensor, c: Tensor, p: SsdParams, ssm_pool: Tensor,
+    def ssd_prefill_many(self, x: Tensor, dt: Tensor, b: Tensor, c: Tensor, p: SsdParams, ssm_pool: StatePool,
                          spans: Spans) -> Tensor:  # fmt: skip
         """One batched scan over the segments padded to the longest (`batchable`), else one call each."""
         lengths = [length for length, _ in spans]
@@ -162,15 +167,18 @@ class FastOps(ReferenceOps):
         slots = torch.tensor([slot for _, slot in spans], dtype=torch.int64, device=x.device)
         dt = ref.discretize_dt(dt, p.dt_bias, p.dt_limit)  # before padding: padded steps must be dt = 0
         y, final = ssd_scan_batched(_pack(x, lengths), _pack(dt, lengths), p.a, _pack(b, lengths), _pack(c, lengths),
-                                    p.d, p.chunk_size, ssm_pool.index_select(0, slots))  # fmt: skip
-        ssm_pool.index_copy_(0, slots, final)
+                                    p.d, p.chunk_size, codec.load(ssm_pool, slots))  # fmt: skip
+        codec.store(final, ssm_pool, slots)
         return _unpack(y, lengths)
 
-    def ssd_decode(self, x: Tensor, dt: Tensor, b: Tensor, c: Tensor, p: SsdParams, ssm_pool: Tensor,
+    def ssd_decode(self, x: Tensor, dt: Tensor, b: Tensor, c: Tensor, p: SsdParams, ssm_pool: StatePool,
                    slots: Tensor) -> Tensor:  # fmt: skip
         """Each request's pool row is advanced in place: state = state * exp(dt A) + (dt x) ⊗ B, so the
         state's traffic is one read and one write (gathering the group's states into a batch and scattering
-        them back was no faster even for a 32 KB state, and copies a large one twice)."""
+        them back was no faster even for a 32 KB state, and copies a large one twice). A bfloat16 or int8
+        pool is advanced the same way on a float32 copy of the group's rows (`state_codec.run_on_float32`)."""
+        if not codec.is_float32(ssm_pool):
+            return codec.run_on_float32(ssm_pool, slots, partial(self.ssd_decode, x, dt, b, c, p))
         heads, groups = x.shape[1], b.shape[1]
         bt, n = x.shape[0], b.shape[2]
         xf = x.float()

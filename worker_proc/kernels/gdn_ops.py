@@ -5,18 +5,23 @@
 of gathering and scattering the states (a Qwen3.5 state is 1 MiB per layer and request); `FlaGdn`
 calls flash-linear-attention's Triton kernels (the optional `fla-core` package, extra `hyssm[fla]`).
 `gdn_backend` picks FlaGdn on CUDA when `fla` imports, else a pure-torch one (logged). All read and
-write the recurrent-state pool only at the slots they are given; the state is float32; q and k
-arrive L2-normalised and expanded to one head per value head, q not yet scaled.
+write the recurrent-state pool only at the slots they are given, through `state_codec` (the pool
+stores float32, bfloat16 or int8; the rule runs on the decoded float32 state and the result is
+encoded once per call); q and k arrive L2-normalised and expanded to one head per value head, q
+not yet scaled.
 """
 
 from __future__ import annotations
 
 import logging
+from functools import partial
 
 import torch
 from torch import Tensor
 
+from worker_proc.kernels import state_codec as codec
 from worker_proc.kernels.gated_delta import CHUNK_SIZE, gated_delta_chunked, gated_delta_step
+from worker_proc.kernels.state_codec import StatePool
 
 logger = logging.getLogger(__name__)
 
@@ -26,28 +31,31 @@ class ReferenceGdn:
 
     name = "reference"
 
-    def prefill(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float, state_pool: Tensor,
-                slot: int) -> Tensor:  # fmt: skip
-        o, final = gated_delta_chunked(q, k, v, g, beta, scale, state_pool[slot], CHUNK_SIZE)
-        state_pool[slot].copy_(final)
+    def prefill(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
+                state_pool: StatePool, slot: int) -> Tensor:  # fmt: skip
+        o, final = gated_delta_chunked(q, k, v, g, beta, scale, codec.load(state_pool, slot), CHUNK_SIZE)
+        codec.store(final, state_pool, slot)
         return o
 
-    def decode(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float, state_pool: Tensor,
-               slots: Tensor) -> Tensor:  # fmt: skip
-        o, new_state = gated_delta_step(state_pool.index_select(0, slots), q, k, v, g, beta, scale)
-        state_pool.index_copy_(0, slots, new_state)
+    def decode(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
+               state_pool: StatePool, slots: Tensor) -> Tensor:  # fmt: skip
+        o, new_state = gated_delta_step(codec.load(state_pool, slots), q, k, v, g, beta, scale)
+        codec.store(new_state, state_pool, slots)
         return o
 
 
 class FastGdn(ReferenceGdn):
     """The reference prefill; decode updates each request's state row in place with batched matrix
     products over the heads: S *= exp(g); u = beta (v - Sᵀk); S += k uᵀ; o = Sᵀ(scale q).
-    Not batch invariant by contract (the deterministic mode runs ReferenceGdn)."""
+    Not batch invariant by contract (the deterministic mode runs ReferenceGdn). A bfloat16 or int8
+    pool is updated the same way on a float32 copy of the group's rows (`state_codec.run_on_float32`)."""
 
     name = "fast"
 
-    def decode(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float, state_pool: Tensor,
-               slots: Tensor) -> Tensor:  # fmt: skip
+    def decode(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
+               state_pool: StatePool, slots: Tensor) -> Tensor:  # fmt: skip
+        if not codec.is_float32(state_pool):
+            return codec.run_on_float32(state_pool, slots, partial(self.decode, q, k, v, g, beta, scale))
         decay = g.float().exp()[..., None, None]  # [Bt, H, 1, 1]
         kf, qs, vf, bf = k.float()[:, :, None, :], (q.float() * scale)[:, :, None, :], v.float(), beta.float()
         o = torch.empty_like(vf)
@@ -64,7 +72,8 @@ class FlaGdn:
     """flash-linear-attention's `chunk_gated_delta_rule` (prefill) and
     `fused_recurrent_gated_delta_rule` (decode). q, k and v go in the model dtype (v's: bf16 on a
     bf16 model, fp32 on an fp32 one), g and beta in float32; the kernels accumulate in float32 and
-    read and return the float32 [N, Hv, Dk, Dv] state. Raises ImportError without `fla`."""
+    read and return the float32 [N, Hv, Dk, Dv] state (decoded from and encoded into the pool by
+    `state_codec`). Raises ImportError without `fla`."""
 
     name = "fla"
 
@@ -74,21 +83,22 @@ class FlaGdn:
         self._chunk = chunk_gated_delta_rule
         self._recurrent = fused_recurrent_gated_delta_rule
 
-    def prefill(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float, state_pool: Tensor,
-                slot: int) -> Tensor:  # fmt: skip
+    def prefill(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
+                state_pool: StatePool, slot: int) -> Tensor:  # fmt: skip
         dt, f = v.dtype, torch.float32
+        initial = codec.load(state_pool, slot)[None]
         o, final = self._chunk(q[None].to(dt), k[None].to(dt), v[None], g[None].to(f), beta[None].to(f),
-                               scale=scale, initial_state=state_pool[slot : slot + 1], output_final_state=True)
-        state_pool[slot].copy_(final[0])
+                               scale=scale, initial_state=initial, output_final_state=True)
+        codec.store(final[0].float(), state_pool, slot)
         return o[0].float()
 
-    def decode(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float, state_pool: Tensor,
-               slots: Tensor) -> Tensor:  # fmt: skip
+    def decode(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
+               state_pool: StatePool, slots: Tensor) -> Tensor:  # fmt: skip
         dt, f = v.dtype, torch.float32
         o, final = self._recurrent(q[:, None].to(dt), k[:, None].to(dt), v[:, None], g[:, None].to(f),
-                                   beta[:, None].to(f), scale=scale, initial_state=state_pool.index_select(0, slots),
+                                   beta[:, None].to(f), scale=scale, initial_state=codec.load(state_pool, slots),
                                    output_final_state=True)
-        state_pool.index_copy_(0, slots, final.float())
+        codec.store(final.float(), state_pool, slots)
         return o[:, 0].float()
 
 
@@ -110,9 +120,9 @@ class GdnMethods:
     gdn: ReferenceGdn | FlaGdn = ReferenceGdn()
 
     def gdn_prefill(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
-                    state_pool: Tensor, slot: int) -> Tensor:  # fmt: skip
+                    state_pool: StatePool, slot: int) -> Tensor:  # fmt: skip
         return self.gdn.prefill(q, k, v, g, beta, scale, state_pool, slot)
 
     def gdn_decode(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
-                   state_pool: Tensor, slots: Tensor) -> Tensor:  # fmt: skip
+                   state_pool: StatePool, slots: Tensor) -> Tensor:  # fmt: skip
         return self.gdn.decode(q, k, v, g, beta, scale, state_pool, slots)

@@ -5,7 +5,10 @@ these semantics; the model calls nothing else. Rules that hold for every method:
 - Pools are one layer's view `[S, ...]` (S = slots + 1; slot 0 is padding) and are read and
   written *by slot*, in place; an op touches no slot it was not given.
 - Slots of one decode call are distinct. Recurrent math (conv state aside) runs in float32
-  whatever the model dtype; the SSM pool is float32.
+  whatever the model dtype. The recurrent-state pools (`ssm_pool`, `state_pool`) are a
+  `state_codec.StatePool`: float32 (the default), bfloat16 or int8 with per-head scales
+  (`--mamba-ssm-dtype`); an op reads them with `state_codec.load`, updates in float32 and writes
+  with `state_codec.store`, once per call and slot, never accumulating in the storage type.
 Shape letters are those of `worker_proc.kernels.reference`: L tokens of one request, Bt requests of
 a decode group, H Mamba heads, P head dim, G groups, N state size, Cd conv channels, K conv width,
 h query heads, kvh KV heads, d attention head dim; for the gated delta rule (Gated DeltaNet layers)
@@ -19,6 +22,8 @@ from typing import Protocol
 
 import torch
 from torch import Tensor
+
+from worker_proc.kernels.state_codec import StatePool
 
 
 @dataclass(frozen=True)
@@ -46,14 +51,14 @@ class KernelOps(Protocol):
         """x: [Bt, Cd], slots: [Bt] int64 (distinct) -> [Bt, Cd]; rows `slots` advanced by one."""
         ...
 
-    def ssd_prefill(self, x: Tensor, dt: Tensor, b: Tensor, c: Tensor, p: SsdParams, ssm_pool: Tensor,
+    def ssd_prefill(self, x: Tensor, dt: Tensor, b: Tensor, c: Tensor, p: SsdParams, ssm_pool: StatePool,
                     slot: int) -> Tensor:  # fmt: skip
         """x: [L, H, P]; dt: [L, H] raw (p.dt_bias, softplus and p.dt_limit applied here); b, c: [L, G, N];
-        ssm_pool: [S, H, P, N] fp32, row `slot` advanced. Returns y [L, H, P] fp32. The result does not
+        ssm_pool: [S, H, P, N], row `slot` advanced. Returns y [L, H, P] fp32. The result does not
         depend on p.chunk_size beyond rounding."""
         ...
 
-    def ssd_decode(self, x: Tensor, dt: Tensor, b: Tensor, c: Tensor, p: SsdParams, ssm_pool: Tensor,
+    def ssd_decode(self, x: Tensor, dt: Tensor, b: Tensor, c: Tensor, p: SsdParams, ssm_pool: StatePool,
                    slots: Tensor) -> Tensor:  # fmt: skip
         """x: [Bt, H, P]; dt: [Bt, H] raw; b, c: [Bt, G, N]; slots: [Bt] int64 (distinct).
         Returns y [Bt, H, P] fp32; rows `slots` of ssm_pool advanced by one token."""
@@ -66,7 +71,7 @@ class KernelOps(Protocol):
         [sum of lengths, Cd]; every span's slot advanced past its segment."""
         ...
 
-    def ssd_prefill_many(self, x: Tensor, dt: Tensor, b: Tensor, c: Tensor, p: SsdParams, ssm_pool: Tensor,
+    def ssd_prefill_many(self, x: Tensor, dt: Tensor, b: Tensor, c: Tensor, p: SsdParams, ssm_pool: StatePool,
                          spans: tuple[tuple[int, int], ...]) -> Tensor:  # fmt: skip
         """`ssd_prefill` of several requests at once, the rows of `spans` concatenated as in
         `conv_prefill_many`. Returns y [sum of lengths, H, P] fp32."""
@@ -84,15 +89,15 @@ class KernelOps(Protocol):
         ...
 
     def gdn_prefill(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
-                    state_pool: Tensor, slot: int) -> Tensor:  # fmt: skip
+                    state_pool: StatePool, slot: int) -> Tensor:  # fmt: skip
         """The gated delta rule over one request (worker_proc.kernels.gated_delta states it): q, k:
         [L, Hv, Dk] L2-normalised, one per value head, q multiplied by `scale` here; v: [L, Hv, Dv];
-        g: [L, Hv] log decay (<= 0); beta: [L, Hv]; state_pool: [S, Hv, Dk, Dv] fp32, row `slot`
+        g: [L, Hv] log decay (<= 0); beta: [L, Hv]; state_pool: [S, Hv, Dk, Dv], row `slot`
         advanced. Returns o [L, Hv, Dv] fp32, independent of the kernel's chunking beyond rounding."""
         ...
 
     def gdn_decode(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
-                   state_pool: Tensor, slots: Tensor) -> Tensor:  # fmt: skip
+                   state_pool: StatePool, slots: Tensor) -> Tensor:  # fmt: skip
         """One token per request: q, k: [Bt, Hv, Dk]; v: [Bt, Hv, Dv]; g, beta: [Bt, Hv]; slots: [Bt]
         int64 (distinct). Returns o [Bt, Hv, Dv] fp32; rows `slots` of state_pool advanced by one."""
         ...

@@ -1,7 +1,8 @@
 """`ReferenceOps`: the `KernelOps` interface composed from the pure-torch reference functions.
 
 Correct on every device and the ground truth the other implementations are checked against; the
-deterministic mode's kernels on CPU. Method contracts: `worker_proc.kernels.interface`.
+deterministic mode's kernels on CPU. Method contracts: `worker_proc.kernels.interface`. The SSM pool
+is read and written through `state_codec` (float32, bfloat16 or int8 storage).
 """
 
 from __future__ import annotations
@@ -10,9 +11,11 @@ import torch
 from torch import Tensor
 
 from worker_proc.kernels import reference as ref
+from worker_proc.kernels import state_codec as codec
 from worker_proc.kernels.gdn_ops import GdnMethods, ReferenceGdn
 from worker_proc.kernels.interface import SsdParams
 from worker_proc.kernels.segments import PerSegment
+from worker_proc.kernels.state_codec import StatePool
 
 
 class ReferenceOps(PerSegment, GdnMethods):
@@ -40,18 +43,18 @@ class ReferenceOps(PerSegment, GdnMethods):
         conv_pool.index_copy_(0, slots, new_state.to(conv_pool.dtype))
         return out
 
-    def ssd_prefill(self, x: Tensor, dt: Tensor, b: Tensor, c: Tensor, p: SsdParams, ssm_pool: Tensor,
+    def ssd_prefill(self, x: Tensor, dt: Tensor, b: Tensor, c: Tensor, p: SsdParams, ssm_pool: StatePool,
                     slot: int) -> Tensor:  # fmt: skip
         dt = ref.discretize_dt(dt, p.dt_bias, p.dt_limit)
-        y, final = ref.ssd_chunk_scan(x, dt, p.a, b, c, p.d, p.chunk_size, ssm_pool[slot])
-        ssm_pool[slot].copy_(final)
+        y, final = ref.ssd_chunk_scan(x, dt, p.a, b, c, p.d, p.chunk_size, codec.load(ssm_pool, slot))
+        codec.store(final, ssm_pool, slot)
         return y
 
-    def ssd_decode(self, x: Tensor, dt: Tensor, b: Tensor, c: Tensor, p: SsdParams, ssm_pool: Tensor,
+    def ssd_decode(self, x: Tensor, dt: Tensor, b: Tensor, c: Tensor, p: SsdParams, ssm_pool: StatePool,
                    slots: Tensor) -> Tensor:  # fmt: skip
         dt = ref.discretize_dt(dt, p.dt_bias, p.dt_limit)
-        y, new_state = ref.ssd_state_step(ssm_pool.index_select(0, slots), x, dt, p.a, b, c, p.d)
-        ssm_pool.index_copy_(0, slots, new_state)
+        y, new_state = ref.ssd_state_step(codec.load(ssm_pool, slots), x, dt, p.a, b, c, p.d)
+        codec.store(new_state, ssm_pool, slots)
         return y
 
     def attn_prefill(self, q: Tensor, k_pool: Tensor, v_pool: Tensor, kv_idx: Tensor, start_pos: int,

@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from worker_proc.kernels.interface import SsdParams
+from worker_proc.kernels.state_codec import StatePool
 
 Spans = tuple[tuple[int, int], ...]
 """(length, state slot) of each prefill segment, in row order; lengths >= 1, slots distinct."""
@@ -28,7 +29,7 @@ class PerSegment:
             start += length
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
-    def ssd_prefill_many(self, x: Tensor, dt: Tensor, b: Tensor, c: Tensor, p: SsdParams, ssm_pool: Tensor,
+    def ssd_prefill_many(self, x: Tensor, dt: Tensor, b: Tensor, c: Tensor, p: SsdParams, ssm_pool: StatePool,
                          spans: Spans) -> Tensor:  # fmt: skip
         outs, start = [], 0
         for length, slot in spans:

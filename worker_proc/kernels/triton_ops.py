@@ -13,19 +13,26 @@ beyond the reference's (checked, ValueError): the SSM pool keeps each head's [P,
 contiguous (true of `StatePools`). Kernels launch on
 the current CUDA device: a worker on `cuda:N` must `torch.cuda.set_device(N)` first. Every op is
 batch invariant (a request's result is bitwise the same alone or batched), and decode rows whose
-slot is 0 (padding) are computed from the zero padding state but never written back.
+slot is 0 (padding) are computed from the zero padding state but never written back. The Mamba
+kernels read and write a float32 SSM pool; a bfloat16 or int8 pool (`--mamba-ssm-dtype`) is decoded
+into a float32 scratch pool of the call's slots before the kernel and encoded back after it
+(`state_codec.run_on_float32`), so the kernels themselves only ever see float32 states.
 Importing this module imports triton: on a CPU-only machine set TRITON_INTERPRET=1 first.
 """
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch import Tensor
 
+from worker_proc.kernels import state_codec as codec
 from worker_proc.kernels import triton_attention, triton_conv, triton_ssd, triton_ssd_step
 from worker_proc.kernels.gdn_ops import GdnMethods, ReferenceGdn
 from worker_proc.kernels.interface import SsdParams
 from worker_proc.kernels.segments import PerSegment
+from worker_proc.kernels.state_codec import StatePool
 from worker_proc.kernels.triton_plan import plan_chunks
 
 __all__ = ["TritonOps"]
@@ -54,15 +61,20 @@ class TritonOps(PerSegment, GdnMethods):
     def conv_decode(self, x: Tensor, conv_pool: Tensor, slots: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         return triton_conv.conv_decode(x, conv_pool, slots, weight, bias)
 
-    def ssd_prefill(self, x: Tensor, dt: Tensor, b: Tensor, c: Tensor, p: SsdParams, ssm_pool: Tensor,
+    def ssd_prefill(self, x: Tensor, dt: Tensor, b: Tensor, c: Tensor, p: SsdParams, ssm_pool: StatePool,
                     slot: int) -> Tensor:  # fmt: skip
+        if not codec.is_float32(ssm_pool):
+            return codec.run_on_float32(ssm_pool, codec.slot_tensor(slot, x.device),
+                                        lambda rows, _local: self.ssd_prefill(x, dt, b, c, p, rows, 1))  # fmt: skip
         plan = plan_chunks([x.shape[0]], p.chunk_size)
         slots = _index_tensor([slot], x.device)
         y, _ = triton_ssd.ssd_scan_varlen(x, dt, p.a, b, c, p.d, p.dt_bias, p.dt_limit, plan, ssm_pool, slots)
         return y
 
-    def ssd_decode(self, x: Tensor, dt: Tensor, b: Tensor, c: Tensor, p: SsdParams, ssm_pool: Tensor,
+    def ssd_decode(self, x: Tensor, dt: Tensor, b: Tensor, c: Tensor, p: SsdParams, ssm_pool: StatePool,
                    slots: Tensor) -> Tensor:  # fmt: skip
+        if not codec.is_float32(ssm_pool):
+            return codec.run_on_float32(ssm_pool, slots, partial(self.ssd_decode, x, dt, b, c, p))
         return triton_ssd_step.ssd_step(x, dt, p.a, b, c, p.d, p.dt_bias, p.dt_limit, ssm_pool, slots)
 
     def attn_prefill(self, q: Tensor, k_pool: Tensor, v_pool: Tensor, kv_idx: Tensor, start_pos: int,

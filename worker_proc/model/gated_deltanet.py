@@ -7,7 +7,8 @@ in_proj_qkv ([q | k | v]), in_proj_z, in_proj_b, in_proj_a. Then: causal depthwi
 + SiLU over the channels q | k | v, continuing from the layer's conv state; q and k L2-normalised
 and repeated to one per value head (value head j reads key head j // (v_heads / k_heads));
 beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias); the gated delta rule with scale
-1/sqrt(k_dim) advances the [v_heads, k_dim, v_dim] float32 state (worker_proc.kernels.gated_delta);
+1/sqrt(k_dim) advances the [v_heads, k_dim, v_dim] state in float32 (worker_proc.kernels.gated_delta;
+the pool stores it as `--mamba-ssm-dtype` says, worker_proc.kernels.state_codec);
 the output of each value head goes through the gated RMSNorm weight * rms_norm(o) * silu(z)
 (plain weight, not zero-centred) and out_proj. The conv and recurrent states live in the worker's
 pools (`gdn_conv`, `gdn_state`), read and advanced in place by state slot.
@@ -22,6 +23,7 @@ from torch import nn
 
 from worker_proc.kernels import KernelOps
 from worker_proc.kernels.gated_delta import l2_normalize
+from worker_proc.kernels.state_codec import StatePool
 from worker_proc.model.batch import StepBatch
 from worker_proc.model.config import HybridConfig
 from worker_proc.model.layers import Linear, _empty
@@ -95,7 +97,7 @@ class GatedDeltaNet(nn.Module):
             q, k = q.repeat_interleave(per_k, dim=1), k.repeat_interleave(per_k, dim=1)
         return q, k, v.reshape(t, s.v_heads, s.v_dim)
 
-    def forward(self, h: torch.Tensor, batch: StepBatch, conv_pool: torch.Tensor, state_pool: torch.Tensor,
+    def forward(self, h: torch.Tensor, batch: StepBatch, conv_pool: torch.Tensor, state_pool: StatePool,
                 ops: KernelOps) -> torch.Tensor:  # fmt: skip
         """h: [T, hidden]; conv_pool: [S, conv_dim, K-1] and state_pool: [S, Hv, Dk, Dv] of this layer."""
         s = self.shard

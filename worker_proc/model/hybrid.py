@@ -11,8 +11,9 @@ checkpoint's tensor names (after the family's renames, applied by the loader) ar
 `state_dict` keys: `model.embed_tokens`, `model.layers.N.<norm>`, `model.layers.N.<block>.*`,
 `model.norm`, `lm_head`.
 Recurrent mixers (Mamba2, Gated DeltaNet) read and advance their layer's tensors of the worker's
-state pools (`pools.conv`/`pools.ssm`, `pools.states["gdn_conv"]`/`["gdn_state"]`) at the request's
-state slot; attention its layer's KV pool.
+state pools (`pools.conv` and `pools.state_pool("ssm", i)`, `pools.states["gdn_conv"]` and
+`pools.state_pool("gdn_state", i)`: the recurrent state in its storage dtype, int8 values with their
+scales) at the request's state slot; attention its layer's KV pool.
 Tensor parallelism: the constructor takes `tp`; every block is built with this rank's sizes and
 names the slice of each of its tensors (`shard_spec`, rules in worker_proc.model.tp). Mixers
 all-reduce their own output; MLP and MoE blocks return partial sums, all-reduced once per
@@ -96,13 +97,13 @@ class DecoderLayer(nn.Module):
              rope: tuple[torch.Tensor, torch.Tensor] | None, pools: StatePools, ops: KernelOps) -> torch.Tensor:
         if isinstance(module, MambaMixer):
             i = self.mamba_index
-            return module(x, batch, pools.conv[i], pools.ssm[i], ops)
+            return module(x, batch, pools.conv[i], pools.state_pool("ssm", i), ops)
         if isinstance(module, Attention):
             i = self.attn_index
             return module(x, batch, rope, pools.k[i], pools.v[i], ops)
         if isinstance(module, GatedDeltaNet):
             i = self.gdn_index
-            return module(x, batch, pools.states["gdn_conv"][i], pools.states["gdn_state"][i], ops)
+            return module(x, batch, pools.states["gdn_conv"][i], pools.state_pool("gdn_state", i), ops)
         return module(x)
 
     def forward(

@@ -18,6 +18,7 @@ from torch import nn
 
 from worker_proc.kernels import KernelOps
 from worker_proc.kernels.interface import SsdParams
+from worker_proc.kernels.state_codec import StatePool
 from worker_proc.model.batch import StepBatch
 from worker_proc.model.config import HybridConfig
 from worker_proc.model.layers import GatedRMSNorm, Linear, _empty
@@ -79,7 +80,7 @@ class MambaMixer(nn.Module):
         h: torch.Tensor,
         batch: StepBatch,
         conv_pool: torch.Tensor,
-        ssm_pool: torch.Tensor,
+        ssm_pool: StatePool,
         ops: KernelOps,
     ) -> torch.Tensor:
         """h: [T, hidden]; conv_pool: [S, conv_dim, K-1] and ssm_pool: [S, H, P, N] of this layer."""
