@@ -93,6 +93,8 @@ def llama_skip_reason(cfg: PeersConfig) -> str | None:
 def transformers_skip_reason(cfg: PeersConfig, find_spec=importlib.util.find_spec) -> str | None:  # noqa: ANN001
     if cfg.skip_transformers:
         return "transformers: skipped (--skip-transformers)"
+    if cfg.quantization:
+        return f"transformers: skipped (no {cfg.quantization} CPU path to compare)"
     if find_spec("transformers") is None:
         return "transformers: skipped: transformers is not installed (`pip install transformers` adds this column)"
     return None
@@ -276,6 +278,8 @@ def parse_args(argv: Sequence[str] | None = None) -> PeersConfig:
     a("--model", required=True, help="checkpoint directory (e.g. from make_bench_model.py)")
     a("--runs", type=int, default=3, help="measured runs per system; the table shows medians")
     a("--dtype", choices=DTYPES, default="float32", help="weights of every system (llama.cpp: an f32 or bf16 GGUF)")
+    a("--quantization", choices=("int8", "int4"), default="",
+      help="hyssm --quantization against llama.cpp's Q8_0 (int8) or Q4_K_M (int4) file; transformers is skipped")
     a("--skip-llama", action="store_true")
     a("--skip-transformers", action="store_true")
     a("--llama-server", default=None, metavar="PATH", help="llama-server binary (default: llama-server.sh's)")
@@ -327,9 +331,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         medians, per_run, notes = benchmark(cfg, log_dir)
     finally:
         signal.signal(signal.SIGTERM, previous)
-    print(format_table(medians, notes, dtype=cfg.dtype))
+    print(format_table(medians, notes, dtype=cfg.weights))
     if cfg.output_json:
-        Path(cfg.output_json).write_text(to_json(medians, per_run, notes, dataclasses.asdict(cfg), dtype=cfg.dtype))
+        Path(cfg.output_json).write_text(to_json(medians, per_run, notes, dataclasses.asdict(cfg), dtype=cfg.weights))
     return 0 if "hyssm" in medians else 1
 
 if __name__ == "__main__":

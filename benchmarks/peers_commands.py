@@ -22,6 +22,9 @@ REPO = Path(__file__).resolve().parent.parent
 DEFAULT_PEERS_SCRIPT = REPO.parent / "shared" / "peers" / "llama-server.sh"
 GGUF_TYPES = {"float32": "f32", "bfloat16": "bf16"}  # --dtype -> llama-server.sh convert's output type
 DTYPES = tuple(GGUF_TYPES)
+QUANTIZED_GGUF = {"int8": "q8_0", "int4": "Q4_K_M"}
+"""--quantization -> the llama.cpp file users run for it: Q8_0 (written by the converter) and Q4_K_M
+(llama-quantize over the f32 file)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,15 +50,23 @@ class PeersConfig:
     request_timeout_s: float = 3600.0
     output_json: str | None = None
     log_dir: str | None = None
+    quantization: str = ""  # "" or a key of QUANTIZED_GGUF: hyssm --quantization, llama.cpp's matching file
 
     def __post_init__(self) -> None:
         if self.dtype not in GGUF_TYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.quantization and self.quantization not in QUANTIZED_GGUF:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZED_GGUF)}, got {self.quantization!r}")
 
     @property
     def gguf_type(self) -> str:
-        """The GGUF type llama.cpp gets for `dtype`."""
-        return GGUF_TYPES[self.dtype]
+        """The GGUF type llama.cpp gets for `dtype` (and `quantization`)."""
+        return QUANTIZED_GGUF[self.quantization] if self.quantization else GGUF_TYPES[self.dtype]
+
+    @property
+    def weights(self) -> str:
+        """The weights every system runs, for the table's title."""
+        return f"{self.quantization} weights ({self.dtype} activations)" if self.quantization else self.dtype
 
 
 def default_llama_server(script: str) -> Path | None:
@@ -73,7 +84,8 @@ def default_llama_server(script: str) -> Path | None:
 
 def hyssm_command(cfg: PeersConfig, port: int) -> list[str]:
     """launch.py on 127.0.0.1:`port` in cfg.dtype, admitting at least the highest concurrency level."""
-    return [sys.executable, str(REPO / "launch.py"), "--model-path", cfg.model, "--dtype", cfg.dtype,
+    quant = ("--quantization", cfg.quantization) if cfg.quantization else ()
+    return [sys.executable, str(REPO / "launch.py"), "--model-path", cfg.model, "--dtype", cfg.dtype, *quant,
             "--host", "127.0.0.1", "--port", str(port), "--max-running-requests", str(max(64, *cfg.levels)),
             *cfg.hyssm_args]  # fmt: skip
 

@@ -44,6 +44,7 @@ REPO = Path(__file__).resolve().parent.parent
 VOCAB_MULTIPLE = 8
 VOCAB_TENSOR_SUFFIXES = ("embed_tokens.weight", "embeddings.weight", "lm_head.weight")
 GGUF_OUTTYPES = ("f32", "bf16", "f16", "q8_0")  # what llama-server.sh convert writes
+QUANTIZE_TYPES = ("Q4_K_M",)  # what llama-quantize makes here from the f32 file
 PLACEHOLDER_PART, SPARE_TOKEN = "\u00fe", "\u00ff"  # byte-level BPE's characters of bytes 0xFE and 0xFF
 
 
@@ -168,7 +169,9 @@ def write_staging(model: Path, plan: Staging, staging: Path) -> None:
 def gguf_for(model_dir: str, peers_script: str, log_dir: Path, outtype: str = "f32") -> Path:
     """The cached GGUF of type `outtype` (``llama-server.sh convert``'s f32, bf16, ...) of `model_dir`
     for llama-server, converted now when missing, older than the weights or staged differently (see the
-    module docstring)."""
+    module docstring); a `QUANTIZE_TYPES` type is llama-quantize's output over the f32 file."""
+    if outtype in QUANTIZE_TYPES:
+        return _quantized(gguf_for(model_dir, peers_script, log_dir, "f32"), outtype, peers_script, log_dir)
     if outtype not in GGUF_OUTTYPES:
         raise PeerError(f"GGUF type must be one of {', '.join(GGUF_OUTTYPES)}, got {outtype!r}")
     model = Path(model_dir).resolve()
@@ -190,6 +193,27 @@ def gguf_for(model_dir: str, peers_script: str, log_dir: Path, outtype: str = "f
         _convert(Path(tmp), gguf, outtype, peers_script, log_dir)
     sidecar.write_text(json.dumps(plan.notes, indent=1, ensure_ascii=False), encoding="utf-8")
     return gguf
+
+
+def _quantized(f32: Path, qtype: str, peers_script: str, log_dir: Path) -> Path:
+    """`f32` quantized to `qtype` beside it (cached; redone when older than the f32 file)."""
+    out = f32.with_name(f32.name.removesuffix(".f32.gguf") + f".{qtype}.gguf")
+    if out.is_file() and out.stat().st_mtime >= f32.stat().st_mtime:
+        return out
+    with open(log_dir / "quantize.log", "wb") as log:
+        found = subprocess.run(["bash", peers_script, "quantize-bin"], stdout=subprocess.PIPE, stderr=log,
+                               timeout=3600, check=False)  # fmt: skip
+        binary = found.stdout.decode().strip().splitlines()[-1:] if found.returncode == 0 else []
+        if not binary:
+            raise PeerError(f"cannot build llama-quantize (rc {found.returncode}); see {log_dir / 'quantize.log'}")
+        tmp = out.with_suffix(".gguf.tmp")
+        logger.info("quantizing %s to %s (once; cached)", f32, qtype)
+        rc = subprocess.call([binary[0], str(f32), str(tmp), qtype], stdout=log, stderr=subprocess.STDOUT,
+                             timeout=3600)  # fmt: skip
+    if rc != 0 or not tmp.is_file():
+        raise PeerError(f"llama-quantize {qtype} failed (rc {rc}); see {log_dir / 'quantize.log'}")
+    os.replace(tmp, out)
+    return out
 
 
 def _convert(src: Path, gguf: Path, outtype: str, peers_script: str, log_dir: Path) -> None:

@@ -101,7 +101,7 @@ def format_table(
     out = [line(header), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *(line(r) for r in rows[1:])]
     out.append("ratios are hyssm/peer; '+' marks where hyssm is ahead (tok/s ratio > 1, ms/MiB ratio < 1)")
     if dtype is not None:
-        out.append(f"dtype: {dtype} (hyssm --dtype, llama.cpp's GGUF type, transformers' dtype)")
+        out.append(f"weights: {dtype} (hyssm --dtype / --quantization, llama.cpp's GGUF type, transformers' dtype)")
     out.extend(f"note: {n}" for n in notes)
     return "\n".join(out)
 

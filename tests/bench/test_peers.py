@@ -333,8 +333,9 @@ def test_dtype_line_in_the_table_and_the_json() -> None:
     results = {"hyssm": {"tps_c1": 6.0}}
     table = format_table(results, ["a note"], dtype="bfloat16")
     assert table.splitlines()[-2:] == [
-        "dtype: bfloat16 (hyssm --dtype, llama.cpp's GGUF type, transformers' dtype)", "note: a note"]  # fmt: skip
-    assert "dtype:" not in format_table(results, ["a note"])
+        "weights: bfloat16 (hyssm --dtype / --quantization, llama.cpp's GGUF type, transformers' dtype)",
+        "note: a note"]  # fmt: skip
+    assert "weights:" not in format_table(results, ["a note"])
     assert json.loads(to_json(results, {}, [], {"dtype": "bfloat16"}, dtype="bfloat16"))["dtype"] == "bfloat16"
 
 
@@ -409,6 +410,48 @@ def test_dtype_reaches_every_command_and_the_gguf_name(tmp_path: Path, monkeypat
     monkeypatch.setattr(_FakeTransformersProcess, "answer_dtype", "float32")
     _, _, notes = benchmark(dataclasses.replace(cfg, dtype="bfloat16"), logs)
     assert any(n.startswith("transformers: failed: transformers ran in float32, not bfloat16") for n in notes)
+
+
+FAKE_QUANTIZE = """#!/bin/bash
+set -euo pipefail
+if [ "$1" = quantize-bin ]; then echo {quantize}; exit 0; fi
+[ "$1" = convert ]
+echo "$4" >> {rec}
+echo "gguf $4" > "$3"
+"""
+
+
+def test_quantization_reaches_hyssm_and_picks_llamas_matching_file(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """--quantization int8: hyssm --quantization int8 against the converter's q8_0 file; int4: against
+    llama-quantize's Q4_K_M made from the f32 file (each cached); transformers is skipped."""
+    model, rec, logs = tmp_path / "m", tmp_path / "converted", tmp_path / "logs"
+    shutil.copytree(BUILTIN, model)
+    logs.mkdir()
+    quantize = tmp_path / "llama-quantize"
+    quantize.write_text('#!/bin/bash\necho "quantize $3" >> ' + str(rec) + '\necho "$3 of $(cat $1)" > "$2"\n')
+    quantize.chmod(0o755)
+    script = tmp_path / "peers.sh"
+    script.write_text(FAKE_QUANTIZE.replace("{rec}", str(rec)).replace("{quantize}", str(quantize)))
+    llama = tmp_path / "llama-server"
+    llama.write_text("#!/bin/sh\n")
+    llama.chmod(0o755)
+    commands: dict[str, list[str]] = {}
+    monkeypatch.setattr(bench_peers, "run_server",
+                        lambda name, cmd, *a: (commands.__setitem__(name, cmd), [{"tps_c1": 1.0}])[1])
+    q4 = ("int4", "m.Q4_K_M.gguf", "Q4_K_M of gguf f32\n")
+    for quant, name, content in (("int8", "m.q8_0.gguf", "gguf q8_0\n"), q4, q4):
+        cfg = PeersConfig(model=str(model), runs=1, quantization=quant, levels=(1,), input_len=4, output_len=2,
+                          prefix_len=4, suffix_len=2, llama_server=str(llama), peers_script=str(script))  # fmt: skip
+        medians, _, notes = benchmark(cfg, logs)
+        assert set(medians) == {"hyssm", "llama.cpp"} and any("transformers: skipped" in n for n in notes)
+        hy = commands["hyssm"]
+        assert hy[hy.index("--quantization") + 1] == quant
+        gguf = Path(commands["llama.cpp"][commands["llama.cpp"].index("-m") + 1])
+        assert gguf == tmp_path / name and gguf.read_text() == content
+    assert rec.read_text().split("\n")[:-1] == ["q8_0", "f32", "quantize Q4_K_M"]  # each made once
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        PeersConfig(model=str(model), quantization="int3")
 
 
 def test_transformers_loads_the_model_in_the_jobs_dtype() -> None:
