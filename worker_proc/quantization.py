@@ -9,6 +9,9 @@ execution plan, which then chooses among the products of each site's format. Rul
   tied to the embedding table then serves the embedding lookups too: the table's dense copy is
   dropped and the lookups read the head's int8 / fp8 rows (for `int4`, whose layout has no rows to
   read, an int8 copy of the table made for the lookups);
+- the scales do not depend on the TP size: a rank holding a slice of each row (a row-parallel shard)
+  takes each row's max over the ranks (int8, fp8), and int4 groups lie within the slices when the
+  slice widths are multiples of the group (then a rank's groups are TP=1's);
 - `int4` needs an output width that is a multiple of 16 and an input width divisible by a group
   size; a weight that is not is stored `int8` instead (logged);
 - the dense weight of every quantized site is replaced by an empty tensor (the memory comes back).
@@ -20,6 +23,7 @@ import logging
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from shared.errors import ModelLoadError
@@ -32,6 +36,7 @@ from worker_proc.model.quantized import (
     quantize_fp8,
     quantize_int4,
     quantize_int8,
+    row_amax,
 )
 
 logger = logging.getLogger(__name__)
@@ -63,14 +68,24 @@ class QuantReport:
                 f"{self.quantized_bytes / 2**20:.0f} MiB")
 
 
-def quantize_weight(weight: torch.Tensor, fmt: str) -> QuantizedWeight:
-    """`weight` [..., out, in] in `fmt` (`int4` falls back to `int8` where its layout cannot hold it)."""
-    if fmt == "int8":
-        return quantize_int8(weight)
+def quantize_weight(weight: torch.Tensor, fmt: str, amax: torch.Tensor | None = None) -> QuantizedWeight:
+    """`weight` [..., out, in] in `fmt` (`int4` falls back to `int8` where its layout cannot hold it);
+    `amax`: each row's max |w| over the whole row when `weight` holds a slice of every row."""
     if fmt == "fp8":
-        return quantize_fp8(weight)
-    group = int4_group(weight.shape[-1], weight.shape[-2])
-    return quantize_int4(weight, group) if group else quantize_int8(weight)
+        return quantize_fp8(weight, amax)
+    group = int4_group(weight.shape[-1], weight.shape[-2]) if fmt == "int4" else 0
+    return quantize_int4(weight, group) if group else quantize_int8(weight, amax)
+
+
+def _whole_row_amax(model: HybridForCausalLM, name: str, weight: torch.Tensor) -> torch.Tensor | None:
+    """Each row's max |w| over every rank's slice when this rank holds a slice of each row of the
+    parameter `name`; None when it holds whole rows."""
+    spec = model.shard_spec(name)
+    if model.tp.size == 1 or spec is None or spec.dim != weight.dim() - 1:
+        return None
+    amax = row_amax(weight)
+    dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=model.tp.group)
+    return amax
 
 
 def _head_sites(model: HybridForCausalLM) -> set[int]:
@@ -85,6 +100,7 @@ def quantize_model(model: HybridForCausalLM, scheme: QuantScheme) -> QuantReport
     if scheme.fmt == "int4" and model.device.type != "cpu":
         raise ModelLoadError("--quantization int4 runs on the CPU only (torch's CPU 4-bit kernel)")
     heads = _head_sites(model)
+    names = {id(p): n for n, p in model.named_parameters()}
     sites: dict[str, int] = {}
     dense = quantized = 0
     for module in list(model.modules()):
@@ -94,7 +110,7 @@ def quantize_model(model: HybridForCausalLM, scheme: QuantScheme) -> QuantReport
             if not _selected(site, scheme, heads):
                 continue
             weight = getattr(holder, name)
-            q = quantize_weight(weight, scheme.fmt)
+            q = quantize_weight(weight, scheme.fmt, _whole_row_amax(model, names.get(id(weight), ""), weight))
             site.quantize(q)
             sites[q.fmt] = sites.get(q.fmt, 0) + 1
             dense += weight.numel() * weight.element_size()

@@ -102,10 +102,16 @@ def int4_group(in_features: int, out_features: int) -> int:
     return next((g for g in INT4_GROUPS if in_features % g == 0), 0)
 
 
-def quantize_int8(w: torch.Tensor) -> QuantizedWeight:
-    """Symmetric per-row int8 of w [..., out, in]."""
+def row_amax(w: torch.Tensor) -> torch.Tensor:
+    """max |w| of each row of w [..., out, in] (float32)."""
+    return w.float().abs().amax(-1)
+
+
+def quantize_int8(w: torch.Tensor, amax: torch.Tensor | None = None) -> QuantizedWeight:
+    """Symmetric per-row int8 of w [..., out, in]; `amax`: each row's max |w| over the whole row when w
+    holds only a slice of it (a row-parallel shard), else its own."""
     wf = w.float()
-    scale = wf.abs().amax(-1) / INT8_MAX
+    scale = (row_amax(w) if amax is None else amax) / INT8_MAX
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     data = torch.round(wf / safe[..., None]).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
     return QuantizedWeight("int8", data, scale.contiguous(), (w.shape[-2], w.shape[-1]))
@@ -139,10 +145,10 @@ def fp8_values(values: torch.Tensor, device: torch.device) -> torch.Tensor:
     return e4m3 if device.type == "cuda" else e4m3.to(torch.bfloat16)
 
 
-def quantize_fp8(w: torch.Tensor) -> QuantizedWeight:
-    """e4m3 with one float32 scale per output row, of w [..., out, in]."""
+def quantize_fp8(w: torch.Tensor, amax: torch.Tensor | None = None) -> QuantizedWeight:
+    """e4m3 with one float32 scale per output row, of w [..., out, in] (`amax` as in quantize_int8)."""
     wf = w.float()
-    scale = wf.abs().amax(-1) / FP8_MAX
+    scale = (row_amax(w) if amax is None else amax) / FP8_MAX
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     return QuantizedWeight("fp8", fp8_values(wf / safe[..., None], w.device), scale.contiguous(),
                            (w.shape[-2], w.shape[-1]))
