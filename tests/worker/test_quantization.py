@@ -14,7 +14,7 @@ from shared.config import builtin_model_dir
 from shared.errors import ModelLoadError
 from worker_proc.execution_plan import product_sites
 from worker_proc.loader import load_model
-from worker_proc.model.gemm import DEQUANT, FP8_BF16, METHODS, W4A16, W8A8, W8A16, GemmSite
+from worker_proc.model.gemm import DEQUANT, FP8_BF16, FP8_SCALED, METHODS, W4A16, W8A8, W8A16, GemmSite
 from worker_proc.model.quantized import QuantizedWeight, int4_group
 from worker_proc.quantization import QuantScheme, quantize_model, quantize_weight
 
@@ -155,3 +155,16 @@ def test_schemes_are_validated() -> None:
     model = load_model(builtin_model_dir(), dtype="float32", device="meta")
     with pytest.raises(ModelLoadError, match="CPU only"):
         quantize_model(model, QuantScheme("int4"))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("fmt,method", [("int8", W8A8), ("fp8", FP8_SCALED)])
+@pytest.mark.parametrize("rows", [1, 5, 17, 64])
+def test_cuda_products_match_their_reference(fmt: str, method, rows: int) -> None:
+    w = _weight(96, 128).cuda()
+    q = quantize_weight(w, fmt)
+    assert q.data.dtype == (torch.int8 if fmt == "int8" else torch.float8_e4m3fn)
+    x = torch.randn(rows, 128, device="cuda")
+    want = DEQUANT[fmt].apply(x, w, q, None)
+    err = (method.apply(x, w, q, None) - want).abs().max() / want.abs().max()
+    assert err <= 3e-2, f"{method.name} on CUDA: relative error {err:.2e}"

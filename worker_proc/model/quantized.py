@@ -163,12 +163,25 @@ def w8a16(x: torch.Tensor, q: QuantizedWeight, bias: torch.Tensor | None) -> tor
     return _bias(out.to(x.dtype), bias)
 
 
+CUDA_INT_MM_MIN_ROWS = 17
+"""cuBLAS' int8 product (torch._int_mm on CUDA) takes more than 16 rows."""
+CUDA_FP8_ROW_MULTIPLE = 16
+"""torch._scaled_mm on CUDA takes a row count that is a multiple of 16."""
+
+
+def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    return x if x.shape[0] >= rows else torch.cat([x, x.new_zeros(rows - x.shape[0], x.shape[1])])
+
+
 def w8a8(x: torch.Tensor, q: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    rows = x.shape[0]
     xf = x.float()
     xs = xf.abs().amax(-1, keepdim=True) / INT8_MAX
     xs = torch.where(xs > 0, xs, torch.ones_like(xs))
     xq = torch.round(xf / xs).to(torch.int8)
-    acc = torch._int_mm(xq, q.data.t())
+    if x.is_cuda:
+        xq = _pad_rows(xq, CUDA_INT_MM_MIN_ROWS)
+    acc = torch._int_mm(xq, q.data.t())[:rows]
     return _bias((acc.float() * (xs * q.scale)).to(x.dtype), bias)
 
 
@@ -183,11 +196,18 @@ def fp8_bf16(x: torch.Tensor, q: QuantizedWeight, bias: torch.Tensor | None) -> 
 
 
 def fp8_scaled(x: torch.Tensor, q: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """Row-wise scaled e4m3 product (on CUDA: bfloat16 out, rows padded to a multiple of 16)."""
+    rows = x.shape[0]
     xf = x.float()
     xs = xf.abs().amax(-1, keepdim=True) / FP8_MAX
     xs = torch.where(xs > 0, xs, torch.ones_like(xs))
     xq = (xf / xs).to(torch.float8_e4m3fn)
-    out = torch._scaled_mm(xq, q.data.t(), scale_a=xs, scale_b=q.scale[None, :].float(), out_dtype=torch.float32)
+    out_dtype = torch.float32
+    if x.is_cuda:
+        padded = -(-rows // CUDA_FP8_ROW_MULTIPLE) * CUDA_FP8_ROW_MULTIPLE
+        xq, xs, out_dtype = _pad_rows(xq, padded), _pad_rows(xs, padded), torch.bfloat16
+    out = torch._scaled_mm(xq, q.data.t(), scale_a=xs.contiguous(), scale_b=q.scale[None, :].float().contiguous(),
+                           out_dtype=out_dtype)[:rows]  # fmt: skip
     return _bias(out.to(x.dtype), bias)
 
 
