@@ -3,7 +3,7 @@ fresh measurement, and the plan's file format.
 
 A measured plan is stored under the cache directory keyed by everything its timings depend on
 (`plan_key`: the CPU model and its instruction sets, the cores the rank may use, the thread options,
-torch's version, the mode, the model's product shapes); a restart with the same key reads it instead
+torch's version, the mode, the candidate methods, the model's product shapes); a restart with the same key reads it instead
 of measuring. `--execution-plan FILE` pins a plan: it is used as it is (measured elsewhere, edited by
 hand) and refused at start-up when it lacks a rule for one of the model's shapes. Writes are atomic
 (a rank reads a whole file or none), so ranks measuring the same key at once only race to the same
@@ -35,6 +35,7 @@ from worker_proc.execution_plan import (
     instances_of,
 )
 from worker_proc.host_memory import copy_affordable, last_level_cache_bytes
+from worker_proc.model.gemm import THROUGHPUT_METHODS
 from worker_proc.plan_timing import GemmKey, ProductTimer, read_bytes_per_s, read_tensors
 
 logger = logging.getLogger(__name__)
@@ -73,7 +74,7 @@ def plan_key(model: nn.Module, mode: str, thread_options: tuple[int, ...], cores
         label = GemmKey.of(site).label()
         shapes[label] = shapes.get(label, 0) + 1
     return {**cpu_identity(), "cores": cores, "threads": list(thread_options), "torch": torch.__version__,
-            "mode": mode, "shapes": dict(sorted(shapes.items()))}
+            "mode": mode, "methods": [m.name for m in THROUGHPUT_METHODS], "shapes": dict(sorted(shapes.items()))}
 
 
 def key_digest(key: dict[str, object]) -> str:

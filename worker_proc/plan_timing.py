@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from worker_proc.model.gemm import GemmMethod, GemmSite, pack_weight
+from worker_proc.model.quantized import QuantizedWeight
 
 STREAM_ROWS = 8
 """Up to this many rows a product is timed streaming its weights (see the module doc)."""
@@ -68,6 +69,7 @@ class ProductTimer:
             self.first.setdefault(GemmKey.of(site), (site, weight))
         self.reps = reps
         self.packed: dict[int, torch.Tensor] = {}  # id(weight) -> a packed copy made for timing
+        self.int8_packed: dict[int, QuantizedWeight] = {}  # id(quantized weight) -> with its packed copy
         self.inputs: dict[tuple[GemmKey, int], torch.Tensor] = {}
 
     def __call__(self, method: GemmMethod, rows: int, threads: int) -> dict[GemmKey, float]:
@@ -103,6 +105,8 @@ class ProductTimer:
         stored: object = None
         if q is not None:
             stored = q[0] if q.experts else q
+            if method.reads_int8_packed:
+                stored = self._int8_packed(q)
         elif method.storage == "packed":
             stored = self._packed(weight)
         t0 = time.perf_counter()
@@ -123,9 +127,16 @@ class ProductTimer:
             packed = self.packed[id(weight)] = pack_weight(weight)
         return packed
 
+    def _int8_packed(self, q: QuantizedWeight) -> QuantizedWeight:
+        copy = self.int8_packed.get(id(q))
+        if copy is None:
+            copy = self.int8_packed[id(q)] = q.with_packed()
+        return copy
+
     def release(self) -> None:
         """Free the copies made for timing."""
         self.packed.clear()
+        self.int8_packed.clear()
         self.inputs.clear()
 
 

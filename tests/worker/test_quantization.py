@@ -14,7 +14,7 @@ from shared.config import builtin_model_dir
 from shared.errors import ModelLoadError
 from worker_proc.execution_plan import product_sites
 from worker_proc.loader import load_model
-from worker_proc.model.gemm import DEQUANT, FP8_BF16, FP8_SCALED, METHODS, W4A16, W8A8, W8A16, GemmSite
+from worker_proc.model.gemm import DEQUANT, FP8_BF16, FP8_SCALED, METHODS, W4A16, W8A8, W8A8_ONEDNN, W8A16, GemmSite
 from worker_proc.model.quantized import QuantizedWeight, int4_group
 from worker_proc.quantization import QuantScheme, quantize_model, quantize_weight
 
@@ -65,12 +65,16 @@ def test_fp8_keeps_three_mantissa_bits() -> None:
     assert rel.max() <= 2**-4 + 1e-6
 
 
-@pytest.mark.parametrize("fmt,method,tol", [("int8", W8A16, 1e-2), ("int8", W8A8, 2e-2), ("int4", W4A16, 1e-2),
-                                            ("fp8", FP8_BF16, 1e-2)])
+@pytest.mark.parametrize("fmt,method,tol", [("int8", W8A16, 1e-2), ("int8", W8A8, 2e-2), ("int8", W8A8_ONEDNN, 2e-2),
+                                            ("int4", W4A16, 1e-2), ("fp8", FP8_BF16, 1e-2)])
 @pytest.mark.parametrize("rows", [1, 5, 64])
 def test_each_product_matches_its_format_reference(fmt: str, method, tol: float, rows: int) -> None:
     w = _weight()
     q = quantize_weight(w, fmt)
+    if method.reads_int8_packed:
+        q = q.with_packed()
+        x0 = torch.randn(3, 128, generator=G)  # the same exact int32 product, another kernel and epilogue
+        assert torch.allclose(method.apply(x0, w, q, None), W8A8.apply(x0, w, q, None), rtol=1e-6, atol=1e-7)
     bias = torch.randn(96, generator=G)
     x = torch.randn(rows, 128, generator=G)
     want = DEQUANT[fmt].apply(x, w, q, bias)
@@ -86,6 +90,8 @@ def test_each_product_matches_its_format_reference(fmt: str, method, tol: float,
 def test_methods_claimed_batch_invariant_are(method) -> None:
     w = _weight()
     stored = quantize_weight(w, method.storage) if method.storage in ("int8", "int4", "fp8") else None
+    if method.reads_int8_packed:
+        stored = stored.with_packed()
     x = torch.randn(40, 128, generator=G)
     full = method.apply(x, w, stored, None)
     for rows in (1, 2, 3, 7, 16, 17, 39):

@@ -24,8 +24,10 @@ from worker_proc.model.quantized import (
     QuantizedWeight,
     fp8_bf16,
     fp8_scaled,
+    int8_packing_supported,
     w4a16,
     w8a8,
+    w8a8_onednn,
     w8a16,
 )
 
@@ -128,6 +130,8 @@ class GemmMethod:
     devices: tuple[str, ...] = ("cpu",)
     dtypes: tuple[torch.dtype, ...] = ()
     per_row_scale: bool = False
+    reads_int8_packed: bool = False
+    """It reads the int8 weight's oneDNN copy (single matrices only; the plan makes the copy at bind)."""
     in_multiple: int = 1
     """The input width must be a multiple of this (torch's int8-weight CPU kernel reads 16 at a time)."""
 
@@ -139,6 +143,8 @@ class GemmMethod:
         if self.storage == "packed":
             return site.quantized is None and site.packable and packing_supported(site.dtype, device)
         if self.storage != site.storage_format:
+            return False
+        if self.reads_int8_packed and not (site.packable and int8_packing_supported()):
             return False
         return not (self.per_row_scale and site.quantized is not None and site.quantized.group)
 
@@ -154,15 +160,17 @@ PACKED = GemmMethod("packed", "packed", _packed)
 PADDED = GemmMethod("padded", "dense", _padded, batch_invariant=True)
 W8A16 = GemmMethod("w8a16", "int8", _quantized(w8a16), in_multiple=16)
 W8A8 = GemmMethod("w8a8", "int8", _quantized(w8a8), batch_invariant=True, devices=("cpu", "cuda"))
+W8A8_ONEDNN = GemmMethod("w8a8_onednn", "int8", _quantized(w8a8_onednn), batch_invariant=True,
+                         reads_int8_packed=True)
 W4A16 = GemmMethod("w4a16", "int4", _quantized(w4a16), batch_invariant=True)
 FP8_BF16 = GemmMethod("fp8_bf16", "fp8", _quantized(fp8_bf16), per_row_scale=True)
 FP8_SCALED = GemmMethod("fp8_scaled", "fp8", _quantized(fp8_scaled), devices=("cuda",), per_row_scale=True)
 DEQUANT = {fmt: GemmMethod(f"dequant_{fmt}", fmt, _dequant_padded, batch_invariant=True, devices=ANY_DEVICE)
            for fmt in FORMATS}
 """Every format's reference product (the weight materialised, padded like PADDED): any device."""
-METHODS = {m.name: m for m in (DENSE, SPLIT, PACKED, PADDED, W8A16, W8A8, W4A16, FP8_BF16, FP8_SCALED,
-                               *DEQUANT.values())}
-THROUGHPUT_METHODS = (DENSE, SPLIT, PACKED, W8A16, W8A8, W4A16, FP8_BF16)
+METHODS = {m.name: m for m in (DENSE, SPLIT, PACKED, PADDED, W8A16, W8A8, W8A8_ONEDNN, W4A16, FP8_BF16,
+                               FP8_SCALED, *DEQUANT.values())}
+THROUGHPUT_METHODS = (DENSE, SPLIT, PACKED, W8A16, W8A8, W8A8_ONEDNN, W4A16, FP8_BF16)
 """The candidates the plan measures on the CPU outside the deterministic mode (each site is timed with
 those that `supports` it)."""
 DETERMINISTIC = {"dense": PADDED, "int8": W8A8, "int4": W4A16, "fp8": DEQUANT["fp8"]}
@@ -210,6 +218,9 @@ class GemmSite:
             raise ValueError(f"{len(methods)} methods for {len(bounds)} row bounds")
         if any(m.storage == "packed" for m in methods) and packed is None:
             raise ValueError("a packed method needs the packed weight")
+        if any(m.reads_int8_packed for m in methods):
+            assert self.quantized is not None and self.storage_format == "int8", "w8a8_onednn on a non-int8 site"
+            self.quantized = self.quantized.with_packed()
         wrong = [m.name for m in methods if m.storage not in (self.storage_format, "packed")
                  or m.storage == "packed" and self.quantized is not None]
         if wrong:

@@ -17,13 +17,15 @@ Products: x [M, in] -> [M, out] in x's dtype. `w8a16` runs torch's int8-weight k
 activations; `w8a8` quantizes each row of x to int8 (symmetric, per row) and multiplies in int32,
 exactly, so its rows never depend on the row count; `w4a16` runs torch's CPU 4-bit kernel on bfloat16
 activations; `fp8_bf16` is a bfloat16 product over the held values, scaled per output row after it;
-`fp8_scaled` quantizes rows of x to e4m3 and runs `torch._scaled_mm`; `dequant` (any format, any
-device) materialises the weight in x's dtype first: the reference every other product is tested
-against.
+`w8a8_onednn` is `w8a8` through oneDNN's int8 product over a packed copy of the weight (the copy
+costs one more byte per weight); `fp8_scaled` quantizes rows of x to e4m3 and runs
+`torch._scaled_mm`; `dequant` (any format, any device) materialises the weight in x's dtype first:
+the reference every other product is tested against.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -47,6 +49,9 @@ class QuantizedWeight:
     scale: torch.Tensor
     shape: tuple[int, int]  # (out, in) of one matrix
     group: int = 0  # int4: inputs per group; fp8: block side (0: one scale per row)
+    packed: tuple[torch.Tensor, torch.Tensor] | None = None
+    """int8 only: oneDNN's packed copy of `data` and its (zero) zero points, made when the execution plan
+    binds `w8a8_onednn` (`with_packed`)."""
 
     @property
     def experts(self) -> int:
@@ -55,7 +60,18 @@ class QuantizedWeight:
 
     @property
     def nbytes(self) -> int:
-        return self.data.numel() * self.data.element_size() + self.scale.numel() * self.scale.element_size()
+        extra = self.packed[0].numel() * self.packed[0].element_size() if self.packed is not None else 0
+        return self.data.numel() * self.data.element_size() + self.scale.numel() * self.scale.element_size() + extra
+
+    def with_packed(self) -> QuantizedWeight:
+        """This int8 matrix with oneDNN's packed copy (`w8a8_onednn` reads it)."""
+        if self.fmt != "int8" or self.experts:
+            raise ValueError("only a single int8 matrix has a packed copy")
+        if self.packed is not None:
+            return self
+        packed = torch.ops.onednn.qlinear_prepack(self.data, [1, self.shape[1]])
+        zero = torch.zeros(self.shape[0], dtype=torch.int64, device=self.data.device)
+        return dataclasses.replace(self, packed=(packed, zero))
 
     def __getitem__(self, expert: int) -> QuantizedWeight:
         """One matrix of a stack (views; nothing is copied)."""
@@ -183,6 +199,25 @@ def w8a8(x: torch.Tensor, q: QuantizedWeight, bias: torch.Tensor | None) -> torc
         xq = _pad_rows(xq, CUDA_INT_MM_MIN_ROWS)
     acc = torch._int_mm(xq, q.data.t())[:rows]
     return _bias((acc.float() * (xs * q.scale)).to(x.dtype), bias)
+
+
+def int8_packing_supported() -> bool:
+    """oneDNN's int8 product (the x86 quantized-linear path) is in this build of torch."""
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_pointwise")
+
+
+def w8a8_onednn(x: torch.Tensor, q: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """`w8a8` through oneDNN's packed int8 product: each row of x is divided by its own scale before the
+    product (so the per-tensor activation scale oneDNN takes is 1) and multiplied by it after."""
+    assert q.packed is not None, "w8a8_onednn needs the packed copy (QuantizedWeight.with_packed)"
+    xf = x.float()
+    xs = xf.abs().amax(-1, keepdim=True) / INT8_MAX
+    xs = torch.where(xs > 0, xs, torch.ones_like(xs))
+    xq = torch.round(xf / xs).to(torch.int8)
+    packed, zero = q.packed
+    out = torch.ops.onednn.qlinear_pointwise(xq, 1.0, 0, packed, q.scale, zero, None, 1.0, 0, torch.float32,
+                                             "none", [], "")  # fmt: skip
+    return _bias((out * xs).to(x.dtype), bias)
 
 
 def w4a16(x: torch.Tensor, q: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
