@@ -141,7 +141,9 @@ def read_module(read: Read, prefix: str, scheme: StoredScheme, part: Part, devic
     if dense:
         return values.float() * scale[:, None]
     if scheme.kind == "int8":
-        return QuantizedWeight("int8", values.to(torch.int8).to(device), scale.to(device), part.local)
+        # a fresh copy: the tensor read may sit unaligned in the file's buffer, and torch's int8-weight
+        # CPU kernel reads past an unaligned end
+        return QuantizedWeight("int8", values.to(device, copy=True), scale.to(device), part.local)
     held = values.to(torch.float8_e4m3fn)
     held = held.to(device) if device.type == "cuda" else held.to(torch.bfloat16)
     return QuantizedWeight("fp8", held, scale.to(device), part.local)

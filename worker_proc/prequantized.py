@@ -61,6 +61,7 @@ class QuantModule:
     row: int | None
     part: Part
     dense_reason: str
+    experts: int = 0  # the stack's expert count (0: a single matrix)
 
 
 class _Tensors:
@@ -128,7 +129,7 @@ def quantized_modules(tensors: _Tensors, quant: CheckpointQuant, model: HybridFo
             "not a product" if site is None else "kept in the model dtype" if not site.quantizable
             else "embedding table" if param == EMBEDDING else layout_problem(scheme, part, device)
         )
-        out.append(QuantModule(prefix, scheme, param, row, part, reason))
+        out.append(QuantModule(prefix, scheme, param, row, part, reason, target.shape[0] if row is not None else 0))
     return out
 
 
@@ -185,9 +186,9 @@ def _load_modules(model: HybridForCausalLM, modules: list[QuantModule], tensors:
     for param, ms in _by_param(modules):
         rows = [m.row for m in ms]
         stacked = rows[0] is not None
-        if stacked and rows != list(range(params[param].shape[0])):
+        if stacked and rows != list(range(ms[0].experts)):
             raise ModelLoadError(f"{param}: the checkpoint stores experts {rows} quantized, the model has "
-                                 f"{params[param].shape[0]}")
+                                 f"{ms[0].experts}")
         if ms[0].dense_reason:
             with torch.no_grad():
                 for m in ms:
