@@ -118,6 +118,7 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
 def preflight(args: ServerArgs) -> ModelInfo:
     """Checks that fail fast with one line before any process starts."""
     info = ModelInfo.from_dir(args.resolved_model_path)
+    _check_quantization(args)
     if args.tp_size > 1:
         _check_tp_layout(args)
     if args.node_rank == 0:
@@ -142,6 +143,21 @@ def preflight(args: ServerArgs) -> ModelInfo:
     if args.node_rank > 0:
         _wait_for_node0(args)
     return info
+
+
+def _check_quantization(args: ServerArgs) -> None:
+    """A pre-quantized checkpoint's `quantization_config` is one the workers load, on this device, and
+    `--quantization` (if given) names the format it is stored in."""
+    from shared.model_info import read_config_json
+    from worker_proc.prequant_config import check_requested, parse_quantization_config  # torch-free
+
+    path = os.path.join(args.resolved_model_path, "config.json")
+    quant = parse_quantization_config(read_config_json(args.resolved_model_path).get("quantization_config"), path)
+    if quant is None:
+        return
+    check_requested(args.quantization, quant, path)
+    if "int4" in quant.formats and args.device == "cuda":
+        raise ConfigError(f"{path}: {quant.describe()}: 4-bit weights run on the CPU only (torch's CPU 4-bit kernel)")
 
 
 def _check_tp_layout(args: ServerArgs) -> None:

@@ -153,7 +153,16 @@ def fixed_plan(model: nn.Module, methods: dict[str, GemmMethod], threads: int = 
 
 
 def accelerator_plan(model: nn.Module) -> ExecutionPlan:
-    return fixed_plan(model, ACCELERATOR)
+    """Each storage's product off the CPU (ACCELERATOR), the format's `dequant` product where that one
+    cannot read a site's weight (block-scaled fp8: `fp8_scaled` needs one scale per row)."""
+    device = getattr(model, "device", torch.device("cuda"))
+    methods = {}
+    for _, site, _ in product_sites(model):
+        method = ACCELERATOR[site.storage_format]
+        methods[GemmKey.of(site)] = method if method.supports(site, device) else DEQUANT[site.storage_format]
+    used = sorted({m.name for m in methods.values()})
+    return ExecutionPlan("fixed", {k: GemmRule((), (m.name,)) for k, m in methods.items()},
+                         source=f"{', '.join(used)} everywhere")
 
 
 def deterministic_plan(model: nn.Module, threads: int) -> ExecutionPlan:

@@ -5,7 +5,9 @@ the architecture or the tensor at fault. A checkpoint name becomes a parameter n
 family's `renames` (HybridConfig); names under its `ignored_prefixes` (e.g. MTP layers) are skipped
 with one log line; per-expert tensors `<...>.experts.<j>.<proj>.weight` fill row j of the stacked
 parameter `<...>.experts.<proj>`. Under tensor parallelism each rank reads only its slice of every
-tensor (`safe_open(...).get_slice`), as the model's `shard_spec` names it.
+tensor (`safe_open(...).get_slice`), as the model's `shard_spec` names it. A checkpoint whose
+config.json declares a `quantization_config` is loaded by worker_proc.prequantized, which never
+builds its dense weights.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from shared.model_info import read_config_json
 from worker_proc.model.config import HybridConfig
 from worker_proc.model.hybrid import HybridForCausalLM
 from worker_proc.model.tp import ShardSpec, TPInfo
+from worker_proc.prequant_config import CheckpointQuant, parse_quantization_config
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +65,13 @@ def resolve_dtype(name: str, device: torch.device, cfg: HybridConfig, native: bo
 
 def load_config(model_dir: str) -> HybridConfig:
     return HybridConfig.from_dict(read_config_json(model_dir), os.path.join(model_dir, "config.json"))
+
+
+def checkpoint_quantization(model_dir: str) -> CheckpointQuant | None:
+    """How the checkpoint's weights are quantized (`quantization_config`), None for a dense one;
+    ModelLoadError naming an unsupported method or scheme."""
+    raw = read_config_json(model_dir).get("quantization_config")
+    return parse_quantization_config(raw, os.path.join(model_dir, "config.json"))
 
 
 def weight_files(model_dir: str) -> dict[str, list[str]]:
@@ -123,10 +133,11 @@ class _Names:
 
 
 def _iter_tensors(
-    files: dict[str, list[str]], names: _Names, spec_of: Callable[[str], ShardSpec | None]
+    files: dict[str, list[str]], names: _Names, spec_of: Callable[[str], ShardSpec | None],
+    skip: Callable[[str], bool] | None = None,
 ) -> Iterator[tuple[str, str, str, int | None, torch.Tensor, float]]:
     """(file, checkpoint name, parameter name, expert row, this rank's part of the tensor, its
-    fraction of the stored tensor); ignored tensors are skipped unread."""
+    fraction of the stored tensor); ignored tensors, and those `skip` names, are skipped unread."""
     for path, listed_names in files.items():
         try:
             with safe_open(path, framework="pt", device="cpu") as f:
@@ -137,6 +148,8 @@ def _iter_tensors(
                     if missing:
                         raise ModelLoadError(f"{path} lacks tensor {missing[0]!r} listed in the shard index")
                 for key in keys:
+                    if skip is not None and skip(key):
+                        continue
                     name, row = names.resolve(key)
                     if names.ignore(name):
                         names.skipped += 1
@@ -151,23 +164,28 @@ def _iter_tensors(
             raise ModelLoadError(f"{path}: cannot read safetensors ({e})") from e
 
 
-def load_weights(model: HybridForCausalLM, files: dict[str, list[str]]) -> None:
-    """Copy every checkpoint tensor into its parameter; raise on a missing, extra or misshapen one."""
+def load_weights(model: HybridForCausalLM, files: dict[str, list[str]], skip: Callable[[str], bool] | None = None,
+                 loaded_elsewhere: frozenset[str] = frozenset()) -> None:
+    """Copy every checkpoint tensor into its parameter; raise on a missing, extra or misshapen one.
+    Tensors `skip` names are left to the caller, which loads the parameters `loaded_elsewhere`
+    (worker_proc.prequantized: the quantized modules)."""
     names = _Names(model)
     params = names.params
-    loaded: set[str] = set()
+    loaded: set[str] = set(loaded_elsewhere)
     rows: dict[str, set[int]] = {}
     total_bytes = sum(os.path.getsize(p) for p in files)
     bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc="loading weights",
                disable=total_bytes < _PROGRESS_MIN_BYTES)
     with bar:
-        for path, raw_name, name, row, local, fraction in _iter_tensors(files, names, model.shard_spec):
+        for path, raw_name, name, row, local, fraction in _iter_tensors(files, names, model.shard_spec, skip):
             bar.update(int(local.numel() * local.element_size() / fraction))
             if name == "lm_head.weight" and model.lm_head is None:
                 continue  # tied head stored anyway: the embedding is the head
             param = params.get(name)
             if param is None:
                 raise ModelLoadError(f"unexpected tensor {raw_name!r} in {path} (not a parameter of the model)")
+            if name in loaded_elsewhere:
+                raise ModelLoadError(f"tensor {raw_name!r} in {path}: {name} is stored both quantized and dense")
             target = param if row is None else (param[row] if row < param.shape[0] else None)
             if target is None or tuple(local.shape) != tuple(target.shape):
                 want = f"an expert row < {param.shape[0]}" if target is None else tuple(target.shape)
@@ -202,8 +220,15 @@ def load_model(
     dev = torch.device(device)
     torch_dtype = resolve_dtype(dtype, dev, cfg)
     files = weight_files(model_dir)
-    model = HybridForCausalLM(cfg, torch_dtype, dev, TPInfo(tp_rank, tp_size, tp_group))
-    load_weights(model, files)
+    tp = TPInfo(tp_rank, tp_size, tp_group)
+    stored = checkpoint_quantization(model_dir)
+    if stored is not None:
+        from worker_proc.prequantized import load_prequantized  # here: that module imports this one
+
+        model = load_prequantized(cfg, stored, files, torch_dtype, dev, tp)
+    else:
+        model = HybridForCausalLM(cfg, torch_dtype, dev, tp)
+        load_weights(model, files)
     model.eval()
     letters = {"mamba": "M", "attention": "A", "parallel": "P", "gdn": "G", "mlp": "-"}
     logger.info("loaded %s from %s: %d layers (%s), %s on %s", cfg.architecture, model_dir, cfg.num_layers,

@@ -26,7 +26,7 @@ from shared.model_info import ModelInfo
 from worker_proc.execution_plan import product_sites
 from worker_proc.grammar import GrammarRuntime
 from worker_proc.kernels import get_ops
-from worker_proc.loader import load_model
+from worker_proc.loader import checkpoint_quantization, load_model
 from worker_proc.model import StepBatch, build_step_batch
 from worker_proc.model.kv_mirror import KVSlotMirror
 from worker_proc.numerics import denormals_flushed, flush_subnormal_
@@ -39,6 +39,7 @@ from worker_proc.pools import (
     pool_budget,
     slot_bytes,
 )
+from worker_proc.prequant_config import check_requested
 from worker_proc.quantization import QuantScheme, quantize_model
 from worker_proc.sampling import SampleRequest, greedy_params, sample, top_logprobs
 from worker_proc.threads import available_cores
@@ -82,13 +83,16 @@ class ModelRunner:
         if self.device.type == "cpu" and not denormals_flushed():
             logger.warning("rank %d: subnormal floats are not flushed on every thread (worker_proc.numerics): "
                            "products over them run many times slower", tp_rank)
+        stored = checkpoint_quantization(model_dir)
+        if stored is not None:  # held as stored; --quantization may only name that format
+            check_requested(quantization, stored, model_dir)
         self.model = load_model(
             model_dir, device=self.device, dtype=dtype, tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group
         )
         flushed = flush_subnormal_(self.model)
         if flushed:
             logger.info("rank %d: %d subnormal weight elements set to zero", tp_rank, flushed)
-        if quantization:
+        if quantization and stored is None:
             quantize_model(self.model, QuantScheme(quantization, lm_head=quantize_lm_head))
         self.plan = plan_for(self.model, self.device, deterministic=deterministic, thread_options=thread_options,
                              cores=available_cores(), pinned=execution_plan, cache_dir=plan_cache_dir)

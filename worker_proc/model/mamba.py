@@ -51,11 +51,18 @@ class MambaMixer(nn.Module):
             )
         out_bias = cfg.mamba_proj_bias if cfg.mamba_out_proj_bias is None else cfg.mamba_out_proj_bias
         self.out_proj = Linear(s.inner, cfg.hidden_size, bias=out_bias, dtype=dtype, device=device)
+        self.param_dtype = dtype
+        self.derive_buffers(device)
+        self._a_cache: tuple[torch.Tensor, int, torch.Tensor] | None = None
+
+    def derive_buffers(self, device: torch.device) -> None:
+        """(Re)make the buffers computed from the config and shard, on `device` (the loader of a
+        pre-quantized checkpoint builds the model on the meta device, then calls this on the real one)."""
+        s = self.shard
         # expands B/C to one group per head when this rank's heads spread unevenly over its groups
         head_group = None if s.head_group is None else torch.tensor(s.head_group, dtype=torch.int64, device=device)
         self.register_buffer("head_group", head_group, persistent=False)
-        self.register_buffer("mup", self._mup_vector(cfg, dtype, device), persistent=False)
-        self._a_cache: tuple[torch.Tensor, int, torch.Tensor] | None = None
+        self.register_buffer("mup", self._mup_vector(self.cfg, self.param_dtype, device), persistent=False)
 
     def _mup_vector(self, cfg: HybridConfig, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
         """This rank's in_proj output scale (z | x | B | C | dt), or None when all are 1."""

@@ -7,18 +7,23 @@ with the leading E):
 - `int8`: `data` int8 [out, in], `scale` float32 [out]: w = data * scale, symmetric per output row
   (scale = max |w_row| / 127).
 - `int4`: `data` torch's CPU 4-bit layout of q in [0, 15] (`torch._convert_weight_to_int4pack_for_cpu`,
-  [out, in / 2] uint8), `scale` bfloat16 [in / group, out, 2] holding (s, z) per group of `group`
-  consecutive inputs of a row: w = (q - 8) * s + z, i.e. q spans [min, max] of the group.
+  [out, in / 2] uint8), `scale` [in / group, out, 2] holding (s, z) per group of `group` consecutive
+  inputs of a row: w = (q - 8) * s + z (load-time quantization: q spans [min, max] of the group).
+  `scale` is bfloat16, or float32 where a checkpoint's own scales and offsets are not exact in
+  bfloat16 (worker_proc.prequant_formats); the products then take float32 activations.
 - `fp8`: e4m3 values with a float32 scale per output row ([out]) or per `group` x `group` block
-  ([out / group, in / group]): w = value * scale. On the CPU the values are held as bfloat16 (every
-  e4m3 value is exact in bfloat16, and the CPU has no fast e4m3 product); on CUDA as float8_e4m3fn.
+  ([out / group, in / group], the last block of a row or column possibly partial): w = value * scale.
+  On CUDA the values are float8_e4m3fn. On the CPU (no fast e4m3 product there) they are held as
+  bfloat16: e4m3 values (exact in bfloat16), or, for a block-scaled checkpoint, values a per-row
+  scale re-encodes exactly or a row dequantized to bfloat16 with scale 1 (worker_proc.prequant_formats).
 
 Products: x [M, in] -> [M, out] in x's dtype. `w8a16` runs torch's int8-weight kernel on bfloat16
 activations; `w8a8` quantizes each row of x to int8 (symmetric, per row) and multiplies in int32,
 exactly, so its rows never depend on the row count; `w4a16` runs torch's CPU 4-bit kernel on bfloat16
-activations; `fp8_bf16` is a bfloat16 product over the held values, scaled per output row after it;
-`w8a8_onednn` is `w8a8` through oneDNN's int8 product over a packed copy of the weight (the copy
-costs one more byte per weight); `fp8_scaled` quantizes rows of x to e4m3 and runs
+activations and scales (a checkpoint's float32 scales are rounded for it; its reference `dequant_int4`
+reads them exactly); `fp8_bf16` is a bfloat16 product over the held values, scaled per output row
+after it; `w8a8_onednn` is `w8a8` through oneDNN's int8 product over a packed copy of the weight (the
+copy costs one more byte per weight); `fp8_scaled` quantizes rows of x to e4m3 and runs
 `torch._scaled_mm`; `dequant` (any format, any device) materialises the weight in x's dtype first:
 the reference every other product is tested against.
 """
@@ -87,7 +92,7 @@ class QuantizedWeight:
         if self.fmt == "int8":
             return (self.data.float() * self.scale[:, None]).to(dtype)
         if self.fmt == "int4":  # the product with the identity reads the opaque layout back
-            eye = torch.eye(inp, dtype=torch.bfloat16, device=self.data.device)
+            eye = torch.eye(inp, dtype=self.scale.dtype, device=self.data.device)
             wt = torch._weight_int4pack_mm_for_cpu(eye, self.data, self.group, self.scale)
             return wt.t().to(dtype).contiguous()
         values = self.data.float()
@@ -106,6 +111,7 @@ class QuantizedWeight:
         elif self.fmt == "int4":
             assert self.group in INT4_GROUPS and inp % self.group == 0 and out % INT4_OUT_MULTIPLE == 0
             assert tuple(self.scale.shape[-3:]) == (inp // self.group, out, 2)
+            assert self.scale.dtype in (torch.bfloat16, torch.float32)
         else:
             assert self.fmt == "fp8" and tuple(self.data.shape[-2:]) == (out, inp)
             assert bool(torch.isfinite(self.scale).all()) and bool((self.scale >= 0).all())
@@ -221,7 +227,8 @@ def w8a8_onednn(x: torch.Tensor, q: QuantizedWeight, bias: torch.Tensor | None) 
 
 
 def w4a16(x: torch.Tensor, q: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    out = torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), q.data, q.group, q.scale)
+    # float32 activations take torch's scalar 4-bit path, many times slower than the bfloat16 one
+    out = torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), q.data, q.group, q.scale.to(torch.bfloat16))
     return _bias(out.to(x.dtype), bias)
 
 

@@ -209,12 +209,18 @@ class SpanGatedRMSNorm(nn.Module):
         super().__init__()
         self.before_gate = before_gate
         self.weight = _empty(shard.inner, dtype=dtype, device=device)
-        channels = torch.arange(shard.inner_start, shard.inner_start + shard.inner, device=device)
-        self.register_buffer("channel_group", channels // shard.norm_group_size, persistent=False)
+        self.shard = shard
+        self.derive_buffers(device)
         self.n_groups = n_groups
         self.group_size = shard.norm_group_size
         self.eps = eps
         self.tp = tp
+
+    def derive_buffers(self, device: torch.device) -> None:
+        """(Re)make the channel -> norm group map on `device` (see MambaMixer.derive_buffers)."""
+        s = self.shard
+        channels = torch.arange(s.inner_start, s.inner_start + s.inner, device=device)
+        self.register_buffer("channel_group", channels // s.norm_group_size, persistent=False)
 
     def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """y: [T, I/N] (float32 scan output), z: [T, I/N] gate -> [T, I/N] float32."""
