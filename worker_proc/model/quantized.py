@@ -57,6 +57,12 @@ class QuantizedWeight:
     packed: tuple[torch.Tensor, torch.Tensor] | None = None
     """int8 only: oneDNN's packed copy of `data` and its (zero) zero points, made when the execution plan
     binds `w8a8_onednn` (`with_packed`)."""
+    scale_bf16: torch.Tensor | None = dataclasses.field(default=None, compare=False)
+    """int8 / int4: `scale` in bfloat16, what the bfloat16-activation products take (made once, here)."""
+
+    def __post_init__(self) -> None:
+        if self.scale_bf16 is None and self.fmt in ("int8", "int4"):
+            object.__setattr__(self, "scale_bf16", self.scale.to(torch.bfloat16))
 
     @property
     def experts(self) -> int:
@@ -82,7 +88,9 @@ class QuantizedWeight:
         """One matrix of a stack (views; nothing is copied)."""
         if not self.experts:
             raise IndexError("a single quantized matrix has no experts")
-        return QuantizedWeight(self.fmt, self.data[expert], self.scale[expert], self.shape, self.group)
+        low = self.scale_bf16[expert] if self.scale_bf16 is not None else None
+        return QuantizedWeight(self.fmt, self.data[expert], self.scale[expert], self.shape, self.group,
+                               scale_bf16=low)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight [out, in] (one matrix) in `dtype`, computed in float32."""
@@ -181,7 +189,7 @@ def _bias(out: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
 
 
 def w8a16(x: torch.Tensor, q: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    out = torch._weight_int8pack_mm(x.to(torch.bfloat16), q.data, q.scale.to(torch.bfloat16))
+    out = torch._weight_int8pack_mm(x.to(torch.bfloat16), q.data, q.scale_bf16)
     return _bias(out.to(x.dtype), bias)
 
 
@@ -228,7 +236,7 @@ def w8a8_onednn(x: torch.Tensor, q: QuantizedWeight, bias: torch.Tensor | None) 
 
 def w4a16(x: torch.Tensor, q: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
     # float32 activations take torch's scalar 4-bit path, many times slower than the bfloat16 one
-    out = torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), q.data, q.group, q.scale.to(torch.bfloat16))
+    out = torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), q.data, q.group, q.scale_bf16)
     return _bias(out.to(x.dtype), bias)
 
 
