@@ -11,13 +11,13 @@ and one tensor [layers of the kind, S_state, *shape] per `StateTensor` a recurre
 declares (`state_tensors`):
   conv      : Mamba   [conv_dim, d_conv - 1]              model dtype
   ssm       : Mamba   [heads, head_dim, d_state]          the state dtype
-  ssm_scale : Mamba   [heads]                             float32, int8 state only
+  ssm_scale : Mamba   [heads, head_dim]                   float32, int8 state only
   gdn_conv  : GDN     [2 * k_heads * k_dim + v_heads * v_dim, d_conv - 1]   model dtype
   gdn_state : GDN     [v_heads, k_dim, v_dim]             the state dtype
-  gdn_state_scale : GDN [v_heads]                         float32, int8 state only
+  gdn_state_scale : GDN [v_heads, k_dim]                 float32, int8 state only
 The state dtype (`--mamba-ssm-dtype`: float32, bfloat16 or int8; worker_proc.kernels.state_codec owns
 the encodings) decides how the recurrent states are stored, never how they are computed; an int8
-state keeps one scale per (slot, layer, head) in its `*_scale` tensor, and `state_pool` hands the
+state keeps one scale per (slot, layer, head, row) in its `*_scale` tensor, and `state_pool` hands the
 kernels the values and scales of a layer together. One state slot (a request's, a checkpoint's, a
 cached prefix's) is the same slot number in every one of them: `copy_state` / `clear_state` move
 every tensor of the slot (values and scales alike) of every layer of every kind at once, and a slot
@@ -78,15 +78,15 @@ class StateTensor:
 
 
 SCALE_SUFFIX = "_scale"
-"""An int8 state tensor NAME keeps its per-head scales in the state tensor NAME + SCALE_SUFFIX."""
+"""An int8 state tensor NAME keeps its per-row scales in the state tensor NAME + SCALE_SUFFIX."""
 
 
 def _recurrent(name: str, layers: int, shape: tuple[int, ...], state_dtype: str) -> list[StateTensor]:
-    """A recurrent state [heads, a, b] stored as `state_dtype`, and its per-head scales when int8."""
+    """A recurrent state [heads, a, b] stored as `state_dtype`, and its per-row scales [heads, a] when int8."""
     storage = storage_dtype(state_dtype)
     out = [StateTensor(name, layers, shape, storage)]
     if storage == torch.int8:
-        out.append(StateTensor(name + SCALE_SUFFIX, layers, shape[:1], torch.float32))
+        out.append(StateTensor(name + SCALE_SUFFIX, layers, shape[:2], torch.float32))
     return out
 
 

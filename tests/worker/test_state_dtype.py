@@ -8,7 +8,7 @@ same state dtype; greedy output and logits stay close to the float32 state's.
 Bounds below were measured on the tiny random fixtures (tests/fixtures) with the default `fast`
 kernels, 16 tokens teacher-forced on the float32 state's greedy output, and set about 25% above the
 largest value seen. Relative error = ||logits - logits_fp32|| / ||logits_fp32|| at the last position.
-Random-weight fixtures have near-tied logits, and int8 per-head quantisation moves logits by tenths of
+Random-weight fixtures have near-tied logits, and int8 per-row quantisation moves logits by tenths of
 that norm on them: greedy agreement is asserted on the fixtures where no tie falls within that drift
 in 16 tokens (Granite's nope_groups2, Qwen3.5's qwen3_5_dense); the pure Mamba2 and Qwen3-Next
 fixtures are held to the logit bounds only.
@@ -28,10 +28,11 @@ from worker_proc.pools import StatePools, plan_capacities, slot_bytes, state_ten
 from worker_proc.runtime import ModelRunner
 
 TOKENS = 16
-REL_BOUND = {"bfloat16": 0.03, "int8": 0.45}
-"""Largest relative logit error at any of the TOKENS positions (measured: bf16 <= 0.019, int8 <= 0.361)."""
-MEAN_REL_BOUND = {"bfloat16": 0.008, "int8": 0.19}
-"""Mean over the positions (measured: bf16 <= 0.0056, int8 <= 0.145)."""
+REL_BOUND = {"bfloat16": 0.03, "int8": 0.1}
+"""Largest relative logit error at any of the TOKENS positions (measured: bf16 <= 0.019, int8 <= 0.066
+with a scale per row; one scale per head gave 0.361)."""
+MEAN_REL_BOUND = {"bfloat16": 0.008, "int8": 0.035}
+"""Mean over the positions (measured: bf16 <= 0.0056, int8 <= 0.025)."""
 
 
 def _prompt(name: str) -> list[int]:
@@ -126,10 +127,10 @@ def test_resume_from_a_copied_state_equals_the_uninterrupted_run_exactly(name: s
 def test_int8_pools_hold_values_and_scales_and_slot_ops_move_both(name: str) -> None:
     cfg = load_config(fixture_dir(name))
     p = StatePools(cfg, kv_slots=4, mamba_slots=3, dtype=torch.float32, device="cpu", state_dtype="int8")
-    state, heads = ("ssm", cfg.mamba_n_heads) if name == "mamba2" else ("gdn_state", cfg.gdn_v_heads)
+    state = "ssm" if name == "mamba2" else "gdn_state"
     values, scale = p.states[state], p.states[state + "_scale"]
     assert values.dtype == torch.int8 and scale.dtype == torch.float32
-    assert scale.shape == (values.shape[0], 4, heads)
+    assert scale.shape == values.shape[:-1]  # [layers, slots, heads, rows]: one scale per row of a head
     grown = StatePools(cfg, kv_slots=4, mamba_slots=4, dtype=torch.float32, device="cpu", state_dtype="int8")
     assert grown.nbytes() - p.nbytes() == slot_bytes(cfg, torch.float32, state_dtype="int8").mamba_state
     for pool in p.states.values():

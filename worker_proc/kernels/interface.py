@@ -6,7 +6,7 @@ these semantics; the model calls nothing else. Rules that hold for every method:
   written *by slot*, in place; an op touches no slot it was not given.
 - Slots of one decode call are distinct. Recurrent math (conv state aside) runs in float32
   whatever the model dtype. The recurrent-state pools (`ssm_pool`, `state_pool`) are a
-  `state_codec.StatePool`: float32 (the default), bfloat16 or int8 with per-head scales
+  `state_codec.StatePool`: float32 (the default), bfloat16 or int8 with per-row scales
   (`--mamba-ssm-dtype`); an op reads them with `state_codec.load`, updates in float32 and writes
   with `state_codec.store`, once per call and slot, never accumulating in the storage type.
 Shape letters are those of `worker_proc.kernels.reference`: L tokens of one request, Bt requests of

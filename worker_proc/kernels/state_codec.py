@@ -7,9 +7,11 @@ rows with `load` and writes them with `store`, and computes in float32 between t
   index_copy_ the kernels always did, and kernels may update its rows in place (`is_float32`);
 - bfloat16: a plain bfloat16 tensor; `load` widens, `store` rounds to nearest (the update itself,
   and every accumulation inside it, stays float32);
-- int8: a `QuantizedPool`, int8 values [S, H, a, b] plus one float32 scale per (slot, head) [S, H].
-  `store` quantises each head symmetrically (scale = amax / 127, values round(x / scale) in
-  [-127, 127]; an all-zero head gets scale 0 and decodes to zeros); `load` is values * scale.
+- int8: a `QuantizedPool`, int8 values [S, H, a, b] plus one float32 scale per (slot, head, row)
+  [S, H, a]. `store` quantises each row of b values symmetrically (scale = amax / 127, values
+  round(x / scale) in [-127, 127]; an all-zero row gets scale 0 and decodes to zeros); `load` is
+  values * scale. A row, not a whole head: the states are heavy-tailed across a head's rows, and one
+  scale per head leaves the small rows few levels.
 
 Rules that hold: the per-head state is the last two dims (Mamba [P, N], GDN [Dk, Dv]); a `store`
 given a tensor of slots never leaves padding slot 0 non-zero in a non-float32 pool (rows for slot 0,
@@ -41,7 +43,7 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class QuantizedPool:
-    """One layer's int8 recurrent-state pool: `values` [S, H, a, b] int8 and `scale` [S, H] float32.
+    """One layer's int8 recurrent-state pool: `values` [S, H, a, b] int8 and `scale` [S, H, a] float32.
     Views of `StatePools.states` (the state tensor and its `*_scale` tensor); never copies."""
 
     values: Tensor
@@ -65,19 +67,19 @@ def is_float32(pool: StatePool) -> bool:
 
 
 def quantize(state: Tensor) -> tuple[Tensor, Tensor]:
-    """float32 states [..., H, a, b] -> (int8 values of the same shape, float32 scales [..., H]).
-    Symmetric per head: scale = amax / 127; an all-zero head has scale 0 and values 0. No clamp is
+    """float32 states [..., H, a, b] -> (int8 values of the same shape, float32 scales [..., H, a]).
+    Symmetric per row: scale = amax / 127; an all-zero row has scale 0 and values 0. No clamp is
     needed: |x| <= amax, so |x * fl(127 / amax)| < 127.5 and rounds to at most 127."""
     state = state.float()
-    amax = state.abs().amax(dim=(-2, -1))
+    amax = state.abs().amax(dim=-1)
     inv = torch.where(amax > 0, QMAX / amax, torch.zeros_like(amax))
-    values = state.mul(inv[..., None, None]).round_().to(torch.int8)
+    values = state.mul(inv[..., None]).round_().to(torch.int8)
     return values, amax / QMAX
 
 
 def dequantize(values: Tensor, scale: Tensor, out: Tensor | None = None) -> Tensor:
-    """int8 values [..., H, a, b] and scales [..., H] -> float32 states (into `out` when given)."""
-    return torch.mul(values, scale[..., None, None], out=out) if out is not None else values * scale[..., None, None]
+    """int8 values [..., H, a, b] and scales [..., H, a] -> float32 states (into `out` when given)."""
+    return torch.mul(values, scale[..., None], out=out) if out is not None else values * scale[..., None]
 
 
 def load(pool: StatePool, slots: Tensor | int) -> Tensor:
