@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from tqdm import tqdm
 
 from shared.errors import ModelLoadError
 from worker_proc.model.gemm import GemmOwner, GemmSite
@@ -40,6 +41,9 @@ from worker_proc.model.quantized import (
 )
 
 logger = logging.getLogger(__name__)
+
+PROGRESS_MIN_BYTES = 256 << 20
+"""Models whose product weights take at least this show a progress bar while they are quantized."""
 
 
 @dataclass(frozen=True)
@@ -101,23 +105,25 @@ def quantize_model(model: HybridForCausalLM, scheme: QuantScheme) -> QuantReport
         raise ModelLoadError("--quantization int4 runs on the CPU only (torch's CPU 4-bit kernel)")
     heads = _head_sites(model)
     names = {id(p): n for n, p in model.named_parameters()}
+    chosen = [(site, holder, name) for module in model.modules() if isinstance(module, GemmOwner)
+              for site, holder, name in module.gemm_weights() if _selected(site, scheme, heads)]  # fmt: skip
+    total = sum(getattr(h, n).numel() * getattr(h, n).element_size() for _, h, n in chosen)
     sites: dict[str, int] = {}
     dense = quantized = 0
-    for module in list(model.modules()):
-        if not isinstance(module, GemmOwner):
-            continue
-        for site, holder, name in list(module.gemm_weights()):
-            if not _selected(site, scheme, heads):
-                continue
-            weight = getattr(holder, name)
-            q = quantize_weight(weight, scheme.fmt, _whole_row_amax(model, names.get(id(weight), ""), weight))
-            site.quantize(q)
-            sites[q.fmt] = sites.get(q.fmt, 0) + 1
-            dense += weight.numel() * weight.element_size()
-            quantized += q.nbytes
-            if site is model.head_gemm:
-                model.embed_rows = q if q.fmt != "int4" else quantize_int8(weight)
-            setattr(holder, name, nn.Parameter(weight.new_empty(0), requires_grad=False))
+    bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"quantizing to {scheme.fmt}",
+               disable=total < PROGRESS_MIN_BYTES or model.tp.rank != 0)  # fmt: skip
+    for site, holder, name in chosen:
+        weight = getattr(holder, name)
+        q = quantize_weight(weight, scheme.fmt, _whole_row_amax(model, names.get(id(weight), ""), weight))
+        site.quantize(q)
+        sites[q.fmt] = sites.get(q.fmt, 0) + 1
+        dense += weight.numel() * weight.element_size()
+        quantized += q.nbytes
+        if site is model.head_gemm:
+            model.embed_rows = q if q.fmt != "int4" else quantize_int8(weight)
+        setattr(holder, name, nn.Parameter(weight.new_empty(0), requires_grad=False))
+        bar.update(weight.numel() * weight.element_size())
+    bar.close()
     report = QuantReport(sites, dense, quantized)
     logger.info("%s", report.describe())
     return report
