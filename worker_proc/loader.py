@@ -1,40 +1,29 @@
 """Checkpoint loading: `config.json` + single-file or sharded safetensors -> `HybridForCausalLM`.
 
-Every failure is a `ModelLoadError` whose message names the file,
-the architecture or the tensor at fault. A checkpoint name becomes a parameter name through the
-family's `renames` (HybridConfig); names under its `ignored_prefixes` (e.g. MTP layers) are skipped
-with one log line; per-expert tensors `<...>.experts.<j>.<proj>.weight` fill row j of the stacked
-parameter `<...>.experts.<proj>`. Under tensor parallelism each rank reads only its slice of every
-tensor (`safe_open(...).get_slice`), as the model's `shard_spec` names it. A checkpoint whose
-config.json declares a `quantization_config` is loaded by worker_proc.prequantized, which never
-builds its dense weights.
+Every failure is a `ModelLoadError` whose message names the file, the architecture or the tensor at
+fault. The tensors are read by worker_proc.weight_files. A checkpoint whose config.json declares a
+`quantization_config` is loaded by worker_proc.prequantized, which never builds its dense weights.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import re
-from collections.abc import Callable, Iterator
-from typing import Any
 
 import torch
-from safetensors import safe_open
-from tqdm import tqdm
 
 from shared.errors import ModelLoadError
 from shared.model_info import read_config_json
 from worker_proc.model.config import HybridConfig
 from worker_proc.model.hybrid import HybridForCausalLM
-from worker_proc.model.tp import ShardSpec, TPInfo
+from worker_proc.model.tp import TPInfo
 from worker_proc.prequant_config import CheckpointQuant, parse_quantization_config
+from worker_proc.prequantized import load_prequantized
+from worker_proc.weight_files import load_weights, weight_files
 
 logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_PER_EXPERT = re.compile(r"^(?P<base>.+\.experts)\.(?P<index>\d+)\.(?P<proj>[A-Za-z0-9_]+)\.weight$")
-_PROGRESS_MIN_BYTES = 256 * 2**20
 
 
 def cpu_native_16bit(name: str) -> bool:
@@ -74,138 +63,6 @@ def checkpoint_quantization(model_dir: str) -> CheckpointQuant | None:
     return parse_quantization_config(raw, os.path.join(model_dir, "config.json"))
 
 
-def weight_files(model_dir: str) -> dict[str, list[str]]:
-    """{file path: [tensor names]} from model.safetensors.index.json, else the single model.safetensors."""
-    index = os.path.join(model_dir, "model.safetensors.index.json")
-    single = os.path.join(model_dir, "model.safetensors")
-    if os.path.isfile(index):
-        try:
-            with open(index, encoding="utf-8") as f:
-                weight_map = json.load(f)["weight_map"]
-        except (OSError, ValueError, KeyError) as e:
-            raise ModelLoadError(f"{index}: unreadable shard index ({e})") from e
-        files: dict[str, list[str]] = {}
-        for name, shard in weight_map.items():
-            files.setdefault(os.path.join(model_dir, shard), []).append(name)
-        for path in files:
-            if not os.path.isfile(path):
-                raise ModelLoadError(f"missing shard {path} (listed in {index})")
-        return files
-    if not os.path.isfile(single):
-        raise ModelLoadError(f"missing {single} (and no model.safetensors.index.json in {model_dir})")
-    return {single: []}
-
-
-def _read(f: Any, key: str, spec: ShardSpec | None) -> tuple[torch.Tensor, float]:
-    """The tensor `key` of an open safetensors file, only the ranges of `spec` read from disk,
-    and the fraction of the stored tensor that is (for the progress bar)."""
-    if spec is None:
-        return f.get_tensor(key), 1.0
-    sl = f.get_slice(key)
-    lead = (slice(None),) * spec.dim
-    parts = [sl[(*lead, slice(a, b))] for a, b in spec.ranges]
-    local = parts[0] if len(parts) == 1 else torch.cat(parts, dim=spec.dim)
-    return local, spec.length / max(1, sl.get_shape()[spec.dim])
-
-
-class _Names:
-    """Checkpoint name -> (parameter name, expert row or None); see the module docstring."""
-
-    def __init__(self, model: HybridForCausalLM) -> None:
-        self.renames = [(re.compile(p), r) for p, r in model.cfg.renames]
-        self.ignored = model.cfg.ignored_prefixes
-        self.params = dict(model.named_parameters())
-        self.skipped = 0  # tensors not loaded (ignored prefixes)
-
-    def resolve(self, raw: str) -> tuple[str, int | None]:
-        name = raw
-        for pattern, repl in self.renames:
-            name = pattern.sub(repl, name)
-        m = _PER_EXPERT.match(name)
-        if m is not None and name not in self.params:
-            stacked = f"{m['base']}.{m['proj']}"
-            if stacked in self.params:
-                return stacked, int(m["index"])
-        return name, None
-
-    def ignore(self, name: str) -> bool:
-        return any(name.startswith(p) for p in self.ignored)
-
-
-def _iter_tensors(
-    files: dict[str, list[str]], names: _Names, spec_of: Callable[[str], ShardSpec | None],
-    skip: Callable[[str], bool] | None = None,
-) -> Iterator[tuple[str, str, str, int | None, torch.Tensor, float]]:
-    """(file, checkpoint name, parameter name, expert row, this rank's part of the tensor, its
-    fraction of the stored tensor); ignored tensors, and those `skip` names, are skipped unread."""
-    for path, listed_names in files.items():
-        try:
-            with safe_open(path, framework="pt", device="cpu") as f:
-                keys = list(f.keys())
-                listed = set(listed_names)
-                if listed and listed != set(keys):
-                    missing = sorted(listed - set(keys))
-                    if missing:
-                        raise ModelLoadError(f"{path} lacks tensor {missing[0]!r} listed in the shard index")
-                for key in keys:
-                    if skip is not None and skip(key):
-                        continue
-                    name, row = names.resolve(key)
-                    if names.ignore(name):
-                        names.skipped += 1
-                        continue
-                    spec = spec_of(name)
-                    if spec is not None and row is not None:  # one expert of a stacked [E, ...] tensor
-                        spec = ShardSpec(spec.dim - 1, spec.ranges) if spec.dim > 0 else None
-                    yield path, key, name, row, *_read(f, key, spec)
-        except ModelLoadError:
-            raise
-        except Exception as e:  # safetensors raises its own error types for corrupt files
-            raise ModelLoadError(f"{path}: cannot read safetensors ({e})") from e
-
-
-def load_weights(model: HybridForCausalLM, files: dict[str, list[str]], skip: Callable[[str], bool] | None = None,
-                 loaded_elsewhere: frozenset[str] = frozenset()) -> None:
-    """Copy every checkpoint tensor into its parameter; raise on a missing, extra or misshapen one.
-    Tensors `skip` names are left to the caller, which loads the parameters `loaded_elsewhere`
-    (worker_proc.prequantized: the quantized modules)."""
-    names = _Names(model)
-    params = names.params
-    loaded: set[str] = set(loaded_elsewhere)
-    rows: dict[str, set[int]] = {}
-    total_bytes = sum(os.path.getsize(p) for p in files)
-    bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc="loading weights",
-               disable=total_bytes < _PROGRESS_MIN_BYTES)
-    with bar:
-        for path, raw_name, name, row, local, fraction in _iter_tensors(files, names, model.shard_spec, skip):
-            bar.update(int(local.numel() * local.element_size() / fraction))
-            if name == "lm_head.weight" and model.lm_head is None:
-                continue  # tied head stored anyway: the embedding is the head
-            param = params.get(name)
-            if param is None:
-                raise ModelLoadError(f"unexpected tensor {raw_name!r} in {path} (not a parameter of the model)")
-            if name in loaded_elsewhere:
-                raise ModelLoadError(f"tensor {raw_name!r} in {path}: {name} is stored both quantized and dense")
-            target = param if row is None else (param[row] if row < param.shape[0] else None)
-            if target is None or tuple(local.shape) != tuple(target.shape):
-                want = f"an expert row < {param.shape[0]}" if target is None else tuple(target.shape)
-                raise ModelLoadError(f"tensor {raw_name!r} in {path} has shape {tuple(local.shape)}, expected {want}")
-            with torch.no_grad():
-                target.copy_(local)
-            if row is None:
-                loaded.add(name)
-            else:
-                rows.setdefault(name, set()).add(row)
-    loaded.update(n for n, got in rows.items() if len(got) == params[n].shape[0])
-    missing = sorted(set(params) - loaded)
-    if missing:
-        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise ModelLoadError(f"checkpoint lacks tensor {missing[0]!r}{more}")
-    if names.skipped:
-        logger.info("%d checkpoint tensors under %s not loaded (not used for serving)", names.skipped,
-                    ", ".join(model.cfg.ignored_prefixes))
-
-
 def load_model(
     model_dir: str,
     *,
@@ -223,8 +80,6 @@ def load_model(
     tp = TPInfo(tp_rank, tp_size, tp_group)
     stored = checkpoint_quantization(model_dir)
     if stored is not None:
-        from worker_proc.prequantized import load_prequantized  # here: that module imports this one
-
         model = load_prequantized(cfg, stored, files, torch_dtype, dev, tp)
     else:
         model = HybridForCausalLM(cfg, torch_dtype, dev, tp)

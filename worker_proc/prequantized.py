@@ -9,7 +9,7 @@ worker_proc.loader calls this when config.json declares a `quantization_config`
 2. the model is built on the meta device and materialised on the real one with a zero-size tensor in
    place of every parameter held quantized (its dense weight never exists); buffers derived from
    the config are remade there (`derive_buffers`; a buffer left on the meta device is an error);
-3. the dense tensors load as for any checkpoint (worker_proc.loader.load_weights), the quantized
+3. the dense tensors load as for any checkpoint (worker_proc.weight_files.load_weights), the quantized
    modules' tensors are read here, each rank reading only its slice of values and scales
    (prequant_formats.read_module), an expert stack's matrices stacked into one weight;
 4. static activation and KV-cache scales (not used: activations are quantized by the products the
@@ -29,7 +29,6 @@ from safetensors import safe_open
 from torch import nn
 
 from shared.errors import ModelLoadError
-from worker_proc.loader import _Names, load_weights
 from worker_proc.model.config import HybridConfig
 from worker_proc.model.gemm import GemmOwner, GemmSite
 from worker_proc.model.hybrid import HybridForCausalLM
@@ -37,6 +36,7 @@ from worker_proc.model.quantized import QuantizedWeight
 from worker_proc.model.shard import Range, ShardSpec, TPInfo
 from worker_proc.prequant_config import CheckpointQuant, StoredScheme
 from worker_proc.prequant_formats import Part, layout_problem, narrow_int4, read_module, stack
+from worker_proc.weight_files import _Names, load_weights
 
 logger = logging.getLogger(__name__)
 

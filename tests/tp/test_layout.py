@@ -12,11 +12,12 @@ from safetensors.torch import load_file
 
 from shared.errors import ModelLoadError
 from tests.worker.util import FAMILY_FIXTURES, FIXTURE_NAMES, fixture_dir
-from worker_proc.loader import load_config, load_weights, weight_files
+from worker_proc.loader import load_config
 from worker_proc.model import HybridForCausalLM, TPInfo
 from worker_proc.model.config import tp_layout_error
 from worker_proc.model.tp import AttnShard, MambaShard
 from worker_proc.pools import StatePools, slot_bytes
+from worker_proc.weight_files import load_weights, weight_files
 
 
 def _cfg(name: str = "nope_groups2", **changes: object):

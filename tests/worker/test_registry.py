@@ -101,7 +101,7 @@ def test_nemotron_mtp_tensors_skipped_and_per_expert_rows_checked(tmp_path, capl
     tensors = load_file(weights)
     assert "backbone.layers.1.mixer.experts.7.up_proj.weight" in tensors  # per-expert layout on disk
     save_file({**tensors, "mtp.layers.0.mixer.q_proj.weight": torch.zeros(4, 4)}, weights)
-    with caplog.at_level("INFO", logger="worker_proc.loader"):
+    with caplog.at_level("INFO", logger="worker_proc.weight_files"):
         model = load_model(path)  # MTP layer ignored, with one log line
     assert any("1 checkpoint tensors under mtp. not loaded" in r.message for r in caplog.records)
     expected = load_model(fixture_dir("nemotron_h_moe"))
@@ -148,7 +148,7 @@ def test_qwen3_5_multimodal_wrapper_loads_its_text_model(tmp_path, caplog) -> No
     info = ModelInfo.from_dir(str(out))
     assert info.vocab_size == src["vocab_size"] and info.max_position_embeddings == src["max_position_embeddings"]
     assert info.layer_kinds == ("gdn", "gdn", "attention", "gdn") and info.has_mamba
-    with caplog.at_level("INFO", logger="worker_proc.loader"):
+    with caplog.at_level("INFO", logger="worker_proc.weight_files"):
         r = ModelRunner(str(out), kv_slots=200, mamba_slots=4)
     assert any("model.visual." in rec.message for rec in caplog.records)
     ref = reference("qwen3_5_dense")
