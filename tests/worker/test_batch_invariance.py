@@ -40,10 +40,12 @@ def _setup(r: ModelRunner) -> list[ReqSlice]:
     ]
 
 
-@pytest.mark.parametrize("deterministic", [True, False])
-@pytest.mark.parametrize("name", ["rope_moe", "nope_groups2", *FAMILY_FIXTURES, *GDN_FIXTURES])
-def test_mixed_batch_equals_each_alone(name: str, deterministic: bool) -> None:
-    alone, together = runner(name, deterministic=deterministic), runner(name, deterministic=deterministic)
+Logits = dict[str, torch.Tensor]
+
+
+def mixed_and_alone(alone: ModelRunner, together: ModelRunner) -> tuple[Logits, Logits]:
+    """The step of `_setup`'s slices run together on `together` and one by one on `alone`: (together's
+    logits, alone's) by request."""
     slices = _setup(alone)
     assert _setup(together) == slices
     fresh = [1, 5, 6]
@@ -51,7 +53,14 @@ def test_mixed_batch_equals_each_alone(name: str, deterministic: bool) -> None:
     for i, sl in enumerate(slices):
         clears = [sl.mamba_slot] if sl.mamba_slot in fresh else []
         expected.update(forward_all_logits(alone, batch(10 + i, [sl], clears=clears)))
-    got = forward_all_logits(together, batch(10, slices, clears=fresh))
+    return forward_all_logits(together, batch(10, slices, clears=fresh)), expected
+
+
+@pytest.mark.parametrize("deterministic", [True, False])
+@pytest.mark.parametrize("name", ["rope_moe", "nope_groups2", *FAMILY_FIXTURES, *GDN_FIXTURES])
+def test_mixed_batch_equals_each_alone(name: str, deterministic: bool) -> None:
+    alone, together = runner(name, deterministic=deterministic), runner(name, deterministic=deterministic)
+    got, expected = mixed_and_alone(alone, together)
     assert set(got) == set(expected) == {"a", "b", "c", "d", "e", "f"}
     for rid in expected:
         assert max_diff(got[rid], expected[rid]) <= TOL[deterministic], rid
