@@ -144,25 +144,25 @@ def product_sites(model: nn.Module) -> Iterator[tuple[GemmOwner, GemmSite, torch
 
 def fixed_plan(model: nn.Module, methods: dict[str, GemmMethod], threads: int = 0,
                mode: str = "fixed") -> ExecutionPlan:
-    """Every product on the method `methods` names for its weight's storage; every step on `threads`
-    (0: torch's setting left alone)."""
-    keys = {GemmKey.of(site) for _, site, _ in product_sites(model)}
-    used = sorted({methods[k.storage].name for k in keys})
-    return ExecutionPlan(mode, {k: GemmRule((), (methods[k.storage].name,)) for k in keys},
+    """Every product on the method `methods` names for its weight's storage, or on the format's
+    `dequant` product where that method cannot read a site's weight (block-scaled fp8 under a per-row
+    product); every step on `threads` (0: torch's setting left alone)."""
+    device = getattr(model, "device", torch.device("cpu"))
+    chosen: dict[GemmKey, GemmMethod] = {}
+    for _, site, _ in product_sites(model):
+        key = GemmKey.of(site)
+        method = methods[site.storage_format]
+        if not method.supports(site, device) or chosen.get(key, method) is not method:
+            method = DEQUANT[site.storage_format] if site.quantized is not None else method
+        chosen[key] = method
+    used = sorted({m.name for m in chosen.values()})
+    return ExecutionPlan(mode, {k: GemmRule((), (m.name,)) for k, m in chosen.items()},
                          ((1, threads),) if threads else (), source=f"{', '.join(used)} everywhere")
 
 
 def accelerator_plan(model: nn.Module) -> ExecutionPlan:
-    """Each storage's product off the CPU (ACCELERATOR), the format's `dequant` product where that one
-    cannot read a site's weight (block-scaled fp8: `fp8_scaled` needs one scale per row)."""
-    device = getattr(model, "device", torch.device("cuda"))
-    methods = {}
-    for _, site, _ in product_sites(model):
-        method = ACCELERATOR[site.storage_format]
-        methods[GemmKey.of(site)] = method if method.supports(site, device) else DEQUANT[site.storage_format]
-    used = sorted({m.name for m in methods.values()})
-    return ExecutionPlan("fixed", {k: GemmRule((), (m.name,)) for k, m in methods.items()},
-                         source=f"{', '.join(used)} everywhere")
+    """Each storage's product off the CPU (ACCELERATOR)."""
+    return fixed_plan(model, ACCELERATOR)
 
 
 def deterministic_plan(model: nn.Module, threads: int) -> ExecutionPlan:
