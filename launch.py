@@ -162,11 +162,12 @@ def _check_quantization(args: ServerArgs) -> None:
 
 def _check_tp_layout(args: ServerArgs) -> None:
     """The model's head counts (and MLP widths) must split evenly over --tp-size ranks."""
+    from shared.families.registry import parse_config  # torch-free
+    from shared.model_config import tp_layout_error
     from shared.model_info import read_config_json
-    from worker_proc.model.config import HybridConfig, tp_layout_error  # torch-free
 
     path = args.resolved_model_path
-    cfg = HybridConfig.from_dict(read_config_json(path), os.path.join(path, "config.json"))
+    cfg = parse_config(read_config_json(path), os.path.join(path, "config.json"))
     problem = tp_layout_error(cfg, args.tp_size)
     if problem:
         raise ConfigError(problem)

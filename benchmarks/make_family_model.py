@@ -111,7 +111,7 @@ def truncate(cfg: dict, n: int) -> dict:
 
 
 def write(out_dir: str, shape: str, num_layers: int = 0, seed: int = 0) -> str:
-    from shared.architectures import parse_config
+    from shared.families.registry import parse_config
     from worker_proc.model import HybridForCausalLM
 
     cfg = dict(SHAPES[shape], torch_dtype="float32")

@@ -10,8 +10,8 @@ import json
 import os
 from dataclasses import dataclass
 
-from shared.architectures import SUPPORTED_ARCHITECTURES, summary, text_fields
 from shared.errors import ModelLoadError
+from shared.families.registry import SUPPORTED_ARCHITECTURES, summary, text_fields
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "ModelInfo", "read_config_json"]
 

@@ -13,8 +13,9 @@ import os
 import torch
 
 from shared.errors import ModelLoadError
+from shared.families.registry import parse_config
+from shared.model_config import HybridConfig
 from shared.model_info import read_config_json
-from worker_proc.model.config import HybridConfig
 from worker_proc.model.hybrid import HybridForCausalLM
 from worker_proc.model.tp import TPInfo
 from worker_proc.prequant_config import CheckpointQuant, parse_quantization_config
@@ -53,7 +54,7 @@ def resolve_dtype(name: str, device: torch.device, cfg: HybridConfig, native: bo
 
 
 def load_config(model_dir: str) -> HybridConfig:
-    return HybridConfig.from_dict(read_config_json(model_dir), os.path.join(model_dir, "config.json"))
+    return parse_config(read_config_json(model_dir), os.path.join(model_dir, "config.json"))
 
 
 def checkpoint_quantization(model_dir: str) -> CheckpointQuant | None:

@@ -25,7 +25,8 @@ import os
 import torch
 from safetensors.torch import save_file
 
-from worker_proc.model.config import HybridConfig
+from shared.families.registry import parse_config
+from shared.model_config import HybridConfig
 
 logger = logging.getLogger(__name__)
 
@@ -146,7 +147,7 @@ def _train(config: dict, weights: dict[str, torch.Tensor], steps: int, gen: torc
 def build(train_steps: int, out_dir: str = OUT_DIR) -> None:
     torch.manual_seed(SEED)
     gen = torch.Generator().manual_seed(SEED)
-    cfg = HybridConfig.from_dict(
+    cfg = parse_config(
         {**CONFIG, "time_step_limit": [0.0, float("inf")]}, "make_builtin_model.CONFIG"
     )
     weights = _init_weights(cfg, gen)

@@ -37,9 +37,9 @@ from dataclasses import dataclass
 
 import torch
 
+from shared.model_config import HybridConfig
 from worker_proc.host_memory import zeros
 from worker_proc.kernels.state_codec import QuantizedPool, StatePool, storage_dtype
-from worker_proc.model.config import HybridConfig
 from worker_proc.model.tp import AttnShard, GdnShard, MambaShard
 
 logger = logging.getLogger(__name__)

@@ -29,7 +29,7 @@ from safetensors import safe_open
 from torch import nn
 
 from shared.errors import ModelLoadError
-from worker_proc.model.config import HybridConfig
+from shared.model_config import HybridConfig
 from worker_proc.model.gemm import GemmOwner, GemmSite
 from worker_proc.model.hybrid import HybridForCausalLM
 from worker_proc.model.quantized import QuantizedWeight

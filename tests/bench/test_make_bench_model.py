@@ -15,11 +15,11 @@ from safetensors import safe_open
 
 from benchmarks.bench_model_shapes import SHAPES, bench_config, num_params, tensor_shapes
 from benchmarks.make_bench_model import main, make_bench_model
+from shared.families.registry import parse_config
 from shared.model_info import ModelInfo
 from tests.model_driver import forward_all_logits, generate_greedy
 from tokenizer_proc.tokenizer import TextTokenizer
 from worker_proc.loader import load_model
-from worker_proc.model.config import HybridConfig
 from worker_proc.model.hybrid import HybridForCausalLM
 from worker_proc.runtime import ModelRunner
 
@@ -56,7 +56,7 @@ def test_config_has_the_published_shape(shape: str) -> None:
     assert cfg["tie_word_embeddings"] is True and cfg["embedding_multiplier"] == 12.0
     assert num_params(cfg) == pytest.approx(params, rel=0.01)
     # hyssm's own model, built on the meta device (no memory), has exactly these tensors
-    model = HybridForCausalLM(HybridConfig.from_dict(cfg), torch.float32, "meta")
+    model = HybridForCausalLM(parse_config(cfg), torch.float32, "meta")
     want = {n: tuple(p.shape) for n, p in model.named_parameters()}
     assert dict(tensor_shapes(cfg)) == want
 
@@ -174,7 +174,7 @@ def test_gated_deltanet_shapes_are_the_published_ones(shape: str, gdn: int, attn
     """The Qwen shapes parse into their layer pattern and parameter count (text model; built on
     the meta device), and a reduction keeps one layer of each kind."""
     from benchmarks.make_family_model import SHAPES, truncate
-    from shared.architectures import parse_config
+    from shared.families.registry import parse_config
     from worker_proc.model import HybridForCausalLM
 
     cfg = parse_config(dict(SHAPES[shape]))

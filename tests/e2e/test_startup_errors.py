@@ -46,7 +46,7 @@ def test_unknown_architecture(tmp_path) -> None:
     res = _launch(["--port", str(free_port()), "--model-path", str(tmp_path)])
     lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
     assert res.returncode != 0 and len(lines) == 1, res.stderr
-    from shared.architectures import SUPPORTED_ARCHITECTURES
+    from shared.families.registry import SUPPORTED_ARCHITECTURES
 
     assert "LlamaForCausalLM" in lines[0] and all(a in lines[0] for a in SUPPORTED_ARCHITECTURES)
 

@@ -11,10 +11,12 @@ import torch
 from safetensors.torch import load_file
 
 from shared.errors import ModelLoadError
+from shared.families.registry import parse_config
+from shared.model_config import tp_layout_error
+from shared.model_info import read_config_json
 from tests.worker.util import FAMILY_FIXTURES, FIXTURE_NAMES, fixture_dir
 from worker_proc.loader import load_config
 from worker_proc.model import HybridForCausalLM, TPInfo
-from worker_proc.model.config import tp_layout_error
 from worker_proc.model.tp import AttnShard, MambaShard
 from worker_proc.pools import StatePools, slot_bytes
 from worker_proc.weight_files import load_weights, weight_files
@@ -65,7 +67,6 @@ def test_attention_kv_heads_replicated_when_fewer_than_ranks() -> None:
         ({"num_heads": 6, "num_kv_heads": 3}, 2, "num_key_value_heads 3"),
         ({"num_heads": 12, "num_kv_heads": 3}, 4, "not a multiple of num_key_value_heads 3"),
         ({"mamba_n_heads": 6}, 4, "mamba_n_heads 6"),
-        ({"shared_intermediate_size": 90}, 4, "shared_intermediate_size 90"),
     ],
 )
 def test_layout_errors(changes: dict, tp: int, needle: str) -> None:
@@ -73,6 +74,17 @@ def test_layout_errors(changes: dict, tp: int, needle: str) -> None:
     assert tp_layout_error(cfg, 2) is None and tp_layout_error(cfg, 4) is None
     err = tp_layout_error(dataclasses.replace(cfg, **changes), tp)
     assert err is not None and needle in err and f"--tp-size {tp}" in err
+
+
+def test_layout_error_names_the_mlp_width() -> None:
+    """An MLP width is the arrangement's (the family parsed it into the layer specs): the check names
+    the config.json field that gave it."""
+    raw = read_config_json(fixture_dir("nope_groups2"))
+    cfg = parse_config({**raw, "num_attention_heads": 8, "num_key_value_heads": 4, "mamba_n_heads": 8,
+                        "shared_intermediate_size": 90})  # fmt: skip
+    err = tp_layout_error(cfg, 4)
+    assert err is not None and "shared_intermediate_size 90" in err and "--tp-size 4" in err
+    assert tp_layout_error(cfg, 2) is None
 
 
 def test_layout_ok_and_model_refuses_bad_split() -> None:

@@ -1,4 +1,4 @@
-"""The model registry (shared/architectures.py): architectures[0] picks one family module; every
+"""The model registry (shared/families/registry.py): architectures[0] picks one family module; every
 family is assembled from the shared blocks; an unknown architecture is one line listing the
 supported ones; the family-specific spellings and checkpoint layouts load."""
 
@@ -11,8 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from shared.architectures import FAMILIES, SUPPORTED_ARCHITECTURES, parse_config, summary
 from shared.errors import ModelLoadError
+from shared.families.registry import FAMILIES, SUPPORTED_ARCHITECTURES, parse_config, summary
 from shared.model_info import ModelInfo, read_config_json
 from tests.worker.util import ALL_FIXTURES, GDN_FIXTURES, fixture_dir, reference, runner
 from worker_proc.loader import load_config, load_model
@@ -61,13 +61,13 @@ def test_family_modules_are_torch_free() -> None:
     import subprocess
     import sys
 
-    code = ("import sys; from shared.architectures import parse_config, family_module, FAMILIES; "
-            "[family_module(a) for a in FAMILIES]; assert 'torch' not in sys.modules, 'torch imported'")
+    code = ("import sys; from shared.families.registry import parse_config, FAMILIES; "
+            "assert 'torch' not in sys.modules, 'torch imported'")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     res = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=60,
                          env={**os.environ, "PYTHONPATH": root})
     assert res.returncode == 0, res.stderr
-    assert len(set(FAMILIES.values())) == 6
+    assert len({id(f) for f in FAMILIES.values()}) == 6
 
 
 def test_nemotron_pattern_and_block_type_spellings_agree() -> None:
@@ -116,7 +116,7 @@ def test_nemotron_mtp_tensors_skipped_and_per_expert_rows_checked(tmp_path, capl
 
 
 def test_tp_refuses_mlp_bias_in_one_line() -> None:
-    from worker_proc.model.config import tp_layout_error
+    from shared.model_config import tp_layout_error
 
     cfg = parse_config(dict(_config("bamba"), mlp_bias=True))
     assert tp_layout_error(cfg, 1) is None
@@ -168,7 +168,7 @@ def test_qwen_configs_refuse_bad_layouts_in_one_line() -> None:
         parse_config(dict(cfg, linear_num_key_heads=3))
     with pytest.raises(ModelLoadError, match="unknown layer_types entry 'mamba'"):
         parse_config(dict(cfg, layer_types=["mamba"] * 4))
-    from worker_proc.model.config import tp_layout_error
+    from shared.model_config import tp_layout_error
 
     parsed = parse_config(cfg)
     assert tp_layout_error(parsed, 2) is None

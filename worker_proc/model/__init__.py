@@ -1,9 +1,5 @@
-"""The hybrid Mamba2 + attention models of every registered family:
-one decoder (`hybrid`), the shared blocks, the per-family config parsers (`families/`).
-
-Names are imported lazily so that `worker_proc.model.config` (torch-free) can be read by the
-launcher's start-up checks without importing torch.
-"""
+"""The hybrid models of every registered family (shared.families): one decoder (`hybrid`) and the
+shared blocks it arranges. Names are imported lazily: importing the package loads no torch module."""
 
 from __future__ import annotations
 
@@ -11,7 +7,6 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "HybridConfig": "worker_proc.model.config",
     "HybridForCausalLM": "worker_proc.model.hybrid",
     "StepBatch": "worker_proc.model.batch",
     "TPInfo": "worker_proc.model.tp",

@@ -15,9 +15,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from shared.model_config import HybridConfig
 from worker_proc.kernels import KernelOps
 from worker_proc.model.batch import StepBatch
-from worker_proc.model.config import HybridConfig
 from worker_proc.model.layers import Linear, make_norm
 from worker_proc.model.tp import AttnShard, ShardSpec, TPInfo, attn_spec, row_parallel
 

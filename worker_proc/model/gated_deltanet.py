@@ -21,11 +21,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shared.model_config import HybridConfig
 from worker_proc.kernels import KernelOps
 from worker_proc.kernels.gated_delta import l2_normalize
 from worker_proc.kernels.state_codec import StatePool
 from worker_proc.model.batch import StepBatch
-from worker_proc.model.config import HybridConfig
 from worker_proc.model.layers import Linear, _empty
 from worker_proc.model.tp import GdnShard, ShardSpec, TPInfo, gdn_spec, row_parallel
 

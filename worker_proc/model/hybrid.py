@@ -1,7 +1,7 @@
 """`HybridForCausalLM`: one decoder for every family, assembled from the shared blocks as the
 family's `HybridConfig.layers()` arranges them, over one flattened step.
 
-Per layer, for each `Sublayer` (worker_proc.model.config):
+Per layer, for each `Sublayer` (shared.model_config):
 
     h = h + multiplier * sum(out_multiplier * block(in_multiplier * norm(h)) for block in blocks)
 
@@ -31,10 +31,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from shared.errors import ModelLoadError
+from shared.model_config import Block, HybridConfig, Sublayer, tp_layout_error
 from worker_proc.kernels import KernelOps
 from worker_proc.model.attention import Attention, rope_cos_sin
 from worker_proc.model.batch import StepBatch
-from worker_proc.model.config import Block, HybridConfig, Sublayer, tp_layout_error
 from worker_proc.model.gated_deltanet import GatedDeltaNet
 from worker_proc.model.gemm import GemmOwner, GemmSite
 from worker_proc.model.layers import GatedMLP, Linear, Relu2MLP, SparseMoE, SplitGatedMLP, _empty, make_norm

@@ -16,11 +16,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shared.model_config import HybridConfig
 from worker_proc.kernels import KernelOps
 from worker_proc.kernels.interface import SsdParams
 from worker_proc.kernels.state_codec import StatePool
 from worker_proc.model.batch import StepBatch
-from worker_proc.model.config import HybridConfig
 from worker_proc.model.layers import GatedRMSNorm, Linear, _empty
 from worker_proc.model.tp import MambaShard, ShardSpec, SpanGatedRMSNorm, TPInfo, mamba_spec, row_parallel
 

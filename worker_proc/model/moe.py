@@ -20,7 +20,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from worker_proc.model.config import HybridConfig
+from shared.model_config import HybridConfig
 from worker_proc.model.gemm import GemmOwner, GemmSite
 from worker_proc.model.layers import Linear, Relu2MLP, _empty, expert_groups, expert_site
 from worker_proc.model.shard import ShardSpec, TPInfo, column_spec

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker_proc.model.config import HybridConfig
+from shared.model_config import HybridConfig
 from worker_proc.model.layers import Linear, _empty
 from worker_proc.model.shard import Range, ShardSpec, TPInfo, column_spec
 

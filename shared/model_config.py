@@ -1,9 +1,9 @@
 """`HybridConfig`: the frozen, validated model description every family's `config.json` becomes.
 
-Torch-free (the launcher's start-up checks read it). Parsed once by
-the loader through the model registry (`shared/architectures.py`): `config.json`'s
-`architectures[0]` names a family module under `worker_proc/model/families/`, whose `parse`
-turns the family's field names into this one shape. Every module reads its sizes from here.
+Torch-free (the launcher's start-up checks read it). Made by the model registry
+(`shared.families.registry.parse_config`): `config.json`'s `architectures[0]` names a family module
+under `shared/families/`, whose parser turns the family's field names into this one shape. Every
+module of the model reads its sizes from here.
 
 A model is a stack of layers; a layer is a sequence of `Sublayer`s, each
     h = h + multiplier * sum(block(norm(h)) for block in blocks)
@@ -14,7 +14,6 @@ blocks are never copied per family.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 BLOCK_KINDS = ("mamba", "attention", "gdn", "fused_gated_mlp", "gated_mlp", "relu2_mlp", "softmax_moe", "sigmoid_moe",
@@ -85,8 +84,7 @@ class HybridConfig:
     logits_scaling: float
     tie_word_embeddings: bool
     torch_dtype: str
-    # layout: None = the GraniteMoeHybrid arrangement built from the fields above (`layers()`)
-    layer_specs: tuple[tuple[Sublayer, ...], ...] | None = None
+    layer_specs: tuple[tuple[Sublayer, ...], ...]  # per layer, its sublayers (the family's arrangement)
     rotary_dim: int = 0  # channels of each head that RoPE rotates (0 = head_dim)
     key_multiplier: float = 1.0  # on K before it is cached
     lm_head_multiplier: float = 1.0  # on the logits
@@ -153,29 +151,11 @@ class HybridConfig:
         return self.rotary_dim or self.head_dim
 
     def layers(self) -> tuple[tuple[Sublayer, ...], ...]:
-        """The sublayers of every layer (`layer_specs`, or the GraniteMoeHybrid arrangement)."""
-        if self.layer_specs is not None:
-            return self.layer_specs
-        ffn = [Block("fused_gated_mlp", "shared_mlp", self.shared_intermediate_size, "shared_intermediate_size")]
-        if self.num_experts:
-            ffn.append(Block("softmax_moe", "block_sparse_moe", self.intermediate_size, "intermediate_size"))
-        m = self.residual_multiplier
-        out = []
-        for kind in self.layer_kinds:
-            mixer = Block("mamba", "mamba") if kind == "mamba" else Block("attention", "self_attn")
-            out.append((Sublayer("input_layernorm", (mixer,), m), Sublayer("post_attention_layernorm", tuple(ffn), m)))
-        return tuple(out)
+        """The sublayers of every layer, as the family arranged them."""
+        return self.layer_specs
 
     def blocks(self) -> list[Block]:
         return [b for layer in self.layers() for sub in layer for b in sub.blocks]
-
-    @staticmethod
-    def from_dict(cfg: dict, source: str = "config.json") -> HybridConfig:
-        """Validate and normalise a parsed config.json through its family's parser; raises
-        ModelLoadError naming `source` (an unknown architecture lists the supported ones)."""
-        from shared.architectures import parse_config
-
-        return parse_config(cfg, source)
 
 
 def tp_layout_error(cfg: HybridConfig, tp_size: int) -> str | None:
@@ -208,58 +188,3 @@ def tp_layout_error(cfg: HybridConfig, tp_size: int) -> str | None:
         return (f"--tp-size {tp_size} is not a multiple of num_key_value_heads {cfg.num_kv_heads} "
                 "(KV heads fewer than the ranks are replicated and must divide --tp-size)")
     return None
-
-
-def num(cfg: dict, key: str, default: float) -> float:
-    """A float field where an explicit null means the default (transformers writes nulls)."""
-    value = cfg.get(key)
-    return float(default if value is None else value)
-
-
-def max_positions(cfg: dict) -> int:
-    max_pos = cfg.get("max_position_embeddings") or 4096
-    if isinstance(max_pos, float) and math.isinf(max_pos):
-        max_pos = 1 << 20
-    return int(max_pos)
-
-
-def time_step_limit(cfg: dict, key: str = "time_step_limit") -> tuple[float, float]:
-    tsl = cfg.get(key) or (0.0, math.inf)
-    return float(tsl[0]), float(tsl[1])
-
-
-def rotary_fraction(cfg: dict, default: float = 1.0) -> float:
-    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    value = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
-    return float(default if value is None else value)
-
-
-def rope_theta(cfg: dict, enabled: bool) -> float | None:
-    """The default-RoPE base when `enabled` (only rope_type 'default' is supported)."""
-    if not enabled:
-        return None
-    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type != "default":
-        raise ValueError(f"unsupported rope_type {rope_type!r} (only 'default')")
-    return float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
-
-
-def check_mamba(heads: int, groups: int, d_head: int, inner: int,
-                fields: tuple[str, str, str] = ("mamba_n_heads", "mamba_n_groups", "mamba_d_head")) -> None:
-    """`fields`: the family's names of the head count, group count and head dim."""
-    if d_head * heads != inner:
-        raise ValueError(f"{fields[2]} {d_head} * {fields[0]} {heads} != mamba intermediate {inner}")
-    if heads % groups:
-        raise ValueError(f"{fields[1]} {groups} does not divide {fields[0]} {heads}")
-
-
-def check_attention(heads: int, kv_heads: int) -> None:
-    if heads % kv_heads:
-        raise ValueError(f"num_key_value_heads {kv_heads} does not divide num_attention_heads {heads}")
-
-
-def check_act(cfg: dict, key: str, allowed: str) -> None:
-    act = cfg.get(key, allowed)
-    if act != allowed:
-        raise ValueError(f"unsupported {key} {act!r} (only {allowed!r})")

@@ -6,18 +6,10 @@ final norm `model.final_layernorm` maps onto the shared `model.norm`."""
 
 from __future__ import annotations
 
-from worker_proc.model.config import (
-    Block,
-    HybridConfig,
-    Sublayer,
-    check_act,
-    check_attention,
-    max_positions,
-    num,
-    rope_theta,
-    rotary_fraction,
-)
-from worker_proc.model.families.common import NO_GRANITE_MLP, UNIT_SCALARS, dtype_name, mamba_fields
+from shared.families.common import NO_GRANITE_MLP, UNIT_SCALARS, dtype_name, mamba_fields
+from shared.families.family import Family
+from shared.families.fields import check_act, check_attention, max_positions, num, rope_theta, rotary_fraction
+from shared.model_config import Block, HybridConfig, Sublayer
 
 RENAMES = ((r"^model\.final_layernorm\.", "model.norm."),)
 
@@ -79,3 +71,6 @@ def parse(cfg: dict, arch: str) -> HybridConfig:
         **NO_GRANITE_MLP,
         **UNIT_SCALARS,
     )
+
+
+FAMILY = Family(parse, layer_kinds)

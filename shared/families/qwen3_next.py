@@ -20,18 +20,10 @@ The final norm is zero-centred too.
 
 from __future__ import annotations
 
-from worker_proc.model.config import (
-    Block,
-    HybridConfig,
-    Sublayer,
-    check_act,
-    check_attention,
-    max_positions,
-    num,
-    rope_theta,
-    rotary_fraction,
-)
-from worker_proc.model.families.common import NO_GRANITE_MLP, UNIT_SCALARS, dtype_name
+from shared.families.common import NO_GRANITE_MLP, UNIT_SCALARS, dtype_name
+from shared.families.family import Family
+from shared.families.fields import check_act, check_attention, max_positions, num, rope_theta, rotary_fraction
+from shared.model_config import Block, HybridConfig, Sublayer
 
 WRAPPERS = ("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration")
 MOE_EVERY_LAYER = ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration")
@@ -149,3 +141,6 @@ def parse(raw: dict, arch: str) -> HybridConfig:
         **NO_GRANITE_MLP,
         **UNIT_SCALARS,
     )
+
+
+FAMILY = Family(parse, layer_kinds, context=context, text_config=text_config)

@@ -8,17 +8,10 @@ The Mamba dt is clamped below at `time_step_min` (as the reference's chunked sca
 
 from __future__ import annotations
 
-from worker_proc.model.config import (
-    Block,
-    HybridConfig,
-    Sublayer,
-    check_act,
-    check_attention,
-    check_mamba,
-    max_positions,
-    num,
-)
-from worker_proc.model.families.common import NO_GRANITE_MLP, UNIT_SCALARS, dtype_name
+from shared.families.common import NO_GRANITE_MLP, UNIT_SCALARS, dtype_name
+from shared.families.family import Family
+from shared.families.fields import check_act, check_attention, check_mamba, max_positions, num
+from shared.model_config import Block, HybridConfig, Sublayer
 
 _PATTERN = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
 _TYPES = {"mamba": "mamba", "linear_attention": "mamba", "attention": "attention", "full_attention": "attention",
@@ -118,3 +111,6 @@ def parse(cfg: dict, arch: str) -> HybridConfig:
         **NO_GRANITE_MLP,
         **UNIT_SCALARS,
     )
+
+
+FAMILY = Family(parse, layer_kinds)

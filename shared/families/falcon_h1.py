@@ -9,9 +9,11 @@ attention layer. The final norm `model.final_layernorm` maps onto the shared `mo
 
 from __future__ import annotations
 
-from worker_proc.model.config import Block, HybridConfig, Sublayer, check_act, max_positions, num
-from worker_proc.model.families.bamba import RENAMES, attention_fields
-from worker_proc.model.families.common import NO_GRANITE_MLP, dtype_name, mamba_fields
+from shared.families.bamba import RENAMES, attention_fields
+from shared.families.common import NO_GRANITE_MLP, dtype_name, mamba_fields
+from shared.families.family import Family
+from shared.families.fields import check_act, max_positions, num
+from shared.model_config import Block, HybridConfig, Sublayer
 
 
 def _floats(cfg: dict, key: str, n: int) -> tuple[float, ...]:
@@ -69,3 +71,6 @@ def parse(cfg: dict, arch: str) -> HybridConfig:
         **mamba_fields(cfg, inner),
         **NO_GRANITE_MLP,
     )
+
+
+FAMILY = Family(parse, layer_kinds)

@@ -3,7 +3,7 @@ attention (or without Mamba) leaves unset, and the `mamba_*` fields several fami
 
 from __future__ import annotations
 
-from worker_proc.model.config import check_mamba, time_step_limit
+from shared.families.fields import check_mamba, time_step_limit
 
 NO_ATTENTION = dict(
     num_heads=0, num_kv_heads=0, head_dim=0, attention_bias=False, attention_multiplier=1.0, rope_theta=None,

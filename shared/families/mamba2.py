@@ -7,20 +7,17 @@ float32; in 16-bit the residual stays in the model dtype."""
 
 from __future__ import annotations
 
-from worker_proc.model.config import (
-    Block,
-    HybridConfig,
-    Sublayer,
-    check_act,
-    check_mamba,
-    max_positions,
-    num,
-    time_step_limit,
-)
-from worker_proc.model.families.common import NO_ATTENTION, NO_GRANITE_MLP, UNIT_SCALARS, dtype_name
-from worker_proc.model.families.nemotron_h import RENAMES
+from shared.families.common import NO_ATTENTION, NO_GRANITE_MLP, UNIT_SCALARS, dtype_name
+from shared.families.family import Family
+from shared.families.fields import check_act, check_mamba, max_positions, num, time_step_limit
+from shared.families.nemotron_h import RENAMES
+from shared.model_config import Block, HybridConfig, Sublayer
 
 DEFAULT_CONTEXT = 1 << 16  # a Mamba2 config names no context limit; --context-length overrides
+
+
+def context(cfg: dict) -> int:
+    return max_positions(cfg) if cfg.get("max_position_embeddings") else DEFAULT_CONTEXT
 
 
 def layer_kinds(cfg: dict) -> tuple[str, ...]:
@@ -41,7 +38,7 @@ def parse(cfg: dict, arch: str) -> HybridConfig:
         hidden_size=hidden,
         layer_kinds=layer_kinds(cfg),
         rms_norm_eps=num(cfg, "layer_norm_epsilon", 1e-5),
-        max_position_embeddings=max_positions(cfg) if cfg.get("max_position_embeddings") else DEFAULT_CONTEXT,
+        max_position_embeddings=context(cfg),
         mamba_n_heads=heads,
         mamba_n_groups=groups,
         mamba_d_state=int(cfg.get("state_size", 128)),
@@ -62,3 +59,6 @@ def parse(cfg: dict, arch: str) -> HybridConfig:
         **NO_GRANITE_MLP,
         **UNIT_SCALARS,
     )
+
+
+FAMILY = Family(parse, layer_kinds, context=context)
