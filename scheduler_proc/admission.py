@@ -1,14 +1,16 @@
 """Admission: which waiting requests join the running batch this round, and what they may take.
 
 One hop for every admission question:
-- the budget (`round_budget`): KV tokens (free + evictable, minus what running requests reserve for
+- the budget (`Admission.budget`): KV tokens (free + evictable, minus what running requests reserve for
   their future tokens, `reserve`), Mamba state slots (free + evictable), the round's prefill tokens
   left after chunk continuations, free running slots, the chunk size;
 - `PrefillAdder`: pure arithmetic over that snapshot, one request at a time; it never allocates or
   touches the cache. Results: CONTINUE (granted), NO_TOKEN (out of memory: sets the full-batch latch),
   OTHER (a per-round budget is used up: deferred, no latch);
-- the loop (`admit`): in queue order, peek the request's cache match, ask the adder, then take the
-  slots (`ReqResources.start`) and move the request to RUNNING (`Scheduler.transition`).
+- the loop (`Admission.admit`): in queue order, peek the request's cache match, ask the adder, then
+  take the slots (`ReqResources.start`) and move the request to RUNNING (`Running.start`).
+`Admission` holds what it works with (the waiting queue, the retry policy, the resources, the
+metrics, the round's limits) and sees the running set only through `Running`, a narrow view.
 
 Rules: the adder is asked *before* anything is locked, allocated or copied for a request, and
 `rollback` undoes its grant if a later step fails (the state or KV allocation, a copy-on-write
@@ -22,17 +24,18 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
-from scheduler_proc.request import Req, ReqStatus
+from scheduler_proc.batch import BatchBuilder
+from scheduler_proc.metrics import SchedulerMetrics
+from scheduler_proc.radix_cache import PeekResult
+from scheduler_proc.request import Req, WaitingQueue
+from scheduler_proc.resources import ReqResources
+from scheduler_proc.retry import RetryPolicy
 from shared.errors import MambaCowAllocError
-
-if TYPE_CHECKING:
-    from scheduler_proc.batch import BatchBuilder
-    from scheduler_proc.radix_cache import PeekResult
-    from scheduler_proc.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -146,76 +149,112 @@ class PrefillAdder:
 
 
 # ---------------------------------------------------------------------- the round's budget and loop
-def reserve(s: Scheduler, r: Req) -> int:
+class Running(Protocol):
+    """What admission sees of the running set (the Scheduler satisfies it): the running requests, a
+    version that changes exactly when the set does, the share of max_new_tokens reserved for their
+    future tokens, and the one door by which an admitted request becomes RUNNING."""
+
+    @property
+    def running(self) -> Mapping[str, Req]: ...
+    @property
+    def running_version(self) -> int: ...
+    @property
+    def new_token_ratio(self) -> float: ...
+    def start(self, r: Req) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionLimits:
+    """The round's fixed limits: prefill tokens per round, the chunk size, running requests at most,
+    and whether a request needs a state slot (the model has recurrent layers)."""
+
+    max_prefill_tokens: int
+    chunk_size: int
+    max_running: int
+    needs_state: bool
+
+
+def reserve(r: Req, ratio: float) -> int:
     """KV tokens held back for a running request's future: known tokens without a slot yet, plus
     an estimate of the output still to come."""
     rest_new = r.max_new_tokens - r.num_output - 1
-    return len(r.tokens) - len(r.kv_slots) + reserve_new_tokens(rest_new, s.new_token_ratio)
+    return len(r.tokens) - len(r.kv_slots) + reserve_new_tokens(rest_new, ratio)
 
 
-def round_budget(s: Scheduler, prefill_used: int) -> AdderBudget:
-    """The snapshot admission draws from, after running requests took `prefill_used` prefill tokens."""
-    reserved = sum(reserve(s, r) for r in s.running.values())
-    a = s.args
-    return AdderBudget(
-        kv=s.res.available_kv() - reserved,
-        states=s.res.available_states(),
-        prefill_tokens=a.max_prefill_tokens - prefill_used,
-        running_slots=s.max_running - len(s.running),
-        chunk_size=a.chunked_prefill_size,
-        new_token_ratio=s.new_token_ratio,
-        needs_state=s.track_states,
-    )
+@dataclass
+class Admission:
+    """The admission loop and its budget over the scheduler's waiting queue, retry policy and
+    resources (see the module doc). `adder_factory` is replaceable for scripted tests."""
 
+    waiting: WaitingQueue
+    retry: RetryPolicy
+    res: ReqResources
+    metrics: SchedulerMetrics
+    limits: AdmissionLimits
+    adder_factory: Callable[[AdderBudget], PrefillAdder] = field(default=PrefillAdder)
 
-def admit(s: Scheduler, b: BatchBuilder, prefill_used: int) -> None:
-    """Admit waiting requests in queue order into batch `b` until one is refused or deferred."""
-    head = s.waiting.peek()
-    s.retry.begin_round(s.running_version, not s.running, head.seq if head is not None else None)
-    if head is None:
-        return
-    if not s.retry.should_attempt():
-        s.metrics.inc("hyssm_admission_rounds_total", outcome="latched")
-        return
-    s.metrics.inc("hyssm_admission_rounds_total", outcome="attempted")
-    adder = s.adder_factory(round_budget(s, prefill_used))
-    while (r := s.waiting.peek()) is not None:
-        peek = s.res.peek(r)
-        s.metrics.inc("hyssm_admission_attempts_total")
-        if r.refusals:
-            s.metrics.inc("hyssm_admission_retries_total")
-        result, grant = adder.add_one_req(r, peek, _chunk_cap(s, r, peek))
-        if result is AddResult.NO_TOKEN and not s.running and peek.has_state:
-            peek = s.res.fresh_peek(r)  # idle and the hit itself cannot be afforded: start fresh
-            result, grant = adder.add_one_req(r, peek, _chunk_cap(s, r, peek))
-        if result is AddResult.OTHER:
-            s.metrics.inc("hyssm_admission_deferred_total", reason=adder.refusal_reason)
+    def budget(self, view: Running, prefill_used: int) -> AdderBudget:
+        """The snapshot admission draws from, after running requests took `prefill_used` prefill tokens."""
+        ratio = view.new_token_ratio
+        reserved = sum(reserve(r, ratio) for r in view.running.values())
+        lim = self.limits
+        return AdderBudget(
+            kv=self.res.available_kv() - reserved,
+            states=self.res.available_states(),
+            prefill_tokens=lim.max_prefill_tokens - prefill_used,
+            running_slots=lim.max_running - len(view.running),
+            chunk_size=lim.chunk_size,
+            new_token_ratio=ratio,
+            needs_state=lim.needs_state,
+        )
+
+    def admit(self, view: Running, b: BatchBuilder, prefill_used: int) -> None:
+        """Admit waiting requests in queue order into batch `b` until one is refused or deferred."""
+        head = self.waiting.peek()
+        self.retry.begin_round(view.running_version, not view.running, head.seq if head is not None else None)
+        if head is None:
             return
-        if result is AddResult.NO_TOKEN or grant is None:
-            record_refusal(s, r, adder.refusal_reason or "kv")
+        if not self.retry.should_attempt():
+            self.metrics.inc("hyssm_admission_rounds_total", outcome="latched")
             return
-        try:
-            reason = s.res.start(r, peek, grant.chunk, b)
-        except MambaCowAllocError as e:  # an ordinary refusal (retry.py), never fatal
-            logger.debug("admission of %s refused: %s", r.rid, e)
-            reason = "cow_alloc"
-        if reason:
-            adder.rollback(grant)
-            record_refusal(s, r, reason)
-            return
-        s.transition(r, ReqStatus.RUNNING)
-        b.add(r, grant.chunk, prefill=True, admitted=True)
+        self.metrics.inc("hyssm_admission_rounds_total", outcome="attempted")
+        adder = self.adder_factory(self.budget(view, prefill_used))
+        res = self.res
+        while (r := self.waiting.peek()) is not None:
+            peek = res.peek(r)
+            self.metrics.inc("hyssm_admission_attempts_total")
+            if r.refusals:
+                self.metrics.inc("hyssm_admission_retries_total")
+            result, grant = adder.add_one_req(r, peek, self._chunk_cap(r, peek))
+            if result is AddResult.NO_TOKEN and not view.running and peek.has_state:
+                peek = res.fresh_peek(r)  # idle and the hit itself cannot be afforded: start fresh
+                result, grant = adder.add_one_req(r, peek, self._chunk_cap(r, peek))
+            if result is AddResult.OTHER:
+                self.metrics.inc("hyssm_admission_deferred_total", reason=adder.refusal_reason)
+                return
+            if result is AddResult.NO_TOKEN or grant is None:
+                self.record_refusal(r, adder.refusal_reason or "kv")
+                return
+            try:
+                reason = res.start(r, peek, grant.chunk, b)
+            except MambaCowAllocError as e:  # an ordinary refusal (retry.py), never fatal
+                logger.debug("admission of %s refused: %s", r.rid, e)
+                reason = "cow_alloc"
+            if reason:
+                adder.rollback(grant)
+                self.record_refusal(r, reason)
+                return
+            view.start(r)
+            b.add(r, grant.chunk, prefill=True, admitted=True)
 
+    def _chunk_cap(self, r: Req, peek: PeekResult) -> int:
+        """The first chunk ends at the first split point (O(1): asked on every retry)."""
+        split = self.res.first_split(r, peek)
+        return split - peek.prefix_len if split is not None else len(r.tokens)
 
-def _chunk_cap(s: Scheduler, r: Req, peek: PeekResult) -> int:
-    """The first chunk ends at the first split point (O(1): asked on every retry)."""
-    split = s.res.first_split(r, peek)
-    return split - peek.prefix_len if split is not None else len(r.tokens)
-
-
-def record_refusal(s: Scheduler, r: Req, reason: str) -> None:
-    """Admission of `r` was refused for memory (here, or by a worker refusing its copy-on-write):
-    count it and set the full-batch latch."""
-    r.refusals += 1
-    s.metrics.inc("hyssm_admission_refusals_total", reason=reason)
-    s.retry.on_no_token(r.seq)
+    def record_refusal(self, r: Req, reason: str) -> None:
+        """Admission of `r` was refused for memory (here, or by a worker refusing its copy-on-write):
+        count it and set the full-batch latch."""
+        r.refusals += 1
+        self.metrics.inc("hyssm_admission_refusals_total", reason=reason)
+        self.retry.on_no_token(r.seq)

@@ -1,19 +1,52 @@
 """Read-only views of a Scheduler: the global integrity check, and its SchedulerInfo (the data of
-/get_server_info and /metrics)."""
+/get_server_info and /metrics). They read the scheduler through `SchedulerState`, the fields a
+view may look at (the Scheduler satisfies it)."""
 
 from __future__ import annotations
 
 from collections import Counter
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from typing import Any, Protocol
 
-from scheduler_proc.request import ReqStatus
+from scheduler_proc.batch import InFlight
+from scheduler_proc.metrics import SchedulerMetrics
+from scheduler_proc.request import Req, ReqStatus, WaitingQueue
+from scheduler_proc.resources import ReqResources
+from scheduler_proc.retry import RetryPolicy
+from shared.config import ServerArgs
 from shared.messages import SchedulerInfo, ServerState
 
-if TYPE_CHECKING:
-    from scheduler_proc.scheduler import Scheduler
+
+class SchedulerState(Protocol):
+    """What the views read of a scheduler."""
+
+    @property
+    def args(self) -> ServerArgs: ...
+    @property
+    def context_length(self) -> int: ...
+    @property
+    def in_flight(self) -> InFlight | None: ...
+    @property
+    def max_running(self) -> int: ...
+    @property
+    def metrics(self) -> SchedulerMetrics: ...
+    @property
+    def new_token_ratio(self) -> float: ...
+    @property
+    def reqs(self) -> Mapping[str, Req]: ...
+    @property
+    def res(self) -> ReqResources: ...
+    @property
+    def retry(self) -> RetryPolicy: ...
+    @property
+    def running(self) -> Mapping[str, Req]: ...
+    @property
+    def track_states(self) -> bool: ...
+    @property
+    def waiting(self) -> WaitingQueue: ...
 
 
-def check_scheduler(s: Scheduler) -> None:
+def check_scheduler(s: SchedulerState) -> None:
     """Every KV/state slot is free, owned by exactly one running request, or held by one tree node;
     lock counts equal the holds of running requests; waiting requests hold nothing. Raises
     AssertionError naming the first violation."""
@@ -45,7 +78,7 @@ def _check_cover(alloc: Any, owner: dict[int, str], kind: str) -> None:
     assert all(0 < slot <= alloc.capacity for slot in owner), f"{kind} id out of range"
 
 
-def _check_requests(s: Scheduler) -> None:
+def _check_requests(s: SchedulerState) -> None:
     assert len(s.waiting) + len(s.running) == len(s.reqs), (
         f"{len(s.waiting)} waiting + {len(s.running)} running != {len(s.reqs)} requests"
     )
@@ -68,7 +101,7 @@ def _check_requests(s: Scheduler) -> None:
             assert s.running.get(e.req.rid) is e.req, f"in-flight {e.req} is not running"
 
 
-def _check_locks(s: Scheduler) -> None:
+def _check_locks(s: SchedulerState) -> None:
     cache = s.res.cache
     holds = Counter(id(r.node) for r in s.running.values() if r.node is not cache.root)
     state_holds = Counter(id(r.cow_node) for r in s.running.values() if r.cow_node is not None)
@@ -78,7 +111,7 @@ def _check_locks(s: Scheduler) -> None:
         assert node.state_lock == state_holds.get(id(node), 0), f"{node}: state lock without a pending copy"
 
 
-def server_info(s: Scheduler) -> SchedulerInfo:
+def server_info(s: SchedulerState) -> SchedulerInfo:
     res, cache, m = s.res, s.res.cache, s.metrics
     kv_req = sum(len(r.kv_slots) - r.tree_len for r in s.running.values())
     st_req = sum(1 for r in s.running.values() if r.mamba_slot is not None)

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from scheduler_proc.radix_check import check_tree
 from scheduler_proc.radix_node import LruHeap, TreeNode, common_prefix_len
 from shared.errors import MambaCowAllocError
 
@@ -382,6 +383,6 @@ class HybridRadixCache:
         return node.kv_lock - sum(c.kv_lock for c in node.children.values())
 
     def check_integrity(self) -> None:
-        from scheduler_proc.radix_check import check_tree
-
-        check_tree(self)
+        counters = {"kv_total": self.kv_total, "kv_evictable": self.kv_evictable, "states_total": self.states_total,
+                    "states_evictable": self.states_evictable, "num_locked_nodes": self.num_locked_nodes}  # fmt: skip
+        check_tree(self.root, self._nodes, self.track_states, counters)

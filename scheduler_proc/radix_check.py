@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
 
-if TYPE_CHECKING:
-    from scheduler_proc.radix_cache import HybridRadixCache
+from scheduler_proc.radix_node import TreeNode
 
 
-def check_tree(cache: HybridRadixCache) -> None:
-    """Raise AssertionError naming the first broken rule: shape, lock counts, counters, slot uniqueness."""
-    root = cache.root
+def check_tree(root: TreeNode, registry: Mapping[int, TreeNode], track_states: bool,
+               counters: Mapping[str, int]) -> None:
+    """Raise AssertionError naming the first broken rule: shape, lock counts, counters, slot uniqueness.
+    `registry`: the tree's nodes by id; `counters`: the tree's kept counts (kv_total, kv_evictable,
+    states_total, states_evictable, num_locked_nodes), each checked against a recount."""
     assert root.parent is None and not root.key and root.state is None, "bad root"
     seen: dict[int, object] = {}
     kv_total = kv_evictable = states = states_evictable = locked = 0
@@ -25,7 +26,7 @@ def check_tree(cache: HybridRadixCache) -> None:
         assert parent.children.get(node.key[0]) is node, f"{node} not indexed under its first token"
         assert node.end == parent.end + len(node.key), f"{node}: end inconsistent with its parent"
         assert node.nid not in seen, f"{node} reachable twice"
-        assert cache._nodes.get(node.nid) is node, f"{node} missing from the node registry"
+        assert registry.get(node.nid) is node, f"{node} missing from the node registry"
         seen[node.nid] = node
         child_locks = sum(c.kv_lock for c in node.children.values())
         assert node.kv_lock >= child_locks, f"{node}: kv_lock below its children's sum {child_locks}"
@@ -41,20 +42,15 @@ def check_tree(cache: HybridRadixCache) -> None:
         else:
             locked += 1
         if node.state is not None:
-            assert cache.track_states, f"{node} has a state in an attention-only cache"
+            assert track_states, f"{node} has a state in an attention-only cache"
             assert node.state not in state_seen, f"state slot {node.state} held twice by the tree"
             state_seen.add(node.state)
             states += 1
             if node.state_lock == 0:
                 states_evictable += 1
         stack.extend(node.children.values())
-    assert len(seen) == len(cache._nodes), f"{len(cache._nodes) - len(seen)} registered nodes unreachable"
-    counters = {
-        "kv_total": (cache.kv_total, kv_total),
-        "kv_evictable": (cache.kv_evictable, kv_evictable),
-        "states_total": (cache.states_total, states),
-        "states_evictable": (cache.states_evictable, states_evictable),
-        "num_locked_nodes": (cache.num_locked_nodes, locked),
-    }
-    for name, (kept, actual) in counters.items():
-        assert kept == actual, f"radix cache counter {name} = {kept}, recount {actual}"
+    assert len(seen) == len(registry), f"{len(registry) - len(seen)} registered nodes unreachable"
+    recount = {"kv_total": kv_total, "kv_evictable": kv_evictable, "states_total": states,
+               "states_evictable": states_evictable, "num_locked_nodes": locked}  # fmt: skip
+    for name, actual in recount.items():
+        assert counters[name] == actual, f"radix cache counter {name} = {counters[name]}, recount {actual}"

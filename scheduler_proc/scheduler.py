@@ -14,10 +14,9 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 
-from scheduler_proc.admission import AdderBudget, PrefillAdder, admit, record_refusal, reserve, round_budget
+from scheduler_proc.admission import Admission, AdmissionLimits, PrefillAdder, reserve
 from scheduler_proc.batch import BatchBuilder, InFlight, SliceEntry
 from scheduler_proc.introspect import check_scheduler, server_info
 from scheduler_proc.metrics import SchedulerMetrics
@@ -67,8 +66,6 @@ class Scheduler:
         self.metrics = SchedulerMetrics()
         self.retry = RetryPolicy.for_config(args, model)
         self.max_running = clamp_max_running(args.max_running_requests, mamba_capacity, self.track_states)
-        # replaceable for scripted tests: builds the round's adder from its budget snapshot
-        self.adder_factory: Callable[[AdderBudget], PrefillAdder] = PrefillAdder
         self.reqs: dict[str, Req] = {}
         self._reuse: dict[str, Req] = {}  # rid -> request waiting for the aborted holder of its rid to leave
         # preemption implies priority order: under FCFS a retracted (older) victim would sort before the
@@ -77,6 +74,9 @@ class Scheduler:
         self.running: dict[str, Req] = {}
         self.running_version = 0  # changes exactly when the running set does (in `transition`)
         self.new_token_ratio = self.tuning.init_ratio
+        limits = AdmissionLimits(args.max_prefill_tokens, args.chunked_prefill_size, self.max_running,
+                                 self.track_states)  # fmt: skip
+        self.admission = Admission(self.waiting, self.retry, self.res, self.metrics, limits)
         self._seq = itertools.count()
         self._step = 0
         self.in_flight: InFlight | None = None
@@ -156,7 +156,7 @@ class Scheduler:
                 if result != "exists":
                     self.metrics.inc("hyssm_checkpoints_total", result=result)
         prefill_used = self._schedule_running(b)
-        admit(self, b, prefill_used)
+        self.admission.admit(self, b, prefill_used)
         self.new_token_ratio = max(self.tuning.min_ratio, self.new_token_ratio - self.tuning.decay)
         if not b.entries:
             assert not b.ckpt_copies and not b.cow_copies, "state ops without a request to run them"
@@ -193,13 +193,13 @@ class Scheduler:
             victims = [r for r in self.running.values() if r.priority < head.priority]
             if not victims:
                 return
-            budget = round_budget(self, 0)
+            budget = self.admission.budget(self, 0)
             kv, states = PrefillAdder(budget).need(head, self.res.peek(head))
             short_kv, short_states = kv - budget.kv, states - budget.states
             short_running = 1 - budget.running_slots
             if short_kv <= 0 and short_states <= 0 and short_running <= 0:
                 return
-            gain_kv = sum(len(r.kv_slots) - r.tree_len + reserve(self, r) for r in victims)
+            gain_kv = sum(len(r.kv_slots) - r.tree_len + reserve(r, self.new_token_ratio) for r in victims)
             if short_kv > gain_kv or short_states > len(victims) or short_running > len(victims):
                 return
             self._retract(self._pick_victim(victims), "priority")
@@ -264,7 +264,7 @@ class Scheduler:
         """A worker refused the slice's copy-on-write: roll back exactly like NO_TOKEN."""
         r = e.req
         self.res.undo_slice(r, e)
-        record_refusal(self, r, "worker_refusal")
+        self.admission.record_refusal(r, "worker_refusal")
         if e.admitted:
             self.transition(r, ReqStatus.WAITING)
 
@@ -332,6 +332,10 @@ class Scheduler:
         return token_out(r, new or [], reason, matched=matched, logprobs=logprobs, error=error, top=top)
 
     # ------------------------------------------------------------------ the one status change
+    def start(self, r: Req) -> None:
+        """The admitted queue head becomes RUNNING (admission's door into the running set)."""
+        self.transition(r, ReqStatus.RUNNING)
+
     def transition(self, r: Req, to: ReqStatus, donate: bool = False, keep: bool = False) -> None:
         """Move `r` from its status to `to` (WAITING <-> RUNNING, either -> FINISHED), never while
         its slice is in flight. Leaving RUNNING gives back everything it holds (`donate`: its

@@ -3,7 +3,7 @@ list of id lists) and/or `sampling_params.n` > 1.
 
 Each prompt x choice is one request (rid `<rid>-<index>`, index `prompt_index * n + i`, choice i of
 a seeded request with seed + i), run through `choices.respond_choices` (the prompt computed once
-per prompt). The answer is a JSON list of the single-request objects (native.py) in index order;
+per prompt). The answer is a JSON list of the single-request objects (native_format.py) in index order;
 streamed, every event is one choice's object (cumulative text) with its `index`.
 """
 
@@ -24,7 +24,7 @@ from tokenizer_proc.errors import bad_request
 from tokenizer_proc.flow import Accumulated, ended
 from tokenizer_proc.generation import Piece
 from tokenizer_proc.http_util import sse
-from tokenizer_proc.native import _payload, error_of
+from tokenizer_proc.native_format import error_of, payload
 from tokenizer_proc.prepare import MAX_N, prepare_generate
 from tokenizer_proc.schemas import GenerateBody, NativeSamplingParams
 from tokenizer_proc.tokenizer import TextTokenizer
@@ -77,13 +77,13 @@ async def _frames(reqs: list[PreparedRequest], pieces: AsyncGenerator[tuple[int,
             if err is not None:
                 yield sse(err.body())
                 break
-            yield sse({**_payload(reqs[pos], accs[pos], started), "index": reqs[pos].index})
+            yield sse({**payload(reqs[pos], accs[pos], started), "index": reqs[pos].index})
 
 
 async def respond_batch(ctx: AppContext, reqs: list[PreparedRequest], request: Request, started: float) -> Response:
-    def payload(accs: list[Accumulated]) -> list[dict[str, Any]]:
-        return [_payload(r, a, started) for r, a in sorted(zip(reqs, accs, strict=True), key=lambda x: x[0].index)]
+    def payloads(accs: list[Accumulated]) -> list[dict[str, Any]]:
+        return [payload(r, a, started) for r, a in sorted(zip(reqs, accs, strict=True), key=lambda x: x[0].index)]
 
     return await respond_choices(ctx, reqs, request, lambda pieces: _events(reqs, pieces, started), error_of,
-                                 payload)
+                                 payloads)
 

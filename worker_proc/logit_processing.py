@@ -14,12 +14,21 @@ Logprobs are still reported under the raw distribution (sampling.py); these only
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import torch
 
-if TYPE_CHECKING:
-    from worker_proc.sampling import SampleRequest
+from shared.messages import SamplingParams
+
+
+@dataclass(frozen=True)
+class SampleRequest:
+    """What rank 0 knows of one request when it picks its next token."""
+
+    rid: str
+    params: SamplingParams
+    output_len: int
+    history: list[int] | None = None  # prompt + output tokens so far (only with params.needs_history)
 
 
 def _counts(rows: list[int], reqs: Sequence[SampleRequest], vocab: int, device: torch.device,

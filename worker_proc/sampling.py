@@ -12,23 +12,14 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
 from shared.messages import SamplingParams
-from worker_proc.logit_processing import process_logits
+from worker_proc.logit_processing import SampleRequest, process_logits
 
 _GREEDY = SamplingParams(temperature=0.0)
 _MASK64 = (1 << 63) - 1
-
-
-@dataclass(frozen=True)
-class SampleRequest:
-    rid: str
-    params: SamplingParams
-    output_len: int
-    history: list[int] | None = None  # prompt + output tokens so far (only with params.needs_history)
 
 
 def draw_seed(params: SamplingParams, rid: str, output_len: int, base_seed: int) -> int:

@@ -74,7 +74,7 @@ def install(sched: Scheduler, script: list[AddResult]) -> dict[str, list[Any]]:
         log["rounds"].append(budget)
         return StandInAdder(it, log)
 
-    sched.adder_factory = factory  # type: ignore[assignment]
+    sched.admission.adder_factory = factory  # type: ignore[assignment]
     return log
 
 
