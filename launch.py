@@ -42,7 +42,8 @@ _STARTUP_MARGIN_S = 5.0
 _HELP = {
     "model_path": "checkpoint directory (config.json + *.safetensors); 'builtin' = the shipped tiny model",
     "max_total_tokens": "KV token slots per rank (0 = from the memory budget)",
-    "max_mamba_cache_size": "Mamba state slots per rank (0 = from the memory budget)",
+    "max_mamba_cache_size": ("recurrent-state slots per rank: one holds every Mamba and Gated DeltaNet state of a "
+                             "request (0 = from the memory budget)"),
     "mem_budget_gb": "memory for KV + state pools per rank in GiB, on any device (0 = the device default: "
     "--mem-fraction-static on CUDA, 0.25 GiB on CPU)",
     "mem_fraction_static": "CUDA: the share of each GPU's total memory the weights and the KV + state pools may "

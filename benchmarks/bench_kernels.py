@@ -141,13 +141,13 @@ def _fixture_logits(fixture: Path, device: torch.device, ops: object) -> torch.T
 
     ref = load_file(str(fixture / "reference.safetensors"))
     prompt, gen = ref["prompt"].tolist(), ref["gen_tokens"].tolist()
-    runner = ModelRunner(str(fixture), device=str(device), kv_slots=len(prompt) + len(gen) + 1, mamba_slots=2)
+    runner = ModelRunner(str(fixture), device=str(device), kv_slots=len(prompt) + len(gen) + 1, state_slots=2)
     runner.ops = ops
     greedy = SamplingParams(temperature=0.0)
 
     def step(i: int, ids: list[int], start: int, all_rows: bool) -> torch.Tensor:
         req = ReqSlice(rid="a", input_ids=ids, start_pos=start, kv_slots=list(range(1, start + len(ids) + 1)),
-                       mamba_slot=1, sample=True, sampling=greedy)  # fmt: skip
+                       state_slot=1, sample=True, sampling=greedy)  # fmt: skip
         fb = ForwardBatch(step=i, reqs=[req], clears=[1] if start == 0 else [])
         return forward_all_logits(runner, fb)["a"] if all_rows else forward_logits(runner, fb)["a"][None]
 

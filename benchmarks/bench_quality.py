@@ -69,7 +69,7 @@ def all_logits(runner: ModelRunner, ids: list[int], chunk: int, slot: int = 1) -
         for step, start in enumerate(range(0, len(ids), chunk)):
             part = ids[start : start + chunk]
             sl = ReqSlice(rid="q", input_ids=part, start_pos=start, kv_slots=list(range(1, start + len(part) + 1)),
-                          mamba_slot=slot, sample=True, sampling=GREEDY)  # fmt: skip
+                          state_slot=slot, sample=True, sampling=GREEDY)  # fmt: skip
             sb = runner.build_batch([sl], step, all_rows=True)
             out.append(runner.model.forward_step(sb, runner.pools, runner.ops).float())
     return torch.cat(out)
@@ -83,7 +83,7 @@ def greedy(runner: ModelRunner, prompt: list[int], tokens: int) -> list[int]:
         start, feed = 0, list(prompt)
         for step in range(tokens):
             sl = ReqSlice(rid="g", input_ids=feed, start_pos=start, kv_slots=list(range(1, start + len(feed) + 1)),
-                          mamba_slot=2, sample=True, sampling=GREEDY)  # fmt: skip
+                          state_slot=2, sample=True, sampling=GREEDY)  # fmt: skip
             logits = runner.model.forward_step(runner.build_batch([sl], step, all_rows=False), runner.pools,
                                                runner.ops)  # fmt: skip
             start += len(feed)
@@ -131,7 +131,7 @@ def run(model_path: str, text: str, tokens: int, chunk: int, gen_tokens: int, mo
     kv = max(len(ids), PROMPT_TOKENS + gen_tokens) + 1
 
     def runner(mode: Mode) -> ModelRunner:
-        return ModelRunner(model_path, dtype=dtype, kv_slots=kv, mamba_slots=2, quantization=mode.quantization,
+        return ModelRunner(model_path, dtype=dtype, kv_slots=kv, state_slots=2, quantization=mode.quantization,
                            state_dtype=mode.state_dtype)  # fmt: skip
 
     results = {"baseline": measure(runner(Mode("baseline")), ids, chunk, gen_tokens, None)}

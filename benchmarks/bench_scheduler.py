@@ -61,7 +61,7 @@ def build(limit: str, queued: int, prefix_len: int, runner_new: int) -> Schedule
         # the runner's own prompt does not evict it) and the running request's
         args = ServerArgs(chunked_prefill_size=4096, max_prefill_tokens=8192, max_running_requests=2,
                           disable_prompt_checkpoint=True)  # fmt: skip
-        sched = Scheduler(args, MODEL, kv_capacity=prefix_len + 8 * runner_new + 4096, mamba_capacity=2)
+        sched = Scheduler(args, MODEL, kv_capacity=prefix_len + 8 * runner_new + 4096, state_capacity=2)
         sched.add_request(GenerateReq(rid="donor", input_ids=prefix + [1], sampling=SamplingParams(max_new_tokens=1)))
         drive(sched, 4)
         assert sched.cache.states_total == 1 and not sched.has_work, "the prefix state is not cached"
@@ -73,7 +73,7 @@ def build(limit: str, queued: int, prefix_len: int, runner_new: int) -> Schedule
         kv = runners * (len(prompt) + runner_new) + prefix_len // 2
         # every future token of a running request reserved (ratio 1, no decay): the KV really is spoken for
         exact = SchedulerTuning(init_ratio=1.0, min_ratio=1.0, decay=0.0)
-        sched = Scheduler(args, MODEL, kv_capacity=kv, mamba_capacity=2 * (runners + 8), tuning=exact)
+        sched = Scheduler(args, MODEL, kv_capacity=kv, state_capacity=2 * (runners + 8), tuning=exact)
     for i in range(runners):  # no two share a first token: nothing of one is a cache hit for another
         sched.add_request(GenerateReq(rid=f"runner{i}", input_ids=[900 + i, *prompt[1:]], sampling=runner))
     drive(sched, 2)

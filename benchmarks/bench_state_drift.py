@@ -63,7 +63,7 @@ class Lane:
         """Advance by `ids`; the float32 logits [V] after the last of them."""
         end = self.pos + len(ids)
         sl = ReqSlice(rid=self.rid, input_ids=ids, start_pos=self.pos, kv_slots=list(range(self.kv_base,
-                      self.kv_base + end)), mamba_slot=self.slot, sample=True, sampling=GREEDY)  # fmt: skip
+                      self.kv_base + end)), state_slot=self.slot, sample=True, sampling=GREEDY)  # fmt: skip
         sb = self.runner.build_batch([sl], step, all_rows=False)
         logits = self.runner.model.forward_step(sb, self.pools, self.runner.ops)
         self.pos = end
@@ -86,7 +86,7 @@ def measure(runner: ModelRunner, prompt: list[int], tokens: int, dtypes: list[st
     ref = Lane(runner, runner.pools, "ref", 1, 1)
     lanes = {}
     for sd in dtypes:
-        pools = StatePools(runner.cfg, runner.kv_capacity, runner.mamba_capacity, runner.dtype, runner.device,
+        pools = StatePools(runner.cfg, runner.kv_capacity, runner.state_capacity, runner.dtype, runner.device,
                            state_dtype=sd)  # fmt: skip
         lanes[sd] = (Lane(runner, pools, "free", 1, 1), Lane(runner, pools, "forced", 2, 1 + span))
     drifts = {sd: Drift(sd) for sd in dtypes}
@@ -173,9 +173,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     torch.set_num_threads(args.threads)
     prompt = prompt_ids(args.model_path, args.prompt, ModelInfo.from_dir(args.model_path).vocab_size)
     span = len(prompt) + args.tokens + 1
-    runner = ModelRunner(args.model_path, dtype=args.dtype, kv_slots=2 * span + 1, mamba_slots=2,
+    runner = ModelRunner(args.model_path, dtype=args.dtype, kv_slots=2 * span + 1, state_slots=2,
                          deterministic=args.deterministic)  # fmt: skip
-    bytes_per_slot = {sd: slot_bytes(runner.cfg, runner.dtype, state_dtype=sd).mamba_state
+    bytes_per_slot = {sd: slot_bytes(runner.cfg, runner.dtype, state_dtype=sd).state_slot
                       for sd in ["float32", *dtypes]}  # fmt: skip
     results = [summary(d, args.window) for d in measure(runner, prompt, args.tokens, dtypes)]
     header = (f"{args.model_path}: {args.tokens} greedy tokens after a {len(prompt)}-token prompt, model "

@@ -43,7 +43,7 @@ def run_batch(runner: ModelRunner, batch_size: int, prompt_len: int, steps: int,
         rid, base = f"r{b}", b * SLOT_STRIDE + 1
         ids = [(7 * i + b) % 200 + 1 for i in range(prompt_len)]
         req = ReqSlice(rid=rid, input_ids=ids, start_pos=0, kv_slots=list(range(base, base + prompt_len)),
-                       mamba_slot=b + 1, sample=True, sampling=GREEDY, output_len=0)  # fmt: skip
+                       state_slot=b + 1, sample=True, sampling=GREEDY, output_len=0)  # fmt: skip
         step += 1
         dt, toks = _timed(runner, ForwardBatch(step=step, reqs=[req], clears=[b + 1]))
         prefill_s = prefill_s or dt
@@ -55,7 +55,7 @@ def run_batch(runner: ModelRunner, batch_size: int, prompt_len: int, steps: int,
             rid, base = f"r{b}", b * SLOT_STRIDE + 1
             p, tok = pos[rid]
             reqs.append(ReqSlice(rid=rid, input_ids=[tok], start_pos=p, kv_slots=list(range(base, base + p + 1)),
-                                 mamba_slot=b + 1, sample=True, sampling=GREEDY, output_len=s + 1))  # fmt: skip
+                                 state_slot=b + 1, sample=True, sampling=GREEDY, output_len=s + 1))  # fmt: skip
         step += 1
         dt, toks = _timed(runner, ForwardBatch(step=step, reqs=reqs))
         times.append(dt)
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batches.split(",")]
     runner = ModelRunner(args.model_path, device=args.device, dtype=args.dtype, kv_slots=max(batches) * SLOT_STRIDE,
-                         mamba_slots=max(batches), deterministic=args.deterministic,
+                         state_slots=max(batches), deterministic=args.deterministic,
                          quantization=args.quantization, state_dtype=args.mamba_ssm_dtype)  # fmt: skip
     results: dict[int, list[tuple[float, float]]] = {b: [] for b in batches}
     step = 0

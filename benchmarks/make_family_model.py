@@ -145,18 +145,18 @@ def bench_decode(model_dir: str, batch: int = 8, prompt: int = 64, steps: int = 
 
     flush_denormals()  # as a worker process does
     total = prompt + steps + 1
-    r = ModelRunner(model_dir, dtype="float32", kv_slots=batch * total, mamba_slots=batch)
+    r = ModelRunner(model_dir, dtype="float32", kv_slots=batch * total, state_slots=batch)
     greedy = SamplingParams(temperature=0.0)
     kv = [list(range(1 + i * total, 1 + (i + 1) * total)) for i in range(batch)]
     ids = [[3 + (i * 7 + j) % 200 for j in range(prompt)] for i in range(batch)]
-    reqs = [ReqSlice(rid=str(i), input_ids=ids[i], start_pos=0, kv_slots=kv[i][:prompt], mamba_slot=i + 1,
+    reqs = [ReqSlice(rid=str(i), input_ids=ids[i], start_pos=0, kv_slots=kv[i][:prompt], state_slot=i + 1,
                      sample=True, sampling=greedy) for i in range(batch)]
     out = r.step(ForwardBatch(step=0, reqs=reqs, clears=list(range(1, batch + 1))))
     start = time.perf_counter()
     for s in range(steps):
         pos = prompt + s
         reqs = [ReqSlice(rid=str(i), input_ids=[out.next_tokens[str(i)]], start_pos=pos, kv_slots=kv[i][: pos + 1],
-                         mamba_slot=i + 1, sample=True, sampling=greedy, output_len=s + 1) for i in range(batch)]
+                         state_slot=i + 1, sample=True, sampling=greedy, output_len=s + 1) for i in range(batch)]
         out = r.step(ForwardBatch(step=s + 1, reqs=reqs))
     return batch * steps / (time.perf_counter() - start)
 

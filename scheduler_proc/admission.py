@@ -2,7 +2,7 @@
 
 One hop for every admission question:
 - the budget (`Admission.budget`): KV tokens (free + evictable, minus what running requests reserve for
-  their future tokens, `reserve`), Mamba state slots (free + evictable), the round's prefill tokens
+  their future tokens, `reserve`), state slots (free + evictable), the round's prefill tokens
   left after chunk continuations, free running slots, the chunk size;
 - `PrefillAdder`: pure arithmetic over that snapshot, one request at a time; it never allocates or
   touches the cache. Results: CONTINUE (granted), NO_TOKEN (out of memory: sets the full-batch latch),
@@ -35,14 +35,14 @@ from scheduler_proc.radix_cache import PeekResult
 from scheduler_proc.request import Req, WaitingQueue
 from scheduler_proc.resources import ReqResources
 from scheduler_proc.retry import RetryPolicy
-from shared.errors import MambaCowAllocError
+from shared.errors import StateCowAllocError
 
 logger = logging.getLogger(__name__)
 
 
 class AddResult(Enum):
     CONTINUE = "continue"  # admitted; try the next request
-    NO_TOKEN = "no_token"  # out of memory (KV tokens or Mamba state slots): sets the full-batch latch
+    NO_TOKEN = "no_token"  # out of memory (KV tokens or state slots): sets the full-batch latch
     OTHER = "other"  # a per-round budget (prefill tokens, running requests) is used up
 
 
@@ -140,7 +140,7 @@ class PrefillAdder:
         return AddResult.CONTINUE, grant
 
     def rollback(self, grant: Grant) -> None:
-        """Undo a grant whose admission failed after the budget check (e.g. MambaCowAllocError)."""
+        """Undo a grant whose admission failed after the budget check (e.g. StateCowAllocError)."""
         self.granted.remove(grant)
         self.rem_kv += grant.kv
         self.rem_states += grant.states
@@ -237,7 +237,7 @@ class Admission:
                 return
             try:
                 reason = res.start(r, peek, grant.chunk, b)
-            except MambaCowAllocError as e:  # an ordinary refusal (retry.py), never fatal
+            except StateCowAllocError as e:  # an ordinary refusal (retry.py), never fatal
                 logger.debug("admission of %s refused: %s", r.rid, e)
                 reason = "cow_alloc"
             if reason:

@@ -1,4 +1,4 @@
-"""Slot allocators for the two scarce worker resources: attention KV token slots and Mamba state slots.
+"""Slot allocators for the two scarce worker resources: attention KV token slots and state slots.
 
 The scheduler owns slot *ids*; workers own the tensors those ids index. Slot 0 is the workers' padding
 slot and is never handed out, so usable ids are 1..capacity. Allocation and freeing are O(1) per slot
@@ -89,7 +89,7 @@ class KVAllocator(SlotAllocator):
     kind = "kv slot"
 
 
-class MambaSlotAllocator(SlotAllocator):
-    """Mamba state slots (conv + SSM state of one sequence position boundary)."""
+class StateSlotAllocator(SlotAllocator):
+    """state slots (conv + SSM state of one sequence position boundary)."""
 
-    kind = "mamba slot"
+    kind = "state slot"

@@ -64,7 +64,7 @@ class BatchBuilder:
                     input_ids=r.tokens[e.start : e.start + e.n],
                     start_pos=e.start,
                     kv_slots=r.kv_slots[reuse:],
-                    mamba_slot=r.mamba_slot or 0,
+                    state_slot=r.state_slot or 0,
                     sample=e.sample,
                     sampling=r.sampling if e.sample else None,
                     output_len=r.num_output,

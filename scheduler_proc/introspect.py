@@ -61,11 +61,11 @@ def check_scheduler(s: SchedulerState) -> None:
         for slot in r.kv_slots[r.tree_len :]:
             assert slot not in kv_owner, f"kv slot {slot} owned by {r.rid} and {kv_owner[slot]}"
             kv_owner[slot] = r.rid
-        if r.mamba_slot is not None:
-            assert r.mamba_slot not in st_owner, f"mamba slot {r.mamba_slot}: {r.rid} and {st_owner[r.mamba_slot]}"
-            st_owner[r.mamba_slot] = r.rid
+        if r.state_slot is not None:
+            assert r.state_slot not in st_owner, f"state slot {r.state_slot}: {r.rid} and {st_owner[r.state_slot]}"
+            st_owner[r.state_slot] = r.rid
     _check_cover(res.kv_alloc, kv_owner, "kv slot")
-    _check_cover(res.state_alloc, st_owner, "mamba slot")
+    _check_cover(res.state_alloc, st_owner, "state slot")
     _check_locks(s)
 
 
@@ -84,7 +84,7 @@ def _check_requests(s: SchedulerState) -> None:
     )
     for r in s.waiting.items():
         assert r.status is ReqStatus.WAITING and s.reqs.get(r.rid) is r, f"{r} queued but not waiting"
-        assert not r.kv_slots and r.node is None and r.mamba_slot is None and r.cow_node is None, (
+        assert not r.kv_slots and r.node is None and r.state_slot is None and r.cow_node is None, (
             f"waiting {r} still holds resources"
         )
     for rid, r in s.running.items():
@@ -92,7 +92,7 @@ def _check_requests(s: SchedulerState) -> None:
         assert r.node is not None and r.tree_len == r.node.end, f"{r}: tree_len {r.tree_len} != node end"
         assert r.kv_slots[: r.tree_len] == s.res.cache.path_kv(r.node), f"{r}: prefix slots differ from the tree"
         assert r.computed <= len(r.kv_slots) <= len(r.tokens), f"{r}: {len(r.kv_slots)} kv slots"
-        assert (r.mamba_slot is not None) == s.track_states, f"{r}: mamba slot {r.mamba_slot}"
+        assert (r.state_slot is not None) == s.track_states, f"{r}: state slot {r.state_slot}"
         if s.in_flight is None:
             assert len(r.kv_slots) == r.computed, f"{r}: slots beyond computed with nothing in flight"
             assert r.cow_node is None, f"{r}: copy-on-write lock held with nothing in flight"
@@ -114,7 +114,7 @@ def _check_locks(s: SchedulerState) -> None:
 def server_info(s: SchedulerState) -> SchedulerInfo:
     res, cache, m = s.res, s.res.cache, s.metrics
     kv_req = sum(len(r.kv_slots) - r.tree_len for r in s.running.values())
-    st_req = sum(1 for r in s.running.values() if r.mamba_slot is not None)
+    st_req = sum(1 for r in s.running.values() if r.state_slot is not None)
     queried = m.get("hyssm_prefix_cache_queried_tokens_total")
     state_hit = m.get("hyssm_prefix_cache_hit_tokens_total", kind="state")
     kv_only = m.get("hyssm_prefix_cache_hit_tokens_total", kind="kv_only")
@@ -124,11 +124,11 @@ def server_info(s: SchedulerState) -> SchedulerInfo:
         kv_cached=cache.kv_total,
         kv_evictable=cache.kv_evictable,
         kv_used_by_requests=kv_req,
-        mamba_capacity=res.state_alloc.capacity,
-        mamba_free=res.state_alloc.num_free,
-        mamba_cached=cache.states_total,
-        mamba_evictable=cache.states_evictable,
-        mamba_used_by_requests=st_req,
+        state_capacity=res.state_alloc.capacity,
+        state_free=res.state_alloc.num_free,
+        state_cached=cache.states_total,
+        state_evictable=cache.states_evictable,
+        state_used_by_requests=st_req,
         num_running=len(s.running),
         max_running_requests=s.max_running,
         num_waiting=len(s.waiting),
@@ -154,10 +154,10 @@ def server_info(s: SchedulerState) -> SchedulerInfo:
         ("hyssm_kv_slots", "KV token slots by state.", {"state": "cached"}, cache.kv_total),
         ("hyssm_kv_slots", "KV token slots by state.", {"state": "requests"}, kv_req),
         ("hyssm_kv_slots_capacity", "KV token slots in all.", {}, res.kv_alloc.capacity),
-        ("hyssm_mamba_slots", "Mamba state slots by state.", {"state": "free"}, res.state_alloc.num_free),
-        ("hyssm_mamba_slots", "Mamba state slots by state.", {"state": "cached"}, cache.states_total),
-        ("hyssm_mamba_slots", "Mamba state slots by state.", {"state": "requests"}, st_req),
-        ("hyssm_mamba_slots_capacity", "Mamba state slots in all.", {}, res.state_alloc.capacity),
+        ("hyssm_mamba_slots", "state slots by state.", {"state": "free"}, res.state_alloc.num_free),
+        ("hyssm_mamba_slots", "state slots by state.", {"state": "cached"}, cache.states_total),
+        ("hyssm_mamba_slots", "state slots by state.", {"state": "requests"}, st_req),
+        ("hyssm_mamba_slots_capacity", "state slots in all.", {}, res.state_alloc.capacity),
         ("hyssm_num_running_reqs", "Requests in the running batch.", {}, len(s.running)),
         ("hyssm_num_waiting_reqs", "Requests in the waiting queue.", {}, len(s.waiting)),
         ("hyssm_cache_locked_nodes", "Radix-cache nodes locked by running requests.", {}, cache.num_locked_nodes),

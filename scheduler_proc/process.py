@@ -142,13 +142,13 @@ class SchedulerLoop:
             if isinstance(msg, WorkerReady):
                 ready[msg.rank] = msg
         kv = min(r.kv_slots for r in ready.values())
-        mamba = min(r.mamba_slots for r in ready.values())
-        return {"kv_capacity": kv, "mamba_capacity": mamba}
+        mamba = min(r.state_slots for r in ready.values())
+        return {"kv_capacity": kv, "state_capacity": mamba}
 
     def start(self) -> None:
         caps = self.wait_for_workers()
         model = ModelInfo.from_dir(self.args.resolved_model_path)
-        self.sched = Scheduler(self.args, model, caps["kv_capacity"], caps["mamba_capacity"])
+        self.sched = Scheduler(self.args, model, caps["kv_capacity"], caps["state_capacity"])
         logger.info("scheduler ready: %s", caps)
         tx = Sender(self.ctx, TO_LAUNCHER, self.args)
         tx.send(ProcReady(name=self.args.proc_name("scheduler"), info=caps))

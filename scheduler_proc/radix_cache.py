@@ -1,4 +1,4 @@
-"""HybridRadixCache: prefix tree of token segments with KV slots and optional Mamba state slots.
+"""HybridRadixCache: prefix tree of token segments with KV slots and optional state slots.
 
 Owns the tree's slots (every slot it holds was donated to it and is freed by it) and the two LRU
 orders. Rules that must hold:
@@ -21,7 +21,7 @@ from typing import Protocol
 
 from scheduler_proc.radix_check import check_tree
 from scheduler_proc.radix_node import LruHeap, TreeNode, common_prefix_len
-from shared.errors import MambaCowAllocError
+from shared.errors import StateCowAllocError
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +115,7 @@ class HybridRadixCache:
 
     def match_and_cow(self, tokens: list[int], limit: int, peek: PeekResult | None = None) -> CowMatch:
         """Lock the deepest resume point and, when it carries a state, allocate the holder's private
-        copy-on-write slot (evicting unlocked states if needed). Raises MambaCowAllocError when no slot
+        copy-on-write slot (evicting unlocked states if needed). Raises StateCowAllocError when no slot
         can be had; then every lock taken here is released again and no slot is assigned."""
         if peek is None or peek.epoch != self.epoch:
             peek = self.peek(tokens, limit)
@@ -128,7 +128,7 @@ class HybridRadixCache:
         if dst is None:
             self.unlock_state(node)
             self.unlock(node)
-            raise MambaCowAllocError(f"no Mamba state slot for a copy-on-write of node {node.nid}")
+            raise StateCowAllocError(f"no state slot for a copy-on-write of node {node.nid}")
         return CowMatch(node, node.end, self.path_kv(node), node.state, dst)
 
     def path_kv(self, node: TreeNode) -> list[int]:

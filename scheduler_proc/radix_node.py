@@ -1,6 +1,6 @@
 """Tree node of the hybrid radix cache and the lazy LRU heap used for both eviction orders.
 
-A node owns a token segment, one KV slot per token, and optionally the Mamba state slot that holds the
+A node owns a token segment, one KV slot per token, and optionally the state slot that holds the
 recurrent state after the node's last token (a node without one is a *tombstone*: its KV can be reused
 but it is not a resume point). Lock counts are kept per node; the cache (radix_cache.py) maintains them.
 """

@@ -4,7 +4,7 @@ A `Req` is owned by the Scheduler's request table from `add_request` until its f
 `sent_step` record what the workers mirror of its kv_slots: every change to kv_slots[:sent_kv] other
 than appending calls `forget_sent` (resources.py). While
 WAITING it holds no slot and no lock (retraction and rollbacks give everything back first); while
-RUNNING it owns kv_slots[tree_len:], its mamba_slot, one KV lock on `node` (whose path supplies
+RUNNING it owns kv_slots[tree_len:], its state_slot, one KV lock on `node` (whose path supplies
 kv_slots[:tree_len]) and, until the batch that copies it is applied, one state lock on `cow_node`.
 """
 
@@ -31,7 +31,7 @@ class ReqStatus(Enum):
 class Req:
     __slots__ = (
         "rid", "prompt_len", "tokens", "sampling", "priority", "seq", "status",
-        "kv_slots", "tree_len", "node", "mamba_slot", "computed", "cow_node", "splits",
+        "kv_slots", "tree_len", "node", "state_slot", "computed", "cow_node", "splits",
         "pending_ckpt", "cached_tokens", "admitted", "abort_reason", "peek", "queue_token",
         "retracted_at", "refusals", "sent_kv", "sent_step", "prompt_lps", "prompt_tops", "save_prompt_state",
     )  # fmt: skip
@@ -47,7 +47,7 @@ class Req:
         self.kv_slots: list[int] = []  # KV slot of every position with KV (computed or being computed)
         self.tree_len = 0  # kv_slots[:tree_len] belong to the radix tree
         self.node: TreeNode | None = None  # KV-locked prefix node (tree_len == node.end)
-        self.mamba_slot: int | None = None
+        self.state_slot: int | None = None
         self.computed = 0  # positions whose KV and state are written (applied steps only)
         self.cow_node: TreeNode | None = None  # state-locked CoW source until the copy has run
         self.splits: list[int] = []  # ascending positions where a checkpoint is wanted

@@ -1,6 +1,6 @@
 """ReqResources: acquires and gives back one request's slots and locks.
 
-Owns the KV and Mamba slot allocators and the HybridRadixCache: the Scheduler reaches the cache only
+Owns the KV and state slot allocators and the HybridRadixCache: the Scheduler reaches the cache only
 through here (reads aside). Every path that takes something from a request (finish, abort,
 retraction, refusal, failure) goes through here, so the ownership rules of request.py hold after
 each call. No tensors: state copies are only *described* (CopyOp) for the worker.
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 
-from scheduler_proc.allocators import KVAllocator, MambaSlotAllocator
+from scheduler_proc.allocators import KVAllocator, StateSlotAllocator
 from scheduler_proc.batch import BatchBuilder, SliceEntry
 from scheduler_proc.radix_cache import CowMatch, HybridRadixCache, PeekResult
 from scheduler_proc.radix_node import TreeNode
@@ -22,17 +22,17 @@ logger = logging.getLogger(__name__)
 NO_SPLIT = 1 << 62
 
 
-def clamp_max_running(wanted: int, mamba_capacity: int, track_states: bool) -> int:
+def clamp_max_running(wanted: int, state_capacity: int, track_states: bool) -> int:
     """Each running request holds a state slot: at most the pool, less an eighth of it (pools of 8
     and more) kept for copy-on-write copies, checkpoints and cached states. Clamped with a warning
     instead of refusing to start."""
     if not track_states:
         return wanted
-    limit = max(1, mamba_capacity - mamba_capacity // 8)
+    limit = max(1, state_capacity - state_capacity // 8)
     if wanted > limit:
         logger.warning(
             "--max-running-requests %d clamped to %d: the Mamba state pool has %d slots and keeps %d for "
-            "copy-on-write, checkpoints and cached states", wanted, limit, mamba_capacity, mamba_capacity - limit,
+            "copy-on-write, checkpoints and cached states", wanted, limit, state_capacity, state_capacity - limit,
         )  # fmt: skip
         return limit
     return wanted
@@ -40,11 +40,11 @@ def clamp_max_running(wanted: int, mamba_capacity: int, track_states: bool) -> i
 
 class ReqResources:
     def __init__(
-        self, kv_capacity: int, mamba_capacity: int, track_states: bool, cache_enabled: bool, ckpt_interval: int,
+        self, kv_capacity: int, state_capacity: int, track_states: bool, cache_enabled: bool, ckpt_interval: int,
         prompt_checkpoint: bool = True,
     ) -> None:
         self.kv_alloc = KVAllocator(kv_capacity)
-        self.state_alloc = MambaSlotAllocator(mamba_capacity if track_states else 0)
+        self.state_alloc = StateSlotAllocator(state_capacity if track_states else 0)
         self.cache = HybridRadixCache(self.kv_alloc, self.state_alloc, track_states)
         self.track_states = track_states
         self.cache_enabled = cache_enabled
@@ -121,7 +121,7 @@ class ReqResources:
     def start(self, req: Req, peek: PeekResult, chunk: int, b: BatchBuilder) -> str:
         """Lock the match, take the request's state slot (CoW or fresh) and KV for the first chunk.
         Returns "" on success or the refusal reason ("mamba_state", "kv") with everything undone;
-        MambaCowAllocError propagates from the cache (which has undone its locks)."""
+        StateCowAllocError propagates from the cache (which has undone its locks)."""
         assert peek.epoch == self.cache.epoch, "stale peek at admission"
         if self.uses_cache(req):
             match = self.cache.match_and_cow(req.tokens, len(req.tokens) - 1, peek)
@@ -144,7 +144,7 @@ class ReqResources:
         req.node, req.tree_len, req.computed = match.node, match.prefix_len, match.prefix_len
         req.kv_slots = match.prefix_kv + kv
         req.forget_sent()
-        req.mamba_slot = slot
+        req.state_slot = slot
         req.splits = self.plan_splits(req, peek)
         if match.src_state is not None:
             assert slot is not None
@@ -189,7 +189,7 @@ class ReqResources:
         copy runs before this round's forward, so it captures the state at the split point); the
         request's prefix then comes from the tree. Returns "saved", "skipped" (no slot) or "exists"."""
         req.pending_ckpt = False
-        assert req.mamba_slot is not None and req.node is not None
+        assert req.state_slot is not None and req.node is not None
         slot = self.cache.alloc_state()
         if slot is None:
             return "skipped"
@@ -198,7 +198,7 @@ class ReqResources:
         taken = node.state == slot
         self._move_prefix(req, node)
         if taken:
-            b.ckpt_copies.append(CopyOp(req.mamba_slot, slot, None))
+            b.ckpt_copies.append(CopyOp(req.state_slot, slot, None))
             b.ckpt_nodes.append((node, slot))
         return "saved" if taken else "exists"
 
@@ -232,15 +232,15 @@ class ReqResources:
         n = req.computed
         if donate and self.cache_enabled and req.node is not None and n > 0:
             own_extra = req.kv_slots[n:]
-            cache.insert(req.tokens, n, req.kv_slots, req.tree_len, req.mamba_slot, keep)
+            cache.insert(req.tokens, n, req.kv_slots, req.tree_len, req.state_slot, keep)
             self.kv_alloc.free_many(own_extra)
         else:
             self.kv_alloc.free_many(req.kv_slots[req.tree_len :])
-            if req.mamba_slot is not None:
-                self.state_alloc.free(req.mamba_slot)
+            if req.state_slot is not None:
+                self.state_alloc.free(req.state_slot)
         if req.node is not None:
             cache.unlock(req.node)
-        req.kv_slots, req.tree_len, req.node, req.mamba_slot = [], 0, None, None
+        req.kv_slots, req.tree_len, req.node, req.state_slot = [], 0, None, None
         req.computed, req.splits, req.pending_ckpt, req.peek = 0, [], False, None
         req.forget_sent()
 

@@ -3,7 +3,7 @@
 The rule this engine exists for: a request never stays queued after the capacity it waits for has
 come back, and running out of memory is never fatal. Concretely:
 - admission is refused for memory (`AddResult.NO_TOKEN`, a failed state or KV allocation, a
-  copy-on-write allocation failure `MambaCowAllocError`, a worker refusing the copy) -> the request
+  copy-on-write allocation failure `StateCowAllocError`, a worker refusing the copy) -> the request
   keeps its place in the queue, holds nothing, and the full-batch latch is set; a CoW allocation
   failure is an ordinary refusal like the others, never an error or a crash;
 - the latch is cleared as soon as capacity may have come back. For hybrid SSM models with a
@@ -38,7 +38,7 @@ class RetryPolicy:
     def for_config(args: ServerArgs, model: ModelInfo, sliding_window: bool = False) -> RetryPolicy:
         """`sliding_window`: the model has hybrid sliding-window attention layers (ModelInfo of the
         supported architectures has none; the caller says so when it knows better)."""
-        state_cache = model.has_mamba and not args.disable_radix_cache
+        state_cache = model.has_recurrent_state and not args.disable_radix_cache
         return RetryPolicy(state_cache or args.enable_priority_preemption or sliding_window)
 
     def begin_round(self, running_version: int, running_empty: bool, head: int | None = None) -> None:

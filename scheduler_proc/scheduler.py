@@ -51,21 +51,21 @@ class Scheduler:
         args: ServerArgs,
         model: ModelInfo,
         kv_capacity: int,
-        mamba_capacity: int,
+        state_capacity: int,
         tuning: SchedulerTuning | None = None,
     ) -> None:
         self.args = args
         self.model = model
         self.tuning = tuning or SchedulerTuning()
         self.context_length = args.context_length or model.max_position_embeddings
-        self.track_states = model.has_mamba
+        self.track_states = model.has_recurrent_state
         self.res = ReqResources(
-            kv_capacity, mamba_capacity, self.track_states, not args.disable_radix_cache,
+            kv_capacity, state_capacity, self.track_states, not args.disable_radix_cache,
             args.mamba_checkpoint_interval, not args.disable_prompt_checkpoint,
         )  # fmt: skip
         self.metrics = SchedulerMetrics()
         self.retry = RetryPolicy.for_config(args, model)
-        self.max_running = clamp_max_running(args.max_running_requests, mamba_capacity, self.track_states)
+        self.max_running = clamp_max_running(args.max_running_requests, state_capacity, self.track_states)
         self.reqs: dict[str, Req] = {}
         self._reuse: dict[str, Req] = {}  # rid -> request waiting for the aborted holder of its rid to leave
         # preemption implies priority order: under FCFS a retracted (older) victim would sort before the

@@ -15,8 +15,8 @@ class StartupError(HyssmError):
     """A process could not start; the message is one line for the operator."""
 
 
-class MambaCowAllocError(HyssmError):
-    """No Mamba state slot could be had for a copy-on-write, even after eviction.
+class StateCowAllocError(HyssmError):
+    """No state slot could be had for a copy-on-write, even after eviction.
 
     Raised by the radix cache's match-with-CoW. Whoever raises it has already released the
     matched node's lock and assigned no slot to the request: the caller treats it as an

@@ -153,11 +153,11 @@ class ServerState(msgspec.Struct, frozen=True, kw_only=True):
     kv_cached: int = 0
     kv_evictable: int = 0
     kv_used_by_requests: int = 0
-    mamba_capacity: int = 0
-    mamba_free: int = 0
-    mamba_cached: int = 0
-    mamba_evictable: int = 0
-    mamba_used_by_requests: int = 0
+    state_capacity: int = 0
+    state_free: int = 0
+    state_cached: int = 0
+    state_evictable: int = 0
+    state_used_by_requests: int = 0
     num_running: int = 0
     max_running_requests: int = 0
     num_waiting: int = 0
@@ -239,7 +239,7 @@ class ReqSlice(msgspec.Struct, kw_only=True, array_like=True):
     least kv_reuse slots, else the step fails. 0: kv_slots is complete. The scheduler sends > 0 only
     for a request that ran (not refused) in the previous batch, that step did not fail, and whose
     slots [0, kv_reuse) are unchanged since.
-    `mamba_slot` holds the recurrent state after position start_pos - 1 (zeros if start_pos
+    `state_slot` holds the recurrent state after position start_pos - 1 (zeros if start_pos
     is 0 and the slot was cleared); the step advances it in place.
     `sample`: produce a next token after the last input token (False for a non-final chunk).
     """
@@ -248,7 +248,7 @@ class ReqSlice(msgspec.Struct, kw_only=True, array_like=True):
     input_ids: list[int]
     start_pos: int
     kv_slots: list[int]
-    mamba_slot: int
+    state_slot: int
     sample: bool
     sampling: SamplingParams | None = None
     output_len: int = 0  # tokens generated so far (seeds sampling deterministically)
@@ -266,7 +266,7 @@ class ForwardBatch(msgspec.Struct, tag=True, kw_only=True):
     step: int
     reqs: list[ReqSlice]
     copies: list[CopyOp] = []
-    clears: list[int] = []  # Mamba slots to zero before the forward pass (after copies)
+    clears: list[int] = []  # state slots to zero before the forward pass (after copies)
 
 
 class Shutdown(msgspec.Struct, tag=True, kw_only=True):
@@ -285,7 +285,7 @@ ToWorker = ForwardBatch | Shutdown | Heartbeat
 class WorkerReady(msgspec.Struct, tag=True, kw_only=True):
     rank: int
     kv_slots: int  # usable token slots (slot 0, padding, not counted)
-    mamba_slots: int  # usable state slots (slot 0, padding, not counted)
+    state_slots: int  # usable state slots (slot 0, padding, not counted)
     device: str
     dtype: str
 

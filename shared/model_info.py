@@ -47,7 +47,7 @@ class ModelInfo:
     max_position_embeddings: int
 
     @property
-    def has_mamba(self) -> bool:
+    def has_recurrent_state(self) -> bool:
         """True when a layer carries a recurrent state (Mamba or Gated DeltaNet): requests then need
         a state slot, which the scheduler tracks, checkpoints and copies on write."""
         return any(k in ("mamba", "parallel", "gdn") for k in self.layer_kinds)

@@ -46,7 +46,7 @@ def generate_greedy(
     runner: ModelRunner, prompt: list[int], max_new_tokens: int, eos_ids: tuple[int, ...] = ()
 ) -> list[int]:
     """Reference generation of one prompt alone through `runner.step`: KV slots 1..n for positions
-    0..n-1, Mamba slot 1, whole-prompt prefill then one token per step, greedy; stops after an EOS
+    0..n-1, state slot 1, whole-prompt prefill then one token per step, greedy; stops after an EOS
     token (included)."""
     if max_new_tokens <= 0:
         return []
@@ -58,7 +58,7 @@ def generate_greedy(
     for step in range(max_new_tokens):
         end = start + len(ids)
         req = ReqSlice(rid="ref", input_ids=ids, start_pos=start, kv_slots=list(range(1, end + 1)),
-                       mamba_slot=1, sample=True, sampling=greedy, output_len=len(out))
+                       state_slot=1, sample=True, sampling=greedy, output_len=len(out))
         res = runner.step(ForwardBatch(step=step, reqs=[req], clears=[1] if start == 0 else []))
         tok = res.next_tokens["ref"]
         out.append(tok)

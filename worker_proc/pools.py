@@ -127,7 +127,7 @@ class SlotBytes:
     """Bytes one slot costs across all layers."""
 
     kv_token: int  # one KV token slot (K and V, every attention layer)
-    mamba_state: int  # one state slot: every recurrent layer's state tensors (Mamba and Gated DeltaNet)
+    state_slot: int  # one state slot: every recurrent layer's state tensors (Mamba and Gated DeltaNet)
 
 
 def slot_bytes(cfg: HybridConfig, dtype: torch.dtype, tp_size: int = 1, tp_rank: int = 0,
@@ -138,7 +138,7 @@ def slot_bytes(cfg: HybridConfig, dtype: torch.dtype, tp_size: int = 1, tp_rank:
     attn = AttnShard.of(cfg, tp_rank, tp_size)
     kv = len(cfg.attn_layer_ids) * 2 * attn.kv_heads * cfg.head_dim * elt
     state = sum(t.slot_bytes for t in state_tensors(cfg, dtype, tp_size, tp_rank, state_dtype))
-    return SlotBytes(kv_token=kv, mamba_state=state)
+    return SlotBytes(kv_token=kv, state_slot=state)
 
 
 def pool_budget(
@@ -174,56 +174,56 @@ def pool_budget(
     return budget, f"--mem-fraction-static {mem_fraction_static} of {total / 2**30:.2f} GiB"
 
 
-def cpu_wanted_budget(cfg: HybridConfig, dtype: torch.dtype, running: int, mamba_ratio: float,
+def cpu_wanted_budget(cfg: HybridConfig, dtype: torch.dtype, running: int, state_ratio: float,
                       tp_size: int = 1, tp_rank: int = 0, state_dtype: str = "float32") -> int:
     """Pool bytes that give `running` requests a state slot each plus a quarter more for cached
-    prefix states and checkpoints, with KV in the `mamba_ratio` split (0 for a model without
+    prefix states and checkpoints, with KV in the `state_ratio` split (0 for a model without
     recurrent layers)."""
     if not cfg.state_layer_ids:
         return 0
     states = running + running // 4 + 2
-    return int(states * slot_bytes(cfg, dtype, tp_size, tp_rank, state_dtype).mamba_state / mamba_ratio)
+    return int(states * slot_bytes(cfg, dtype, tp_size, tp_rank, state_dtype).state_slot / state_ratio)
 
 
 def plan_capacities(
-    cfg: HybridConfig, budget_bytes: int, mamba_ratio: float, dtype: torch.dtype, tp_size: int = 1,
+    cfg: HybridConfig, budget_bytes: int, state_ratio: float, dtype: torch.dtype, tp_size: int = 1,
     tp_rank: int = 0, state_dtype: str = "float32",
 ) -> tuple[int, int]:
-    """Split `budget_bytes` into (kv_slots, mamba_slots), usable counts excluding padding slot 0.
+    """Split `budget_bytes` into (kv_slots, state_slots), usable counts excluding padding slot 0.
 
-    `mamba_ratio` is the fraction of the budget given to the state pools (the rest to KV); a model
+    `state_ratio` is the fraction of the budget given to the state pools (the rest to KV); a model
     without recurrent layers (or without attention) gives the whole budget to the other pool.
     Raises ValueError when the budget cannot hold one usable slot of each pool the model needs.
     """
-    if not 0.0 < mamba_ratio < 1.0:
-        raise ValueError(f"mamba_ratio must be in (0, 1), got {mamba_ratio}")
+    if not 0.0 < state_ratio < 1.0:
+        raise ValueError(f"state_ratio must be in (0, 1), got {state_ratio}")
     sb = slot_bytes(cfg, dtype, tp_size, tp_rank, state_dtype)
-    if sb.mamba_state == 0:
-        mamba_ratio = 0.0
+    if sb.state_slot == 0:
+        state_ratio = 0.0
     elif sb.kv_token == 0:
-        mamba_ratio = 1.0
-    kv_slots = int(budget_bytes * (1.0 - mamba_ratio)) // sb.kv_token - 1 if sb.kv_token else 0
-    mamba_slots = int(budget_bytes * mamba_ratio) // sb.mamba_state - 1 if sb.mamba_state else 0
-    if (sb.kv_token and kv_slots < 1) or (sb.mamba_state and mamba_slots < 1):
+        state_ratio = 1.0
+    kv_slots = int(budget_bytes * (1.0 - state_ratio)) // sb.kv_token - 1 if sb.kv_token else 0
+    state_slots = int(budget_bytes * state_ratio) // sb.state_slot - 1 if sb.state_slot else 0
+    if (sb.kv_token and kv_slots < 1) or (sb.state_slot and state_slots < 1):
         raise ValueError(
             f"memory budget {budget_bytes} B too small: {sb.kv_token} B per KV token, "
-            f"{sb.mamba_state} B per recurrent state slot, ratio {mamba_ratio}"
+            f"{sb.state_slot} B per recurrent state slot, ratio {state_ratio}"
         )
-    return max(kv_slots, 0), max(mamba_slots, 0)
+    return max(kv_slots, 0), max(state_slots, 0)
 
 
 ATTENTION_FREE_MAX_TOKENS = 1 << 20
 
 
-def attention_free_kv_slots(requested: int, mamba_slots: int, context: int) -> int:
+def attention_free_kv_slots(requested: int, state_slots: int, context: int) -> int:
     """The token slots a model without attention layers reports. Its KV pool has no tensor at all
     (zero bytes per slot), so the slots are only the scheduler's token bookkeeping (the radix tree
     keeps one per cached token): `requested` (--max-total-tokens) when given, else enough for every
-    Mamba slot to hold a full context, capped at ATTENTION_FREE_MAX_TOKENS (bounding the scheduler's
+    state slot to hold a full context, capped at ATTENTION_FREE_MAX_TOKENS (bounding the scheduler's
     tree), and never less than one context."""
     if requested > 0:
         return requested
-    return max(context, min(mamba_slots * context, ATTENTION_FREE_MAX_TOKENS))
+    return max(context, min(state_slots * context, ATTENTION_FREE_MAX_TOKENS))
 
 
 class StatePools:
@@ -233,17 +233,17 @@ class StatePools:
         self,
         cfg: HybridConfig,
         kv_slots: int,
-        mamba_slots: int,
+        state_slots: int,
         dtype: torch.dtype,
         device: torch.device | str,
         tp_size: int = 1,
         tp_rank: int = 0,
         state_dtype: str = "float32",
     ) -> None:
-        if kv_slots < 0 or mamba_slots < 0:
+        if kv_slots < 0 or state_slots < 0:
             raise ValueError("pool capacities must be >= 0")
         self.kv_capacity = kv_slots
-        self.mamba_capacity = mamba_slots
+        self.state_capacity = state_slots
         self.dtype = dtype
         self.state_dtype = state_dtype
         self.state_storage = storage_dtype(state_dtype)
@@ -254,13 +254,13 @@ class StatePools:
         self.v = zeros(kv_shape, dtype, device)
         self.layout = tuple(state_tensors(cfg, dtype, tp_size, tp_rank, state_dtype))
         self.states: dict[str, torch.Tensor] = {
-            t.name: zeros((t.layers, mamba_slots + 1, *t.shape), t.dtype, device)
+            t.name: zeros((t.layers, state_slots + 1, *t.shape), t.dtype, device)
             for t in self.layout
         }
         logger.info(
             "state pools: %d KV token slots (%d attention layers), %d state slots (%d recurrent layers: %s; "
             "state dtype %s, %d B per state slot), %.1f MiB",
-            kv_slots, n_attn, mamba_slots, len(cfg.state_layer_ids),
+            kv_slots, n_attn, state_slots, len(cfg.state_layer_ids),
             ", ".join(f"{t.name} {t.layers}x{list(t.shape)} {str(t.dtype).removeprefix('torch.')}"
                       for t in self.layout if t.layers),
             state_dtype, sum(t.slot_bytes for t in self.layout), self.nbytes() / 2**20,
@@ -289,14 +289,14 @@ class StatePools:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.k, self.v, *self.states.values()))
 
-    def _check_mamba_slot(self, slot: int, what: str) -> None:
-        if not 1 <= slot <= self.mamba_capacity:
-            raise ValueError(f"{what} Mamba slot {slot} outside [1, {self.mamba_capacity}]")  # the state slot
+    def _check_state_slot(self, slot: int, what: str) -> None:
+        if not 1 <= slot <= self.state_capacity:
+            raise ValueError(f"{what} state slot {slot} outside [1, {self.state_capacity}]")  # the state slot
 
     def copy_state(self, src: int, dst: int) -> None:
         """Copy the recurrent state (every tensor of every recurrent layer) of slot `src` into `dst`."""
-        self._check_mamba_slot(src, "source")
-        self._check_mamba_slot(dst, "destination")
+        self._check_state_slot(src, "source")
+        self._check_state_slot(dst, "destination")
         if src == dst:
             return
         for pool in self.states.values():
@@ -304,7 +304,7 @@ class StatePools:
 
     def clear_state(self, slot: int) -> None:
         """Zero the recurrent state of `slot` (a fresh request starts from zeros)."""
-        self._check_mamba_slot(slot, "cleared")
+        self._check_state_slot(slot, "cleared")
         for pool in self.states.values():
             pool[:, slot].zero_()
 
@@ -314,7 +314,7 @@ class StatePools:
         assert self.k.dtype == self.dtype
         for t in self.layout:
             pool = self.states[t.name]
-            assert pool.shape == (t.layers, self.mamba_capacity + 1, *t.shape), f"{t.name} pool shape {pool.shape}"
+            assert pool.shape == (t.layers, self.state_capacity + 1, *t.shape), f"{t.name} pool shape {pool.shape}"
             assert pool.dtype == t.dtype, f"{t.name} pool dtype {pool.dtype}"
         assert self.ssm.dtype == self.state_storage and self.conv.dtype == self.dtype
         for name, pool in (("k", self.k), ("v", self.v), *self.states.items()):

@@ -132,11 +132,11 @@ def run(args: ServerArgs, rank: int) -> None:
         dtype=args.dtype,
         state_dtype=args.mamba_ssm_dtype,
         kv_slots=args.max_total_tokens,
-        mamba_slots=args.max_mamba_cache_size,
+        state_slots=args.max_mamba_cache_size,
         mem_budget_bytes=int(args.mem_budget_gb * (1 << 30)),
         mem_fraction_static=args.mem_fraction_static,
         running_requests=args.max_running_requests,
-        mamba_ratio=args.mamba_full_memory_ratio,
+        state_ratio=args.mamba_full_memory_ratio,
         seed=args.random_seed,
         tp_rank=rank,
         tp_size=args.tp_size,
@@ -155,7 +155,7 @@ def run(args: ServerArgs, rank: int) -> None:
     ready = WorkerReady(
         rank=rank,
         kv_slots=runner.kv_capacity,
-        mamba_slots=runner.mamba_capacity,
+        state_slots=runner.state_capacity,
         device=device,
         dtype=str(args.dtype),
     )
@@ -163,7 +163,7 @@ def run(args: ServerArgs, rank: int) -> None:
     to_launcher: Sender = Sender(ctx, TO_LAUNCHER, args)
     to_launcher.send(ProcReady(name=args.proc_name("worker", rank), info={f"rank{rank}_device": device}))
     to_launcher.close(linger_ms=2000)
-    logger.info("rank %d ready on %s: kv=%d mamba=%d", rank, device, runner.kv_capacity, runner.mamba_capacity)
+    logger.info("rank %d ready on %s: kv=%d mamba=%d", rank, device, runner.kv_capacity, runner.state_capacity)
     faults = FaultInjector(args.faults, rank, args.proc_name("worker", rank))
     serve(runner, rx, tx if rank == 0 else None, faults, group, args)
 

@@ -49,7 +49,7 @@ logger = logging.getLogger(__name__)
 
 class ModelRunner:
     """One rank's model runtime. Attributes read by the worker process: `kv_capacity`,
-    `mamba_capacity` (usable slots, padding slot 0 excluded), `model_info`, `device`, `dtype`.
+    `state_capacity` (usable slots, padding slot 0 excluded), `model_info`, `device`, `dtype`.
     `state_dtype` (`--mamba-ssm-dtype`) is how the state pools store the recurrent states; the
     capacities planned from the memory budget count its bytes per slot."""
 
@@ -61,11 +61,11 @@ class ModelRunner:
         dtype: str = "auto",
         state_dtype: str = "float32",
         kv_slots: int = 0,
-        mamba_slots: int = 0,
+        state_slots: int = 0,
         mem_budget_bytes: int = 0,
         mem_fraction_static: float = 0.85,
         running_requests: int = 0,
-        mamba_ratio: float = 0.5,
+        state_ratio: float = 0.5,
         seed: int = 0,
         tp_rank: int = 0,
         tp_size: int = 1,
@@ -103,26 +103,26 @@ class ModelRunner:
         self.dtype = self.model.dtype
         self.seed = seed
         self.tp_rank = tp_rank
-        kv, mamba, how = kv_slots, mamba_slots, "--max-total-tokens and --max-mamba-cache-size"
+        kv, mamba, how = kv_slots, state_slots, "--max-total-tokens and --max-mamba-cache-size"
         if kv <= 0 or mamba <= 0:
-            wanted = cpu_wanted_budget(self.cfg, self.dtype, running_requests, mamba_ratio, tp_size, tp_rank,
+            wanted = cpu_wanted_budget(self.cfg, self.dtype, running_requests, state_ratio, tp_size, tp_rank,
                                        state_dtype)
             budget, how = pool_budget(self.device, mem_budget_bytes, mem_fraction_static, wanted)
             how = f"{budget / 2**30:.3f} GiB from {how}"
-            planned_kv, planned_mamba = plan_capacities(self.cfg, budget, mamba_ratio, self.dtype, tp_size, tp_rank,
+            planned_kv, planned_states = plan_capacities(self.cfg, budget, state_ratio, self.dtype, tp_size, tp_rank,
                                                         state_dtype)
             kv = kv if kv > 0 else planned_kv
-            mamba = mamba if mamba > 0 else planned_mamba
+            mamba = mamba if mamba > 0 else planned_states
         if not self.cfg.attn_layer_ids:  # no KV tensor: the slots are only the scheduler's bookkeeping
             kv = attention_free_kv_slots(kv_slots, mamba, self.model_info.max_position_embeddings)
         self.pools = StatePools(self.cfg, kv, mamba, self.dtype, self.device, tp_size, tp_rank, state_dtype)
         self.kv_capacity = kv
-        self.mamba_capacity = mamba
+        self.state_capacity = mamba
         self.state_dtype = state_dtype
         sb = slot_bytes(self.cfg, self.dtype, tp_size, tp_rank, state_dtype)
-        logger.info("rank %d pools on %s (%s): %d KV token slots, %d Mamba state slots; recurrent state dtype %s, "
+        logger.info("rank %d pools on %s (%s): %d KV token slots, %d state slots; recurrent state dtype %s, "
                     "%d B per state slot, %d B per KV token", tp_rank, self.device, how, kv, mamba, state_dtype,
-                    sb.mamba_state, sb.kv_token)
+                    sb.state_slot, sb.kv_token)
         self.ops = get_ops(self.device, kernels, deterministic)
         self.kv_mirror = KVSlotMirror()  # slot lists of the last batch run (ReqSlice.kv_reuse)
         self.grammars = GrammarRuntime(model_dir, self.model_info.vocab_size, self.model_info.eos_token_ids)
@@ -170,7 +170,7 @@ class ModelRunner:
         ValueError on a malformed batch, before anything is written). `all_rows`: a logit row for
         every input position of a sampled slice, not only its last."""
         return build_step_batch(
-            reqs, self.device, self.kv_capacity, self.mamba_capacity, bool(self.cfg.state_layer_ids), all_rows,
+            reqs, self.device, self.kv_capacity, self.state_capacity, bool(self.cfg.state_layer_ids), all_rows,
             uses_attention=bool(self.cfg.attn_layer_ids), mirror=self.kv_mirror, step=step,
         )
 

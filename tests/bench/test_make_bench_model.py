@@ -99,19 +99,19 @@ def test_checkpoint_files_and_tokenizer(small_ckpt: Path) -> None:
 
 
 def test_loads_in_hyssm_and_logits_stay_alive_over_640_tokens(small_ckpt: Path) -> None:
-    runner = ModelRunner(str(small_ckpt), dtype="float32", kv_slots=700, mamba_slots=2)
+    runner = ModelRunner(str(small_ckpt), dtype="float32", kv_slots=700, state_slots=2)
     from shared.messages import ForwardBatch, ReqSlice, SamplingParams
 
     rng = random.Random(0)
     prompt = [rng.randrange(VOCAB) for _ in range(640)]
-    req = ReqSlice(rid="r", input_ids=prompt, start_pos=0, kv_slots=list(range(1, 641)), mamba_slot=1,
+    req = ReqSlice(rid="r", input_ids=prompt, start_pos=0, kv_slots=list(range(1, 641)), state_slot=1,
                    sample=True, sampling=SamplingParams(temperature=0.0), output_len=0)  # fmt: skip
     logits = forward_all_logits(runner, ForwardBatch(step=0, reqs=[req], clears=[1]))["r"]
     assert logits.shape == (640, VOCAB) and bool(torch.isfinite(logits).all())
     spread = logits.std(dim=-1)
     assert float(spread.min()) > 1e-3  # not flat at any position, including the last ones
     assert len(set(logits.argmax(dim=-1).tolist())) > 300  # greedy choice depends on the input
-    out = generate_greedy(ModelRunner(str(small_ckpt), dtype="float32", kv_slots=80, mamba_slots=2), prompt[:64], 8)
+    out = generate_greedy(ModelRunner(str(small_ckpt), dtype="float32", kv_slots=80, state_slots=2), prompt[:64], 8)
     assert len(out) == 8 and all(0 <= t < VOCAB for t in out)
 
 

@@ -21,7 +21,7 @@ def reference_runner():
     """The in-process model runtime: the expected output of each prompt run alone."""
     from worker_proc.runtime import ModelRunner
 
-    return ModelRunner(builtin_model_dir(), device="cpu", dtype="float32", kv_slots=4096, mamba_slots=8,
+    return ModelRunner(builtin_model_dir(), device="cpu", dtype="float32", kv_slots=4096, state_slots=8,
                        deterministic=True)
 
 

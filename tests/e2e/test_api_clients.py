@@ -30,7 +30,7 @@ def _reference_prompt_logprobs(runner, ids: list[int]) -> list[float]:
 
     from shared.messages import ForwardBatch, ReqSlice
 
-    sl = ReqSlice(rid="ref", input_ids=ids, start_pos=0, kv_slots=list(range(1, len(ids) + 1)), mamba_slot=1,
+    sl = ReqSlice(rid="ref", input_ids=ids, start_pos=0, kv_slots=list(range(1, len(ids) + 1)), state_slot=1,
                   sample=True)
     from tests.model_driver import forward_all_logits
 

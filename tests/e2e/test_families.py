@@ -47,7 +47,7 @@ def test_family_serves_and_prefix_cache_hits(tmp_path, name: str) -> None:
     from worker_proc.runtime import ModelRunner
 
     path = model_dir(tmp_path, name)
-    ref = ModelRunner(path, dtype="float32", kv_slots=512, mamba_slots=4, deterministic=True)
+    ref = ModelRunner(path, dtype="float32", kv_slots=512, state_slots=4, deterministic=True)
     rng = random.Random(3)
     system = [rng.randrange(3, 256) for _ in range(SYSTEM)]
     prompts = [system + [rng.randrange(3, 256) for _ in range(9)] for _ in range(5)]
@@ -69,5 +69,5 @@ def test_family_serves_and_prefix_cache_hits(tmp_path, name: str) -> None:
     if name == "mamba2":  # no attention: token slots are bookkeeping only, sized by the rule
         from worker_proc.pools import attention_free_kv_slots
 
-        assert state["kv_capacity"] == attention_free_kv_slots(0, state["mamba_capacity"], 512)
+        assert state["kv_capacity"] == attention_free_kv_slots(0, state["state_capacity"], 512)
     assert state["prefix_state_hit_tokens"] >= 3 * (SYSTEM - CHUNK)

@@ -38,7 +38,7 @@ def test_gdn_serves_with_branch_point_prefix_hits(tmp_path, name: str) -> None:
         info = client.get("/get_server_info").json()
     with running_server([*base, "--disable-radix-cache"]) as server, server.client() as client:
         uncached = [greedy(client, p, 6) for p in prompts]
-    ref = ModelRunner(path, dtype="float32", kv_slots=512, mamba_slots=4, deterministic=True)
+    ref = ModelRunner(path, dtype="float32", kv_slots=512, state_slots=4, deterministic=True)
     for i, (prompt, hit, miss) in enumerate(zip(prompts, cached, uncached, strict=True)):
         assert hit["output_ids"] == miss["output_ids"] == generate_greedy(ref, prompt, 6), i
         assert miss["meta_info"]["cached_tokens"] == 0
@@ -53,7 +53,7 @@ def test_gdn_memory_pressure_completes_identically(tmp_path) -> None:
     from worker_proc.runtime import ModelRunner
 
     path = model_dir(tmp_path, "qwen3_5_dense")
-    ref = ModelRunner(path, dtype="float32", kv_slots=512, mamba_slots=4, deterministic=True)
+    ref = ModelRunner(path, dtype="float32", kv_slots=512, state_slots=4, deterministic=True)
     rng = random.Random(7)
     prefixes = [[rng.randrange(3, 256) for _ in range(70)] for _ in range(3)]
     prompts = [prefixes[i % 3] + [rng.randrange(3, 256) for _ in range(rng.randint(5, 20))] for i in range(24)]
@@ -75,5 +75,5 @@ def test_gdn_memory_pressure_completes_identically(tmp_path) -> None:
         with server.client() as client:
             info = client.get("/get_server_info").json()
         sched = info["scheduler"]["server"]
-        assert sched["kv_used_by_requests"] == 0 and sched["mamba_used_by_requests"] == 0
+        assert sched["kv_used_by_requests"] == 0 and sched["state_used_by_requests"] == 0
         assert sched["num_locked_nodes"] == 0

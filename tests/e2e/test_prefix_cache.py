@@ -83,5 +83,5 @@ def test_memory_pressure_completes_identically(reference_runner) -> None:
         with server.client() as client:
             info = client.get("/get_server_info").json()
         sched = info["scheduler"]["server"]
-        assert sched["kv_used_by_requests"] == 0 and sched["mamba_used_by_requests"] == 0
+        assert sched["kv_used_by_requests"] == 0 and sched["state_used_by_requests"] == 0
         assert sched["num_locked_nodes"] == 0

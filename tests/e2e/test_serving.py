@@ -133,7 +133,7 @@ def test_disconnect_mid_stream_frees_resources(server: Server) -> None:
                 break
             assert time.monotonic() < deadline, info
             time.sleep(0.1)
-        assert _find(info, "mamba_used_by_requests") == 0
+        assert _find(info, "state_used_by_requests") == 0
 
 
 def test_flush_is_not_refused_for_the_servers_own_health_probe(server: Server) -> None:

@@ -44,7 +44,7 @@ def wait_drained(server: Server, timeout: float = 30.0) -> dict:
             sched = info.get("scheduler", info)
             server_part = sched.get("server", sched)
             if server_part["num_running"] == 0 and server_part["num_waiting"] == 0:
-                if server_part["kv_used_by_requests"] == 0 and server_part["mamba_used_by_requests"] == 0:
+                if server_part["kv_used_by_requests"] == 0 and server_part["state_used_by_requests"] == 0:
                     return server_part
             assert time.monotonic() < deadline, server_part
             time.sleep(0.1)
@@ -55,7 +55,7 @@ def test_cow_refusals_change_nothing() -> None:
     from worker_proc.runtime import ModelRunner
 
     prompts = shared_prefix_prompts(200, seed=3)
-    runner = ModelRunner(builtin_model_dir(), device="cpu", dtype="float32", kv_slots=1024, mamba_slots=4,
+    runner = ModelRunner(builtin_model_dir(), device="cpu", dtype="float32", kv_slots=1024, state_slots=4,
                          deterministic=True)
     expected = [generate_greedy(runner, p, 6) for p in prompts]
     args = ["--fault-refuse-cow-fraction", "0.3", "--max-running-requests", "32", *DETERMINISTIC]

@@ -26,7 +26,7 @@ GREEDY = SamplingParams(temperature=0.0)
 
 
 def _runner(name: str, ops: object) -> ModelRunner:
-    r = ModelRunner(os.path.join(FIXTURES, name), kv_slots=80, mamba_slots=6)
+    r = ModelRunner(os.path.join(FIXTURES, name), kv_slots=80, state_slots=6)
     assert isinstance(r.ops, ReferenceOps)  # what get_ops gives on CPU
     r.ops = ops
     return r
@@ -34,7 +34,7 @@ def _runner(name: str, ops: object) -> ModelRunner:
 
 def _req(rid: str, ids: list[int], start: int, kv: list[int], mamba: int) -> ReqSlice:
     return ReqSlice(
-        rid=rid, input_ids=ids, start_pos=start, kv_slots=kv[: start + len(ids)], mamba_slot=mamba,
+        rid=rid, input_ids=ids, start_pos=start, kv_slots=kv[: start + len(ids)], state_slot=mamba,
         sample=True, sampling=GREEDY,
     )  # fmt: skip
 
@@ -97,7 +97,7 @@ def test_gated_deltanet_model_under_triton_ops_matches_hf() -> None:
     ref = load_file(os.path.join(FIXTURES, name, "reference.safetensors"))
     prompt = ref["prompt"].tolist()
     n = len(prompt)
-    r = ModelRunner(os.path.join(FIXTURES, name), kv_slots=n + 8, mamba_slots=2)
+    r = ModelRunner(os.path.join(FIXTURES, name), kv_slots=n + 8, state_slots=2)
     r.ops = TritonOps()
     kv = list(range(1, n + 3))
     out = forward_all_logits(r, ForwardBatch(step=0, reqs=[_req("a", prompt, 0, kv, 1)], clears=[1]))

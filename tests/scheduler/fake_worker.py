@@ -1,6 +1,6 @@
 """A pure-Python stand-in for the worker that *checks* the scheduler's slot bookkeeping.
 
-KV slot i holds (position, token); a Mamba slot holds the exact tuple of tokens it has absorbed. Each
+KV slot i holds (position, token); a state slot holds the exact tuple of tokens it has absorbed. Each
 slice is verified before it runs: its prefix KV slots must hold positions 0..start-1 and its state slot
 must hold exactly the tokens those KV slots hold. The next token is a deterministic function of the
 state, so outputs depend only on the token sequence (never on slots, batching or caching), exactly
@@ -17,9 +17,9 @@ class SlotError(AssertionError):
 
 
 class FakeWorker:
-    def __init__(self, kv_slots: int, mamba_slots: int, vocab: int = 50, eos: int | None = None) -> None:
+    def __init__(self, kv_slots: int, state_slots: int, vocab: int = 50, eos: int | None = None) -> None:
         self.kv: list[tuple[int, int] | None] = [None] * (kv_slots + 1)
-        self.state: list[tuple[int, ...] | None] = [None] * (mamba_slots + 1)
+        self.state: list[tuple[int, ...] | None] = [None] * (state_slots + 1)
         self.vocab = vocab
         self.eos = eos
         self.steps = 0
@@ -40,7 +40,7 @@ class FakeWorker:
             if op.rid is not None and op.rid in refused:
                 continue
             if self.state[op.src] is None:
-                raise SlotError(f"copy from unwritten mamba slot {op.src}")
+                raise SlotError(f"copy from unwritten state slot {op.src}")
             self.state[op.dst] = self.state[op.src]
         for slot in batch.clears:
             self.state[slot] = ()
@@ -50,13 +50,13 @@ class FakeWorker:
             if s.rid in refused:
                 continue
             kv_slots = full_kv[s.rid]
-            self._check_prefix(s.rid, kv_slots, s.start_pos, s.mamba_slot)
+            self._check_prefix(s.rid, kv_slots, s.start_pos, s.state_slot)
             seq = tuple(self.kv[slot][1] for slot in kv_slots[: s.start_pos])  # type: ignore[index]
             for i, tok in enumerate(s.input_ids):
                 self.kv[kv_slots[s.start_pos + i]] = (s.start_pos + i, tok)
             seq = seq + tuple(s.input_ids)
-            if s.mamba_slot:
-                self.state[s.mamba_slot] = seq
+            if s.state_slot:
+                self.state[s.state_slot] = seq
             if s.sample:
                 out[s.rid] = self.next_token(seq)
         hit = sorted(r for r in refused if any(s.rid == r for s in batch.reqs))
@@ -76,7 +76,7 @@ class FakeWorker:
         self.mirror, self.mirror_step = full, batch.step
         return full
 
-    def _check_prefix(self, rid: str, kv_slots: list[int], start: int, mamba_slot: int) -> None:
+    def _check_prefix(self, rid: str, kv_slots: list[int], start: int, state_slot: int) -> None:
         if len(set(kv_slots)) != len(kv_slots) or 0 in kv_slots:
             raise SlotError(f"{rid}: kv slots repeat or use the padding slot")
         toks = []
@@ -85,7 +85,7 @@ class FakeWorker:
             if entry is None or entry[0] != pos:
                 raise SlotError(f"{rid}: kv slot {kv_slots[pos]} holds {entry}, expected position {pos}")
             toks.append(entry[1])
-        if mamba_slot:
-            state = self.state[mamba_slot]
+        if state_slot:
+            state = self.state[state_slot]
             if state != tuple(toks):
-                raise SlotError(f"{rid}: mamba slot {mamba_slot} holds {state!r:.80} but KV holds {len(toks)} tokens")
+                raise SlotError(f"{rid}: state slot {state_slot} holds {state!r:.80} but KV holds {len(toks)} tokens")

@@ -95,7 +95,7 @@ def test_no_token_stand_in_attempts_per_round(name: str) -> None:
 
 def test_refuse_then_cow_error_then_admit() -> None:
     """Round 1 the adder refuses; round 2 the adder lets the request through but the real copy-on-write
-    match raises MambaCowAllocError (every state slot is held: one by a running request, one by the
+    match raises StateCowAllocError (every state slot is held: one by a running request, one by the
     cached state the match itself locks): no batch entry for it, it stays queued in its place and the
     adder's grant is rolled back (the adder admits nothing); round 3 capacity is back (the running
     request finished and donated its state) and it is admitted, waiting queue empty."""
@@ -120,7 +120,7 @@ def test_refuse_then_cow_error_then_admit() -> None:
     assert rids(batch) == ["runner"] and batch is not None and not batch.copies
     assert sched.waiting.peek() is sched.reqs["hit"] and len(sched.waiting) == 1
     assert len(log["rollbacks"]) == 1 and sched.metrics.get("hyssm_admission_refusals_total", reason="cow_alloc") == 1
-    assert sched.reqs["hit"].mamba_slot is None and not sched.reqs["hit"].kv_slots
+    assert sched.reqs["hit"].state_slot is None and not sched.reqs["hit"].kv_slots
     assert [o.finish_reason for o in got] == ["length"]  # the runner donated its state
 
     batch, _ = round_(sched, worker)  # round 3: admitted with a copy-on-write of the cached state

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler_proc.allocators import KVAllocator, MambaSlotAllocator
+from scheduler_proc.allocators import KVAllocator, StateSlotAllocator
 
 
 def test_alloc_free_roundtrip_and_padding_slot_never_given() -> None:
@@ -16,7 +16,7 @@ def test_alloc_free_roundtrip_and_padding_slot_never_given() -> None:
 
 
 def test_alloc_many_is_all_or_nothing() -> None:
-    a = MambaSlotAllocator(3)
+    a = StateSlotAllocator(3)
     assert a.alloc() == 1
     assert a.alloc_many(3) is None
     assert a.num_free == 2

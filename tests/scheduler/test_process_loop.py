@@ -92,7 +92,7 @@ def peers() -> Iterator[Peers]:
         tok_rx = Receiver(ctx, SCHEDULER_TO_TOKENIZER, args)
         worker = Sender(ctx, WORKER_TO_SCHEDULER, args)
         tok = Sender(ctx, TOKENIZER_TO_SCHEDULER, args)
-        worker.send(WorkerReady(rank=0, kv_slots=256, mamba_slots=16, device="cpu", dtype="float32"))
+        worker.send(WorkerReady(rank=0, kv_slots=256, state_slots=16, device="cpu", dtype="float32"))
         loop.start()
         assert isinstance(launcher.recv(5000), ProcReady)
         log: list[tuple[str, Any]] = []

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler_proc.allocators import KVAllocator, MambaSlotAllocator
+from scheduler_proc.allocators import KVAllocator, StateSlotAllocator
 from scheduler_proc.radix_cache import HybridRadixCache
-from shared.errors import MambaCowAllocError
+from shared.errors import StateCowAllocError
 
 
 def make(kv: int = 64, states: int = 4, track: bool = True) -> HybridRadixCache:
-    return HybridRadixCache(KVAllocator(kv), MambaSlotAllocator(states), track)
+    return HybridRadixCache(KVAllocator(kv), StateSlotAllocator(states), track)
 
 
 def donate(c: HybridRadixCache, tokens: list[int], with_state: bool = True) -> None:
@@ -192,7 +192,7 @@ def test_cow_alloc_error_balanced_locks_and_no_slot() -> None:
         setattr(c, name, spy)
     evictions: list[int] = []
     c.evict_states = lambda n: evictions.append(n) or 0  # type: ignore[method-assign]
-    with pytest.raises(MambaCowAllocError):
+    with pytest.raises(StateCowAllocError):
         c.match_and_cow([1, 2, 3, 4], 3)
     assert evictions == [1] and states.alloc_calls == 1
     assert calls["lock"] == calls["unlock"] == 1 and calls["lock_state"] == calls["unlock_state"] == 1

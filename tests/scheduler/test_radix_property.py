@@ -9,9 +9,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, invariant, rule
 
-from scheduler_proc.allocators import KVAllocator, MambaSlotAllocator
+from scheduler_proc.allocators import KVAllocator, StateSlotAllocator
 from scheduler_proc.radix_cache import CowMatch, HybridRadixCache, PeekResult
-from shared.errors import MambaCowAllocError
+from shared.errors import StateCowAllocError
 
 TOKENS = st.lists(st.integers(1, 2), min_size=1, max_size=8)
 
@@ -25,7 +25,7 @@ class CacheMachine(RuleBasedStateMachine):
 
     @initialize(kv=st.integers(8, 40), states=st.integers(1, 5), track=st.booleans())
     def setup(self, kv: int, states: int, track: bool) -> None:
-        self.cache = HybridRadixCache(KVAllocator(kv), MambaSlotAllocator(states if track else 0), track)
+        self.cache = HybridRadixCache(KVAllocator(kv), StateSlotAllocator(states if track else 0), track)
         self.held: list[tuple[CowMatch, bool]] = []  # (match, copy still pending)
         self.probes: dict[tuple[int, ...], tuple[int, tuple[int, int, int, int, int, bool]]] = {}
 
@@ -49,7 +49,7 @@ class CacheMachine(RuleBasedStateMachine):
         self.probes.setdefault(tuple(probe), (-1, (0, 0, 0, 0, 0, False)))
         try:
             m = c.match_and_cow(probe, len(tokens))
-        except MambaCowAllocError:
+        except StateCowAllocError:
             after = (c.num_locked_nodes, c.kv_evictable, c.states_evictable, c.state_alloc.num_free)
             assert after[:1] == before[:1] and c.direct_kv_holds(c.peek(probe, len(tokens)).node) >= 0
             return

@@ -31,7 +31,7 @@ def model_dir(request: pytest.FixtureRequest) -> str:
 @pytest.fixture(scope="module")
 def runner(model_dir: str) -> object:
     torch.manual_seed(0)
-    return runtime.ModelRunner(model_dir, kv_slots=KV_SLOTS, mamba_slots=MAMBA_SLOTS, deterministic=True)
+    return runtime.ModelRunner(model_dir, kv_slots=KV_SLOTS, state_slots=MAMBA_SLOTS, deterministic=True)
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +56,7 @@ def test_real_capacity_recovery(runner: object, model: ModelInfo) -> None:
     sched.add_request(greq("a", [30, 31, 32, 33], 5))
     sched.add_request(greq("c", [40, 41, 42], 12))
     round_(sched, runner)  # type: ignore[arg-type]
-    assert sched.info().server.mamba_free == 0
+    assert sched.info().server.state_free == 0
     hit = list(range(10, 22)) + donor.tokens["donor"][:2] + [77]
     sched.add_request(greq("b", hit, 4))
     finished_round = admitted_round = -1

@@ -183,7 +183,7 @@ def test_info_and_metrics_shape() -> None:
     info = sched.info()
     server = info.server
     assert server.kv_free + server.kv_cached + server.kv_used_by_requests == server.kv_capacity == 256
-    assert server.mamba_free + server.mamba_cached + server.mamba_used_by_requests == server.mamba_capacity == 8
+    assert server.state_free + server.state_cached + server.state_used_by_requests == server.state_capacity == 8
     assert server.num_running == server.num_waiting == server.num_locked_nodes == 0
     assert server.prefix_queried_tokens == 7 and server.prefix_state_hit_tokens + server.prefix_kv_only_tokens > 0
     names = set()

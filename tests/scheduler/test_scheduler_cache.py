@@ -94,9 +94,9 @@ def test_branch_split_is_exact_and_checkpoint_copies_in_the_next_batch() -> None
     sched.add_request(greq("b", list(range(1, 13)) + [40, 41, 42], 2))
     b1, _ = round_(sched, worker)
     assert b1 is not None and b1.reqs[0].start_pos == 0 and len(b1.reqs[0].input_ids) == 12
-    assert not b1.reqs[0].sample and b1.clears == [b1.reqs[0].mamba_slot]
+    assert not b1.reqs[0].sample and b1.clears == [b1.reqs[0].state_slot]
     b2, _ = round_(sched, worker)
-    assert b2 is not None and [(op.src, op.rid) for op in b2.copies] == [(b1.reqs[0].mamba_slot, None)]
+    assert b2 is not None and [(op.src, op.rid) for op in b2.copies] == [(b1.reqs[0].state_slot, None)]
     assert b2.reqs[0].start_pos == 12
     assert sched.cache.peek(list(range(1, 13)) + [7], 12).prefix_len == 12
 

@@ -26,8 +26,8 @@ def make(
 ) -> tuple[Scheduler, FakeWorker]:
     args.setdefault("chunked_prefill_size", 64)
     args.setdefault("max_prefill_tokens", max(256, args["chunked_prefill_size"]))
-    sched = Scheduler(ServerArgs(**args), model, kv, states if model.has_mamba else 0, tuning)
-    return sched, FakeWorker(kv, states if model.has_mamba else 0, vocab=model.vocab_size)
+    sched = Scheduler(ServerArgs(**args), model, kv, states if model.has_recurrent_state else 0, tuning)
+    return sched, FakeWorker(kv, states if model.has_recurrent_state else 0, vocab=model.vocab_size)
 
 
 def greq(rid: str, prompt: list[int], max_new: int, priority: int = 0, **sampling: Any) -> GenerateReq:

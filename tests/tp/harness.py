@@ -182,7 +182,7 @@ def _plan_step(live: dict[str, _Live], step: int, n_new: int) -> tuple[list[ReqS
         ids = list(left[: s.chunk]) if left else [r.out[-1]]
         sample = not left or len(ids) == len(left)
         reqs.append(ReqSlice(rid=s.rid, input_ids=ids, start_pos=r.pos, kv_slots=r.kv[: r.pos + len(ids)],
-                             mamba_slot=r.slot, sample=sample, sampling=GREEDY, output_len=len(r.out)))
+                             state_slot=r.slot, sample=sample, sampling=GREEDY, output_len=len(r.out)))
     return reqs, copies, clears
 
 
@@ -208,7 +208,7 @@ def model_traces(
     """Everything the parity tests compare, computed by one rank of a `size`-rank group (or alone
     when `group` is None): both script modes and, when `prompt` is given, all-position logits."""
     def make() -> ModelRunner:
-        return ModelRunner(model_dir, dtype="float32", kv_slots=KV_SLOTS, mamba_slots=MAMBA_SLOTS,
+        return ModelRunner(model_dir, dtype="float32", kv_slots=KV_SLOTS, state_slots=MAMBA_SLOTS,
                            tp_rank=rank, tp_size=size, tp_group=group, deterministic=True)
 
     runner = make()
@@ -219,10 +219,10 @@ def model_traces(
     result["step"] = drive(runner, specs, n_new, "step", group)
     if prompt is not None:
         n = len(prompt)
-        req = ReqSlice(rid="p", input_ids=prompt, start_pos=0, kv_slots=list(range(1, n + 1)), mamba_slot=1,
+        req = ReqSlice(rid="p", input_ids=prompt, start_pos=0, kv_slots=list(range(1, n + 1)), state_slot=1,
                        sample=True, sampling=GREEDY)
         result["prompt_logits"] = forward_all_logits(runner, ForwardBatch(step=0, reqs=[req], clears=[1]))["p"].numpy()
-    result["capacity"] = (runner.kv_capacity, runner.mamba_capacity, runner.pools.nbytes())
+    result["capacity"] = (runner.kv_capacity, runner.state_capacity, runner.pools.nbytes())
     return result
 
 

@@ -117,7 +117,7 @@ def test_pools_sized_per_rank() -> None:
     cfg = _cfg()  # nope_groups2: 4 heads, 2 KV heads, 8 Mamba heads, 2 groups
     one = slot_bytes(cfg, torch.float32)
     two = slot_bytes(cfg, torch.float32, 2, 1)
-    assert two.kv_token * 2 == one.kv_token and two.mamba_state * 2 == one.mamba_state
+    assert two.kv_token * 2 == one.kv_token and two.state_slot * 2 == one.state_slot
     four = slot_bytes(cfg, torch.float32, 4, 3)
     assert four.kv_token * 2 == one.kv_token  # one replicated KV head of two per rank
     p = StatePools(cfg, 4, 2, torch.float32, "cpu", 4, 3)

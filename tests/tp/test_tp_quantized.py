@@ -32,10 +32,10 @@ MODELS = {"builtin": (builtin_model_dir(), BUILTIN_PROMPT), "rope_moe": (fixture
 
 
 def _prompt_logits(rank: int, size: int, group: Any, model_dir: str, prompt: list[int], fmt: str) -> np.ndarray:
-    r = ModelRunner(model_dir, dtype="float32", kv_slots=len(prompt) + 4, mamba_slots=2, tp_rank=rank, tp_size=size,
+    r = ModelRunner(model_dir, dtype="float32", kv_slots=len(prompt) + 4, state_slots=2, tp_rank=rank, tp_size=size,
                     tp_group=group, quantization=fmt, deterministic=True)  # fmt: skip
     assert all((s.quantized is not None) == bool(fmt) for _, s, _ in product_sites(r.model) if s.quantizable)
-    sl = ReqSlice(rid="p", input_ids=prompt, start_pos=0, kv_slots=list(range(1, len(prompt) + 1)), mamba_slot=1,
+    sl = ReqSlice(rid="p", input_ids=prompt, start_pos=0, kv_slots=list(range(1, len(prompt) + 1)), state_slot=1,
                   sample=True, sampling=SamplingParams(temperature=0.0))  # fmt: skip
     return forward_all_logits(r, ForwardBatch(step=0, reqs=[sl], clears=[1]))["p"].numpy()
 

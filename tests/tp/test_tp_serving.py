@@ -31,7 +31,7 @@ Case = tuple[list[int], int, list[int]]
 def runner() -> Any:
     from worker_proc.runtime import ModelRunner
 
-    return ModelRunner(builtin_model_dir(), device="cpu", dtype="float32", kv_slots=512, mamba_slots=4,
+    return ModelRunner(builtin_model_dir(), device="cpu", dtype="float32", kv_slots=512, state_slots=4,
                        deterministic=True)
 
 
@@ -81,7 +81,7 @@ def test_tp2_serves_other_families(tmp_path, name: str) -> None:
     from worker_proc.runtime import ModelRunner
 
     path = model_dir(tmp_path, name)
-    ref = ModelRunner(path, device="cpu", dtype="float32", kv_slots=512, mamba_slots=4, deterministic=True)
+    ref = ModelRunner(path, device="cpu", dtype="float32", kv_slots=512, state_slots=4, deterministic=True)
     rng = random.Random(12)
     cases = _cases(ref, [[rng.randrange(3, 256) for _ in range(rng.randint(2, 40))] for _ in range(6)], rng)
     args = ["--model-path", path, "--tp-size", "2", "--max-running-requests", "8", "--dtype", "float32",

@@ -51,7 +51,7 @@ def mixed_and_alone(alone: ModelRunner, together: ModelRunner) -> tuple[Logits, 
     fresh = [1, 5, 6]
     expected: dict[str, torch.Tensor] = {}
     for i, sl in enumerate(slices):
-        clears = [sl.mamba_slot] if sl.mamba_slot in fresh else []
+        clears = [sl.state_slot] if sl.state_slot in fresh else []
         expected.update(forward_all_logits(alone, batch(10 + i, [sl], clears=clears)))
     return forward_all_logits(together, batch(10, slices, clears=fresh)), expected
 

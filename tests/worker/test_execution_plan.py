@@ -82,7 +82,7 @@ def test_the_real_timer_reports_every_supported_key() -> None:
 
 
 def _runner(tmp_path: Path, **kw: object) -> ModelRunner:
-    return ModelRunner(builtin_model_dir(), kv_slots=512, mamba_slots=4, plan_cache_dir=tmp_path, **kw)
+    return ModelRunner(builtin_model_dir(), kv_slots=512, state_slots=4, plan_cache_dir=tmp_path, **kw)
 
 
 def test_the_cache_round_trips_and_a_new_key_measures_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -123,10 +123,10 @@ def test_a_pinned_plan_is_honoured_and_runs_each_step_on_its_threads(tmp_path: P
     greedy = SamplingParams(temperature=0.0)
     try:
         n = 300
-        prompt = ReqSlice(rid="a", input_ids=[3] * n, start_pos=0, kv_slots=list(range(1, n + 1)), mamba_slot=1,
+        prompt = ReqSlice(rid="a", input_ids=[3] * n, start_pos=0, kv_slots=list(range(1, n + 1)), state_slot=1,
                           sample=True, sampling=greedy, output_len=0)  # fmt: skip
         tok = runner.step(ForwardBatch(step=1, reqs=[prompt], clears=[1])).next_tokens["a"]
-        decode = ReqSlice(rid="a", input_ids=[tok], start_pos=n, kv_slots=list(range(1, n + 2)), mamba_slot=1,
+        decode = ReqSlice(rid="a", input_ids=[tok], start_pos=n, kv_slots=list(range(1, n + 2)), state_slot=1,
                           sample=True, sampling=greedy, output_len=1)  # fmt: skip
         runner.step(ForwardBatch(step=2, reqs=[decode]))
     finally:

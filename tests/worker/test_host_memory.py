@@ -23,11 +23,11 @@ if sys.argv[1] == "on":
 else:
     applied = bool(ctypes.CDLL(ctypes.util.find_library("c")).mallopt(M_MMAP_THRESHOLD, 128 << 10))
 torch.set_num_threads(1)
-runner = ModelRunner(builtin_model_dir(), kv_slots=4096, mamba_slots=16)
+runner = ModelRunner(builtin_model_dir(), kv_slots=4096, state_slots=16)
 greedy = SamplingParams(temperature=0.0)
 def step(n):
     reqs = [ReqSlice(rid=str(b), input_ids=[(7 * i + b) % 200 + 1 for i in range(128)], start_pos=0,
-                     kv_slots=list(range(b * 128 + 1, b * 128 + 129)), mamba_slot=b + 1, sample=True,
+                     kv_slots=list(range(b * 128 + 1, b * 128 + 129)), state_slot=b + 1, sample=True,
                      sampling=greedy, output_len=0) for b in range(16)]
     runner.step(ForwardBatch(step=n, reqs=reqs, clears=list(range(1, 17))))
 step(1)

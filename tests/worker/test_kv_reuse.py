@@ -37,7 +37,7 @@ def run_pair(r: ModelRunner, deltas: bool) -> list[dict[str, torch.Tensor]]:
         for s in slices:
             end = s.start_pos + len(s.input_ids)
             kv = KV_A if s.rid == "a" else KV_B
-            nxt.append(req(s.rid, [tok[s.rid] + step], end, kv[: end + 1], s.mamba_slot))
+            nxt.append(req(s.rid, [tok[s.rid] + step], end, kv[: end + 1], s.state_slot))
             reuse[s.rid] = end
         slices = nxt
     return out
@@ -91,7 +91,7 @@ def test_unservable_reuse_raises_before_writing(step: int, reuse: int, why: str)
     r = _prefilled()
     before = _snapshot(r)
     n_new = 6 - reuse if why != "kv_reuse 5 \\+ 2 kv_slots" else 2
-    bad = ReqSlice(rid="a", input_ids=[PROMPT_A[5]], start_pos=5, kv_slots=KV_A[6 - n_new : 6], mamba_slot=1,
+    bad = ReqSlice(rid="a", input_ids=[PROMPT_A[5]], start_pos=5, kv_slots=KV_A[6 - n_new : 6], state_slot=1,
                    sample=True, sampling=GREEDY, kv_reuse=reuse)  # fmt: skip
     with pytest.raises(ValueError, match=why):
         r.step(batch(step, [bad], copies=[CopyOp(1, 3)], clears=[2]))

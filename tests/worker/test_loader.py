@@ -64,7 +64,7 @@ def test_unknown_architecture(ckpt: str) -> None:
     with pytest.raises(ModelLoadError, match="LlamaForCausalLM"):
         load_model(ckpt)
     with pytest.raises(ModelLoadError, match="LlamaForCausalLM"):
-        ModelRunner(ckpt, kv_slots=8, mamba_slots=2)
+        ModelRunner(ckpt, kv_slots=8, state_slots=2)
 
 
 def test_missing_tensor(ckpt: str) -> None:
@@ -112,7 +112,7 @@ def _shard(ckpt: str, missing_shard: bool = False) -> None:
 
 def test_sharded_checkpoint_loads_identically(ckpt: str) -> None:
     _shard(ckpt)
-    sharded = ModelRunner(ckpt, kv_slots=32, mamba_slots=2)
+    sharded = ModelRunner(ckpt, kv_slots=32, state_slots=2)
     assert torch.equal(_prompt_logits(sharded), _prompt_logits(runner(NAME)))
 
 
@@ -132,7 +132,7 @@ def test_transformers5_in_memory_names_accepted(ckpt: str) -> None:
                     t[k[: -len(old)] + new] = t.pop(k)
 
     _edit_weights(ckpt, rename)
-    r = ModelRunner(ckpt, kv_slots=32, mamba_slots=2)
+    r = ModelRunner(ckpt, kv_slots=32, state_slots=2)
     assert torch.equal(_prompt_logits(r), _prompt_logits(runner(NAME)))
 
 

@@ -42,11 +42,11 @@ class CountSubnormals(TorchDispatchMode):
 
 torch.set_num_threads(2)
 assert flush_denormals()  # as the worker process does, before any parallel region
-runner = ModelRunner(sys.argv[1], kv_slots=300, mamba_slots=4, thread_options=(2,))
+runner = ModelRunner(sys.argv[1], kv_slots=300, state_slots=4, thread_options=(2,))
 ids = [random.Random(0).randrange(3, 300) for _ in range(256)]
 
 def prefill(step):
-    sl = ReqSlice(rid=f"r{step}", input_ids=ids, start_pos=0, kv_slots=list(range(1, 257)), mamba_slot=1,
+    sl = ReqSlice(rid=f"r{step}", input_ids=ids, start_pos=0, kv_slots=list(range(1, 257)), state_slot=1,
                   sample=True, sampling=SamplingParams(temperature=0.0))
     mode = CountSubnormals()
     with mode:

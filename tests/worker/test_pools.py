@@ -17,12 +17,12 @@ def _cfg():
 
 def test_layout() -> None:
     cfg = _cfg()
-    p = StatePools(cfg, kv_slots=10, mamba_slots=3, dtype=torch.float32, device="cpu")
+    p = StatePools(cfg, kv_slots=10, state_slots=3, dtype=torch.float32, device="cpu")
     assert p.k.shape == (2, 11, cfg.num_kv_heads, cfg.head_dim) == p.v.shape
     assert p.conv.shape == (2, 4, cfg.conv_dim, cfg.mamba_d_conv - 1)
     assert p.ssm.shape == (2, 4, cfg.mamba_n_heads, cfg.mamba_d_head, cfg.mamba_d_state)
     assert p.ssm.dtype == torch.float32
-    p16 = StatePools(cfg, kv_slots=2, mamba_slots=2, dtype=torch.bfloat16, device="cpu")
+    p16 = StatePools(cfg, kv_slots=2, state_slots=2, dtype=torch.bfloat16, device="cpu")
     assert p16.k.dtype == p16.conv.dtype == torch.bfloat16 and p16.ssm.dtype == torch.float32
     p.check_integrity()
 
@@ -34,18 +34,18 @@ def test_plan_capacities_splits_budget() -> None:
     budget = 10_000_000
     kv, mamba = plan_capacities(cfg, budget, 0.25, torch.float32)
     assert kv == int(budget * 0.75) // sb.kv_token - 1
-    assert mamba == int(budget * 0.25) // sb.mamba_state - 1
-    assert (kv + 1) * sb.kv_token + (mamba + 1) * sb.mamba_state <= budget
+    assert mamba == int(budget * 0.25) // sb.state_slot - 1
+    assert (kv + 1) * sb.kv_token + (mamba + 1) * sb.state_slot <= budget
     p = StatePools(cfg, kv, mamba, torch.float32, "cpu")
     assert p.nbytes() <= budget
     with pytest.raises(ValueError, match="too small"):
         plan_capacities(cfg, 1000, 0.5, torch.float32)
-    with pytest.raises(ValueError, match="mamba_ratio"):
+    with pytest.raises(ValueError, match="state_ratio"):
         plan_capacities(cfg, budget, 1.0, torch.float32)
 
 
 def test_copy_and_clear() -> None:
-    p = StatePools(_cfg(), kv_slots=4, mamba_slots=3, dtype=torch.float32, device="cpu")
+    p = StatePools(_cfg(), kv_slots=4, state_slots=3, dtype=torch.float32, device="cpu")
     p.conv[:, 1].normal_()
     p.ssm[:, 1].normal_()
     p.copy_state(1, 2)
@@ -71,19 +71,19 @@ def test_attention_only_and_mamba_only_budgets() -> None:
     assert mamba == 0 and kv == 1_000_000 // slot_bytes(attn_only, torch.float32).kv_token - 1
     mamba_only = replace(cfg, layer_kinds=("mamba",) * 4)
     kv, mamba = plan_capacities(mamba_only, 1_000_000, 0.5, torch.float32)
-    assert kv == 0 and mamba == 1_000_000 // slot_bytes(mamba_only, torch.float32).mamba_state - 1
+    assert kv == 0 and mamba == 1_000_000 // slot_bytes(mamba_only, torch.float32).state_slot - 1
 
 
 def test_attention_free_model_has_no_kv_memory() -> None:
     """Mamba2: no KV tensor at all; the token slots reported are --max-total-tokens when given, else
-    enough for every Mamba slot to hold a full context (bookkeeping only)."""
+    enough for every state slot to hold a full context (bookkeeping only)."""
     from tests.worker.util import runner
     from worker_proc.pools import attention_free_kv_slots
 
-    r = runner("mamba2", kv_slots=0, mamba_slots=4)
+    r = runner("mamba2", kv_slots=0, state_slots=4)
     assert r.pools.k.numel() == 0 and r.pools.v.numel() == 0
     assert r.kv_capacity == attention_free_kv_slots(0, 4, 512) == 4 * 512
-    assert runner("mamba2", kv_slots=100, mamba_slots=4).kv_capacity == 100
+    assert runner("mamba2", kv_slots=100, state_slots=4).kv_capacity == 100
     assert attention_free_kv_slots(0, 10**6, 512) == 1 << 20  # capped: the scheduler's tree stays bounded
     assert attention_free_kv_slots(0, 1, 1 << 21) == 1 << 21  # never less than one context
     r.check_integrity()
@@ -117,7 +117,7 @@ def test_cpu_default_grows_with_the_running_requests_states(monkeypatch: pytest.
     cfg = load_config(builtin_model_dir())
     cpu = torch.device("cpu")
     monkeypatch.setattr(pools, "available_ram_bytes", lambda: 64 << 30)
-    state = slot_bytes(cfg, torch.float32).mamba_state
+    state = slot_bytes(cfg, torch.float32).state_slot
     wanted = pools.cpu_wanted_budget(cfg, torch.float32, 4000, 0.5)
     assert wanted == int((4000 + 1000 + 2) * state / 0.5)
     budget, how = pool_budget(cpu, 0, 0.85, wanted)
@@ -137,17 +137,17 @@ def test_gated_deltanet_state_layout_bytes_and_slot_ops() -> None:
     cfg = load_config(fixture_dir("qwen3_next_moe"))
     n_gdn = len(cfg.gdn_layer_ids)
     conv_dim = 2 * cfg.gdn_k_heads * cfg.gdn_k_dim + cfg.gdn_v_heads * cfg.gdn_v_dim
-    p = StatePools(cfg, kv_slots=6, mamba_slots=3, dtype=torch.bfloat16, device="cpu")
+    p = StatePools(cfg, kv_slots=6, state_slots=3, dtype=torch.bfloat16, device="cpu")
     assert p.states["gdn_conv"].shape == (n_gdn, 4, conv_dim, cfg.gdn_d_conv - 1)
     assert p.states["gdn_state"].shape == (n_gdn, 4, cfg.gdn_v_heads, cfg.gdn_k_dim, cfg.gdn_v_dim)
     assert p.states["gdn_conv"].dtype == torch.bfloat16 and p.states["gdn_state"].dtype == torch.float32
     assert p.conv.numel() == 0 and p.ssm.numel() == 0  # no Mamba layer
-    grown = StatePools(cfg, kv_slots=6, mamba_slots=4, dtype=torch.bfloat16, device="cpu")
-    per_slot = slot_bytes(cfg, torch.bfloat16).mamba_state
+    grown = StatePools(cfg, kv_slots=6, state_slots=4, dtype=torch.bfloat16, device="cpu")
+    per_slot = slot_bytes(cfg, torch.bfloat16).state_slot
     recurrent = cfg.gdn_v_heads * cfg.gdn_k_dim * cfg.gdn_v_dim * 4
     assert per_slot == n_gdn * (conv_dim * (cfg.gdn_d_conv - 1) * 2 + recurrent)
     assert grown.nbytes() - p.nbytes() == per_slot
-    half = slot_bytes(cfg, torch.bfloat16, tp_size=2, tp_rank=1).mamba_state
+    half = slot_bytes(cfg, torch.bfloat16, tp_size=2, tp_rank=1).state_slot
     assert half * 2 == per_slot  # heads sharded: each rank holds half of every state tensor
     kv, states = plan_capacities(cfg, 4_000_000, 0.5, torch.bfloat16)
     assert states == 2_000_000 // per_slot - 1

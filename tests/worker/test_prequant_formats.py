@@ -166,7 +166,7 @@ def test_quantization_flag_must_name_the_stored_format(tmp_path) -> None:
         check_requested("int8", quant, "c")
     path = write_fp8_block("rope_moe", str(tmp_path / "fp8"))
     with pytest.raises(ModelLoadError, match="stored quantized"):
-        ModelRunner(path, kv_slots=32, mamba_slots=2, quantization="int4")
+        ModelRunner(path, kv_slots=32, state_slots=2, quantization="int4")
 
 
 class _Allocations(TorchDispatchMode):

@@ -118,7 +118,7 @@ def _prompt_logits(r: ModelRunner, prompt: list[int]) -> torch.Tensor:
 def test_the_checkpoint_gives_transformers_dequantized_model(name: str, checkpoints: dict) -> None:
     ck = checkpoints[name]
     prompt = ck["prompt"]
-    r = ModelRunner(ck["path"], kv_slots=len(prompt) + N_NEW + 2, mamba_slots=4, dtype="float32")
+    r = ModelRunner(ck["path"], kv_slots=len(prompt) + N_NEW + 2, state_slots=4, dtype="float32")
     fmt = FORMAT[CHECKPOINTS[name][1]]
     held = {site.storage_format for _, site, _ in product_sites(r.model)}
     assert fmt in held and held <= {"dense", fmt}
@@ -146,7 +146,7 @@ def test_the_checkpoint_gives_transformers_dequantized_model(name: str, checkpoi
 def _rank_logits(rank: int, size: int, group: Any, jobs: list[tuple[str, str, list[int]]]) -> dict[str, Any]:
     out = {}
     for name, path, prompt in jobs:
-        r = ModelRunner(path, dtype="float32", kv_slots=len(prompt) + N_NEW + 2, mamba_slots=4, tp_rank=rank,
+        r = ModelRunner(path, dtype="float32", kv_slots=len(prompt) + N_NEW + 2, state_slots=4, tp_rank=rank,
                         tp_size=size, tp_group=group)
         fixed_plan(r.model, REFERENCE).bind(r.model)
         out[name] = (_prompt_logits(r, prompt).numpy(), _greedy(r, prompt))

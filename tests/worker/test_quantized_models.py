@@ -45,7 +45,7 @@ def _plan_and_reference(r: ModelRunner, prompt: list[int], fmt: str) -> tuple[to
 @pytest.mark.parametrize("fmt", ["int8", "int4", "fp8"])
 def test_the_trained_model_gives_its_dequantized_reference(fmt: str) -> None:
     prompt = list(range(40, 140))
-    r = ModelRunner(builtin_model_dir(), kv_slots=256, mamba_slots=4, dtype="float32", quantization=fmt)
+    r = ModelRunner(builtin_model_dir(), kv_slots=256, state_slots=4, dtype="float32", quantization=fmt)
     got, want = _plan_and_reference(r, prompt, fmt)
     err = max_diff(got, want) / float(want.abs().max())
     assert err <= TRAINED_REL_TOL, f"relative logit error {err:.2e}"
@@ -78,7 +78,7 @@ def test_the_deterministic_mode_stays_batch_invariant(name: str, fmt: str) -> No
 @pytest.mark.parametrize("fmt,agree", [("int8", 0.95), ("int4", 0.93), ("fp8", 0.95)])
 def test_the_next_token_stays_the_unquantized_models(fmt: str, agree: float) -> None:
     """Fed the unquantized model's own greedy text, the quantized model picks the same next token."""
-    kw = {"kv_slots": 256, "mamba_slots": 4, "dtype": "float32"}
+    kw = {"kv_slots": 256, "state_slots": 4, "dtype": "float32"}
     base = ModelRunner(builtin_model_dir(), **kw)
     text = list(range(40, 72))
     text += generate_greedy(base, text, 96)

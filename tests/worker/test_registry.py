@@ -147,9 +147,9 @@ def test_qwen3_5_multimodal_wrapper_loads_its_text_model(tmp_path, caplog) -> No
     save_file(tensors, str(out / "model.safetensors"))
     info = ModelInfo.from_dir(str(out))
     assert info.vocab_size == src["vocab_size"] and info.max_position_embeddings == src["max_position_embeddings"]
-    assert info.layer_kinds == ("gdn", "gdn", "attention", "gdn") and info.has_mamba
+    assert info.layer_kinds == ("gdn", "gdn", "attention", "gdn") and info.has_recurrent_state
     with caplog.at_level("INFO", logger="worker_proc.weight_files"):
-        r = ModelRunner(str(out), kv_slots=200, mamba_slots=4)
+        r = ModelRunner(str(out), kv_slots=200, state_slots=4)
     assert any("model.visual." in rec.message for rec in caplog.records)
     ref = reference("qwen3_5_dense")
     prompt = ref["prompt"].tolist()

@@ -17,26 +17,26 @@ from worker_proc.runtime import ModelRunner
 
 def test_capacities_from_budget_and_explicit(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="worker_proc.runtime")
-    r = ModelRunner(fixture_dir("nope_groups2"), mem_budget_bytes=4_000_000, mamba_ratio=0.3)
+    r = ModelRunner(fixture_dir("nope_groups2"), mem_budget_bytes=4_000_000, state_ratio=0.3)
     kv, mamba = plan_capacities(r.cfg, 4_000_000, 0.3, torch.float32)
-    assert (r.kv_capacity, r.mamba_capacity) == (kv, mamba)
+    assert (r.kv_capacity, r.state_capacity) == (kv, mamba)
     logged = caplog.messages[-1]
-    assert "--mem-budget-gb" in logged and f"{kv} KV token slots, {mamba} Mamba state slots" in logged
-    default = ModelRunner(fixture_dir("nope_groups2"), mamba_ratio=0.3)
-    assert (default.kv_capacity, default.mamba_capacity) == plan_capacities(
+    assert "--mem-budget-gb" in logged and f"{kv} KV token slots, {mamba} state slots" in logged
+    default = ModelRunner(fixture_dir("nope_groups2"), state_ratio=0.3)
+    assert (default.kv_capacity, default.state_capacity) == plan_capacities(
         r.cfg, DEFAULT_CPU_BUDGET_BYTES, 0.3, torch.float32)
     assert "the CPU default" in caplog.messages[-1]
     assert r.pools.k.shape[1] == kv + 1 and r.pools.ssm.shape[1] == mamba + 1
-    r2 = ModelRunner(fixture_dir("nope_groups2"), kv_slots=17, mamba_slots=0, mem_budget_bytes=4_000_000,
-                     mamba_ratio=0.3)
-    assert (r2.kv_capacity, r2.mamba_capacity) == (17, mamba)
+    r2 = ModelRunner(fixture_dir("nope_groups2"), kv_slots=17, state_slots=0, mem_budget_bytes=4_000_000,
+                     state_ratio=0.3)
+    assert (r2.kv_capacity, r2.state_capacity) == (17, mamba)
 
 
 def test_builtin_model_loads_and_generates() -> None:
-    r = ModelRunner(builtin_model_dir(), kv_slots=128, mamba_slots=4)
+    r = ModelRunner(builtin_model_dir(), kv_slots=128, state_slots=4)
     info = r.model_info
     assert info.vocab_size == 260 and info.eos_token_ids == (256,) and info.max_position_embeddings == 4096
-    assert info.has_mamba and info.has_attention
+    assert info.has_recurrent_state and info.has_attention
     out = generate_greedy(r, list(b"Hello, world"), 16)
     assert 1 <= len(out) <= 16 and all(0 <= t < 260 for t in out)
     assert generate_greedy(r, list(b"Hello, world"), 16) == out

@@ -41,7 +41,7 @@ def _prompt(name: str) -> list[int]:
 
 def _teacher_forced_logits(name: str, state_dtype: str, tokens: list[int]) -> torch.Tensor:
     """Last-position logits [len(tokens), V]: the prompt's, then one decode step per token fed."""
-    r = runner(name, kv_slots=400, mamba_slots=4, state_dtype=state_dtype)
+    r = runner(name, kv_slots=400, state_slots=4, state_dtype=state_dtype)
     prompt = _prompt(name)
     n = len(prompt)
     kv = list(range(1, n + len(tokens) + 1))
@@ -55,7 +55,7 @@ def _teacher_forced_logits(name: str, state_dtype: str, tokens: list[int]) -> to
 
 @pytest.mark.parametrize("name", ["mamba2", "nope_groups2", "qwen3_5_dense", "qwen3_next_moe"])
 def test_logits_stay_within_the_measured_drift(name: str) -> None:
-    greedy = generate_greedy(runner(name, kv_slots=400, mamba_slots=4), _prompt(name), TOKENS)
+    greedy = generate_greedy(runner(name, kv_slots=400, state_slots=4), _prompt(name), TOKENS)
     ref = _teacher_forced_logits(name, "float32", greedy)
     errors = {}
     for state_dtype in ("bfloat16", "int8"):
@@ -71,16 +71,16 @@ def test_logits_stay_within_the_measured_drift(name: str) -> None:
 @pytest.mark.parametrize("name", ["nope_groups2", "qwen3_5_dense"])
 @pytest.mark.parametrize("state_dtype", ["bfloat16", "int8"])
 def test_greedy_output_agrees_with_the_float32_state(name: str, state_dtype: str) -> None:
-    want = generate_greedy(runner(name, kv_slots=400, mamba_slots=4), _prompt(name), TOKENS)
-    r = runner(name, kv_slots=400, mamba_slots=4, state_dtype=state_dtype)
+    want = generate_greedy(runner(name, kv_slots=400, state_slots=4), _prompt(name), TOKENS)
+    r = runner(name, kv_slots=400, state_slots=4, state_dtype=state_dtype)
     assert generate_greedy(r, _prompt(name), TOKENS) == want
     r.check_integrity()
 
 
 def test_bfloat16_greedy_agrees_on_the_pure_mamba2_and_qwen3_next_fixtures() -> None:
     for name in ("mamba2", "qwen3_next_moe"):
-        want = generate_greedy(runner(name, kv_slots=400, mamba_slots=4), _prompt(name), TOKENS)
-        got = generate_greedy(runner(name, kv_slots=400, mamba_slots=4, state_dtype="bfloat16"), _prompt(name),
+        want = generate_greedy(runner(name, kv_slots=400, state_slots=4), _prompt(name), TOKENS)
+        got = generate_greedy(runner(name, kv_slots=400, state_slots=4, state_dtype="bfloat16"), _prompt(name),
                               TOKENS)  # fmt: skip
         assert got == want, name
 
@@ -97,7 +97,7 @@ def test_resume_from_a_copied_state_equals_the_uninterrupted_run_exactly(name: s
     boundary), so the resumed one differs only by the copy: values and scales move bit for bit."""
     prompt = _prompt(name)
     n = len(prompt)
-    r = runner(name, kv_slots=600, mamba_slots=6, state_dtype=state_dtype, deterministic=True)
+    r = runner(name, kv_slots=600, state_slots=6, state_dtype=state_dtype, deterministic=True)
     own = list(range(300, 300 + n + 8))
     forward_logits(r, batch(0, [req("x", prompt[:cut], 0, own[:cut], 4, sample=False)], clears=[4]))
     whole = forward_all_logits(r, batch(1, [req("x", prompt[cut:], cut, own[:n], 4)]))["x"]
@@ -126,13 +126,13 @@ def test_resume_from_a_copied_state_equals_the_uninterrupted_run_exactly(name: s
 @pytest.mark.parametrize("name", ["mamba2", "qwen3_5_dense"])
 def test_int8_pools_hold_values_and_scales_and_slot_ops_move_both(name: str) -> None:
     cfg = load_config(fixture_dir(name))
-    p = StatePools(cfg, kv_slots=4, mamba_slots=3, dtype=torch.float32, device="cpu", state_dtype="int8")
+    p = StatePools(cfg, kv_slots=4, state_slots=3, dtype=torch.float32, device="cpu", state_dtype="int8")
     state = "ssm" if name == "mamba2" else "gdn_state"
     values, scale = p.states[state], p.states[state + "_scale"]
     assert values.dtype == torch.int8 and scale.dtype == torch.float32
     assert scale.shape == values.shape[:-1]  # [layers, slots, heads, rows]: one scale per row of a head
-    grown = StatePools(cfg, kv_slots=4, mamba_slots=4, dtype=torch.float32, device="cpu", state_dtype="int8")
-    assert grown.nbytes() - p.nbytes() == slot_bytes(cfg, torch.float32, state_dtype="int8").mamba_state
+    grown = StatePools(cfg, kv_slots=4, state_slots=4, dtype=torch.float32, device="cpu", state_dtype="int8")
+    assert grown.nbytes() - p.nbytes() == slot_bytes(cfg, torch.float32, state_dtype="int8").state_slot
     for pool in p.states.values():
         if pool.is_floating_point():
             pool[:, 1].uniform_(0.5, 1.0)
@@ -164,7 +164,7 @@ def test_narrower_states_give_more_slots_in_the_same_budget(name: str) -> None:
 
 def test_the_runner_reports_the_larger_capacity() -> None:
     """What the worker sends in WorkerReady (and the scheduler admits against) is the runner's capacity."""
-    caps = {sd: ModelRunner(fixture_dir("mamba2"), mem_budget_bytes=4_000_000, state_dtype=sd).mamba_capacity
+    caps = {sd: ModelRunner(fixture_dir("mamba2"), mem_budget_bytes=4_000_000, state_dtype=sd).state_capacity
             for sd in ("float32", "int8")}  # fmt: skip
     assert caps["int8"] >= 1.8 * caps["float32"], caps
 

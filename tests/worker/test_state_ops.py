@@ -78,18 +78,18 @@ def test_refused_request_does_not_run_or_copy() -> None:
 
 
 def test_malformed_batches_rejected() -> None:
-    r = runner("nope_groups2", kv_slots=32, mamba_slots=4)
+    r = runner("nope_groups2", kv_slots=32, state_slots=4)
     with pytest.raises(ValueError, match="kv_slots"):
-        r.step(batch(0, [ReqSlice(rid="a", input_ids=[5, 6], start_pos=1, kv_slots=[1, 2], mamba_slot=1,
+        r.step(batch(0, [ReqSlice(rid="a", input_ids=[5, 6], start_pos=1, kv_slots=[1, 2], state_slot=1,
                                   sample=True)]))
     with pytest.raises(ValueError, match="KV slot"):
         r.step(batch(0, [req("a", [5, 6], 0, [1, 33], 1)]))
     with pytest.raises(ValueError, match="KV slot"):
         r.step(batch(0, [req("a", [5, 6], 0, [0, 1], 1)]))
-    with pytest.raises(ValueError, match="Mamba slot"):
+    with pytest.raises(ValueError, match="state slot"):
         r.step(batch(0, [req("a", [5], 0, [1], 5)]))
-    with pytest.raises(ValueError, match="duplicate Mamba"):
+    with pytest.raises(ValueError, match="duplicate state slots"):
         r.step(batch(0, [req("a", [5], 0, [1], 2), req("b", [6], 0, [2], 2)]))
-    with pytest.raises(ValueError, match="Mamba slot"):
+    with pytest.raises(ValueError, match="state slot"):
         r.step(batch(0, [], copies=[CopyOp(src=0, dst=1)]))
     r.check_integrity()

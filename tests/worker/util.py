@@ -40,8 +40,8 @@ def reference(name: str) -> dict[str, torch.Tensor]:
     return load_file(os.path.join(fixture_dir(name), "reference.safetensors"))
 
 
-def runner(name: str, kv_slots: int = 96, mamba_slots: int = 8, **kw: object) -> ModelRunner:
-    return ModelRunner(fixture_dir(name), kv_slots=kv_slots, mamba_slots=mamba_slots, **kw)
+def runner(name: str, kv_slots: int = 96, state_slots: int = 8, **kw: object) -> ModelRunner:
+    return ModelRunner(fixture_dir(name), kv_slots=kv_slots, state_slots=state_slots, **kw)
 
 
 def wire(batch: ForwardBatch) -> ForwardBatch:
@@ -62,7 +62,7 @@ def req(
     output_len: int = 0,
 ) -> ReqSlice:
     assert len(kv) == start + len(ids)
-    return ReqSlice(rid=rid, input_ids=list(ids), start_pos=start, kv_slots=list(kv), mamba_slot=mamba,
+    return ReqSlice(rid=rid, input_ids=list(ids), start_pos=start, kv_slots=list(kv), state_slot=mamba,
                     sample=sample, sampling=sampling, output_len=output_len)
 
 

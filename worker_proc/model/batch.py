@@ -29,7 +29,7 @@ class PrefillSeg:
     row_end: int
     start_pos: int
     kv_idx: torch.Tensor  # [start_pos + L] int64, KV slot of every position so far
-    mamba_slot: int
+    state_slot: int
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,7 @@ class StepBatch:
     new_kv_slots: torch.Tensor  # [T] int64, KV slot each row writes
     prefill: tuple[PrefillSeg, ...]
     dec_rows: torch.Tensor  # [Bt] int64 rows of the decode group
-    dec_mamba_slots: torch.Tensor  # [Bt] int64
+    dec_state_slots: torch.Tensor  # [Bt] int64
     dec_kv_idx: torch.Tensor  # [Bt, Tmax] int64, padded with slot 0
     dec_kv_len: torch.Tensor  # [Bt] int64
     logit_rows: torch.Tensor  # [R] int64 rows whose logits are wanted
@@ -49,7 +49,7 @@ class StepBatch:
     @cached_property
     def prefill_spans(self) -> tuple[tuple[int, int], ...]:
         """(length, state slot) of each prefill segment, in row order (worker_proc.kernels.segments)."""
-        return tuple((seg.row_end - seg.row_start, seg.mamba_slot) for seg in self.prefill)
+        return tuple((seg.row_end - seg.row_start, seg.state_slot) for seg in self.prefill)
 
     @cached_property
     def prefill_rows(self) -> torch.Tensor | None:
@@ -69,15 +69,15 @@ def build_step_batch(
     reqs: list[ReqSlice],
     device: torch.device,
     kv_capacity: int,
-    mamba_capacity: int,
-    uses_mamba: bool,
+    state_capacity: int,
+    has_recurrent_state: bool,
     all_rows: bool = False,
     uses_attention: bool = True,
     mirror: KVSlotMirror | None = None,
     step: int = 0,
 ) -> StepBatch:
     """Flatten and validate `reqs` (batch number `step`). Raises ValueError on a malformed slice (slot
-    out of range, wrong kv_slots length, duplicate rid or Mamba slot, a kv_reuse the mirror cannot
+    out of range, wrong kv_slots length, duplicate rid or state slot, a kv_reuse the mirror cannot
     serve); nothing is written either way (the caller commits `kv_full` to the mirror after the step
     ran). Without `mirror` every slice must carry its full slot list (kv_reuse == 0). `all_rows`: want
     logits for every row of every request (tests), instead of the last row of each slice with sample;
@@ -101,18 +101,18 @@ def build_step_batch(
         new_parts.append(kv[r.start_pos :])
         if n == 1:
             dec_rows.append(row)
-            dec_mamba.append(r.mamba_slot)
+            dec_mamba.append(r.state_slot)
             dec_kv.append(kv)
         else:
-            segs.append(PrefillSeg(row, row + n, r.start_pos, kv, r.mamba_slot))
+            segs.append(PrefillSeg(row, row + n, r.start_pos, kv, r.state_slot))
         if all_rows or r.prompt_logprobs >= 0:  # every row: tests, and prompt logprobs
             logit_rows.extend(range(row, row + n))
             logit_rids.extend([r.rid] * n)
         elif r.sample:
             logit_rows.append(row + n - 1)
             logit_rids.append(r.rid)
-    if uses_mamba:
-        _check_mamba_slots([r.mamba_slot for r in reqs], mamba_capacity)
+    if has_recurrent_state:
+        _check_state_slots([r.state_slot for r in reqs], state_capacity)
 
     def t(values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=device)
@@ -124,7 +124,7 @@ def build_step_batch(
         new_kv_slots=torch.cat(new_parts) if new_parts else empty,
         prefill=tuple(segs),
         dec_rows=t(dec_rows),
-        dec_mamba_slots=t(dec_mamba),
+        dec_state_slots=t(dec_mamba),
         dec_kv_idx=_pad_rows(dec_kv, device),
         dec_kv_len=t([int(kv.shape[0]) for kv in dec_kv]),
         logit_rows=t(logit_rows),
@@ -140,9 +140,9 @@ def _pad_rows(rows: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=0)
 
 
-def _check_mamba_slots(slots: list[int], capacity: int) -> None:
+def _check_state_slots(slots: list[int], capacity: int) -> None:
     if len(set(slots)) != len(slots):
-        raise ValueError(f"duplicate Mamba slots in one batch: {sorted(slots)}")
+        raise ValueError(f"duplicate state slots in one batch: {sorted(slots)}")
     bad = [s for s in slots if not 1 <= s <= capacity]
     if bad:
-        raise ValueError(f"Mamba slots {bad} outside [1, {capacity}]")
+        raise ValueError(f"state slots {bad} outside [1, {capacity}]")

@@ -110,19 +110,19 @@ class GatedDeltaNet(nn.Module):
         weight = self.conv1d.weight[:, 0, :]
         scale = s.k_dim**-0.5
         if batch.decode_only:  # every row is one request's token: no gather, no scatter
-            slots = batch.dec_mamba_slots
+            slots = batch.dec_state_slots
             q, k, v = self._heads(ops.conv_decode(qkv, conv_pool, slots, weight, None))
             o = ops.gdn_decode(q, k, v, g, beta, scale, state_pool, slots)
             out = self.norm(o, z, h.dtype).reshape(h.shape[0], s.value_dim)
             return row_parallel(out, self.out_proj, self.tp)
         o = torch.empty(h.shape[0], s.v_heads, s.v_dim, dtype=torch.float32, device=h.device)
         if batch.dec_rows.numel():
-            rows, slots = batch.dec_rows, batch.dec_mamba_slots
+            rows, slots = batch.dec_rows, batch.dec_state_slots
             q, k, v = self._heads(ops.conv_decode(qkv[rows], conv_pool, slots, weight, None))
             o[rows] = ops.gdn_decode(q, k, v, g[rows], beta[rows], scale, state_pool, slots)
         for seg in batch.prefill:
             rows = slice(seg.row_start, seg.row_end)
-            q, k, v = self._heads(ops.conv_prefill(qkv[rows], conv_pool, seg.mamba_slot, weight, None))
-            o[rows] = ops.gdn_prefill(q, k, v, g[rows], beta[rows], scale, state_pool, seg.mamba_slot)
+            q, k, v = self._heads(ops.conv_prefill(qkv[rows], conv_pool, seg.state_slot, weight, None))
+            o[rows] = ops.gdn_prefill(q, k, v, g[rows], beta[rows], scale, state_pool, seg.state_slot)
         out = self.norm(o, z, h.dtype).reshape(h.shape[0], s.value_dim)
         return row_parallel(out, self.out_proj, self.tp)

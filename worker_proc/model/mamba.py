@@ -101,7 +101,7 @@ class MambaMixer(nn.Module):
         bias = self.conv1d.bias
         params = self._ssd_params()
         if batch.decode_only:  # every row is one request's token: no gather, no scatter
-            slots = batch.dec_mamba_slots
+            slots = batch.dec_state_slots
             conv_out = ops.conv_decode(xbc, conv_pool, slots, weight, bias)
             x, b, c = conv_out.split([inner, gn, gn], dim=-1)
             y = ops.ssd_decode(x.reshape(-1, heads, p), dt, self._groups(b), self._groups(c), params, ssm_pool, slots)
@@ -111,7 +111,7 @@ class MambaMixer(nn.Module):
         if batch.dec_rows.numel():
             y = torch.empty(h.shape[0], heads, p, dtype=torch.float32, device=h.device)
             rows = batch.dec_rows
-            slots = batch.dec_mamba_slots
+            slots = batch.dec_state_slots
             conv_out = ops.conv_decode(xbc[rows], conv_pool, slots, weight, bias)
             x, b, c = conv_out.split([inner, gn, gn], dim=-1)
             y[rows] = ops.ssd_decode(x.reshape(-1, heads, p), dt[rows], self._groups(b), self._groups(c), params,
