@@ -16,7 +16,7 @@ import msgspec
 
 from shared.config import ServerArgs
 from shared.messages import GrammarSpec, SamplingParams
-from tokenizer_proc.errors import ApiError, bad_request
+from tokenizer_proc.errors import bad_request
 from tokenizer_proc.fields import warn_unknown
 from tokenizer_proc.tokenizer import TextTokenizer
 
@@ -242,11 +242,3 @@ def build_sampling(
 def require(condition: bool, message: str, param: str) -> None:
     if not condition:
         raise bad_request(message, param)
-
-
-def reject_unsupported(body: Any, checks: dict[str, Any]) -> None:
-    """Fields that are accepted for compatibility only at their default value."""
-    for name, default in checks.items():
-        value = getattr(body, name)
-        if value is not None and value != default:
-            raise ApiError(400, f"{name}={value!r} is not supported (only {default!r})", name)

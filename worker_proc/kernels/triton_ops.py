@@ -1,10 +1,10 @@
 """`TritonOps`: the `KernelOps` interface (worker_proc.kernels.interface) implemented with Triton.
 
 Every method has exactly the signature and semantics the interface states (pools are one layer's
-view `[S, ...]`, updated in place; slot 0 is padding). Prefill methods handle one request, as the
-interface does; they call the varlen kernels with a batch of one, so a batched runtime can call the
-`*_varlen` functions of
-`triton_conv`, `triton_ssd` and `triton_attention` directly with no change to the kernels.
+view `[S, ...]`, updated in place; slot 0 is padding). The single-request prefill methods call the
+varlen kernels with a batch of one, and `*_prefill_many` is the loop over segments every kernel set
+inherits (worker_proc.kernels.segments): the varlen kernels of `triton_conv`, `triton_ssd` and
+`triton_attention` could take every segment of a step in one call with no change to the kernels.
 
 No Mamba or attention case falls back to the reference; the gated delta rule (Gated DeltaNet
 layers) runs flash-linear-attention's kernels when `fla` imports, else the pure-torch ones

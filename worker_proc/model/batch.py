@@ -2,8 +2,10 @@
 
 Built from `ReqSlice`s (see shared/messages.py for their meaning);
 all requests' new tokens are concatenated into one token dimension (rows) so projections and MLPs
-run once per step. Requests with exactly one new token form the *decode group* (batched Mamba
-state update and attention); the others form the *prefill group* (one scan/attention each).
+run once per step. Requests with exactly one new token form the *decode group* (one batched state
+update and attention per layer); the others form the *prefill group* (`prefill_spans`: the Mamba
+layers hand all of its segments to one `*_prefill_many` call, which a kernel set may batch;
+attention and Gated DeltaNet run them one by one).
 Validation here is what protects the pools from a malformed batch: every slot is range-checked when
 it arrives (slots reused through `KVSlotMirror` were checked in the batch that sent them). Per-request
 slot lists are tensors end to end: the mirror's prefix and the new slots are concatenated on the device
