@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from worker_proc.kernels import FastOps, ReferenceOps
-from worker_proc.kernels.fast import SCAN_CHUNK, batchable, ssd_scan_fast
+from worker_proc.kernels.fast import SCAN_CHUNK, ssd_scan_fast
 from worker_proc.kernels.interface import SsdParams
 from worker_proc.kernels.reference import ssd_chunk_scan
+from worker_proc.kernels.segments import batchable
 
 G = torch.Generator().manual_seed(1)
 NO_LIMIT = (0.0, float("inf"))

@@ -27,9 +27,9 @@ from torch import Tensor
 
 from worker_proc.kernels import reference as ref
 from worker_proc.kernels import state_codec as codec
-from worker_proc.kernels.interface import SsdParams
+from worker_proc.kernels.interface import AttnSpans, SsdParams
 from worker_proc.kernels.reference_ops import ReferenceOps
-from worker_proc.kernels.segments import Spans
+from worker_proc.kernels.segments import Spans, batchable, pack, unpack
 from worker_proc.kernels.state_codec import StatePool
 
 SCAN_CHUNK = 64
@@ -38,12 +38,6 @@ EXP_FLOOR = -87.0
 """Arguments of the scan's exponentials are clamped to at least this: below it exp underflows (to a
 denormal or 0) and torch's CPU exp takes a slow path, 10x slower over a scan's decay matrix; the clamp
 changes a result by at most exp(-87) ~ 1.6e-38, masked (acausal) entries included."""
-PAD_SLACK = 1.5
-"""Prefill segments are scanned in one batched call when padding them to the longest costs at most this
-factor in rows (else one call each): 16 prompts of 128 tokens on the built-in model, one call instead of
-16 per layer, cut the step's scan time about 4x."""
-
-
 def _grouped(t: torch.Tensor, groups: int, dim: int = 1) -> torch.Tensor:
     """Split the head dimension `dim` (H) into (G, H/G): heads of one group are contiguous, as
     `repeat_interleave` of the groups lays them out."""
@@ -104,21 +98,6 @@ def _exp(t: Tensor) -> Tensor:
     return t.clamp_(min=EXP_FLOOR).exp_()
 
 
-def _pack(t: Tensor, lengths: list[int]) -> Tensor:
-    """Consecutive segments of t's rows -> [S, longest, ...], zero past each segment's end."""
-    return torch.nn.utils.rnn.pad_sequence(list(t.split(lengths)), batch_first=True)
-
-
-def _unpack(t: Tensor, lengths: list[int]) -> Tensor:
-    """[S, longest, ...] -> the segments' real rows, concatenated."""
-    return torch.cat([t[i, :length] for i, length in enumerate(lengths)])
-
-
-def batchable(lengths: list[int]) -> bool:
-    """Several segments whose padding to the longest would not exceed `PAD_SLACK` of their rows."""
-    return len(lengths) > 1 and max(lengths) * len(lengths) <= PAD_SLACK * sum(lengths)
-
-
 class FastOps(ReferenceOps):
     """Throughput kernels for CPU (see module doc); `batch_invariant` is always False."""
 
@@ -151,12 +130,12 @@ class FastOps(ReferenceOps):
             return super().conv_prefill_many(x, conv_pool, spans, weight, bias)
         slots = torch.tensor([slot for _, slot in spans], dtype=torch.int64, device=x.device)
         k = weight.shape[-1]
-        window = torch.cat([conv_pool.index_select(0, slots), _pack(x, lengths).transpose(1, 2)], dim=-1)
+        window = torch.cat([conv_pool.index_select(0, slots), pack(x, lengths).transpose(1, 2)], dim=-1)
         out = F.silu(F.conv1d(window, weight[:, None, :], bias, groups=weight.shape[0]))  # [S, Cd, longest]
         # each segment's new state: its last K-1 inputs, window positions [length, length + K - 1)
         last = torch.tensor(lengths, device=x.device)[:, None] + torch.arange(k - 1, device=x.device)
         conv_pool.index_copy_(0, slots, window.gather(2, last[:, None, :].expand(-1, window.shape[1], -1)))
-        return _unpack(out.transpose(1, 2), lengths)
+        return unpack(out.transpose(1, 2), lengths)
 
     def ssd_prefill_many(self, x: Tensor, dt: Tensor, b: Tensor, c: Tensor, p: SsdParams, ssm_pool: StatePool,
                          spans: Spans) -> Tensor:  # fmt: skip
@@ -166,10 +145,10 @@ class FastOps(ReferenceOps):
             return super().ssd_prefill_many(x, dt, b, c, p, ssm_pool, spans)
         slots = torch.tensor([slot for _, slot in spans], dtype=torch.int64, device=x.device)
         dt = ref.discretize_dt(dt, p.dt_bias, p.dt_limit)  # before padding: padded steps must be dt = 0
-        y, final = ssd_scan_batched(_pack(x, lengths), _pack(dt, lengths), p.a, _pack(b, lengths), _pack(c, lengths),
+        y, final = ssd_scan_batched(pack(x, lengths), pack(dt, lengths), p.a, pack(b, lengths), pack(c, lengths),
                                     p.d, p.chunk_size, codec.load(ssm_pool, slots))  # fmt: skip
         codec.store(final, ssm_pool, slots)
-        return _unpack(y, lengths)
+        return unpack(y, lengths)
 
     def ssd_decode(self, x: Tensor, dt: Tensor, b: Tensor, c: Tensor, p: SsdParams, ssm_pool: StatePool,
                    slots: Tensor) -> Tensor:  # fmt: skip
@@ -210,6 +189,25 @@ class FastOps(ReferenceOps):
             is_causal=start_pos == 0 and length > 1, scale=scale, enable_gqa=True,
         )
         return out[0].transpose(0, 1).to(q.dtype)
+
+    def attn_prefill_many(self, q: Tensor, k_pool: Tensor, v_pool: Tensor, spans: AttnSpans,
+                          scale: float) -> Tensor:  # fmt: skip
+        """One padded SDPA over the segments when their queries and their keys are both `batchable`
+        (query l of a segment sees its keys 0..start_pos + l; padded queries are computed and dropped),
+        else one call each."""
+        lengths = [length for length, _, _ in spans]
+        kv_lens = [start + length for length, start, _ in spans]
+        if not (batchable(lengths) and batchable(kv_lens)):
+            return super().attn_prefill_many(q, k_pool, v_pool, spans, scale)
+        idx = pack(torch.cat([kv_idx for _, _, kv_idx in spans]), kv_lens)  # [S, Tmax], slot 0 past the end
+        k = k_pool[idx].transpose(1, 2)  # [S, kvh, Tmax, d]
+        v = v_pool[idx].transpose(1, 2)
+        starts = torch.tensor([start for _, start, _ in spans], device=q.device)
+        qpos = starts[:, None] + torch.arange(max(lengths), device=q.device)[None, :]  # [S, Lmax]
+        mask = torch.arange(idx.shape[1], device=q.device)[None, None, :] <= qpos[:, :, None]
+        out = F.scaled_dot_product_attention(pack(q, lengths).transpose(1, 2).to(k.dtype), k, v,
+                                             attn_mask=mask[:, None], scale=scale, enable_gqa=True)  # fmt: skip
+        return unpack(out.transpose(1, 2), lengths).to(q.dtype)
 
     def attn_decode(self, q: Tensor, k_pool: Tensor, v_pool: Tensor, kv_idx: Tensor, lengths: Tensor,
                     scale: float) -> Tensor:  # fmt: skip

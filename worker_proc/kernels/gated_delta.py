@@ -101,5 +101,7 @@ def gated_delta_naive(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, 
 def l2_normalize(x: Tensor, eps: float = 1e-6) -> Tensor:
     """x * rsqrt(sum(x²) + eps) over the last dim, in float32 (Qwen's and flash-linear-attention's)."""
     xf = x.float()
-    # the inverse norm in float64, rounded (float32 rsqrt's SIMD and scalar tails may differ)
-    return xf * torch.rsqrt((xf * xf).sum(-1, keepdim=True).double() + eps).float()
+    # the squares, their sum and the inverse norm in float64, rounded once: float32 SIMD and scalar
+    # tails differ in the last bit, and which rows take which depends on how many rows there are
+    xd = xf.double()
+    return xf * torch.rsqrt((xd * xd).sum(-1, keepdim=True) + eps).float()

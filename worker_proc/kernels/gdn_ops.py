@@ -14,6 +14,7 @@ not yet scaled.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from functools import partial
 
 import torch
@@ -21,9 +22,23 @@ from torch import Tensor
 
 from worker_proc.kernels import state_codec as codec
 from worker_proc.kernels.gated_delta import CHUNK_SIZE, gated_delta_chunked, gated_delta_step
+from worker_proc.kernels.interface import Spans
+from worker_proc.kernels.segments import batchable, pack, unpack
 from worker_proc.kernels.state_codec import StatePool
 
+PrefillFn = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, float, StatePool, int], Tensor]
 logger = logging.getLogger(__name__)
+
+
+def prefill_each(prefill: PrefillFn, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
+                 state_pool: StatePool, spans: Spans) -> Tensor:  # fmt: skip
+    """Several segments' prefill as one `prefill` call per segment (rows of `spans` concatenated)."""
+    outs, start = [], 0
+    for length, slot in spans:
+        rows = slice(start, start + length)
+        outs.append(prefill(q[rows], k[rows], v[rows], g[rows], beta[rows], scale, state_pool, slot))
+        start += length
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 class ReferenceGdn:
@@ -36,6 +51,11 @@ class ReferenceGdn:
         o, final = gated_delta_chunked(q, k, v, g, beta, scale, codec.load(state_pool, slot), CHUNK_SIZE)
         codec.store(final, state_pool, slot)
         return o
+
+    def prefill_many(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
+                     state_pool: StatePool, spans: Spans) -> Tensor:  # fmt: skip
+        """One `prefill` per segment: exactly the single calls (batch invariant)."""
+        return prefill_each(self.prefill, q, k, v, g, beta, scale, state_pool, spans)
 
     def decode(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
                state_pool: StatePool, slots: Tensor) -> Tensor:  # fmt: skip
@@ -51,6 +71,26 @@ class FastGdn(ReferenceGdn):
     pool is updated the same way on a float32 copy of the group's rows (`state_codec.run_on_float32`)."""
 
     name = "fast"
+
+    def prefill_many(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
+                     state_pool: StatePool, spans: Spans) -> Tensor:  # fmt: skip
+        """Segments that are `batchable` as one chunked rule over every (segment, head) pair: each
+        segment padded at its end with zero rows, which neither decay (g = 0) nor write (beta = 0)
+        its state; otherwise one `prefill` per segment."""
+        lengths = [length for length, _ in spans]
+        if not batchable(lengths):
+            return prefill_each(self.prefill, q, k, v, g, beta, scale, state_pool, spans)
+        segs, heads = len(spans), v.shape[1]
+        slots = torch.tensor([slot for _, slot in spans], dtype=torch.int64, device=q.device)
+
+        def by_head(t: Tensor) -> Tensor:  # [sum of lengths, H, ...] -> [longest, S * H, ...]
+            return pack(t, lengths).transpose(0, 1).flatten(1, 2)
+
+        initial = codec.load(state_pool, slots)  # [S, H, Dk, Dv]
+        o, final = gated_delta_chunked(by_head(q), by_head(k), by_head(v), by_head(g), by_head(beta), scale,
+                                       initial.flatten(0, 1), CHUNK_SIZE)  # fmt: skip
+        codec.store(final.view_as(initial), state_pool, slots)
+        return unpack(o.unflatten(1, (segs, heads)).transpose(0, 1), lengths)
 
     def decode(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
                state_pool: StatePool, slots: Tensor) -> Tensor:  # fmt: skip
@@ -92,6 +132,10 @@ class FlaGdn:
         codec.store(final[0].float(), state_pool, slot)
         return o[0].float()
 
+    def prefill_many(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
+                     state_pool: StatePool, spans: Spans) -> Tensor:  # fmt: skip
+        return prefill_each(self.prefill, q, k, v, g, beta, scale, state_pool, spans)
+
     def decode(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
                state_pool: StatePool, slots: Tensor) -> Tensor:  # fmt: skip
         dt, f = v.dtype, torch.float32
@@ -122,6 +166,10 @@ class GdnMethods:
     def gdn_prefill(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
                     state_pool: StatePool, slot: int) -> Tensor:  # fmt: skip
         return self.gdn.prefill(q, k, v, g, beta, scale, state_pool, slot)
+
+    def gdn_prefill_many(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
+                         state_pool: StatePool, spans: Spans) -> Tensor:  # fmt: skip
+        return self.gdn.prefill_many(q, k, v, g, beta, scale, state_pool, spans)
 
     def gdn_decode(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
                    state_pool: StatePool, slots: Tensor) -> Tensor:  # fmt: skip

@@ -25,6 +25,11 @@ from torch import Tensor
 
 from worker_proc.kernels.state_codec import StatePool
 
+Spans = tuple[tuple[int, int], ...]
+"""(length, state slot) of each prefill segment of a step, in row order; lengths >= 1, slots distinct."""
+AttnSpans = tuple[tuple[int, int, Tensor], ...]
+"""(length, start_pos, kv_idx [start_pos + length] int64) of each prefill segment, in row order."""
+
 
 @dataclass(frozen=True)
 class SsdParams:
@@ -64,7 +69,7 @@ class KernelOps(Protocol):
         Returns y [Bt, H, P] fp32; rows `slots` of ssm_pool advanced by one token."""
         ...
 
-    def conv_prefill_many(self, x: Tensor, conv_pool: Tensor, spans: tuple[tuple[int, int], ...], weight: Tensor,
+    def conv_prefill_many(self, x: Tensor, conv_pool: Tensor, spans: Spans, weight: Tensor,
                           bias: Tensor | None) -> Tensor:  # fmt: skip
         """`conv_prefill` of several requests at once: x: [sum of lengths, Cd], the segments' rows
         concatenated; spans: (length, slot) of each, in order (worker_proc.kernels.segments). Returns
@@ -72,7 +77,7 @@ class KernelOps(Protocol):
         ...
 
     def ssd_prefill_many(self, x: Tensor, dt: Tensor, b: Tensor, c: Tensor, p: SsdParams, ssm_pool: StatePool,
-                         spans: tuple[tuple[int, int], ...]) -> Tensor:  # fmt: skip
+                         spans: Spans) -> Tensor:  # fmt: skip
         """`ssd_prefill` of several requests at once, the rows of `spans` concatenated as in
         `conv_prefill_many`. Returns y [sum of lengths, H, P] fp32."""
         ...
@@ -88,12 +93,24 @@ class KernelOps(Protocol):
         """q: [Bt, h, d]; kv_idx: [Bt, T] int64 slots, padded with 0 past lengths[b]; returns [Bt, h, d]."""
         ...
 
+    def attn_prefill_many(self, q: Tensor, k_pool: Tensor, v_pool: Tensor, spans: AttnSpans,
+                          scale: float) -> Tensor:  # fmt: skip
+        """`attn_prefill` of several requests at once: q [sum of lengths, h, d], the segments' rows
+        concatenated; spans: (length, start_pos, kv_idx) of each, in order. Returns [sum of lengths, h, d]."""
+        ...
+
     def gdn_prefill(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
                     state_pool: StatePool, slot: int) -> Tensor:  # fmt: skip
         """The gated delta rule over one request (worker_proc.kernels.gated_delta states it): q, k:
         [L, Hv, Dk] L2-normalised, one per value head, q multiplied by `scale` here; v: [L, Hv, Dv];
         g: [L, Hv] log decay (<= 0); beta: [L, Hv]; state_pool: [S, Hv, Dk, Dv], row `slot`
         advanced. Returns o [L, Hv, Dv] fp32, independent of the kernel's chunking beyond rounding."""
+        ...
+
+    def gdn_prefill_many(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
+                         state_pool: StatePool, spans: Spans) -> Tensor:  # fmt: skip
+        """`gdn_prefill` of several requests at once, the rows of `spans` concatenated as in
+        `conv_prefill_many`. Returns o [sum of lengths, Hv, Dv] fp32; every span's slot advanced."""
         ...
 
     def gdn_decode(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,

@@ -2,9 +2,8 @@
 
 Every method has exactly the signature and semantics the interface states (pools are one layer's
 view `[S, ...]`, updated in place; slot 0 is padding). The single-request prefill methods call the
-varlen kernels with a batch of one, and `*_prefill_many` is the loop over segments every kernel set
-inherits (worker_proc.kernels.segments): the varlen kernels of `triton_conv`, `triton_ssd` and
-`triton_attention` could take every segment of a step in one call with no change to the kernels.
+varlen kernels of `triton_conv`, `triton_ssd` and `triton_attention` with a batch of one, and the
+`*_prefill_many` methods with every segment of the step in one call.
 
 No Mamba or attention case falls back to the reference; the gated delta rule (Gated DeltaNet
 layers) runs flash-linear-attention's kernels when `fla` imports, else the pure-torch ones
@@ -23,6 +22,7 @@ Importing this module imports triton: on a CPU-only machine set TRITON_INTERPRET
 from __future__ import annotations
 
 from functools import partial
+from itertools import accumulate
 
 import torch
 from torch import Tensor
@@ -30,7 +30,7 @@ from torch import Tensor
 from worker_proc.kernels import state_codec as codec
 from worker_proc.kernels import triton_attention, triton_conv, triton_ssd, triton_ssd_step
 from worker_proc.kernels.gdn_ops import GdnMethods, ReferenceGdn
-from worker_proc.kernels.interface import SsdParams
+from worker_proc.kernels.interface import AttnSpans, Spans, SsdParams
 from worker_proc.kernels.segments import PerSegment
 from worker_proc.kernels.state_codec import StatePool
 from worker_proc.kernels.triton_plan import plan_chunks
@@ -71,6 +71,27 @@ class TritonOps(PerSegment, GdnMethods):
         y, _ = triton_ssd.ssd_scan_varlen(x, dt, p.a, b, c, p.d, p.dt_bias, p.dt_limit, plan, ssm_pool, slots)
         return y
 
+    def conv_prefill_many(self, x: Tensor, conv_pool: Tensor, spans: Spans, weight: Tensor,
+                          bias: Tensor | None) -> Tensor:  # fmt: skip
+        """Every segment in one varlen call."""
+        lengths = [length for length, _ in spans]
+        meta = _index_tensor([0, *accumulate(lengths), *(slot for _, slot in spans)], x.device)
+        cu, slots = meta[: len(spans) + 1], meta[len(spans) + 1 :]
+        return triton_conv.conv_prefill_varlen(x, cu, max(lengths), conv_pool, slots, weight, bias)
+
+    def ssd_prefill_many(self, x: Tensor, dt: Tensor, b: Tensor, c: Tensor, p: SsdParams, ssm_pool: StatePool,
+                         spans: Spans) -> Tensor:  # fmt: skip
+        """Every segment in one varlen scan."""
+        slots = [slot for _, slot in spans]
+        if not codec.is_float32(ssm_pool):
+            local = tuple((length, i + 1) for i, (length, _) in enumerate(spans))
+            return codec.run_on_float32(ssm_pool, torch.tensor(slots, dtype=torch.int64, device=x.device),
+                                        lambda rows, _local: self.ssd_prefill_many(x, dt, b, c, p, rows, local))
+        plan = plan_chunks([length for length, _ in spans], p.chunk_size)
+        y, _ = triton_ssd.ssd_scan_varlen(x, dt, p.a, b, c, p.d, p.dt_bias, p.dt_limit, plan, ssm_pool,
+                                          _index_tensor(slots, x.device))  # fmt: skip
+        return y
+
     def ssd_decode(self, x: Tensor, dt: Tensor, b: Tensor, c: Tensor, p: SsdParams, ssm_pool: StatePool,
                    slots: Tensor) -> Tensor:  # fmt: skip
         if not codec.is_float32(ssm_pool):
@@ -84,6 +105,18 @@ class TritonOps(PerSegment, GdnMethods):
             raise ValueError(f"kv_idx has {kv_idx.shape[0]} slots for start_pos {start_pos} + {length} tokens")
         cu = _index_tensor([0, length, 0, start_pos + length], q.device)
         return triton_attention.attn_prefill_varlen(q, k_pool, v_pool, kv_idx, cu[:2], cu[2:], length, scale)
+
+    def attn_prefill_many(self, q: Tensor, k_pool: Tensor, v_pool: Tensor, spans: AttnSpans,
+                          scale: float) -> Tensor:  # fmt: skip
+        """Every segment in one varlen call."""
+        for length, start, kv_idx in spans:
+            if kv_idx.shape[0] != start + length:
+                raise ValueError(f"kv_idx has {kv_idx.shape[0]} slots for start_pos {start} + {length} tokens")
+        lengths = [length for length, _, _ in spans]
+        cu = _index_tensor([0, *accumulate(lengths), 0, *accumulate(s + n for n, s, _ in spans)], q.device)
+        kv_idx = torch.cat([kv_idx for _, _, kv_idx in spans])
+        return triton_attention.attn_prefill_varlen(q, k_pool, v_pool, kv_idx, cu[: len(spans) + 1],
+                                                    cu[len(spans) + 1 :], max(lengths), scale)  # fmt: skip
 
     def attn_decode(self, q: Tensor, k_pool: Tensor, v_pool: Tensor, kv_idx: Tensor, lengths: Tensor,
                     scale: float) -> Tensor:  # fmt: skip

@@ -17,7 +17,7 @@ from torch import nn
 
 from shared.model_config import HybridConfig
 from worker_proc.kernels import KernelOps
-from worker_proc.model.batch import StepBatch
+from worker_proc.model.batch import StepBatch, rows_of
 from worker_proc.model.layers import Linear, make_norm
 from worker_proc.model.tp import AttnShard, ShardSpec, TPInfo, attn_spec, row_parallel
 
@@ -105,23 +105,12 @@ class Attention(nn.Module):
         k_pool.index_copy_(0, batch.new_kv_slots, k.to(k_pool.dtype))
         v_pool.index_copy_(0, batch.new_kv_slots, v.to(v_pool.dtype))
         scale = cfg.attention_multiplier
-        if batch.decode_only:
-            out = ops.attn_decode(q.contiguous(), k_pool, v_pool, batch.dec_kv_idx, batch.dec_kv_len, scale)
-        else:
-            out = self._mixed(q, batch, k_pool, v_pool, ops, scale)
+        out = batch.by_group(
+            lambda rows: ops.attn_decode(rows_of(q, rows).contiguous(), k_pool, v_pool, batch.dec_kv_idx,
+                                         batch.dec_kv_len, scale),  # fmt: skip
+            lambda rows: ops.attn_prefill_many(rows_of(q, rows), k_pool, v_pool, batch.prefill_attn_spans, scale),
+        )
         out = out.reshape(t, -1)
         if gate is not None:
             out = out * torch.sigmoid(gate.reshape(t, -1))
         return row_parallel(out, self.o_proj, self.tp)
-
-    def _mixed(self, q: torch.Tensor, batch: StepBatch, k_pool: torch.Tensor, v_pool: torch.Tensor,
-               ops: KernelOps, scale: float) -> torch.Tensor:  # fmt: skip
-        """Attention of a step with prefill segments: the decode group at once, each segment alone."""
-        out = torch.empty_like(q)
-        if batch.dec_rows.numel():
-            rows = batch.dec_rows
-            out[rows] = ops.attn_decode(q[rows], k_pool, v_pool, batch.dec_kv_idx, batch.dec_kv_len, scale)
-        for seg in batch.prefill:
-            rows = slice(seg.row_start, seg.row_end)
-            out[rows] = ops.attn_prefill(q[rows], k_pool, v_pool, seg.kv_idx, seg.start_pos, scale)
-        return out

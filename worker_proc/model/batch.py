@@ -3,9 +3,9 @@
 Built from `ReqSlice`s (see shared/messages.py for their meaning);
 all requests' new tokens are concatenated into one token dimension (rows) so projections and MLPs
 run once per step. Requests with exactly one new token form the *decode group* (one batched state
-update and attention per layer); the others form the *prefill group* (`prefill_spans`: the Mamba
-layers hand all of its segments to one `*_prefill_many` call, which a kernel set may batch;
-attention and Gated DeltaNet run them one by one).
+update and attention per layer); the others form the *prefill group* (every mixer hands all of its
+segments to one `*_prefill_many` call, which a kernel set may batch). `by_group` is the one dispatch
+of a step's rows onto the two groups that every mixer uses.
 Validation here is what protects the pools from a malformed batch: every slot is range-checked when
 it arrives (slots reused through `KVSlotMirror` were checked in the batch that sent them). Per-request
 slot lists are tensors end to end: the mirror's prefix and the new slots are concatenated on the device
@@ -14,6 +14,7 @@ and the decode index is padded by copies, never through a Python list of every s
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -21,6 +22,14 @@ import torch
 
 from shared.messages import ReqSlice
 from worker_proc.model.kv_mirror import KVSlotMirror
+
+GroupFn = Callable[[torch.Tensor | None], torch.Tensor]
+"""A mixer's computation for one group of a step's rows (see `StepBatch.by_group`)."""
+
+
+def rows_of(t: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    """`t`'s rows of one group (all of `t` for None)."""
+    return t if rows is None else t[rows]
 
 
 @dataclass(frozen=True)
@@ -60,6 +69,27 @@ class StepBatch:
             return None
         rows = [torch.arange(seg.row_start, seg.row_end) for seg in self.prefill]
         return torch.cat(rows).to(self.dec_rows.device)
+
+    @cached_property
+    def prefill_attn_spans(self) -> tuple[tuple[int, int, torch.Tensor], ...]:
+        """(length, start_pos, kv_idx) of each prefill segment, in row order (attention's spans)."""
+        return tuple((seg.row_end - seg.row_start, seg.start_pos, seg.kv_idx) for seg in self.prefill)
+
+    def by_group(self, decode: GroupFn, prefill: GroupFn) -> torch.Tensor:
+        """A mixer's output over the step: `decode(rows)` computes the decode group's rows and
+        `prefill(rows)` every prefill segment's at once (rows: that group's rows of the step, in order;
+        None when the group is the whole step and its inputs are taken whole). A step with both
+        groups writes each group's rows of one output."""
+        if self.decode_only:
+            return decode(None)
+        if not self.dec_rows.numel():
+            return prefill(None)
+        dec = decode(self.dec_rows)
+        pre = prefill(self.prefill_rows)
+        out = dec.new_empty((dec.shape[0] + pre.shape[0], *dec.shape[1:]))
+        out[self.dec_rows] = dec
+        out[self.prefill_rows] = pre
+        return out
 
     @property
     def decode_only(self) -> bool:

@@ -25,7 +25,7 @@ from shared.model_config import HybridConfig
 from worker_proc.kernels import KernelOps
 from worker_proc.kernels.gated_delta import l2_normalize
 from worker_proc.kernels.state_codec import StatePool
-from worker_proc.model.batch import StepBatch
+from worker_proc.model.batch import StepBatch, rows_of
 from worker_proc.model.layers import Linear, _empty
 from worker_proc.model.tp import GdnShard, ShardSpec, TPInfo, gdn_spec, row_parallel
 
@@ -109,20 +109,16 @@ class GatedDeltaNet(nn.Module):
         g = -torch.exp(self.A_log.float()) * F.softplus((a.float() + self.dt_bias.float()).double()).float()
         weight = self.conv1d.weight[:, 0, :]
         scale = s.k_dim**-0.5
-        if batch.decode_only:  # every row is one request's token: no gather, no scatter
+
+        def decode(rows: torch.Tensor | None) -> torch.Tensor:
             slots = batch.dec_state_slots
-            q, k, v = self._heads(ops.conv_decode(qkv, conv_pool, slots, weight, None))
-            o = ops.gdn_decode(q, k, v, g, beta, scale, state_pool, slots)
-            out = self.norm(o, z, h.dtype).reshape(h.shape[0], s.value_dim)
-            return row_parallel(out, self.out_proj, self.tp)
-        o = torch.empty(h.shape[0], s.v_heads, s.v_dim, dtype=torch.float32, device=h.device)
-        if batch.dec_rows.numel():
-            rows, slots = batch.dec_rows, batch.dec_state_slots
-            q, k, v = self._heads(ops.conv_decode(qkv[rows], conv_pool, slots, weight, None))
-            o[rows] = ops.gdn_decode(q, k, v, g[rows], beta[rows], scale, state_pool, slots)
-        for seg in batch.prefill:
-            rows = slice(seg.row_start, seg.row_end)
-            q, k, v = self._heads(ops.conv_prefill(qkv[rows], conv_pool, seg.state_slot, weight, None))
-            o[rows] = ops.gdn_prefill(q, k, v, g[rows], beta[rows], scale, state_pool, seg.state_slot)
-        out = self.norm(o, z, h.dtype).reshape(h.shape[0], s.value_dim)
+            q, k, v = self._heads(ops.conv_decode(rows_of(qkv, rows), conv_pool, slots, weight, None))
+            return ops.gdn_decode(q, k, v, rows_of(g, rows), rows_of(beta, rows), scale, state_pool, slots)
+
+        def prefill(rows: torch.Tensor | None) -> torch.Tensor:
+            spans = batch.prefill_spans
+            q, k, v = self._heads(ops.conv_prefill_many(rows_of(qkv, rows), conv_pool, spans, weight, None))
+            return ops.gdn_prefill_many(q, k, v, rows_of(g, rows), rows_of(beta, rows), scale, state_pool, spans)
+
+        out = self.norm(batch.by_group(decode, prefill), z, h.dtype).reshape(h.shape[0], s.value_dim)
         return row_parallel(out, self.out_proj, self.tp)

@@ -20,7 +20,7 @@ from shared.model_config import HybridConfig
 from worker_proc.kernels import KernelOps
 from worker_proc.kernels.interface import SsdParams
 from worker_proc.kernels.state_codec import StatePool
-from worker_proc.model.batch import StepBatch
+from worker_proc.model.batch import StepBatch, rows_of
 from worker_proc.model.layers import GatedRMSNorm, Linear, _empty
 from worker_proc.model.tp import MambaShard, ShardSpec, SpanGatedRMSNorm, TPInfo, mamba_spec, row_parallel
 
@@ -100,36 +100,21 @@ class MambaMixer(nn.Module):
         weight = self.conv1d.weight[:, 0, :]
         bias = self.conv1d.bias
         params = self._ssd_params()
-        if batch.decode_only:  # every row is one request's token: no gather, no scatter
+
+        def decode(rows: torch.Tensor | None) -> torch.Tensor:
             slots = batch.dec_state_slots
-            conv_out = ops.conv_decode(xbc, conv_pool, slots, weight, bias)
-            x, b, c = conv_out.split([inner, gn, gn], dim=-1)
-            y = ops.ssd_decode(x.reshape(-1, heads, p), dt, self._groups(b), self._groups(c), params, ssm_pool, slots)
-            return self._output(y, z, h)
-        # a step with both groups writes each group's rows of one output; a prefill-only step's output is its own
-        y: torch.Tensor | None = None
-        if batch.dec_rows.numel():
-            y = torch.empty(h.shape[0], heads, p, dtype=torch.float32, device=h.device)
-            rows = batch.dec_rows
-            slots = batch.dec_state_slots
-            conv_out = ops.conv_decode(xbc[rows], conv_pool, slots, weight, bias)
-            x, b, c = conv_out.split([inner, gn, gn], dim=-1)
-            y[rows] = ops.ssd_decode(x.reshape(-1, heads, p), dt[rows], self._groups(b), self._groups(c), params,
-                                     ssm_pool, slots)  # fmt: skip
-        if batch.prefill:
-            rows = batch.prefill_rows  # None: the prefill segments are the whole step
+            x, b, c = ops.conv_decode(rows_of(xbc, rows), conv_pool, slots, weight, bias).split([inner, gn, gn], -1)
+            return ops.ssd_decode(x.reshape(-1, heads, p), rows_of(dt, rows), self._groups(b), self._groups(c),
+                                  params, ssm_pool, slots)  # fmt: skip
+
+        def prefill(rows: torch.Tensor | None) -> torch.Tensor:
             spans = batch.prefill_spans
-            pre = (xbc, dt) if rows is None else (xbc[rows], dt[rows])
-            conv_out = ops.conv_prefill_many(pre[0], conv_pool, spans, weight, bias)
+            conv_out = ops.conv_prefill_many(rows_of(xbc, rows), conv_pool, spans, weight, bias)
             x, b, c = conv_out.split([inner, gn, gn], dim=-1)
-            out = ops.ssd_prefill_many(x.reshape(-1, heads, p), pre[1], self._groups(b), self._groups(c), params,
-                                       ssm_pool, spans)  # fmt: skip
-            if y is None:
-                y = out
-            else:
-                y[rows] = out
-        assert y is not None  # a step has decode rows, prefill segments or both
-        return self._output(y, z, h)
+            return ops.ssd_prefill_many(x.reshape(-1, heads, p), rows_of(dt, rows), self._groups(b),
+                                        self._groups(c), params, ssm_pool, spans)  # fmt: skip
+
+        return self._output(batch.by_group(decode, prefill), z, h)
 
     def _output(self, y: torch.Tensor, z: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         """The scan output y [T, H, P] through the gate/norm and out_proj (all-reduced under TP)."""
