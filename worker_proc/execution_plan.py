@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from worker_proc.kernels.select import KernelChoice
 from worker_proc.model.gemm import (
     ACCELERATOR,
     DENSE,
@@ -89,6 +90,8 @@ class ExecutionPlan:
     source: str = "fixed"
     weight_bytes: int = 0
     read_bytes_per_s: float = 0.0
+    kernels: KernelChoice | None = None
+    """The mixers' kernel set (worker_proc.kernels.select; decided by the flags, not measured, so not cached)."""
 
     def threads_for(self, rows: int) -> int:
         bounds = [b for b, _ in self.threads]
@@ -116,7 +119,9 @@ class ExecutionPlan:
                 owner.weight = nn.Parameter(weight.new_empty(0), requires_grad=False)
 
     def describe(self) -> Iterator[str]:
-        """One log line per shape, then the thread rule."""
+        """The kernel set, one line per product shape, then the thread rule."""
+        if self.kernels is not None:
+            yield self.kernels.describe()
         for key, rule in sorted(self.gemms.items(), key=lambda kv: kv[0].label()):
             parts = []
             lower = 1

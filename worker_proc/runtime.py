@@ -14,6 +14,7 @@ ranks' StepResult carries no tokens.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from pathlib import Path
@@ -25,7 +26,7 @@ from shared.messages import ForwardBatch, ReqSlice, StepResult
 from shared.model_info import ModelInfo
 from worker_proc.execution_plan import product_sites
 from worker_proc.grammar import GrammarRuntime
-from worker_proc.kernels import get_ops
+from worker_proc.kernels.select import choose_kernels
 from worker_proc.loader import checkpoint_quantization, load_model
 from worker_proc.model import StepBatch, build_step_batch
 from worker_proc.model.kv_mirror import KVSlotMirror
@@ -80,6 +81,7 @@ class ModelRunner:
     ) -> None:
         self.model_info = ModelInfo.from_dir(model_dir)
         self.device = torch.device(device)
+        kernel_choice = choose_kernels(self.device, kernels, deterministic)  # a bad --kernels fails before loading
         if self.device.type == "cpu" and not denormals_flushed():
             logger.warning("rank %d: subnormal floats are not flushed on every thread (worker_proc.numerics): "
                            "products over them run many times slower", tp_rank)
@@ -94,8 +96,11 @@ class ModelRunner:
             logger.info("rank %d: %d subnormal weight elements set to zero", tp_rank, flushed)
         if quantization and stored is None:
             quantize_model(self.model, QuantScheme(quantization, lm_head=quantize_lm_head))
-        self.plan = plan_for(self.model, self.device, deterministic=deterministic, thread_options=thread_options,
-                             cores=available_cores(), pinned=execution_plan, cache_dir=plan_cache_dir)
+        self.plan = dataclasses.replace(
+            plan_for(self.model, self.device, deterministic=deterministic, thread_options=thread_options,
+                     cores=available_cores(), pinned=execution_plan, cache_dir=plan_cache_dir),
+            kernels=kernel_choice,
+        )
         self.plan.bind(self.model)
         logger.info("rank %d execution plan (%s, %s):%s", tp_rank, self.plan.mode, self.plan.source,
                     "".join(f"\n  {line}" for line in self.plan.describe()))
@@ -123,7 +128,7 @@ class ModelRunner:
         logger.info("rank %d pools on %s (%s): %d KV token slots, %d state slots; recurrent state dtype %s, "
                     "%d B per state slot, %d B per KV token", tp_rank, self.device, how, kv, mamba, state_dtype,
                     sb.state_slot, sb.kv_token)
-        self.ops = get_ops(self.device, kernels, deterministic)
+        self.ops = kernel_choice.build()
         self.kv_mirror = KVSlotMirror()  # slot lists of the last batch run (ReqSlice.kv_reuse)
         self.grammars = GrammarRuntime(model_dir, self.model_info.vocab_size, self.model_info.eos_token_ids)
 

@@ -11,7 +11,7 @@ import torch
 from tests.kernels.util import max_diff, pool
 from worker_proc.kernels import ReferenceOps, select_ops
 from worker_proc.kernels.gated_delta import gated_delta_chunked, gated_delta_naive, gated_delta_step, l2_normalize
-from worker_proc.kernels.gdn_ops import FastGdn, FlaGdn, ReferenceGdn, gdn_backend
+from worker_proc.kernels.gdn_ops import FastGdn, FlaGdn, ReferenceGdn, gdn_choice, make_gdn
 
 TOL = 1e-4
 H, DK, DV = 3, 16, 8
@@ -96,7 +96,8 @@ def test_fast_decode_updates_the_pool_rows_in_place_like_the_reference() -> None
 
 
 def test_cpu_selects_the_pure_torch_backends() -> None:
-    assert isinstance(gdn_backend("cpu"), ReferenceGdn) and isinstance(gdn_backend("cpu", fast=True), FastGdn)
+    assert gdn_choice("cpu") == "reference" and gdn_choice("cpu", fast=True) == "fast"
+    assert isinstance(make_gdn("reference"), ReferenceGdn) and isinstance(make_gdn("fast"), FastGdn)
     assert isinstance(select_ops("cpu", "auto").gdn, FastGdn) and isinstance(select_ops("cpu", "fast").gdn, FastGdn)
     assert type(select_ops("cpu", "reference").gdn) is ReferenceGdn
     assert type(select_ops("cpu", "auto", deterministic=True).gdn) is ReferenceGdn
@@ -116,7 +117,7 @@ def _fla_skip_reason() -> str:
 def test_fla_matches_the_reference_on_cuda() -> None:
     gen = torch.Generator().manual_seed(5)
     fla, ref = FlaGdn(), ReferenceGdn()
-    assert isinstance(gdn_backend("cuda"), FlaGdn)
+    assert gdn_choice("cuda") == "fla" and isinstance(make_gdn("fla"), FlaGdn)
     for length in (1, 70, 150):
         q, k, v, g, beta = _inputs(gen, length, device="cuda")
         pools = [pool(gen, 3, H, DK, DV).cuda() for _ in range(2)]

@@ -1,6 +1,6 @@
 """Model level: `ModelRunner` with its ops replaced by `TritonOps` (interpreted) equals the reference path.
 
-The runner keeps the ops object it got from `get_ops` in `runner.ops`; the test swaps it for a
+The runner keeps the ops object it got from its execution plan's kernel choice in `runner.ops`; the test swaps it for a
 `TritonOps` (no change to the runtime) and runs the same ForwardBatches through both runners: a
 mixed step (fresh prefill, a continued prefill chunk, decode rows), then decode steps, with every
 row's logits and the whole state pools compared, and the fixture's Hugging Face logits checked too.
@@ -27,7 +27,7 @@ GREEDY = SamplingParams(temperature=0.0)
 
 def _runner(name: str, ops: object) -> ModelRunner:
     r = ModelRunner(os.path.join(FIXTURES, name), kv_slots=80, state_slots=6)
-    assert isinstance(r.ops, ReferenceOps)  # what get_ops gives on CPU
+    assert isinstance(r.ops, ReferenceOps)  # what the plan chooses on CPU
     r.ops = ops
     return r
 

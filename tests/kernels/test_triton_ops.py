@@ -45,6 +45,7 @@ def test_select_ops() -> None:
     assert isinstance(select_ops("cpu", deterministic=True), ReferenceOps)
     assert select_ops("cpu", deterministic=True).batch_invariant
     assert isinstance(select_ops("cpu", "reference"), ReferenceOps)
+    assert not select_ops("cpu", "reference").batch_invariant  # invariant exactly in the deterministic mode
     assert isinstance(select_ops(torch.device("cpu"), "triton"), TritonOps)  # interpreter on
     assert isinstance(select_ops("cuda:0"), TritonOps)
     assert isinstance(select_ops("cuda:0", deterministic=True), TritonOps)  # Triton kernels are invariant

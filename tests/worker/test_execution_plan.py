@@ -16,6 +16,7 @@ from shared.errors import ModelLoadError
 from shared.messages import ForwardBatch, ReqSlice, SamplingParams
 from worker_proc import plan_cache
 from worker_proc.execution_plan import ROW_BUCKETS, choose, instances_of, product_sites
+from worker_proc.kernels.select import KernelChoice
 from worker_proc.model.gemm import GemmMethod, GemmSite
 from worker_proc.plan_timing import GemmKey, ProductTimer
 from worker_proc.runtime import ModelRunner
@@ -155,6 +156,21 @@ def test_the_deterministic_mode_pads_every_product(tmp_path: Path) -> None:
     assert sites and all(site.batch_invariant for site in sites)
     assert runner.plan.threads == ((1, 2),) and not list(tmp_path.glob("plan-*.json"))
     assert len(instances_of(runner.model)) == len(sites)
+
+
+def test_the_plan_names_the_kernels_it_runs(tmp_path: Path) -> None:
+    """The mixers' kernel set is the plan's: the ops the runner uses are the ones its plan names and
+    logs, in each mode; a kernel set that cannot serve the mode is refused before the weights load."""
+    det = _runner(tmp_path, deterministic=True, thread_options=(1,))
+    fast = _runner(tmp_path, thread_options=(1,))
+    assert det.plan.kernels == KernelChoice("reference", True, "reference")
+    assert fast.plan.kernels == KernelChoice("fast", False, "fast")
+    for runner in (det, fast):
+        assert runner.plan.kernels is not None and runner.ops.name == runner.plan.kernels.ops
+        assert runner.ops.batch_invariant == runner.plan.kernels.batch_invariant
+        assert next(iter(runner.plan.describe())).startswith(f"kernels: {runner.ops.name} (")
+    with pytest.raises(ValueError, match="cannot serve --enable-deterministic-inference"):
+        _runner(tmp_path, deterministic=True, kernels="fast")
 
 
 def test_ranks_share_the_node_cores_and_never_oversubscribe() -> None:

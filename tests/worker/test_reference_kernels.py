@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from worker_proc.kernels import ReferenceOps, get_ops
+from worker_proc.kernels import ReferenceOps, select_ops
 from worker_proc.kernels import reference as ref
 from worker_proc.kernels.interface import SsdParams
 
@@ -124,5 +124,5 @@ def test_ops_write_only_their_slots(invariant: bool) -> None:
     out = ops.attn_decode(q, kp, vp, idx, torch.tensor([3, 1]), 0.5)
     alone = ops.attn_prefill(q[1:], kp, vp, torch.tensor([2]), 0, 0.5)
     assert (out[1] - alone[0]).abs().max() < 1e-6
-    det = get_ops("cpu", deterministic=True)
+    det = select_ops("cpu", deterministic=True)
     assert isinstance(det, ReferenceOps) and det.batch_invariant

@@ -2,7 +2,8 @@
 
 `worker_proc.kernels.interface` holds the contracts, `reference` the pure-torch ground truth (as
 functions) and `reference_ops` its `KernelOps` form, `fast` the default CPU kernels, `triton_*` the
-CUDA kernels, and `select` the rule that picks one per worker (`get_ops`).
+CUDA kernels, and `select` the rule that picks one per worker (`choose_kernels`, the kernel part of
+the execution plan; `select_ops` builds its ops object).
 """
 
 from __future__ import annotations
@@ -12,6 +13,4 @@ from worker_proc.kernels.interface import KernelOps
 from worker_proc.kernels.reference_ops import ReferenceOps
 from worker_proc.kernels.select import KERNEL_CHOICES, select_ops
 
-get_ops = select_ops
-
-__all__ = ["KERNEL_CHOICES", "FastOps", "KernelOps", "ReferenceOps", "get_ops", "select_ops"]
+__all__ = ["KERNEL_CHOICES", "FastOps", "KernelOps", "ReferenceOps", "select_ops"]

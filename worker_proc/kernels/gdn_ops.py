@@ -4,7 +4,7 @@
 `FastGdn` (the `fast` CPU kernels' choice) advances each decode request's pool row in place instead
 of gathering and scattering the states (a Qwen3.5 state is 1 MiB per layer and request); `FlaGdn`
 calls flash-linear-attention's Triton kernels (the optional `fla-core` package, extra `hyssm[fla]`).
-`gdn_backend` picks FlaGdn on CUDA when `fla` imports, else a pure-torch one (logged). All read and
+`gdn_choice` names FlaGdn on CUDA when `fla` imports, else a pure-torch one (logged). All read and
 write the recurrent-state pool only at the slots they are given, through `state_codec` (the pool
 stores float32, bfloat16 or int8; the rule runs on the decoded float32 state and the result is
 encoded once per call); q and k arrive L2-normalised and expanded to one head per value head, q
@@ -146,16 +146,22 @@ class FlaGdn:
         return o[:, 0].float()
 
 
-def gdn_backend(device: torch.device | str, fast: bool = False) -> ReferenceGdn | FlaGdn:
-    """FlaGdn on CUDA when `fla` imports, else the pure-torch kernels: FastGdn with `fast` (the
-    `fast` CPU ops), ReferenceGdn otherwise."""
+def gdn_choice(device: torch.device | str, fast: bool = False) -> str:
+    """`fla` on CUDA when flash-linear-attention imports, else a pure-torch backend: `fast` with `fast`
+    (the fast CPU kernels' choice), `reference` otherwise."""
     if torch.device(device).type != "cuda":
-        return FastGdn() if fast else ReferenceGdn()
+        return "fast" if fast else "reference"
     try:
-        return FlaGdn()
+        import fla.ops.gated_delta_rule  # noqa: F401
     except ImportError as exc:
         logger.info("fla-core not importable (%s): Gated DeltaNet layers use the pure-torch kernels", exc)
-        return ReferenceGdn()
+        return "reference"
+    return "fla"
+
+
+def make_gdn(name: str) -> ReferenceGdn | FlaGdn:
+    """The backend `gdn_choice` named."""
+    return {"reference": ReferenceGdn, "fast": FastGdn, "fla": FlaGdn}[name]()
 
 
 class GdnMethods:

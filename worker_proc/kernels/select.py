@@ -1,33 +1,71 @@
-"""Which kernel implementation a worker runs: the one place that decides (`--kernels`).
+"""Which kernel set a worker's mixers run: the kernel part of its execution plan (`--kernels`).
 
 Rules: `auto` is Triton on CUDA and `FastOps` on every other device; with
 `--enable-deterministic-inference` it is the batch-invariant `ReferenceOps` on CPU (Triton stays on
 CUDA: its kernels are batch invariant). An explicit choice is honoured or refused with a reason:
 `fast` is not batch invariant, so it cannot serve the deterministic mode; `triton` needs triton and
 a CUDA device (or the Triton interpreter, TRITON_INTERPRET=1, set before the kernels are imported).
-CUDA without triton under `auto` falls back to the reference with a warning. Importing this module
-never imports triton. The gated delta rule (Gated DeltaNet layers) runs flash-linear-attention's
-kernels on CUDA when `fla` imports, else the pure-torch ones (`gdn_ops.gdn_backend`), under every choice.
+CUDA without triton under `auto` falls back to the reference with a warning. `reference` is batch
+invariant exactly in the deterministic mode. Importing this module never imports triton. The gated
+delta rule (Gated DeltaNet layers) runs flash-linear-attention's kernels on CUDA when `fla` imports,
+else the pure-torch ones (`gdn_ops.gdn_choice`), under every choice. Prefill segments: the reference
+and Triton sets give every segment its own computation (one varlen call on Triton), `fast` pads
+them into one batched call where `segments.batchable` says it pays.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 
 from worker_proc.kernels.fast import FastOps
-from worker_proc.kernels.gdn_ops import gdn_backend
+from worker_proc.kernels.gdn_ops import gdn_choice, make_gdn
 from worker_proc.kernels.interface import KernelOps
 from worker_proc.kernels.reference_ops import ReferenceOps
+from worker_proc.kernels.segments import PAD_SLACK
 
 logger = logging.getLogger(__name__)
 
 KERNEL_CHOICES = ("auto", "reference", "fast", "triton")
 
 
-def select_ops(device: torch.device | str, choice: str = "auto", deterministic: bool = False) -> KernelOps:
-    """The ops object for tensors on `device`. Raises ValueError naming the problem for an unknown
+@dataclass(frozen=True)
+class KernelChoice:
+    """The kernel set (`ops`: reference | fast | triton), whether it is batch invariant, and the gated
+    delta backend (`gdn`: reference | fast | fla); `fallback`: why a weaker set runs, if one does."""
+
+    ops: str
+    batch_invariant: bool
+    gdn: str
+    fallback: str = ""
+
+    def prefill_rule(self) -> str:
+        if self.ops == "fast":
+            return f"prefill segments batched when padding costs <= {PAD_SLACK}x rows, else one call each"
+        if self.ops == "triton":
+            return "prefill segments in one varlen call"
+        return "prefill segments one call each"
+
+    def describe(self) -> str:
+        mode = "batch invariant" if self.batch_invariant else "not batch invariant"
+        extra = f"; {self.fallback}" if self.fallback else ""
+        return f"kernels: {self.ops} ({mode}; {self.prefill_rule()}), gated delta rule: {self.gdn}{extra}"
+
+    def build(self) -> KernelOps:
+        gdn = make_gdn(self.gdn)
+        if self.ops == "fast":
+            return FastOps(gdn=gdn)
+        if self.ops == "triton":
+            from worker_proc.kernels.triton_ops import TritonOps  # imports triton: only when Triton is chosen
+
+            return TritonOps(gdn=gdn)
+        return ReferenceOps(batch_invariant=self.batch_invariant, gdn=gdn)
+
+
+def choose_kernels(device: torch.device | str, choice: str = "auto", deterministic: bool = False) -> KernelChoice:
+    """The kernel set for tensors on `device`. Raises ValueError naming the problem for an unknown
     or impossible `choice`."""
     if choice not in KERNEL_CHOICES:
         raise ValueError(f"unknown kernel implementation {choice!r}: expected one of {', '.join(KERNEL_CHOICES)}")
@@ -35,17 +73,22 @@ def select_ops(device: torch.device | str, choice: str = "auto", deterministic: 
     if choice == "fast" and deterministic:
         raise ValueError("--kernels fast is not batch invariant: it cannot serve --enable-deterministic-inference")
     if choice == "reference" or (choice == "auto" and dev.type != "cuda" and deterministic):
-        return ReferenceOps(batch_invariant=deterministic or dev.type == "cpu", gdn=gdn_backend(dev))
+        return KernelChoice("reference", deterministic, gdn_choice(dev))
     if choice == "fast" or (choice == "auto" and dev.type != "cuda"):
-        return FastOps(gdn=gdn_backend(dev, fast=True))
-    try:
-        from worker_proc.kernels import triton_common  # imports triton: only when Triton is chosen
-        from worker_proc.kernels.triton_ops import TritonOps
+        return KernelChoice("fast", False, gdn_choice(dev, fast=True))
+    try:  # imports triton: only when Triton is chosen
+        from worker_proc.kernels import triton_common
+        from worker_proc.kernels.triton_ops import TritonOps  # noqa: F401  (importable: `build` needs it)
     except ImportError as exc:
         if choice == "triton":
             raise ValueError(f"Triton kernels requested but triton cannot be imported: {exc}") from exc
         logger.warning("triton cannot be imported (%s): the pure-torch reference kernels run on %s", exc, dev)
-        return ReferenceOps(batch_invariant=deterministic, gdn=gdn_backend(dev))
+        return KernelChoice("reference", deterministic, gdn_choice(dev), f"triton cannot be imported ({exc})")
     if dev.type != "cuda" and not triton_common.INTERPRETED:
         raise ValueError(f"Triton kernels on device {dev} need TRITON_INTERPRET=1 when the kernels are imported")
-    return TritonOps(gdn=gdn_backend(dev))
+    return KernelChoice("triton", True, gdn_choice(dev))
+
+
+def select_ops(device: torch.device | str, choice: str = "auto", deterministic: bool = False) -> KernelOps:
+    """The ops object of `choose_kernels`."""
+    return choose_kernels(device, choice, deterministic).build()
