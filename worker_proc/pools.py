@@ -113,6 +113,8 @@ def gdn_state_tensors(cfg: HybridConfig, dtype: torch.dtype, tp_size: int, tp_ra
 
 
 STATE_KINDS = (mamba_state_tensors, gdn_state_tensors)
+MIXER_STATES = {"mamba": ("conv", "ssm"), "gdn": ("gdn_conv", "gdn_state")}
+"""Each recurrent mixer kind's (conv window, recurrent state) tensors of `STATE_KINDS`."""
 """Every recurrent layer kind's declaration of its state tensors."""
 
 
@@ -276,6 +278,13 @@ class StatePools:
         """Mamba SSM states [mamba_layers, S, heads, head_dim, d_state] in the state storage dtype
         (int8: the values; their scales are `states["ssm_scale"]`)."""
         return self.states["ssm"]
+
+    def layer_state(self, kind: str, layer: int) -> tuple[torch.Tensor, StatePool]:
+        """One recurrent layer's pools, the same way for every recurrent mixer kind (`MIXER_STATES`):
+        its conv windows [S, C, K-1] and its recurrent state (`state_pool`); `layer` is its index among
+        the layers of its kind."""
+        conv, state = MIXER_STATES[kind]
+        return self.states[conv][layer], self.state_pool(state, layer)
 
     def state_pool(self, name: str, layer: int) -> StatePool:
         """The kernels' view of recurrent state `name` ("ssm", "gdn_state") of one layer (its index

@@ -48,6 +48,7 @@ class HeadGatedRMSNorm(nn.Module):
 
 class GatedDeltaNet(nn.Module):
     reduced = True  # out_proj is all-reduced here
+    state_kind = "gdn"  # its pools: StatePools.layer_state("gdn", i)
 
     def __init__(self, cfg: HybridConfig, dtype: torch.dtype, device: torch.device, tp: TPInfo) -> None:
         super().__init__()

@@ -11,9 +11,9 @@ checkpoint's tensor names (after the family's renames, applied by the loader) ar
 `state_dict` keys: `model.embed_tokens`, `model.layers.N.<norm>`, `model.layers.N.<block>.*`,
 `model.norm`, `lm_head`.
 Recurrent mixers (Mamba2, Gated DeltaNet) read and advance their layer's tensors of the worker's
-state pools (`pools.conv` and `pools.state_pool("ssm", i)`, `pools.states["gdn_conv"]` and
-`pools.state_pool("gdn_state", i)`: the recurrent state in its storage dtype, int8 values with their
-scales) at the request's state slot; attention its layer's KV pool.
+state pools (`pools.layer_state(kind, i)`, the same way for every recurrent mixer kind: the conv
+windows and the recurrent state in its storage dtype, int8 values with their scales) at the
+request's state slot; attention its layer's KV pool.
 Tensor parallelism: the constructor takes `tp`; every block is built with this rank's sizes and
 names the slice of each of its tensors (`shard_spec`, rules in worker_proc.model.tp). Mixers
 all-reduce their own output; MLP and MoE blocks return partial sums, all-reduced once per
@@ -90,20 +90,18 @@ class DecoderLayer(nn.Module):
             for block in sub.blocks:
                 self.add_module(block.name, build_block(block, cfg, dtype, device, tp))
         self.attn_index = cfg.attn_layer_ids.index(index) if index in cfg.attn_layer_ids else -1
-        self.mamba_index = cfg.mamba_layer_ids.index(index) if index in cfg.mamba_layer_ids else -1
-        self.gdn_index = cfg.gdn_layer_ids.index(index) if index in cfg.gdn_layer_ids else -1
+        # this layer's index among the layers of each recurrent kind that it has
+        self.state_index = {kind: ids.index(index) for kind, ids in (("mamba", cfg.mamba_layer_ids),
+                                                                     ("gdn", cfg.gdn_layer_ids)) if index in ids}
 
     def _run(self, module: nn.Module, x: torch.Tensor, batch: StepBatch,
              rope: tuple[torch.Tensor, torch.Tensor] | None, pools: StatePools, ops: KernelOps) -> torch.Tensor:
-        if isinstance(module, MambaMixer):
-            i = self.mamba_index
-            return module(x, batch, pools.conv[i], pools.state_pool("ssm", i), ops)
+        if isinstance(module, MambaMixer | GatedDeltaNet):
+            conv, state = pools.layer_state(module.state_kind, self.state_index[module.state_kind])
+            return module(x, batch, conv, state, ops)
         if isinstance(module, Attention):
             i = self.attn_index
             return module(x, batch, rope, pools.k[i], pools.v[i], ops)
-        if isinstance(module, GatedDeltaNet):
-            i = self.gdn_index
-            return module(x, batch, pools.states["gdn_conv"][i], pools.state_pool("gdn_state", i), ops)
         return module(x)
 
     def forward(

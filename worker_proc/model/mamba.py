@@ -27,6 +27,7 @@ from worker_proc.model.tp import MambaShard, ShardSpec, SpanGatedRMSNorm, TPInfo
 
 class MambaMixer(nn.Module):
     reduced = True  # out_proj is all-reduced here
+    state_kind = "mamba"  # its pools: StatePools.layer_state("mamba", i)
 
     def __init__(self, cfg: HybridConfig, dtype: torch.dtype, device: torch.device, tp: TPInfo) -> None:
         super().__init__()
