@@ -1,23 +1,29 @@
 """The request/response flow every generation endpoint shares.
 
-An endpoint decodes and prepares its body (`AppContext.prepare`), then calls `respond` with
-three functions of its own format: `events` (the SSE frames of its pieces), `error_for` (which
-finishes are errors on that API) and `payload` (the whole answer as JSON). Rules:
+An endpoint decodes and prepares its body (`AppContext.prepare`) into one or several requests (the
+choices of `n` > 1, a batch of prompts), then calls `respond`, the one pipeline, with three functions
+of its own format: `events` (the SSE frames of the merged pieces), `error_for` (which finishes are
+errors on that API) and `payload` (the whole answer as JSON). Rules:
 
-- `precheck` runs before the response starts, so a request that cannot start (scheduler down,
-  rid taken) gets a plain 503/400 even when it asked for a stream;
+- `precheck` runs for every request before the response starts, so a request that cannot start
+  (scheduler down, rid taken) gets a plain 503/400 even when it asked for a stream (a refusal
+  releases the rids already reserved);
+- several choices of one prompt compute it once (prompt_sharing.py); streamed, their pieces are
+  interleaved in arrival order (`merge`); whole, they are collected concurrently and the first
+  failure cancels (and so aborts) the rest;
 - a stream always ends with `data: [DONE]`, preceded by one error event when anything failed;
   the endpoint's `events` only formats pieces and error finishes;
 - a non-streaming request whose client leaves is aborted (closing `generate`) and answered
   with a 499 (`ClientGoneResponse`);
-- the rid's reservation is released when the generation ends, and at the latest when the
-  response is over (also when the generation never started).
+- the rids' reservations are released when the generations end, and at the latest when the
+  response is over (also when a generation never started).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,7 +32,7 @@ from starlette.responses import Response
 
 from tokenizer_proc.context import AppContext
 from tokenizer_proc.errors import ApiError, internal_error, unavailable
-from tokenizer_proc.generation import BackendUnavailable, Finish, Piece, generate, precheck
+from tokenizer_proc.generation import BackendUnavailable, Finish, Piece, Reservation, generate, precheck
 from tokenizer_proc.http_util import (
     SSE_DONE,
     ClientGoneResponse,
@@ -35,9 +41,11 @@ from tokenizer_proc.http_util import (
     run_unless_disconnected,
     sse,
 )
+from tokenizer_proc.prompt_sharing import after, opens, share_prompts
 from tokenizer_proc.validation import PreparedRequest
 
-EventsFn = Callable[[AsyncIterator[Piece]], AsyncGenerator[bytes, None]]
+EventsFn = Callable[[AsyncGenerator[tuple[int, Piece], None]], AsyncGenerator[bytes, None]]
+"""The SSE frames of an endpoint's format over the merged (position, piece) stream of its requests."""
 ErrorFn = Callable[[Finish | None], ApiError | None]
 
 
@@ -102,40 +110,106 @@ async def ended(frames: AsyncGenerator[bytes, None]) -> AsyncGenerator[bytes, No
     yield SSE_DONE
 
 
-async def _stream(pieces: AsyncGenerator[Piece, None], events: EventsFn) -> AsyncGenerator[bytes, None]:
-    """`ended(events(pieces))`; closing this closes both generators (so an unfinished request is aborted)."""
-    async with contextlib.aclosing(pieces), contextlib.aclosing(ended(events(pieces))) as frames:
-        async for frame in frames:
-            yield frame
+_END = object()
+
+
+async def merge(iters: Sequence[AsyncIterator[Piece]]) -> AsyncGenerator[tuple[int, Piece], None]:
+    """(choice position, piece) from every iterator, as they arrive; an iterator's exception is
+    raised here. Closing this generator closes every iterator."""
+    if len(iters) == 1:
+        async with contextlib.aclosing(iters[0]) as it:  # type: ignore[type-var]
+            async for piece in it:
+                yield 0, piece
+        return
+    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+
+    async def pump(i: int, source: AsyncIterator[Piece]) -> None:
+        try:
+            async with contextlib.aclosing(source) as it:  # type: ignore[type-var]
+                async for piece in it:
+                    queue.put_nowait((i, piece))
+        except Exception as e:  # noqa: BLE001 - handed to the consumer, which raises it
+            queue.put_nowait((i, e))
+            return
+        queue.put_nowait((i, _END))
+
+    tasks = [asyncio.ensure_future(pump(i, it)) for i, it in enumerate(iters)]
+    try:
+        left = len(tasks)
+        while left:
+            i, item = await queue.get()
+            if item is _END:
+                left -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def collect_all(iters: Sequence[AsyncIterator[Piece]]) -> list[Accumulated]:
+    tasks = [asyncio.ensure_future(collect(it)) for it in iters]
+    try:
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for t in done:
+            if t.exception() is not None:
+                raise t.exception()  # type: ignore[misc]
+        return [t.result() for t in tasks]
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def respond(
     ctx: AppContext,
-    req: PreparedRequest,
+    reqs: Sequence[PreparedRequest],
     request: Request,
     events: EventsFn,
     error_for: ErrorFn,
-    payload: Callable[[Accumulated], Any],
+    payload: Callable[[list[Accumulated]], Any],
 ) -> Response:
-    """Run `req` and answer it: an SSE stream of `events` (`req.stream`), or the whole output
-    collected and answered with `payload`, or the error `error_for` makes of its finish."""
+    """Run `reqs` (one request, or the choices of `n` > 1 and of a batch of prompts) and answer them:
+    an SSE stream of `events` over their merged (position, piece) stream (`req.stream`), or every
+    output collected and answered with `payload` (in `reqs` order), or the error `error_for` makes of
+    the first failed finish."""
+    holds: list[Reservation] = []
+    reqs, gates = share_prompts(reqs, not ctx.args.disable_radix_cache)
+
+    def release_all() -> None:
+        for h in holds:
+            ctx.in_flight.release(h)
+
     try:
-        hold = precheck(ctx.backend, req, ctx.in_flight)
+        for r in reqs:
+            holds.append(precheck(ctx.backend, r, ctx.in_flight))
     except BackendUnavailable as e:
+        release_all()
         raise unavailable(str(e)) from e
-    pieces = ctx.latency.timed(generate(ctx.backend, ctx.tok, req, ctx.in_flight, hold))
-    if req.stream:
-        return SSEResponse(_stream(pieces, events), on_close=lambda: ctx.in_flight.release(hold))  # type: ignore[return-value]
+    except ApiError:
+        release_all()
+        raise
+    iters = []
+    for r, h in zip(reqs, holds, strict=True):
+        pieces: AsyncIterator[Piece] = generate(ctx.backend, ctx.tok, r, ctx.in_flight, h)
+        if (gate := gates.get(r.prompt_index)) is not None:
+            pieces = opens(pieces, gate) if r.save_prompt_state else after(pieces, gate)
+        iters.append(ctx.latency.timed(pieces))
+    if reqs[0].stream:
+        return SSEResponse(events(merge(iters)), on_close=release_all)  # type: ignore[return-value]
     try:
-        async with contextlib.aclosing(pieces):
-            completed, acc = await run_unless_disconnected(collect(pieces), request)
+        completed, accs = await run_unless_disconnected(collect_all(iters), request)
     except BackendUnavailable as e:
         raise unavailable(str(e)) from e
     finally:
-        ctx.in_flight.release(hold)  # also when `pieces` never started
-    if not completed or acc is None:
+        release_all()
+    if not completed or accs is None:
         return ClientGoneResponse()
-    err = error_for(acc.last.finish if acc.last else None)
-    if err is not None:
-        raise err
-    return json_response(payload(acc))
+    for acc in accs:
+        err = error_for(acc.last.finish if acc.last else None)
+        if err is not None:
+            raise err
+    return json_response(payload(accs))

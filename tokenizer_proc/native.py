@@ -10,14 +10,15 @@ Streaming (`"stream": true`): server-sent events, each `data: <same object>` wit
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator
 
 from starlette.requests import Request
 from starlette.responses import Response
 
 from tokenizer_proc.context import get_ctx
-from tokenizer_proc.flow import Accumulated, respond
+from tokenizer_proc.flow import Accumulated, ended, respond
 from tokenizer_proc.generation import Piece
 from tokenizer_proc.http_util import read_body, sse
 from tokenizer_proc.native_batch import prepare_batch, respond_batch
@@ -35,14 +36,15 @@ def is_batch(body: GenerateBody) -> bool:
             or (sp is not None and sp.n != 1))
 
 
-async def _events(pieces: AsyncIterator[Piece], req: PreparedRequest, started: float) -> AsyncGenerator[bytes, None]:
-    """The SSE frames of /generate (flow.respond ends the stream with [DONE] and turns failures
-    into one error event)."""
+async def _frames(merged: AsyncGenerator[tuple[int, Piece], None], req: PreparedRequest,
+                  started: float) -> AsyncGenerator[bytes, None]:
+    """The SSE frames of one /generate request: its object so far after every piece."""
     acc = Accumulated()
-    async for piece in pieces:
-        acc.add(piece)
-        err = error_of(piece.finish)
-        yield sse(err.body()) if err is not None else sse(payload(req, acc, started))
+    async with contextlib.aclosing(merged) as it:
+        async for _, piece in it:
+            acc.add(piece)
+            err = error_of(piece.finish)
+            yield sse(err.body()) if err is not None else sse(payload(req, acc, started))
 
 
 async def generate_endpoint(request: Request) -> Response:
@@ -54,7 +56,5 @@ async def generate_endpoint(request: Request) -> Response:
         reqs = await ctx.prepare(prepare_batch, body, len(data), needs_grammar(body))
         return await respond_batch(ctx, reqs, request, started)
     req = await ctx.prepare(prepare_generate, body, len(data), needs_grammar(body))
-    return await respond(
-        ctx, req, request, lambda pieces: _events(pieces, req, started), error_of,
-        lambda acc: payload(req, acc, started),
-    )
+    return await respond(ctx, [req], request, lambda merged: ended(_frames(merged, req, started)), error_of,
+                         lambda accs: payload(req, accs[0], started))

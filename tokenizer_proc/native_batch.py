@@ -2,7 +2,7 @@
 list of id lists) and/or `sampling_params.n` > 1.
 
 Each prompt x choice is one request (rid `<rid>-<index>`, index `prompt_index * n + i`, choice i of
-a seeded request with seed + i), run through `choices.respond_choices` (the prompt computed once
+a seeded request with seed + i), run through `flow.respond` (the prompt computed once
 per prompt). The answer is a JSON list of the single-request objects (native_format.py) in index order;
 streamed, every event is one choice's object (cumulative text) with its `index`.
 """
@@ -18,10 +18,9 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from tokenizer_proc.choices import respond_choices
 from tokenizer_proc.context import AppContext
 from tokenizer_proc.errors import bad_request
-from tokenizer_proc.flow import Accumulated, ended
+from tokenizer_proc.flow import Accumulated, ended, respond
 from tokenizer_proc.generation import Piece
 from tokenizer_proc.http_util import sse
 from tokenizer_proc.native_format import error_of, payload
@@ -84,6 +83,6 @@ async def respond_batch(ctx: AppContext, reqs: list[PreparedRequest], request: R
     def payloads(accs: list[Accumulated]) -> list[dict[str, Any]]:
         return [payload(r, a, started) for r, a in sorted(zip(reqs, accs, strict=True), key=lambda x: x[0].index)]
 
-    return await respond_choices(ctx, reqs, request, lambda pieces: _events(reqs, pieces, started), error_of,
+    return await respond(ctx, reqs, request, lambda pieces: _events(reqs, pieces, started), error_of,
                                  payloads)
 

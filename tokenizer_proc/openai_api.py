@@ -21,10 +21,9 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from tokenizer_proc.choices import respond_choices
 from tokenizer_proc.context import AppContext, get_ctx
 from tokenizer_proc.errors import ApiError
-from tokenizer_proc.flow import Accumulated, ended, finish_error
+from tokenizer_proc.flow import Accumulated, ended, finish_error, respond
 from tokenizer_proc.generation import Finish, Piece
 from tokenizer_proc.http_util import (
     json_response,
@@ -202,7 +201,7 @@ async def _serve(request: Request, chat: bool) -> Response:
     prepare = prepare_chat if chat else prepare_completion
     reqs = await ctx.prepare(prepare, body, len(data), needs_grammar(body))  # type: ignore[arg-type]
     fmt = _Format(ctx, reqs, chat)
-    return await respond_choices(ctx, reqs, request, lambda pieces: _events(fmt, pieces), openai_error, fmt.whole)
+    return await respond(ctx, reqs, request, lambda pieces: _events(fmt, pieces), openai_error, fmt.whole)
 
 
 async def completions_endpoint(request: Request) -> Response:

@@ -61,7 +61,7 @@ class PreparedRequest:
     prompt_index: int = 0  # which prompt of the request (usage counts each prompt once)
     echo: str | None = None  # the prompt text, returned before the output (completions echo)
     echo_only: bool = False  # echo with max_tokens 0: one token is computed and not returned
-    save_prompt_state: bool = False  # the first choice of several with this prompt (choices.py)
+    save_prompt_state: bool = False  # the first choice of several with this prompt (prompt_sharing.py)
     keep: int = 0  # best_of > n: of this prompt's choices, the `keep` most likely are returned
     logprob_start_len: int = 0  # /generate: first prompt position of input_token_logprobs
     tool_plan: Any = None  # chat with tools: a tokenizer_proc.tools.ToolPlan
