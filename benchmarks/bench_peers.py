@@ -241,25 +241,22 @@ def benchmark(cfg: PeersConfig, log_dir: Path) -> tuple[dict[str, dict[str, floa
         per_run["hyssm"] = run_server("hyssm", hyssm_cmd, port, "hyssm", runs, cfg, log_dir)
     except PeerError as e:
         notes.append(f"hyssm: failed: {e}")
-    skip = llama_skip_reason(cfg)
-    if skip:
-        notes.append(skip)
-    else:
+    def llama() -> list:
+        gguf, llama_port = gguf_for(cfg.model, cfg.peers_script, log_dir, cfg.gguf_type), free_port()
+        binary = cfg.llama_server or str(default_llama_server(cfg.peers_script))
+        return run_server("llama.cpp", llama_command(cfg, binary, gguf, llama_port), llama_port, "llama-server",
+                          runs, cfg, log_dir)  # fmt: skip
+
+    peers = (("llama.cpp", llama_skip_reason(cfg), llama),
+             ("transformers", transformers_skip_reason(cfg), lambda: run_transformers(runs, cfg, log_dir)))
+    for name, skip, run in peers:
+        if skip:
+            notes.append(skip)
+            continue
         try:
-            gguf, port = gguf_for(cfg.model, cfg.peers_script, log_dir, cfg.gguf_type), free_port()
-            binary = cfg.llama_server or str(default_llama_server(cfg.peers_script))
-            cmd = llama_command(cfg, binary, gguf, port)
-            per_run["llama.cpp"] = run_server("llama.cpp", cmd, port, "llama-server", runs, cfg, log_dir)
+            per_run[name] = run()
         except PeerError as e:
-            notes.append(f"llama.cpp: failed: {e}")
-    skip = transformers_skip_reason(cfg)
-    if skip:
-        notes.append(skip)
-    else:
-        try:
-            per_run["transformers"] = run_transformers(runs, cfg, log_dir)
-        except PeerError as e:
-            notes.append(f"transformers: failed: {e}")
+            notes.append(f"{name}: failed: {e}")
     medians = {name: median_runs(r) for name, r in per_run.items()}
     notes.insert(
         0,

@@ -20,6 +20,8 @@ import string
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
+from tokenizer_proc.make_builtin_tokenizer import tokenizer_config as builtin_tokenizer_config
+
 PAD_TOKEN = "<|pad|>"
 EOS_TOKEN = "<|end_of_text|>"
 NAMED_SPECIAL_TOKENS = (
@@ -113,25 +115,8 @@ def build_tokenizer(vocab_size: int) -> Tokenizer:
 
 
 def tokenizer_config(tok: Tokenizer) -> dict[str, object]:
-    added = {
-        str(tid): {"content": t.content, "lstrip": False, "normalized": False, "rstrip": False,
-                   "single_word": False, "special": True}
-        for tid, t in sorted(tok.get_added_tokens_decoder().items())
-    }  # fmt: skip
-    return {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "add_bos_token": False,
-        "add_eos_token": False,
-        "bos_token": EOS_TOKEN,
-        "eos_token": EOS_TOKEN,
-        "pad_token": PAD_TOKEN,
-        "unk_token": None,
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": 1 << 20,
-        "padding_side": "left",
-        "added_tokens_decoder": added,
-        "chat_template": CHAT_TEMPLATE,
-    }
+    added = {tid: t.content for tid, t in tok.get_added_tokens_decoder().items()}
+    return builtin_tokenizer_config(added, CHAT_TEMPLATE, model_max_length=1 << 20, padding_side="left")
 
 
 def write_tokenizer(out_dir: str, vocab_size: int) -> dict[str, int]:

@@ -87,7 +87,13 @@ def build_tokenizer() -> Tokenizer:
     return tok
 
 
-def tokenizer_config() -> dict[str, object]:
+def tokenizer_config(added: dict[int, str] | None = None, chat_template: str = GRANITE_STYLE_CHAT_TEMPLATE,
+                     **extra: object) -> dict[str, object]:
+    """A Granite-style tokenizer_config.json whose special tokens are `added` (id -> content; the
+    built-in model's by default); `extra`: further fields."""
+    if added is None:
+        added = {256 + i: t for i, t in enumerate(SPECIAL_TOKENS)}
+    flags = {"lstrip": False, "normalized": False, "rstrip": False, "single_word": False, "special": True}
     return {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "add_bos_token": False,
@@ -97,18 +103,9 @@ def tokenizer_config() -> dict[str, object]:
         "pad_token": PAD_TOKEN,
         "unk_token": None,
         "clean_up_tokenization_spaces": False,
-        "added_tokens_decoder": {
-            str(256 + i): {
-                "content": t,
-                "lstrip": False,
-                "normalized": False,
-                "rstrip": False,
-                "single_word": False,
-                "special": True,
-            }
-            for i, t in enumerate(SPECIAL_TOKENS)
-        },
-        "chat_template": GRANITE_STYLE_CHAT_TEMPLATE,
+        **extra,
+        "added_tokens_decoder": {str(tid): {"content": t, **flags} for tid, t in sorted(added.items())},
+        "chat_template": chat_template,
     }
 
 
