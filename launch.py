@@ -64,7 +64,7 @@ _HELP = {
     "max_connections": "open HTTP connections at most; more are answered 503 and closed (default: 4096)",
     "http_read_timeout": "seconds from a request's first byte until its head and body are in (default: 30)",
     "dp_size": "data-parallel engine replicas on this node, each a scheduler with its own --tp-size ranks, "
-    "behind the one HTTP server (requests are routed by cached prefix, then load: tokenizer_proc/routing.py)",
+    "behind the one HTTP server (requests are routed by cached prefix, then load: tokenizer_proc/replicas/routing.py)",
     "quantization": "quantize the weights at load: int8 (per-channel, W8A16 or W8A8, whichever this machine "
     "runs faster), int4 (group-wise W4A16, CPU), fp8 (e4m3, per-channel); default: as the checkpoint is stored",
     "disable_lm_head_quantization": "with --quantization, keep the LM head (and a tied embedding) in the model dtype",

@@ -29,20 +29,20 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from shared.config import ServerArgs
 from shared.messages import SchedulerInfo
 from shared.model_info import ModelInfo
+from tokenizer_proc.api.health import HealthProbe
+from tokenizer_proc.api.native import generate_endpoint
+from tokenizer_proc.api.openai_api import chat_endpoint, completions_endpoint, model_endpoint, models_endpoint
+from tokenizer_proc.api.router_api import get_load, sglang_model_fields, sglang_server_fields
+from tokenizer_proc.api.tokenize_api import detokenize_endpoint, tokenize_endpoint, tokenizer_info_endpoint
 from tokenizer_proc.context import AppContext, get_ctx
-from tokenizer_proc.errors import ApiError, unavailable
-from tokenizer_proc.generation import Backend, BackendUnavailable
-from tokenizer_proc.health import HealthProbe
-from tokenizer_proc.http_util import ClientGoneResponse, json_response
+from tokenizer_proc.http.errors import ApiError, unavailable
+from tokenizer_proc.http.plumbing import ClientGoneResponse, json_response
 from tokenizer_proc.latency import LatencyCollector
 from tokenizer_proc.metrics import render_metrics
-from tokenizer_proc.native import generate_endpoint
-from tokenizer_proc.openai_api import chat_endpoint, completions_endpoint, model_endpoint, models_endpoint
-from tokenizer_proc.replicas import ReplicatedBackend
-from tokenizer_proc.router_api import get_load, sglang_model_fields, sglang_server_fields
-from tokenizer_proc.tokenize_api import detokenize_endpoint, tokenize_endpoint, tokenizer_info_endpoint
-from tokenizer_proc.tokenizer import TextTokenizer
-from tokenizer_proc.validation import Limits
+from tokenizer_proc.replicas.backend import ReplicatedBackend
+from tokenizer_proc.requests.generation import Backend, BackendUnavailable
+from tokenizer_proc.requests.tokenizer import TextTokenizer
+from tokenizer_proc.requests.validation import Limits
 
 logger = logging.getLogger(__name__)
 

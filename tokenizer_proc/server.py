@@ -27,10 +27,10 @@ from shared.channels import TO_LAUNCHER, ChannelTimeout, Sender
 from shared.config import ServerArgs
 from shared.messages import ProcFailed, ProcReady, ToLauncher
 from tokenizer_proc.app import create_app
-from tokenizer_proc.http_protocol import HttpLimits, protocol_class
-from tokenizer_proc.replicas import ReplicatedBackend
-from tokenizer_proc.scheduler_client import SchedulerClient
-from tokenizer_proc.tokenizer import TextTokenizer
+from tokenizer_proc.http.protocol import HttpLimits, protocol_class
+from tokenizer_proc.replicas.backend import ReplicatedBackend
+from tokenizer_proc.replicas.scheduler_client import SchedulerClient
+from tokenizer_proc.requests.tokenizer import TextTokenizer
 
 logger = logging.getLogger(__name__)
 

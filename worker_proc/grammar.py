@@ -92,7 +92,7 @@ class GrammarRuntime:
             self._compiled.move_to_end(spec)
             return hit
         c = self._compiler
-        if spec.kind in ("json_schema", "json_object"):  # compact JSON (tokenizer_proc/structured.py)
+        if spec.kind in ("json_schema", "json_object"):  # compact JSON (tokenizer_proc/requests/structured.py)
             out = c.compile_json_schema(spec.source, strict_mode=spec.strict, any_whitespace=False)
         elif spec.kind == "regex":
             out = c.compile_regex(spec.source)

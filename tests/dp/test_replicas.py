@@ -18,7 +18,7 @@ from shared.messages import MetricRecord, SchedulerInfo, ServerState
 from shared.replicas import ReplicaSet, dist_addrs, node_processes
 from tests.tokenizer.conftest import FakeBackend
 from tokenizer_proc import create_app
-from tokenizer_proc.replicas import ReplicatedBackend, merge_metrics, merge_states
+from tokenizer_proc.replicas.backend import ReplicatedBackend, merge_metrics, merge_states
 
 
 def test_dp_size_flag_is_validated(capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,4 +1,4 @@
-"""The --dp-size routing policy (tokenizer_proc/routing.py), decision by decision."""
+"""The --dp-size routing policy (tokenizer_proc/replicas/routing.py), decision by decision."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tokenizer_proc.routing import CacheAwareRouter, PrefixIndex, RoutingConfig, block_hashes
+from tokenizer_proc.replicas.routing import CacheAwareRouter, PrefixIndex, RoutingConfig, block_hashes
 
 PREFIX = list(range(100, 164))  # 64 tokens: four blocks of 16
 

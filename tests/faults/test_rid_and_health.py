@@ -15,7 +15,7 @@ import pytest
 
 from tests.e2e.server import Server, running_server
 from tests.faults.test_process_death import find_process
-from tokenizer_proc.health import HEALTH_TIMEOUT_S
+from tokenizer_proc.api.health import HEALTH_TIMEOUT_S
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 

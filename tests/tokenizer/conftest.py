@@ -14,8 +14,8 @@ import pytest
 
 from shared.config import ServerArgs, builtin_model_dir
 from shared.messages import GenerateReq, SchedulerInfo, ServerState, TokenOut
-from tokenizer_proc.generation import BackendUnavailable
-from tokenizer_proc.tokenizer import TextTokenizer
+from tokenizer_proc.requests.generation import BackendUnavailable
+from tokenizer_proc.requests.tokenizer import TextTokenizer
 
 CONTEXT = 128  # max_position_embeddings of the test model
 EOS = 256

@@ -31,7 +31,7 @@ def test_unknown_and_harmless_fields_are_accepted_and_logged(args, backend, tok,
                 "response_format": {"type": "text"}}
 
     async def check(c: httpx.AsyncClient) -> None:
-        with caplog.at_level(logging.WARNING, logger="tokenizer_proc.fields"):
+        with caplog.at_level(logging.WARNING, logger="tokenizer_proc.api.fields"):
             r = await c.post(CHAT, json={"messages": MSGS, "max_tokens": 2, **harmless, "frobnicate": 1,
                                          "x_other": {"deep": [1]}})
             assert r.status_code == 200, r.text
@@ -250,7 +250,7 @@ def test_native_logprobs(args, backend, tok) -> None:
 
 
 def test_chat_template_kwargs_reach_the_template() -> None:
-    from tokenizer_proc.chat_template import ChatTemplate
+    from tokenizer_proc.requests.chat_template import ChatTemplate
 
     t = ChatTemplate("{{ greeting }}{% for m in messages %}{{ m['content'] }}{% endfor %}{{ tools | length }}")
     assert t.render([{"role": "user", "content": "x"}], extra={"greeting": "hi ", "messages": "ignored"},

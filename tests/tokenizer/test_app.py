@@ -18,7 +18,7 @@ from shared.messages import MetricRecord, SchedulerInfo, ServerState
 from tests.tokenizer.conftest import EOS, FakeBackend, text_plan
 from tokenizer_proc import create_app
 from tokenizer_proc.context import AppContext
-from tokenizer_proc.tokenizer import TextTokenizer
+from tokenizer_proc.requests.tokenizer import TextTokenizer
 
 Check = Callable[[httpx.AsyncClient], Awaitable[None]]
 

@@ -6,13 +6,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from tokenizer_proc.detokenizer import (
+from tokenizer_proc.requests.detokenizer import (
     ByteTableStream,
     DecodeStreamAdapter,
     IncrementalDetokenizer,
     StopStringMatcher,
 )
-from tokenizer_proc.tokenizer import TextTokenizer
+from tokenizer_proc.requests.tokenizer import TextTokenizer
 
 
 def _feed(detok: IncrementalDetokenizer, ids: list[int], step: int = 1) -> list[str]:

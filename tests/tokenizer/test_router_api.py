@@ -11,7 +11,7 @@ from shared.config import ServerArgs
 from shared.messages import SchedulerInfo, ServerState
 from tests.tokenizer.conftest import FakeBackend
 from tests.tokenizer.test_app import serve
-from tokenizer_proc.tokenizer import TextTokenizer
+from tokenizer_proc.requests.tokenizer import TextTokenizer
 
 
 def test_server_info_has_sglangs_flat_fields(args: ServerArgs, backend: FakeBackend, tok: TextTokenizer) -> None:
@@ -100,6 +100,6 @@ def test_bodies_as_the_router_forwards_them(args: ServerArgs, backend: FakeBacke
                     r = await c.post(path, json={**body, **extra, name: True})
                     assert r.status_code == 400 and r.json()["error"]["param"] == name, (path, name, r.text)
 
-    with caplog.at_level("WARNING", logger="tokenizer_proc.fields"):
+    with caplog.at_level("WARNING", logger="tokenizer_proc.api.fields"):
         serve(args, backend, tok, check)
     assert "ignoring unknown request fields" not in caplog.text

@@ -30,8 +30,8 @@ from shared.messages import (
     TokenOut,
     TokenOutBatch,
 )
-from tokenizer_proc.generation import BackendUnavailable
-from tokenizer_proc.scheduler_client import SchedulerClient
+from tokenizer_proc.replicas.scheduler_client import SchedulerClient
+from tokenizer_proc.requests.generation import BackendUnavailable
 
 
 @pytest.fixture

@@ -7,8 +7,8 @@ import httpx
 
 from tests.tokenizer.conftest import FakeBackend, text_plan
 from tests.tokenizer.test_app import serve, sse_events
-from tokenizer_proc.detokenizer import StopStringMatcher
-from tokenizer_proc.tokenizer import TextTokenizer
+from tokenizer_proc.requests.detokenizer import StopStringMatcher
+from tokenizer_proc.requests.tokenizer import TextTokenizer
 
 
 def _run(matcher: StopStringMatcher, pieces: list[str]) -> str:

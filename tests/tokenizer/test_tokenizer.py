@@ -11,9 +11,14 @@ from shared.config import builtin_model_dir
 from shared.errors import ModelLoadError
 from shared.model_info import ModelInfo
 from tests.tokenizer.conftest import write_model_dir
-from tokenizer_proc.chat_template import DEFAULT_CHAT_TEMPLATE, ChatTemplate, ChatTemplateError, select_template
 from tokenizer_proc.make_builtin_tokenizer import SPECIAL_TOKENS, VOCAB_SIZE, bytes_to_unicode, write
-from tokenizer_proc.tokenizer import TextTokenizer
+from tokenizer_proc.requests.chat_template import (
+    DEFAULT_CHAT_TEMPLATE,
+    ChatTemplate,
+    ChatTemplateError,
+    select_template,
+)
+from tokenizer_proc.requests.tokenizer import TextTokenizer
 
 
 def test_committed_files_are_what_the_script_writes(tmp_path) -> None:

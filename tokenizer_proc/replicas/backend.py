@@ -1,7 +1,7 @@
 """`ReplicatedBackend`: the Backend over `--dp-size` replicas, one `SchedulerClient` each.
 
 Rules:
-- A request goes to the replica `CacheAwareRouter` picks (tokenizer_proc/routing.py) among those
+- A request goes to the replica `CacheAwareRouter` picks (tokenizer_proc/replicas/routing.py) among those
   up; its outputs, its abort and its cached_tokens are that replica's. A request sent to a replica
   in the moment it went down ends with that replica's error, as any request in flight there.
 - A replica is down when its client is (launch.py sent SchedulerDead for it, or its channel broke):
@@ -25,9 +25,9 @@ from typing import Any
 import msgspec
 
 from shared.messages import GenerateReq, MetricRecord, SchedulerInfo, ServerState, TokenOut
-from tokenizer_proc.generation import BackendUnavailable
-from tokenizer_proc.routing import CacheAwareRouter, Reason
-from tokenizer_proc.scheduler_client import SchedulerClient
+from tokenizer_proc.replicas.routing import CacheAwareRouter, Reason
+from tokenizer_proc.replicas.scheduler_client import SchedulerClient
+from tokenizer_proc.requests.generation import BackendUnavailable
 
 logger = logging.getLogger(__name__)
 

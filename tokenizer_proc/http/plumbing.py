@@ -18,7 +18,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from tokenizer_proc.errors import ApiError
+from tokenizer_proc.http.errors import ApiError
 
 logger = logging.getLogger(__name__)
 

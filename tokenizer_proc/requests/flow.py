@@ -31,9 +31,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from tokenizer_proc.context import AppContext
-from tokenizer_proc.errors import ApiError, internal_error, unavailable
-from tokenizer_proc.generation import BackendUnavailable, Finish, Piece, Reservation, generate, precheck
-from tokenizer_proc.http_util import (
+from tokenizer_proc.http.errors import ApiError, internal_error, unavailable
+from tokenizer_proc.http.plumbing import (
     SSE_DONE,
     ClientGoneResponse,
     SSEResponse,
@@ -41,8 +40,9 @@ from tokenizer_proc.http_util import (
     run_unless_disconnected,
     sse,
 )
-from tokenizer_proc.prompt_sharing import after, opens, share_prompts
-from tokenizer_proc.validation import PreparedRequest
+from tokenizer_proc.requests.generation import BackendUnavailable, Finish, Piece, Reservation, generate, precheck
+from tokenizer_proc.requests.prompt_sharing import after, opens, share_prompts
+from tokenizer_proc.requests.validation import PreparedRequest
 
 EventsFn = Callable[[AsyncGenerator[tuple[int, Piece], None]], AsyncGenerator[bytes, None]]
 """The SSE frames of an endpoint's format over the merged (position, piece) stream of its requests."""

@@ -25,10 +25,10 @@ from starlette.responses import Response
 
 from shared.model_info import read_config_json
 from tokenizer_proc.context import AppContext, get_ctx
-from tokenizer_proc.errors import unavailable
-from tokenizer_proc.generation import BackendUnavailable
-from tokenizer_proc.http_util import json_response
-from tokenizer_proc.replicas import ReplicatedBackend
+from tokenizer_proc.http.errors import unavailable
+from tokenizer_proc.http.plumbing import json_response
+from tokenizer_proc.replicas.backend import ReplicatedBackend
+from tokenizer_proc.requests.generation import BackendUnavailable
 
 logger = logging.getLogger(__name__)
 

@@ -15,13 +15,13 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from tokenizer_proc.chat_template import ChatTemplateError
+from tokenizer_proc.api.openai_api import check_model
+from tokenizer_proc.api.schemas import ChatBody, DetokenizeBody, TokenizeBody
 from tokenizer_proc.context import get_ctx
-from tokenizer_proc.errors import bad_request
-from tokenizer_proc.http_util import json_response, read_body
-from tokenizer_proc.openai_api import check_model
-from tokenizer_proc.schemas import ChatBody, DetokenizeBody, TokenizeBody
-from tokenizer_proc.validation import check_token_ids, decode_body
+from tokenizer_proc.http.errors import bad_request
+from tokenizer_proc.http.plumbing import json_response, read_body
+from tokenizer_proc.requests.chat_template import ChatTemplateError
+from tokenizer_proc.requests.validation import check_token_ids, decode_body
 
 
 async def tokenize_endpoint(request: Request) -> Response:
@@ -31,7 +31,7 @@ async def tokenize_endpoint(request: Request) -> Response:
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("give exactly one of prompt or messages", "prompt")
     if body.messages is not None:
-        from tokenizer_proc.prepare import _chat_messages
+        from tokenizer_proc.requests.prepare import _chat_messages
 
         messages = _chat_messages(ChatBody(messages=body.messages))
         try:

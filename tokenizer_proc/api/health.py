@@ -15,7 +15,7 @@ import contextlib
 import uuid
 
 from shared.messages import GenerateReq, SamplingParams
-from tokenizer_proc.generation import Backend, BackendUnavailable
+from tokenizer_proc.requests.generation import Backend, BackendUnavailable
 
 HEALTH_TIMEOUT_S = 5.0
 PROBE_TOKEN = 1  # any id inside the vocabulary

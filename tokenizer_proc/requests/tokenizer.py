@@ -18,9 +18,9 @@ from tokenizers import Tokenizer
 
 from shared.errors import ModelLoadError
 from shared.model_info import ModelInfo
-from tokenizer_proc.chat_template import ChatTemplate, select_template
-from tokenizer_proc.detokenizer import ByteTableStream, DecodeStreamAdapter, IncrementalDetokenizer
 from tokenizer_proc.make_builtin_tokenizer import bytes_to_unicode
+from tokenizer_proc.requests.chat_template import ChatTemplate, select_template
+from tokenizer_proc.requests.detokenizer import ByteTableStream, DecodeStreamAdapter, IncrementalDetokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ import re
 from typing import Any
 
 from shared.messages import GrammarSpec
-from tokenizer_proc.errors import bad_request
+from tokenizer_proc.http.errors import bad_request
 
 MAX_VALIDATED = 512
 MAX_SPEC_CHARS = 256 * 1024

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from tokenizer_proc.tokenizer import TextTokenizer
+from tokenizer_proc.requests.tokenizer import TextTokenizer
 
 TopT = Sequence[tuple[int, float]]
 

@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from shared.messages import GenerateReq, SchedulerInfo, TokenOut
-from tokenizer_proc.errors import bad_request
-from tokenizer_proc.tokenizer import TextTokenizer
-from tokenizer_proc.validation import PreparedRequest
+from tokenizer_proc.http.errors import bad_request
+from tokenizer_proc.requests.tokenizer import TextTokenizer
+from tokenizer_proc.requests.validation import PreparedRequest
 
 
 class BackendUnavailable(Exception):

@@ -33,7 +33,7 @@ from uvicorn.config import Config
 from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.server import ServerState
 
-from tokenizer_proc.errors import ApiError
+from tokenizer_proc.http.errors import ApiError
 
 logger = logging.getLogger(__name__)
 

@@ -39,7 +39,7 @@ from shared.messages import (
     ToScheduler,
     ToTokenizer,
 )
-from tokenizer_proc.generation import BackendUnavailable
+from tokenizer_proc.requests.generation import BackendUnavailable
 
 logger = logging.getLogger(__name__)
 

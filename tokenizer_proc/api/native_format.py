@@ -12,10 +12,10 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from tokenizer_proc.errors import ApiError
-from tokenizer_proc.flow import Accumulated, finish_error
-from tokenizer_proc.generation import Finish
-from tokenizer_proc.validation import PreparedRequest
+from tokenizer_proc.http.errors import ApiError
+from tokenizer_proc.requests.flow import Accumulated, finish_error
+from tokenizer_proc.requests.generation import Finish
+from tokenizer_proc.requests.validation import PreparedRequest
 
 
 def native_finish(finish: Finish | None, completion_tokens: int) -> dict[str, Any] | None:

@@ -1,0 +1,2 @@
+"""From a body to a finished generation: validation and preparation, tokenisation and chat templates,
+structured output, the one response pipeline, incremental detokenisation."""
