@@ -37,10 +37,10 @@ from tokenizer_proc.api.tokenize_api import detokenize_endpoint, tokenize_endpoi
 from tokenizer_proc.context import AppContext, get_ctx
 from tokenizer_proc.http.errors import ApiError, unavailable
 from tokenizer_proc.http.plumbing import ClientGoneResponse, json_response
-from tokenizer_proc.latency import LatencyCollector
 from tokenizer_proc.metrics import render_metrics
 from tokenizer_proc.replicas.backend import ReplicatedBackend
 from tokenizer_proc.requests.generation import Backend, BackendUnavailable
+from tokenizer_proc.requests.latency import LatencyCollector
 from tokenizer_proc.requests.tokenizer import TextTokenizer
 from tokenizer_proc.requests.validation import Limits
 

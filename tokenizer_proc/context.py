@@ -13,9 +13,9 @@ from typing import TypeVar
 from starlette.requests import Request
 
 from shared.config import ServerArgs
-from tokenizer_proc.latency import LatencyStats
 from tokenizer_proc.metrics import HttpMetrics
 from tokenizer_proc.requests.generation import Backend, InFlight
+from tokenizer_proc.requests.latency import LatencyStats
 from tokenizer_proc.requests.tokenizer import TextTokenizer
 from tokenizer_proc.requests.validation import Limits
 

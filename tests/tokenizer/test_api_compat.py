@@ -31,7 +31,7 @@ def test_unknown_and_harmless_fields_are_accepted_and_logged(args, backend, tok,
                 "response_format": {"type": "text"}}
 
     async def check(c: httpx.AsyncClient) -> None:
-        with caplog.at_level(logging.WARNING, logger="tokenizer_proc.api.fields"):
+        with caplog.at_level(logging.WARNING, logger="tokenizer_proc.requests.fields"):
             r = await c.post(CHAT, json={"messages": MSGS, "max_tokens": 2, **harmless, "frobnicate": 1,
                                          "x_other": {"deep": [1]}})
             assert r.status_code == 200, r.text
@@ -224,7 +224,7 @@ def test_latency_histograms(args, backend, tok) -> None:
 
 
 def test_histogram_buckets() -> None:
-    from tokenizer_proc.latency import Histogram
+    from tokenizer_proc.requests.latency import Histogram
 
     h = Histogram((0.1, 1.0))
     for v in (0.05, 0.1, 0.5, 3.0):

@@ -100,6 +100,6 @@ def test_bodies_as_the_router_forwards_them(args: ServerArgs, backend: FakeBacke
                     r = await c.post(path, json={**body, **extra, name: True})
                     assert r.status_code == 400 and r.json()["error"]["param"] == name, (path, name, r.text)
 
-    with caplog.at_level("WARNING", logger="tokenizer_proc.api.fields"):
+    with caplog.at_level("WARNING", logger="tokenizer_proc.requests.fields"):
         serve(args, backend, tok, check)
     assert "ignoring unknown request fields" not in caplog.text

@@ -14,8 +14,8 @@ import pytest
 from shared.config import ServerArgs
 from tests.tokenizer.conftest import FakeBackend, text_plan, write_model_dir
 from tests.tokenizer.test_app import serve
-from tokenizer_proc.api.schemas import ChatBody
-from tokenizer_proc.api.tools import ToolPlan, ToolStream, parse_output, parse_tagged, plan_tools
+from tokenizer_proc.requests.schemas import ChatBody
+from tokenizer_proc.requests.tools import ToolPlan, ToolStream, parse_output, parse_tagged, plan_tools
 from tokenizer_proc.requests.validation import decode_body
 
 CHAT = "/v1/chat/completions"

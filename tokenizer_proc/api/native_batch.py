@@ -19,13 +19,13 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from tokenizer_proc.api.native_format import error_of, payload
-from tokenizer_proc.api.schemas import GenerateBody, NativeSamplingParams
 from tokenizer_proc.context import AppContext
 from tokenizer_proc.http.errors import bad_request
 from tokenizer_proc.http.plumbing import sse
 from tokenizer_proc.requests.flow import Accumulated, ended, respond
 from tokenizer_proc.requests.generation import Piece
 from tokenizer_proc.requests.prepare import MAX_N, prepare_generate
+from tokenizer_proc.requests.schemas import GenerateBody, NativeSamplingParams
 from tokenizer_proc.requests.tokenizer import TextTokenizer
 from tokenizer_proc.requests.validation import Limits, PreparedRequest, new_rid, require
 

@@ -22,8 +22,6 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from tokenizer_proc.api.logprobs import CompletionLogprobs, chat_logprobs, merge_completion
-from tokenizer_proc.api.schemas import ChatBody, CompletionBody
-from tokenizer_proc.api.tools import ToolStream, parse_output
 from tokenizer_proc.context import AppContext, get_ctx
 from tokenizer_proc.http.errors import ApiError
 from tokenizer_proc.http.plumbing import (
@@ -34,7 +32,9 @@ from tokenizer_proc.http.plumbing import (
 from tokenizer_proc.requests.flow import Accumulated, ended, finish_error, respond
 from tokenizer_proc.requests.generation import Finish, Piece
 from tokenizer_proc.requests.prepare import prepare_chat, prepare_completion
+from tokenizer_proc.requests.schemas import ChatBody, CompletionBody
 from tokenizer_proc.requests.structured import needs_grammar
+from tokenizer_proc.requests.tools import ToolStream, parse_output
 from tokenizer_proc.requests.validation import PreparedRequest, decode_body
 
 

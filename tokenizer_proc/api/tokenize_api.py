@@ -16,11 +16,11 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from tokenizer_proc.api.openai_api import check_model
-from tokenizer_proc.api.schemas import ChatBody, DetokenizeBody, TokenizeBody
 from tokenizer_proc.context import get_ctx
 from tokenizer_proc.http.errors import bad_request
 from tokenizer_proc.http.plumbing import json_response, read_body
 from tokenizer_proc.requests.chat_template import ChatTemplateError
+from tokenizer_proc.requests.schemas import ChatBody, DetokenizeBody, TokenizeBody
 from tokenizer_proc.requests.validation import check_token_ids, decode_body
 
 

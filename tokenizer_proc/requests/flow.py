@@ -25,12 +25,12 @@ import asyncio
 import contextlib
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from starlette.requests import Request
 from starlette.responses import Response
 
-from tokenizer_proc.context import AppContext
+from shared.config import ServerArgs
 from tokenizer_proc.http.errors import ApiError, internal_error, unavailable
 from tokenizer_proc.http.plumbing import (
     SSE_DONE,
@@ -40,9 +40,36 @@ from tokenizer_proc.http.plumbing import (
     run_unless_disconnected,
     sse,
 )
-from tokenizer_proc.requests.generation import BackendUnavailable, Finish, Piece, Reservation, generate, precheck
+from tokenizer_proc.requests.generation import (
+    Backend,
+    BackendUnavailable,
+    Finish,
+    InFlight,
+    Piece,
+    Reservation,
+    generate,
+    precheck,
+)
+from tokenizer_proc.requests.latency import LatencyStats
 from tokenizer_proc.requests.prompt_sharing import after, opens, share_prompts
+from tokenizer_proc.requests.tokenizer import TextTokenizer
 from tokenizer_proc.requests.validation import PreparedRequest
+
+
+class Serving(Protocol):
+    """What the pipeline uses of an app's shared state (tokenizer_proc.context.AppContext satisfies it)."""
+
+    @property
+    def args(self) -> ServerArgs: ...
+    @property
+    def backend(self) -> Backend: ...
+    @property
+    def tok(self) -> TextTokenizer: ...
+    @property
+    def in_flight(self) -> InFlight: ...
+    @property
+    def latency(self) -> LatencyStats: ...
+
 
 EventsFn = Callable[[AsyncGenerator[tuple[int, Piece], None]], AsyncGenerator[bytes, None]]
 """The SSE frames of an endpoint's format over the merged (position, piece) stream of its requests."""
@@ -165,7 +192,7 @@ async def collect_all(iters: Sequence[AsyncIterator[Piece]]) -> list[Accumulated
 
 
 async def respond(
-    ctx: AppContext,
+    ctx: Serving,
     reqs: Sequence[PreparedRequest],
     request: Request,
     events: EventsFn,

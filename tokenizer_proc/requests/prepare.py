@@ -18,13 +18,13 @@ from dataclasses import replace
 import msgspec
 
 from shared.messages import GrammarSpec
-from tokenizer_proc.api.compat import check_chat_fields, check_completion_fields, check_generate_fields
-from tokenizer_proc.api.schemas import ChatBody, CompletionBody, GenerateBody, NativeSamplingParams
-from tokenizer_proc.api.tools import plan_tools, template_message_calls
 from tokenizer_proc.http.errors import bad_request
 from tokenizer_proc.requests.chat_template import ChatTemplateError
+from tokenizer_proc.requests.compat import check_chat_fields, check_completion_fields, check_generate_fields
+from tokenizer_proc.requests.schemas import ChatBody, CompletionBody, GenerateBody, NativeSamplingParams
 from tokenizer_proc.requests.structured import native_grammar, openai_grammar
 from tokenizer_proc.requests.tokenizer import TextTokenizer
+from tokenizer_proc.requests.tools import plan_tools, template_message_calls
 from tokenizer_proc.requests.validation import (
     Limits,
     PreparedRequest,

@@ -16,8 +16,8 @@ import msgspec
 
 from shared.config import ServerArgs
 from shared.messages import GrammarSpec, SamplingParams
-from tokenizer_proc.api.fields import warn_unknown
 from tokenizer_proc.http.errors import bad_request
+from tokenizer_proc.requests.fields import warn_unknown
 from tokenizer_proc.requests.tokenizer import TextTokenizer
 
 T = TypeVar("T")
@@ -64,7 +64,7 @@ class PreparedRequest:
     save_prompt_state: bool = False  # the first choice of several with this prompt (prompt_sharing.py)
     keep: int = 0  # best_of > n: of this prompt's choices, the `keep` most likely are returned
     logprob_start_len: int = 0  # /generate: first prompt position of input_token_logprobs
-    tool_plan: Any = None  # chat with tools: a tokenizer_proc.api.tools.ToolPlan
+    tool_plan: Any = None  # chat with tools: a tokenizer_proc.requests.tools.ToolPlan
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ def unknown_fields(data: bytes, body_type: type) -> list[str]:
     sub = raw.get("sampling_params")
     hints = getattr(body_type, "__annotations__", {})
     if sub is not None and "sampling_params" in hints:
-        from tokenizer_proc.api.schemas import NativeSamplingParams
+        from tokenizer_proc.requests.schemas import NativeSamplingParams
 
         try:
             names += _unknown(msgspec.json.decode(sub, type=_RawObject), NativeSamplingParams, "sampling_params.")

@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shared.messages import GrammarSpec
-from tokenizer_proc.api.schemas import ChatBody
 from tokenizer_proc.http.errors import bad_request
+from tokenizer_proc.requests.schemas import ChatBody
 from tokenizer_proc.requests.structured import json_schema_spec
 
 START_TAGS = ("<tool_call>", "<|tool_call|>", "<TOOLCALL>")

@@ -6,8 +6,8 @@ ignored; a field that changes nothing here is declared in schemas.py and ignored
 
 from __future__ import annotations
 
-from tokenizer_proc.api.schemas import ChatBody, CompletionBody, GenerateBody
 from tokenizer_proc.http.errors import bad_request
+from tokenizer_proc.requests.schemas import ChatBody, CompletionBody, GenerateBody
 
 _GENERATE_UNSUPPORTED = ("return_text_in_logprobs", "return_hidden_states", "return_bytes", "return_entropy",
                          "background")  # fmt: skip
