@@ -27,7 +27,7 @@ from torch import Tensor
 
 from worker_proc.kernels import reference as ref
 from worker_proc.kernels import state_codec as codec
-from worker_proc.kernels.interface import AttnSpans, SsdParams
+from worker_proc.kernels.interface import SsdParams
 from worker_proc.kernels.reference_ops import ReferenceOps
 from worker_proc.kernels.segments import Spans, batchable, pack, unpack
 from worker_proc.kernels.state_codec import StatePool
@@ -189,25 +189,6 @@ class FastOps(ReferenceOps):
             is_causal=start_pos == 0 and length > 1, scale=scale, enable_gqa=True,
         )
         return out[0].transpose(0, 1).to(q.dtype)
-
-    def attn_prefill_many(self, q: Tensor, k_pool: Tensor, v_pool: Tensor, spans: AttnSpans,
-                          scale: float) -> Tensor:  # fmt: skip
-        """One padded SDPA over the segments when their queries and their keys are both `batchable`
-        (query l of a segment sees its keys 0..start_pos + l; padded queries are computed and dropped),
-        else one call each."""
-        lengths = [length for length, _, _ in spans]
-        kv_lens = [start + length for length, start, _ in spans]
-        if not (batchable(lengths) and batchable(kv_lens)):
-            return super().attn_prefill_many(q, k_pool, v_pool, spans, scale)
-        idx = pack(torch.cat([kv_idx for _, _, kv_idx in spans]), kv_lens)  # [S, Tmax], slot 0 past the end
-        k = k_pool[idx].transpose(1, 2)  # [S, kvh, Tmax, d]
-        v = v_pool[idx].transpose(1, 2)
-        starts = torch.tensor([start for _, start, _ in spans], device=q.device)
-        qpos = starts[:, None] + torch.arange(max(lengths), device=q.device)[None, :]  # [S, Lmax]
-        mask = torch.arange(idx.shape[1], device=q.device)[None, None, :] <= qpos[:, :, None]
-        out = F.scaled_dot_product_attention(pack(q, lengths).transpose(1, 2).to(k.dtype), k, v,
-                                             attn_mask=mask[:, None], scale=scale, enable_gqa=True)  # fmt: skip
-        return unpack(out.transpose(1, 2), lengths).to(q.dtype)
 
     def attn_decode(self, q: Tensor, k_pool: Tensor, v_pool: Tensor, kv_idx: Tensor, lengths: Tensor,
                     scale: float) -> Tensor:  # fmt: skip

@@ -23,7 +23,6 @@ from torch import Tensor
 from worker_proc.kernels import state_codec as codec
 from worker_proc.kernels.gated_delta import CHUNK_SIZE, gated_delta_chunked, gated_delta_step
 from worker_proc.kernels.interface import Spans
-from worker_proc.kernels.segments import batchable, pack, unpack
 from worker_proc.kernels.state_codec import StatePool
 
 PrefillFn = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, float, StatePool, int], Tensor]
@@ -71,26 +70,6 @@ class FastGdn(ReferenceGdn):
     pool is updated the same way on a float32 copy of the group's rows (`state_codec.run_on_float32`)."""
 
     name = "fast"
-
-    def prefill_many(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
-                     state_pool: StatePool, spans: Spans) -> Tensor:  # fmt: skip
-        """Segments that are `batchable` as one chunked rule over every (segment, head) pair: each
-        segment padded at its end with zero rows, which neither decay (g = 0) nor write (beta = 0)
-        its state; otherwise one `prefill` per segment."""
-        lengths = [length for length, _ in spans]
-        if not batchable(lengths):
-            return prefill_each(self.prefill, q, k, v, g, beta, scale, state_pool, spans)
-        segs, heads = len(spans), v.shape[1]
-        slots = torch.tensor([slot for _, slot in spans], dtype=torch.int64, device=q.device)
-
-        def by_head(t: Tensor) -> Tensor:  # [sum of lengths, H, ...] -> [longest, S * H, ...]
-            return pack(t, lengths).transpose(0, 1).flatten(1, 2)
-
-        initial = codec.load(state_pool, slots)  # [S, H, Dk, Dv]
-        o, final = gated_delta_chunked(by_head(q), by_head(k), by_head(v), by_head(g), by_head(beta), scale,
-                                       initial.flatten(0, 1), CHUNK_SIZE)  # fmt: skip
-        codec.store(final.view_as(initial), state_pool, slots)
-        return unpack(o.unflatten(1, (segs, heads)).transpose(0, 1), lengths)
 
     def decode(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
                state_pool: StatePool, slots: Tensor) -> Tensor:  # fmt: skip

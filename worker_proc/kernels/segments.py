@@ -5,7 +5,7 @@ of each segment) or, for attention, `AttnSpans` ((length, start_pos, kv_idx)). `
 every `KernelOps` the `*_prefill_many` methods of the conv, the SSD scan and attention by calling
 its single-segment method once per span, so results are exactly the single calls' (what the
 batch-invariant kernels keep); an implementation overrides them where one call over every segment
-is cheaper (`FastOps` on CPU, `TritonOps`' varlen kernels). The gated delta rule's is its
+is cheaper (`FastOps`' Mamba conv and scan on CPU, `TritonOps`' varlen kernels). The gated delta rule's is its
 backend's (worker_proc.kernels.gdn_ops). Whether padding segments to one batched call pays is one
 rule for every CPU kernel: `batchable`.
 """

@@ -9,8 +9,9 @@ CUDA without triton under `auto` falls back to the reference with a warning. `re
 invariant exactly in the deterministic mode. Importing this module never imports triton. The gated
 delta rule (Gated DeltaNet layers) runs flash-linear-attention's kernels on CUDA when `fla` imports,
 else the pure-torch ones (`gdn_ops.gdn_choice`), under every choice. Prefill segments: the reference
-and Triton sets give every segment its own computation (one varlen call on Triton), `fast` pads
-them into one batched call where `segments.batchable` says it pays.
+and Triton sets give every segment its own computation (one varlen call on Triton); `fast` pads
+Mamba's conv and scan segments into one batched call where `segments.batchable` says it pays
+(padded attention and gated-delta prefill were slower on CPU than one call per segment).
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ class KernelChoice:
 
     def prefill_rule(self) -> str:
         if self.ops == "fast":
-            return f"prefill segments batched when padding costs <= {PAD_SLACK}x rows, else one call each"
+            return (f"Mamba prefill segments batched when padding costs <= {PAD_SLACK}x rows, else one call each; "
+                    "attention and gated-delta segments one call each")
         if self.ops == "triton":
             return "prefill segments in one varlen call"
         return "prefill segments one call each"
