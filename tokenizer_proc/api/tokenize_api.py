@@ -20,6 +20,7 @@ from tokenizer_proc.context import get_ctx
 from tokenizer_proc.http.errors import bad_request
 from tokenizer_proc.http.plumbing import json_response, read_body
 from tokenizer_proc.requests.chat_template import ChatTemplateError
+from tokenizer_proc.requests.prepare import chat_messages
 from tokenizer_proc.requests.schemas import ChatBody, DetokenizeBody, TokenizeBody
 from tokenizer_proc.requests.validation import check_token_ids, decode_body
 
@@ -31,9 +32,7 @@ async def tokenize_endpoint(request: Request) -> Response:
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("give exactly one of prompt or messages", "prompt")
     if body.messages is not None:
-        from tokenizer_proc.requests.prepare import _chat_messages
-
-        messages = _chat_messages(ChatBody(messages=body.messages))
+        messages = chat_messages(ChatBody(messages=body.messages))
         try:
             text = ctx.tok.render_chat(messages, add_generation_prompt=body.add_generation_prompt)
         except ChatTemplateError as e:

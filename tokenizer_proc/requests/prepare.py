@@ -174,7 +174,7 @@ def _openai_extras(body: CompletionBody | ChatBody, grammar: GrammarSpec | None)
     }
 
 
-def _chat_messages(body: ChatBody) -> list[dict[str, object]]:
+def chat_messages(body: ChatBody) -> list[dict[str, object]]:
     if body.messages is None:
         raise bad_request("messages is required", "messages")
     require(bool(body.messages), "messages must not be empty", "messages")
@@ -205,7 +205,7 @@ def prepare_chat(body: ChatBody, tok: TextTokenizer, limits: Limits) -> list[Pre
     require(body.max_tokens is None or body.max_completion_tokens is None,
             "give max_tokens or max_completion_tokens, not both", "max_completion_tokens")
     require(body.logprobs or not body.top_logprobs, "top_logprobs requires logprobs=true", "top_logprobs")
-    messages = _chat_messages(body)
+    messages = chat_messages(body)
     plan = plan_tools(body)
     grammar = openai_grammar(body)
     if plan.grammar is not None:

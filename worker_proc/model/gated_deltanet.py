@@ -26,7 +26,7 @@ from worker_proc.kernels import KernelOps
 from worker_proc.kernels.gated_delta import l2_normalize
 from worker_proc.kernels.state_codec import StatePool
 from worker_proc.model.batch import StepBatch, rows_of
-from worker_proc.model.layers import Linear, _empty
+from worker_proc.model.layers import Linear, empty_param
 from worker_proc.model.tp import GdnShard, ShardSpec, TPInfo, gdn_spec, row_parallel
 
 
@@ -36,7 +36,7 @@ class HeadGatedRMSNorm(nn.Module):
 
     def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
-        self.weight = _empty(size, dtype=dtype, device=device)
+        self.weight = empty_param(size, dtype=dtype, device=device)
         self.eps = eps
 
     def forward(self, o: torch.Tensor, z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -65,9 +65,9 @@ class GatedDeltaNet(nn.Module):
             self.in_proj_b = Linear(hidden, s.v_heads, bias=False, dtype=dtype, device=device)
             self.in_proj_a = Linear(hidden, s.v_heads, bias=False, dtype=dtype, device=device)
         self.conv1d = nn.Module()
-        self.conv1d.weight = _empty(s.conv_dim, 1, cfg.gdn_d_conv, dtype=dtype, device=device)
-        self.A_log = _empty(s.v_heads, dtype=dtype, device=device)
-        self.dt_bias = _empty(s.v_heads, dtype=dtype, device=device)
+        self.conv1d.weight = empty_param(s.conv_dim, 1, cfg.gdn_d_conv, dtype=dtype, device=device)
+        self.A_log = empty_param(s.v_heads, dtype=dtype, device=device)
+        self.dt_bias = empty_param(s.v_heads, dtype=dtype, device=device)
         self.norm = HeadGatedRMSNorm(s.v_dim, cfg.rms_norm_eps, dtype, device)
         self.out_proj = Linear(s.value_dim, hidden, bias=False, dtype=dtype, device=device)
 

@@ -37,7 +37,7 @@ from worker_proc.model.attention import Attention, rope_cos_sin
 from worker_proc.model.batch import StepBatch
 from worker_proc.model.gated_deltanet import GatedDeltaNet
 from worker_proc.model.gemm import GemmOwner, GemmSite
-from worker_proc.model.layers import GatedMLP, Linear, Relu2MLP, SparseMoE, SplitGatedMLP, _empty, make_norm
+from worker_proc.model.layers import GatedMLP, Linear, Relu2MLP, SparseMoE, SplitGatedMLP, empty_param, make_norm
 from worker_proc.model.mamba import MambaMixer
 from worker_proc.model.moe import SigmoidMoE
 from worker_proc.model.quantized import QuantizedWeight
@@ -137,7 +137,7 @@ class HybridModel(nn.Module):
     def __init__(self, cfg: HybridConfig, dtype: torch.dtype, device: torch.device, tp: TPInfo) -> None:
         super().__init__()
         self.embed_tokens = nn.Module()
-        self.embed_tokens.weight = _empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
+        self.embed_tokens.weight = empty_param(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype, device, tp) for i in range(cfg.num_layers))
         self.norm = make_norm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, cfg.norm_unit_offset,
                               cfg.norm_fp32_weight)

@@ -70,7 +70,8 @@ def expert_site(stacked: torch.Tensor) -> GemmSite:
     return GemmSite(stacked.shape[1], stacked.shape[2], stacked.dtype, packable=False)
 
 
-def _empty(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
+def empty_param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
+    """An uninitialised frozen parameter (the loader fills it from the checkpoint)."""
     return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
 
 
@@ -81,7 +82,7 @@ class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device,
                  fp32_weight: bool = False) -> None:
         super().__init__()
-        self.weight = _empty(size, dtype=dtype, device=device)
+        self.weight = empty_param(size, dtype=dtype, device=device)
         self.eps = eps
         self.fp32_weight = fp32_weight
 
@@ -101,7 +102,7 @@ class UnitOffsetRMSNorm(nn.Module):
 
     def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
-        self.weight = _empty(size, dtype=dtype, device=device)
+        self.weight = empty_param(size, dtype=dtype, device=device)
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -125,7 +126,7 @@ class GatedRMSNorm(nn.Module):
     def __init__(self, size: int, groups: int, eps: float, dtype: torch.dtype, device: torch.device,
                  before_gate: bool = False) -> None:
         super().__init__()
-        self.weight = _empty(size, dtype=dtype, device=device)
+        self.weight = empty_param(size, dtype=dtype, device=device)
         self.groups = groups
         self.eps = eps
         self.before_gate = before_gate
@@ -243,9 +244,9 @@ class SparseMoE(nn.Module, GemmOwner):
         self.tp = tp or TPInfo()
         self.router = Router(hidden, experts, dtype, device)
         self.input_linear = nn.Module()
-        self.input_linear.weight = _empty(experts, 2 * inner, hidden, dtype=dtype, device=device)
+        self.input_linear.weight = empty_param(experts, 2 * inner, hidden, dtype=dtype, device=device)
         self.output_linear = nn.Module()
-        self.output_linear.weight = _empty(experts, hidden, inner, dtype=dtype, device=device)
+        self.output_linear.weight = empty_param(experts, hidden, inner, dtype=dtype, device=device)
         self.num_experts = experts
         self.top_k = top_k
         self.gemm_in = expert_site(self.input_linear.weight)

@@ -21,7 +21,7 @@ from worker_proc.kernels import KernelOps
 from worker_proc.kernels.interface import SsdParams
 from worker_proc.kernels.state_codec import StatePool
 from worker_proc.model.batch import StepBatch, rows_of
-from worker_proc.model.layers import GatedRMSNorm, Linear, _empty
+from worker_proc.model.layers import GatedRMSNorm, Linear, empty_param
 from worker_proc.model.tp import MambaShard, ShardSpec, SpanGatedRMSNorm, TPInfo, mamba_spec, row_parallel
 
 
@@ -37,11 +37,11 @@ class MambaMixer(nn.Module):
         proj = s.inner + s.conv_dim + s.heads
         self.in_proj = Linear(cfg.hidden_size, proj, bias=cfg.mamba_proj_bias, dtype=dtype, device=device)
         self.conv1d = nn.Module()
-        self.conv1d.weight = _empty(s.conv_dim, 1, cfg.mamba_d_conv, dtype=dtype, device=device)
-        self.conv1d.bias = _empty(s.conv_dim, dtype=dtype, device=device) if cfg.mamba_conv_bias else None
-        self.A_log = _empty(s.heads, dtype=dtype, device=device)
-        self.D = _empty(s.heads, dtype=dtype, device=device)
-        self.dt_bias = _empty(s.heads, dtype=dtype, device=device)
+        self.conv1d.weight = empty_param(s.conv_dim, 1, cfg.mamba_d_conv, dtype=dtype, device=device)
+        self.conv1d.bias = empty_param(s.conv_dim, dtype=dtype, device=device) if cfg.mamba_conv_bias else None
+        self.A_log = empty_param(s.heads, dtype=dtype, device=device)
+        self.D = empty_param(s.heads, dtype=dtype, device=device)
+        self.dt_bias = empty_param(s.heads, dtype=dtype, device=device)
         before = cfg.mamba_norm_before_gate
         self.norm: nn.Module | None = None
         if cfg.mamba_norm:

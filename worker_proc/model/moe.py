@@ -22,22 +22,22 @@ from torch import nn
 
 from shared.model_config import HybridConfig
 from worker_proc.model.gemm import GemmOwner, GemmSite
-from worker_proc.model.layers import Linear, Relu2MLP, _empty, expert_groups, expert_site
+from worker_proc.model.layers import Linear, Relu2MLP, empty_param, expert_groups, expert_site
 from worker_proc.model.shard import ShardSpec, TPInfo, column_spec
 
 
 class Gate(nn.Module):
     def __init__(self, hidden: int, experts: int, device: torch.device) -> None:
         super().__init__()
-        self.weight = _empty(experts, hidden, dtype=torch.float32, device=device)
-        self.e_score_correction_bias = _empty(experts, dtype=torch.float32, device=device)
+        self.weight = empty_param(experts, hidden, dtype=torch.float32, device=device)
+        self.e_score_correction_bias = empty_param(experts, dtype=torch.float32, device=device)
 
 
 class Experts(nn.Module):
     def __init__(self, experts: int, inner: int, width: int, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
-        self.up_proj = _empty(experts, inner, width, dtype=dtype, device=device)
-        self.down_proj = _empty(experts, width, inner, dtype=dtype, device=device)
+        self.up_proj = empty_param(experts, inner, width, dtype=dtype, device=device)
+        self.down_proj = empty_param(experts, width, inner, dtype=dtype, device=device)
 
 
 class SigmoidMoE(nn.Module, GemmOwner):

@@ -20,16 +20,16 @@ from torch import nn
 
 from shared.model_config import HybridConfig
 from worker_proc.model.gemm import GemmOwner, GemmSite
-from worker_proc.model.layers import Linear, SplitGatedMLP, _empty, expert_groups, expert_site, silu
+from worker_proc.model.layers import Linear, SplitGatedMLP, empty_param, expert_groups, expert_site, silu
 from worker_proc.model.shard import ShardSpec, TPInfo, column_spec
 
 
 class Experts(nn.Module):
     def __init__(self, experts: int, inner: int, hidden: int, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
-        self.gate_proj = _empty(experts, inner, hidden, dtype=dtype, device=device)
-        self.up_proj = _empty(experts, inner, hidden, dtype=dtype, device=device)
-        self.down_proj = _empty(experts, hidden, inner, dtype=dtype, device=device)
+        self.gate_proj = empty_param(experts, inner, hidden, dtype=dtype, device=device)
+        self.up_proj = empty_param(experts, inner, hidden, dtype=dtype, device=device)
+        self.down_proj = empty_param(experts, hidden, inner, dtype=dtype, device=device)
 
 
 class SharedGateMoE(nn.Module, GemmOwner):
@@ -41,7 +41,7 @@ class SharedGateMoE(nn.Module, GemmOwner):
         self.tp = tp
         hidden = cfg.hidden_size
         self.gate = nn.Module()
-        self.gate.weight = _empty(cfg.num_experts, hidden, dtype=dtype, device=device)
+        self.gate.weight = empty_param(cfg.num_experts, hidden, dtype=dtype, device=device)
         self.experts = Experts(cfg.num_experts, inner // tp.size, hidden, dtype, device)
         self.shared_expert: SplitGatedMLP | None = None
         self.shared_expert_gate: Linear | None = None

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shared.model_config import HybridConfig
-from worker_proc.model.layers import Linear, _empty
+from worker_proc.model.layers import Linear, empty_param
 from worker_proc.model.shard import Range, ShardSpec, TPInfo, column_spec
 
 __all__ = ["AttnShard", "GdnShard", "MambaShard", "Range", "ShardSpec", "SpanGatedRMSNorm", "TPInfo", "column_spec",
@@ -208,7 +208,7 @@ class SpanGatedRMSNorm(nn.Module):
                  dtype: torch.dtype, device: torch.device, before_gate: bool = False) -> None:
         super().__init__()
         self.before_gate = before_gate
-        self.weight = _empty(shard.inner, dtype=dtype, device=device)
+        self.weight = empty_param(shard.inner, dtype=dtype, device=device)
         self.shard = shard
         self.derive_buffers(device)
         self.n_groups = n_groups
