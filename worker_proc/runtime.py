@@ -81,7 +81,9 @@ class ModelRunner:
     ) -> None:
         self.model_info = ModelInfo.from_dir(model_dir)
         self.device = torch.device(device)
-        kernel_choice = choose_kernels(self.device, kernels, deterministic)  # a bad --kernels fails before loading
+        # a bad --kernels fails before the weights load
+        has_gdn = "gdn" in self.model_info.layer_kinds
+        kernel_choice = choose_kernels(self.device, kernels, deterministic, has_gdn=has_gdn)
         if self.device.type == "cpu" and not denormals_flushed():
             logger.warning("rank %d: subnormal floats are not flushed on every thread (worker_proc.numerics): "
                            "products over them run many times slower", tp_rank)

@@ -35,7 +35,8 @@ KERNEL_CHOICES = ("auto", "reference", "fast", "triton")
 @dataclass(frozen=True)
 class KernelChoice:
     """The kernel set (`ops`: reference | fast | triton), whether it is batch invariant, and the gated
-    delta backend (`gdn`: reference | fast | fla); `fallback`: why a weaker set runs, if one does."""
+    delta backend (`gdn`: reference | fast | fla; empty for a model without Gated DeltaNet layers, whose
+    ops then hold the pure-torch one unused); `fallback`: why a weaker set runs, if one does."""
 
     ops: str
     batch_invariant: bool
@@ -53,10 +54,11 @@ class KernelChoice:
     def describe(self) -> str:
         mode = "batch invariant" if self.batch_invariant else "not batch invariant"
         extra = f"; {self.fallback}" if self.fallback else ""
-        return f"kernels: {self.ops} ({mode}; {self.prefill_rule()}), gated delta rule: {self.gdn}{extra}"
+        gdn = f", gated delta rule: {self.gdn}" if self.gdn else ""
+        return f"kernels: {self.ops} ({mode}; {self.prefill_rule()}){gdn}{extra}"
 
     def build(self) -> KernelOps:
-        gdn = make_gdn(self.gdn)
+        gdn = make_gdn(self.gdn or "reference")
         if self.ops == "fast":
             return FastOps(gdn=gdn)
         if self.ops == "triton":
@@ -66,18 +68,23 @@ class KernelChoice:
         return ReferenceOps(batch_invariant=self.batch_invariant, gdn=gdn)
 
 
-def choose_kernels(device: torch.device | str, choice: str = "auto", deterministic: bool = False) -> KernelChoice:
-    """The kernel set for tensors on `device`. Raises ValueError naming the problem for an unknown
-    or impossible `choice`."""
+def choose_kernels(device: torch.device | str, choice: str = "auto", deterministic: bool = False,
+                   has_gdn: bool = True) -> KernelChoice:
+    """The kernel set for tensors on `device` (`has_gdn`: the model has Gated DeltaNet layers). Raises
+    ValueError naming the problem for an unknown or impossible `choice`."""
     if choice not in KERNEL_CHOICES:
         raise ValueError(f"unknown kernel implementation {choice!r}: expected one of {', '.join(KERNEL_CHOICES)}")
     dev = torch.device(device)
+
+    def gdn(d: torch.device, fast: bool = False) -> str:
+        return gdn_choice(d, fast) if has_gdn else ""
+
     if choice == "fast" and deterministic:
         raise ValueError("--kernels fast is not batch invariant: it cannot serve --enable-deterministic-inference")
     if choice == "reference" or (choice == "auto" and dev.type != "cuda" and deterministic):
-        return KernelChoice("reference", deterministic, gdn_choice(dev))
+        return KernelChoice("reference", deterministic, gdn(dev))
     if choice == "fast" or (choice == "auto" and dev.type != "cuda"):
-        return KernelChoice("fast", False, gdn_choice(dev, fast=True))
+        return KernelChoice("fast", False, gdn(dev, fast=True))
     try:  # imports triton: only when Triton is chosen
         from worker_proc.kernels import triton_common
         from worker_proc.kernels.triton_ops import TritonOps  # noqa: F401  (importable: `build` needs it)
@@ -85,10 +92,10 @@ def choose_kernels(device: torch.device | str, choice: str = "auto", determinist
         if choice == "triton":
             raise ValueError(f"Triton kernels requested but triton cannot be imported: {exc}") from exc
         logger.warning("triton cannot be imported (%s): the pure-torch reference kernels run on %s", exc, dev)
-        return KernelChoice("reference", deterministic, gdn_choice(dev), f"triton cannot be imported ({exc})")
+        return KernelChoice("reference", deterministic, gdn(dev), f"triton cannot be imported ({exc})")
     if dev.type != "cuda" and not triton_common.INTERPRETED:
         raise ValueError(f"Triton kernels on device {dev} need TRITON_INTERPRET=1 when the kernels are imported")
-    return KernelChoice("triton", True, gdn_choice(dev))
+    return KernelChoice("triton", True, gdn(dev))
 
 
 def select_ops(device: torch.device | str, choice: str = "auto", deterministic: bool = False) -> KernelOps:
