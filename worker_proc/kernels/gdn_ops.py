@@ -14,7 +14,6 @@ not yet scaled.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from functools import partial
 
 import torch
@@ -22,22 +21,9 @@ from torch import Tensor
 
 from worker_proc.kernels import state_codec as codec
 from worker_proc.kernels.gated_delta import CHUNK_SIZE, gated_delta_chunked, gated_delta_step
-from worker_proc.kernels.interface import Spans
 from worker_proc.kernels.state_codec import StatePool
 
-PrefillFn = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, float, StatePool, int], Tensor]
 logger = logging.getLogger(__name__)
-
-
-def prefill_each(prefill: PrefillFn, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
-                 state_pool: StatePool, spans: Spans) -> Tensor:  # fmt: skip
-    """Several segments' prefill as one `prefill` call per segment (rows of `spans` concatenated)."""
-    outs, start = [], 0
-    for length, slot in spans:
-        rows = slice(start, start + length)
-        outs.append(prefill(q[rows], k[rows], v[rows], g[rows], beta[rows], scale, state_pool, slot))
-        start += length
-    return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 class ReferenceGdn:
@@ -50,11 +36,6 @@ class ReferenceGdn:
         o, final = gated_delta_chunked(q, k, v, g, beta, scale, codec.load(state_pool, slot), CHUNK_SIZE)
         codec.store(final, state_pool, slot)
         return o
-
-    def prefill_many(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
-                     state_pool: StatePool, spans: Spans) -> Tensor:  # fmt: skip
-        """One `prefill` per segment: exactly the single calls (batch invariant)."""
-        return prefill_each(self.prefill, q, k, v, g, beta, scale, state_pool, spans)
 
     def decode(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
                state_pool: StatePool, slots: Tensor) -> Tensor:  # fmt: skip
@@ -111,10 +92,6 @@ class FlaGdn:
         codec.store(final[0].float(), state_pool, slot)
         return o[0].float()
 
-    def prefill_many(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
-                     state_pool: StatePool, spans: Spans) -> Tensor:  # fmt: skip
-        return prefill_each(self.prefill, q, k, v, g, beta, scale, state_pool, spans)
-
     def decode(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
                state_pool: StatePool, slots: Tensor) -> Tensor:  # fmt: skip
         dt, f = v.dtype, torch.float32
@@ -151,10 +128,6 @@ class GdnMethods:
     def gdn_prefill(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
                     state_pool: StatePool, slot: int) -> Tensor:  # fmt: skip
         return self.gdn.prefill(q, k, v, g, beta, scale, state_pool, slot)
-
-    def gdn_prefill_many(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
-                         state_pool: StatePool, spans: Spans) -> Tensor:  # fmt: skip
-        return self.gdn.prefill_many(q, k, v, g, beta, scale, state_pool, spans)
 
     def gdn_decode(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
                    state_pool: StatePool, slots: Tensor) -> Tensor:  # fmt: skip

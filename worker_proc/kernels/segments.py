@@ -2,12 +2,11 @@
 
 A step's prefill rows, concatenated in slice order, are described by `Spans` ((length, state slot)
 of each segment) or, for attention, `AttnSpans` ((length, start_pos, kv_idx)). `PerSegment` gives
-every `KernelOps` the `*_prefill_many` methods of the conv, the SSD scan and attention by calling
+every `KernelOps` the `*_prefill_many` methods (conv, SSD scan, attention, gated delta rule) by calling
 its single-segment method once per span, so results are exactly the single calls' (what the
 batch-invariant kernels keep); an implementation overrides them where one call over every segment
-is cheaper (`FastOps`' Mamba conv and scan on CPU, `TritonOps`' varlen kernels). The gated delta rule's is its
-backend's (worker_proc.kernels.gdn_ops). Whether padding segments to one batched call pays is one
-rule for every CPU kernel: `batchable`.
+is cheaper (`FastOps`' Mamba conv and scan on CPU, `TritonOps`' varlen kernels). Whether padding
+segments to one batched call pays is one rule for every CPU kernel: `batchable`.
 """
 
 from __future__ import annotations
@@ -67,5 +66,14 @@ class PerSegment:
         outs, start = [], 0
         for length, start_pos, kv_idx in spans:
             outs.append(self.attn_prefill(q[start : start + length], k_pool, v_pool, kv_idx, start_pos, scale))
+            start += length
+        return _joined(outs)
+
+    def gdn_prefill_many(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
+                         state_pool: StatePool, spans: Spans) -> Tensor:  # fmt: skip
+        outs, start = [], 0
+        for length, slot in spans:
+            rows = slice(start, start + length)
+            outs.append(self.gdn_prefill(q[rows], k[rows], v[rows], g[rows], beta[rows], scale, state_pool, slot))
             start += length
         return _joined(outs)
