@@ -14,6 +14,7 @@ blocks are never copied per family.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 BLOCK_KINDS = ("mamba", "attention", "gdn", "fused_gated_mlp", "gated_mlp", "relu2_mlp", "softmax_moe", "sigmoid_moe",
@@ -48,86 +49,132 @@ class Sublayer:
 
 
 @dataclass(frozen=True)
+class AttentionConfig:
+    """The attention layers' sizes (all zero for a model without attention)."""
+
+    num_heads: int = 0
+    num_kv_heads: int = 0
+    head_dim: int = 0
+    bias: bool = False
+    scale: float = 1.0  # the softmax scale
+    rope_theta: float | None = None  # None = NoPE
+    rotary_dim: int = 0  # channels of each head that RoPE rotates (0 = head_dim)
+    key_multiplier: float = 1.0  # on K before it is cached
+    # gated attention (Qwen3-Next / Qwen3.5): q_proj yields [query | gate] per head, the output is
+    # multiplied by sigmoid(gate) before o_proj; q and k are RMS-normed per head (`q_norm`, `k_norm`)
+    output_gate: bool = False
+    qk_norm: bool = False
+
+    @property
+    def rope_dim(self) -> int:
+        return self.rotary_dim or self.head_dim
+
+
+@dataclass(frozen=True)
+class MambaConfig:
+    """The Mamba2 mixers' sizes (all zero for a model without Mamba layers)."""
+
+    n_heads: int = 0
+    n_groups: int = 1
+    d_state: int = 0
+    d_head: int = 0
+    d_conv: int = 4
+    intermediate: int = 0
+    chunk_size: int = 256
+    conv_bias: bool = True
+    proj_bias: bool = False
+    out_proj_bias: bool | None = None  # None = proj_bias (Falcon-H1: projectors_bias)
+    time_step_limit: tuple[float, float] = (0.0, math.inf)
+    norm: bool = True  # gated RMSNorm on the scan output (else y * silu(z))
+    norm_before_gate: bool = False  # RMSNorm(y) * silu(z) instead of RMSNorm(y * silu(z))
+    multipliers: tuple[float, ...] = ()  # z, x, B, C, dt segments of in_proj (empty = all 1)
+
+    @property
+    def conv_dim(self) -> int:
+        return self.intermediate + 2 * self.n_groups * self.d_state
+
+
+@dataclass(frozen=True)
+class GdnConfig:
+    """The Gated DeltaNet mixers' sizes (Qwen3-Next / Qwen3.5 `linear_attn`): key heads, value heads
+    (a multiple), their dims, the conv width; `fused_proj`: in_proj_qkvz + in_proj_ba grouped per key
+    head (Qwen3-Next), else in_proj_qkv / in_proj_z / in_proj_b / in_proj_a (Qwen3.5)."""
+
+    k_heads: int = 0
+    v_heads: int = 0
+    k_dim: int = 0
+    v_dim: int = 0
+    d_conv: int = 4
+    fused_proj: bool = False
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """The routed experts (every MoE block of the model shares them); `n_group`, `topk_group`,
+    `routed_scaling`, `latent_size` are the sigmoid (Nemotron-H) router's; `shared_size` the width of
+    the shared expert (0 = none)."""
+
+    num_experts: int = 0
+    experts_per_tok: int = 0
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = True
+    routed_scaling: float = 1.0
+    latent_size: int = 0  # 0 = experts work on hidden_size
+    shared_size: int = 0
+
+
+@dataclass(frozen=True)
+class MlpConfig:
+    """The split gated MLP's biases and gate/down multipliers (Falcon-H1; empty = 1, 1)."""
+
+    bias: bool = False
+    multipliers: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True)
 class HybridConfig:
+    """The whole model: its scalars, its arrangement (`layer_specs`) and one part per block kind. A
+    part the model does not use keeps its defaults; every layer kind present needs its part."""
+
     architecture: str
     vocab_size: int
     hidden_size: int
     layer_kinds: tuple[str, ...]  # per layer: "mamba" | "attention" | "parallel" (both) | "gdn" | "mlp" (none)
     rms_norm_eps: float
-    # attention
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    attention_bias: bool
-    attention_multiplier: float  # the softmax scale
-    rope_theta: float | None  # None = NoPE
     max_position_embeddings: int
-    # mamba
-    mamba_n_heads: int
-    mamba_n_groups: int
-    mamba_d_state: int
-    mamba_d_head: int
-    mamba_d_conv: int
-    mamba_intermediate: int
-    mamba_chunk_size: int
-    mamba_conv_bias: bool
-    mamba_proj_bias: bool
-    time_step_limit: tuple[float, float]
-    # granite mlp / moe
-    shared_intermediate_size: int
-    intermediate_size: int
-    num_experts: int
-    num_experts_per_tok: int
-    # scalars
-    embedding_multiplier: float
-    residual_multiplier: float
-    logits_scaling: float
     tie_word_embeddings: bool
     torch_dtype: str
     layer_specs: tuple[tuple[Sublayer, ...], ...]  # per layer, its sublayers (the family's arrangement)
-    rotary_dim: int = 0  # channels of each head that RoPE rotates (0 = head_dim)
-    key_multiplier: float = 1.0  # on K before it is cached
+    attn: AttentionConfig = AttentionConfig()
+    mamba: MambaConfig = MambaConfig()
+    gdn: GdnConfig = GdnConfig()
+    moe: MoeConfig = MoeConfig()
+    mlp: MlpConfig = MlpConfig()
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
     lm_head_multiplier: float = 1.0  # on the logits
-    mamba_norm: bool = True  # gated RMSNorm on the scan output (else y * silu(z))
-    mamba_norm_before_gate: bool = False  # RMSNorm(y) * silu(z) instead of RMSNorm(y * silu(z))
-    ssm_multipliers: tuple[float, ...] = ()  # z, x, B, C, dt segments of in_proj (empty = all 1)
-    mlp_multipliers: tuple[float, ...] = ()  # gate, down of the split gated MLP (empty = 1, 1)
-    mlp_bias: bool = False  # biases of the split gated MLP
     norm_fp32_weight: bool = False  # RMSNorm weights applied in float32 (Nemotron-H), else in the model dtype
-    mamba_out_proj_bias: bool | None = None  # None = mamba_proj_bias (Falcon-H1: projectors_bias)
-    # sigmoid (Nemotron-H) MoE
-    moe_n_group: int = 1
-    moe_topk_group: int = 1
-    moe_norm_topk_prob: bool = True
-    moe_routed_scaling: float = 1.0
-    moe_latent_size: int = 0  # 0 = experts work on hidden_size
-    moe_shared_size: int = 0  # width of the shared expert
+    norm_unit_offset: bool = False  # zero-centred RMSNorm: x̂ * (1 + weight) (every norm but gated ones)
     # checkpoint names -> parameter names: (regex, replacement) applied in order; tensors whose
     # (renamed) name starts with one of `ignored_prefixes` are not loaded (e.g. MTP layers)
-    # Gated DeltaNet (Qwen3-Next / Qwen3.5 `linear_attn`): key heads, value heads (a multiple), their
-    # dims, the conv width; `gdn_fused_proj`: in_proj_qkvz + in_proj_ba grouped per key head
-    # (Qwen3-Next), else in_proj_qkv / in_proj_z / in_proj_b / in_proj_a (Qwen3.5)
-    gdn_k_heads: int = 0
-    gdn_v_heads: int = 0
-    gdn_k_dim: int = 0
-    gdn_v_dim: int = 0
-    gdn_d_conv: int = 4
-    gdn_fused_proj: bool = False
-    # gated attention (Qwen3-Next / Qwen3.5): q_proj yields [query | gate] per head, the output is
-    # multiplied by sigmoid(gate) before o_proj; q and k are RMS-normed per head (`q_norm`, `k_norm`)
-    attn_output_gate: bool = False
-    attn_qk_norm: bool = False
-    norm_unit_offset: bool = False  # zero-centred RMSNorm: x̂ * (1 + weight) (every norm but gated ones)
     renames: tuple[tuple[str, str], ...] = ()
     ignored_prefixes: tuple[str, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        if len(self.layer_specs) != len(self.layer_kinds):
+            raise ValueError(f"{len(self.layer_specs)} layer specs for {len(self.layer_kinds)} layers")
+        needs = {"attention": self.attn.num_heads, "mamba": self.mamba.n_heads, "gdn": self.gdn.k_heads}
+        for kind in {b.kind for b in self.blocks()}:
+            if not needs.get(kind, 1):
+                raise ValueError(f"the model has {kind} layers but its {kind} sizes are unset")
+            if kind.endswith("moe") and not self.moe.num_experts:
+                raise ValueError(f"the model has {kind} blocks but no experts")
 
     @property
     def num_layers(self) -> int:
         return len(self.layer_kinds)
-
-    @property
-    def conv_dim(self) -> int:
-        return self.mamba_intermediate + 2 * self.mamba_n_groups * self.mamba_d_state
 
     @property
     def attn_layer_ids(self) -> tuple[int, ...]:
@@ -146,10 +193,6 @@ class HybridConfig:
         """Layers with a recurrent state (Mamba and Gated DeltaNet)."""
         return tuple(i for i, k in enumerate(self.layer_kinds) if k in RECURRENT_KINDS)
 
-    @property
-    def rope_dim(self) -> int:
-        return self.rotary_dim or self.head_dim
-
     def layers(self) -> tuple[tuple[Sublayer, ...], ...]:
         """The sublayers of every layer, as the family arranged them."""
         return self.layer_specs
@@ -165,26 +208,26 @@ def tp_layout_error(cfg: HybridConfig, tp_size: int) -> str | None:
         return None
     counts: list[tuple[int, str]] = []
     if cfg.attn_layer_ids:
-        counts.append((cfg.num_heads, "num_attention_heads"))
-        if cfg.num_kv_heads >= tp_size:
-            counts.append((cfg.num_kv_heads, "num_key_value_heads"))
+        counts.append((cfg.attn.num_heads, "num_attention_heads"))
+        if cfg.attn.num_kv_heads >= tp_size:
+            counts.append((cfg.attn.num_kv_heads, "num_key_value_heads"))
     if cfg.mamba_layer_ids:
-        counts.append((cfg.mamba_n_heads, "mamba_n_heads"))
+        counts.append((cfg.mamba.n_heads, "mamba_n_heads"))
     if cfg.gdn_layer_ids:
-        counts.append((cfg.gdn_k_heads, "linear_num_key_heads"))
+        counts.append((cfg.gdn.k_heads, "linear_num_key_heads"))
     for block in cfg.blocks():
         sizes = [(block.size, block.size_field)] if block.size_field else []
-        if block.kind == "sigmoid_moe" and cfg.moe_shared_size:
-            sizes.append((cfg.moe_shared_size, "moe_shared_expert_intermediate_size"))
-        if block.kind == "shared_gate_moe" and cfg.moe_shared_size:
-            sizes.append((cfg.moe_shared_size, "shared_expert_intermediate_size"))
+        if block.kind == "sigmoid_moe" and cfg.moe.shared_size:
+            sizes.append((cfg.moe.shared_size, "moe_shared_expert_intermediate_size"))
+        if block.kind == "shared_gate_moe" and cfg.moe.shared_size:
+            sizes.append((cfg.moe.shared_size, "shared_expert_intermediate_size"))
         counts.extend(s for s in sizes if s not in counts)
-    if cfg.mlp_bias and any(b.kind == "gated_mlp" for b in cfg.blocks()):
+    if cfg.mlp.bias and any(b.kind == "gated_mlp" for b in cfg.blocks()):
         return f"--tp-size {tp_size}: mlp_bias true in the model's config.json is not supported with tensor parallelism"
     for value, name in counts:
         if value % tp_size:
             return f"--tp-size {tp_size} does not divide {name} {value} of the model's config.json"
-    if cfg.attn_layer_ids and cfg.num_kv_heads < tp_size and tp_size % cfg.num_kv_heads:
-        return (f"--tp-size {tp_size} is not a multiple of num_key_value_heads {cfg.num_kv_heads} "
+    if cfg.attn_layer_ids and cfg.attn.num_kv_heads < tp_size and tp_size % cfg.attn.num_kv_heads:
+        return (f"--tp-size {tp_size} is not a multiple of num_key_value_heads {cfg.attn.num_kv_heads} "
                 "(KV heads fewer than the ranks are replicated and must divide --tp-size)")
     return None

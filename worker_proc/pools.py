@@ -96,8 +96,8 @@ def mamba_state_tensors(cfg: HybridConfig, dtype: torch.dtype, tp_size: int, tp_
     int8). Always declared (a model without Mamba layers has zero of them), as `pools.conv` /
     `pools.ssm` are always there."""
     n, m = len(cfg.mamba_layer_ids), MambaShard.of(cfg, tp_rank, tp_size)
-    return [StateTensor("conv", n, (m.conv_dim, max(cfg.mamba_d_conv - 1, 0)), dtype),
-            *_recurrent("ssm", n, (m.heads, cfg.mamba_d_head, cfg.mamba_d_state), state_dtype)]
+    return [StateTensor("conv", n, (m.conv_dim, max(cfg.mamba.d_conv - 1, 0)), dtype),
+            *_recurrent("ssm", n, (m.heads, cfg.mamba.d_head, cfg.mamba.d_state), state_dtype)]
 
 
 def gdn_state_tensors(cfg: HybridConfig, dtype: torch.dtype, tp_size: int, tp_rank: int,
@@ -108,8 +108,8 @@ def gdn_state_tensors(cfg: HybridConfig, dtype: torch.dtype, tp_size: int, tp_ra
     if not n:
         return []
     g = GdnShard.of(cfg, tp_rank, tp_size)
-    return [StateTensor("gdn_conv", n, (g.conv_dim, cfg.gdn_d_conv - 1), dtype),
-            *_recurrent("gdn_state", n, (g.v_heads, cfg.gdn_k_dim, cfg.gdn_v_dim), state_dtype)]
+    return [StateTensor("gdn_conv", n, (g.conv_dim, cfg.gdn.d_conv - 1), dtype),
+            *_recurrent("gdn_state", n, (g.v_heads, cfg.gdn.k_dim, cfg.gdn.v_dim), state_dtype)]
 
 
 STATE_KINDS = (mamba_state_tensors, gdn_state_tensors)
@@ -138,7 +138,7 @@ def slot_bytes(cfg: HybridConfig, dtype: torch.dtype, tp_size: int = 1, tp_rank:
     (recurrent states in `state_dtype`, their scales) of one state slot."""
     elt = torch.empty((), dtype=dtype).element_size()
     attn = AttnShard.of(cfg, tp_rank, tp_size)
-    kv = len(cfg.attn_layer_ids) * 2 * attn.kv_heads * cfg.head_dim * elt
+    kv = len(cfg.attn_layer_ids) * 2 * attn.kv_heads * cfg.attn.head_dim * elt
     state = sum(t.slot_bytes for t in state_tensors(cfg, dtype, tp_size, tp_rank, state_dtype))
     return SlotBytes(kv_token=kv, state_slot=state)
 
@@ -251,7 +251,7 @@ class StatePools:
         self.state_storage = storage_dtype(state_dtype)
         n_attn = len(cfg.attn_layer_ids)
         attn = AttnShard.of(cfg, tp_rank, tp_size)
-        kv_shape = (n_attn, kv_slots + 1, attn.kv_heads, cfg.head_dim)
+        kv_shape = (n_attn, kv_slots + 1, attn.kv_heads, cfg.attn.head_dim)
         self.k = zeros(kv_shape, dtype, device)
         self.v = zeros(kv_shape, dtype, device)
         self.layout = tuple(state_tensors(cfg, dtype, tp_size, tp_rank, state_dtype))

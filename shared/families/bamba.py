@@ -6,10 +6,10 @@ final norm `model.final_layernorm` maps onto the shared `model.norm`."""
 
 from __future__ import annotations
 
-from shared.families.common import NO_GRANITE_MLP, UNIT_SCALARS, dtype_name, mamba_fields
+from shared.families.common import dtype_name, mamba_part
 from shared.families.family import Family
 from shared.families.fields import check_act, check_attention, max_positions, num, rope_theta, rotary_fraction
-from shared.model_config import Block, HybridConfig, Sublayer
+from shared.model_config import AttentionConfig, Block, HybridConfig, MlpConfig, Sublayer
 
 RENAMES = ((r"^model\.final_layernorm\.", "model.norm."),)
 
@@ -30,7 +30,9 @@ def layer_kinds(cfg: dict) -> tuple[str, ...]:
     return kinds
 
 
-def attention_fields(cfg: dict, rotary_default: float) -> dict:
+def attention_part(cfg: dict, rotary_default: float, **extra: object) -> AttentionConfig:
+    """RoPE attention on the first `partial_rotary_factor` of each head (Bamba, Falcon-H1); `extra`:
+    the family's own attention settings."""
     hidden = int(cfg["hidden_size"])
     heads = int(cfg["num_attention_heads"])
     kv_heads = int(cfg.get("num_key_value_heads") or heads)
@@ -39,9 +41,9 @@ def attention_fields(cfg: dict, rotary_default: float) -> dict:
     rotary = int(head_dim * rotary_fraction(cfg, rotary_default))
     if rotary % 2 or not 0 < rotary <= head_dim:
         raise ValueError(f"partial_rotary_factor gives {rotary} rotary channels of head_dim {head_dim}")
-    return dict(
-        num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, attention_bias=bool(cfg.get("attention_bias")),
-        attention_multiplier=head_dim**-0.5, rope_theta=rope_theta(cfg, True), rotary_dim=rotary,
+    return AttentionConfig(
+        num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, bias=bool(cfg.get("attention_bias")),
+        scale=head_dim**-0.5, rope_theta=rope_theta(cfg, True), rotary_dim=rotary, **extra,  # type: ignore[arg-type]
     )
 
 
@@ -59,17 +61,13 @@ def parse(cfg: dict, arch: str) -> HybridConfig:
         layer_kinds=kinds,
         rms_norm_eps=num(cfg, "rms_norm_eps", 1e-5),
         max_position_embeddings=max_positions(cfg),
-        num_experts=0,
-        num_experts_per_tok=0,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         torch_dtype=dtype_name(cfg),
         layer_specs=tuple((Sublayer("input_layernorm", (mixers[k],)), ffn) for k in kinds),
-        mlp_bias=bool(cfg.get("mlp_bias", False)),
+        attn=attention_part(cfg, 0.5),
+        mamba=mamba_part(cfg, int(cfg.get("mamba_expand", 2)) * hidden),
+        mlp=MlpConfig(bias=bool(cfg.get("mlp_bias", False))),
         renames=RENAMES,
-        **attention_fields(cfg, 0.5),
-        **mamba_fields(cfg, int(cfg.get("mamba_expand", 2)) * hidden),
-        **NO_GRANITE_MLP,
-        **UNIT_SCALARS,
     )
 
 

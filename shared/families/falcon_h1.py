@@ -9,11 +9,11 @@ attention layer. The final norm `model.final_layernorm` maps onto the shared `mo
 
 from __future__ import annotations
 
-from shared.families.bamba import RENAMES, attention_fields
-from shared.families.common import NO_GRANITE_MLP, dtype_name, mamba_fields
+from shared.families.bamba import RENAMES, attention_part
+from shared.families.common import dtype_name, mamba_part
 from shared.families.family import Family
 from shared.families.fields import check_act, max_positions, num
-from shared.model_config import Block, HybridConfig, Sublayer
+from shared.model_config import Block, HybridConfig, MlpConfig, Sublayer
 
 
 def _floats(cfg: dict, key: str, n: int) -> tuple[float, ...]:
@@ -50,26 +50,21 @@ def parse(cfg: dict, arch: str) -> HybridConfig:
         layer_kinds=layer_kinds(cfg),
         rms_norm_eps=num(cfg, "rms_norm_eps", 1e-5),
         max_position_embeddings=max_positions(cfg),
-        num_experts=0,
-        num_experts_per_tok=0,
         embedding_multiplier=num(cfg, "embedding_multiplier", 1.0),
         residual_multiplier=1.0,
         logits_scaling=1.0,
         lm_head_multiplier=num(cfg, "lm_head_multiplier", 1.0),
-        key_multiplier=num(cfg, "key_multiplier", 1.0),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         torch_dtype=dtype_name(cfg),
         layer_specs=((mixers, ffn),) * n,
-        mamba_norm=bool(cfg.get("mamba_rms_norm", False)),
-        mamba_norm_before_gate=bool(cfg.get("mamba_norm_before_gate", True)),
-        ssm_multipliers=_floats(cfg, "ssm_multipliers", 5),
-        mlp_multipliers=_floats(cfg, "mlp_multipliers", 2),
-        mlp_bias=bool(cfg.get("mlp_bias", False)),
-        mamba_out_proj_bias=bool(cfg.get("projectors_bias", False)),
+        attn=attention_part(cfg, 1.0, key_multiplier=num(cfg, "key_multiplier", 1.0)),
+        mamba=mamba_part(
+            cfg, inner, norm=bool(cfg.get("mamba_rms_norm", False)),
+            norm_before_gate=bool(cfg.get("mamba_norm_before_gate", True)),
+            multipliers=_floats(cfg, "ssm_multipliers", 5), out_proj_bias=bool(cfg.get("projectors_bias", False)),
+        ),
+        mlp=MlpConfig(bias=bool(cfg.get("mlp_bias", False)), multipliers=_floats(cfg, "mlp_multipliers", 2)),
         renames=RENAMES,
-        **attention_fields(cfg, 1.0),
-        **mamba_fields(cfg, inner),
-        **NO_GRANITE_MLP,
     )
 
 

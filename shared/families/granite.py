@@ -5,10 +5,10 @@ attention scale and logits (`arrangement`)."""
 from __future__ import annotations
 
 from shared.errors import ModelLoadError
-from shared.families.common import mamba_fields
+from shared.families.common import mamba_part
 from shared.families.family import Family
 from shared.families.fields import check_act, check_attention, max_positions, num, rope_theta
-from shared.model_config import Block, HybridConfig, Sublayer
+from shared.model_config import AttentionConfig, Block, HybridConfig, MoeConfig, Sublayer
 
 _MAMBA_KINDS = {"mamba": "mamba", "linear_attention": "mamba", "mamba2": "mamba"}
 _ATTN_KINDS = {"attention": "attention", "full_attention": "attention"}
@@ -73,18 +73,14 @@ def parse(cfg: dict, arch: str) -> HybridConfig:
         hidden_size=hidden,
         layer_kinds=kinds,
         rms_norm_eps=num(cfg, "rms_norm_eps", 1e-6),
-        num_heads=heads,
-        num_kv_heads=kv_heads,
-        head_dim=int(cfg.get("head_dim") or hidden // heads),
-        attention_bias=bool(cfg.get("attention_bias", False)),
-        attention_multiplier=num(cfg, "attention_multiplier", 1.0),
-        rope_theta=rope_theta(cfg, cfg.get("position_embedding_type") == "rope"),
         max_position_embeddings=max_positions(cfg),
-        **mamba_fields(cfg, int(cfg.get("mamba_expand", 2)) * hidden),
-        shared_intermediate_size=shared_size,
-        intermediate_size=expert_size,
-        num_experts=n_experts,
-        num_experts_per_tok=top_k,
+        attn=AttentionConfig(
+            num_heads=heads, num_kv_heads=kv_heads, head_dim=int(cfg.get("head_dim") or hidden // heads),
+            bias=bool(cfg.get("attention_bias", False)), scale=num(cfg, "attention_multiplier", 1.0),
+            rope_theta=rope_theta(cfg, cfg.get("position_embedding_type") == "rope"),
+        ),
+        mamba=mamba_part(cfg, int(cfg.get("mamba_expand", 2)) * hidden),
+        moe=MoeConfig(num_experts=n_experts, experts_per_tok=top_k),
         embedding_multiplier=num(cfg, "embedding_multiplier", 1.0),
         residual_multiplier=residual,
         logits_scaling=num(cfg, "logits_scaling", 1.0),

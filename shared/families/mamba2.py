@@ -7,11 +7,11 @@ float32; in 16-bit the residual stays in the model dtype."""
 
 from __future__ import annotations
 
-from shared.families.common import NO_ATTENTION, NO_GRANITE_MLP, UNIT_SCALARS, dtype_name
+from shared.families.common import dtype_name
 from shared.families.family import Family
 from shared.families.fields import check_act, check_mamba, max_positions, num, time_step_limit
 from shared.families.nemotron_h import RENAMES
-from shared.model_config import Block, HybridConfig, Sublayer
+from shared.model_config import Block, HybridConfig, MambaConfig, Sublayer
 
 DEFAULT_CONTEXT = 1 << 16  # a Mamba2 config names no context limit; --context-length overrides
 
@@ -39,25 +39,16 @@ def parse(cfg: dict, arch: str) -> HybridConfig:
         layer_kinds=layer_kinds(cfg),
         rms_norm_eps=num(cfg, "layer_norm_epsilon", 1e-5),
         max_position_embeddings=context(cfg),
-        mamba_n_heads=heads,
-        mamba_n_groups=groups,
-        mamba_d_state=int(cfg.get("state_size", 128)),
-        mamba_d_head=head_dim,
-        mamba_d_conv=int(cfg.get("conv_kernel", 4)),
-        mamba_intermediate=inner,
-        mamba_chunk_size=int(cfg.get("chunk_size", 256)),
-        mamba_conv_bias=bool(cfg.get("use_conv_bias", True)),
-        mamba_proj_bias=bool(cfg.get("use_bias", False)),
-        time_step_limit=time_step_limit(cfg),
-        num_experts=0,
-        num_experts_per_tok=0,
+        mamba=MambaConfig(
+            n_heads=heads, n_groups=groups, d_state=int(cfg.get("state_size", 128)), d_head=head_dim,
+            d_conv=int(cfg.get("conv_kernel", 4)), intermediate=inner, chunk_size=int(cfg.get("chunk_size", 256)),
+            conv_bias=bool(cfg.get("use_conv_bias", True)), proj_bias=bool(cfg.get("use_bias", False)),
+            time_step_limit=time_step_limit(cfg),
+        ),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         torch_dtype=dtype_name(cfg),
         layer_specs=((Sublayer("norm", (Block("mamba", "mixer"),)),),) * layers,
         renames=RENAMES,
-        **NO_ATTENTION,
-        **NO_GRANITE_MLP,
-        **UNIT_SCALARS,
     )
 
 

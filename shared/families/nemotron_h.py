@@ -8,10 +8,10 @@ The Mamba dt is clamped below at `time_step_min` (as the reference's chunked sca
 
 from __future__ import annotations
 
-from shared.families.common import NO_GRANITE_MLP, UNIT_SCALARS, dtype_name
+from shared.families.common import dtype_name
 from shared.families.family import Family
 from shared.families.fields import check_act, check_attention, check_mamba, max_positions, num
-from shared.model_config import Block, HybridConfig, Sublayer
+from shared.model_config import AttentionConfig, Block, HybridConfig, MambaConfig, MoeConfig, Sublayer
 
 _PATTERN = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
 _TYPES = {"mamba": "mamba", "linear_attention": "mamba", "attention": "attention", "full_attention": "attention",
@@ -77,39 +77,27 @@ def parse(cfg: dict, arch: str) -> HybridConfig:
         hidden_size=hidden,
         layer_kinds=tuple(_KINDS[t] for t in types),
         rms_norm_eps=num(cfg, "layer_norm_epsilon", 1e-5),
-        num_heads=heads,
-        num_kv_heads=kv_heads,
-        head_dim=head_dim,
-        attention_bias=False,
-        attention_multiplier=head_dim**-0.5,
-        rope_theta=None,
         max_position_embeddings=max_positions(cfg),
-        mamba_n_heads=m_heads,
-        mamba_n_groups=groups,
-        mamba_d_state=int(cfg.get("ssm_state_size", 128)),
-        mamba_d_head=m_head_dim,
-        mamba_d_conv=int(cfg.get("conv_kernel", 4)),
-        mamba_intermediate=m_heads * m_head_dim,
-        mamba_chunk_size=int(cfg.get("chunk_size", 128)),
-        mamba_conv_bias=bool(cfg.get("use_conv_bias", True)),
-        mamba_proj_bias=bool(cfg.get("use_bias", False)),
-        time_step_limit=(num(cfg, "time_step_min", 0.001), float("inf")),
-        num_experts=experts,
-        num_experts_per_tok=top_k,
+        attn=AttentionConfig(num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, scale=head_dim**-0.5),
+        mamba=MambaConfig(
+            n_heads=m_heads, n_groups=groups, d_state=int(cfg.get("ssm_state_size", 128)), d_head=m_head_dim,
+            d_conv=int(cfg.get("conv_kernel", 4)), intermediate=m_heads * m_head_dim,
+            chunk_size=int(cfg.get("chunk_size", 128)), conv_bias=bool(cfg.get("use_conv_bias", True)),
+            proj_bias=bool(cfg.get("use_bias", False)),
+            time_step_limit=(num(cfg, "time_step_min", 0.001), float("inf")),
+        ),
+        moe=MoeConfig(
+            num_experts=experts, experts_per_tok=top_k, n_group=n_group, topk_group=int(cfg.get("topk_group") or 1),
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", True)), routed_scaling=num(cfg, "routed_scaling_factor", 1.0),
+            latent_size=int(cfg.get("moe_latent_size") or 0),
+            shared_size=int(cfg.get("moe_shared_expert_intermediate_size") or 0) if experts else 0,
+        ),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         torch_dtype=dtype_name(cfg),
         layer_specs=tuple((Sublayer("norm", (blocks[t],)),) for t in types),
-        moe_n_group=n_group,
-        moe_topk_group=int(cfg.get("topk_group") or 1),
-        moe_norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
-        moe_routed_scaling=num(cfg, "routed_scaling_factor", 1.0),
-        moe_latent_size=int(cfg.get("moe_latent_size") or 0),
-        moe_shared_size=int(cfg.get("moe_shared_expert_intermediate_size") or 0) if experts else 0,
         norm_fp32_weight=True,
         renames=RENAMES,
         ignored_prefixes=("mtp.",),  # MTP layers are never built; the loader logs the tensors it skipped
-        **NO_GRANITE_MLP,
-        **UNIT_SCALARS,
     )
 
 

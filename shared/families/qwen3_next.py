@@ -20,21 +20,15 @@ The final norm is zero-centred too.
 
 from __future__ import annotations
 
-from shared.families.common import NO_GRANITE_MLP, UNIT_SCALARS, dtype_name
+from shared.families.common import dtype_name
 from shared.families.family import Family
 from shared.families.fields import check_act, check_attention, max_positions, num, rope_theta, rotary_fraction
-from shared.model_config import Block, HybridConfig, Sublayer
+from shared.model_config import AttentionConfig, Block, GdnConfig, HybridConfig, MoeConfig, Sublayer
 
 WRAPPERS = ("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration")
 MOE_EVERY_LAYER = ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration")
 FUSED_PROJ = ("Qwen3NextForCausalLM",)
 _KINDS = {"linear_attention": "gdn", "full_attention": "attention"}
-NO_MAMBA = dict(
-    mamba_n_heads=0, mamba_n_groups=1, mamba_d_state=0, mamba_d_head=0, mamba_d_conv=0, mamba_intermediate=0,
-    mamba_chunk_size=1, mamba_conv_bias=False, mamba_proj_bias=False, time_step_limit=(0.0, float("inf")),
-)
-
-
 def text_config(cfg: dict) -> dict:
     """The text model's fields: `text_config` of a multimodal wrapper (with the wrapper's fields it
     lacks), else the config itself."""
@@ -63,18 +57,18 @@ def context(cfg: dict) -> int:
     return max_positions(text_config(cfg))
 
 
-def _gdn_fields(cfg: dict, arch: str) -> dict:
+def _gdn_part(cfg: dict, arch: str) -> GdnConfig:
     k_heads, v_heads = int(cfg.get("linear_num_key_heads", 16)), int(cfg.get("linear_num_value_heads", 32))
     if k_heads <= 0 or v_heads % k_heads:
         raise ValueError(f"linear_num_key_heads {k_heads} does not divide linear_num_value_heads {v_heads}")
-    return dict(
-        gdn_k_heads=k_heads, gdn_v_heads=v_heads, gdn_k_dim=int(cfg.get("linear_key_head_dim", 128)),
-        gdn_v_dim=int(cfg.get("linear_value_head_dim", 128)), gdn_d_conv=int(cfg.get("linear_conv_kernel_dim", 4)),
-        gdn_fused_proj=arch in FUSED_PROJ,
+    return GdnConfig(
+        k_heads=k_heads, v_heads=v_heads, k_dim=int(cfg.get("linear_key_head_dim", 128)),
+        v_dim=int(cfg.get("linear_value_head_dim", 128)), d_conv=int(cfg.get("linear_conv_kernel_dim", 4)),
+        fused_proj=arch in FUSED_PROJ,
     )
 
 
-def _attention_fields(cfg: dict) -> dict:
+def _attention_part(cfg: dict) -> AttentionConfig:
     heads = int(cfg["num_attention_heads"])
     kv_heads = int(cfg.get("num_key_value_heads") or heads)
     check_attention(heads, kv_heads)
@@ -82,19 +76,18 @@ def _attention_fields(cfg: dict) -> dict:
     rotary = int(head_dim * rotary_fraction(cfg, 0.25))
     if rotary % 2 or not 0 < rotary <= head_dim:
         raise ValueError(f"partial_rotary_factor gives {rotary} rotary channels of head_dim {head_dim}")
-    return dict(
-        num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, attention_bias=bool(cfg.get("attention_bias")),
-        attention_multiplier=head_dim**-0.5, rope_theta=rope_theta(cfg, True), rotary_dim=rotary,
-        attn_output_gate=True, attn_qk_norm=True,
+    return AttentionConfig(
+        num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, bias=bool(cfg.get("attention_bias")),
+        scale=head_dim**-0.5, rope_theta=rope_theta(cfg, True), rotary_dim=rotary, output_gate=True, qk_norm=True,
     )
 
 
-def _mlp_blocks(cfg: dict, arch: str, n: int) -> tuple[tuple[Block, ...], dict]:
-    """The `mlp` block of every layer and the MoE fields."""
+def _mlp_blocks(cfg: dict, arch: str, n: int) -> tuple[tuple[Block, ...], MoeConfig]:
+    """The `mlp` block of every layer and the MoE part."""
     experts = int(cfg.get("num_experts") or 0)
     dense = Block("gated_mlp", "mlp", int(cfg.get("intermediate_size") or 0), "intermediate_size")
     if not experts:
-        return (dense,) * n, dict(num_experts=0, num_experts_per_tok=0)
+        return (dense,) * n, MoeConfig()
     top_k = int(cfg.get("num_experts_per_tok") or 0)
     if not 0 < top_k <= experts:
         raise ValueError(f"num_experts_per_tok {top_k} must be in [1, num_experts={experts}]")
@@ -105,16 +98,16 @@ def _mlp_blocks(cfg: dict, arch: str, n: int) -> tuple[tuple[Block, ...], dict]:
         only = {int(i) for i in cfg.get("mlp_only_layers") or ()}
         step, norm_topk = int(cfg.get("decoder_sparse_step") or 1), bool(cfg.get("norm_topk_prob", True))
     blocks = tuple(moe if i not in only and (i + 1) % step == 0 else dense for i in range(n))
-    fields = dict(num_experts=experts, num_experts_per_tok=top_k, moe_norm_topk_prob=norm_topk,
-                  moe_shared_size=int(cfg.get("shared_expert_intermediate_size") or 0))
-    return blocks, fields
+    part = MoeConfig(num_experts=experts, experts_per_tok=top_k, norm_topk_prob=norm_topk,
+                     shared_size=int(cfg.get("shared_expert_intermediate_size") or 0))
+    return blocks, part
 
 
 def parse(raw: dict, arch: str) -> HybridConfig:
     cfg = text_config(raw)
     check_act(cfg, "hidden_act", "silu")
     kinds = layer_kinds(cfg)
-    mlps, moe_fields = _mlp_blocks(cfg, arch, len(kinds))
+    mlps, moe = _mlp_blocks(cfg, arch, len(kinds))
     mixers = {"gdn": Block("gdn", "linear_attn"), "attention": Block("attention", "self_attn")}
     specs = tuple(
         (Sublayer("input_layernorm", (mixers[k],)), Sublayer("post_attention_layernorm", (mlp,)))
@@ -131,15 +124,12 @@ def parse(raw: dict, arch: str) -> HybridConfig:
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", cfg.get("tie_word_embeddings", False))),
         torch_dtype=dtype_name(cfg),
         layer_specs=specs,
+        attn=_attention_part(cfg),
+        gdn=_gdn_part(cfg, arch),
+        moe=moe,
         norm_unit_offset=True,
         renames=((r"^model\.language_model\.", "model."),) if wrapper else (),
         ignored_prefixes=("mtp.", "model.visual.") if wrapper else ("mtp.",),
-        **moe_fields,
-        **_gdn_fields(cfg, arch),
-        **_attention_fields(cfg),
-        **NO_MAMBA,
-        **NO_GRANITE_MLP,
-        **UNIT_SCALARS,
     )
 
 

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from shared.errors import ModelLoadError
 from shared.families.registry import parse_config
-from shared.model_config import tp_layout_error
+from shared.model_config import HybridConfig, tp_layout_error
 from shared.model_info import read_config_json
 from tests.worker.util import FAMILY_FIXTURES, FIXTURE_NAMES, fixture_dir
 from worker_proc.loader import load_config
@@ -22,12 +22,17 @@ from worker_proc.pools import StatePools, slot_bytes
 from worker_proc.weight_files import load_weights, weight_files
 
 
-def _cfg(name: str = "nope_groups2", **changes: object):
-    return dataclasses.replace(load_config(fixture_dir(name)), **changes)
+def _changed(cfg: HybridConfig, **parts: dict) -> HybridConfig:
+    """`cfg` with fields of its parts changed: `_changed(cfg, mamba={"n_heads": 8})`."""
+    return dataclasses.replace(cfg, **{k: dataclasses.replace(getattr(cfg, k), **v) for k, v in parts.items()})
+
+
+def _cfg(name: str = "nope_groups2", **parts: dict) -> HybridConfig:
+    return _changed(load_config(fixture_dir(name)), **parts)
 
 
 def test_mamba_groups_divisible() -> None:
-    cfg = _cfg(mamba_n_heads=8, mamba_n_groups=4)
+    cfg = _cfg(mamba={"n_heads": 8, "n_groups": 4})
     s0, s1 = MambaShard.of(cfg, 0, 2), MambaShard.of(cfg, 1, 2)
     assert (s0.head_start, s0.heads, s0.groups, s0.head_group) == (0, 4, (0, 1), None)
     assert (s1.head_start, s1.heads, s1.groups, s1.head_group) == (4, 4, (2, 3), None)
@@ -35,15 +40,15 @@ def test_mamba_groups_divisible() -> None:
 
 
 def test_mamba_single_group_replicated() -> None:
-    cfg = _cfg(mamba_n_heads=8, mamba_n_groups=1)
+    cfg = _cfg(mamba={"n_heads": 8, "n_groups": 1})
     for rank in range(4):
         s = MambaShard.of(cfg, rank, 4)
         assert (s.heads, s.groups, s.head_group, s.norm_shared) == (2, (0,), None, True)
-        assert s.conv_dim == s.inner + 2 * cfg.mamba_d_state
+        assert s.conv_dim == s.inner + 2 * cfg.mamba.d_state
 
 
 def test_mamba_groups_spread_unevenly() -> None:
-    cfg = _cfg(mamba_n_heads=6, mamba_n_groups=3, mamba_intermediate=6 * 16, mamba_d_head=16)
+    cfg = _cfg(mamba={"n_heads": 6, "n_groups": 3, "intermediate": 6 * 16, "d_head": 16})
     s0, s1 = MambaShard.of(cfg, 0, 2), MambaShard.of(cfg, 1, 2)
     assert (s0.groups, s0.head_group) == ((0, 1), (0, 0, 1))  # heads 0,1,2 -> groups 0,0,1
     assert (s1.groups, s1.head_group) == ((1, 2), (0, 1, 1))  # heads 3,4,5 -> groups 1,2,2
@@ -51,7 +56,7 @@ def test_mamba_groups_spread_unevenly() -> None:
 
 
 def test_attention_kv_heads_replicated_when_fewer_than_ranks() -> None:
-    cfg = _cfg(num_heads=8, num_kv_heads=2)
+    cfg = _cfg(attn={"num_heads": 8, "num_kv_heads": 2})
     shards = [AttnShard.of(cfg, r, 4) for r in range(4)]
     assert [(s.head_start, s.heads, s.kv_start, s.kv_heads) for s in shards] == [
         (0, 2, 0, 1), (2, 2, 0, 1), (4, 2, 1, 1), (6, 2, 1, 1)
@@ -63,16 +68,16 @@ def test_attention_kv_heads_replicated_when_fewer_than_ranks() -> None:
 @pytest.mark.parametrize(
     ("changes", "tp", "needle"),
     [
-        ({"num_heads": 4}, 3, "num_attention_heads 4"),
-        ({"num_heads": 6, "num_kv_heads": 3}, 2, "num_key_value_heads 3"),
-        ({"num_heads": 12, "num_kv_heads": 3}, 4, "not a multiple of num_key_value_heads 3"),
-        ({"mamba_n_heads": 6}, 4, "mamba_n_heads 6"),
+        ({"attn": {"num_heads": 4}}, 3, "num_attention_heads 4"),
+        ({"attn": {"num_heads": 6, "num_kv_heads": 3}}, 2, "num_key_value_heads 3"),
+        ({"attn": {"num_heads": 12, "num_kv_heads": 3}}, 4, "not a multiple of num_key_value_heads 3"),
+        ({"mamba": {"n_heads": 6}}, 4, "mamba_n_heads 6"),
     ],
 )
 def test_layout_errors(changes: dict, tp: int, needle: str) -> None:
-    cfg = _cfg(num_heads=8, num_kv_heads=4, mamba_n_heads=8)
+    cfg = _cfg(attn={"num_heads": 8, "num_kv_heads": 4}, mamba={"n_heads": 8})
     assert tp_layout_error(cfg, 2) is None and tp_layout_error(cfg, 4) is None
-    err = tp_layout_error(dataclasses.replace(cfg, **changes), tp)
+    err = tp_layout_error(_changed(cfg, **changes), tp)
     assert err is not None and needle in err and f"--tp-size {tp}" in err
 
 

@@ -49,7 +49,7 @@ def test_chunked_prefill_logits(name: str, chunks: tuple[int, ...], deterministi
     cfg = load_config(fixture_dir(name))
     prompt = ref["prompt"].tolist()
     assert sum(chunks) == len(prompt)
-    assert any(c % cfg.mamba_chunk_size for c in chunks)  # boundaries not aligned to the SSD chunk
+    assert any(c % cfg.mamba.chunk_size for c in chunks)  # boundaries not aligned to the SSD chunk
     r = runner(name, deterministic=deterministic)
     assert max_diff(chunked_prompt_logits(r, prompt, chunks), ref["prompt_logits"]) <= TOL
     r.check_integrity()

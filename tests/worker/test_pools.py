@@ -18,9 +18,9 @@ def _cfg():
 def test_layout() -> None:
     cfg = _cfg()
     p = StatePools(cfg, kv_slots=10, state_slots=3, dtype=torch.float32, device="cpu")
-    assert p.k.shape == (2, 11, cfg.num_kv_heads, cfg.head_dim) == p.v.shape
-    assert p.conv.shape == (2, 4, cfg.conv_dim, cfg.mamba_d_conv - 1)
-    assert p.ssm.shape == (2, 4, cfg.mamba_n_heads, cfg.mamba_d_head, cfg.mamba_d_state)
+    assert p.k.shape == (2, 11, cfg.attn.num_kv_heads, cfg.attn.head_dim) == p.v.shape
+    assert p.conv.shape == (2, 4, cfg.mamba.conv_dim, cfg.mamba.d_conv - 1)
+    assert p.ssm.shape == (2, 4, cfg.mamba.n_heads, cfg.mamba.d_head, cfg.mamba.d_state)
     assert p.ssm.dtype == torch.float32
     p16 = StatePools(cfg, kv_slots=2, state_slots=2, dtype=torch.bfloat16, device="cpu")
     assert p16.k.dtype == p16.conv.dtype == torch.bfloat16 and p16.ssm.dtype == torch.float32
@@ -30,7 +30,7 @@ def test_layout() -> None:
 def test_plan_capacities_splits_budget() -> None:
     cfg = _cfg()
     sb = slot_bytes(cfg, torch.float32)
-    assert sb.kv_token == 2 * 2 * cfg.num_kv_heads * cfg.head_dim * 4
+    assert sb.kv_token == 2 * 2 * cfg.attn.num_kv_heads * cfg.attn.head_dim * 4
     budget = 10_000_000
     kv, mamba = plan_capacities(cfg, budget, 0.25, torch.float32)
     assert kv == int(budget * 0.75) // sb.kv_token - 1
@@ -136,16 +136,16 @@ def test_gated_deltanet_state_layout_bytes_and_slot_ops() -> None:
     exactly what the pools allocate per slot, and copy/clear/check_integrity cover them."""
     cfg = load_config(fixture_dir("qwen3_next_moe"))
     n_gdn = len(cfg.gdn_layer_ids)
-    conv_dim = 2 * cfg.gdn_k_heads * cfg.gdn_k_dim + cfg.gdn_v_heads * cfg.gdn_v_dim
+    conv_dim = 2 * cfg.gdn.k_heads * cfg.gdn.k_dim + cfg.gdn.v_heads * cfg.gdn.v_dim
     p = StatePools(cfg, kv_slots=6, state_slots=3, dtype=torch.bfloat16, device="cpu")
-    assert p.states["gdn_conv"].shape == (n_gdn, 4, conv_dim, cfg.gdn_d_conv - 1)
-    assert p.states["gdn_state"].shape == (n_gdn, 4, cfg.gdn_v_heads, cfg.gdn_k_dim, cfg.gdn_v_dim)
+    assert p.states["gdn_conv"].shape == (n_gdn, 4, conv_dim, cfg.gdn.d_conv - 1)
+    assert p.states["gdn_state"].shape == (n_gdn, 4, cfg.gdn.v_heads, cfg.gdn.k_dim, cfg.gdn.v_dim)
     assert p.states["gdn_conv"].dtype == torch.bfloat16 and p.states["gdn_state"].dtype == torch.float32
     assert p.conv.numel() == 0 and p.ssm.numel() == 0  # no Mamba layer
     grown = StatePools(cfg, kv_slots=6, state_slots=4, dtype=torch.bfloat16, device="cpu")
     per_slot = slot_bytes(cfg, torch.bfloat16).state_slot
-    recurrent = cfg.gdn_v_heads * cfg.gdn_k_dim * cfg.gdn_v_dim * 4
-    assert per_slot == n_gdn * (conv_dim * (cfg.gdn_d_conv - 1) * 2 + recurrent)
+    recurrent = cfg.gdn.v_heads * cfg.gdn.k_dim * cfg.gdn.v_dim * 4
+    assert per_slot == n_gdn * (conv_dim * (cfg.gdn.d_conv - 1) * 2 + recurrent)
     assert grown.nbytes() - p.nbytes() == per_slot
     half = slot_bytes(cfg, torch.bfloat16, tp_size=2, tp_rank=1).state_slot
     assert half * 2 == per_slot  # heads sharded: each rank holds half of every state tensor

@@ -4,6 +4,7 @@ supported ones; the family-specific spellings and checkpoint layouts load."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 
@@ -54,6 +55,21 @@ def test_every_family_is_built_from_the_shared_blocks(name: str) -> None:
     assert (info.layer_kinds, info.max_position_embeddings) == (cfg.layer_kinds, cfg.max_position_embeddings)
     no_context = {k: v for k, v in _config(name).items() if k != "max_position_embeddings"}
     assert parse_config(no_context).max_position_embeddings == summary(no_context)[2]
+
+
+@pytest.mark.parametrize("name", ALL_FIXTURES + GDN_FIXTURES)
+def test_every_layer_kind_has_its_config_part(name: str) -> None:
+    """A family fills the part of every block kind it uses; a config with a kind but without its part's
+    sizes is refused at construction, naming the kind."""
+    cfg = load_config(fixture_dir(name))
+    kinds = {b.kind for b in cfg.blocks()}
+    parts = {"attention": cfg.attn.num_heads, "mamba": cfg.mamba.n_heads, "gdn": cfg.gdn.k_heads}
+    assert all(parts[k] > 0 for k in kinds & parts.keys())
+    assert cfg.moe.num_experts > 0 if any(k.endswith("moe") for k in kinds) else cfg.moe.num_experts == 0
+    for kind, part in (("attention", "attn"), ("mamba", "mamba"), ("gdn", "gdn")):
+        if kind in kinds:
+            with pytest.raises(ValueError, match=f"has {kind} layers"):
+                dataclasses.replace(cfg, **{part: type(getattr(cfg, part))()})
 
 
 def test_family_modules_are_torch_free() -> None:

@@ -63,14 +63,14 @@ class Attention(nn.Module):
         self.tp = tp
         shard = self.shard = AttnShard.of(cfg, tp.rank, tp.size)
         self.heads, self.kv_heads = shard.heads, shard.kv_heads
-        hd, bias = cfg.head_dim, cfg.attention_bias
-        q_out = self.heads * hd * (2 if cfg.attn_output_gate else 1)
+        hd, bias = cfg.attn.head_dim, cfg.attn.bias
+        q_out = self.heads * hd * (2 if cfg.attn.output_gate else 1)
         self.q_proj = Linear(cfg.hidden_size, q_out, bias=bias, dtype=dtype, device=device)
         self.k_proj = Linear(cfg.hidden_size, self.kv_heads * hd, bias=bias, dtype=dtype, device=device)
         self.v_proj = Linear(cfg.hidden_size, self.kv_heads * hd, bias=bias, dtype=dtype, device=device)
         self.o_proj = Linear(self.heads * hd, cfg.hidden_size, bias=bias, dtype=dtype, device=device)
         self.q_norm = self.k_norm = None
-        if cfg.attn_qk_norm:
+        if cfg.attn.qk_norm:
             self.q_norm = make_norm(hd, cfg.rms_norm_eps, dtype, device, cfg.norm_unit_offset)
             self.k_norm = make_norm(hd, cfg.rms_norm_eps, dtype, device, cfg.norm_unit_offset)
 
@@ -90,21 +90,21 @@ class Attention(nn.Module):
         cfg = self.cfg
         t = h.shape[0]
         gate = None
-        if cfg.attn_output_gate:
-            q, gate = self.q_proj(h).view(t, self.heads, 2 * cfg.head_dim).chunk(2, dim=-1)
+        if cfg.attn.output_gate:
+            q, gate = self.q_proj(h).view(t, self.heads, 2 * cfg.attn.head_dim).chunk(2, dim=-1)
         else:
-            q = self.q_proj(h).view(t, self.heads, cfg.head_dim)
-        k = self.k_proj(h).view(t, self.kv_heads, cfg.head_dim)
+            q = self.q_proj(h).view(t, self.heads, cfg.attn.head_dim)
+        k = self.k_proj(h).view(t, self.kv_heads, cfg.attn.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        if cfg.key_multiplier != 1.0:
-            k = k * cfg.key_multiplier
-        v = self.v_proj(h).view(t, self.kv_heads, cfg.head_dim)
+        if cfg.attn.key_multiplier != 1.0:
+            k = k * cfg.attn.key_multiplier
+        v = self.v_proj(h).view(t, self.kv_heads, cfg.attn.head_dim)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         k_pool.index_copy_(0, batch.new_kv_slots, k.to(k_pool.dtype))
         v_pool.index_copy_(0, batch.new_kv_slots, v.to(v_pool.dtype))
-        scale = cfg.attention_multiplier
+        scale = cfg.attn.scale
         out = batch.by_group(
             lambda rows: ops.attn_decode(rows_of(q, rows).contiguous(), k_pool, v_pool, batch.dec_kv_idx,
                                          batch.dec_kv_len, scale),  # fmt: skip

@@ -56,7 +56,7 @@ class GatedDeltaNet(nn.Module):
         self.tp = tp
         s = self.shard = GdnShard.of(cfg, tp.rank, tp.size)
         hidden = cfg.hidden_size
-        if cfg.gdn_fused_proj:
+        if cfg.gdn.fused_proj:
             self.in_proj_qkvz = Linear(hidden, 2 * s.key_dim + 2 * s.value_dim, bias=False, dtype=dtype, device=device)
             self.in_proj_ba = Linear(hidden, 2 * s.v_heads, bias=False, dtype=dtype, device=device)
         else:
@@ -65,7 +65,7 @@ class GatedDeltaNet(nn.Module):
             self.in_proj_b = Linear(hidden, s.v_heads, bias=False, dtype=dtype, device=device)
             self.in_proj_a = Linear(hidden, s.v_heads, bias=False, dtype=dtype, device=device)
         self.conv1d = nn.Module()
-        self.conv1d.weight = empty_param(s.conv_dim, 1, cfg.gdn_d_conv, dtype=dtype, device=device)
+        self.conv1d.weight = empty_param(s.conv_dim, 1, cfg.gdn.d_conv, dtype=dtype, device=device)
         self.A_log = empty_param(s.v_heads, dtype=dtype, device=device)
         self.dt_bias = empty_param(s.v_heads, dtype=dtype, device=device)
         self.norm = HeadGatedRMSNorm(s.v_dim, cfg.rms_norm_eps, dtype, device)
@@ -77,7 +77,7 @@ class GatedDeltaNet(nn.Module):
     def _project(self, h: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """(qkv [T, conv_dim] in conv channel order q | k | v, z [T, Hv, Dv], b [T, Hv], a [T, Hv])."""
         s, t = self.shard, h.shape[0]
-        if not self.cfg.gdn_fused_proj:
+        if not self.cfg.gdn.fused_proj:
             z = self.in_proj_z(h).view(t, s.v_heads, s.v_dim)
             return self.in_proj_qkv(h), z, self.in_proj_b(h), self.in_proj_a(h)
         per_k = s.v_heads // s.k_heads

@@ -62,11 +62,11 @@ def build_block(block: Block, cfg: HybridConfig, dtype: torch.dtype, device: tor
     if block.kind == "fused_gated_mlp":
         return GatedMLP(hidden, width, dtype, device, tp)
     if block.kind == "gated_mlp":
-        return SplitGatedMLP(hidden, width, cfg.mlp_bias, dtype, device, tp, *cfg_mlp_multipliers(cfg))
+        return SplitGatedMLP(hidden, width, cfg.mlp.bias, dtype, device, tp, *cfg_mlp_multipliers(cfg))
     if block.kind == "relu2_mlp":
         return Relu2MLP(hidden, width, dtype, device, tp)
     if block.kind == "softmax_moe":
-        return SparseMoE(hidden, width, cfg.num_experts, cfg.num_experts_per_tok, dtype, device, tp)
+        return SparseMoE(hidden, width, cfg.moe.num_experts, cfg.moe.experts_per_tok, dtype, device, tp)
     if block.kind == "sigmoid_moe":
         return SigmoidMoE(cfg, block.size, dtype, device, tp)
     if block.kind == "shared_gate_moe":
@@ -75,7 +75,7 @@ def build_block(block: Block, cfg: HybridConfig, dtype: torch.dtype, device: tor
 
 
 def cfg_mlp_multipliers(cfg: HybridConfig) -> tuple[float, float]:
-    return cfg.mlp_multipliers if cfg.mlp_multipliers else (1.0, 1.0)
+    return cfg.mlp.multipliers if cfg.mlp.multipliers else (1.0, 1.0)
 
 
 class DecoderLayer(nn.Module):
@@ -214,8 +214,8 @@ class HybridForCausalLM(nn.Module, GemmOwner):
         if cfg.embedding_multiplier != 1.0:
             h = h * cfg.embedding_multiplier
         rope = None
-        if cfg.rope_theta is not None and cfg.attn_layer_ids:
-            rope = rope_cos_sin(batch.positions, cfg.rope_dim, cfg.rope_theta, self.dtype)
+        if cfg.attn.rope_theta is not None and cfg.attn_layer_ids:
+            rope = rope_cos_sin(batch.positions, cfg.attn.rope_dim, cfg.attn.rope_theta, self.dtype)
         for layer in self.model.layers:
             h = layer(h, batch, rope, pools, ops)
         if not want_logits:

@@ -35,22 +35,22 @@ class MambaMixer(nn.Module):
         self.tp = tp
         s = self.shard = MambaShard.of(cfg, tp.rank, tp.size)
         proj = s.inner + s.conv_dim + s.heads
-        self.in_proj = Linear(cfg.hidden_size, proj, bias=cfg.mamba_proj_bias, dtype=dtype, device=device)
+        self.in_proj = Linear(cfg.hidden_size, proj, bias=cfg.mamba.proj_bias, dtype=dtype, device=device)
         self.conv1d = nn.Module()
-        self.conv1d.weight = empty_param(s.conv_dim, 1, cfg.mamba_d_conv, dtype=dtype, device=device)
-        self.conv1d.bias = empty_param(s.conv_dim, dtype=dtype, device=device) if cfg.mamba_conv_bias else None
+        self.conv1d.weight = empty_param(s.conv_dim, 1, cfg.mamba.d_conv, dtype=dtype, device=device)
+        self.conv1d.bias = empty_param(s.conv_dim, dtype=dtype, device=device) if cfg.mamba.conv_bias else None
         self.A_log = empty_param(s.heads, dtype=dtype, device=device)
         self.D = empty_param(s.heads, dtype=dtype, device=device)
         self.dt_bias = empty_param(s.heads, dtype=dtype, device=device)
-        before = cfg.mamba_norm_before_gate
+        before = cfg.mamba.norm_before_gate
         self.norm: nn.Module | None = None
-        if cfg.mamba_norm:
+        if cfg.mamba.norm:
             self.norm = (
-                SpanGatedRMSNorm(s, cfg.mamba_n_groups, cfg.rms_norm_eps, tp, dtype, device, before)
+                SpanGatedRMSNorm(s, cfg.mamba.n_groups, cfg.rms_norm_eps, tp, dtype, device, before)
                 if s.norm_shared
                 else GatedRMSNorm(s.inner, s.norm_groups, cfg.rms_norm_eps, dtype, device, before)
             )
-        out_bias = cfg.mamba_proj_bias if cfg.mamba_out_proj_bias is None else cfg.mamba_out_proj_bias
+        out_bias = cfg.mamba.proj_bias if cfg.mamba.out_proj_bias is None else cfg.mamba.out_proj_bias
         self.out_proj = Linear(s.inner, cfg.hidden_size, bias=out_bias, dtype=dtype, device=device)
         self.param_dtype = dtype
         self.derive_buffers(device)
@@ -67,7 +67,7 @@ class MambaMixer(nn.Module):
 
     def _mup_vector(self, cfg: HybridConfig, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
         """This rank's in_proj output scale (z | x | B | C | dt), or None when all are 1."""
-        m = cfg.ssm_multipliers
+        m = cfg.mamba.multipliers
         if not m or all(v == 1.0 for v in m):
             return None
         s = self.shard
@@ -130,4 +130,4 @@ class MambaMixer(nn.Module):
         if cache is None or cache[0] is not a_log or cache[1] != a_log._version:  # loaded (or replaced) since
             cache = self._a_cache = (a_log, a_log._version, -torch.exp(a_log.float()))
         cfg = self.cfg
-        return SsdParams(cache[2], self.D, self.dt_bias, cfg.time_step_limit, cfg.mamba_chunk_size)
+        return SsdParams(cache[2], self.D, self.dt_bias, cfg.mamba.time_step_limit, cfg.mamba.chunk_size)

@@ -45,18 +45,18 @@ class SigmoidMoE(nn.Module, GemmOwner):
 
     def __init__(self, cfg: HybridConfig, inner: int, dtype: torch.dtype, device: torch.device, tp: TPInfo) -> None:
         super().__init__()
-        e, g = cfg.num_experts, cfg.moe_n_group
+        e, g = cfg.moe.num_experts, cfg.moe.n_group
         if e % g or e // g < 2 and g > 1:
             raise ValueError(f"n_group {g} must divide n_routed_experts {e} into groups of at least 2")
         self.tp = tp
         self.cfg = cfg
-        width = cfg.moe_latent_size or cfg.hidden_size
+        width = cfg.moe.latent_size or cfg.hidden_size
         self.gate = Gate(cfg.hidden_size, e, device)
         self.experts = Experts(e, inner // tp.size, width, dtype, device)
-        shared = cfg.moe_shared_size // tp.size
+        shared = cfg.moe.shared_size // tp.size
         self.shared_experts = Relu2MLP(cfg.hidden_size, shared, dtype, device, tp) if shared else None
         self.fc1_latent_proj = self.fc2_latent_proj = None
-        if cfg.moe_latent_size:
+        if cfg.moe.latent_size:
             self.fc1_latent_proj = Linear(cfg.hidden_size, width, bias=False, dtype=dtype, device=device)
             self.fc2_latent_proj = Linear(width, cfg.hidden_size, bias=False, dtype=dtype, device=device)
         self.gate_gemm = GemmSite(e, cfg.hidden_size, torch.float32, packable=False, quantizable=False)
@@ -71,7 +71,7 @@ class SigmoidMoE(nn.Module, GemmOwner):
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(top-k expert ids [T, k], their weights [T, k] float32)."""
         cfg = self.cfg
-        e, g = cfg.num_experts, cfg.moe_n_group
+        e, g = cfg.moe.num_experts, cfg.moe.n_group
         # the sigmoid is taken in float64 and rounded: float32 SIMD and scalar tails differ in the last
         # bit, which would make a token's routing weights depend on the batch's size
         logits = self.gate_gemm.apply(x.float(), self.gate.weight.float())
@@ -81,19 +81,19 @@ class SigmoidMoE(nn.Module, GemmOwner):
             grouped = choice.view(-1, g, e // g)
             group_scores = grouped.topk(2, dim=-1).values.sum(-1)
             keep = torch.zeros_like(group_scores, dtype=torch.bool)
-            keep.scatter_(1, group_scores.topk(cfg.moe_topk_group, dim=-1).indices, True)
+            keep.scatter_(1, group_scores.topk(cfg.moe.topk_group, dim=-1).indices, True)
             choice = choice.masked_fill(~keep.repeat_interleave(e // g, dim=1), float("-inf"))
-        idx = choice.topk(cfg.num_experts_per_tok, dim=-1).indices
+        idx = choice.topk(cfg.moe.experts_per_tok, dim=-1).indices
         weights = scores.gather(1, idx)
-        if cfg.moe_norm_topk_prob:
+        if cfg.moe.norm_topk_prob:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-        return idx, weights * cfg.moe_routed_scaling
+        return idx, weights * cfg.moe.routed_scaling
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         idx, weights = self.route(x)
         latent = x if self.fc1_latent_proj is None else self.fc1_latent_proj(x)
         acc = torch.zeros(latent.shape, dtype=torch.float32, device=x.device)
-        for expert, sel, tokens in expert_groups(idx, self.cfg.num_experts):
+        for expert, sel, tokens in expert_groups(idx, self.cfg.moe.num_experts):
             h = torch.relu(self.up_gemm.apply_expert(latent[tokens], self.experts.up_proj, expert)).square()
             h = self.down_gemm.apply_expert(h, self.experts.down_proj, expert)
             acc.index_add_(0, tokens, h * weights.flatten()[sel][:, None])

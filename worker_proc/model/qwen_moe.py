@@ -41,14 +41,14 @@ class SharedGateMoE(nn.Module, GemmOwner):
         self.tp = tp
         hidden = cfg.hidden_size
         self.gate = nn.Module()
-        self.gate.weight = empty_param(cfg.num_experts, hidden, dtype=dtype, device=device)
-        self.experts = Experts(cfg.num_experts, inner // tp.size, hidden, dtype, device)
+        self.gate.weight = empty_param(cfg.moe.num_experts, hidden, dtype=dtype, device=device)
+        self.experts = Experts(cfg.moe.num_experts, inner // tp.size, hidden, dtype, device)
         self.shared_expert: SplitGatedMLP | None = None
         self.shared_expert_gate: Linear | None = None
-        if cfg.moe_shared_size:
-            self.shared_expert = SplitGatedMLP(hidden, cfg.moe_shared_size // tp.size, False, dtype, device, tp)
+        if cfg.moe.shared_size:
+            self.shared_expert = SplitGatedMLP(hidden, cfg.moe.shared_size // tp.size, False, dtype, device, tp)
             self.shared_expert_gate = Linear(hidden, 1, bias=False, dtype=dtype, device=device, quantizable=False)
-        self.gate_gemm = GemmSite(cfg.num_experts, hidden, dtype, packable=False, quantizable=False)
+        self.gate_gemm = GemmSite(cfg.moe.num_experts, hidden, dtype, packable=False, quantizable=False)
         self.gate_proj_gemm = expert_site(self.experts.gate_proj)
         self.up_proj_gemm = expert_site(self.experts.up_proj)
         self.down_gemm = expert_site(self.experts.down_proj)
@@ -63,8 +63,8 @@ class SharedGateMoE(nn.Module, GemmOwner):
         """(top-k expert ids [T, k], their weights [T, k] in x's dtype)."""
         logits = self.gate_gemm.apply(x, self.gate.weight)
         probs = logits.float().softmax(dim=-1)
-        top, idx = probs.topk(self.cfg.num_experts_per_tok, dim=-1)
-        if self.cfg.moe_norm_topk_prob:
+        top, idx = probs.topk(self.cfg.moe.experts_per_tok, dim=-1)
+        if self.cfg.moe.norm_topk_prob:
             top = top / top.sum(dim=-1, keepdim=True)
         return idx, top.to(x.dtype)
 
@@ -81,7 +81,7 @@ class SharedGateMoE(nn.Module, GemmOwner):
         idx, weights = self.route(x)
         out = torch.zeros_like(x)
         e = self.experts
-        for expert, sel, tokens in expert_groups(idx, self.cfg.num_experts):
+        for expert, sel, tokens in expert_groups(idx, self.cfg.moe.num_experts):
             xs = x[tokens]
             gemm = self.gate_proj_gemm
             h = silu(gemm.apply_expert(xs, e.gate_proj, expert), gemm.batch_invariant)

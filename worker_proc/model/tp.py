@@ -51,11 +51,11 @@ class AttnShard:
     def of(cfg: HybridConfig, rank: int, size: int) -> AttnShard:
         if not cfg.attn_layer_ids:
             return AttnShard(0, 0, 0, 0)  # no attention layer: nothing to hold
-        heads = cfg.num_heads // size
-        if cfg.num_kv_heads >= size:
-            kv = cfg.num_kv_heads // size
+        heads = cfg.attn.num_heads // size
+        if cfg.attn.num_kv_heads >= size:
+            kv = cfg.attn.num_kv_heads // size
             return AttnShard(heads, rank * heads, kv, rank * kv)
-        q_per_kv = cfg.num_heads // cfg.num_kv_heads
+        q_per_kv = cfg.attn.num_heads // cfg.attn.num_kv_heads
         return AttnShard(heads, rank * heads, 1, (rank * heads) // q_per_kv)
 
 
@@ -73,9 +73,9 @@ class MambaShard:
 
     @staticmethod
     def of(cfg: HybridConfig, rank: int, size: int) -> MambaShard:
-        heads, g_all = cfg.mamba_n_heads // size, cfg.mamba_n_groups
+        heads, g_all = cfg.mamba.n_heads // size, cfg.mamba.n_groups
         start = rank * heads
-        per_group = cfg.mamba_n_heads // g_all
+        per_group = cfg.mamba.n_heads // g_all
         of_head = [(start + j) // per_group for j in range(heads)]
         groups = tuple(range(of_head[0], of_head[-1] + 1)) if heads else ()
         counts = [of_head.count(g) for g in groups]
@@ -83,9 +83,9 @@ class MambaShard:
         head_group = None if even else tuple(g - groups[0] for g in of_head)
         shared = g_all % size != 0
         return MambaShard(
-            heads=heads, head_start=start, d_head=cfg.mamba_d_head, d_state=cfg.mamba_d_state,
+            heads=heads, head_start=start, d_head=cfg.mamba.d_head, d_state=cfg.mamba.d_state,
             groups=groups, head_group=head_group, norm_groups=max(1, g_all // size), norm_shared=shared,
-            norm_group_size=cfg.mamba_intermediate // g_all,
+            norm_group_size=cfg.mamba.intermediate // g_all,
         )
 
     @property
@@ -117,10 +117,10 @@ class GdnShard:
     @staticmethod
     def of(cfg: HybridConfig, rank: int, size: int) -> GdnShard:
         if not cfg.gdn_layer_ids:
-            return GdnShard(0, 0, 0, 0, cfg.gdn_k_dim, cfg.gdn_v_dim)
-        kh = cfg.gdn_k_heads // size
-        vh = kh * (cfg.gdn_v_heads // cfg.gdn_k_heads)
-        return GdnShard(kh, rank * kh, vh, rank * vh, cfg.gdn_k_dim, cfg.gdn_v_dim)
+            return GdnShard(0, 0, 0, 0, cfg.gdn.k_dim, cfg.gdn.v_dim)
+        kh = cfg.gdn.k_heads // size
+        vh = kh * (cfg.gdn.v_heads // cfg.gdn.k_heads)
+        return GdnShard(kh, rank * kh, vh, rank * vh, cfg.gdn.k_dim, cfg.gdn.v_dim)
 
     @property
     def key_dim(self) -> int:
@@ -137,7 +137,7 @@ class GdnShard:
 
 def gdn_spec(cfg: HybridConfig, s: GdnShard, sub: str) -> ShardSpec | None:
     """This rank's slice of a Gated DeltaNet tensor (both projection layouts)."""
-    key_all = cfg.gdn_k_heads * cfg.gdn_k_dim
+    key_all = cfg.gdn.k_heads * cfg.gdn.k_dim
     q = (s.k_start * s.k_dim, s.k_start * s.k_dim + s.key_dim)
     v = (s.v_start * s.v_dim, s.v_start * s.v_dim + s.value_dim)
     heads = (s.v_start, s.v_start + s.v_heads)
@@ -157,8 +157,8 @@ def gdn_spec(cfg: HybridConfig, s: GdnShard, sub: str) -> ShardSpec | None:
 
 
 def attn_spec(cfg: HybridConfig, s: AttnShard, sub: str) -> ShardSpec | None:
-    hd = cfg.head_dim
-    qd = 2 * hd if cfg.attn_output_gate else hd  # q_proj rows per head ([query | gate] when gated)
+    hd = cfg.attn.head_dim
+    qd = 2 * hd if cfg.attn.output_gate else hd  # q_proj rows per head ([query | gate] when gated)
     q = ((s.head_start * qd, (s.head_start + s.heads) * qd),)
     o = ((s.head_start * hd, (s.head_start + s.heads) * hd),)
     kv = ((s.kv_start * hd, (s.kv_start + s.kv_heads) * hd),)
@@ -169,7 +169,7 @@ def attn_spec(cfg: HybridConfig, s: AttnShard, sub: str) -> ShardSpec | None:
 
 
 def mamba_spec(cfg: HybridConfig, s: MambaShard, sub: str) -> ShardSpec | None:
-    inner, gn = cfg.mamba_intermediate, cfg.mamba_n_groups * cfg.mamba_d_state
+    inner, gn = cfg.mamba.intermediate, cfg.mamba.n_groups * cfg.mamba.d_state
     ch = (s.inner_start, s.inner_start + s.inner)
     g0 = s.groups[0] * s.d_state
     b = (g0, g0 + s.group_dim)
