@@ -89,8 +89,8 @@ def test_fast_decode_updates_the_pool_rows_in_place_like_the_reference() -> None
     twin, before = states.clone(), states.clone()
     q, k, v, g, beta = _inputs(gen, 3)
     slots = torch.tensor([4, 1, 6])
-    o_fast = FastGdn().decode(q, k, v, g, beta, 0.25, states, slots)
-    o_ref = ReferenceGdn().decode(q, k, v, g, beta, 0.25, twin, slots)
+    o_fast = FastGdn().step(q, k, v, g, beta, 0.25, states, slots)
+    o_ref = ReferenceGdn().step(q, k, v, g, beta, 0.25, twin, slots)
     assert max_diff(o_fast, o_ref) <= 1e-5 and max_diff(states, twin) <= 1e-5
     assert torch.equal(states[[0, 2, 3, 5]], before[[0, 2, 3, 5]])  # rows not given stay bitwise
 

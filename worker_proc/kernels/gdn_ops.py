@@ -27,17 +27,18 @@ logger = logging.getLogger(__name__)
 
 
 class ReferenceGdn:
-    """Pure torch; chunked prefill (`CHUNK_SIZE`), batched single-step decode."""
+    """Pure torch; `chunked`: one prefill segment in chunks of `CHUNK_SIZE`; `step`: one token for
+    every decode row, batched."""
 
     name = "reference"
 
-    def prefill(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
+    def chunked(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
                 state_pool: StatePool, slot: int) -> Tensor:  # fmt: skip
         o, final = gated_delta_chunked(q, k, v, g, beta, scale, codec.load(state_pool, slot), CHUNK_SIZE)
         codec.store(final, state_pool, slot)
         return o
 
-    def decode(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
+    def step(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
                state_pool: StatePool, slots: Tensor) -> Tensor:  # fmt: skip
         o, new_state = gated_delta_step(codec.load(state_pool, slots), q, k, v, g, beta, scale)
         codec.store(new_state, state_pool, slots)
@@ -45,17 +46,17 @@ class ReferenceGdn:
 
 
 class FastGdn(ReferenceGdn):
-    """The reference prefill; decode updates each request's state row in place with batched matrix
+    """The reference `chunked`; `step` updates each request's state row in place with batched matrix
     products over the heads: S *= exp(g); u = beta (v - Sᵀk); S += k uᵀ; o = Sᵀ(scale q).
     Not batch invariant by contract (the deterministic mode runs ReferenceGdn). A bfloat16 or int8
     pool is updated the same way on a float32 copy of the group's rows (`state_codec.run_on_float32`)."""
 
     name = "fast"
 
-    def decode(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
+    def step(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
                state_pool: StatePool, slots: Tensor) -> Tensor:  # fmt: skip
         if not codec.is_float32(state_pool):
-            return codec.run_on_float32(state_pool, slots, partial(self.decode, q, k, v, g, beta, scale))
+            return codec.run_on_float32(state_pool, slots, partial(self.step, q, k, v, g, beta, scale))
         decay = g.float().exp()[..., None, None]  # [Bt, H, 1, 1]
         kf, qs, vf, bf = k.float()[:, :, None, :], (q.float() * scale)[:, :, None, :], v.float(), beta.float()
         o = torch.empty_like(vf)
@@ -83,7 +84,7 @@ class FlaGdn:
         self._chunk = chunk_gated_delta_rule
         self._recurrent = fused_recurrent_gated_delta_rule
 
-    def prefill(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
+    def chunked(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
                 state_pool: StatePool, slot: int) -> Tensor:  # fmt: skip
         dt, f = v.dtype, torch.float32
         initial = codec.load(state_pool, slot)[None]
@@ -92,7 +93,7 @@ class FlaGdn:
         codec.store(final[0].float(), state_pool, slot)
         return o[0].float()
 
-    def decode(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
+    def step(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
                state_pool: StatePool, slots: Tensor) -> Tensor:  # fmt: skip
         dt, f = v.dtype, torch.float32
         o, final = self._recurrent(q[:, None].to(dt), k[:, None].to(dt), v[:, None], g[:, None].to(f),
@@ -127,8 +128,8 @@ class GdnMethods:
 
     def gdn_prefill(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
                     state_pool: StatePool, slot: int) -> Tensor:  # fmt: skip
-        return self.gdn.prefill(q, k, v, g, beta, scale, state_pool, slot)
+        return self.gdn.chunked(q, k, v, g, beta, scale, state_pool, slot)
 
     def gdn_decode(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
                    state_pool: StatePool, slots: Tensor) -> Tensor:  # fmt: skip
-        return self.gdn.decode(q, k, v, g, beta, scale, state_pool, slots)
+        return self.gdn.step(q, k, v, g, beta, scale, state_pool, slots)
