@@ -68,6 +68,13 @@ _HELP = {
     "quantization": "quantize the weights at load: int8 (per-channel, W8A16 or W8A8, whichever this machine "
     "runs faster), int4 (group-wise W4A16, CPU), fp8 (e4m3, per-channel); default: as the checkpoint is stored",
     "disable_lm_head_quantization": "with --quantization, keep the LM head (and a tied embedding) in the model dtype",
+    "speculative_algorithm": "NGRAM: draft tokens from the request's own prompt and output (prompt lookup) and "
+    "verify them in one step; the recurrent state is rolled back to the last accepted token (default: off)",
+    "speculative_num_draft_tokens": "tokens drafted per request and step with --speculative-algorithm (default: 4)",
+    "speculative_ngram_min_match_window_size": "NGRAM: the shortest suffix of the request's tokens that must "
+    "match earlier in its tokens to draft what followed there (default: 1)",
+    "speculative_ngram_max_match_window_size": "NGRAM: the longest suffix matched; the longest match wins, the "
+    "most recent among equals (default: 12)",
     "http_keep_alive_timeout": "seconds an HTTP connection may be idle before or between requests (default: 30)",
 }
 

@@ -22,6 +22,7 @@ class SliceEntry:
     sample: bool
     prefill: bool  # prompt (or recomputed) tokens, not the one decode token
     admitted: bool  # the request was admitted in this round (a refusal sends it back to waiting)
+    drafts: list[int] = field(default_factory=list)  # guessed tokens after the decode token (drafting.py)
 
 
 @dataclass(slots=True)
@@ -61,7 +62,7 @@ class BatchBuilder:
             reqs.append(
                 ReqSlice(
                     rid=r.rid,
-                    input_ids=r.tokens[e.start : e.start + e.n],
+                    input_ids=r.tokens[e.start : e.start + e.n] + e.drafts,
                     start_pos=e.start,
                     kv_slots=r.kv_slots[reuse:],
                     state_slot=r.state_slot or 0,
@@ -72,6 +73,8 @@ class BatchBuilder:
                     history=list(r.tokens) if e.sample and sp.needs_history else None,
                     prompt_logprobs=sp.prompt_logprobs if prompt_lp else -1,
                     prompt_next=r.tokens[end] if prompt_lp and end < r.prompt_len else -1,
+                    drafts=len(e.drafts),
+                    backup_slot=(r.backup_slot or 0) if e.drafts else 0,
                 )
             )
         batch = ForwardBatch(

@@ -64,6 +64,9 @@ def check_scheduler(s: SchedulerState) -> None:
         if r.state_slot is not None:
             assert r.state_slot not in st_owner, f"state slot {r.state_slot}: {r.rid} and {st_owner[r.state_slot]}"
             st_owner[r.state_slot] = r.rid
+        if r.backup_slot is not None:
+            assert r.backup_slot not in st_owner, f"backup slot {r.backup_slot}: {r.rid} and {st_owner[r.backup_slot]}"
+            st_owner[r.backup_slot] = r.rid
     _check_cover(res.kv_alloc, kv_owner, "kv slot")
     _check_cover(res.state_alloc, st_owner, "state slot")
     _check_locks(s)
@@ -87,11 +90,15 @@ def _check_requests(s: SchedulerState) -> None:
         assert not r.kv_slots and r.node is None and r.state_slot is None and r.cow_node is None, (
             f"waiting {r} still holds resources"
         )
+        assert r.backup_slot is None, f"waiting {r} holds a backup state slot"
     for rid, r in s.running.items():
         assert r.status is ReqStatus.RUNNING and s.reqs.get(rid) is r, f"{r} in the running set"
         assert r.node is not None and r.tree_len == r.node.end, f"{r}: tree_len {r.tree_len} != node end"
         assert r.kv_slots[: r.tree_len] == s.res.cache.path_kv(r.node), f"{r}: prefix slots differ from the tree"
-        assert r.computed <= len(r.kv_slots) <= len(r.tokens), f"{r}: {len(r.kv_slots)} kv slots"
+        entry = s.in_flight.by_rid.get(rid) if s.in_flight is not None else None
+        drafts = len(entry.drafts) if entry is not None else 0
+        assert r.computed <= len(r.kv_slots) <= len(r.tokens) + drafts, f"{r}: {len(r.kv_slots)} kv slots"
+        assert (r.backup_slot is not None) == (drafts > 0 and s.track_states), f"{r}: backup {r.backup_slot}"
         assert (r.state_slot is not None) == s.track_states, f"{r}: state slot {r.state_slot}"
         if s.in_flight is None:
             assert len(r.kv_slots) == r.computed, f"{r}: slots beyond computed with nothing in flight"

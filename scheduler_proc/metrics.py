@@ -29,6 +29,9 @@ _COUNTERS: dict[str, str] = {
     "hyssm_retracted_tokens_total": "Computed tokens of requests at the moment they were retracted.",
     "hyssm_retract_recomputed_tokens_total": "Of those, tokens recomputed on re-admission.",
     "hyssm_requests_finished_total": "Requests finished, by finish reason.",
+    "hyssm_spec_verify_steps_total": "Slices that verified drafted tokens (--speculative-algorithm).",
+    "hyssm_spec_draft_tokens_total": "Drafted tokens verified.",
+    "hyssm_spec_accepted_tokens_total": "Drafted tokens accepted (tokens per verify step = 1 + accepted / steps).",
 }
 
 # label and the values every exposition shows (as zeros before the first event)

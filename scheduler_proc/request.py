@@ -5,7 +5,8 @@ A `Req` is owned by the Scheduler's request table from `add_request` until its f
 than appending calls `forget_sent` (resources.py). While
 WAITING it holds no slot and no lock (retraction and rollbacks give everything back first); while
 RUNNING it owns kv_slots[tree_len:], its state_slot, one KV lock on `node` (whose path supplies
-kv_slots[:tree_len]) and, until the batch that copies it is applied, one state lock on `cow_node`.
+kv_slots[:tree_len]), until the batch that copies it is applied, one state lock on `cow_node`, and
+while a verify step of its drafts is in flight, the state slot lent for it (`backup_slot`).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ class Req:
         "kv_slots", "tree_len", "node", "state_slot", "computed", "cow_node", "splits",
         "pending_ckpt", "cached_tokens", "admitted", "abort_reason", "peek", "queue_token",
         "retracted_at", "refusals", "sent_kv", "sent_step", "prompt_lps", "prompt_tops", "save_prompt_state",
+        "backup_slot",
     )  # fmt: skip
 
     def __init__(self, rid: str, input_ids: list[int], sampling: SamplingParams, priority: int, seq: int) -> None:
@@ -67,6 +69,7 @@ class Req:
         self.prompt_lps: list[float] = []
         self.prompt_tops: list[list[tuple[int, float]]] = []
         self.save_prompt_state = False  # GenerateReq.save_prompt_state: a split point at prompt_len - 1
+        self.backup_slot: int | None = None  # state slot lent for the in-flight verify step (drafting.py)
 
     def mark_sent(self, step: int, n_slots: int) -> None:
         """Batch `step` ran this request with kv_slots[:n_slots]: the workers hold those slots."""

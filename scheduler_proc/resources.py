@@ -178,11 +178,39 @@ class ReqResources:
             req.pending_ckpt = req.splits.pop(0) == req.computed
 
     def undo_slice(self, req: Req, entry: SliceEntry) -> None:
-        """The slice did not run (refused): give back the KV slots taken for it."""
+        """The slice did not run (refused): give back the KV slots taken for it (and a lent backup)."""
         extra = req.kv_slots[entry.start :]
         del req.kv_slots[entry.start :]
         req.forget_sent()  # the workers dropped their copy of a refused request
         self.kv_alloc.free_many(extra)
+        self._return_backup(req)
+
+    # ------------------------------------------------------------------ drafts
+    def lend_for_drafts(self, req: Req, n: int) -> bool:
+        """KV slots for `n` drafted positions and a backup state slot for the verify step, from free
+        slots only (a draft never evicts the cache); False, with nothing taken, when they are not free."""
+        if self.kv_alloc.num_free < n or (self.track_states and self.state_alloc.num_free < 1):
+            return False
+        kv = self.kv_alloc.alloc_many(n)
+        assert kv is not None
+        req.kv_slots.extend(kv)
+        if self.track_states:
+            req.backup_slot = self.state_alloc.alloc()
+        return True
+
+    def settle_drafts(self, req: Req, entry: SliceEntry, accepted: int) -> None:
+        """The verify step ran with `accepted` of its drafts accepted: the slots of the rejected
+        positions and the backup go back, and the entry computed the decode token and the accepted drafts."""
+        keep = entry.start + 1 + accepted
+        self.kv_alloc.free_many(req.kv_slots[keep:])
+        del req.kv_slots[keep:]
+        entry.n = 1 + accepted
+        self._return_backup(req)
+
+    def _return_backup(self, req: Req) -> None:
+        if req.backup_slot is not None:
+            self.state_alloc.free(req.backup_slot)
+            req.backup_slot = None
 
     def checkpoint(self, req: Req, b: BatchBuilder) -> str:
         """Save the request's state at `computed` into the tree through a copy into a fresh slot (the
@@ -240,6 +268,7 @@ class ReqResources:
                 self.state_alloc.free(req.state_slot)
         if req.node is not None:
             cache.unlock(req.node)
+        self._return_backup(req)
         req.kv_slots, req.tree_len, req.node, req.state_slot = [], 0, None, None
         req.computed, req.splits, req.pending_ckpt, req.peek = 0, [], False, None
         req.forget_sent()

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from scheduler_proc.admission import Admission, AdmissionLimits, PrefillAdder, reserve
 from scheduler_proc.batch import BatchBuilder, InFlight, SliceEntry
+from scheduler_proc.drafting import Speculation, SpeculationConfig
 from scheduler_proc.introspect import check_scheduler, server_info
 from scheduler_proc.metrics import SchedulerMetrics
 from scheduler_proc.radix_cache import HybridRadixCache
@@ -77,6 +78,7 @@ class Scheduler:
         limits = AdmissionLimits(args.max_prefill_tokens, args.chunked_prefill_size, self.max_running,
                                  self.track_states)  # fmt: skip
         self.admission = Admission(self.waiting, self.retry, self.res, self.metrics, limits)
+        self.speculation = Speculation(SpeculationConfig.from_args(args), self.res, self.context_length)
         self._seq = itertools.count()
         self._step = 0
         self.in_flight: InFlight | None = None
@@ -157,6 +159,7 @@ class Scheduler:
                     self.metrics.inc("hyssm_checkpoints_total", result=result)
         prefill_used = self._schedule_running(b)
         self.admission.admit(self, b, prefill_used)
+        self.speculation.attach(b)
         self.new_token_ratio = max(self.tuning.min_ratio, self.new_token_ratio - self.tuning.decay)
         if not b.entries:
             assert not b.ckpt_copies and not b.cow_copies, "state ops without a request to run them"
@@ -240,6 +243,8 @@ class Scheduler:
                 if r.abort_reason is not None:
                     outs.append(self._finish(r, "abort"))
                 continue
+            if e.drafts:
+                self._settle_drafts(e, result)
             self.res.after_step(r, e, fl.step)
             if r.rid in result.prompt_logprobs:
                 self._keep_prompt_logprobs(r, e, result)
@@ -250,6 +255,17 @@ class Scheduler:
             if out is not None:
                 outs.append(out)
         return outs
+
+    def _settle_drafts(self, e: SliceEntry, result: StepResult) -> None:
+        accepted = result.accepted.get(e.req.rid, 0)
+        if not 0 <= accepted <= len(e.drafts):
+            raise ValueError(f"StepResult accepts {accepted} of {len(e.drafts)} drafts of {e.req.rid}")
+        self.speculation.settle(e, accepted)
+        m = self.metrics
+        m.inc("hyssm_spec_verify_steps_total")
+        m.inc("hyssm_spec_draft_tokens_total", len(e.drafts))
+        m.inc("hyssm_spec_accepted_tokens_total", accepted)
+        e.drafts = e.drafts[:accepted]
 
     def _fail_step(self, fl: InFlight, reason: str) -> list[TokenOut]:
         """The step failed on the workers, so every slot it wrote may hold garbage: its requests end
@@ -295,19 +311,20 @@ class Scheduler:
         tok = result.next_tokens.get(r.rid)
         if tok is None:
             return self._finish(r, "error", error=f"worker returned no token for step {result.step}")
-        r.tokens.append(tok)
-        self.metrics.inc("hyssm_generated_tokens_total")
+        new = [*e.drafts, tok]  # the accepted drafts (never a stop token: the worker ends the run there)
+        r.tokens.extend(new)
+        self.metrics.inc("hyssm_generated_tokens_total", len(new))
         lp = result.logprobs.get(r.rid) if r.sampling.logprobs else None
         logprobs = [lp] if lp is not None else None
         sp = r.sampling
         top = [result.top_logprobs.get(r.rid, [])] if sp.top_logprobs else None
         if (error := result.grammar_errors.get(r.rid)) is not None:
-            return self._finish(r, "error", [tok], logprobs=logprobs, error=error, top=top)
+            return self._finish(r, "error", new, logprobs=logprobs, error=error, top=top)
         if (not sp.ignore_eos and tok in self._eos) or tok in sp.stop_token_ids or r.rid in result.grammar_done:
-            return self._finish(r, "stop", [tok], matched=tok, logprobs=logprobs, top=top)
+            return self._finish(r, "stop", new, matched=tok, logprobs=logprobs, top=top)
         if r.num_output >= sp.max_new_tokens:
-            return self._finish(r, "length", [tok], logprobs=logprobs, top=top)
-        return token_out(r, [tok], None, logprobs=logprobs, top=top)
+            return self._finish(r, "length", new, logprobs=logprobs, top=top)
+        return token_out(r, new, None, logprobs=logprobs, top=top)
 
     @staticmethod
     def _keep_prompt_logprobs(r: Req, e: SliceEntry, result: StepResult) -> None:
@@ -325,6 +342,7 @@ class Scheduler:
                 top: list[list[tuple[int, float]]] | None = None) -> TokenOut:  # fmt: skip
         """Finish `r` (never while its slice is in flight): give back or donate what it holds."""
         self.transition(r, ReqStatus.FINISHED, donate=reason != "error")
+        self.speculation.forget(r.rid)
         if (reusing := self._reuse.pop(r.rid, None)) is not None:  # a new request waited for this rid
             self.reqs[r.rid] = reusing
             self.waiting.push(reusing)

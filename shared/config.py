@@ -92,6 +92,11 @@ class ServerArgs:
     schedule_policy: Literal["fcfs", "priority"] = "fcfs"
     enable_priority_preemption: bool = False
     mamba_checkpoint_interval: int = 0  # 0 = only branch-point (and prompt-end) checkpoints
+    # speculative decoding (scheduler_proc/drafting.py drafts, worker_proc/speculative.py verifies)
+    speculative_algorithm: Literal["", "NGRAM"] = ""
+    speculative_num_draft_tokens: int = 4  # drafted tokens verified per step (K)
+    speculative_ngram_min_match_window_size: int = 1
+    speculative_ngram_max_match_window_size: int = 12
     disable_prompt_checkpoint: bool = False  # no state checkpoint at the end of each prompt
     # limits
     context_length: int = 0  # 0 = the model's max_position_embeddings
@@ -137,6 +142,13 @@ class ServerArgs:
         for flag, value in non_negative.items():
             if value < 0:
                 raise ConfigError(f"{flag} must be >= 0, got {value}")
+        if self.speculative_algorithm and not 1 <= self.speculative_num_draft_tokens <= 16:
+            raise ConfigError(
+                f"--speculative-num-draft-tokens must be in [1, 16], got {self.speculative_num_draft_tokens}"
+            )
+        lo, hi = self.speculative_ngram_min_match_window_size, self.speculative_ngram_max_match_window_size
+        if not 1 <= lo <= hi:
+            raise ConfigError(f"--speculative-ngram-min/max-match-window-size must be 1 <= min <= max, got {lo}, {hi}")
         if not 0.0 < self.mem_fraction_static <= 1.0:
             raise ConfigError(f"--mem-fraction-static must be in (0, 1], got {self.mem_fraction_static}")
         if not 0.0 < self.mamba_full_memory_ratio < 1.0:

@@ -242,6 +242,10 @@ class ReqSlice(msgspec.Struct, kw_only=True, array_like=True):
     `state_slot` holds the recurrent state after position start_pos - 1 (zeros if start_pos
     is 0 and the slot was cleared); the step advances it in place.
     `sample`: produce a next token after the last input token (False for a non-final chunk).
+    `drafts` > 0 (a speculative verify slice): the last `drafts` input tokens are guesses; the worker
+    samples after every input position, accepts the longest prefix of guesses its samples agree with
+    (StepResult.accepted) and leaves state_slot at the state after the accepted tokens, using
+    `backup_slot` (a free state slot the scheduler lends for the step) to hold the state before it.
     """
 
     rid: str
@@ -260,6 +264,8 @@ class ReqSlice(msgspec.Struct, kw_only=True, array_like=True):
     # after the slice (-1 when the slice reaches the end of the prompt)
     prompt_logprobs: int = -1
     prompt_next: int = -1
+    drafts: int = 0
+    backup_slot: int = 0
 
 
 class ForwardBatch(msgspec.Struct, tag=True, kw_only=True):
@@ -305,6 +311,9 @@ class StepResult(msgspec.Struct, tag=True, kw_only=True):
     grammar_done: list[str] = []  # requests whose grammar is complete with this step's token
     grammar_errors: dict[str, str] = {}  # requests whose grammar could not go on (they end with an error)
     refused: list[str] = []
+    # per verify slice (ReqSlice.drafts > 0): how many of its drafts were accepted; its next_tokens
+    # entry is the token sampled after the last accepted one
+    accepted: dict[str, int] = {}
     error: str | None = None
     elapsed_s: float = 0.0
 

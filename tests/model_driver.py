@@ -66,3 +66,29 @@ def generate_greedy(
             break
         ids, start = [tok], end
     return out
+
+
+def generate_speculative(
+    runner: ModelRunner, prompt: list[int], max_new_tokens: int, propose, sampling: SamplingParams | None = None,
+) -> tuple[list[int], list[int]]:
+    """Like `generate_greedy` (state slot 1, KV slot p + 1 for position p), but every decode step
+    verifies `propose(tokens_so_far)` drafted tokens (backup state slot 2), as the scheduler sends
+    them. Returns (output tokens, accepted count of each verify step); stops at max_new_tokens."""
+    params = sampling or SamplingParams(temperature=0.0)
+    out: list[int] = []
+    accepted: list[int] = []
+    ids, start, step = list(prompt), 0, 0
+    while len(out) < max_new_tokens:
+        drafts = list(propose(prompt + out))[: max(0, max_new_tokens - len(out) - 1)] if out else []
+        end = start + len(ids) + len(drafts)
+        req = ReqSlice(rid="spec", input_ids=ids + drafts, start_pos=start, kv_slots=list(range(1, end + 1)),
+                       state_slot=1, sample=True, sampling=params, output_len=len(out),
+                       drafts=len(drafts), backup_slot=2 if drafts else 0)
+        res = runner.step(ForwardBatch(step=step, reqs=[req], clears=[1] if start == 0 else []))
+        n_ok = res.accepted.get("spec", 0)
+        if drafts:
+            accepted.append(n_ok)
+        out.extend(drafts[:n_ok] + [res.next_tokens["spec"]])
+        start += len(ids) + n_ok
+        ids, step = [out[-1]], step + 1
+    return out[:max_new_tokens], accepted

@@ -24,6 +24,7 @@ import torch
 
 from shared.messages import ForwardBatch, ReqSlice, StepResult
 from shared.model_info import ModelInfo
+from worker_proc import speculative
 from worker_proc.execution_plan import product_sites
 from worker_proc.grammar import GrammarRuntime
 from worker_proc.kernels.select import choose_kernels
@@ -147,9 +148,12 @@ class ModelRunner:
             if reqs:
                 self.plan.apply_threads(int(sb.input_ids.numel()))
                 sampler = self.tp_rank == 0  # rank 0 samples and replies; the others only advance state
+                speculative.back_up(self.pools, reqs)
                 logits = self.model.forward_step(sb, self.pools, self.ops, want_logits=sampler)
                 if sb.logit_rids and sampler:
                     sampled = self._sample(logits, reqs)
+                if sb.kept_inputs is not None:
+                    self._settle_drafts(sb, reqs, sampled.get("accepted", {}))
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
         except BaseException:
@@ -162,6 +166,13 @@ class ModelRunner:
             **sampled,
             elapsed_s=time.perf_counter() - t0,
         )
+
+    def _settle_drafts(self, sb: StepBatch, reqs: list[ReqSlice], accepted: dict[str, int]) -> None:
+        """Every rank learns rank 0's accepted counts and leaves the verify slices' states after them."""
+        verify = [r for r in reqs if r.drafts]
+        counts = torch.tensor([accepted.get(r.rid, 0) for r in verify], dtype=torch.int64, device=self.device)
+        self.model.tp.broadcast_first(counts)
+        speculative.roll_back(self.pools, sb, reqs, counts.tolist(), self.ops)
 
     def apply_state_ops(self, batch: ForwardBatch, refused: frozenset[str] = frozenset()) -> None:
         """Copies first (skipping refused requests' copy-on-write), then clears; in message order."""
@@ -179,6 +190,7 @@ class ModelRunner:
         return build_step_batch(
             reqs, self.device, self.kv_capacity, self.state_capacity, bool(self.cfg.state_layer_ids), all_rows,
             uses_attention=bool(self.cfg.attn_layer_ids), mirror=self.kv_mirror, step=step,
+            verify_by_token=self.plan.kernels.verify_by_token,
         )
 
     def _sample(self, logits: torch.Tensor, reqs: list[ReqSlice]) -> dict[str, Any]:
@@ -187,12 +199,17 @@ class ModelRunner:
         sample_rows: list[int] = []
         sreqs: list[SampleRequest] = []
         prompt: list[tuple[ReqSlice, int, int]] = []  # (slice, first row, rows)
+        verify: list[tuple[ReqSlice, int]] = []  # (verify slice, its first draw)
         at = 0
         for r in reqs:
-            n = len(r.input_ids) if r.prompt_logprobs >= 0 else (1 if r.sample else 0)
+            n = len(r.input_ids) if r.prompt_logprobs >= 0 or r.drafts else (1 if r.sample else 0)
             if r.prompt_logprobs >= 0:
                 prompt.append((r, at, n))
-            if r.sample:
+            if r.drafts:
+                verify.append((r, len(sreqs)))
+                sample_rows.extend(range(at, at + n))
+                sreqs.extend(speculative.position_requests(r))
+            elif r.sample:
                 sample_rows.append(at + n - 1)
                 sreqs.append(SampleRequest(r.rid, r.sampling or greedy_params(), r.output_len, r.history))
             at += n
@@ -205,6 +222,11 @@ class ModelRunner:
             constrain = self.grammars.constrain(sreqs, errors) if any(s.params.grammar for s in sreqs) else None
             tokens, lps = sample(rows, sreqs, self.seed, want_logprobs=want, eos_ids=eos, constrain=constrain)
             out["next_tokens"] = {s.rid: t for s, t in zip(sreqs, tokens, strict=True)}
+            if verify:
+                out["accepted"] = {}
+                for r, first in verify:
+                    n_ok = speculative.accepted_drafts(r, tokens[first : first + r.drafts + 1], eos)
+                    out["accepted"][r.rid], out["next_tokens"][r.rid] = n_ok, tokens[first + n_ok]
             if constrain is not None or errors:
                 out["grammar_done"] = self.grammars.accept(sreqs, tokens, errors)
                 out["grammar_errors"] = errors

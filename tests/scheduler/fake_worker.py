@@ -45,7 +45,11 @@ class FakeWorker:
         for slot in batch.clears:
             self.state[slot] = ()
         out: dict[str, int] = {}
+        accepted: dict[str, int] = {}
         full_kv = self._resolve(batch, refused)
+        backups = [s.backup_slot for s in batch.reqs if s.drafts and s.rid not in refused]
+        if any(not 0 < b < len(self.state) for b in backups) or len(set(backups)) != len(backups):
+            raise SlotError(f"bad backup state slots {backups}")
         for s in batch.reqs:
             if s.rid in refused:
                 continue
@@ -54,13 +58,20 @@ class FakeWorker:
             seq = tuple(self.kv[slot][1] for slot in kv_slots[: s.start_pos])  # type: ignore[index]
             for i, tok in enumerate(s.input_ids):
                 self.kv[kv_slots[s.start_pos + i]] = (s.start_pos + i, tok)
-            seq = seq + tuple(s.input_ids)
+            n_in = len(s.input_ids) - s.drafts
+            seq = seq + tuple(s.input_ids[:n_in])
+            n_ok = 0
+            while n_ok < s.drafts and self.next_token(seq) == s.input_ids[n_in + n_ok] != self.eos:
+                seq, n_ok = seq + (s.input_ids[n_in + n_ok],), n_ok + 1
+            if s.drafts:
+                accepted[s.rid] = n_ok
+                self.state[s.backup_slot] = None  # what the worker leaves there is no state of anyone's
             if s.state_slot:
                 self.state[s.state_slot] = seq
             if s.sample:
                 out[s.rid] = self.next_token(seq)
         hit = sorted(r for r in refused if any(s.rid == r for s in batch.reqs))
-        return StepResult(step=batch.step, next_tokens=out, refused=hit)
+        return StepResult(step=batch.step, next_tokens=out, refused=hit, accepted=accepted)
 
     def _resolve(self, batch: ForwardBatch, refused: frozenset[str]) -> dict[str, list[int]]:
         """Full KV slot lists of the slices that run; the mirror then holds exactly these."""

@@ -102,3 +102,24 @@ def test_real_outputs_identical_with_cache_chunks_and_pressure(runner: object, m
     m = sched.metrics
     assert m.get("hyssm_admission_refusals_total", reason="kv") > 0
     assert m.get("hyssm_retractions_total", cause="kv") > 0 and m.get("hyssm_checkpoints_total", result="saved") > 0
+
+
+def test_real_outputs_identical_with_drafts(model_dir: str, model: ModelInfo) -> None:
+    """NGRAM speculation on the real model: greedy outputs equal those without it (bitwise numerics
+    in this mode), with chunked prefill, a prefix hit and drafts rejected as well as accepted."""
+    runner = runtime.ModelRunner(model_dir, kv_slots=KV_SLOTS, state_slots=8, deterministic=True)
+    phrase = [(11 * i + 5) % 240 + 3 for i in range(12)]
+    reqs = [greq("a", phrase * 3, 24), greq("b", phrase * 2 + [7, 8], 20)]
+    sched, _ = make(kv=KV_SLOTS, states=8, model=model, disable_radix_cache=True)
+    ref = harness.run(sched, runner, {0: reqs}).tokens  # type: ignore[arg-type]
+    sched, _ = make(kv=KV_SLOTS, states=8, model=model, chunked_prefill_size=16,
+                    speculative_algorithm="NGRAM", speculative_num_draft_tokens=4)  # fmt: skip
+    log = harness.run(sched, runner, {0: reqs[:1], 3: reqs[1:]})  # type: ignore[arg-type]
+    assert log.tokens == ref
+    m = sched.metrics
+    steps, drafted = m.get("hyssm_spec_verify_steps_total"), m.get("hyssm_spec_draft_tokens_total")
+    assert steps > 0 and m.get("hyssm_spec_accepted_tokens_total") < drafted
+    if model_dir == builtin_model_dir():  # the trained model continues a repeated phrase: drafts hit
+        assert m.get("hyssm_spec_accepted_tokens_total") > 0
+    again = harness.run(sched, runner, {0: [greq("c", phrase * 3, 24)]})  # type: ignore[arg-type]
+    assert again.tokens["c"] == ref["a"] and again.finals["c"].cached_tokens > 0

@@ -51,11 +51,19 @@ class KernelChoice:
             return "prefill segments in one varlen call"
         return "prefill segments one call each"
 
+    @property
+    def verify_by_token(self) -> bool:
+        """Whether a slice verifying drafts runs as one decode group per position (the decode kernels'
+        numbers: bitwise those of decoding without drafts, which a batch-invariant set promises) rather
+        than as one prefill segment."""
+        return self.batch_invariant
+
     def describe(self) -> str:
         mode = "batch invariant" if self.batch_invariant else "not batch invariant"
         extra = f"; {self.fallback}" if self.fallback else ""
         gdn = f", gated delta rule: {self.gdn}" if self.gdn else ""
-        return f"kernels: {self.ops} ({mode}; {self.prefill_rule()}){gdn}{extra}"
+        verify = "drafts verified token by token" if self.verify_by_token else "drafts verified as a prefill segment"
+        return f"kernels: {self.ops} ({mode}; {self.prefill_rule()}; {verify}){gdn}{extra}"
 
     def build(self) -> KernelOps:
         gdn = make_gdn(self.gdn or "reference")

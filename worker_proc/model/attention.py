@@ -106,8 +106,8 @@ class Attention(nn.Module):
         v_pool.index_copy_(0, batch.new_kv_slots, v.to(v_pool.dtype))
         scale = cfg.attn.scale
         out = batch.by_group(
-            lambda rows: ops.attn_decode(rows_of(q, rows).contiguous(), k_pool, v_pool, batch.dec_kv_idx,
-                                         batch.dec_kv_len, scale),  # fmt: skip
+            lambda group, rows: ops.attn_decode(rows_of(q, rows).contiguous(), k_pool, v_pool, group.kv_idx,
+                                                group.kv_len, scale),  # fmt: skip
             lambda rows: ops.attn_prefill_many(rows_of(q, rows), k_pool, v_pool, batch.prefill_attn_spans, scale),
         )
         out = out.reshape(t, -1)

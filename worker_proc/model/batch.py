@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Any, Protocol
 
 import torch
 
@@ -24,12 +25,28 @@ from shared.messages import ReqSlice
 from worker_proc.model.kv_mirror import KVSlotMirror
 
 GroupFn = Callable[[torch.Tensor | None], torch.Tensor]
-"""A mixer's computation for one group of a step's rows (see `StepBatch.by_group`)."""
+"""A mixer's computation for the prefill segments of a step's rows (see `StepBatch.by_group`)."""
 
 
 def rows_of(t: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
     """`t`'s rows of one group (all of `t` for None)."""
     return t if rows is None else t[rows]
+
+
+class RecurrentMixer(Protocol):
+    def recur_decode(self, inputs: tuple[torch.Tensor, ...], rows: torch.Tensor | None, slots: torch.Tensor,
+                     conv_pool: torch.Tensor, state_pool: Any, ops: Any) -> torch.Tensor: ...  # fmt: skip
+
+
+@dataclass(frozen=True)
+class KeptInputs:
+    """One recurrent layer's kernel inputs of a step (every row), kept so that a verify slice's accepted
+    tokens can be run through the layer's recurrence again (worker_proc.speculative)."""
+
+    mixer: RecurrentMixer
+    inputs: tuple[torch.Tensor, ...]
+    conv_pool: torch.Tensor
+    state_pool: Any
 
 
 @dataclass(frozen=True)
@@ -44,18 +61,39 @@ class PrefillSeg:
 
 
 @dataclass(frozen=True)
+class DecodeGroup:
+    """Rows that each advance one request by one token: row i has state slot `state_slots[i]`
+    (distinct within the group) and attends over `kv_idx[i, :kv_len[i]]` (padded with slot 0)."""
+
+    rows: torch.Tensor  # [Bt] int64 rows of the step
+    state_slots: torch.Tensor  # [Bt] int64
+    kv_idx: torch.Tensor  # [Bt, Tmax] int64
+    kv_len: torch.Tensor  # [Bt] int64
+
+
+DecodeFn = Callable[[DecodeGroup, torch.Tensor | None], torch.Tensor]
+"""A mixer's computation for one decode group (the group, and its rows: None when they are the step's)."""
+
+
+@dataclass(frozen=True)
 class StepBatch:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64, absolute position of every row
     new_kv_slots: torch.Tensor  # [T] int64, KV slot each row writes
     prefill: tuple[PrefillSeg, ...]
-    dec_rows: torch.Tensor  # [Bt] int64 rows of the decode group
-    dec_state_slots: torch.Tensor  # [Bt] int64
-    dec_kv_idx: torch.Tensor  # [Bt, Tmax] int64, padded with slot 0
-    dec_kv_len: torch.Tensor  # [Bt] int64
+    # run in order: the requests with one new token, then (when verify slices run token by token) one
+    # group per input position of the verify slices, each after the one before it
+    decode_groups: tuple[DecodeGroup, ...]
     logit_rows: torch.Tensor  # [R] int64 rows whose logits are wanted
     logit_rids: tuple[str, ...]  # request id of each logit row
     kv_full: tuple[torch.Tensor, ...] = ()  # full KV slot list of each request, in slice order
+    kept_inputs: list[KeptInputs] | None = None  # filled by the recurrent layers when a slice verifies drafts
+
+    def keep_recurrent_inputs(self, mixer: RecurrentMixer, inputs: tuple[torch.Tensor, ...],
+                              conv_pool: torch.Tensor, state_pool: Any) -> None:  # fmt: skip
+        """A recurrent layer hands over its kernel inputs; kept only in a step that verifies drafts."""
+        if self.kept_inputs is not None:
+            self.kept_inputs.append(KeptInputs(mixer, inputs, conv_pool, state_pool))
 
     @cached_property
     def prefill_spans(self) -> tuple[tuple[int, int], ...]:
@@ -65,36 +103,34 @@ class StepBatch:
     @cached_property
     def prefill_rows(self) -> torch.Tensor | None:
         """The prefill segments' rows, concatenated in order; None when they are every row of the step."""
-        if not self.dec_rows.numel():
+        if not self.decode_groups:
             return None
         rows = [torch.arange(seg.row_start, seg.row_end) for seg in self.prefill]
-        return torch.cat(rows).to(self.dec_rows.device)
+        return torch.cat(rows).to(self.input_ids.device)
 
     @cached_property
     def prefill_attn_spans(self) -> tuple[tuple[int, int, torch.Tensor], ...]:
         """(length, start_pos, kv_idx) of each prefill segment, in row order (attention's spans)."""
         return tuple((seg.row_end - seg.row_start, seg.start_pos, seg.kv_idx) for seg in self.prefill)
 
-    def by_group(self, decode: GroupFn, prefill: GroupFn) -> torch.Tensor:
-        """A mixer's output over the step: `decode(rows)` computes the decode group's rows and
-        `prefill(rows)` every prefill segment's at once (rows: that group's rows of the step, in order;
-        None when the group is the whole step and its inputs are taken whole). A step with both
-        groups writes each group's rows of one output."""
-        if self.decode_only:
-            return decode(None)
-        if not self.dec_rows.numel():
+    def by_group(self, decode: DecodeFn, prefill: GroupFn) -> torch.Tensor:
+        """A mixer's output over the step: `decode(group, rows)` computes one decode group's rows (the
+        groups in order) and `prefill(rows)` every prefill segment's at once (rows: that group's rows
+        of the step, in order; None when the group is the whole step and its inputs are taken whole).
+        A step with several groups writes each group's rows of one output."""
+        groups = self.decode_groups
+        if not groups:
             return prefill(None)
-        dec = decode(self.dec_rows)
-        pre = prefill(self.prefill_rows)
-        out = dec.new_empty((dec.shape[0] + pre.shape[0], *dec.shape[1:]))
-        out[self.dec_rows] = dec
-        out[self.prefill_rows] = pre
+        if len(groups) == 1 and not self.prefill:
+            return decode(groups[0], None)
+        parts = [(g.rows, decode(g, g.rows)) for g in groups]
+        if self.prefill:
+            parts.append((self.prefill_rows, prefill(self.prefill_rows)))
+        first = parts[0][1]
+        out = first.new_empty((self.input_ids.shape[0], *first.shape[1:]))
+        for rows, y in parts:
+            out[rows] = y
         return out
-
-    @property
-    def decode_only(self) -> bool:
-        """Every row is the one new token of a decode-group request (then dec_rows == arange(T))."""
-        return not self.prefill and self.dec_rows.numel() > 0
 
 
 def build_step_batch(
@@ -107,22 +143,22 @@ def build_step_batch(
     uses_attention: bool = True,
     mirror: KVSlotMirror | None = None,
     step: int = 0,
+    verify_by_token: bool = False,
 ) -> StepBatch:
     """Flatten and validate `reqs` (batch number `step`). Raises ValueError on a malformed slice (slot
     out of range, wrong kv_slots length, duplicate rid or state slot, a kv_reuse the mirror cannot
     serve); nothing is written either way (the caller commits `kv_full` to the mirror after the step
     ran). Without `mirror` every slice must carry its full slot list (kv_reuse == 0). `all_rows`: want
     logits for every row of every request (tests), instead of the last row of each slice with sample;
-    a slice with prompt_logprobs >= 0 gets every row too (its last one is its sampling row)."""
+    a slice with prompt_logprobs >= 0 or drafts gets every row too. `verify_by_token`: a verify slice
+    runs as one decode group per input position instead of as a prefill segment (the kernel choice's)."""
+    _check_slices(reqs, state_capacity, has_recurrent_state)
     source = mirror if mirror is not None else KVSlotMirror()
     kv_full = source.resolve(reqs, step, device, kv_capacity if uses_attention else 0)
     ids: list[int] = []
     positions: list[int] = []
-    new_parts: list[torch.Tensor] = []
     segs: list[PrefillSeg] = []
-    dec_rows: list[int] = []
-    dec_mamba: list[int] = []
-    dec_kv: list[torch.Tensor] = []
+    by_token: list[list[tuple[int, int, torch.Tensor, int]]] = [[]]  # per group: (row, slot, kv, kv_len)
     logit_rows: list[int] = []
     logit_rids: list[str] = []
     for r, kv in zip(reqs, kv_full, strict=True):
@@ -130,39 +166,49 @@ def build_step_batch(
         row = len(ids)
         ids.extend(r.input_ids)
         positions.extend(range(r.start_pos, r.start_pos + n))
-        new_parts.append(kv[r.start_pos :])
         if n == 1:
-            dec_rows.append(row)
-            dec_mamba.append(r.state_slot)
-            dec_kv.append(kv)
+            by_token[0].append((row, r.state_slot, kv, int(kv.shape[0])))
+        elif r.drafts and verify_by_token:
+            by_token.extend([] for _ in range(n + 1 - len(by_token)))
+            for i in range(n):
+                by_token[i + 1].append((row + i, r.state_slot, kv, r.start_pos + i + 1))
         else:
             segs.append(PrefillSeg(row, row + n, r.start_pos, kv, r.state_slot))
-        if all_rows or r.prompt_logprobs >= 0:  # every row: tests, and prompt logprobs
+        if all_rows or r.prompt_logprobs >= 0 or r.drafts:  # every row: tests, prompt logprobs, drafts
             logit_rows.extend(range(row, row + n))
             logit_rids.extend([r.rid] * n)
         elif r.sample:
             logit_rows.append(row + n - 1)
             logit_rids.append(r.rid)
-    if has_recurrent_state:
-        _check_state_slots([r.state_slot for r in reqs], state_capacity)
 
     def t(values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=device)
 
+    groups = tuple(
+        DecodeGroup(t([m[0] for m in g]), t([m[1] for m in g]), _pad_rows([m[2] for m in g], device),
+                    t([m[3] for m in g]))  # fmt: skip
+        for g in by_token if g
+    )
     empty = torch.zeros(0, dtype=torch.int64, device=device)
     return StepBatch(
         input_ids=t(ids),
         positions=t(positions),
-        new_kv_slots=torch.cat(new_parts) if new_parts else empty,
+        new_kv_slots=torch.cat([kv[r.start_pos :] for r, kv in zip(reqs, kv_full, strict=True)]) if reqs else empty,
         prefill=tuple(segs),
-        dec_rows=t(dec_rows),
-        dec_state_slots=t(dec_mamba),
-        dec_kv_idx=_pad_rows(dec_kv, device),
-        dec_kv_len=t([int(kv.shape[0]) for kv in dec_kv]),
+        decode_groups=groups,
         logit_rows=t(logit_rows),
         logit_rids=tuple(logit_rids),
         kv_full=tuple(kv_full),
+        kept_inputs=[] if any(r.drafts for r in reqs) else None,
     )
+
+
+def _check_slices(reqs: list[ReqSlice], state_capacity: int, has_recurrent_state: bool) -> None:
+    for r in reqs:
+        if r.drafts and not (0 < r.drafts < len(r.input_ids) and r.sample):
+            raise ValueError(f"{r.rid}: {r.drafts} drafts in a slice of {len(r.input_ids)} tokens")
+    if has_recurrent_state:
+        _check_state_slots([r.state_slot for r in reqs] + [r.backup_slot for r in reqs if r.drafts], state_capacity)
 
 
 def _pad_rows(rows: list[torch.Tensor], device: torch.device) -> torch.Tensor:

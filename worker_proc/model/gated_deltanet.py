@@ -25,7 +25,7 @@ from shared.model_config import HybridConfig
 from worker_proc.kernels import KernelOps
 from worker_proc.kernels.gated_delta import l2_normalize
 from worker_proc.kernels.state_codec import StatePool
-from worker_proc.model.batch import StepBatch, rows_of
+from worker_proc.model.batch import DecodeGroup, StepBatch, rows_of
 from worker_proc.model.layers import Linear, empty_param
 from worker_proc.model.tp import GdnShard, ShardSpec, TPInfo, gdn_spec, row_parallel
 
@@ -111,15 +111,24 @@ class GatedDeltaNet(nn.Module):
         weight = self.conv1d.weight[:, 0, :]
         scale = s.k_dim**-0.5
 
-        def decode(rows: torch.Tensor | None) -> torch.Tensor:
-            slots = batch.dec_state_slots
-            q, k, v = self._heads(ops.conv_decode(rows_of(qkv, rows), conv_pool, slots, weight, None))
-            return ops.gdn_decode(q, k, v, rows_of(g, rows), rows_of(beta, rows), scale, state_pool, slots)
+        def decode(group: DecodeGroup, rows: torch.Tensor | None) -> torch.Tensor:
+            return self.recur_decode((qkv, g, beta), rows, group.state_slots, conv_pool, state_pool, ops)
 
         def prefill(rows: torch.Tensor | None) -> torch.Tensor:
             spans = batch.prefill_spans
             q, k, v = self._heads(ops.conv_prefill_many(rows_of(qkv, rows), conv_pool, spans, weight, None))
             return ops.gdn_prefill_many(q, k, v, rows_of(g, rows), rows_of(beta, rows), scale, state_pool, spans)
 
+        batch.keep_recurrent_inputs(self, (qkv, g, beta), conv_pool, state_pool)
         out = self.norm(batch.by_group(decode, prefill), z, h.dtype).reshape(h.shape[0], s.value_dim)
         return row_parallel(out, self.out_proj, self.tp)
+
+    def recur_decode(self, inputs: tuple[torch.Tensor, ...], rows: torch.Tensor | None, slots: torch.Tensor,
+                     conv_pool: torch.Tensor, state_pool: StatePool, ops: KernelOps) -> torch.Tensor:  # fmt: skip
+        """The conv and the gated delta rule of one token per state slot: `rows` of `inputs` = (qkv
+        before the conv, g, beta) advance `slots` by one; the rule's output. A forward's decode group,
+        and the replay of a verify slice's accepted tokens (worker_proc.speculative)."""
+        qkv, g, beta = inputs
+        q, k, v = self._heads(ops.conv_decode(rows_of(qkv, rows), conv_pool, slots, self.conv1d.weight[:, 0, :], None))
+        return ops.gdn_decode(q, k, v, rows_of(g, rows), rows_of(beta, rows), self.shard.k_dim**-0.5, state_pool,
+                              slots)  # fmt: skip

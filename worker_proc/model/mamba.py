@@ -20,7 +20,7 @@ from shared.model_config import HybridConfig
 from worker_proc.kernels import KernelOps
 from worker_proc.kernels.interface import SsdParams
 from worker_proc.kernels.state_codec import StatePool
-from worker_proc.model.batch import StepBatch, rows_of
+from worker_proc.model.batch import DecodeGroup, StepBatch, rows_of
 from worker_proc.model.layers import GatedRMSNorm, Linear, empty_param
 from worker_proc.model.tp import MambaShard, ShardSpec, SpanGatedRMSNorm, TPInfo, mamba_spec, row_parallel
 
@@ -102,11 +102,8 @@ class MambaMixer(nn.Module):
         bias = self.conv1d.bias
         params = self._ssd_params()
 
-        def decode(rows: torch.Tensor | None) -> torch.Tensor:
-            slots = batch.dec_state_slots
-            x, b, c = ops.conv_decode(rows_of(xbc, rows), conv_pool, slots, weight, bias).split([inner, gn, gn], -1)
-            return ops.ssd_decode(x.reshape(-1, heads, p), rows_of(dt, rows), self._groups(b), self._groups(c),
-                                  params, ssm_pool, slots)  # fmt: skip
+        def decode(group: DecodeGroup, rows: torch.Tensor | None) -> torch.Tensor:
+            return self.recur_decode((xbc, dt), rows, group.state_slots, conv_pool, ssm_pool, ops)
 
         def prefill(rows: torch.Tensor | None) -> torch.Tensor:
             spans = batch.prefill_spans
@@ -115,7 +112,20 @@ class MambaMixer(nn.Module):
             return ops.ssd_prefill_many(x.reshape(-1, heads, p), rows_of(dt, rows), self._groups(b),
                                         self._groups(c), params, ssm_pool, spans)  # fmt: skip
 
+        batch.keep_recurrent_inputs(self, (xbc, dt), conv_pool, ssm_pool)
         return self._output(batch.by_group(decode, prefill), z, h)
+
+    def recur_decode(self, inputs: tuple[torch.Tensor, ...], rows: torch.Tensor | None, slots: torch.Tensor,
+                     conv_pool: torch.Tensor, ssm_pool: StatePool, ops: KernelOps) -> torch.Tensor:  # fmt: skip
+        """The conv and scan of one token per state slot: `rows` of the in_proj outputs `inputs` =
+        (xBC, dt) advance `slots` by one; the scan output [rows, H, P]. A forward's decode group, and
+        the replay of a verify slice's accepted tokens (worker_proc.speculative)."""
+        s = self.shard
+        xbc, dt = inputs
+        conv = ops.conv_decode(rows_of(xbc, rows), conv_pool, slots, self.conv1d.weight[:, 0, :], self.conv1d.bias)
+        x, b, c = conv.split([s.inner, s.group_dim, s.group_dim], dim=-1)
+        return ops.ssd_decode(x.reshape(-1, s.heads, s.d_head), rows_of(dt, rows), self._groups(b), self._groups(c),
+                              self._ssd_params(), ssm_pool, slots)  # fmt: skip
 
     def _output(self, y: torch.Tensor, z: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         """The scan output y [T, H, P] through the gate/norm and out_proj (all-reduced under TP)."""

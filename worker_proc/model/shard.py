@@ -27,6 +27,13 @@ class TPInfo:
             dist.all_reduce(x, group=self.group)
         return x
 
+    def broadcast_first(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's `x` becomes the first rank's, in place (no-op for one rank); returns `x`."""
+        if self.size > 1:
+            dist.broadcast(x, src=dist.get_global_rank(self.group, 0) if self.group is not None else 0,
+                           group=self.group)
+        return x
+
 
 @dataclass(frozen=True)
 class ShardSpec:

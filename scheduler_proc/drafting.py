@@ -1,0 +1,140 @@
+"""Which running requests verify drafted tokens this round, and what they draft
+(`--speculative-algorithm NGRAM`): prompt lookup over the request's own tokens.
+
+`NgramDrafter` (one per drafting request, kept across rounds) indexes the request's tokens as they
+grow. A draft is what followed, earlier in the tokens, the longest suffix (between the min and max
+match window) that occurs there, the most recent occurrence among equally long ones, at most K
+tokens. The drafter also decides when its request drafts: after a verify step that accepted
+nothing it sits out 1, 2, 4, ... (at most `MAX_BACKOFF`) rounds, and any accepted draft ends the
+pause, so a request whose text does not repeat costs a verify step only now and then.
+
+`Speculation.attach` runs after admission, on this round's decode slices: a request drafts only
+with free resources (KV slots for its drafts and one state slot lent for the step's backup, neither
+evicting the cache); otherwise it decodes as usual. Requests that need the sampler's per-token
+extras drafts do not carry (logprobs, top logprobs, a grammar) decode as usual.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from scheduler_proc.batch import BatchBuilder, SliceEntry
+from scheduler_proc.request import Req
+from scheduler_proc.resources import ReqResources
+from shared.config import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+RECENT = 32  # earlier occurrences of the last token that a lookup compares, newest first
+MAX_BACKOFF = 16  # rounds a request sits out at most after verify steps that accepted nothing
+
+
+class NgramDrafter:
+    """Prompt lookup over one request's tokens (prompt then output; the list only grows)."""
+
+    def __init__(self, min_window: int, max_window: int) -> None:
+        self.min_window = min_window
+        self.max_window = max_window
+        self._positions: dict[int, list[int]] = {}  # token -> positions p < indexed holding it
+        self._indexed = 0
+        self._pause = 0  # rounds left to sit out
+        self._backoff = 1
+
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        """At most `k` tokens that followed the longest earlier match of the tokens' suffix."""
+        for p in range(self._indexed, len(tokens) - 1):  # the last token has no continuation yet
+            self._positions.setdefault(tokens[p], []).append(p)
+        self._indexed = max(self._indexed, len(tokens) - 1)
+        if k <= 0 or not tokens:
+            return []
+        end = len(tokens) - 1
+        best, best_p = 0, -1
+        for p in reversed(self._positions.get(tokens[end], [])[-RECENT:]):
+            m = 1
+            while m < self.max_window and p - m >= 0 and tokens[p - m] == tokens[end - m]:
+                m += 1
+            if m > best:
+                best, best_p = m, p
+                if m == self.max_window:
+                    break
+        if best < self.min_window:
+            return []
+        return tokens[best_p + 1 : best_p + 1 + k]
+
+    def ready(self) -> bool:
+        """Whether the request drafts this round (False while it sits out after failed verifies)."""
+        if self._pause > 0:
+            self._pause -= 1
+            return False
+        return True
+
+    def record(self, accepted: int) -> None:
+        """A verify step of the request accepted `accepted` drafts."""
+        if accepted:
+            self._backoff = 1
+            return
+        self._pause = self._backoff
+        self._backoff = min(MAX_BACKOFF, 2 * self._backoff)
+
+
+@dataclass(frozen=True)
+class SpeculationConfig:
+    algorithm: str
+    num_draft_tokens: int
+    min_window: int
+    max_window: int
+
+    @classmethod
+    def from_args(cls, args: ServerArgs) -> SpeculationConfig:
+        return cls(args.speculative_algorithm, args.speculative_num_draft_tokens,
+                   args.speculative_ngram_min_match_window_size, args.speculative_ngram_max_match_window_size)
+
+
+def can_draft(r: Req) -> bool:
+    """Requests whose sampling takes drafts: not those that want per-token logprobs or a grammar."""
+    sp = r.sampling
+    return not (sp.logprobs or sp.top_logprobs or sp.grammar is not None)
+
+
+class Speculation:
+    """Attaches drafts to a round's decode slices and takes the verdict of each verify step."""
+
+    def __init__(self, config: SpeculationConfig, res: ReqResources, context_length: int) -> None:
+        self.config = config
+        self.res = res
+        self.context_length = context_length
+        self.drafters: dict[str, NgramDrafter] = {}
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.config.algorithm)
+
+    def attach(self, b: BatchBuilder) -> None:
+        """Give this round's decode slices drafts where the request and the free resources allow."""
+        if not self.enabled:
+            return
+        for e in b.entries:
+            if e.prefill or e.n != 1 or not e.sample or not can_draft(e.req):
+                continue
+            r = e.req
+            drafter = self.drafters.get(r.rid)
+            if drafter is None:
+                drafter = self.drafters[r.rid] = NgramDrafter(self.config.min_window, self.config.max_window)
+            room = min(r.max_new_tokens - r.num_output - 1, self.context_length - len(r.tokens) - 1)
+            if room <= 0 or not drafter.ready():
+                continue
+            drafts = drafter.propose(r.tokens, min(self.config.num_draft_tokens, room))
+            if drafts and self.res.lend_for_drafts(r, len(drafts)):
+                e.drafts = drafts
+
+    def settle(self, e: SliceEntry, accepted: int) -> None:
+        """The verify step of `e` ran and accepted `accepted` of its drafts."""
+        self.res.settle_drafts(e.req, e, accepted)
+        drafter = self.drafters.get(e.req.rid)
+        if drafter is not None:
+            drafter.record(accepted)
+
+    def forget(self, rid: str) -> None:
+        """The request left the table."""
+        self.drafters.pop(rid, None)

@@ -1,0 +1,81 @@
+"""A real launch.py with `--speculative-algorithm NGRAM`: greedy outputs equal the model's own greedy
+decoding without drafts (concurrent requests, prefix hits, streaming, n > 1), drafts are accepted on
+text that repeats, structured output still holds, and the metrics say how many drafts were accepted."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import openai
+import pytest
+
+from tests.e2e.server import DETERMINISTIC, generate_concurrently, running_server
+from tests.model_driver import generate_greedy
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+
+
+@pytest.fixture(scope="module")
+def spec_server():
+    args = ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "4", "--chunked-prefill-size", "32",
+            *DETERMINISTIC]  # fmt: skip
+    with running_server(args) as srv:
+        yield srv
+
+
+def _repeating_prompts(reference_runner) -> list[list[int]]:
+    """Prompts that end where the model's own greedy text begins again: its continuation repeats
+    the prompt (what prompt lookup drafts)."""
+    out = []
+    for seed in ([72, 101, 108, 108, 111, 32], [84, 104, 101, 32], [65, 32, 115, 116]):
+        text = generate_greedy(reference_runner, seed, 40)
+        out.append(seed + text + seed)
+    return out
+
+
+def test_greedy_outputs_equal_decoding_without_drafts(spec_server, reference_runner) -> None:
+    prompts = _repeating_prompts(reference_runner) + [[(31 * i + 7) % 250 for i in range(50)]]
+    expected = [generate_greedy(reference_runner, p, 30) for p in prompts]
+    got = asyncio.run(generate_concurrently(spec_server, prompts, 30))
+    assert got == expected
+    again = asyncio.run(generate_concurrently(spec_server, prompts[:2], 30))  # prefix hits this time
+    assert again == expected[:2]
+    accepted = spec_server.metric("hyssm_spec_accepted_tokens_total")
+    steps = spec_server.metric("hyssm_spec_verify_steps_total")
+    assert steps > 0 and accepted / steps > 1.0, (accepted, steps)
+
+
+def test_streaming_n2_and_structured_output_with_drafts(spec_server, reference_runner) -> None:
+    prompt = _repeating_prompts(reference_runner)[0]
+    client = openai.OpenAI(base_url=spec_server.url + "/v1", api_key="none", max_retries=0, timeout=60)
+    pieces = []
+    for chunk in client.completions.create(model="hyssm-tiny", prompt=prompt, max_tokens=24, temperature=0,
+                                           stream=True):  # fmt: skip
+        pieces.append(chunk.choices[0].text if chunk.choices else "")
+    whole = client.completions.create(model="hyssm-tiny", prompt=prompt, max_tokens=24, temperature=0, n=2)
+    assert "".join(pieces) == whole.choices[0].text == whole.choices[1].text
+    sampled = [client.completions.create(model="hyssm-tiny", prompt=prompt, max_tokens=16, temperature=0.8,
+                                         seed=5).choices[0].text for _ in range(2)]  # fmt: skip
+    assert sampled[0] == sampled[1]
+    schema = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["a"], "additionalProperties": False}
+    chat = client.chat.completions.create(
+        model="hyssm-tiny", messages=[{"role": "user", "content": "give a"}], max_tokens=60, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
+    )
+    assert isinstance(json.loads(chat.choices[0].message.content)["a"], int)
+
+
+def test_bad_speculative_flags_are_one_line_errors() -> None:
+    import subprocess
+    import sys
+
+    from tests.e2e.server import ROOT
+
+    for flags, needle in ((["--speculative-algorithm", "EAGLE"], "invalid choice"),
+                          (["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "0"],
+                           "--speculative-num-draft-tokens must be in [1, 16]")):  # fmt: skip
+        res = subprocess.run([sys.executable, "launch.py", *flags], cwd=ROOT, capture_output=True, text=True,
+                             timeout=60)
+        assert res.returncode == 2 and needle in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr

@@ -1,0 +1,90 @@
+"""Speculative decoding in the scheduler (scheduler_proc/drafting.py): n-gram drafts from the
+request's own tokens, verify slices within the free resources only, and outputs that do not depend
+on drafting; the FakeWorker checks every slot the scheduler hands it and verifies drafts like a
+greedy model."""
+
+from __future__ import annotations
+
+import pytest
+
+from scheduler_proc.drafting import MAX_BACKOFF, NgramDrafter
+from tests.scheduler import harness
+from tests.scheduler.fake_worker import FakeWorker
+from tests.scheduler.util import MAMBA_ONLY, greq, make
+
+
+class CyclingWorker(FakeWorker):
+    """A 'model' whose output repeats: the next token continues the period-`period` pattern of the
+    prompt's first tokens (so prompt lookup drafts right), except at every `miss`-th position."""
+
+    def __init__(self, *args: object, period: int = 5, miss: int = 7, **kw: object) -> None:
+        super().__init__(*args, **kw)  # type: ignore[arg-type]
+        self.period, self.miss = period, miss
+
+    def next_token(self, seq: tuple[int, ...]) -> int:
+        if len(seq) % self.miss == 0:
+            return (sum(seq[-3:]) + 11) % self.vocab
+        return seq[len(seq) - self.period]
+
+
+def test_drafter_continues_the_longest_most_recent_match() -> None:
+    d = NgramDrafter(1, 4)
+    toks = [1, 2, 3, 9, 1, 2, 3, 7, 5, 2, 3]
+    assert d.propose(toks, 3) == [7, 5, 2]  # [2, 3] occurs twice before; the later one is followed by 7, 5, 2
+    assert d.propose(toks + [8], 3) == []  # 8 never occurred before
+    assert NgramDrafter(3, 4).propose([4, 2, 3, 1, 5, 2, 3], 2) == []  # only a 2-token match: below the window
+    assert NgramDrafter(1, 4).propose([6, 6, 6], 4) == [6]  # the newest earlier 6 is followed by the last token only
+
+
+def test_drafter_sits_out_longer_after_each_failed_verify_and_resets_on_success() -> None:
+    d = NgramDrafter(1, 4)
+    pauses = []
+    for _ in range(6):
+        d.record(0)
+        n = 0
+        while not d.ready():
+            n += 1
+        pauses.append(n)
+    assert pauses == [1, 2, 4, 8, 16, 16] and MAX_BACKOFF == 16
+    d.record(2)
+    d.record(0)
+    assert not d.ready() and d.ready()  # back to a pause of one round
+
+
+@pytest.mark.parametrize("model", ["hybrid", "mamba_only"])
+def test_outputs_do_not_depend_on_drafting(model: str) -> None:
+    kw = {"model": MAMBA_ONLY} if model == "mamba_only" else {}
+    prompts = {f"r{i}": [(3 * i + j) % 50 for j in range(5)] * 3 for i in range(6)}
+    reqs = [greq(rid, p, 40) for rid, p in prompts.items()]
+    plain, _ = make(kv=512, states=16, **kw)
+    ref = harness.run(plain, CyclingWorker(512, 16), {0: reqs})
+    spec, _ = make(kv=512, states=16, speculative_algorithm="NGRAM", speculative_num_draft_tokens=4, **kw)
+    log = harness.run(spec, CyclingWorker(512, 16), {0: [greq(r.rid, r.input_ids, 40) for r in reqs]})
+    assert log.tokens == ref.tokens
+    m = spec.metrics
+    steps, accepted = m.get("hyssm_spec_verify_steps_total"), m.get("hyssm_spec_accepted_tokens_total")
+    assert steps > 0 and accepted / steps > 2.0  # repeating text: most drafts are right
+    assert log.rounds < ref.rounds / 2
+    assert spec.res.state_alloc.num_free == spec.res.state_alloc.capacity - spec.cache.states_total
+
+
+def test_no_free_state_slot_means_no_drafts_not_a_failure() -> None:
+    """Two running requests take both state slots: nothing is free to back a verify step up, so they
+    decode one token a step, with the same output."""
+    reqs = [greq(f"r{i}", [1, 2, 3, 4, 5] * 3, 12) for i in range(2)]
+    sched, _ = make(kv=256, states=2, speculative_algorithm="NGRAM", disable_radix_cache=True)
+    log = harness.run(sched, CyclingWorker(256, 2), {0: reqs}, keep_batches=True)
+    plain, _ = make(kv=256, states=2, disable_radix_cache=True)
+    again = [greq(r.rid, r.input_ids, 12) for r in reqs]
+    assert log.tokens == harness.run(plain, CyclingWorker(256, 2), {0: again}).tokens
+    assert not any(s.drafts for b in log.batches for s in b.reqs)
+
+
+def test_drafts_stop_at_max_new_tokens_and_skip_logprob_requests() -> None:
+    sched, _ = make(kv=256, states=8, speculative_algorithm="NGRAM", speculative_num_draft_tokens=8)
+    reqs = [greq("short", [1, 2, 3, 4, 5] * 3, 6), greq("lp", [1, 2, 3, 4, 5] * 3, 10, logprobs=True)]
+    log = harness.run(sched, CyclingWorker(256, 8), {0: reqs}, keep_batches=True)
+    assert len(log.tokens["short"]) == 6 and len(log.tokens["lp"]) == 10
+    assert all(s.drafts == 0 for b in log.batches for s in b.reqs if s.rid == "lp")
+    short = [s for b in log.batches for s in b.reqs if s.rid == "short" and s.drafts]
+    assert short and all(s.output_len + s.drafts + 1 <= 6 for s in short)

@@ -1,0 +1,81 @@
+"""Verifying drafted tokens in the worker (worker_proc/speculative.py): whatever the drafts, the
+output is the one decoding without them would give, and the recurrent state after every step is the
+state after exactly the accepted tokens (bitwise in the deterministic mode), for every family."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shared.messages import SamplingParams
+from tests.model_driver import generate_greedy, generate_speculative
+from tests.worker.util import ALL_FIXTURES, GDN_FIXTURES, runner
+
+PROMPT = [3, 17, 9, 4, 22, 8, 15, 2, 11, 30, 6, 19]
+
+
+def _gdn_prompt() -> list[int]:
+    return [(7 * i + 3) % 40 + 1 for i in range(70)]  # GDN fixtures want prompts over 64 tokens
+
+
+def _oracle(reference: list[int], prompt_len: int, k: int):
+    """Drafts that are right for a varying number of tokens, then wrong: the step that has produced
+    n tokens proposes the next (n % (k + 1)) right tokens, then wrong ones up to k."""
+
+    def propose(tokens: list[int]) -> list[int]:
+        n = len(tokens) - prompt_len
+        right = reference[n : n + n % (k + 1)]
+        wrong = [(t + 1) % 50 + 1 for t in reference[n + len(right) : n + k]]
+        return right + wrong
+
+    return propose
+
+
+def _states(r, slot: int) -> dict[str, torch.Tensor]:
+    return {name: pool[:, slot].clone() for name, pool in r.pools.states.items()}
+
+
+@pytest.mark.parametrize("name", ALL_FIXTURES + GDN_FIXTURES)
+def test_any_drafts_give_the_greedy_output_and_its_state(name: str) -> None:
+    prompt = _gdn_prompt() if name in GDN_FIXTURES else PROMPT
+    ref_runner = runner(name, kv_slots=160, deterministic=True)
+    ref = generate_greedy(ref_runner, prompt, 14)
+    spec_runner = runner(name, kv_slots=160, deterministic=True)
+    out, accepted = generate_speculative(spec_runner, prompt, 14, _oracle(ref, len(prompt), 4))
+    assert out == ref
+    assert sorted(set(accepted)) != [0] and 0 in accepted  # some steps accepted drafts, some rejected all
+    # both runners processed prompt + ref[:-1]: their recurrent states are the same bits
+    ref_states, spec_states = _states(ref_runner, 1), _states(spec_runner, 1)
+    for key, value in ref_states.items():
+        assert torch.equal(value, spec_states[key]), key
+    spec_runner.check_integrity()
+
+
+def test_seeded_sampling_draws_the_same_tokens_with_drafts() -> None:
+    """A draw depends on (seed, output index) and the prefix only, so with drafts a sampled request
+    gives the very tokens it gives without: the target distribution is kept, draw for draw."""
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=7)
+    plain, _ = generate_speculative(runner("nope_groups2", kv_slots=160, deterministic=True), PROMPT, 16,
+                                    lambda tokens: [], params)  # fmt: skip
+    drafted, accepted = generate_speculative(runner("nope_groups2", kv_slots=160, deterministic=True), PROMPT, 16,
+                                             _oracle(plain, len(PROMPT), 3), params)  # fmt: skip
+    assert drafted == plain and any(accepted)
+
+
+def test_default_mode_accepts_what_greedy_decoding_gives() -> None:
+    ref = generate_greedy(runner("rope_moe", kv_slots=160), PROMPT, 12)
+    out, accepted = generate_speculative(runner("rope_moe", kv_slots=160), PROMPT, 12, _oracle(ref, len(PROMPT), 4))
+    assert out == ref and any(accepted)
+
+
+def test_a_drafted_stop_token_ends_the_accepted_run() -> None:
+    """A stop token drafted and drawn is emitted as the token after the accepted drafts, never
+    accepted as a draft (nothing may follow it)."""
+    ref = generate_greedy(runner("nope_groups2", kv_slots=160, deterministic=True), PROMPT, 8)
+    stop = ref[3]
+    params = SamplingParams(temperature=0.0, stop_token_ids=[stop])
+    r = runner("nope_groups2", kv_slots=160, deterministic=True)
+    out, accepted = generate_speculative(r, PROMPT, 8, lambda tokens: ref[len(tokens) - len(PROMPT):][:5], params)
+    first = out.index(stop)
+    assert out[: first + 1] == ref[: first + 1]
+    assert accepted[0] == first - 1  # the first verify step stopped accepting right before the stop
