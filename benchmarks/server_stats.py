@@ -4,6 +4,9 @@
   the growth of ``hyssm_prefix_cache_queried_tokens_total`` on /metrics (a hyssm server sums these over
   its ``--dp-size`` replicas). It equals the response-based ``prefix_cache_hit_rate`` when nothing else
   uses the server meanwhile; NaN when the server has no such counters (another engine, a router).
+- ``server_spec_accept_length``: tokens per speculative verify step, 1 + the growth of
+  ``hyssm_spec_accepted_tokens_total`` over that of ``hyssm_spec_verify_steps_total`` (NaN when the
+  server verified nothing: no ``--speculative-algorithm``, or another engine);
 - ``replica_requests``: the requests each replica was sent during the run (``/get_server_info``
   ``replicas[].routed_requests``, all reasons), keyed by dp rank; empty without replicas.
 
@@ -23,6 +26,8 @@ logger = logging.getLogger(__name__)
 
 HIT = "hyssm_prefix_cache_hit_tokens_total"
 QUERIED = "hyssm_prefix_cache_queried_tokens_total"
+VERIFY_STEPS = "hyssm_spec_verify_steps_total"
+ACCEPTED = "hyssm_spec_accepted_tokens_total"
 
 
 @dataclass(frozen=True)
@@ -32,6 +37,8 @@ class ServerCounters:
     hit_tokens: float | None = None
     queried_tokens: float | None = None
     replica_requests: dict[str, int] = field(default_factory=dict)
+    verify_steps: float | None = None
+    accepted_drafts: float | None = None
 
 
 def prometheus_sum(text: str, name: str, **labels: str) -> float | None:
@@ -60,11 +67,12 @@ def replica_requests(info: object) -> dict[str, int]:
 
 async def read_counters(client: httpx.AsyncClient) -> ServerCounters:
     """A snapshot; what cannot be read is left out (logged), never an error."""
-    hit = queried = None
+    hit = queried = steps = accepted = None
     try:
         resp = await client.get("/metrics")
         resp.raise_for_status()
         hit, queried = prometheus_sum(resp.text, HIT, kind="state"), prometheus_sum(resp.text, QUERIED)
+        steps, accepted = prometheus_sum(resp.text, VERIFY_STEPS), prometheus_sum(resp.text, ACCEPTED)
     except httpx.HTTPError as exc:
         logger.info("no /metrics: %s", exc)
     routed: dict[str, int] = {}
@@ -74,7 +82,7 @@ async def read_counters(client: httpx.AsyncClient) -> ServerCounters:
         routed = replica_requests(resp.json())
     except (httpx.HTTPError, ValueError) as exc:
         logger.info("no /get_server_info: %s", exc)
-    return ServerCounters(hit, queried, routed)
+    return ServerCounters(hit, queried, routed, steps, accepted)
 
 
 def counters_delta(before: ServerCounters, after: ServerCounters) -> dict[str, object]:
@@ -84,4 +92,8 @@ def counters_delta(before: ServerCounters, after: ServerCounters) -> dict[str, o
         queried = after.queried_tokens - before.queried_tokens  # type: ignore[operator]
         rate = (after.hit_tokens - before.hit_tokens) / queried if queried > 0 else math.nan  # type: ignore[operator]
     routed = {d: n - before.replica_requests.get(d, 0) for d, n in after.replica_requests.items()}
-    return {"server_prefix_hit_rate": rate, "replica_requests": routed}
+    accept = math.nan
+    if None not in (before.verify_steps, after.verify_steps, before.accepted_drafts, after.accepted_drafts):
+        steps = after.verify_steps - before.verify_steps  # type: ignore[operator]
+        accept = 1 + (after.accepted_drafts - before.accepted_drafts) / steps if steps > 0 else math.nan  # type: ignore[operator]
+    return {"server_prefix_hit_rate": rate, "replica_requests": routed, "server_spec_accept_length": accept}

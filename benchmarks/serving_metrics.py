@@ -228,6 +228,9 @@ def format_report(m: dict[str, object], title: str = "Serving Benchmark Result")
         rate = m["server_prefix_hit_rate"]
         shown = f"{rate:.2%}" if isinstance(rate, float) and math.isfinite(rate) else "n/a"
         rows.append(("Prefix hit rate (server /metrics)", shown))
+    accept = m.get("server_spec_accept_length")
+    if isinstance(accept, float) and math.isfinite(accept):
+        rows.append(("Tokens per verify step (speculative)", f"{accept:.2f}"))
     routed = m.get("replica_requests")
     if isinstance(routed, dict) and routed:
         rows.append(("Requests per replica", " ".join(f"{v:g}" for _, v in sorted(routed.items()))))

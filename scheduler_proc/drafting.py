@@ -3,15 +3,17 @@
 
 `NgramDrafter` (one per drafting request, kept across rounds) indexes the request's tokens as they
 grow. A draft is what followed, earlier in the tokens, the longest suffix (between the min and max
-match window) that occurs there, the most recent occurrence among equally long ones, at most K
-tokens. The drafter also decides when its request drafts: after a verify step that accepted
-nothing it sits out 1, 2, 4, ... (at most `MAX_BACKOFF`) rounds, and any accepted draft ends the
-pause, so a request whose text does not repeat costs a verify step only now and then.
+match window) that occurs there, at most K tokens; among equally long matches the one followed by
+the most tokens (up to K), then the most recent. The drafter also decides when its request drafts:
+after a verify step that accepted nothing it sits out 1, 2, 4, ... (at most `MAX_BACKOFF`) rounds,
+and any accepted draft ends the pause, so a request whose text does not repeat costs a verify step
+only now and then.
 
-`Speculation.attach` runs after admission, on this round's decode slices: a request drafts only
-with free resources (KV slots for its drafts and one state slot lent for the step's backup, neither
-evicting the cache); otherwise it decodes as usual. Requests that need the sampler's per-token
-extras drafts do not carry (logprobs, top logprobs, a grammar) decode as usual.
+`Speculation.attach` runs after admission (which comes first), on this round's decode slices: a
+request drafts only when KV slots for its drafts and one state slot lent for the step's backup can
+be had, free or evicted from the cache like any allocation (never taken from a running request);
+otherwise it decodes as usual. Requests that want what a verify step does not return per token
+(logprobs, top logprobs) or a grammar decode as usual.
 """
 
 from __future__ import annotations
@@ -49,16 +51,17 @@ class NgramDrafter:
         if k <= 0 or not tokens:
             return []
         end = len(tokens) - 1
-        best, best_p = 0, -1
+        best, best_p = (0, 0), -1
         for p in reversed(self._positions.get(tokens[end], [])[-RECENT:]):
             m = 1
             while m < self.max_window and p - m >= 0 and tokens[p - m] == tokens[end - m]:
                 m += 1
-            if m > best:
-                best, best_p = m, p
-                if m == self.max_window:
+            key = (m, min(k, end - p))  # match length, then how much of a draft follows it
+            if key > best:
+                best, best_p = key, p
+                if key == (self.max_window, k):
                     break
-        if best < self.min_window:
+        if best[0] < self.min_window:
             return []
         return tokens[best_p + 1 : best_p + 1 + k]
 

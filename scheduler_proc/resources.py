@@ -187,15 +187,21 @@ class ReqResources:
 
     # ------------------------------------------------------------------ drafts
     def lend_for_drafts(self, req: Req, n: int) -> bool:
-        """KV slots for `n` drafted positions and a backup state slot for the verify step, from free
-        slots only (a draft never evicts the cache); False, with nothing taken, when they are not free."""
-        if self.kv_alloc.num_free < n or (self.track_states and self.state_alloc.num_free < 1):
-            return False
-        kv = self.kv_alloc.alloc_many(n)
-        assert kv is not None
-        req.kv_slots.extend(kv)
+        """KV slots for `n` drafted positions and a backup state slot for the verify step: free slots,
+        else the cache's least recently used unlocked ones (as any allocation; never a running
+        request's). False, with nothing taken, when there are not enough."""
+        slot = None
         if self.track_states:
-            req.backup_slot = self.state_alloc.alloc()
+            slot = self.cache.alloc_state()
+            if slot is None:
+                return False
+        kv = self.cache.alloc_kv(n)
+        if kv is None:
+            if slot is not None:
+                self.state_alloc.free(slot)
+            return False
+        req.kv_slots.extend(kv)
+        req.backup_slot = slot
         return True
 
     def settle_drafts(self, req: Req, entry: SliceEntry, accepted: int) -> None:

@@ -29,11 +29,13 @@ def test_replica_requests_and_delta() -> None:
                          {"dp_rank": 1, "routed_requests": {"cache": 0, "load": 2, "balance": 1}}]}
     assert replica_requests(info) == {"0": 4, "1": 3}
     assert replica_requests({"scheduler": {}}) == {} and replica_requests([]) == {}
-    before = ServerCounters(100.0, 400.0, {"0": 4, "1": 3})
-    after = ServerCounters(250.0, 600.0, {"0": 10, "1": 7})
-    assert counters_delta(before, after) == {"server_prefix_hit_rate": 0.75, "replica_requests": {"0": 6, "1": 4}}
+    before = ServerCounters(100.0, 400.0, {"0": 4, "1": 3}, 10.0, 5.0)
+    after = ServerCounters(250.0, 600.0, {"0": 10, "1": 7}, 30.0, 45.0)
+    assert counters_delta(before, after) == {"server_prefix_hit_rate": 0.75, "replica_requests": {"0": 6, "1": 4},
+                                             "server_spec_accept_length": 3.0}  # fmt: skip
     missing = counters_delta(ServerCounters(), ServerCounters())
     assert math.isnan(missing["server_prefix_hit_rate"]) and missing["replica_requests"] == {}
+    assert math.isnan(missing["server_spec_accept_length"])
 
 
 def test_read_counters_of_a_server_without_them(server: FakeServer) -> None:

@@ -33,7 +33,8 @@ def test_drafter_continues_the_longest_most_recent_match() -> None:
     assert d.propose(toks, 3) == [7, 5, 2]  # [2, 3] occurs twice before; the later one is followed by 7, 5, 2
     assert d.propose(toks + [8], 3) == []  # 8 never occurred before
     assert NgramDrafter(3, 4).propose([4, 2, 3, 1, 5, 2, 3], 2) == []  # only a 2-token match: below the window
-    assert NgramDrafter(1, 4).propose([6, 6, 6], 4) == [6]  # the newest earlier 6 is followed by the last token only
+    assert NgramDrafter(1, 4).propose([6, 6, 6], 4) == [6]  # nothing longer follows an earlier 6
+    assert NgramDrafter(1, 3).propose([6] * 9, 4) == [6] * 4  # a run: the occurrence a whole draft follows
 
 
 def test_drafter_sits_out_longer_after_each_failed_verify_and_resets_on_success() -> None:
@@ -69,8 +70,8 @@ def test_outputs_do_not_depend_on_drafting(model: str) -> None:
 
 
 def test_no_free_state_slot_means_no_drafts_not_a_failure() -> None:
-    """Two running requests take both state slots: nothing is free to back a verify step up, so they
-    decode one token a step, with the same output."""
+    """Two running requests take both state slots: nothing can back a verify step up (a running
+    request's slot is never lent), so they decode one token a step, with the same output."""
     reqs = [greq(f"r{i}", [1, 2, 3, 4, 5] * 3, 12) for i in range(2)]
     sched, _ = make(kv=256, states=2, speculative_algorithm="NGRAM", disable_radix_cache=True)
     log = harness.run(sched, CyclingWorker(256, 2), {0: reqs}, keep_batches=True)
@@ -88,3 +89,39 @@ def test_drafts_stop_at_max_new_tokens_and_skip_logprob_requests() -> None:
     assert all(s.drafts == 0 for b in log.batches for s in b.reqs if s.rid == "lp")
     short = [s for b in log.batches for s in b.reqs if s.rid == "short" and s.drafts]
     assert short and all(s.output_len + s.drafts + 1 <= 6 for s in short)
+
+
+def test_memory_pressure_retractions_and_prefix_hits_keep_outputs() -> None:
+    """A KV pool too small for every request at once: retractions, refusals and prefix-cache hits
+    happen with drafts in flight, and every request still gets the output it gets without drafts."""
+    from scheduler_proc.scheduler import SchedulerTuning
+
+    prompts = {f"p{i}": ([1, 2, 3, 4, 5] * 4)[: 12 + i] for i in range(5)}
+    tuning = SchedulerTuning(init_ratio=0.0, min_ratio=0.0)
+
+    def serve(**args: object) -> tuple[dict[str, list[int]], object]:
+        sched, _ = make(kv=70, states=8, chunked_prefill_size=8, max_prefill_tokens=16, tuning=tuning, **args)
+        reqs = [greq(rid, p, 24) for rid, p in prompts.items()]
+        return harness.run(sched, CyclingWorker(70, 8), {0: reqs[:3], 2: reqs[3:]}).tokens, sched
+
+    plain, _ = serve()
+    spec_tokens, spec = serve(speculative_algorithm="NGRAM", speculative_num_draft_tokens=3)
+    assert spec_tokens == plain
+    m = spec.metrics  # type: ignore[attr-defined]
+    assert m.get("hyssm_retractions_total", cause="kv") > 0 and m.get("hyssm_spec_accepted_tokens_total") > 0
+    assert m.get("hyssm_prefix_cache_hit_tokens_total", kind="state") > 0
+
+
+def test_a_cache_full_of_states_still_lends_a_backup() -> None:
+    """Finished requests leave their states in the cache until no slot is free; a later request still
+    drafts (the backup is evicted from the cache like any allocation) and its output is unchanged."""
+    sched, _ = make(kv=512, states=6, speculative_algorithm="NGRAM")
+    worker = CyclingWorker(512, 6)
+    for i in range(6):
+        harness.run(sched, worker, {0: [greq(f"w{i}", [40 + i, 41, 42, 43, 44, 45], 3)]})
+    assert sched.res.state_alloc.num_free <= 1  # admission takes it: every backup comes from the cache
+    steps = sched.metrics.get("hyssm_spec_verify_steps_total")
+    log = harness.run(sched, worker, {0: [greq("late", [1, 2, 3, 4, 5] * 3, 20)]})
+    plain, _ = make(kv=512, states=6)
+    assert log.tokens == harness.run(plain, CyclingWorker(512, 6), {0: [greq("late", [1, 2, 3, 4, 5] * 3, 20)]}).tokens
+    assert sched.metrics.get("hyssm_spec_verify_steps_total") > steps

@@ -90,6 +90,33 @@ def test_tp2_serves_other_families(tmp_path, name: str) -> None:
         _serves_expected(server, cases)
 
 
+@pytest.mark.parametrize("name", ["builtin", "qwen3_next_moe"])
+def test_tp2_with_drafts_serves_the_single_rank_outputs(tmp_path, runner: Any, name: str) -> None:
+    """NGRAM speculation under --tp-size 2: rank 0 decides what each verify step accepts and both
+    ranks leave their state shards after exactly those tokens (the Mamba and the Gated DeltaNet
+    hybrid), so outputs are the single-rank runtime's, with drafts accepted and rejected."""
+    from tests.e2e.test_families import model_dir
+    from tests.model_driver import generate_greedy
+    from worker_proc.runtime import ModelRunner
+
+    path = builtin_model_dir() if name == "builtin" else model_dir(tmp_path, name)
+    ref = runner if name == "builtin" else ModelRunner(path, device="cpu", dtype="float32", kv_slots=512,
+                                                        state_slots=4, deterministic=True)  # fmt: skip
+    rng = random.Random(13)
+    cases: list[Case] = []
+    for _ in range(4):
+        seed = [rng.randrange(3, 256) for _ in range(5)]
+        prompt = seed + generate_greedy(ref, seed, 20) + seed  # its continuation repeats the prompt
+        cases.append((prompt, 16, generate_greedy(ref, prompt, 16)))
+    args = ["--model-path", path, "--tp-size", "2", "--max-running-requests", "8", "--dtype", "float32",
+            "--speculative-algorithm", "NGRAM", *DETERMINISTIC]  # fmt: skip
+    with running_server(args) as server:
+        _serves_expected(server, cases)
+        assert server.metric("hyssm_spec_verify_steps_total") > 0
+        if name == "builtin":
+            assert server.metric("hyssm_spec_accepted_tokens_total") > 0
+
+
 def test_tp2_copy_on_write_refusals_are_agreed_by_both_ranks(runner: Any) -> None:
     """Each rank refuses copy-on-writes at random on its own (different per rank); the ranks
     agree on the union before the forward pass, so their states never diverge and every request

@@ -79,3 +79,46 @@ def test_a_drafted_stop_token_ends_the_accepted_run() -> None:
     first = out.index(stop)
     assert out[: first + 1] == ref[: first + 1]
     assert accepted[0] == first - 1  # the first verify step stopped accepting right before the stop
+
+
+def test_sampled_tokens_keep_the_target_distribution() -> None:
+    """Over many seeds, the first token a verify step emits (its draft when accepted, else the draw
+    that rejected it) follows the model's own distribution, and so does the token after an accepted
+    draft: a chi-square test per position against the probabilities of the logits."""
+    from shared.messages import ForwardBatch, ReqSlice
+    from tests.model_driver import forward_all_logits
+    from tests.worker.util import batch, req
+
+    r = runner("nope_groups2", kv_slots=160, deterministic=True)
+    n = len(PROMPT)
+    logits = forward_all_logits(r, batch(0, [req("p", PROMPT, 0, list(range(1, n + 1)), 1)], clears=[1]))["p"]
+    temp = 0.25  # sharp enough that the likeliest token is drafted and often accepted
+    target0 = torch.softmax(logits[-1].double() / temp, -1)
+    draft = int(target0.argmax())
+    logits1 = forward_all_logits(r, batch(1, [req("q", PROMPT + [draft], 0, list(range(1, n + 2)), 1)], clears=[1]))
+    target1 = torch.softmax(logits1["q"][-1].double() / temp, -1)
+    first, second = [], []
+    for seed in range(600):
+        params = SamplingParams(temperature=temp, seed=seed)
+        step = 2 + 2 * seed
+        r.step(ForwardBatch(step=step, clears=[1], reqs=[ReqSlice(
+            rid="s", input_ids=PROMPT[:-1], start_pos=0, kv_slots=list(range(1, n)), state_slot=1, sample=False)]))
+        res = r.step(ForwardBatch(step=step + 1, reqs=[ReqSlice(
+            rid="s", input_ids=[PROMPT[-1], draft], start_pos=n - 1, kv_slots=list(range(1, n + 2)), state_slot=1,
+            sample=True, sampling=params, drafts=1, backup_slot=2)]))  # fmt: skip
+        if res.accepted["s"]:
+            first.append(draft)
+            second.append(res.next_tokens["s"])
+        else:
+            first.append(res.next_tokens["s"])
+    assert 0.1 < len(second) / len(first) < 0.95  # the draft is accepted about target0[draft] of the time
+    for drawn, target in ((first, target0), (second, target1)):
+        counts = torch.bincount(torch.tensor(drawn), minlength=target.numel()).double()
+        expected = target * len(drawn)
+        big = expected >= 5  # chi-square over the likely tokens, the rest pooled
+        obs = torch.cat([counts[big], counts[~big].sum()[None]])
+        exp = torch.cat([expected[big], expected[~big].sum()[None]])
+        keep = exp > 0
+        chi2 = float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum())
+        dof = int(keep.sum()) - 1
+        assert chi2 < dof + 6 * (2 * dof) ** 0.5 + 10, (chi2, dof)  # far beyond any plausible fluctuation
