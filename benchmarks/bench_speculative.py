@@ -8,7 +8,9 @@ wave of c requests, --output-len new tokens, greedy, EOS ignored):
   --input-len - 2 * seed-len tokens (asked of the plain hyssm server first), and the prompt s + G + s:
   what follows is, as far as the model repeats itself, G again (what prompt lookup drafts);
 - random: --input-len random token ids (little for a draft to match).
-The systems: hyssm as launched (plain), hyssm with --speculative-args (default: NGRAM, 4 draft tokens),
+Before each measured wave one untimed 1-token request waits out what the server still does after the
+previous wave (llama-server answers the next request seconds late after a 32-wide wave). The systems:
+hyssm as launched (plain), hyssm with --speculative-args (default: NGRAM, 4 draft tokens),
 llama.cpp's llama-server on the same GGUF as bench_peers (skipped without the binary). Per cell: output
 tok/s, the speculative server's tokens per verify step (1 + accepted drafts / verify steps, from its
 /metrics) and the ratios spec / plain and spec / llama.cpp. Medians over --runs.
@@ -102,11 +104,15 @@ async def measure(base_url: str, backend: str, prompts: list[Prompts], cfg: Spec
     limits = httpx.Limits(max_connections=max(p.levels), max_keepalive_connections=0)
     out = []
     async with httpx.AsyncClient(base_url=base_url, limits=limits, timeout=p.request_timeout_s) as client:
-        await _one_wave(client, bc, [prompts[0]["random"][1][0][:16]], 2, f"{backend} warm-up")
+        probe = [prompts[0]["random"][min(p.levels)][0][:16]]
+        await _one_wave(client, bc, probe, 2, f"{backend} warm-up")
         for run in prompts:
             m: dict[str, float] = {}
             for workload in WORKLOADS:
                 for c, wave in run[workload].items():
+                    # untimed: whatever a server does after a wave (llama-server: seconds after a
+                    # wide one) is not charged to the next
+                    await _one_wave(client, bc, probe, 1, f"{backend} settle")
                     before = await _spec_counts(client) if backend == "hyssm" else (0.0, 0.0)
                     w = await _one_wave(client, bc, wave, p.output_len, f"{backend} {workload} c{c}")
                     m[f"{workload}_c{c}"] = float(w["output_token_throughput"])  # type: ignore[arg-type]

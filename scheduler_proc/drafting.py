@@ -9,11 +9,12 @@ after a verify step that accepted nothing it sits out 1, 2, 4, ... (at most `MAX
 and any accepted draft ends the pause, so a request whose text does not repeat costs a verify step
 only now and then.
 
-`Speculation.attach` runs after admission (which comes first), on this round's decode slices: a
-request drafts only when KV slots for its drafts and one state slot lent for the step's backup can
-be had, free or evicted from the cache like any allocation (never taken from a running request);
-otherwise it decodes as usual. Requests that want what a verify step does not return per token
-(logprobs, top logprobs) or a grammar decode as usual.
+`Speculation.attach` runs after admission (which comes first), on this round's decode slices, in
+rounds whose batch size drafting was measured to pay at (`DraftingGain`): a request drafts only when
+KV slots for its drafts and one state slot lent for the step's backup can be had, free or evicted
+from the cache like any allocation (never taken from a running request); otherwise it decodes as
+usual. Requests that want what a verify step does not return per token (logprobs, top logprobs) or a
+grammar decode as usual.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ logger = logging.getLogger(__name__)
 
 RECENT = 32  # earlier occurrences of the last token that a lookup compares, newest first
 MAX_BACKOFF = 16  # rounds a request sits out at most after verify steps that accepted nothing
+EXPLORE_EVERY = 8  # one round in this many of a batch size runs the mode measured slower there
+SMOOTHING = 0.25  # weight of the newest round in a measured rate
 
 
 class NgramDrafter:
@@ -94,6 +97,42 @@ class SpeculationConfig:
                    args.speculative_ngram_min_match_window_size, args.speculative_ngram_max_match_window_size)
 
 
+class DraftingGain:
+    """Whether drafting pays at a batch size, measured on this server's own steps. Per bucket of decode
+    slices (1, 2-3, 4-7, ...): the output tokens per second of the worker's step time, as a moving
+    average, of rounds that verified drafts and of rounds that did not. Drafting runs where it was
+    measured faster, or not measured yet; every `EXPLORE_EVERY`-th round of a bucket runs the other
+    mode, so the choice follows the load. Only rounds of decode slices alone are measured (a
+    prefill's time says nothing of drafting)."""
+
+    def __init__(self) -> None:
+        self.rate: dict[tuple[int, bool], float] = {}
+        self.rounds: dict[int, int] = {}
+
+    @staticmethod
+    def bucket(n_decode: int) -> int:
+        return n_decode.bit_length()
+
+    def wants(self, n_decode: int) -> bool:
+        """Whether this round, with `n_decode` decode slices, drafts."""
+        b = self.bucket(n_decode)
+        k = self.rounds[b] = self.rounds.get(b, 0) + 1
+        drafted, plain = self.rate.get((b, True)), self.rate.get((b, False))
+        if drafted is None:
+            return True
+        if plain is None:
+            return k % 2 == 1  # every other round plain, until it is measured
+        return (drafted >= plain) != (k % EXPLORE_EVERY == 0)
+
+    def observe(self, n_decode: int, drafted: bool, tokens: int, seconds: float) -> None:
+        """A round of `n_decode` decode slices alone emitted `tokens` in `seconds` of step time."""
+        if seconds <= 0 or n_decode <= 0:
+            return
+        key, rate = (self.bucket(n_decode), drafted), tokens / seconds
+        old = self.rate.get(key)
+        self.rate[key] = rate if old is None else (1 - SMOOTHING) * old + SMOOTHING * rate
+
+
 def can_draft(r: Req) -> bool:
     """Requests whose sampling takes drafts: not those that want per-token logprobs or a grammar."""
     sp = r.sampling
@@ -108,6 +147,8 @@ class Speculation:
         self.res = res
         self.context_length = context_length
         self.drafters: dict[str, NgramDrafter] = {}
+        self.gain = DraftingGain()
+        self._round = (0, False)  # (decode slices, drafted) of the batch last built
 
     @property
     def enabled(self) -> bool:
@@ -117,8 +158,12 @@ class Speculation:
         """Give this round's decode slices drafts where the request and the free resources allow."""
         if not self.enabled:
             return
-        for e in b.entries:
-            if e.prefill or e.n != 1 or not e.sample or not can_draft(e.req):
+        decode = [e for e in b.entries if not e.prefill and e.n == 1 and e.sample]
+        self._round = (len(decode), False)
+        if not decode or not self.gain.wants(len(decode)):
+            return
+        for e in decode:
+            if not can_draft(e.req):
                 continue
             r = e.req
             drafter = self.drafters.get(r.rid)
@@ -130,6 +175,12 @@ class Speculation:
             drafts = drafter.propose(r.tokens, min(self.config.num_draft_tokens, room))
             if drafts and self.res.lend_for_drafts(r, len(drafts)):
                 e.drafts = drafts
+                self._round = (len(decode), True)
+
+    def observe(self, entries: list[SliceEntry], seconds: float) -> None:
+        """The batch last built ran in `seconds` of step time (its entries settled)."""
+        if self.enabled and entries and all(not e.prefill for e in entries):
+            self.gain.observe(self._round[0], self._round[1], sum(e.n for e in entries if e.sample), seconds)
 
     def settle(self, e: SliceEntry, accepted: int) -> None:
         """The verify step of `e` ran and accepted `accepted` of its drafts."""

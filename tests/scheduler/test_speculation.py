@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler_proc.drafting import MAX_BACKOFF, NgramDrafter
+from scheduler_proc.drafting import EXPLORE_EVERY, MAX_BACKOFF, DraftingGain, NgramDrafter
 from tests.scheduler import harness
 from tests.scheduler.fake_worker import FakeWorker
 from tests.scheduler.util import MAMBA_ONLY, greq, make
@@ -125,3 +125,22 @@ def test_a_cache_full_of_states_still_lends_a_backup() -> None:
     plain, _ = make(kv=512, states=6)
     assert log.tokens == harness.run(plain, CyclingWorker(512, 6), {0: [greq("late", [1, 2, 3, 4, 5] * 3, 20)]}).tokens
     assert sched.metrics.get("hyssm_spec_verify_steps_total") > steps
+
+
+def test_drafting_runs_at_the_batch_sizes_where_it_was_measured_faster() -> None:
+    """Measured per batch-size bucket: where verify rounds emit fewer tokens per second than plain
+    ones, drafting stops but for one exploring round in EXPLORE_EVERY; where they emit more, it runs
+    but for one plain round in EXPLORE_EVERY; unmeasured sizes try both."""
+    gain = DraftingGain()
+    assert gain.wants(32)  # nothing measured: draft
+    gain.observe(32, True, 32 * 2, 1.0)  # 64 tok/s drafting at 32 requests
+    assert [gain.wants(32) for _ in range(2)] == [False, True]  # then measure the plain rate
+    gain.observe(32, False, 32, 0.4)  # 80 tok/s without
+    gain.observe(1, True, 4, 0.1)  # 40 tok/s drafting alone
+    gain.observe(1, False, 1, 0.07)  # 14 tok/s without
+    big = [gain.wants(32) for _ in range(4 * EXPLORE_EVERY)]
+    alone = [gain.wants(1) for _ in range(4 * EXPLORE_EVERY)]
+    assert sum(big) == 4 and sum(alone) == 4 * EXPLORE_EVERY - 4
+    for _ in range(20):  # the load changed: drafting now pays at 32 too
+        gain.observe(32, True, 32 * 4, 1.0)
+    assert sum(gain.wants(32) for _ in range(EXPLORE_EVERY)) == EXPLORE_EVERY - 1
