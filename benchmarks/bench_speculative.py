@@ -4,9 +4,10 @@
 
 Two workloads per run k (seeds from random.Random(seed + k)), each at every --levels concurrency (one
 wave of c requests, --output-len new tokens, greedy, EOS ignored):
-- repeat: text the model goes on to repeat. A --seed-len token seed s, its greedy continuation G of
-  --input-len - 2 * seed-len tokens (asked of the plain hyssm server first), and the prompt s + G + s:
-  what follows is, as far as the model repeats itself, G again (what prompt lookup drafts);
+- repeat: the model's own text. A --seed-len token seed s and its greedy continuation G of
+  --input-len - seed-len tokens (asked of the plain hyssm server first) make the prompt s + G, whose
+  greedy continuation is G's own: where the model repeats itself (lists, code, a degenerate random
+  model's loops), what follows is in the prompt already (what prompt lookup drafts);
 - random: --input-len random token ids (little for a draft to match).
 Before each measured wave one untimed 1-token request waits out what the server still does after the
 previous wave (llama-server answers the next request seconds late after a 32-wide wave). The systems:
@@ -84,8 +85,8 @@ async def make_prompts(base_url: str, cfg: SpecConfig, vocab: int, banned: set[i
             for c in p.levels:
                 run["random"][c] = [_draw(rng, p.input_len, vocab, banned) for _ in range(c)]
                 seeds = [_draw(rng, cfg.seed_len, vocab, banned) for _ in range(c)]
-                conts = await asyncio.gather(*(_greedy(client, s, p.input_len - 2 * cfg.seed_len) for s in seeds))
-                run["repeat"][c] = [s + g + s for s, g in zip(seeds, conts, strict=True)]
+                conts = await asyncio.gather(*(_greedy(client, s, p.input_len - cfg.seed_len) for s in seeds))
+                run["repeat"][c] = [s + g for s, g in zip(seeds, conts, strict=True)]
             runs.append(run)
     return runs
 
@@ -208,8 +209,8 @@ def parse_args(argv: Sequence[str] | None = None) -> SpecConfig:
     a("--log-dir", default=None)
     ns = ap.parse_args(argv)
     levels = tuple(int(x) for x in ns.levels.split(","))
-    if ns.input_len <= 2 * ns.seed_len or ns.runs < 1 or any(c < 1 for c in levels):
-        ap.error("--input-len must exceed 2 x --seed-len; --runs and --levels must be positive")
+    if ns.input_len <= ns.seed_len or ns.runs < 1 or any(c < 1 for c in levels):
+        ap.error("--input-len must exceed --seed-len; --runs and --levels must be positive")
     peers = PeersConfig(model=str(Path(ns.model).resolve()), runs=ns.runs, dtype=ns.dtype, levels=levels,
                         input_len=ns.input_len, output_len=ns.output_len, seed=ns.seed,
                         hyssm_args=tuple(shlex.split(ns.hyssm_args)), skip_llama=ns.skip_llama,
