@@ -33,6 +33,8 @@ RECENT = 32  # earlier occurrences of the last token that a lookup compares, new
 MAX_BACKOFF = 16  # rounds a request sits out at most after verify steps that accepted nothing
 EXPLORE_EVERY = 8  # one round in this many of a batch size runs the mode measured slower there
 SMOOTHING = 0.25  # weight of the newest round in a measured rate
+MIN_ROUNDS = 3  # rounds of each mode a batch size is measured with before the rates decide
+MARGIN = 0.05  # drafting stops where it is measured this much slower (step times are noisy)
 
 
 class NgramDrafter:
@@ -101,12 +103,14 @@ class DraftingGain:
     """Whether drafting pays at a batch size, measured on this server's own steps. Per bucket of decode
     slices (1, 2-3, 4-7, ...): the output tokens per second of the worker's step time, as a moving
     average, of rounds that verified drafts and of rounds that did not. Drafting runs where it was
-    measured faster, or not measured yet; every `EXPLORE_EVERY`-th round of a bucket runs the other
-    mode, so the choice follows the load. Only rounds of decode slices alone are measured (a
+    not measured `MARGIN` slower; until each mode has `MIN_ROUNDS` rounds the less measured one runs,
+    and after that every `EXPLORE_EVERY`-th round of a bucket runs the other mode, so the choice
+    follows the load. Only rounds of decode slices alone are measured (a
     prefill's time says nothing of drafting)."""
 
     def __init__(self) -> None:
         self.rate: dict[tuple[int, bool], float] = {}
+        self.measured: dict[tuple[int, bool], int] = {}
         self.rounds: dict[int, int] = {}
 
     @staticmethod
@@ -117,12 +121,11 @@ class DraftingGain:
         """Whether this round, with `n_decode` decode slices, drafts."""
         b = self.bucket(n_decode)
         k = self.rounds[b] = self.rounds.get(b, 0) + 1
-        drafted, plain = self.rate.get((b, True)), self.rate.get((b, False))
-        if drafted is None:
-            return True
-        if plain is None:
-            return k % 2 == 1  # every other round plain, until it is measured
-        return (drafted >= plain) != (k % EXPLORE_EVERY == 0)
+        n_drafted, n_plain = self.measured.get((b, True), 0), self.measured.get((b, False), 0)
+        if min(n_drafted, n_plain) < MIN_ROUNDS:
+            return n_drafted <= n_plain
+        pays = self.rate[(b, True)] >= (1 - MARGIN) * self.rate[(b, False)]
+        return pays != (k % EXPLORE_EVERY == 0)
 
     def observe(self, n_decode: int, drafted: bool, tokens: int, seconds: float) -> None:
         """A round of `n_decode` decode slices alone emitted `tokens` in `seconds` of step time."""
@@ -131,6 +134,7 @@ class DraftingGain:
         key, rate = (self.bucket(n_decode), drafted), tokens / seconds
         old = self.rate.get(key)
         self.rate[key] = rate if old is None else (1 - SMOOTHING) * old + SMOOTHING * rate
+        self.measured[key] = self.measured.get(key, 0) + 1
 
 
 def can_draft(r: Req) -> bool:

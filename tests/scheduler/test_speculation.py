@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler_proc.drafting import EXPLORE_EVERY, MAX_BACKOFF, DraftingGain, NgramDrafter
+from scheduler_proc.drafting import EXPLORE_EVERY, MAX_BACKOFF, MIN_ROUNDS, DraftingGain, NgramDrafter
 from tests.scheduler import harness
 from tests.scheduler.fake_worker import FakeWorker
 from tests.scheduler.util import MAMBA_ONLY, greq, make
@@ -128,16 +128,17 @@ def test_a_cache_full_of_states_still_lends_a_backup() -> None:
 
 
 def test_drafting_runs_at_the_batch_sizes_where_it_was_measured_faster() -> None:
-    """Measured per batch-size bucket: where verify rounds emit fewer tokens per second than plain
-    ones, drafting stops but for one exploring round in EXPLORE_EVERY; where they emit more, it runs
-    but for one plain round in EXPLORE_EVERY; unmeasured sizes try both."""
+    """Measured per batch-size bucket: each mode gets MIN_ROUNDS rounds first; then where verify rounds
+    emit clearly fewer tokens per second than plain ones drafting stops but for one exploring round in
+    EXPLORE_EVERY, and where they emit more it runs but for one plain round in EXPLORE_EVERY."""
     gain = DraftingGain()
-    assert gain.wants(32)  # nothing measured: draft
-    gain.observe(32, True, 32 * 2, 1.0)  # 64 tok/s drafting at 32 requests
-    assert [gain.wants(32) for _ in range(2)] == [False, True]  # then measure the plain rate
-    gain.observe(32, False, 32, 0.4)  # 80 tok/s without
-    gain.observe(1, True, 4, 0.1)  # 40 tok/s drafting alone
-    gain.observe(1, False, 1, 0.07)  # 14 tok/s without
+    modes = []
+    for _ in range(2 * MIN_ROUNDS):
+        modes.append(gain.wants(32))
+        gain.observe(32, modes[-1], 64 if modes[-1] else 80, 1.0)  # 64 tok/s drafting, 80 without
+        gain.observe(1, modes[-1], 4 if modes[-1] else 1, 0.1 if modes[-1] else 0.07)  # 40 vs 14 tok/s
+    assert sorted(modes) == [False] * MIN_ROUNDS + [True] * MIN_ROUNDS
+    gain.observe(32, False, 80, 1.0)
     big = [gain.wants(32) for _ in range(4 * EXPLORE_EVERY)]
     alone = [gain.wants(1) for _ in range(4 * EXPLORE_EVERY)]
     assert sum(big) == 4 and sum(alone) == 4 * EXPLORE_EVERY - 4

@@ -2,10 +2,12 @@
 
 Built from `ReqSlice`s (see shared/messages.py for their meaning);
 all requests' new tokens are concatenated into one token dimension (rows) so projections and MLPs
-run once per step. Requests with exactly one new token form the *decode group* (one batched state
-update and attention per layer); the others form the *prefill group* (every mixer hands all of its
-segments to one `*_prefill_many` call, which a kernel set may batch). `by_group` is the one dispatch
-of a step's rows onto the two groups that every mixer uses.
+run once per step. Requests with exactly one new token form the first *decode group* (one batched
+state update and attention per layer); a slice verifying drafts either joins the prefill segments or,
+when the kernel set is batch invariant, adds one decode group per input position, run in order; the
+other slices form the *prefill group* (every mixer hands all of its segments to one `*_prefill_many`
+call, which a kernel set may batch). `by_group` is the one dispatch of a step's rows onto the groups
+that every mixer uses.
 Validation here is what protects the pools from a malformed batch: every slot is range-checked when
 it arrives (slots reused through `KVSlotMirror` were checked in the batch that sent them). Per-request
 slot lists are tensors end to end: the mirror's prefix and the new slots are concatenated on the device
