@@ -181,10 +181,13 @@ class Speculation:
                 e.drafts = drafts
                 self._round = (len(decode), True)
 
-    def observe(self, entries: list[SliceEntry], seconds: float) -> None:
-        """The batch last built ran in `seconds` of step time (its entries settled)."""
-        if self.enabled and entries and all(not e.prefill for e in entries):
-            self.gain.observe(self._round[0], self._round[1], sum(e.n for e in entries if e.sample), seconds)
+    def observe(self, entries: list[SliceEntry], refused: set[str], seconds: float) -> None:
+        """The batch last built ran in `seconds` of step time (its entries settled; `refused` did not run)."""
+        if not self.enabled or any(e.prefill for e in entries):
+            return
+        ran = [e for e in entries if e.req.rid not in refused]
+        if ran:
+            self.gain.observe(self._round[0], self._round[1], sum(e.n for e in ran if e.sample), seconds)
 
     def settle(self, e: SliceEntry, accepted: int) -> None:
         """The verify step of `e` ran and accepted `accepted` of its drafts."""

@@ -254,7 +254,7 @@ class Scheduler:
             out = self._emit(r, e, result)
             if out is not None:
                 outs.append(out)
-        self.speculation.observe([e for e in fl.entries if e.req.rid not in refused], result.elapsed_s)
+        self.speculation.observe(fl.entries, refused, result.elapsed_s)
         return outs
 
     def _settle_drafts(self, e: SliceEntry, result: StepResult) -> None:

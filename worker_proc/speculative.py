@@ -58,10 +58,10 @@ def back_up(pools: StatePools, reqs: list[ReqSlice]) -> None:
 
 
 def roll_back(pools: StatePools, sb: StepBatch, reqs: list[ReqSlice], accepted: list[int],
-              ops: KernelOps) -> int:  # fmt: skip
+              ops: KernelOps) -> None:  # fmt: skip
     """Leave every verify slice's state after its accepted tokens (`accepted`: the count of each verify
     slice of `reqs`, in order): the backup is restored and the accepted tokens advance it one decode
-    step at a time, the k-th tokens of every rolled-back slice in one step. Returns the slices rolled back."""
+    step at a time, the k-th tokens of every rolled-back slice in one step."""
     steps: list[list[tuple[int, int]]] = []  # per step: (row, state slot)
     at, v = 0, 0
     for r in reqs:
@@ -80,4 +80,3 @@ def roll_back(pools: StatePools, sb: StepBatch, reqs: list[ReqSlice], accepted: 
         slots = torch.tensor([slot for _, slot in step], dtype=torch.int64, device=device)
         for kept in sb.kept_inputs or ():
             kept.mixer.recur_decode(kept.inputs, rows, slots, kept.conv_pool, kept.state_pool, ops)
-    return len(steps[0]) if steps else 0

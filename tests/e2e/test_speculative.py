@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 
 import openai
 import pytest
 
-from tests.e2e.server import DETERMINISTIC, generate_concurrently, running_server
+from tests.e2e.server import DETERMINISTIC, ROOT, generate_concurrently, running_server
 from tests.model_driver import generate_greedy
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
@@ -68,11 +70,6 @@ def test_streaming_n2_and_structured_output_with_drafts(spec_server, reference_r
 
 
 def test_bad_speculative_flags_are_one_line_errors() -> None:
-    import subprocess
-    import sys
-
-    from tests.e2e.server import ROOT
-
     for flags, needle in ((["--speculative-algorithm", "EAGLE"], "invalid choice"),
                           (["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "0"],
                            "--speculative-num-draft-tokens must be in [1, 16]")):  # fmt: skip
