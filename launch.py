@@ -68,8 +68,9 @@ _HELP = {
     "quantization": "quantize the weights at load: int8 (per-channel, W8A16 or W8A8, whichever this machine "
     "runs faster), int4 (group-wise W4A16, CPU), fp8 (e4m3, per-channel); default: as the checkpoint is stored",
     "disable_lm_head_quantization": "with --quantization, keep the LM head (and a tied embedding) in the model dtype",
-    "speculative_algorithm": "NGRAM: draft tokens from the request's own prompt and output (prompt lookup) and "
-    "verify them in one step; the recurrent state is rolled back to the last accepted token (default: off)",
+    "speculative_algorithm": "NGRAM: draft tokens from the request's own prompt and output (prompt lookup); "
+    "NEXTN: draft them with the checkpoint's MTP layers (Qwen3-Next, Qwen3.5); either way they are verified in "
+    "one step and the recurrent state is rolled back to the last accepted token (default: off)",
     "speculative_num_draft_tokens": "tokens drafted per request and step with --speculative-algorithm (default: 4)",
     "speculative_ngram_min_match_window_size": "NGRAM: the shortest suffix of the request's tokens that must "
     "match earlier in its tokens to draft what followed there (default: 1)",

@@ -23,6 +23,7 @@ class SliceEntry:
     prefill: bool  # prompt (or recomputed) tokens, not the one decode token
     admitted: bool  # the request was admitted in this round (a refusal sends it back to waiting)
     drafts: list[int] = field(default_factory=list)  # guessed tokens after the decode token (drafting.py)
+    draft_next: int = 0  # tokens the worker's MTP layers guess after this slice's sampled token
 
 
 @dataclass(slots=True)
@@ -40,6 +41,7 @@ class BatchBuilder:
     after all copies (shared/messages.py)."""
 
     step: int
+    next_token_inputs: bool = False  # the MTP layers run: every slice that does not sample says its next token
     entries: list[SliceEntry] = field(default_factory=list)
     ckpt_copies: list[CopyOp] = field(default_factory=list)
     cow_copies: list[CopyOp] = field(default_factory=list)
@@ -72,9 +74,11 @@ class BatchBuilder:
                     kv_reuse=reuse,
                     history=list(r.tokens) if e.sample and sp.needs_history else None,
                     prompt_logprobs=sp.prompt_logprobs if prompt_lp else -1,
-                    prompt_next=r.tokens[end] if prompt_lp and end < r.prompt_len else -1,
+                    prompt_next=r.tokens[end] if (prompt_lp and end < r.prompt_len) or (
+                        self.next_token_inputs and not e.sample) else -1,
                     drafts=len(e.drafts),
                     backup_slot=(r.backup_slot or 0) if e.drafts else 0,
+                    draft_next=e.draft_next,
                 )
             )
         batch = ForwardBatch(

@@ -1,13 +1,14 @@
-"""Which running requests verify drafted tokens this round, and what they draft
-(`--speculative-algorithm NGRAM`): prompt lookup over the request's own tokens.
+"""Which running requests verify drafted tokens this round, and what they draft: prompt lookup over
+the request's own tokens (`--speculative-algorithm NGRAM`) or the worker's MTP layers (`NEXTN`).
 
 `NgramDrafter` (one per drafting request, kept across rounds) indexes the request's tokens as they
 grow. A draft is what followed, earlier in the tokens, the longest suffix (between the min and max
 match window) that occurs there, at most K tokens; among equally long matches the one followed by
-the most tokens (up to K), then the most recent. The drafter also decides when its request drafts:
-after a verify step that accepted nothing it sits out 1, 2, 4, ... (at most `MAX_BACKOFF`) rounds,
-and any accepted draft ends the pause, so a request whose text does not repeat costs a verify step
-only now and then.
+the most tokens (up to K), then the most recent. `MtpDrafts` holds the guesses the worker's MTP layers
+made in the step that produced the request's newest token (ReqSlice.draft_next asks for them; a guess
+made before a later token is never used). Both decide when their request drafts (`Backoff`): after a
+verify step that accepted nothing it sits out 1, 2, 4, ... (at most `MAX_BACKOFF`) rounds, and any
+accepted draft ends the pause, so a request whose drafts miss costs a verify step only now and then.
 
 `Speculation.attach` runs after admission (which comes first), on this round's decode slices, in
 rounds whose batch size drafting was measured to pay at (`DraftingGain`): a request drafts only when
@@ -37,16 +38,53 @@ MIN_ROUNDS = 3  # rounds of each mode a batch size is measured with before the r
 MARGIN = 0.05  # drafting stops where it is measured this much slower (step times are noisy)
 
 
-class NgramDrafter:
+class Backoff:
+    """When one request drafts: it sits out rounds after verify steps that accepted nothing."""
+
+    def __init__(self) -> None:
+        self._pause = 0  # rounds left to sit out
+        self._backoff = 1
+
+    def ready(self) -> bool:
+        """Whether the request drafts this round (False while it sits out after failed verifies)."""
+        if self._pause > 0:
+            self._pause -= 1
+            return False
+        return True
+
+    def record(self, accepted: int) -> None:
+        """A verify step of the request accepted `accepted` drafts."""
+        if accepted:
+            self._backoff = 1
+            return
+        self._pause = self._backoff
+        self._backoff = min(MAX_BACKOFF, 2 * self._backoff)
+
+
+class MtpDrafts(Backoff):
+    """The worker's MTP guesses for one request, valid while its tokens are as they were made."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._made_at = -1  # len(tokens) when the guesses were made
+        self._guesses: list[int] = []
+
+    def keep(self, n_tokens: int, guesses: list[int]) -> None:
+        self._made_at, self._guesses = n_tokens, list(guesses)
+
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        return self._guesses[:k] if self._made_at == len(tokens) and k > 0 else []
+
+
+class NgramDrafter(Backoff):
     """Prompt lookup over one request's tokens (prompt then output; the list only grows)."""
 
     def __init__(self, min_window: int, max_window: int) -> None:
+        super().__init__()
         self.min_window = min_window
         self.max_window = max_window
         self._positions: dict[int, list[int]] = {}  # token -> positions p < indexed holding it
         self._indexed = 0
-        self._pause = 0  # rounds left to sit out
-        self._backoff = 1
 
     def propose(self, tokens: list[int], k: int) -> list[int]:
         """At most `k` tokens that followed the longest earlier match of the tokens' suffix."""
@@ -69,21 +107,6 @@ class NgramDrafter:
         if best[0] < self.min_window:
             return []
         return tokens[best_p + 1 : best_p + 1 + k]
-
-    def ready(self) -> bool:
-        """Whether the request drafts this round (False while it sits out after failed verifies)."""
-        if self._pause > 0:
-            self._pause -= 1
-            return False
-        return True
-
-    def record(self, accepted: int) -> None:
-        """A verify step of the request accepted `accepted` drafts."""
-        if accepted:
-            self._backoff = 1
-            return
-        self._pause = self._backoff
-        self._backoff = min(MAX_BACKOFF, 2 * self._backoff)
 
 
 @dataclass(frozen=True)
@@ -150,7 +173,7 @@ class Speculation:
         self.config = config
         self.res = res
         self.context_length = context_length
-        self.drafters: dict[str, NgramDrafter] = {}
+        self.drafters: dict[str, NgramDrafter | MtpDrafts] = {}
         self.gain = DraftingGain()
         self._round = (0, False)  # (decode slices, drafted) of the batch last built
 
@@ -158,28 +181,51 @@ class Speculation:
     def enabled(self) -> bool:
         return bool(self.config.algorithm)
 
+    @property
+    def runs_mtp(self) -> bool:
+        """Whether the worker runs its MTP layers every step (each slice then says its next token)."""
+        return self.config.algorithm == "NEXTN"
+
+    def _drafter(self, rid: str) -> NgramDrafter | MtpDrafts:
+        drafter = self.drafters.get(rid)
+        if drafter is None:
+            drafter = self.drafters[rid] = (MtpDrafts() if self.runs_mtp else
+                                            NgramDrafter(self.config.min_window, self.config.max_window))
+        return drafter
+
+    def _room(self, r: Req) -> int:
+        return min(r.max_new_tokens - r.num_output - 1, self.context_length - len(r.tokens) - 1)
+
     def attach(self, b: BatchBuilder) -> None:
-        """Give this round's decode slices drafts where the request and the free resources allow."""
+        """Give this round's decode slices drafts where the request and the free resources allow; with
+        MTP layers, ask the worker for the guesses that the next round's drafts will be."""
         if not self.enabled:
             return
         decode = [e for e in b.entries if not e.prefill and e.n == 1 and e.sample]
         self._round = (len(decode), False)
-        if not decode or not self.gain.wants(len(decode)):
-            return
-        for e in decode:
-            if not can_draft(e.req):
-                continue
-            r = e.req
-            drafter = self.drafters.get(r.rid)
-            if drafter is None:
-                drafter = self.drafters[r.rid] = NgramDrafter(self.config.min_window, self.config.max_window)
-            room = min(r.max_new_tokens - r.num_output - 1, self.context_length - len(r.tokens) - 1)
-            if room <= 0 or not drafter.ready():
-                continue
-            drafts = drafter.propose(r.tokens, min(self.config.num_draft_tokens, room))
-            if drafts and self.res.lend_for_drafts(r, len(drafts)):
-                e.drafts = drafts
-                self._round = (len(decode), True)
+        if decode and self.gain.wants(len(decode)):
+            for e in decode:
+                if not can_draft(e.req):
+                    continue
+                r, room = e.req, self._room(e.req)
+                drafter = self._drafter(r.rid)
+                if room <= 0 or (not self.runs_mtp and not drafter.ready()):
+                    continue
+                drafts = drafter.propose(r.tokens, min(self.config.num_draft_tokens, room))
+                if drafts and self.res.lend_for_drafts(r, len(drafts)):
+                    e.drafts = drafts
+                    self._round = (len(decode), True)
+        if self.runs_mtp:
+            for e in b.entries:
+                if e.sample and can_draft(e.req) and self._room(e.req) > len(e.drafts) + 1 \
+                        and self._drafter(e.req.rid).ready():  # fmt: skip
+                    e.draft_next = self.config.num_draft_tokens
+
+    def take_guesses(self, e: SliceEntry, guesses: dict[str, list[int]]) -> None:
+        """`e`'s step ran and its tokens are in: keep the MTP guesses made after them."""
+        drafter = self.drafters.get(e.req.rid)
+        if e.draft_next and isinstance(drafter, MtpDrafts):
+            drafter.keep(len(e.req.tokens), guesses.get(e.req.rid, []))
 
     def observe(self, entries: list[SliceEntry], refused: set[str], seconds: float) -> None:
         """The batch last built ran in `seconds` of step time (its entries settled; `refused` did not run)."""

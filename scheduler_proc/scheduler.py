@@ -149,7 +149,7 @@ class Scheduler:
     def schedule(self) -> ForwardBatch | None:
         if self.in_flight is not None:
             raise RuntimeError("schedule() called while a batch is in flight")
-        b = BatchBuilder(self._step + 1)
+        b = BatchBuilder(self._step + 1, next_token_inputs=self.speculation.runs_mtp)
         self._fit_running()
         self._preempt_for_priority()
         for r in list(self.running.values()):
@@ -254,6 +254,8 @@ class Scheduler:
             out = self._emit(r, e, result)
             if out is not None:
                 outs.append(out)
+            if r.status != ReqStatus.FINISHED:  # the next round's drafts, while it runs
+                self.speculation.take_guesses(e, result.drafts)
         self.speculation.observe(fl.entries, refused, result.elapsed_s)
         return outs
 

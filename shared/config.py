@@ -93,7 +93,7 @@ class ServerArgs:
     enable_priority_preemption: bool = False
     mamba_checkpoint_interval: int = 0  # 0 = only branch-point (and prompt-end) checkpoints
     # speculative decoding (scheduler_proc/drafting.py drafts, worker_proc/speculative.py verifies)
-    speculative_algorithm: Literal["", "NGRAM"] = ""
+    speculative_algorithm: Literal["", "NGRAM", "NEXTN"] = ""
     speculative_num_draft_tokens: int = 4  # drafted tokens verified per step (K)
     speculative_ngram_min_match_window_size: int = 1
     speculative_ngram_max_match_window_size: int = 12

@@ -246,6 +246,10 @@ class ReqSlice(msgspec.Struct, kw_only=True, array_like=True):
     samples after every input position, accepts the longest prefix of guesses its samples agree with
     (StepResult.accepted) and leaves state_slot at the state after the accepted tokens, using
     `backup_slot` (a free state slot the scheduler lends for the step) to hold the state before it.
+    `draft_next` > 0 (--speculative-algorithm NEXTN, sampling slices): after sampling, the worker's MTP
+    layers guess this many tokens to follow the sampled one (StepResult.drafts). With NEXTN every slice
+    also runs the MTP layers over its rows, which needs the token after each row: the next input, the
+    sampled token, or for a non-final prompt chunk `prompt_next`.
     """
 
     rid: str
@@ -261,11 +265,13 @@ class ReqSlice(msgspec.Struct, kw_only=True, array_like=True):
     history: list[int] | None = None
     # >= 0 (prompt slices of a request with prompt_logprobs): return the logprob of each next token
     # at every position of the slice, with this many alternatives; `prompt_next` is the prompt token
-    # after the slice (-1 when the slice reaches the end of the prompt)
+    # after the slice (-1 when the slice reaches the end of the prompt), sent too for every slice that
+    # does not sample when the MTP layers run (draft_next)
     prompt_logprobs: int = -1
     prompt_next: int = -1
     drafts: int = 0
     backup_slot: int = 0
+    draft_next: int = 0
 
 
 class ForwardBatch(msgspec.Struct, tag=True, kw_only=True):
@@ -314,6 +320,8 @@ class StepResult(msgspec.Struct, tag=True, kw_only=True):
     # per verify slice (ReqSlice.drafts > 0): how many of its drafts were accepted; its next_tokens
     # entry is the token sampled after the last accepted one
     accepted: dict[str, int] = {}
+    # per slice with draft_next: the MTP layers' guesses of the tokens after its next_tokens entry
+    drafts: dict[str, list[int]] = {}
     error: str | None = None
     elapsed_s: float = 0.0
 

@@ -17,9 +17,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-BLOCK_KINDS = ("mamba", "attention", "gdn", "fused_gated_mlp", "gated_mlp", "relu2_mlp", "softmax_moe", "sigmoid_moe",
-               "shared_gate_moe")
 MIXER_KINDS = ("mamba", "attention", "gdn")
+MLP_KINDS = ("fused_gated_mlp", "gated_mlp", "relu2_mlp", "softmax_moe", "sigmoid_moe", "shared_gate_moe")
+"""Block kinds that mix channels only (no sequence mixing, no state)."""
+BLOCK_KINDS = MIXER_KINDS + MLP_KINDS
 RECURRENT_KINDS = ("mamba", "parallel", "gdn")
 """Layer kinds that carry a recurrent state (one state slot per request holds all of them)."""
 
@@ -161,6 +162,10 @@ class HybridConfig:
     # (renamed) name starts with one of `ignored_prefixes` are not loaded (e.g. MTP layers)
     renames: tuple[tuple[str, str], ...] = ()
     ignored_prefixes: tuple[str, ...] = field(default=())
+    # multi-token prediction layers `mtp.layers.N` (drafting, --speculative-algorithm NEXTN): how many the
+    # checkpoint has and the sublayers of each (an attention layer of the model's own arrangement)
+    mtp_layers: int = 0
+    mtp_spec: tuple[Sublayer, ...] = ()
 
     def __post_init__(self) -> None:
         if len(self.layer_specs) != len(self.layer_kinds):
@@ -171,6 +176,10 @@ class HybridConfig:
                 raise ValueError(f"the model has {kind} layers but its {kind} sizes are unset")
             if kind.endswith("moe") and not self.moe.num_experts:
                 raise ValueError(f"the model has {kind} blocks but no experts")
+        if self.mtp_layers < 0 or bool(self.mtp_layers) != bool(self.mtp_spec):
+            raise ValueError(f"{self.mtp_layers} MTP layers with {len(self.mtp_spec)} sublayers each")
+        if any(b.kind not in ("attention", *MLP_KINDS) for sub in self.mtp_spec for b in sub.blocks):
+            raise ValueError("an MTP layer holds attention and an MLP or MoE only")
 
     @property
     def num_layers(self) -> int:

@@ -72,8 +72,10 @@ def load_model(
     tp_rank: int = 0,
     tp_size: int = 1,
     tp_group: object = None,
+    mtp: bool = False,
 ) -> HybridForCausalLM:
-    """Build the model described by `model_dir/config.json` on `device` and load its weights."""
+    """Build the model described by `model_dir/config.json` on `device` and load its weights; `mtp`:
+    with the checkpoint's MTP layers (ModelLoadError when it has none)."""
     cfg = load_config(model_dir)
     dev = torch.device(device)
     torch_dtype = resolve_dtype(dtype, dev, cfg)
@@ -81,12 +83,13 @@ def load_model(
     tp = TPInfo(tp_rank, tp_size, tp_group)
     stored = checkpoint_quantization(model_dir)
     if stored is not None:
-        model = load_prequantized(cfg, stored, files, torch_dtype, dev, tp)
+        model = load_prequantized(cfg, stored, files, torch_dtype, dev, tp, mtp=mtp)
     else:
-        model = HybridForCausalLM(cfg, torch_dtype, dev, tp)
+        model = HybridForCausalLM(cfg, torch_dtype, dev, tp, mtp=mtp)
         load_weights(model, files)
     model.eval()
     letters = {"mamba": "M", "attention": "A", "parallel": "P", "gdn": "G", "mlp": "-"}
-    logger.info("loaded %s from %s: %d layers (%s), %s on %s", cfg.architecture, model_dir, cfg.num_layers,
-                "".join(letters[k] for k in cfg.layer_kinds), torch_dtype, dev)
+    logger.info("loaded %s from %s: %d layers (%s)%s, %s on %s", cfg.architecture, model_dir, cfg.num_layers,
+                "".join(letters[k] for k in cfg.layer_kinds), f" + {cfg.mtp_layers} MTP" if mtp else "",
+                torch_dtype, dev)
     return model

@@ -133,12 +133,13 @@ class SlotBytes:
 
 
 def slot_bytes(cfg: HybridConfig, dtype: torch.dtype, tp_size: int = 1, tp_rank: int = 0,
-               state_dtype: str = "float32") -> SlotBytes:  # fmt: skip
+               state_dtype: str = "float32", extra_kv_layers: int = 0) -> SlotBytes:  # fmt: skip
     """What `StatePools` allocates per slot on this rank: KV in the model dtype, every state tensor
-    (recurrent states in `state_dtype`, their scales) of one state slot."""
+    (recurrent states in `state_dtype`, their scales) of one state slot; `extra_kv_layers` more
+    attention layers' KV per token slot (the MTP layers', worker_proc.mtp_drafting)."""
     elt = torch.empty((), dtype=dtype).element_size()
     attn = AttnShard.of(cfg, tp_rank, tp_size)
-    kv = len(cfg.attn_layer_ids) * 2 * attn.kv_heads * cfg.attn.head_dim * elt
+    kv = (len(cfg.attn_layer_ids) + extra_kv_layers) * 2 * attn.kv_heads * cfg.attn.head_dim * elt
     state = sum(t.slot_bytes for t in state_tensors(cfg, dtype, tp_size, tp_rank, state_dtype))
     return SlotBytes(kv_token=kv, state_slot=state)
 
@@ -189,7 +190,7 @@ def cpu_wanted_budget(cfg: HybridConfig, dtype: torch.dtype, running: int, state
 
 def plan_capacities(
     cfg: HybridConfig, budget_bytes: int, state_ratio: float, dtype: torch.dtype, tp_size: int = 1,
-    tp_rank: int = 0, state_dtype: str = "float32",
+    tp_rank: int = 0, state_dtype: str = "float32", extra_kv_layers: int = 0,
 ) -> tuple[int, int]:
     """Split `budget_bytes` into (kv_slots, state_slots), usable counts excluding padding slot 0.
 
@@ -199,7 +200,7 @@ def plan_capacities(
     """
     if not 0.0 < state_ratio < 1.0:
         raise ValueError(f"state_ratio must be in (0, 1), got {state_ratio}")
-    sb = slot_bytes(cfg, dtype, tp_size, tp_rank, state_dtype)
+    sb = slot_bytes(cfg, dtype, tp_size, tp_rank, state_dtype, extra_kv_layers)
     if sb.state_slot == 0:
         state_ratio = 0.0
     elif sb.kv_token == 0:

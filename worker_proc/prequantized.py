@@ -207,11 +207,11 @@ def _load_modules(model: HybridForCausalLM, modules: list[QuantModule], tensors:
 
 
 def load_prequantized(cfg: HybridConfig, quant: CheckpointQuant, files: dict[str, list[str]], dtype: torch.dtype,
-                      device: torch.device, tp: TPInfo) -> HybridForCausalLM:
-    """The model of a pre-quantized checkpoint on `device` (see the module doc)."""
+                      device: torch.device, tp: TPInfo, mtp: bool = False) -> HybridForCausalLM:
+    """The model of a pre-quantized checkpoint on `device` (see the module doc); `mtp`: with its MTP layers."""
     if "int4" in quant.formats and device.type != "cpu":
         raise ModelLoadError(f"{quant.describe()}: 4-bit weights run on the CPU only (torch's CPU 4-bit kernel)")
-    model = HybridForCausalLM(cfg, dtype, "meta", tp)
+    model = HybridForCausalLM(cfg, dtype, "meta", tp, mtp=mtp)
     with ExitStack() as opened:
         tensors = _Tensors(files, opened)
         modules = quantized_modules(tensors, quant, model, device)

@@ -147,6 +147,7 @@ def run(args: ServerArgs, rank: int) -> None:
         execution_plan=args.execution_plan,
         quantization=args.quantization,
         quantize_lm_head=not args.disable_lm_head_quantization,
+        speculative_algorithm=args.speculative_algorithm,
         plan_cache_dir=plan_cache_dir(args),
     )
     ctx = zmq.Context()

@@ -31,6 +31,7 @@ from worker_proc.kernels.select import choose_kernels
 from worker_proc.loader import checkpoint_quantization, load_model
 from worker_proc.model import StepBatch, build_step_batch
 from worker_proc.model.kv_mirror import KVSlotMirror
+from worker_proc.mtp_drafting import MtpDrafter
 from worker_proc.numerics import denormals_flushed, flush_subnormal_
 from worker_proc.plan_cache import plan_for
 from worker_proc.pools import (
@@ -79,6 +80,7 @@ class ModelRunner:
         plan_cache_dir: Path | None = None,
         quantization: str = "",
         quantize_lm_head: bool = True,
+        speculative_algorithm: str = "",
     ) -> None:
         self.model_info = ModelInfo.from_dir(model_dir)
         self.device = torch.device(device)
@@ -91,8 +93,10 @@ class ModelRunner:
         stored = checkpoint_quantization(model_dir)
         if stored is not None:  # held as stored; --quantization may only name that format
             check_requested(quantization, stored, model_dir)
+        with_mtp = speculative_algorithm == "NEXTN"
         self.model = load_model(
-            model_dir, device=self.device, dtype=dtype, tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group
+            model_dir, device=self.device, dtype=dtype, tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group,
+            mtp=with_mtp,
         )
         flushed = flush_subnormal_(self.model)
         if flushed:
@@ -111,6 +115,7 @@ class ModelRunner:
         self.dtype = self.model.dtype
         self.seed = seed
         self.tp_rank = tp_rank
+        mtp_kv = self.cfg.mtp_layers if with_mtp else 0
         kv, mamba, how = kv_slots, state_slots, "--max-total-tokens and --max-mamba-cache-size"
         if kv <= 0 or mamba <= 0:
             wanted = cpu_wanted_budget(self.cfg, self.dtype, running_requests, state_ratio, tp_size, tp_rank,
@@ -118,7 +123,7 @@ class ModelRunner:
             budget, how = pool_budget(self.device, mem_budget_bytes, mem_fraction_static, wanted)
             how = f"{budget / 2**30:.3f} GiB from {how}"
             planned_kv, planned_states = plan_capacities(self.cfg, budget, state_ratio, self.dtype, tp_size, tp_rank,
-                                                        state_dtype)
+                                                        state_dtype, mtp_kv)
             kv = kv if kv > 0 else planned_kv
             mamba = mamba if mamba > 0 else planned_states
         if not self.cfg.attn_layer_ids:  # no KV tensor: the slots are only the scheduler's bookkeeping
@@ -127,15 +132,17 @@ class ModelRunner:
         self.kv_capacity = kv
         self.state_capacity = mamba
         self.state_dtype = state_dtype
-        sb = slot_bytes(self.cfg, self.dtype, tp_size, tp_rank, state_dtype)
+        sb = slot_bytes(self.cfg, self.dtype, tp_size, tp_rank, state_dtype, mtp_kv)
         logger.info("rank %d pools on %s (%s): %d KV token slots, %d state slots; recurrent state dtype %s, "
                     "%d B per state slot, %d B per KV token", tp_rank, self.device, how, kv, mamba, state_dtype,
                     sb.state_slot, sb.kv_token)
+        self.drafter = MtpDrafter(self.model, kv) if with_mtp else None
         self.ops = kernel_choice.build()
         self.kv_mirror = KVSlotMirror()  # slot lists of the last batch run (ReqSlice.kv_reuse)
         self.grammars = GrammarRuntime(model_dir, self.model_info.vocab_size, self.model_info.eos_token_ids)
 
     # ------------------------------------------------------------------ the step
+    @torch.inference_mode()
     def step(self, batch: ForwardBatch, refused: frozenset[str] = frozenset()) -> StepResult:
         """Validate and index the non-refused slices, apply state ops, run one forward, sample. See
         module doc. Any exception leaves the KV slot mirror empty (the step failed)."""
@@ -149,11 +156,17 @@ class ModelRunner:
                 self.plan.apply_threads(int(sb.input_ids.numel()))
                 sampler = self.tp_rank == 0  # rank 0 samples and replies; the others only advance state
                 speculative.back_up(self.pools, reqs)
-                logits = self.model.forward_step(sb, self.pools, self.ops, want_logits=sampler)
+                hidden = None
+                if self.drafter is None:
+                    logits = self.model.forward_step(sb, self.pools, self.ops, want_logits=sampler)
+                else:  # the MTP layers read the final-normed hidden state of every row
+                    h = self.model.run_layers(sb, self.pools, self.ops)
+                    logits = self.model.logits(self.model.model.norm(h[sb.logit_rows])) if sampler else h[:0]
+                    hidden = self.model.model.norm(h)
                 if sb.logit_rids and sampler:
                     sampled = self._sample(logits, reqs)
-                if sb.kept_inputs is not None:
-                    self._settle_drafts(sb, reqs, sampled.get("accepted", {}))
+                if sb.kept_inputs is not None or hidden is not None:
+                    self._after_sampling(sb, reqs, sampled, hidden)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
         except BaseException:
@@ -167,12 +180,23 @@ class ModelRunner:
             elapsed_s=time.perf_counter() - t0,
         )
 
-    def _settle_drafts(self, sb: StepBatch, reqs: list[ReqSlice], accepted: dict[str, int]) -> None:
-        """Every rank learns rank 0's accepted counts and leaves the verify slices' states after them."""
-        verify = [r for r in reqs if r.drafts]
-        counts = torch.tensor([accepted.get(r.rid, 0) for r in verify], dtype=torch.int64, device=self.device)
-        self.model.tp.broadcast_first(counts)
-        speculative.roll_back(self.pools, sb, reqs, counts.tolist(), self.ops)
+    def _after_sampling(self, sb: StepBatch, reqs: list[ReqSlice], sampled: dict[str, Any],
+                        hidden: torch.Tensor | None) -> None:  # fmt: skip
+        """Every rank learns rank 0's verdict (accepted counts; with MTP layers the sampled tokens too),
+        leaves the verify slices' states after their accepted tokens and runs the MTP layers."""
+        accepted, tokens = sampled.get("accepted", {}), sampled.get("next_tokens", {})
+        verdict = [accepted.get(r.rid, 0) for r in reqs]
+        if hidden is not None:
+            verdict += [tokens.get(r.rid, -1) for r in reqs]
+        shared = self.model.tp.broadcast_first(torch.tensor(verdict, dtype=torch.int64, device=self.device)).tolist()
+        n = len(reqs)
+        if sb.kept_inputs is not None:
+            counts = [shared[i] for i, r in enumerate(reqs) if r.drafts]
+            speculative.roll_back(self.pools, sb, reqs, counts, self.ops)
+        if hidden is not None and self.drafter is not None:
+            drafts = self.drafter.step(sb, reqs, hidden, shared[n:], shared[:n], self.ops)
+            if drafts and self.tp_rank == 0:
+                sampled["drafts"] = drafts
 
     def apply_state_ops(self, batch: ForwardBatch, refused: frozenset[str] = frozenset()) -> None:
         """Copies first (skipping refused requests' copy-on-write), then clears; in message order."""
@@ -187,6 +211,8 @@ class ModelRunner:
         """Validate and index `reqs` against this runner's capacities and KV slot mirror (raises
         ValueError on a malformed batch, before anything is written). `all_rows`: a logit row for
         every input position of a sampled slice, not only its last."""
+        if self.drafter is None and any(r.draft_next for r in reqs):
+            raise ValueError("draft_next in a batch, but this worker has no MTP layers (--speculative-algorithm NEXTN)")
         return build_step_batch(
             reqs, self.device, self.kv_capacity, self.state_capacity, bool(self.cfg.state_layer_ids), all_rows,
             uses_attention=bool(self.cfg.attn_layer_ids), mirror=self.kv_mirror, step=step,
@@ -265,4 +291,6 @@ class ModelRunner:
         for _, site, weight in product_sites(self.model):
             site.check_integrity(weight)
         self.kv_mirror.check_integrity()
+        if self.drafter is not None:
+            self.drafter.check_integrity()
 

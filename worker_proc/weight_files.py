@@ -72,7 +72,7 @@ class _Names:
 
     def __init__(self, model: HybridForCausalLM) -> None:
         self.renames = [(re.compile(p), r) for p, r in model.cfg.renames]
-        self.ignored = model.cfg.ignored_prefixes
+        self.ignored = model.ignored_prefixes
         self.params = dict(model.named_parameters())
         self.skipped = 0  # tensors not loaded (ignored prefixes)
 
@@ -162,4 +162,4 @@ def load_weights(model: HybridForCausalLM, files: dict[str, list[str]], skip: Ca
         raise ModelLoadError(f"checkpoint lacks tensor {missing[0]!r}{more}")
     if names.skipped:
         logger.info("%d checkpoint tensors under %s not loaded (not used for serving)", names.skipped,
-                    ", ".join(model.cfg.ignored_prefixes))
+                    ", ".join(model.ignored_prefixes))

@@ -16,6 +16,9 @@ is the sparse MoE with a sigmoid-gated shared expert (worker_proc.model.qwen_moe
 num_experts > 0, the layer is not in `mlp_only_layers` and (layer + 1) % decoder_sparse_step == 0
 (Qwen3.5-MoE: every layer, normalised top-k), else a split gated SiLU MLP (`intermediate_size`).
 The final norm is zero-centred too.
+MTP (`mtp_num_hidden_layers` or `num_nextn_predict_layers` > 0; built only for
+`--speculative-algorithm NEXTN`, worker_proc.model.mtp): `mtp.layers.N` are full-attention layers
+with the MLP of layer 0, after `mtp.fc` over the zero-centred-normed embedding and hidden state.
 """
 
 from __future__ import annotations
@@ -114,6 +117,7 @@ def parse(raw: dict, arch: str) -> HybridConfig:
         for k, mlp in zip(kinds, mlps, strict=True)
     )
     wrapper = arch in WRAPPERS
+    mtp = int(cfg.get("mtp_num_hidden_layers") or cfg.get("num_nextn_predict_layers") or 0)
     return HybridConfig(
         architecture=arch,
         vocab_size=int(cfg["vocab_size"]),
@@ -130,6 +134,9 @@ def parse(raw: dict, arch: str) -> HybridConfig:
         norm_unit_offset=True,
         renames=((r"^model\.language_model\.", "model."),) if wrapper else (),
         ignored_prefixes=("mtp.", "model.visual.") if wrapper else ("mtp.",),
+        mtp_layers=mtp,
+        mtp_spec=(Sublayer("input_layernorm", (mixers["attention"],)),
+                  Sublayer("post_attention_layernorm", (mlps[0],))) if mtp else (),
     )
 
 

@@ -26,6 +26,8 @@ import torch
 from shared.messages import ReqSlice
 from worker_proc.model.kv_mirror import KVSlotMirror
 
+MAX_DRAFT_NEXT = 16  # the most guesses one slice asks of the MTP layers (--speculative-num-draft-tokens)
+
 GroupFn = Callable[[torch.Tensor | None], torch.Tensor]
 """A mixer's computation for the prefill segments of a step's rows (see `StepBatch.by_group`)."""
 
@@ -209,6 +211,8 @@ def _check_slices(reqs: list[ReqSlice], state_capacity: int, has_recurrent_state
     for r in reqs:
         if r.drafts and not (0 < r.drafts < len(r.input_ids) and r.sample):
             raise ValueError(f"{r.rid}: {r.drafts} drafts in a slice of {len(r.input_ids)} tokens")
+        if r.draft_next and not (0 < r.draft_next <= MAX_DRAFT_NEXT and r.sample):
+            raise ValueError(f"{r.rid}: draft_next {r.draft_next} (1..{MAX_DRAFT_NEXT}, sampling slices only)")
     if has_recurrent_state:
         _check_state_slots([r.state_slot for r in reqs] + [r.backup_slot for r in reqs if r.drafts], state_capacity)
 

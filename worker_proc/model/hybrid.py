@@ -24,7 +24,8 @@ head are replicated (every rank computes the logits).
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -47,7 +48,15 @@ from worker_proc.pools import StatePools
 
 __all__ = ["DecoderLayer", "HybridForCausalLM", "HybridModel", "TPInfo"]
 
-_LAYER_PARAM = re.compile(r"^model\.layers\.(\d+)\.([^.]+)\.(.+)$")
+_LAYER_PARAM = re.compile(r"^(model|mtp)\.layers\.(\d+)\.([^.]+)\.(.+)$")
+
+
+class KVLayers(Protocol):
+    """Where a layer's attention keeps its KV: `k[i]`, `v[i]` [slots, kv_heads, head_dim] of attention
+    layer i (the state pools' for the model's layers; worker_proc.mtp_drafting's for the MTP layers)."""
+
+    k: Sequence[torch.Tensor]
+    v: Sequence[torch.Tensor]
 
 
 def build_block(block: Block, cfg: HybridConfig, dtype: torch.dtype, device: torch.device, tp: TPInfo) -> nn.Module:
@@ -79,24 +88,32 @@ def cfg_mlp_multipliers(cfg: HybridConfig) -> tuple[float, float]:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: HybridConfig, index: int, dtype: torch.dtype, device: torch.device, tp: TPInfo) -> None:
+    """Layer `index` of the model, or (`mtp`) MTP layer `index`: the family's MTP arrangement, its
+    attention reading MTP KV layer `index`."""
+
+    def __init__(self, cfg: HybridConfig, index: int, dtype: torch.dtype, device: torch.device, tp: TPInfo,
+                 mtp: bool = False) -> None:  # fmt: skip
         super().__init__()
         self.tp = tp
-        self.subs: tuple[Sublayer, ...] = cfg.layers()[index]
-        self.kind = cfg.layer_kinds[index]
+        self.subs: tuple[Sublayer, ...] = cfg.mtp_spec if mtp else cfg.layers()[index]
+        self.kind = "attention" if mtp else cfg.layer_kinds[index]
         for sub in self.subs:
             self.add_module(sub.norm, make_norm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, cfg.norm_unit_offset,
                                                 cfg.norm_fp32_weight))
             for block in sub.blocks:
                 self.add_module(block.name, build_block(block, cfg, dtype, device, tp))
+        if mtp:
+            self.attn_index, self.state_index = index, {}
+            return
         self.attn_index = cfg.attn_layer_ids.index(index) if index in cfg.attn_layer_ids else -1
         # this layer's index among the layers of each recurrent kind that it has
         self.state_index = {kind: ids.index(index) for kind, ids in (("mamba", cfg.mamba_layer_ids),
                                                                      ("gdn", cfg.gdn_layer_ids)) if index in ids}
 
     def _run(self, module: nn.Module, x: torch.Tensor, batch: StepBatch,
-             rope: tuple[torch.Tensor, torch.Tensor] | None, pools: StatePools, ops: KernelOps) -> torch.Tensor:
+             rope: tuple[torch.Tensor, torch.Tensor] | None, pools: KVLayers, ops: KernelOps) -> torch.Tensor:
         if isinstance(module, MambaMixer | GatedDeltaNet):
+            assert isinstance(pools, StatePools)
             conv, state = pools.layer_state(module.state_kind, self.state_index[module.state_kind])
             return module(x, batch, conv, state, ops)
         if isinstance(module, Attention):
@@ -109,7 +126,7 @@ class DecoderLayer(nn.Module):
         h: torch.Tensor,
         batch: StepBatch,
         rope: tuple[torch.Tensor, torch.Tensor] | None,
-        pools: StatePools,
+        pools: KVLayers,
         ops: KernelOps,
     ) -> torch.Tensor:
         for sub in self.subs:
@@ -143,11 +160,39 @@ class HybridModel(nn.Module):
                               cfg.norm_fp32_weight)
 
 
+class MtpHead(nn.Module):
+    """The checkpoint's multi-token prediction layers (`mtp.*`, built for --speculative-algorithm NEXTN).
+    Row i of a step takes the embedding of the token after it and the model's final-normed hidden
+    state at i: `fc([pre_fc_norm_embedding(e) | pre_fc_norm_hidden(h)])`, one MTP layer (attention over
+    the MTP layer's own KV at the step's slots, then the MLP), `norm`; the model's LM head turns that
+    into a guess of the token two after row i, and the result is the hidden state of the next guess."""
+
+    def __init__(self, cfg: HybridConfig, dtype: torch.dtype, device: torch.device, tp: TPInfo) -> None:
+        super().__init__()
+        hidden = cfg.hidden_size
+
+        def norm() -> nn.Module:
+            return make_norm(hidden, cfg.rms_norm_eps, dtype, device, cfg.norm_unit_offset, cfg.norm_fp32_weight)
+
+        self.fc = Linear(2 * hidden, hidden, bias=False, dtype=dtype, device=device)
+        self.pre_fc_norm_embedding = norm()
+        self.pre_fc_norm_hidden = norm()
+        self.norm = norm()
+        self.layers = nn.ModuleList(DecoderLayer(cfg, j, dtype, device, tp, mtp=True) for j in range(cfg.mtp_layers))
+
+    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, batch: StepBatch,
+                rope: tuple[torch.Tensor, torch.Tensor] | None, kv: KVLayers, ops: KernelOps,
+                layer: int = 0) -> torch.Tensor:  # fmt: skip
+        x = self.fc(torch.cat([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)], dim=-1))
+        return self.norm(self.layers[layer](x, batch, rope, kv, ops))
+
+
 class HybridForCausalLM(nn.Module, GemmOwner):
     """The whole model. `forward_step` is the only entry point the runtime calls."""
 
     def __init__(
-        self, cfg: HybridConfig, dtype: torch.dtype, device: torch.device | str, tp: TPInfo | None = None
+        self, cfg: HybridConfig, dtype: torch.dtype, device: torch.device | str, tp: TPInfo | None = None,
+        mtp: bool = False,
     ) -> None:
         super().__init__()
         self.tp = tp or TPInfo()
@@ -167,6 +212,10 @@ class HybridForCausalLM(nn.Module, GemmOwner):
             else Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, device=device)
         )
         self.head_gemm = GemmSite(cfg.vocab_size, cfg.hidden_size, dtype, packable=True)  # a tied LM head
+        if mtp and not cfg.mtp_layers:
+            raise ModelLoadError(f"{cfg.architecture}: the checkpoint has no MTP layers (mtp_num_hidden_layers or "
+                                 "num_nextn_predict_layers in config.json) to draft with")
+        self.mtp = MtpHead(cfg, dtype, device, self.tp) if mtp else None
         self.embed_rows: QuantizedWeight | None = None
         """The quantized rows the embedding lookups read once a tied head is quantized (the table's dense
         copy is then gone; worker_proc.quantization)."""
@@ -186,11 +235,18 @@ class HybridForCausalLM(nn.Module, GemmOwner):
         m = _LAYER_PARAM.match(name)
         if m is None:
             return None
-        layers = self.model.layers
-        index = int(m.group(1))
-        module = getattr(layers[index], m.group(2), None) if index < len(layers) else None
+        owner = self.model if m.group(1) == "model" else self.mtp
+        layers = owner.layers if owner is not None else ()
+        index = int(m.group(2))
+        module = getattr(layers[index], m.group(3), None) if index < len(layers) else None
         spec = getattr(module, "shard_spec", None)
-        return spec(m.group(3)) if callable(spec) else None
+        return spec(m.group(4)) if callable(spec) else None
+
+    @property
+    def ignored_prefixes(self) -> tuple[str, ...]:
+        """Checkpoint tensors not loaded: the family's, less the MTP layers when they are built."""
+        kept = ("mtp.",) if self.mtp is not None else ()
+        return tuple(p for p in self.cfg.ignored_prefixes if p not in kept)
 
     def shard_for_rank(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """The part of the whole checkpoint tensor `name` this rank holds."""
@@ -209,18 +265,32 @@ class HybridForCausalLM(nn.Module, GemmOwner):
         """Run every layer over the step's rows, writing KV and advancing recurrent state in place.
         Returns float32 logits [len(batch.logit_rows), vocab] (already scaled); with
         `want_logits=False` (ranks that do not sample) the LM head is skipped: [0, vocab]."""
-        cfg = self.cfg
-        h = self.embed(batch.input_ids)
-        if cfg.embedding_multiplier != 1.0:
-            h = h * cfg.embedding_multiplier
-        rope = None
-        if cfg.attn.rope_theta is not None and cfg.attn_layer_ids:
-            rope = rope_cos_sin(batch.positions, cfg.attn.rope_dim, cfg.attn.rope_theta, self.dtype)
+        h = self.run_layers(batch, pools, ops)
+        if not want_logits:
+            return h.new_empty(0, self.cfg.vocab_size, dtype=torch.float32)
+        return self.logits(self.model.norm(h[batch.logit_rows]))
+
+    def run_layers(self, batch: StepBatch, pools: StatePools, ops: KernelOps) -> torch.Tensor:
+        """The residual stream after the last layer (before the final norm), every row."""
+        h = self.embed_scaled(batch.input_ids)
+        rope = self.rope(batch.positions)
         for layer in self.model.layers:
             h = layer(h, batch, rope, pools, ops)
-        if not want_logits:
-            return h.new_empty(0, cfg.vocab_size, dtype=torch.float32)
-        h = self.model.norm(h[batch.logit_rows])
+        return h
+
+    def embed_scaled(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        return h * self.cfg.embedding_multiplier if self.cfg.embedding_multiplier != 1.0 else h
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        cfg = self.cfg
+        if cfg.attn.rope_theta is None or not (cfg.attn_layer_ids or cfg.mtp_layers):
+            return None
+        return rope_cos_sin(positions, cfg.attn.rope_dim, cfg.attn.rope_theta, self.dtype)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """float32 logits of final-normed hidden states `h`, scaled as the family says."""
+        cfg = self.cfg
         if self.lm_head is not None:
             logits = self.lm_head(h).float()
         else:
