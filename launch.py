@@ -130,6 +130,8 @@ def preflight(args: ServerArgs) -> ModelInfo:
     _check_quantization(args)
     if args.tp_size > 1:
         _check_tp_layout(args)
+    if args.speculative_algorithm == "NEXTN":
+        _check_mtp_layers(args)
     if args.node_rank == 0:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             # as the tokenizer will bind: connections of a previous server in TIME_WAIT do not count,
@@ -180,6 +182,18 @@ def _check_tp_layout(args: ServerArgs) -> None:
     problem = tp_layout_error(cfg, args.tp_size)
     if problem:
         raise ConfigError(problem)
+
+
+def _check_mtp_layers(args: ServerArgs) -> None:
+    """NEXTN drafts with the checkpoint's MTP layers: it must have some."""
+    from shared.families.registry import parse_config  # torch-free
+    from shared.model_info import read_config_json
+
+    path = args.resolved_model_path
+    cfg = parse_config(read_config_json(path), os.path.join(path, "config.json"))
+    if not cfg.mtp_layers:
+        raise ConfigError(f"--speculative-algorithm NEXTN: the {cfg.architecture} checkpoint {path} has no MTP layers "
+                          "(mtp_num_hidden_layers or num_nextn_predict_layers in config.json); use NGRAM")
 
 
 def _wait_for_node0(args: ServerArgs) -> None:

@@ -32,7 +32,8 @@ logger = logging.getLogger(__name__)
 
 RECENT = 32  # earlier occurrences of the last token that a lookup compares, newest first
 MAX_BACKOFF = 16  # rounds a request sits out at most after verify steps that accepted nothing
-EXPLORE_EVERY = 8  # one round in this many of a batch size runs the mode measured slower there
+EXPLORE_EVERY = 8  # rounds of a batch size between the first two that run the mode measured slower there
+MAX_EXPLORE_EVERY = 128  # the interval doubles after each such round while the choice stands, up to this
 SMOOTHING = 0.25  # weight of the newest round in a measured rate
 MIN_ROUNDS = 3  # rounds of each mode a batch size is measured with before the rates decide
 MARGIN = 0.05  # drafting stops where it is measured this much slower (step times are noisy)
@@ -127,14 +128,18 @@ class DraftingGain:
     slices (1, 2-3, 4-7, ...): the output tokens per second of the worker's step time, as a moving
     average, of rounds that verified drafts and of rounds that did not. Drafting runs where it was
     not measured `MARGIN` slower; until each mode has `MIN_ROUNDS` rounds the less measured one runs,
-    and after that every `EXPLORE_EVERY`-th round of a bucket runs the other mode, so the choice
-    follows the load. Only rounds of decode slices alone are measured (a
-    prefill's time says nothing of drafting)."""
+    and after that a round now and then runs the other mode, so the choice follows the load: the
+    `EXPLORE_EVERY`-th round of a bucket after its choice was made, then after twice as many rounds,
+    and so on up to every `MAX_EXPLORE_EVERY`-th while the choice stands (a choice that changes starts
+    over), so exploring a mode that keeps losing costs ever less. Only rounds of decode slices alone
+    are measured (a prefill's time says nothing of drafting)."""
 
     def __init__(self) -> None:
         self.rate: dict[tuple[int, bool], float] = {}
         self.measured: dict[tuple[int, bool], int] = {}
-        self.rounds: dict[int, int] = {}
+        self.choice: dict[int, bool] = {}  # per bucket: whether drafting pays, as last decided
+        self.interval: dict[int, int] = {}  # per bucket: rounds from one exploring round to the next
+        self.since: dict[int, int] = {}  # per bucket: rounds since its last exploring round (or choice)
 
     @staticmethod
     def bucket(n_decode: int) -> int:
@@ -143,12 +148,18 @@ class DraftingGain:
     def wants(self, n_decode: int) -> bool:
         """Whether this round, with `n_decode` decode slices, drafts."""
         b = self.bucket(n_decode)
-        k = self.rounds[b] = self.rounds.get(b, 0) + 1
         n_drafted, n_plain = self.measured.get((b, True), 0), self.measured.get((b, False), 0)
         if min(n_drafted, n_plain) < MIN_ROUNDS:
             return n_drafted <= n_plain
         pays = self.rate[(b, True)] >= (1 - MARGIN) * self.rate[(b, False)]
-        return pays != (k % EXPLORE_EVERY == 0)
+        if self.choice.get(b) != pays:
+            self.choice[b], self.interval[b], self.since[b] = pays, EXPLORE_EVERY, 0
+        self.since[b] += 1
+        if self.since[b] < self.interval[b]:
+            return pays
+        self.since[b] = 0
+        self.interval[b] = min(MAX_EXPLORE_EVERY, 2 * self.interval[b])
+        return not pays
 
     def observe(self, n_decode: int, drafted: bool, tokens: int, seconds: float) -> None:
         """A round of `n_decode` decode slices alone emitted `tokens` in `seconds` of step time."""

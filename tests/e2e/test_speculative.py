@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import shutil
 import subprocess
 import sys
 
@@ -76,3 +78,40 @@ def test_bad_speculative_flags_are_one_line_errors() -> None:
         res = subprocess.run([sys.executable, "launch.py", *flags], cwd=ROOT, capture_output=True, text=True,
                              timeout=60)
         assert res.returncode == 2 and needle in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr
+
+
+def _mtp_model(tmp_path) -> str:
+    from shared.config import builtin_model_dir
+    from tests.mtp_checkpoint import write_mtp_checkpoint
+
+    path = write_mtp_checkpoint(str(tmp_path / "qwen3_next_mtp"))
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(builtin_model_dir(), f), path)
+    return path
+
+
+def test_nextn_drafts_with_the_mtp_layers_and_keeps_the_greedy_output(tmp_path) -> None:
+    """The MTP layers guess every round's drafts (concurrent requests, chunked prompts, a second wave
+    that hits the prefix cache); outputs equal the model's greedy decoding without drafts."""
+    from worker_proc.runtime import ModelRunner
+
+    path = _mtp_model(tmp_path)
+    ref = ModelRunner(path, dtype="float32", kv_slots=600, state_slots=4, deterministic=True)
+    system = [(7 * i + 3) % 200 + 3 for i in range(70)]
+    prompts = [system + [(11 * i + j) % 200 + 3 for i in range(4 + j)] for j in range(4)]
+    expected = [generate_greedy(ref, p, 20) for p in prompts]
+    args = ["--model-path", path, "--dtype", "float32", "--speculative-algorithm", "NEXTN",
+            "--speculative-num-draft-tokens", "3", "--chunked-prefill-size", "32", *DETERMINISTIC]  # fmt: skip
+    with running_server(args) as server:
+        for wave in range(2):
+            assert asyncio.run(generate_concurrently(server, prompts, 20)) == expected, wave
+        assert server.metric("hyssm_spec_verify_steps_total") > 0
+        assert server.metric("hyssm_spec_draft_tokens_total") > 0
+        assert server.metric("hyssm_prefix_cache_hit_tokens_total") > 0
+
+
+def test_nextn_on_a_model_without_mtp_layers_is_a_one_line_error() -> None:
+    res = subprocess.run([sys.executable, "launch.py", "--speculative-algorithm", "NEXTN"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert res.returncode == 2 and "no MTP layers" in res.stderr and len(res.stderr.strip().splitlines()) == 1, \
+        res.stderr

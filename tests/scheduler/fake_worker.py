@@ -46,6 +46,7 @@ class FakeWorker:
             self.state[slot] = ()
         out: dict[str, int] = {}
         accepted: dict[str, int] = {}
+        guesses: dict[str, list[int]] = {}
         full_kv = self._resolve(batch, refused)
         backups = [s.backup_slot for s in batch.reqs if s.drafts and s.rid not in refused]
         if any(not 0 < b < len(self.state) for b in backups) or len(set(backups)) != len(backups):
@@ -70,8 +71,14 @@ class FakeWorker:
                 self.state[s.state_slot] = seq
             if s.sample:
                 out[s.rid] = self.next_token(seq)
+                if s.draft_next:
+                    guesses[s.rid] = self.guess(seq + (out[s.rid],), s.draft_next)
         hit = sorted(r for r in refused if any(s.rid == r for s in batch.reqs))
-        return StepResult(step=batch.step, next_tokens=out, refused=hit, accepted=accepted)
+        return StepResult(step=batch.step, next_tokens=out, refused=hit, accepted=accepted, drafts=guesses)
+
+    def guess(self, seq: tuple[int, ...], k: int) -> list[int]:
+        """The MTP layers' `k` guesses after `seq` (ReqSlice.draft_next): none here."""
+        return []
 
     def _resolve(self, batch: ForwardBatch, refused: frozenset[str]) -> dict[str, list[int]]:
         """Full KV slot lists of the slices that run; the mirror then holds exactly these."""

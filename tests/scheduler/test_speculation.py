@@ -7,7 +7,14 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler_proc.drafting import EXPLORE_EVERY, MAX_BACKOFF, MIN_ROUNDS, DraftingGain, NgramDrafter
+from scheduler_proc.drafting import (
+    EXPLORE_EVERY,
+    MAX_BACKOFF,
+    MAX_EXPLORE_EVERY,
+    MIN_ROUNDS,
+    DraftingGain,
+    NgramDrafter,
+)
 from tests.scheduler import harness
 from tests.scheduler.fake_worker import FakeWorker
 from tests.scheduler.util import MAMBA_ONLY, greq, make
@@ -25,6 +32,40 @@ class CyclingWorker(FakeWorker):
         if len(seq) % self.miss == 0:
             return (sum(seq[-3:]) + 11) % self.vocab
         return seq[len(seq) - self.period]
+
+
+class GuessingWorker(CyclingWorker):
+    """A CyclingWorker whose 'MTP layers' guess its own continuation, wrong from the `wrong_from`-th
+    guess on."""
+
+    def __init__(self, *args: object, wrong_from: int = 3, **kw: object) -> None:
+        super().__init__(*args, **kw)  # type: ignore[arg-type]
+        self.wrong_from = wrong_from
+
+    def guess(self, seq: tuple[int, ...], k: int) -> list[int]:
+        out: list[int] = []
+        for i in range(k):
+            tok = self.next_token(seq)
+            out.append(tok if i < self.wrong_from else (tok + 1) % self.vocab)
+            seq = seq + (tok,)
+        return out
+
+
+def test_nextn_verifies_the_guesses_made_after_the_newest_token() -> None:
+    """NEXTN: every sampling slice asks for guesses, the next round's verify slice carries the ones made
+    in the step that produced the request's newest token, and outputs do not depend on drafting."""
+    prompts = {f"r{i}": [(3 * i + j) % 50 for j in range(5)] * 3 for i in range(4)}
+    plain, _ = make(kv=512, states=16)
+    ref = harness.run(plain, CyclingWorker(512, 16), {0: [greq(rid, p, 30) for rid, p in prompts.items()]})
+    spec, _ = make(kv=512, states=16, speculative_algorithm="NEXTN", speculative_num_draft_tokens=4)
+    log = harness.run(spec, GuessingWorker(512, 16, wrong_from=3),
+                      {0: [greq(rid, p, 30) for rid, p in prompts.items()]})  # fmt: skip
+    assert log.tokens == ref.tokens
+    m = spec.metrics
+    steps, accepted = m.get("hyssm_spec_verify_steps_total"), m.get("hyssm_spec_accepted_tokens_total")
+    assert steps > 0 and accepted / steps > 1.5, (steps, accepted)  # right up to the third guess, or a miss
+    assert m.get("hyssm_spec_draft_tokens_total") <= 4 * steps
+    assert log.rounds < ref.rounds / 1.8
 
 
 def test_drafter_continues_the_longest_most_recent_match() -> None:
@@ -129,8 +170,9 @@ def test_a_cache_full_of_states_still_lends_a_backup() -> None:
 
 def test_drafting_runs_at_the_batch_sizes_where_it_was_measured_faster() -> None:
     """Measured per batch-size bucket: each mode gets MIN_ROUNDS rounds first; then where verify rounds
-    emit clearly fewer tokens per second than plain ones drafting stops but for one exploring round in
-    EXPLORE_EVERY, and where they emit more it runs but for one plain round in EXPLORE_EVERY."""
+    emit clearly fewer tokens per second than plain ones drafting stops but for exploring rounds after
+    EXPLORE_EVERY, 2 * EXPLORE_EVERY, ... rounds (at most MAX_EXPLORE_EVERY apart), and where they emit
+    more it runs but for such plain rounds; a choice that changes explores after EXPLORE_EVERY again."""
     gain = DraftingGain()
     modes = []
     for _ in range(2 * MIN_ROUNDS):
@@ -139,9 +181,12 @@ def test_drafting_runs_at_the_batch_sizes_where_it_was_measured_faster() -> None
         gain.observe(1, modes[-1], 4 if modes[-1] else 1, 0.1 if modes[-1] else 0.07)  # 40 vs 14 tok/s
     assert sorted(modes) == [False] * MIN_ROUNDS + [True] * MIN_ROUNDS
     gain.observe(32, False, 80, 1.0)
-    big = [gain.wants(32) for _ in range(4 * EXPLORE_EVERY)]
-    alone = [gain.wants(1) for _ in range(4 * EXPLORE_EVERY)]
-    assert sum(big) == 4 and sum(alone) == 4 * EXPLORE_EVERY - 4
+    big = [gain.wants(32) for _ in range(3 * EXPLORE_EVERY)]
+    alone = [gain.wants(1) for _ in range(3 * EXPLORE_EVERY)]
+    explored = [i + 1 for i, m in enumerate(big) if m]
+    assert explored == [EXPLORE_EVERY, 3 * EXPLORE_EVERY] and sum(alone) == 3 * EXPLORE_EVERY - 2
+    later = [gain.wants(32) for _ in range(10 * MAX_EXPLORE_EVERY)]
+    assert 10 <= sum(later) <= 12  # at most one exploring round in MAX_EXPLORE_EVERY once the interval is there
     for _ in range(20):  # the load changed: drafting now pays at 32 too
         gain.observe(32, True, 32 * 4, 1.0)
     assert sum(gain.wants(32) for _ in range(EXPLORE_EVERY)) == EXPLORE_EVERY - 1

@@ -117,6 +117,25 @@ def test_tp2_with_drafts_serves_the_single_rank_outputs(tmp_path, runner: Any, n
             assert server.metric("hyssm_spec_accepted_tokens_total") > 0
 
 
+def test_tp2_nextn_drafts_with_sharded_mtp_layers(tmp_path) -> None:
+    """NEXTN under --tp-size 2: each rank holds its heads and experts of the MTP layer and its MTP KV
+    shard, both run it on rank 0's sampled tokens, and outputs are the single-rank runtime's."""
+    from tests.e2e.test_speculative import _mtp_model
+    from tests.model_driver import generate_greedy
+    from worker_proc.runtime import ModelRunner
+
+    path = _mtp_model(tmp_path)
+    ref = ModelRunner(path, device="cpu", dtype="float32", kv_slots=512, state_slots=4, deterministic=True)
+    rng = random.Random(14)
+    prompts = [[rng.randrange(3, 256) for _ in range(rng.randint(66, 80))] for _ in range(3)]
+    cases: list[Case] = [(p, 12, generate_greedy(ref, p, 12)) for p in prompts]
+    args = ["--model-path", path, "--tp-size", "2", "--max-running-requests", "8", "--dtype", "float32",
+            "--speculative-algorithm", "NEXTN", "--speculative-num-draft-tokens", "2", *DETERMINISTIC]  # fmt: skip
+    with running_server(args) as server:
+        _serves_expected(server, cases)
+        assert server.metric("hyssm_spec_verify_steps_total") > 0
+
+
 def test_tp2_copy_on_write_refusals_are_agreed_by_both_ranks(runner: Any) -> None:
     """Each rank refuses copy-on-writes at random on its own (different per rank); the ranks
     agree on the union before the forward pass, so their states never diverge and every request
