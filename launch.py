@@ -62,6 +62,8 @@ _HELP = {
     "enable_deterministic_inference": "batch-invariant numerics: a request's output does not depend on what it is "
     "batched with, whether its prefix came from the cache, or the TP size (slower on CPU)",
     "max_connections": "open HTTP connections at most; more are answered 503 and closed (default: 4096)",
+    "max_stored_responses": "Responses API objects kept in memory for previous_response_id and GET "
+    "/v1/responses/{id}; the least recently used is dropped first (default: 1024)",
     "http_read_timeout": "seconds from a request's first byte until its head and body are in (default: 30)",
     "dp_size": "data-parallel engine replicas on this node, each a scheduler with its own --tp-size ranks, "
     "behind the one HTTP server (requests are routed by cached prefix, then load: tokenizer_proc/replicas/routing.py)",

@@ -104,6 +104,7 @@ class ServerArgs:
     max_body_bytes: int = 4 * 1024 * 1024
     # HTTP connections (tokenizer process)
     max_connections: int = 4096  # open connections; more are answered 503 and closed
+    max_stored_responses: int = 1024  # Responses API objects kept for previous_response_id (least recent dropped)
     http_read_timeout: float = 30.0  # seconds from a request's first byte until its body is in
     http_keep_alive_timeout: float = 30.0  # seconds a connection may sit idle between requests
     # supervision
@@ -124,6 +125,7 @@ class ServerArgs:
             "--max-new-tokens-limit": self.max_new_tokens_limit,
             "--max-body-bytes": self.max_body_bytes,
             "--max-connections": self.max_connections,
+            "--max-stored-responses": self.max_stored_responses,
         }
         for flag, value in positive.items():
             if value <= 0:

@@ -2,8 +2,9 @@
 processes (drive it with httpx.ASGITransport and a fake Backend).
 
 Routes: POST /generate (native.py); POST /v1/completions, POST /v1/chat/completions,
-GET /v1/models, GET /v1/models/{id} (openai_api.py); POST /tokenize, POST /detokenize,
-GET /tokenizer_info (tokenize_api.py); GET /health (and /health_generate), GET /get_server_info
+GET /v1/models, GET /v1/models/{id} (openai_api.py); POST /v1/responses, GET|DELETE /v1/responses/{id}
+(responses_api.py); POST /tokenize, POST /detokenize, GET /tokenizer_info (tokenize_api.py);
+GET /version, GET /health (and /health_generate), GET /get_server_info
 (and /server_info), GET /get_model_info (and /model_info), GET|POST /flush_cache, GET /metrics
 (here); GET /get_load (router_api.py, with what sglang-router reads from the info documents).
 With `--api-key`, every route except /health, /health_generate and /metrics requires
@@ -32,6 +33,7 @@ from shared.model_info import ModelInfo
 from tokenizer_proc.api.health import HealthProbe
 from tokenizer_proc.api.native import generate_endpoint
 from tokenizer_proc.api.openai_api import chat_endpoint, completions_endpoint, model_endpoint, models_endpoint
+from tokenizer_proc.api.responses_api import response_endpoint, responses_endpoint
 from tokenizer_proc.api.router_api import get_load, sglang_model_fields, sglang_server_fields
 from tokenizer_proc.api.tokenize_api import detokenize_endpoint, tokenize_endpoint, tokenizer_info_endpoint
 from tokenizer_proc.context import AppContext, get_ctx
@@ -41,6 +43,7 @@ from tokenizer_proc.metrics import render_metrics
 from tokenizer_proc.replicas.backend import ReplicatedBackend
 from tokenizer_proc.requests.generation import Backend, BackendUnavailable
 from tokenizer_proc.requests.latency import LatencyCollector
+from tokenizer_proc.requests.response_store import ResponseStore
 from tokenizer_proc.requests.tokenizer import TextTokenizer
 from tokenizer_proc.requests.validation import Limits
 
@@ -99,6 +102,11 @@ async def server_info(request: Request) -> Response:
         "scheduler": info,
         **replicas,
     })
+
+
+async def version(request: Request) -> Response:
+    """GET /version (vLLM, SGLang): this server's version."""
+    return json_response({"version": VERSION})
 
 
 async def model_info(request: Request) -> Response:
@@ -192,11 +200,14 @@ def create_app(args: ServerArgs, backend: Backend, tokenizer: TextTokenizer | No
     model_dir = args.resolved_model_path
     info = ModelInfo.from_dir(model_dir)
     tok = tokenizer or TextTokenizer.from_dir(model_dir, info)
-    ctx = AppContext(args, backend, tok, Limits.from_args(args, info.max_position_embeddings, info.vocab_size))
+    ctx = AppContext(args, backend, tok, Limits.from_args(args, info.max_position_embeddings, info.vocab_size),
+                     responses=ResponseStore(args.max_stored_responses))
     routes = [
         Route("/generate", generate_endpoint, methods=["POST"]),
         Route("/v1/completions", completions_endpoint, methods=["POST"]),
         Route("/v1/chat/completions", chat_endpoint, methods=["POST"]),
+        Route("/v1/responses", responses_endpoint, methods=["POST"]),
+        Route("/v1/responses/{response_id}", response_endpoint, methods=["GET", "DELETE"]),
         Route("/v1/models", models_endpoint, methods=["GET"]),
         Route("/v1/models/{model_id:path}", model_endpoint, methods=["GET"]),
         Route("/tokenize", tokenize_endpoint, methods=["POST"]),
@@ -204,6 +215,7 @@ def create_app(args: ServerArgs, backend: Backend, tokenizer: TextTokenizer | No
         Route("/tokenizer_info", tokenizer_info_endpoint, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/health_generate", health, methods=["GET"]),
+        Route("/version", version, methods=["GET"]),
         Route("/get_server_info", server_info, methods=["GET"]),
         Route("/server_info", server_info, methods=["GET"]),
         Route("/get_model_info", model_info, methods=["GET"]),

@@ -16,6 +16,7 @@ from shared.config import ServerArgs
 from tokenizer_proc.metrics import HttpMetrics
 from tokenizer_proc.requests.generation import Backend, InFlight
 from tokenizer_proc.requests.latency import LatencyStats
+from tokenizer_proc.requests.response_store import ResponseStore
 from tokenizer_proc.requests.tokenizer import TextTokenizer
 from tokenizer_proc.requests.validation import Limits
 
@@ -35,6 +36,7 @@ class AppContext:
     in_flight: InFlight = field(default_factory=InFlight)
     metrics: HttpMetrics = field(default_factory=HttpMetrics)
     latency: LatencyStats = field(default_factory=LatencyStats)
+    responses: ResponseStore = field(default_factory=lambda: ResponseStore(ServerArgs.max_stored_responses))
 
     async def prepare(
         self, fn: Callable[[B, TextTokenizer, Limits], R], body: B, size: int, threaded: bool = False
@@ -48,6 +50,7 @@ class AppContext:
     def check_integrity(self) -> None:
         self.in_flight.check_integrity()
         self.metrics.check_integrity()
+        self.responses.check_integrity()
 
 
 def get_ctx(request: Request) -> AppContext:

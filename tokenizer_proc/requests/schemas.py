@@ -210,3 +210,52 @@ class DetokenizeBody(_Body):
 
     tokens: list[Int]
     model: str | None = None
+
+
+class ResponseFormat(_Body):
+    """`text.format` of a Responses request: text, json_object, or json_schema (name, schema, strict)."""
+
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    name: str | None = None
+    schema: dict[str, Any] | None = None
+    description: str | None = None
+    strict: bool | None = None
+
+
+class ResponseText(_Body):
+    format: ResponseFormat | None = None
+    verbosity: str | None = None  # a hint for OpenAI's own models: ignored
+
+
+class ResponsesBody(_Body):
+    """POST /v1/responses (the OpenAI Responses API). `input` items and `tools` are checked item by
+    item where they are turned into chat messages (responses_input.py), naming the item at fault."""
+
+    model: str | None = None
+    input: str | list[dict[str, Any]] | None = None
+    instructions: str | None = None
+    max_output_tokens: Int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: Int | None = None
+    min_p: float | None = None
+    seed: Int | None = None
+    repetition_penalty: float | None = None
+    stop: StopT | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
+    text: ResponseText | None = None
+    stream: bool = False
+    store: bool = True
+    previous_response_id: str | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    truncation: Literal["disabled", "auto"] = "disabled"
+    background: bool = False
+    include: list[str] | None = None
+    # accepted and ignored, as on chat: hints for OpenAI's own models
+    reasoning: dict[str, Any] | None = None
+    service_tier: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None

@@ -1,0 +1,231 @@
+"""POST /v1/responses, GET and DELETE /v1/responses/{id} (the OpenAI Responses API).
+
+A Responses request is computed as the chat request over its conversation (requests/responses_input.py)
+and answered as a `response` object: `output` holds one `message` item (an `output_text` part) when
+there is text, or when there is nothing else, then one `function_call` item per tool call; `status`
+is "completed", or "incomplete" with `incomplete_details.reason` "max_output_tokens" when the output
+was cut by `max_output_tokens`. Streamed, the events are OpenAI's, each with its `sequence_number`:
+response.created, response.in_progress, then for the message response.output_item.added,
+response.content_part.added, response.output_text.delta (one per piece of text), .output_text.done,
+.content_part.done, .output_item.done, then per call .output_item.added,
+.function_call_arguments.delta / .done, .output_item.done, and last response.completed (or
+response.incomplete; response.failed with `error` when the request failed). With `store` (the
+default) the response is kept in the app's ResponseStore once it is complete.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncGenerator
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from tokenizer_proc.api.openai_api import check_model, openai_error
+from tokenizer_proc.context import AppContext, get_ctx
+from tokenizer_proc.http.errors import ApiError
+from tokenizer_proc.http.plumbing import json_response, read_body, sse
+from tokenizer_proc.requests.flow import Accumulated, ended, respond
+from tokenizer_proc.requests.generation import Finish, Piece
+from tokenizer_proc.requests.prepare import prepare_chat
+from tokenizer_proc.requests.responses_input import chat_body, check_supported, input_messages
+from tokenizer_proc.requests.schemas import ChatMessage, FunctionCall, ResponsesBody, ToolCall
+from tokenizer_proc.requests.structured import needs_grammar
+from tokenizer_proc.requests.tools import ToolStream, parse_output
+from tokenizer_proc.requests.validation import PreparedRequest, decode_body
+
+
+def _item_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+class _Response:
+    """The response object of one request as it is built, and its stream's event numbering."""
+
+    def __init__(self, ctx: AppContext, body: ResponsesBody, req: PreparedRequest,
+                 conversation: list[ChatMessage]) -> None:  # fmt: skip
+        self.ctx, self.body, self.req = ctx, body, req
+        self.conversation = conversation  # before this response's output
+        self.id = _item_id("resp")
+        self.created = int(time.time())
+        self.seq = 0
+        self.message_id = _item_id("msg")
+
+    # ------------------------------------------------------------------ objects
+    def obj(self, status: str, output: list[dict[str, Any]], last: Piece | None = None,
+            error: ApiError | None = None) -> dict[str, Any]:  # fmt: skip
+        b = self.body
+        fmt = b.text.format if b.text is not None and b.text.format is not None else None
+        out: dict[str, Any] = {
+            "id": self.id, "object": "response", "created_at": self.created, "status": status,
+            "model": self.ctx.args.model_name, "output": output, "instructions": b.instructions,
+            "max_output_tokens": b.max_output_tokens, "previous_response_id": b.previous_response_id,
+            "parallel_tool_calls": b.parallel_tool_calls, "temperature": b.temperature, "top_p": b.top_p,
+            "tool_choice": b.tool_choice if b.tool_choice is not None else "auto",
+            "tools": [_tool_echo(t) for t in b.tools or []],
+            "text": {"format": _fmt_dict(fmt) if fmt is not None else {"type": "text"}},
+            "truncation": b.truncation, "store": b.store, "metadata": b.metadata or {}, "user": b.user,
+            "error": None if error is None else {"code": "server_error", "message": error.message},
+            "incomplete_details": None, "usage": None,
+        }
+        if last is not None:
+            out["usage"] = {
+                "input_tokens": last.prompt_tokens, "output_tokens": last.completion_tokens,
+                "total_tokens": last.prompt_tokens + last.completion_tokens,
+                "input_tokens_details": {"cached_tokens": last.cached_tokens},
+                "output_tokens_details": {"reasoning_tokens": 0},
+            }
+            if last.finish is not None and last.finish.reason == "length":
+                out["incomplete_details"] = {"reason": "max_output_tokens"}
+        return out
+
+    def message(self, text: str, status: str = "completed") -> dict[str, Any]:
+        part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+        content = [] if status == "in_progress" else [part]
+        return {"type": "message", "id": self.message_id, "status": status, "role": "assistant", "content": content}
+
+    @staticmethod
+    def call_item(call: dict[str, Any], arguments: str | None = None) -> dict[str, Any]:
+        fn = call["function"]
+        return {"type": "function_call", "id": "fc_" + call["id"].removeprefix("call_"), "call_id": call["id"],
+                "name": fn["name"], "arguments": fn["arguments"] if arguments is None else arguments,
+                "status": "completed" if arguments is None else "in_progress"}  # fmt: skip
+
+    def output(self, content: str | None, calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        items = [self.message(content)] if content or not calls else []
+        return items + [self.call_item(c) for c in calls]
+
+    def done(self, output: list[dict[str, Any]], content: str | None, calls: list[dict[str, Any]],
+             last: Piece | None) -> dict[str, Any]:  # fmt: skip
+        """The finished response; stored when asked."""
+        finish: Finish | None = last.finish if last is not None else None
+        status = "incomplete" if finish is not None and finish.reason == "length" else "completed"
+        obj = self.obj(status, output, last)
+        if self.body.store:
+            reply = ChatMessage(role="assistant", content=content or "", tool_calls=[
+                ToolCall(id=c["id"], function=FunctionCall(name=c["function"]["name"],
+                                                           arguments=c["function"]["arguments"]))
+                for c in calls] or None)  # fmt: skip
+            self.ctx.responses.put(self.id, obj, [*self.conversation, reply])
+        return obj
+
+    def whole(self, accs: list[Accumulated]) -> dict[str, Any]:
+        acc = accs[0]
+        text = "".join(acc.text)
+        plan = self.req.tool_plan
+        content, calls = parse_output(plan, text) if plan is not None else (text, [])
+        return self.done(self.output(content, calls), content, calls, acc.last)
+
+    # ------------------------------------------------------------------ stream
+    def event(self, kind: str, **fields: Any) -> bytes:
+        self.seq += 1
+        return sse({"type": kind, "sequence_number": self.seq - 1, **fields})
+
+    async def frames(self, pieces: AsyncGenerator[tuple[int, Piece], None]) -> AsyncGenerator[bytes, None]:
+        yield self.event("response.created", response=self.obj("in_progress", []))
+        yield self.event("response.in_progress", response=self.obj("in_progress", []))
+        stream = ToolStream(self.req.tool_plan) if self.req.tool_plan is not None else None
+        shown: list[str] = []
+        opened = False
+        where = {"item_id": self.message_id, "output_index": 0, "content_index": 0}
+        async with contextlib.aclosing(pieces) as it:
+            async for _, piece in it:
+                err = openai_error(piece.finish)
+                if err is not None:
+                    yield self.event("response.failed", response=self.obj("failed", [], error=err))
+                    return
+                text = stream.feed(piece.text) if stream is not None else piece.text
+                calls: list[dict[str, Any]] = []
+                if piece.finish is not None and stream is not None:
+                    rest, calls = stream.finish()
+                    text += rest
+                if text and not opened:
+                    opened = True
+                    for frame in self._open_message():
+                        yield frame
+                if text:
+                    shown.append(text)
+                    yield self.event("response.output_text.delta", **where, delta=text, logprobs=[])
+                if piece.finish is None:
+                    continue
+                content = "".join(shown)
+                if not opened and not calls:  # nothing at all: an empty message, as the whole answer has
+                    opened = True
+                    for frame in self._open_message():
+                        yield frame
+                output = [self.message(content)] if opened else []
+                if opened:
+                    yield self.event("response.output_text.done", **where, text=content, logprobs=[])
+                    yield self.event("response.content_part.done", **where, part=output[0]["content"][0])
+                    yield self.event("response.output_item.done", output_index=0, item=output[0])
+                for call in calls:
+                    for frame in self._call_events(call, len(output)):
+                        yield frame
+                    output.append(self.call_item(call))
+                obj = self.done(output, content or None, calls, piece)
+                yield self.event("response.completed" if obj["status"] == "completed" else "response.incomplete",
+                                 response=obj)  # fmt: skip
+
+    def _open_message(self) -> list[bytes]:
+        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        return [self.event("response.output_item.added", output_index=0, item=self.message("", "in_progress")),
+                self.event("response.content_part.added", item_id=self.message_id, output_index=0, content_index=0,
+                           part=part)]  # fmt: skip
+
+    def _call_events(self, call: dict[str, Any], index: int) -> list[bytes]:
+        item = self.call_item(call)
+        args = call["function"]["arguments"]
+        return [
+            self.event("response.output_item.added", output_index=index, item=self.call_item(call, "")),
+            self.event("response.function_call_arguments.delta", item_id=item["id"], output_index=index, delta=args),
+            self.event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                       arguments=args, name=item["name"]),
+            self.event("response.output_item.done", output_index=index, item=item),
+        ]
+
+
+def _fmt_dict(fmt: Any) -> dict[str, Any]:
+    return {k: getattr(fmt, k) for k in fmt.__struct_fields__ if getattr(fmt, k) is not None}
+
+
+def _tool_echo(tool: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "function", "name": tool.get("name"), "description": tool.get("description"),
+            "parameters": tool.get("parameters"), "strict": tool.get("strict")}
+
+
+def _stored(ctx: AppContext, rid: str, param: str) -> Any:
+    entry = ctx.responses.get(rid)
+    if entry is None:
+        raise ApiError(404, f"no stored response with id {rid!r} (responses are kept in memory, the "
+                       f"{ctx.args.max_stored_responses} most recent)", param, err_type="not_found_error")  # fmt: skip
+    return entry
+
+
+async def responses_endpoint(request: Request) -> Response:
+    ctx = get_ctx(request)
+    data = await read_body(request, ctx.args.max_body_bytes)
+    body = decode_body(data, ResponsesBody)
+    check_model(ctx, body.model)
+    check_supported(body)
+    history = list(_stored(ctx, body.previous_response_id, "previous_response_id").conversation) \
+        if body.previous_response_id else []  # fmt: skip
+    own = input_messages(body)
+    chat = chat_body(body, history + own)
+    reqs = await ctx.prepare(prepare_chat, chat, len(data), needs_grammar(chat))
+    carried = own[1:] if body.instructions else own  # instructions are not carried over
+    resp = _Response(ctx, body, reqs[0], history + carried)
+    return await respond(ctx, reqs, request, lambda pieces: ended(resp.frames(pieces)), openai_error, resp.whole)
+
+
+async def response_endpoint(request: Request) -> Response:
+    """GET /v1/responses/{id}: a stored response; DELETE removes it."""
+    ctx = get_ctx(request)
+    rid = request.path_params["response_id"]
+    if request.method == "DELETE":
+        _stored(ctx, rid, "response_id")
+        ctx.responses.delete(rid)
+        return json_response({"id": rid, "object": "response.deleted", "deleted": True})
+    return json_response(_stored(ctx, rid, "response_id").response)

@@ -1,0 +1,150 @@
+"""What a Responses request (POST /v1/responses) asks for, as the chat request that computes it.
+
+Rules:
+- the conversation is the stored conversation of `previous_response_id` (its inputs and outputs,
+  without its instructions: OpenAI carries instructions over only when given again), then this
+  request's `instructions` as the first (system) message, then its `input`: a string is one user
+  message; items are messages (`role` system / developer / user / assistant, content a string or
+  `input_text` / `output_text` parts; `type` "message" or absent), `function_call` items (an assistant
+  tool call) and `function_call_output` items (the tool message answering `call_id`);
+- `tools` are function tools (flat: name, description, parameters, strict); `tool_choice` none / auto
+  / required or {"type": "function", "name": ...}; `text.format` json_object / json_schema is the chat
+  `response_format`; `max_output_tokens` is max_tokens;
+- anything a chat request here cannot compute is a 400 naming it: other item, part and tool types
+  (images, files, built-in tools), `background`, `truncation: auto`, `include`, `conversation`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tokenizer_proc.http.errors import bad_request
+from tokenizer_proc.requests.schemas import (
+    ChatBody,
+    ChatMessage,
+    FunctionCall,
+    FunctionDef,
+    NamedToolChoice,
+    NamedToolChoiceFunction,
+    ResponsesBody,
+    StreamOptions,
+    ToolCall,
+    ToolDef,
+)
+from tokenizer_proc.requests.validation import require
+
+ROLES = ("system", "developer", "user", "assistant")
+TEXT_PARTS = ("input_text", "output_text", "text")
+
+
+def check_supported(body: ResponsesBody) -> None:
+    require(not body.background, "background responses are not supported (the request runs while you wait)",
+            "background")
+    require(body.truncation == "disabled", "truncation 'auto' is not supported: a conversation longer than the "
+            "context is a 400", "truncation")
+    require(not body.include, f"include {body.include!r} is not supported", "include")
+
+
+def _text(content: Any, param: str) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise bad_request("content must be a string or a list of text parts", param)
+    out = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in TEXT_PARTS or not isinstance(part.get("text"), str):
+            raise bad_request(f"content part of type {kind!r} is not supported (text parts only: "
+                              f"{', '.join(TEXT_PARTS)})", f"{param}[{j}]")  # fmt: skip
+        out.append(part["text"])
+    return "".join(out)
+
+
+def _str_field(item: dict[str, Any], key: str, param: str) -> str:
+    value = item.get(key)
+    if not isinstance(value, str):
+        raise bad_request(f"{key} must be a string", f"{param}.{key}")
+    return value
+
+
+def input_messages(body: ResponsesBody) -> list[ChatMessage]:
+    """This request's own messages: its instructions, then its input."""
+    out: list[ChatMessage] = []
+    if body.instructions:
+        out.append(ChatMessage(role="system", content=body.instructions))
+    if body.input is None:
+        raise bad_request("input is required", "input")
+    if isinstance(body.input, str):
+        return [*out, ChatMessage(role="user", content=body.input)]
+    for i, item in enumerate(body.input):
+        param = f"input[{i}]"
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role not in ROLES:
+                raise bad_request(f"role {role!r} is not one of {', '.join(ROLES)}", f"{param}.role")
+            out.append(ChatMessage(role=role, content=_text(item.get("content"), f"{param}.content")))
+        elif kind == "function_call":
+            call = ToolCall(id=_str_field(item, "call_id", param),
+                            function=FunctionCall(name=_str_field(item, "name", param),
+                                                  arguments=_str_field(item, "arguments", param)))  # fmt: skip
+            out.append(ChatMessage(role="assistant", content="", tool_calls=[call]))
+        elif kind == "function_call_output":
+            output = item.get("output")
+            text = output if isinstance(output, str) else _text(output, f"{param}.output")
+            out.append(ChatMessage(role="tool", content=text, tool_call_id=_str_field(item, "call_id", param)))
+        else:
+            raise bad_request(f"input item of type {kind!r} is not supported (message, function_call, "
+                              "function_call_output)", f"{param}.type")  # fmt: skip
+    return out
+
+
+def _tools(body: ResponsesBody) -> list[ToolDef] | None:
+    if not body.tools:
+        return None
+    out = []
+    for i, tool in enumerate(body.tools):
+        kind = tool.get("type")
+        if kind != "function":
+            raise bad_request(f"tool of type {kind!r} is not supported (function tools only)", f"tools[{i}].type")
+        params = tool.get("parameters")
+        if params is not None and not isinstance(params, dict):
+            raise bad_request("parameters must be a JSON schema object", f"tools[{i}].parameters")
+        description = tool.get("description")
+        out.append(ToolDef(function=FunctionDef(name=_str_field(tool, "name", f"tools[{i}]"), parameters=params,
+                                                description=description if isinstance(description, str) else None,
+                                                strict=tool.get("strict"))))  # fmt: skip
+    return out
+
+
+def _tool_choice(body: ResponsesBody) -> Any:
+    choice = body.tool_choice
+    if choice is None or isinstance(choice, str):
+        return choice
+    if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
+        raise bad_request("tool_choice must be none, auto, required or {\"type\": \"function\", \"name\": ...}",
+                          "tool_choice")
+    return NamedToolChoice(function=NamedToolChoiceFunction(name=choice["name"]))
+
+
+def _response_format(body: ResponsesBody) -> dict[str, Any] | None:
+    fmt = body.text.format if body.text is not None else None
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return {"type": "json_object"}
+    require(fmt.schema is not None, "text.format of type json_schema needs a schema", "text.format.schema")
+    return {"type": "json_schema", "json_schema": {"name": fmt.name or "response", "schema": fmt.schema,
+                                                   "strict": bool(fmt.strict)}}  # fmt: skip
+
+
+def chat_body(body: ResponsesBody, messages: list[ChatMessage]) -> ChatBody:
+    """The chat request over the whole conversation `messages`."""
+    return ChatBody(
+        model=body.model, messages=messages, max_tokens=body.max_output_tokens, temperature=body.temperature,
+        top_p=body.top_p, top_k=body.top_k, min_p=body.min_p, seed=body.seed,
+        repetition_penalty=body.repetition_penalty, stop=body.stop, stream=body.stream,
+        stream_options=StreamOptions(include_usage=True) if body.stream else None, tools=_tools(body),
+        tool_choice=_tool_choice(body), parallel_tool_calls=body.parallel_tool_calls,
+        response_format=_response_format(body),
+    )
