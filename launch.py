@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import multiprocessing as mp
 import os
@@ -62,6 +63,15 @@ _HELP = {
     "enable_deterministic_inference": "batch-invariant numerics: a request's output does not depend on what it is "
     "batched with, whether its prefix came from the cache, or the TP size (slower on CPU)",
     "max_connections": "open HTTP connections at most; more are answered 503 and closed (default: 4096)",
+    "chat_template": "the chat template: a Jinja file, or the name of one of the checkpoint's named templates "
+    "(default: the checkpoint's own)",
+    "tool_call_parser": "the format tool calls are read in with tool_choice auto: hermes / qwen25 (<tool_call> "
+    "JSON), qwen3_coder (<tool_call><function=...> XML), granite (<|tool_call|>), nemotron (<TOOLCALL>), or "
+    "auto: any of them (default)",
+    "enable_auto_tool_choice": "accepted for vLLM command lines: tool_choice auto is always served here "
+    "(read with --tool-call-parser), as SGLang does",
+    "reasoning_parser": "qwen3 | deepseek-r1 | nemotron: return the <think> part of the output as "
+    "reasoning_content (default: none, it stays in content)",
     "max_stored_responses": "Responses API objects kept in memory for previous_response_id and GET "
     "/v1/responses/{id}; the least recently used is dropped first (default: 1024)",
     "http_read_timeout": "seconds from a request's first byte until its head and body are in (default: 30)",
@@ -134,6 +144,8 @@ def preflight(args: ServerArgs) -> ModelInfo:
         _check_tp_layout(args)
     if args.speculative_algorithm == "NEXTN":
         _check_mtp_layers(args)
+    if args.chat_template:
+        _check_chat_template(args)
     if args.node_rank == 0:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             # as the tokenizer will bind: connections of a previous server in TIME_WAIT do not count,
@@ -184,6 +196,21 @@ def _check_tp_layout(args: ServerArgs) -> None:
     problem = tp_layout_error(cfg, args.tp_size)
     if problem:
         raise ConfigError(problem)
+
+
+def _check_chat_template(args: ServerArgs) -> None:
+    """--chat-template names a file or one of the checkpoint's named templates, and it compiles."""
+    from tokenizer_proc.requests.chat_template import ChatTemplate, ChatTemplateError, select_template
+
+    path = os.path.join(args.resolved_model_path, "tokenizer_config.json")
+    config: dict = {}
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    try:
+        ChatTemplate(select_template(config, args.resolved_model_path, args.chat_template))
+    except ChatTemplateError as e:
+        raise ConfigError(str(e)) from e
 
 
 def _check_mtp_layers(args: ServerArgs) -> None:

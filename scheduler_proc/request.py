@@ -34,8 +34,8 @@ class Req:
         "rid", "prompt_len", "tokens", "sampling", "priority", "seq", "status",
         "kv_slots", "tree_len", "node", "state_slot", "computed", "cow_node", "splits",
         "pending_ckpt", "cached_tokens", "admitted", "abort_reason", "peek", "queue_token",
-        "retracted_at", "refusals", "sent_kv", "sent_step", "prompt_lps", "prompt_tops", "save_prompt_state",
-        "backup_slot",
+        "retracted_at", "refusals", "sent_kv", "sent_step", "prompt_lps", "prompt_tops", "prompt_ranks",
+        "save_prompt_state", "backup_slot",
     )  # fmt: skip
 
     def __init__(self, rid: str, input_ids: list[int], sampling: SamplingParams, priority: int, seq: int) -> None:
@@ -68,6 +68,7 @@ class Req:
         # with sampling.prompt_logprobs: entry k is of prompt token k + 1 (filled as prefill slices run)
         self.prompt_lps: list[float] = []
         self.prompt_tops: list[list[tuple[int, float]]] = []
+        self.prompt_ranks: list[int] = []
         self.save_prompt_state = False  # GenerateReq.save_prompt_state: a split point at prompt_len - 1
         self.backup_slot: int | None = None  # state slot lent for the in-flight verify step (drafting.py)
 
@@ -190,4 +191,5 @@ def token_out(r: Req, new: list[int], reason: FinishReason | None, matched: int 
         logprobs=logprobs, error=error, top_logprobs=top,
         prompt_logprobs=list(r.prompt_lps) if first else None,
         prompt_top_logprobs=list(r.prompt_tops) if first and r.sampling.prompt_logprobs > 0 else None,
+        prompt_ranks=list(r.prompt_ranks) if first else None,
     )  # fmt: skip

@@ -336,6 +336,8 @@ class Scheduler:
         want = max(0, r.prompt_len - 1 - e.start)
         del r.prompt_lps[e.start :]
         r.prompt_lps.extend(result.prompt_logprobs[r.rid][:want])
+        del r.prompt_ranks[e.start :]
+        r.prompt_ranks.extend(result.prompt_ranks.get(r.rid, [])[:want])
         if r.sampling.prompt_logprobs > 0:
             del r.prompt_tops[e.start :]
             r.prompt_tops.extend(result.prompt_top_logprobs.get(r.rid, [])[:want])

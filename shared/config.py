@@ -98,6 +98,11 @@ class ServerArgs:
     speculative_ngram_min_match_window_size: int = 1
     speculative_ngram_max_match_window_size: int = 12
     disable_prompt_checkpoint: bool = False  # no state checkpoint at the end of each prompt
+    # chat (tokenizer process)
+    chat_template: str = ""  # a template file, or the name of one of the checkpoint's named templates
+    tool_call_parser: Literal["auto", "hermes", "qwen25", "granite", "nemotron", "qwen3_coder"] = "auto"
+    enable_auto_tool_choice: bool = False  # vLLM's flag: tool_choice "auto" is always parsed here, as SGLang does
+    reasoning_parser: Literal["", "qwen3", "deepseek-r1", "nemotron"] = ""
     # limits
     context_length: int = 0  # 0 = the model's max_position_embeddings
     max_new_tokens_limit: int = 4096

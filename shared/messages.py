@@ -18,11 +18,14 @@ class GrammarSpec(msgspec.Struct, frozen=True, kw_only=True):
     """A constraint on the output (structured output), as the client gave it: validated by the
     tokenizer process, compiled by worker rank 0 (worker_proc/grammar.py, one compilation per
     distinct spec). `source`: the JSON schema (JSON text), the regex or the EBNF grammar (empty for
-    json_object); `strict`: a json_schema object allows no properties beyond the schema's."""
+    json_object); `strict`: a json_schema object allows no properties beyond the schema's; `after`:
+    the tokens (a reasoning model's `</think>`) once the output holds which the grammar constrains what
+    follows, the output being free until then (empty: constrained from its first token)."""
 
     kind: Literal["json_schema", "json_object", "regex", "ebnf"]
     source: str = ""
     strict: bool = True
+    after: tuple[int, ...] = ()
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
@@ -118,6 +121,7 @@ class TokenOut(msgspec.Struct, kw_only=True, array_like=True):
     # 1..prompt_len-1 (the first has none) and their alternatives
     prompt_logprobs: list[float] | None = None
     prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
+    prompt_ranks: list[int] | None = None  # the rank of each of those prompt tokens (1 = the most likely)
 
 
 class TokenOutBatch(msgspec.Struct, tag=True, kw_only=True):
@@ -314,6 +318,7 @@ class StepResult(msgspec.Struct, tag=True, kw_only=True):
     # per prompt-logprob slice: the logprob of the token after each of its positions, and alternatives
     prompt_logprobs: dict[str, list[float]] = {}
     prompt_top_logprobs: dict[str, list[list[tuple[int, float]]]] = {}
+    prompt_ranks: dict[str, list[int]] = {}  # the rank of each of those tokens in its distribution
     grammar_done: list[str] = []  # requests whose grammar is complete with this step's token
     grammar_errors: dict[str, str] = {}  # requests whose grammar could not go on (they end with an error)
     refused: list[str] = []

@@ -44,7 +44,7 @@ from tokenizer_proc.replicas.backend import ReplicatedBackend
 from tokenizer_proc.requests.generation import Backend, BackendUnavailable
 from tokenizer_proc.requests.latency import LatencyCollector
 from tokenizer_proc.requests.response_store import ResponseStore
-from tokenizer_proc.requests.tokenizer import TextTokenizer
+from tokenizer_proc.requests.tokenizer import ChatConventions, TextTokenizer
 from tokenizer_proc.requests.validation import Limits
 
 logger = logging.getLogger(__name__)
@@ -136,7 +136,7 @@ async def metrics(request: Request) -> Response:
         except (BackendUnavailable, TimeoutError) as e:
             logger.warning("/metrics without scheduler metrics: %s", e)
     body = render_metrics(ctx.metrics, sched_metrics, len(ctx.in_flight), ctx.backend.healthy,
-                          LatencyCollector(ctx.latency))
+                          LatencyCollector(ctx.latency), model_name=ctx.args.model_name)
     return Response(body, media_type=CONTENT_TYPE_LATEST)
 
 
@@ -199,7 +199,7 @@ def create_app(args: ServerArgs, backend: Backend, tokenizer: TextTokenizer | No
     """The HTTP app over `backend`. Loads the tokenizer from args.resolved_model_path unless given."""
     model_dir = args.resolved_model_path
     info = ModelInfo.from_dir(model_dir)
-    tok = tokenizer or TextTokenizer.from_dir(model_dir, info)
+    tok = tokenizer or TextTokenizer.from_dir(model_dir, info, chat=ChatConventions.from_args(args))
     ctx = AppContext(args, backend, tok, Limits.from_args(args, info.max_position_embeddings, info.vocab_size),
                      responses=ResponseStore(args.max_stored_responses))
     routes = [

@@ -1,11 +1,14 @@
 """/metrics: Prometheus text rendered from the scheduler's MetricRecords (SchedulerInfo.metrics,
 shared/messages.py: names already validated when the message was decoded) plus this layer's own HTTP
-counters, through a fresh CollectorRegistry per scrape (no prometheus globals).
+counters and latency histograms, through a fresh CollectorRegistry per scrape (no prometheus globals).
+The same quantities are also rendered under SGLang's names with a `model_name` label
+(tokenizer_proc/sglang_metrics.py); the hyssm_* series carry no model label.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -15,16 +18,19 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from shared.messages import MetricRecord
+from tokenizer_proc.sglang_metrics import RateWindow, sglang_families
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
 class HttpMetrics:
-    """Counters of the HTTP layer: one per app (in its context), updated only by its middleware."""
+    """Counters of the HTTP layer: one per app (in its context), updated only by its middleware;
+    `rates`: the windows of the rates /metrics computes between scrapes (sglang:gen_throughput)."""
 
     requests: Counter[tuple[str, int]] = field(default_factory=Counter)
     bad_requests: Counter[str] = field(default_factory=Counter)
+    rates: dict[str, RateWindow] = field(default_factory=dict)
 
     def record(self, endpoint: str, status: int) -> None:
         self.requests[(endpoint, status)] += 1
@@ -76,14 +82,27 @@ class SchedulerCollector(Collector):
         yield from families.values()
 
 
+class _Families(Collector):
+    def __init__(self, families: list[Metric]):
+        self._families = families
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self._families
+
+
 def render_metrics(
     http: HttpMetrics, scheduler_metrics: list[MetricRecord] | None, in_flight: int, healthy: bool,
-    latency: Collector | None = None,
+    latency: Collector | None = None, *, model_name: str, now: float | None = None,
 ) -> bytes:
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(_HttpCollector(http, in_flight, healthy))
+    """The hyssm_* families (HTTP, latency, scheduler records when given), then their sglang
+    counterparts labelled model_name=`model_name`; `now` (monotonic seconds) times the rates."""
+    sources: list[Collector] = [_HttpCollector(http, in_flight, healthy)]
     if latency is not None:
-        registry.register(latency)
+        sources.append(latency)
     if scheduler_metrics is not None:
-        registry.register(SchedulerCollector(scheduler_metrics))
+        sources.append(SchedulerCollector(scheduler_metrics))
+    hyssm = [m for c in sources for m in c.collect()]
+    sglang = sglang_families(hyssm, model_name, http.rates, time.monotonic() if now is None else now)
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Families([*hyssm, *sglang]))
     return generate_latest(registry)

@@ -30,7 +30,7 @@ from tokenizer_proc.app import create_app
 from tokenizer_proc.http.protocol import HttpLimits, protocol_class
 from tokenizer_proc.replicas.backend import ReplicatedBackend
 from tokenizer_proc.replicas.scheduler_client import SchedulerClient
-from tokenizer_proc.requests.tokenizer import TextTokenizer
+from tokenizer_proc.requests.tokenizer import ChatConventions, TextTokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -111,7 +111,7 @@ def _report(launcher: Sender[ToLauncher], msg: ToLauncher) -> None:
 
 async def _serve(args: ServerArgs, launcher: Sender[ToLauncher]) -> None:
     try:
-        tokenizer = TextTokenizer.from_dir(args.resolved_model_path)
+        tokenizer = TextTokenizer.from_dir(args.resolved_model_path, chat=ChatConventions.from_args(args))
     except Exception as e:  # noqa: BLE001 - any load failure is a startup failure
         raise StartupFailed(f"cannot load the tokenizer: {e}") from e
     sock = bind_socket(args.host, args.port)

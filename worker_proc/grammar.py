@@ -11,7 +11,9 @@ reported in `StepResult.grammar_done` (the scheduler finishes the request with "
 Sync rule: a matcher is valid for (rid, spec) after exactly `output_len` accepted tokens. A slice
 whose matcher is missing (evicted, a new request reusing the rid, a step that failed) or out of step
 gets a fresh one that replays the request's output tokens from `ReqSlice.history`; so the state is
-a function of the tokens the scheduler holds, whatever happened to earlier steps.
+a function of the tokens the scheduler holds, whatever happened to earlier steps. A spec with `after`
+(a reasoning model's `</think>`) constrains only what follows the first occurrence of those tokens in
+the output: until then its row is not masked and it has no matcher.
 """
 
 from __future__ import annotations
@@ -108,14 +110,30 @@ class GrammarRuntime:
         stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_ids))
         return sorted(t for t in stops if 0 <= t < self.vocab_size) or list(self.eos_ids)
 
-    def _matcher(self, r: SampleRequest) -> _Matcher:
+    @staticmethod
+    def _start(r: SampleRequest) -> int | None:
+        """The output index from which the grammar constrains (None: not yet, `after` not in the output)."""
+        spec = r.params.grammar
+        assert spec is not None
+        if not spec.after:
+            return 0
+        hist = list(r.history or [])
+        out = hist[len(hist) - r.output_len:] if r.output_len else []
+        n = len(spec.after)
+        return next((i + n for i in range(len(out) - n + 1) if tuple(out[i:i + n]) == spec.after), None)
+
+    def _matcher(self, r: SampleRequest) -> _Matcher | None:
+        """`r`'s matcher, up to date with its output (None while its grammar waits for `after`)."""
         spec = r.params.grammar
         assert spec is not None
         m = self._matchers.get(r.rid)
         if m is None or m.spec != spec or m.accepted != r.output_len:
+            start = self._start(r)
+            if start is None:
+                return None
             matcher = self._xgr_matcher(spec, r)
             hist = list(r.history or [])
-            for tok in hist[len(hist) - r.output_len:] if r.output_len else []:
+            for tok in hist[len(hist) - r.output_len + start:] if r.output_len > start else []:
                 if not matcher.accept_token(tok):
                     raise ValueError(f"output token {tok} does not match the grammar")
             m = self._matchers[r.rid] = _Matcher(spec, matcher, r.output_len)
@@ -138,8 +156,10 @@ class GrammarRuntime:
             if r.params.grammar is None:
                 continue
             try:
-                matchers.append(self._matcher(r))
-                rows.append(i)
+                m = self._matcher(r)
+                if m is not None:
+                    matchers.append(m)
+                    rows.append(i)
             except (ValueError, RuntimeError) as e:
                 errors[r.rid] = f"structured output failed: {e}"
         if not rows:
@@ -163,6 +183,8 @@ class GrammarRuntime:
             if r.params.grammar is None or r.rid in errors:
                 continue
             m = self._matchers.get(r.rid)
+            if m is None and self._start(r) is None:
+                continue  # the grammar waits for `after` (which this token may complete)
             if m is None or not m.matcher.accept_token(tok):
                 errors[r.rid] = f"structured output failed: sampled token {tok} does not match the grammar"
                 self._matchers.pop(r.rid, None)

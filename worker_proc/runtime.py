@@ -263,28 +263,33 @@ class ModelRunner:
                 tops = top_logprobs(torch.log_softmax(rows, dim=-1), ks)
                 out["top_logprobs"] = {s.rid: t for s, t, k in zip(sreqs, tops, ks, strict=True) if k}
         if prompt:
-            out["prompt_logprobs"], out["prompt_top_logprobs"] = self._prompt_logprobs(logits, prompt)
+            out["prompt_logprobs"], out["prompt_top_logprobs"], out["prompt_ranks"] = self._prompt_logprobs(logits,
+                                                                                                         prompt)
         return out
 
     @staticmethod
     def _prompt_logprobs(
         logits: torch.Tensor, slices: list[tuple[ReqSlice, int, int]]
-    ) -> tuple[dict[str, list[float]], dict[str, list[list[tuple[int, float]]]]]:
+    ) -> tuple[dict[str, list[float]], dict[str, list[list[tuple[int, float]]]], dict[str, list[int]]]:
         """Per slice: the logprob of the token after each position (the slice's next input, then
-        `prompt_next`), under the raw distribution, with `prompt_logprobs` alternatives each."""
+        `prompt_next`), under the raw distribution, with `prompt_logprobs` alternatives each, and its
+        rank (how many tokens are at least as likely, itself included: 1 = the most likely)."""
         lps: dict[str, list[float]] = {}
         tops: dict[str, list[list[tuple[int, float]]]] = {}
+        ranks: dict[str, list[int]] = {}
         for r, first, _n in slices:
             targets = list(r.input_ids[1:]) + ([r.prompt_next] if r.prompt_next >= 0 else [])
             if not targets:
-                lps[r.rid] = []
+                lps[r.rid], ranks[r.rid] = [], []
                 continue
             logp = torch.log_softmax(logits[first : first + len(targets)], dim=-1)
             tgt = torch.tensor(targets, dtype=torch.int64, device=logp.device)
-            lps[r.rid] = logp.gather(1, tgt[:, None])[:, 0].tolist()
+            chosen = logp.gather(1, tgt[:, None])
+            lps[r.rid] = chosen[:, 0].tolist()
+            ranks[r.rid] = (logp >= chosen).sum(dim=-1).tolist()
             if r.prompt_logprobs > 0:
                 tops[r.rid] = top_logprobs(logp, [r.prompt_logprobs] * len(targets))
-        return lps, tops
+        return lps, tops, ranks
 
     def check_integrity(self) -> None:
         self.pools.check_integrity()

@@ -15,7 +15,8 @@ from shared.config import ServerArgs
 from tests.tokenizer.conftest import FakeBackend, text_plan, write_model_dir
 from tests.tokenizer.test_app import serve
 from tokenizer_proc.requests.schemas import ChatBody
-from tokenizer_proc.requests.tools import ToolPlan, ToolStream, parse_output, parse_tagged, plan_tools
+from tokenizer_proc.requests.tool_parsers import parse_calls
+from tokenizer_proc.requests.tools import ToolPlan, parse_output, plan_tools, tool_stream
 from tokenizer_proc.requests.validation import decode_body
 
 CHAT = "/v1/chat/completions"
@@ -40,20 +41,20 @@ def _body(**kw: Any) -> ChatBody:
     ('<tool_call>{"name": broken</tool_call>', '<tool_call>{"name": broken</tool_call>', []),
 ])
 def test_parse_tagged_formats(text: str, content: str | None, calls: list[tuple[str, dict]]) -> None:
-    got_content, got = parse_tagged(text)
+    got_content, got = parse_calls("auto", text, {})
     assert got_content == content
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in got] == calls
     assert all(c["id"].startswith("call_") and c["type"] == "function" for c in got)
 
 
 def test_stream_holds_back_a_possible_call() -> None:
-    ts = ToolStream(ToolPlan("auto"))
+    ts = tool_stream(ToolPlan("auto"))
     out = [ts.feed(p) for p in ["Hello <", "tool", "_call>", '{"name": "x", "arguments": {}}', "</tool_call>"]]
-    assert out == ["Hello ", "", "", "", ""]
-    content, calls = ts.finish()
-    assert content == "" and [c["function"]["name"] for c in calls] == ["x"]
-    ts = ToolStream(ToolPlan("auto"))
-    assert ts.feed("a <b") == "a <b" and ts.feed(" <to") == " " and ts.feed("x") == "<tox" and ts.finish() == ("", [])
+    assert [content for content, _ in out] == ["Hello ", "", "", "", ""]
+    content, _ = ts.finish()
+    assert content == "" and [c["function"]["name"] for c in ts.calls()] == ["x"]
+    ts = tool_stream(ToolPlan("auto"))
+    assert [ts.feed(t)[0] for t in ("a <b", " <to", "x")] == ["a <b", " ", "<tox"] and ts.finish() == ("", [])
 
 
 def test_plans_and_their_grammars() -> None:
@@ -75,6 +76,8 @@ def test_plans_and_their_grammars() -> None:
     content, calls = parse_output(req, '[{"name": "noop", "arguments": {}}]')
     assert content is None and calls[0]["function"]["name"] == "noop"
     assert parse_output(req, '[{"name": "noop", "argu') == ('[{"name": "noop", "argu', [])  # cut by length
+    content, calls = parse_output(req, '[{"name": "noop", "arguments": {}}, {"name": "weather", "argu')
+    assert content is None and [c["function"]["name"] for c in calls] == ["noop"]  # the complete call is kept
 
 
 def test_template_gets_tools_and_history(tok) -> None:
@@ -116,10 +119,12 @@ def test_http_auto_calls_whole_and_streamed(long_args, tok) -> None:
         events = [json.loads(x[6:]) for x in r.text.splitlines() if x.startswith("data: {")]
         deltas = [e["choices"][0]["delta"] for e in events]
         assert "".join(d.get("content", "") for d in deltas) == "ok "
-        calls = [d["tool_calls"] for d in deltas if "tool_calls" in d]
-        assert len(calls) == 1 and calls[0][0]["index"] == 0 and calls[0][0]["function"]["name"] == "weather"
+        calls = [part for d in deltas for part in d.get("tool_calls", [])]
+        head, *fragments = calls  # the id and name first, then the arguments as they come
+        assert head["index"] == 0 and head["function"] == {"name": "weather", "arguments": ""} and head["id"]
+        assert len(fragments) > 1 and all(f["index"] == 0 and set(f["function"]) == {"arguments"} for f in fragments)
+        assert "".join(f["function"]["arguments"] for f in fragments) == call["function"]["arguments"]
         assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
-        assert len(events) <= 4  # nothing is sent while the call is held back
         r = (await c.post(CHAT, json={**body, "tool_choice": "none"})).json()
         assert r["choices"][0]["message"]["content"].startswith("ok <tool_call>")
         assert "tool_calls" not in r["choices"][0]["message"] and r["choices"][0]["finish_reason"] == "length"

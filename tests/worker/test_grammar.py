@@ -97,3 +97,17 @@ def test_unconstrained_rows_are_untouched(runtime: GrammarRuntime) -> None:
     apply = runtime.constrain(reqs, {})
     toks, _ = sample(logits, reqs, constrain=apply)
     assert toks == [ord("a"), int(logits[1].argmax())]
+
+
+def test_a_grammar_after_reasoning_waits_for_its_end(runtime: GrammarRuntime) -> None:
+    """`after` (a reasoning model's `</think>`): the output is free until those tokens, then constrained."""
+    end = tuple(ord(c) for c in "</think>")
+    spec = GrammarSpec(kind="regex", source="ab[0-9]", after=end)
+    out: list[int] = []
+    for tok in [ord(c) for c in "zz<"] + list(end[1:]):
+        r = _req("think", spec, out)
+        assert runtime.constrain([r], {}) is None  # free text while thinking
+        assert runtime.accept([r], [tok], {}) == []
+        out.append(tok)
+    assert _allowed(runtime, _req("think", spec, out)) == {ord("a")}
+    assert _allowed(runtime, _req("late-think", spec, out + [ord("a")])) == {ord("b")}  # rebuilt past `after`

@@ -22,6 +22,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from tokenizer_proc.api.logprobs import CompletionLogprobs, chat_logprobs, merge_completion
+from tokenizer_proc.api.openai_extras import choice_fields, chunk_fields, prompt_fields
 from tokenizer_proc.context import AppContext, get_ctx
 from tokenizer_proc.http.errors import ApiError
 from tokenizer_proc.http.plumbing import (
@@ -29,12 +30,12 @@ from tokenizer_proc.http.plumbing import (
     read_body,
     sse,
 )
+from tokenizer_proc.requests.chat_output import ChoiceStream, message
 from tokenizer_proc.requests.flow import Accumulated, ended, finish_error, respond
 from tokenizer_proc.requests.generation import Finish, Piece
 from tokenizer_proc.requests.prepare import prepare_chat, prepare_completion
 from tokenizer_proc.requests.schemas import ChatBody, CompletionBody
 from tokenizer_proc.requests.structured import needs_grammar
-from tokenizer_proc.requests.tools import ToolStream, parse_output
 from tokenizer_proc.requests.validation import PreparedRequest, decode_body
 
 
@@ -62,7 +63,7 @@ class _Format:
         self.object = "chat.completion" if chat else "text_completion"
         self.started = [False] * len(reqs)
         self.lp = [CompletionLogprobs(ctx.tok, r.sampling.top_logprobs) for r in reqs]
-        self.tool_streams = [ToolStream(r.tool_plan) if r.tool_plan is not None else None for r in reqs]
+        self.streams = [ChoiceStream(r) for r in reqs] if chat else []
 
     def envelope(self, choices: list[dict[str, Any]], chunk: bool) -> dict[str, Any]:
         obj = self.object + (".chunk" if chunk and self.chat else "")
@@ -91,26 +92,18 @@ class _Format:
         first = not self.started[pos]
         self.started[pos] = True
         c: dict[str, Any] = {"index": req.index}
-        calls: list[dict[str, Any]] = []
+        called = False
         if self.chat and chunk:
             delta: dict[str, Any] = {"role": "assistant"} if first else {}
-            if (ts := self.tool_streams[pos]) is not None:
-                text = ts.feed(text)
-                if finish is not None:
-                    rest, calls = ts.finish()
-                    text += rest
-            if text or first:
-                delta["content"] = text
-            if calls:
-                delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(calls)]
+            stream = self.streams[pos]
+            delta.update(stream.feed(text, finish is not None))
+            if first and "content" not in delta:
+                delta["content"] = ""
+            called = finish is not None and stream.called
             c["delta"] = delta
         elif self.chat:
-            content: str | None = text
-            if req.tool_plan is not None:
-                content, calls = parse_output(req.tool_plan, text)
-            c["message"] = {"role": "assistant", "content": content}
-            if calls:
-                c["message"]["tool_calls"] = calls
+            c["message"] = message(req, text)
+            called = "tool_calls" in c["message"]
         else:
             text = "" if req.echo_only else text
             c["text"] = (req.echo or "") + text if first else text
@@ -118,8 +111,9 @@ class _Format:
         c.update(_finish_fields(finish))
         if req.echo_only and finish is not None and finish.reason in ("stop", "length"):
             c["finish_reason"], c["matched_stop"] = "length", None
-        if calls:
+        if called:
             c["finish_reason"] = "tool_calls"
+        c.update(choice_fields(self.ctx.tok, req, acc, first, self.chat))
         return c
 
     def usage(self, lasts: list[Piece]) -> dict[str, Any]:
@@ -156,6 +150,8 @@ class _Format:
             choices.append({**c, "index": index})
         body = self.envelope(sorted(choices, key=lambda c: c["index"]), False)
         body["usage"] = self.usage([a.last for a in accs if a.last is not None])
+        if self.chat:
+            body.update(prompt_fields(self.ctx.tok, self.req, accs[0]))
         return body
 
 
@@ -171,13 +167,14 @@ async def _frames(fmt: _Format, pieces: AsyncGenerator[tuple[int, Piece], None])
             if err is not None:
                 yield sse(err.body())
                 break
-            first = not fmt.started[pos]
-            if not (piece.text or piece.finish or first or fmt.reqs[pos].return_logprobs):
+            first, req = not fmt.started[pos], fmt.reqs[pos]
+            if not (piece.text or piece.finish or first or req.return_logprobs or req.return_token_ids):
                 continue  # nothing to show yet (bytes of an unfinished character, a stop prefix)
             choice = fmt.choice(pos, piece.text, piece, piece.finish, True)
-            news = not fmt.chat or choice["delta"] or choice["finish_reason"] or choice["logprobs"]
+            news = (not fmt.chat or choice["delta"] or choice["finish_reason"] or choice["logprobs"]
+                    or choice.get("token_ids"))
             if news:  # a tool call being held back sends nothing until it is complete
-                yield sse(fmt.envelope([choice], True))
+                yield sse({**fmt.envelope([choice], True), **chunk_fields(fmt.ctx.tok, req, piece, first, fmt.chat)})
             if piece.finish is not None:
                 lasts[pos] = piece
                 if len(lasts) == len(fmt.reqs) and fmt.req.include_usage:
@@ -214,7 +211,7 @@ async def chat_endpoint(request: Request) -> Response:
 
 def _model_card(ctx: AppContext) -> dict[str, Any]:
     return {"id": ctx.args.model_name, "object": "model", "created": 0, "owned_by": "hyssm",
-            "root": ctx.args.model_path, "max_model_len": ctx.limits.context_length}
+            "root": ctx.args.resolved_model_path, "max_model_len": ctx.limits.context_length}
 
 
 async def models_endpoint(request: Request) -> Response:

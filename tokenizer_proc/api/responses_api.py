@@ -34,7 +34,7 @@ from tokenizer_proc.requests.prepare import prepare_chat
 from tokenizer_proc.requests.responses_input import chat_body, check_supported, input_messages
 from tokenizer_proc.requests.schemas import ChatMessage, FunctionCall, ResponsesBody, ToolCall
 from tokenizer_proc.requests.structured import needs_grammar
-from tokenizer_proc.requests.tools import ToolStream, parse_output
+from tokenizer_proc.requests.tools import parse_output, tool_stream
 from tokenizer_proc.requests.validation import PreparedRequest, decode_body
 
 
@@ -127,7 +127,7 @@ class _Response:
     async def frames(self, pieces: AsyncGenerator[tuple[int, Piece], None]) -> AsyncGenerator[bytes, None]:
         yield self.event("response.created", response=self.obj("in_progress", []))
         yield self.event("response.in_progress", response=self.obj("in_progress", []))
-        stream = ToolStream(self.req.tool_plan) if self.req.tool_plan is not None else None
+        stream = tool_stream(self.req.tool_plan) if self.req.tool_plan is not None else None
         shown: list[str] = []
         opened = False
         where = {"item_id": self.message_id, "output_index": 0, "content_index": 0}
@@ -137,11 +137,11 @@ class _Response:
                 if err is not None:
                     yield self.event("response.failed", response=self.obj("failed", [], error=err))
                     return
-                text = stream.feed(piece.text) if stream is not None else piece.text
+                text = stream.feed(piece.text)[0] if stream is not None else piece.text
                 calls: list[dict[str, Any]] = []
                 if piece.finish is not None and stream is not None:
-                    rest, calls = stream.finish()
-                    text += rest
+                    rest, _ = stream.finish()
+                    text, calls = text + rest, stream.calls()
                 if text and not opened:
                     opened = True
                     for frame in self._open_message():

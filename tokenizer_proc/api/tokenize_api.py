@@ -1,9 +1,11 @@
 """POST /tokenize and POST /detokenize (the vLLM / SGLang shapes).
 
 GET /tokenizer_info: special tokens and the chat template (vLLM's; lm-eval reads it).
-/tokenize `{"prompt": str | [str]}` or `{"messages": [...]}` (rendered by the chat template, then
-encoded without special tokens, as chat requests are) -> `{"tokens", "count", "max_model_len"}`
-(plus `token_strs` with `return_token_strs`); a list of prompts gives lists. /detokenize
+/tokenize `{"prompt": str | [str]}` or `{"messages": [...]}` (rendered by the chat template as chat
+requests are, with `tools`, `chat_template_kwargs`, `documents`, `add_generation_prompt` and
+`continue_final_message`, then encoded without special tokens unless `add_special_tokens`) ->
+`{"tokens", "count", "max_model_len"}` (plus `token_strs`, the vocabulary strings of the tokens, with
+`return_token_strs`); a list of prompts gives lists. /detokenize
 `{"tokens": [ids]}` -> `{"prompt": text, "text": text}` (vLLM's and SGLang's key). Ids outside the
 vocabulary and a model name this server does not serve are 4xx.
 """
@@ -20,8 +22,11 @@ from tokenizer_proc.context import get_ctx
 from tokenizer_proc.http.errors import bad_request
 from tokenizer_proc.http.plumbing import json_response, read_body
 from tokenizer_proc.requests.chat_template import ChatTemplateError
+from tokenizer_proc.requests.peer_fields import generation_prompt, template_extra
 from tokenizer_proc.requests.prepare import chat_messages
 from tokenizer_proc.requests.schemas import ChatBody, DetokenizeBody, TokenizeBody
+from tokenizer_proc.requests.tokenizer import TextTokenizer
+from tokenizer_proc.requests.tools import plan_tools
 from tokenizer_proc.requests.validation import check_token_ids, decode_body
 
 
@@ -32,20 +37,16 @@ async def tokenize_endpoint(request: Request) -> Response:
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("give exactly one of prompt or messages", "prompt")
     if body.messages is not None:
-        messages = chat_messages(ChatBody(messages=body.messages))
-        try:
-            text = ctx.tok.render_chat(messages, add_generation_prompt=body.add_generation_prompt)
-        except ChatTemplateError as e:
-            raise bad_request(str(e), "messages") from e
-        token_lists = [ctx.tok.encode(text, add_special_tokens=False)]
+        token_lists = [_chat_tokens(ctx.tok, body)]
     else:
         prompts = [body.prompt] if isinstance(body.prompt, str) else list(body.prompt or [])
-        token_lists = [ctx.tok.encode(p, add_special_tokens=body.add_special_tokens) for p in prompts]
+        special = body.add_special_tokens is not False
+        token_lists = [ctx.tok.encode(p, add_special_tokens=special) for p in prompts]
 
     def one(ids: list[int]) -> dict[str, Any]:
         out: dict[str, Any] = {"tokens": ids, "count": len(ids), "max_model_len": ctx.limits.context_length}
-        if body.return_token_strs:
-            out["token_strs"] = [ctx.tok.token_text(t) for t in ids]
+        if body.return_token_strs:  # vocabulary strings, as transformers' convert_ids_to_tokens gives them
+            out["token_strs"] = [ctx.tok.tokenizer.id_to_token(t) for t in ids]
         return out
 
     if isinstance(body.prompt, list):
@@ -53,6 +54,23 @@ async def tokenize_endpoint(request: Request) -> Response:
         return json_response({"tokens": [x["tokens"] for x in lists], "count": [x["count"] for x in lists],
                               "max_model_len": ctx.limits.context_length})
     return json_response(one(token_lists[0]))
+
+
+def _chat_tokens(tok: TextTokenizer, body: TokenizeBody) -> list[int]:
+    """The messages as the chat endpoint renders and encodes them (tools, template variables,
+    generation prompt or continue_final_message; special tokens only with add_special_tokens)."""
+    chat = ChatBody(messages=body.messages, tools=body.tools, tool_choice="none",
+                    chat_template_kwargs=body.chat_template_kwargs, documents=body.documents,
+                    add_generation_prompt=body.add_generation_prompt,
+                    continue_final_message=body.continue_final_message)
+    messages = chat_messages(chat)
+    try:
+        text = tok.render_chat(messages, add_generation_prompt=generation_prompt(chat), extra=template_extra(chat),
+                               tools=plan_tools(chat).template_tools,
+                               continue_final_message=body.continue_final_message)
+    except ChatTemplateError as e:
+        raise bad_request(str(e), "messages") from e
+    return tok.encode(text, add_special_tokens=bool(body.add_special_tokens))
 
 
 async def tokenizer_info_endpoint(request: Request) -> Response:

@@ -1,7 +1,8 @@
 """Chat templates: Jinja templates from `tokenizer_config.json` rendered in a sandbox.
 
-Source order: `chat_template` in tokenizer_config.json (a string, or a list of named templates of
-which "default" is used), then a `chat_template.jinja` file beside it, then DEFAULT_CHAT_TEMPLATE.
+Source order: `--chat-template` (a file, or the name of one of the checkpoint's named templates), then
+`chat_template` in tokenizer_config.json (a string, or a list of named templates of which "default"
+is used), then a `chat_template.jinja` file beside it, then DEFAULT_CHAT_TEMPLATE.
 
 DEFAULT_CHAT_TEMPLATE (documented default) is the Granite style the built-in model uses:
 `<|start_of_role|>{role}<|end_of_role|>{content}<|end_of_text|>\\n` per message, and
@@ -40,11 +41,22 @@ def _tojson(value: Any, indent: int | None = None, ensure_ascii: bool = False, s
     return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, sort_keys=sort_keys)
 
 
-def select_template(config: dict[str, Any], model_dir: str) -> str:
-    """The template source for a model (see module docstring for the order)."""
+def select_template(config: dict[str, Any], model_dir: str, choice: str = "") -> str:
+    """The template source for a model (see module docstring for the order). `choice`
+    (--chat-template) overrides it: a file, else the name of one of the checkpoint's named templates
+    (ChatTemplateError naming what exists when it is neither)."""
     raw = config.get("chat_template")
+    named = {t.get("name"): t.get("template") for t in raw if isinstance(t, dict)} if isinstance(raw, list) else {}
+    if choice:
+        if os.path.isfile(choice):
+            with open(choice, encoding="utf-8") as f:
+                return f.read()
+        if isinstance(named.get(choice), str):
+            return named[choice]
+        have = ", ".join(sorted(str(n) for n in named)) or "none"
+        raise ChatTemplateError(f"--chat-template {choice!r} is not a file, nor one of the checkpoint's named chat "
+                                f"templates ({have})")
     if isinstance(raw, list):
-        named = {t.get("name"): t.get("template") for t in raw if isinstance(t, dict)}
         raw = named.get("default") or next((v for v in named.values() if isinstance(v, str)), None)
     if isinstance(raw, str) and raw.strip():
         return raw

@@ -20,6 +20,8 @@ from collections.abc import Sequence
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
+from tokenizer_proc.requests.stop_regex import StopRegexMatcher
+
 
 class ByteTableStream:
     """Token ids -> text through a table of each token's bytes (byte-level tokenizers).
@@ -137,34 +139,53 @@ class StopStringMatcher:
 
 
 class IncrementalDetokenizer:
-    """Per-request detokeniser: a token stream (byte table or DecodeStream) then stop strings.
-    One per request, used only by that request's handler."""
+    """Per-request detokeniser: a token stream (byte table or DecodeStream), then stop strings, then
+    stop_regex patterns (stop_regex.py; checked after every token). One per request, used only by
+    that request's handler."""
 
-    def __init__(self, stream: ByteTableStream | DecodeStreamAdapter, stops: Sequence[str] = ()):
+    def __init__(self, stream: ByteTableStream | DecodeStreamAdapter, stops: Sequence[str] = (),
+                 stop_regexes: Sequence[str] = ()):  # fmt: skip
         self._stream = stream
         self._stops = StopStringMatcher(stops)
+        self._regexes = StopRegexMatcher(stop_regexes) if stop_regexes else None
         self._finished = False
 
     @property
     def matched_stop(self) -> str | None:
-        """The stop string that ended the output, if one did."""
+        """The stop string, or the stop_regex pattern, that ended the output, if one did."""
+        if self._regexes is not None and self._regexes.matched is not None:
+            return self._regexes.matched
         return self._stops.matched
 
     def push(self, token_ids: Sequence[int]) -> str:
-        """Text made safe by these tokens. After a stop-string match, always ""."""
-        if self._finished or self._stops.matched is not None:
+        """Text made safe by these tokens. After a stop match, always ""."""
+        if self._finished or self.matched_stop is not None:
             return ""
-        return self._stops.push(self._stream.push(token_ids))
+        if self._regexes is None:
+            return self._stops.push(self._stream.push(token_ids))
+        out = []
+        for t in token_ids:
+            out.append(self._regexes.push(self._stops.push(self._stream.push([t]))))
+            if self._stops.matched is not None:  # no text follows a stop string: the held text is final
+                out.append(self._regexes.finish())
+            if self.matched_stop is not None:
+                break
+        return "".join(out)
 
     def finish(self) -> str:
         """The request ended: release everything still held. Call once, last."""
         if self._finished:
             return ""
         self._finished = True
-        if self._stops.matched is not None:
+        if self.matched_stop is not None:
             return ""
-        return self._stops.push(self._stream.finish()) + self._stops.finish()
+        text = self._stops.push(self._stream.finish()) + self._stops.finish()
+        if self._regexes is None:
+            return text
+        return self._regexes.push(text) + self._regexes.finish()
 
     def check_integrity(self) -> None:
         self._stream.check_integrity()
         self._stops.check_integrity()
+        if self._regexes is not None:
+            self._regexes.check_integrity()

@@ -86,6 +86,7 @@ class Accumulated:
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     prompt_logprobs: list[float] | None = None
     prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
+    prompt_ranks: list[int] | None = None
     last: Piece | None = None
 
     def add(self, piece: Piece) -> None:
@@ -98,6 +99,7 @@ class Accumulated:
         if piece.prompt_logprobs is not None:
             self.prompt_logprobs = piece.prompt_logprobs
             self.prompt_top_logprobs = piece.prompt_top_logprobs
+            self.prompt_ranks = piece.prompt_ranks
         self.last = piece
 
 

@@ -73,6 +73,7 @@ class Piece:
     top_logprobs: list[list[tuple[int, float]]] | None = None  # alternatives of each of token_ids
     prompt_logprobs: list[float] | None = None  # prompt tokens 1.. (first piece only, when asked)
     prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
+    prompt_ranks: list[int] | None = None  # the rank of each of those prompt tokens (1 = the most likely)
 
 
 class Reservation:
@@ -139,7 +140,7 @@ async def generate(
 ) -> AsyncGenerator[Piece, None]:
     """Run one request that passed `precheck` (`hold` reserves its rid); the last Piece has
     `finish` set. Before the first Piece it may raise BackendUnavailable (from `submit`)."""
-    detok = tok.detokenizer(req.stops, req.skip_special_tokens)
+    detok = tok.detokenizer(req.stops, req.skip_special_tokens, req.stop_regexes)
     msg = GenerateReq(rid=req.rid, input_ids=req.input_ids, sampling=req.sampling, priority=req.priority,
                       save_prompt_state=req.save_prompt_state)
     done, completion, cached = False, 0, 0
@@ -163,7 +164,7 @@ async def generate(
                 logprobs = _aligned_logprobs(out) if req.sampling.logprobs else None
                 done = finish is not None
                 yield Piece(text, list(out.token_ids), logprobs, len(req.input_ids), completion, cached, finish,
-                            out.top_logprobs, out.prompt_logprobs, out.prompt_top_logprobs)
+                            out.top_logprobs, out.prompt_logprobs, out.prompt_top_logprobs, out.prompt_ranks)
                 if done:
                     return
         done = True

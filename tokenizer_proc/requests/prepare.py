@@ -21,7 +21,17 @@ from shared.messages import GrammarSpec
 from tokenizer_proc.http.errors import bad_request
 from tokenizer_proc.requests.chat_template import ChatTemplateError
 from tokenizer_proc.requests.compat import check_chat_fields, check_completion_fields, check_generate_fields
+from tokenizer_proc.requests.peer_fields import (
+    answer_options,
+    check_messages,
+    generation_prompt,
+    prompt_logprobs,
+    template_extra,
+    truncate_prompt,
+)
+from tokenizer_proc.requests.reasoning import grammar_after, plan_reasoning
 from tokenizer_proc.requests.schemas import ChatBody, CompletionBody, GenerateBody, NativeSamplingParams
+from tokenizer_proc.requests.stop_regex import check_stop_regexes
 from tokenizer_proc.requests.structured import native_grammar, openai_grammar
 from tokenizer_proc.requests.tokenizer import TextTokenizer
 from tokenizer_proc.requests.tools import plan_tools, template_message_calls
@@ -73,6 +83,7 @@ def prepare_generate(body: GenerateBody, tok: TextTokenizer, limits: Limits) -> 
         input_ids=ids, sampling=sampling, stops=stops, skip_special_tokens=sp.skip_special_tokens,
         stream=body.stream, return_logprobs=body.return_logprob, priority=body.priority,
         logprob_start_len=max(0, body.logprob_start_len),
+        stop_regexes=check_stop_regexes(sp.stop_regex, "sampling_params.stop_regex"),
     )
 
 
@@ -80,11 +91,13 @@ MAX_N = 128
 MAX_PROMPTS = 256
 
 
-def _one_prompt(prompt: str | list[int], tok: TextTokenizer, limits: Limits, param: str) -> tuple[list[int], str]:
-    """(token ids, text) of one prompt; text is the prompt string, or the decoded ids."""
+def _one_prompt(prompt: str | list[int], tok: TextTokenizer, limits: Limits, param: str,
+                special: bool = True) -> tuple[list[int], str]:  # fmt: skip
+    """(token ids, text) of one prompt; text is the prompt string, or the decoded ids. `special`:
+    add the tokenizer's special tokens to a text prompt (add_special_tokens)."""
     if isinstance(prompt, str):
         require(bool(prompt), f"{param} must not be empty", param)
-        ids = tok.encode(prompt)
+        ids = tok.encode(prompt, add_special_tokens=special)
         require(bool(ids), f"{param} encodes to no tokens", param)
         return ids, prompt
     ids = check_token_ids(prompt, limits.vocab_size, param)
@@ -98,7 +111,7 @@ def _prompts(body: CompletionBody, tok: TextTokenizer, limits: Limits) -> list[t
     if prompt is None:
         raise bad_request("prompt is required", "prompt")
     if isinstance(prompt, str):
-        return [_one_prompt(prompt, tok, limits, "prompt")]
+        return [_one_prompt(prompt, tok, limits, "prompt", body.add_special_tokens)]
     require(bool(prompt), "prompt must not be empty", "prompt")
     if all(isinstance(p, int) for p in prompt):
         return [_one_prompt(prompt, tok, limits, "prompt")]  # type: ignore[arg-type]
@@ -106,7 +119,8 @@ def _prompts(body: CompletionBody, tok: TextTokenizer, limits: Limits) -> list[t
         raise bad_request("prompt must be a string, a list of token ids, or a list of strings or of token-id "
                           "lists (not a mix of ids and prompts)", "prompt")
     require(len(prompt) <= MAX_PROMPTS, f"prompt has {len(prompt)} prompts; at most {MAX_PROMPTS}", "prompt")
-    return [_one_prompt(p, tok, limits, f"prompt[{i}]") for i, p in enumerate(prompt)]  # type: ignore[arg-type]
+    return [_one_prompt(p, tok, limits, f"prompt[{i}]", body.add_special_tokens)  # type: ignore[arg-type]
+            for i, p in enumerate(prompt)]
 
 
 def _check_common(body: CompletionBody | ChatBody) -> None:
@@ -144,23 +158,25 @@ def prepare_completion(body: CompletionBody, tok: TextTokenizer, limits: Limits)
     require(best_of == body.n or not body.stream, "best_of > n cannot be streamed", "best_of")
     rid = new_rid("cmpl-")
     several = len(prompts) * best_of > 1
+    plp = prompt_logprobs(body)
     out: list[PreparedRequest] = []
-    for pi, (ids, text) in enumerate(prompts):
+    for pi, (whole, text) in enumerate(prompts):
+        ids = truncate_prompt(whole, body, limits)
+        text = text if ids is whole else tok.decode(ids)
         fields = SamplingFields(
             1 if echo_only else body.max_tokens, body.temperature, body.top_p, body.top_k, body.min_p, body.stop,
             body.stop_token_ids,
             body.ignore_eos, body.seed, max_tokens_name="max_tokens", **_openai_extras(body, grammar),
             top_logprobs=top, top_logprobs_name="logprobs",
-            prompt_logprobs=top if body.echo and want_logprobs else -1,
+            prompt_logprobs=max(top if body.echo and want_logprobs else -1, plp),
         )
         sampling, stops = build_sampling(fields, len(ids), COMPLETION_DEFAULT_MAX_TOKENS, limits, tok,
                                          want_logprobs or best_of > body.n)
         base = PreparedRequest(
             rid=rid, input_ids=ids, sampling=sampling, stops=stops,
             skip_special_tokens=body.skip_special_tokens, stream=body.stream,
-            include_usage=bool(body.stream_options and body.stream_options.include_usage),
             return_logprobs=want_logprobs, echo=text if body.echo else None, echo_only=echo_only,
-            keep=body.n if best_of > body.n else 0,
+            keep=body.n if best_of > body.n else 0, **answer_options(body, plp),
         )
         out.extend(_choices(base, best_of, pi, several))
     return out
@@ -178,6 +194,7 @@ def chat_messages(body: ChatBody) -> list[dict[str, object]]:
     if body.messages is None:
         raise bad_request("messages is required", "messages")
     require(bool(body.messages), "messages must not be empty", "messages")
+    check_messages(body.messages, body.continue_final_message)
     out: list[dict[str, object]] = []
     for m in body.messages:
         if isinstance(m.content, list):
@@ -206,31 +223,33 @@ def prepare_chat(body: ChatBody, tok: TextTokenizer, limits: Limits) -> list[Pre
             "give max_tokens or max_completion_tokens, not both", "max_completion_tokens")
     require(body.logprobs or not body.top_logprobs, "top_logprobs requires logprobs=true", "top_logprobs")
     messages = chat_messages(body)
-    plan = plan_tools(body)
+    plan = plan_tools(body, tok.chat.tool_call_parser)
     grammar = openai_grammar(body)
     if plan.grammar is not None:
         require(grammar is None, "response_format cannot be combined with a required or named tool_choice",
                 "response_format")
         grammar = plan.grammar
     try:
-        text = tok.render_chat(messages, add_generation_prompt=body.add_generation_prompt,
-                               extra=body.chat_template_kwargs, tools=plan.template_tools)
+        text = tok.render_chat(messages, add_generation_prompt=generation_prompt(body), extra=template_extra(body),
+                               tools=plan.template_tools, continue_final_message=body.continue_final_message)
     except ChatTemplateError as e:
         raise bad_request(str(e), "messages") from e
-    ids = tok.encode(text, add_special_tokens=False)
+    ids = truncate_prompt(tok.encode(text, add_special_tokens=body.add_special_tokens), body, limits)
     require(bool(ids), "messages encode to no tokens", "messages")
+    reasoning = plan_reasoning(tok.chat.reasoning_parser, text, body.separate_reasoning, body.stream_reasoning)
+    if grammar is not None and (after := grammar_after(reasoning)):  # constrain the answer, not the thinking
+        grammar = msgspec.structs.replace(grammar, after=tuple(tok.encode(after, add_special_tokens=False)))
     name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     fields = SamplingFields(
         body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens,
         body.temperature, body.top_p, body.top_k, body.min_p, body.stop, body.stop_token_ids,
         body.ignore_eos, body.seed, max_tokens_name=name, **_openai_extras(body, grammar),
-        top_logprobs=body.top_logprobs or 0,
+        top_logprobs=body.top_logprobs or 0, prompt_logprobs=(plp := prompt_logprobs(body)),
     )
     sampling, stops = build_sampling(fields, len(ids), None, limits, tok, body.logprobs)
     base = PreparedRequest(
         rid=new_rid("chatcmpl-"), input_ids=ids, sampling=sampling, stops=stops,
-        skip_special_tokens=body.skip_special_tokens, stream=body.stream,
-        include_usage=bool(body.stream_options and body.stream_options.include_usage),
-        return_logprobs=body.logprobs, tool_plan=plan if plan.mode else None,
+        skip_special_tokens=body.skip_special_tokens, stream=body.stream, **answer_options(body, plp),
+        return_logprobs=body.logprobs, tool_plan=plan if plan.mode else None, reasoning=reasoning,
     )
     return _choices(base, body.n, 0, body.n > 1)

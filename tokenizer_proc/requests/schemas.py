@@ -7,8 +7,10 @@ extensions (top_k, min_p, ignore_eos, stop_token_ids, skip_special_tokens, repet
 min_tokens, chat_template_kwargs) are accepted on the OpenAI endpoints too.
 
 Unknown fields are ignored (as vLLM and SGLang do); `fields.py` names them in the log. Fields that
-change nothing here (metadata, store, service_tier, user, reasoning_effort, prediction, modalities)
-are declared so they are type-checked and then ignored.
+change nothing here (metadata, store, service_tier, user, reasoning_effort, prediction, modalities
+"text", request_id, session_id, rid, spaces_between_special_tokens) are declared so they are
+type-checked and then ignored; vLLM / SGLang fields out of scope are declared so that any value but
+their neutral one is a 400 naming them (compat.py).
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ class NativeSamplingParams(_Body):
     json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None
+    stop_regex: StopT | None = None
 
 
 class GenerateBody(_Body):
@@ -77,8 +80,25 @@ class GenerateBody(_Body):
 
 
 class StreamOptions(_Body):
-    include_usage: bool = False
+    include_usage: bool | None = None  # None: only with continuous_usage_stats (vLLM's default is true)
     continuous_usage_stats: bool = False
+
+
+class StructuredOutputs(_Body):
+    """vLLM's `structured_outputs` (>= 0.11): one constraint (structured.py); the options change
+    nothing here (no fallback, compact JSON, no properties beyond a schema's) but whitespace_pattern
+    and structural_tag, which are a 400."""
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: Any = None
+    whitespace_pattern: Any = None
+    disable_fallback: bool = False
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
 
 
 class _OpenAIBody(_Body):
@@ -117,6 +137,39 @@ class _OpenAIBody(_Body):
     # SGLang extensions sglang-router writes into every request it forwards (a true value is a 400)
     no_stop_trim: bool = False
     return_hidden_states: bool = False
+    # vLLM / SGLang extensions (peer_fields.py, structured.py, stop_regex.py)
+    structured_outputs: StructuredOutputs | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    stop_regex: StopT | None = None
+    prompt_logprobs: Int | None = None
+    return_token_ids: bool = False
+    truncate_prompt_tokens: Int | None = None
+    truncation_side: Literal["left", "right"] | None = None
+    priority: Int = 0
+    spaces_between_special_tokens: bool = True  # fast tokenizers never put spaces between special tokens
+    request_id: str | None = None  # identifiers: accepted and ignored
+    session_id: str | None = None
+    rid: str | None = None
+    # vLLM / SGLang fields out of scope: anything but their neutral value is a 400 naming them (compat.py)
+    use_beam_search: Any = None
+    length_penalty: Any = None
+    early_stopping: Any = None
+    include_stop_str_in_output: Any = None
+    allowed_token_ids: Any = None
+    bad_words: Any = None
+    logits_processors: Any = None
+    logprob_token_ids: Any = None
+    return_tokens_as_token_ids: Any = None
+    cache_salt: Any = None
+    kv_transfer_params: Any = None
+    vllm_xargs: Any = None
+    repetition_detection: Any = None
+    watermarking: Any = None
+    guided_whitespace_pattern: Any = None
+    lora_path: Any = None
+    custom_logit_processor: Any = None
+    custom_params: Any = None
 
 
 class CompletionBody(_OpenAIBody):
@@ -127,6 +180,8 @@ class CompletionBody(_OpenAIBody):
     echo: bool = False
     suffix: str | None = None
     best_of: Int | None = None
+    add_special_tokens: bool = True
+    prompt_embeds: Any = None  # out of scope: a 400 (compat.py)
 
 
 class TextPart(_Body):
@@ -146,7 +201,7 @@ class ToolCall(_Body):
 
 
 class ChatMessage(_Body):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: str  # system, developer, user, assistant, tool, or a custom role the template renders
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
@@ -186,22 +241,30 @@ class ChatBody(_OpenAIBody):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    add_generation_prompt: bool = True
+    add_generation_prompt: bool | None = None  # None: true unless continue_final_message (generation_prompt)
     functions: Any = None
     function_call: Any = None
-    continue_final_message: bool = False  # true is a 400 (compat.py)
-    separate_reasoning: bool = True  # no reasoning parser here: nothing to separate or stream apart
+    continue_final_message: bool = False  # the model continues the last (assistant) message
+    add_special_tokens: bool = False  # vLLM: special tokens beyond the template's (a BOS) are added
+    documents: list[dict[str, Any]] | None = None  # vLLM: the template's `documents` (RAG)
+    echo: Any = None  # vLLM's chat echo: out of scope, a true value is a 400 (compat.py)
+    separate_reasoning: bool = True  # with --reasoning-parser: reasoning_content apart from content (reasoning.py)
     stream_reasoning: bool = True
 
 
 class TokenizeBody(_Body):
-    """POST /tokenize (vLLM/SGLang): a prompt, or chat messages rendered by the template."""
+    """POST /tokenize (vLLM/SGLang): a prompt, or chat messages rendered by the template as the chat
+    endpoint renders them (tools, chat_template_kwargs, continue_final_message)."""
 
     model: str | None = None
     prompt: str | list[str] | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
-    add_generation_prompt: bool = True
+    add_special_tokens: bool | None = None  # None: true for a prompt, false for messages (vLLM)
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool = False
+    tools: list[ToolDef] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, Any]] | None = None
     return_token_strs: bool = False
 
 

@@ -5,6 +5,10 @@ Accepted forms (at most one per request, else a 400 naming the second):
   object), `{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}`;
 - vLLM `guided_json` (a schema, object or JSON text), `guided_regex`, `guided_choice` (one of the
   given strings), `guided_grammar` (EBNF, xgrammar's dialect);
+- vLLM >= 0.11 `structured_outputs`: an object with one of `json`, `regex`, `choice`, `grammar`,
+  `json_object` (true), meaning what the guided_* fields mean (a problem names
+  `structured_outputs.<key>`);
+- SGLang's top-level `regex` and `ebnf` on the OpenAI endpoints;
 - SGLang `sampling_params.json_schema` (JSON text), `regex`, `ebnf` on /generate.
 Rule: a spec is parsed by xgrammar here, before the request is queued, so a malformed or
 unsupported schema, regex or grammar is a 400 naming the field and the problem; worker rank 0
@@ -36,7 +40,7 @@ def needs_grammar(body: Any) -> bool:
     if isinstance(rf, dict) and rf.get("type") not in (None, "text"):
         return True
     if any(getattr(body, n, None) is not None for n in ("guided_json", "guided_regex", "guided_choice",
-                                                         "guided_grammar")):
+                                                         "guided_grammar", "structured_outputs", "regex", "ebnf")):
         return True
     if getattr(body, "tools", None):
         return True
@@ -106,10 +110,35 @@ def _from_response_format(rf: dict[str, Any]) -> GrammarSpec | None:
                       "response_format")
 
 
-def _choice_regex(choices: Any) -> str:
+def _choice_regex(choices: Any, param: str = "guided_choice") -> str:
     if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
-        raise bad_request("guided_choice must be a non-empty list of non-empty strings", "guided_choice")
+        raise bad_request(f"{param} must be a non-empty list of non-empty strings", param)
     return "(" + "|".join(re.escape(c) for c in choices) + ")"
+
+
+def _structured_outputs(so: Any) -> list[tuple[str, GrammarSpec | None]]:
+    """The constraints of vLLM's `structured_outputs` object, each named `structured_outputs.<key>`."""
+    p = "structured_outputs."
+    for name in ("structural_tag", "whitespace_pattern"):
+        if getattr(so, name) is not None:
+            raise bad_request(f"{p}{name} is not supported by this server", p + name)
+    found: list[tuple[str, GrammarSpec | None]] = []
+    if so.json is not None:
+        found.append((p + "json", json_schema_spec(so.json, p + "json")))
+    if so.regex is not None:
+        found.append((p + "regex", validate(GrammarSpec(kind="regex", source=so.regex), p + "regex")))
+    if so.choice is not None:
+        spec = GrammarSpec(kind="regex", source=_choice_regex(so.choice, p + "choice"))
+        found.append((p + "choice", validate(spec, p + "choice")))
+    if so.grammar is not None:
+        found.append((p + "grammar", validate(GrammarSpec(kind="ebnf", source=so.grammar), p + "grammar")))
+    if so.json_object:
+        spec = GrammarSpec(kind="json_object", source='{"type":"object"}', strict=False)
+        found.append((p + "json_object", validate(spec, p + "json_object")))
+    if not found:
+        raise bad_request("structured_outputs must give one of json, regex, choice, grammar or json_object",
+                          "structured_outputs")
+    return found
 
 
 def openai_grammar(body: Any) -> GrammarSpec | None:
@@ -126,6 +155,11 @@ def openai_grammar(body: Any) -> GrammarSpec | None:
         found.append(("guided_choice", validate(GrammarSpec(kind="regex", source=_choice_regex(gc)), "guided_choice")))
     if (gg := getattr(body, "guided_grammar", None)) is not None:
         found.append(("guided_grammar", validate(GrammarSpec(kind="ebnf", source=gg), "guided_grammar")))
+    if (so := getattr(body, "structured_outputs", None)) is not None:
+        found.extend(_structured_outputs(so))
+    for name, kind in (("regex", "regex"), ("ebnf", "ebnf")):  # SGLang's names on the OpenAI endpoints
+        if (source := getattr(body, name, None)) is not None:
+            found.append((name, validate(GrammarSpec(kind=kind, source=source), name)))
     found = [(name, spec) for name, spec in found if spec is not None]
     if len(found) > 1:
         raise bad_request(f"give one output constraint, not {found[0][0]} and {found[1][0]}", found[1][0])

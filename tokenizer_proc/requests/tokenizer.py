@@ -12,13 +12,16 @@ import json
 import logging
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from tokenizers import Tokenizer
 
+from shared.config import ServerArgs
 from shared.errors import ModelLoadError
 from shared.model_info import ModelInfo
 from tokenizer_proc.make_builtin_tokenizer import bytes_to_unicode
+from tokenizer_proc.requests.chat_continuation import continue_final
 from tokenizer_proc.requests.chat_template import ChatTemplate, select_template
 from tokenizer_proc.requests.detokenizer import ByteTableStream, DecodeStreamAdapter, IncrementalDetokenizer
 
@@ -64,10 +67,26 @@ def _byte_tables(tokenizer: Tokenizer) -> tuple[list[bytes], list[bytes]]:
     return keep, skip
 
 
+@dataclass(frozen=True)
+class ChatConventions:
+    """How the served model's chats are written and read: the template (--chat-template, "" = the
+    checkpoint's), the tool-call format (--tool-call-parser) and the reasoning format (--reasoning-parser)."""
+
+    template: str = ""
+    tool_call_parser: str = "auto"
+    reasoning_parser: str = ""
+
+    @staticmethod
+    def from_args(args: ServerArgs) -> ChatConventions:
+        return ChatConventions(args.chat_template, args.tool_call_parser, args.reasoning_parser)
+
+
 class TextTokenizer:
     """Owns the `tokenizers.Tokenizer`, the chat template and the per-token byte tables."""
 
-    def __init__(self, tokenizer: Tokenizer, config: dict[str, Any], model_dir: str, info: ModelInfo):
+    def __init__(self, tokenizer: Tokenizer, config: dict[str, Any], model_dir: str, info: ModelInfo,
+                 chat: ChatConventions = ChatConventions()) -> None:  # fmt: skip
+        self.chat = chat
         self.tokenizer = tokenizer
         self.vocab_size = info.vocab_size
         specials = {
@@ -82,12 +101,14 @@ class TextTokenizer:
             eos_ids.append(cfg_eos)
         self.eos_token_ids: tuple[int, ...] = tuple(eos_ids)
         self.model_eos_ids: frozenset[int] = frozenset(info.eos_token_ids)
-        self.chat_template = ChatTemplate(select_template(config, model_dir), specials)
+        self.chat_template = ChatTemplate(select_template(config, model_dir, chat.template), specials)
         self._tables = _byte_tables(tokenizer) if _is_byte_level(tokenizer) else None
 
     @staticmethod
-    def from_dir(model_dir: str, info: ModelInfo | None = None) -> TextTokenizer:
-        """Load from a model directory; raise ModelLoadError naming the file on failure."""
+    def from_dir(model_dir: str, info: ModelInfo | None = None, chat: ChatConventions = ChatConventions()
+                 ) -> TextTokenizer:  # fmt: skip
+        """Load from a model directory; raise ModelLoadError naming the file on failure (ChatTemplateError
+        when --chat-template names nothing)."""
         info = info or ModelInfo.from_dir(model_dir)
         path = os.path.join(model_dir, "tokenizer.json")
         if not os.path.isfile(path):
@@ -104,7 +125,7 @@ class TextTokenizer:
                     config = json.load(f)
             except (OSError, json.JSONDecodeError) as e:
                 raise ModelLoadError(f"{cfg_path} is not valid JSON: {e}") from e
-        return TextTokenizer(tokenizer, config, model_dir, info)
+        return TextTokenizer(tokenizer, config, model_dir, info, chat)
 
     @property
     def extra_stop_ids(self) -> tuple[int, ...]:
@@ -118,24 +139,28 @@ class TextTokenizer:
     def render_chat(
         self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
         extra: dict[str, Any] | None = None, tools: list[dict[str, Any]] | None = None,
+        continue_final_message: bool = False,
     ) -> str:
         """The chat template over `messages`; `extra` are chat_template_kwargs, `tools` the tool
-        definitions the template renders (OpenAI shape)."""
-        return self.chat_template.render(messages, add_generation_prompt=add_generation_prompt, extra=extra,
-                                         tools=tools)
+        definitions the template renders (OpenAI shape); `continue_final_message`: the text ends
+        inside the last message, without a generation prompt (chat_continuation.py)."""
+        text = self.chat_template.render(messages, add_generation_prompt=add_generation_prompt
+                                         and not continue_final_message, extra=extra, tools=tools)
+        return continue_final(text, messages) if continue_final_message else text
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         detok = self.detokenizer((), skip_special_tokens)
         return detok.push(list(token_ids)) + detok.finish()
 
-    def detokenizer(self, stops: Sequence[str] = (), skip_special_tokens: bool = True) -> IncrementalDetokenizer:
+    def detokenizer(self, stops: Sequence[str] = (), skip_special_tokens: bool = True,
+                    stop_regexes: Sequence[str] = ()) -> IncrementalDetokenizer:  # fmt: skip
         if self._tables is not None:
             stream: ByteTableStream | DecodeStreamAdapter = ByteTableStream(
                 self._tables[1] if skip_special_tokens else self._tables[0]
             )
         else:
             stream = DecodeStreamAdapter(self.tokenizer, skip_special_tokens)
-        return IncrementalDetokenizer(stream, stops)
+        return IncrementalDetokenizer(stream, stops, stop_regexes)
 
     def token_text(self, token_id: int) -> str:
         """Display text of one token (for logprobs); partial UTF-8 shows as U+FFFD."""

@@ -65,6 +65,11 @@ class PreparedRequest:
     keep: int = 0  # best_of > n: of this prompt's choices, the `keep` most likely are returned
     logprob_start_len: int = 0  # /generate: first prompt position of input_token_logprobs
     tool_plan: Any = None  # chat with tools: a tokenizer_proc.requests.tools.ToolPlan
+    stop_regexes: tuple[str, ...] = ()  # SGLang stop_regex: the output ends where one of these matches
+    return_token_ids: bool = False  # vLLM return_token_ids: prompt_token_ids and token_ids in the answer
+    prompt_logprobs: int = -1  # vLLM prompt_logprobs: >= 0 returns them with this many alternatives each
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage on every chunk
+    reasoning: Any = None  # chat with --reasoning-parser: a tokenizer_proc.requests.reasoning.ReasoningPlan
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,269 @@
+"""Reading tool calls out of a chat output (`--tool-call-parser`), whole or as it streams.
+
+Formats (the supported families' own): `<tool_call>{"name", "arguments"}</tool_call>` (hermes / qwen25:
+Qwen, Granite 4; one block per call, a block may also hold a list), `<tool_call><function=NAME>
+<parameter=KEY>VALUE</parameter>...</function></tool_call>` (qwen3_coder; a value is JSON unless its
+parameter's schema type is string), `<|tool_call|>[...]` (granite: Granite 3) and
+`<TOOLCALL>[...]</TOOLCALL>` (nemotron); "auto" reads every one of them. Inside `<tool_call>` either
+JSON or the XML form is read, whichever the block holds.
+
+Whole outputs: `parse_calls` gives (content outside the calls or None, calls); an output whose calls
+do not parse is all content. Streamed (`CallStream`): text before the first call is content as it comes
+(never a possible start of a call tag); a call's first delta carries its id, type and name as soon as
+the name is complete, then its arguments follow as fragments of their JSON text as it grows (held back
+where what follows could still be the end of the call); XML calls send their arguments in one fragment
+when the call is complete. The fragments of a call add up to its `arguments`, as in the whole answer.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+TAGS = {"hermes": ("<tool_call>",), "qwen25": ("<tool_call>",), "qwen3_coder": ("<tool_call>",),
+        "granite": ("<|tool_call|>",), "nemotron": ("<TOOLCALL>",),
+        "auto": ("<tool_call>", "<|tool_call|>", "<TOOLCALL>")}  # fmt: skip
+END_TAGS = {"<tool_call>": "</tool_call>", "<TOOLCALL>": "</TOOLCALL>", "<|tool_call|>": ""}
+_NAME = re.compile(r'"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
+_ARGS = re.compile(r'"(?:arguments|parameters)"\s*:\s*')
+_FUNCTION = re.compile(r"<function=([^>\n]+)>")
+_PARAM = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.S)
+_DECODER = json.JSONDecoder()
+
+
+def call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+@dataclass
+class Partial:
+    """A call as read so far: its name (None until complete in the text), its arguments' JSON text
+    (complete when `done`, else the part that cannot change), and whether it is complete."""
+
+    name: str | None
+    args: str
+    done: bool
+
+
+def _skip(text: str, i: int, chars: str = " \t\r\n,[") -> int:
+    while i < len(text) and text[i] in chars:
+        i += 1
+    return i
+
+
+def json_calls(text: str) -> list[Partial]:
+    """The calls of a JSON object or list of objects `{"name", "arguments"}`, the last one maybe partial."""
+    out: list[Partial] = []
+    i = _skip(text, 0)
+    while i < len(text) and text[i] == "{":
+        try:
+            obj, end = _DECODER.raw_decode(text, i)
+        except json.JSONDecodeError:
+            name = _NAME.search(text, i)
+            args = _ARGS.search(text, i)
+            value = text[args.end():] if args else ""
+            stable = "" if value.startswith('"') else _value_prefix(value)  # a string value is sent when whole
+            out.append(Partial(name.group(1) if name else None, stable, False))
+            return out
+        if not isinstance(obj, dict):
+            return out
+        raw = "{}"
+        args = _ARGS.search(text, i, end)
+        if args is not None:
+            try:
+                value, vend = _DECODER.raw_decode(text, args.end())
+                raw = value if isinstance(value, str) else text[args.end():vend]
+            except json.JSONDecodeError:
+                pass
+        name = obj.get("name")
+        out.append(Partial(name if isinstance(name, str) else None, raw, True))
+        i = _skip(text, end)
+    return out
+
+
+def _value_prefix(text: str) -> str:
+    """The part of a JSON value at the start of `text` that is surely its own: all of it once its
+    brackets close, else everything so far (nothing of what follows can be in it yet)."""
+    depth, in_string, escape = 0, False, False
+    for i, ch in enumerate(text):
+        if in_string:
+            escape, in_string = (False, True) if escape else (ch == "\\", ch != '"')
+            continue
+        if ch == '"':
+            in_string = True
+        elif ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+            if depth <= 0:
+                return text[: i + 1]
+    return text.rstrip()
+
+
+def _xml_call(text: str, done: bool, types: dict[str, dict[str, str]]) -> Partial:
+    fn = _FUNCTION.search(text)
+    name = fn.group(1).strip() if fn else None
+    if not done or name is None:
+        return Partial(name, "", False)
+    kinds = types.get(name, {})
+    args: dict[str, Any] = {}
+    for key, value in _PARAM.findall(text):
+        key = key.strip()
+        if kinds.get(key) == "string":
+            args[key] = value
+            continue
+        try:
+            args[key] = json.loads(value)
+        except json.JSONDecodeError:
+            args[key] = value
+    return Partial(name, json.dumps(args), True)
+
+
+def scan(text: str, tags: tuple[str, ...], types: dict[str, dict[str, str]], final: bool) -> list[Partial]:
+    """The calls in `text`, which starts at the first call tag (`final`: the output is complete)."""
+    out: list[Partial] = []
+    at = 0
+    while at < len(text):
+        tag = next((t for t in tags if text.startswith(t, at)), None)
+        if tag is None:
+            break
+        start, end_tag = at + len(tag), END_TAGS[tag]
+        close = text.find(end_tag, start) if end_tag else -1
+        block = text[start:close] if close >= 0 else text[start:]
+        done = close >= 0 or final
+        if block.lstrip().startswith("<function="):  # complete only once closed, even in a final output
+            out.append(_xml_call(block, close >= 0 or "</function>" in block, types))
+        else:
+            calls = json_calls(block)
+            if done:
+                calls = [c for c in calls if c.done]
+            out.extend(calls)
+        if close < 0:
+            break
+        at = _skip(text, close + len(end_tag), " \t\r\n")
+    return out
+
+
+def param_types(tools: list[dict[str, Any]] | None) -> dict[str, dict[str, str]]:
+    """Per function, the schema type of each parameter (what the XML form needs to read values)."""
+    out: dict[str, dict[str, str]] = {}
+    for t in tools or []:
+        fn = t.get("function", t)
+        props = (fn.get("parameters") or {}).get("properties") or {}
+        out[fn.get("name", "")] = {k: v.get("type", "") for k, v in props.items() if isinstance(v, dict)}
+    return out
+
+
+def _first_tag(text: str, tags: tuple[str, ...]) -> int:
+    return min((i for i in (text.find(t) for t in tags) if i >= 0), default=-1)
+
+
+def _as_calls(partials: list[Partial]) -> list[dict[str, Any]] | None:
+    if not partials or any(not p.done or not p.name for p in partials):
+        return None
+    return [{"id": call_id(), "type": "function", "function": {"name": p.name, "arguments": p.args}}
+            for p in partials]  # fmt: skip
+
+
+def parse_calls(parser: str, text: str, types: dict[str, dict[str, str]]) -> tuple[str | None, list[dict[str, Any]]]:
+    """(content outside the calls or None, calls) of a whole `auto` output; no calls when none parses."""
+    tags = TAGS[parser]
+    at = _first_tag(text, tags)
+    if at < 0:
+        return text, []
+    calls = _as_calls(scan(text[at:], tags, types, final=True))
+    if calls is None:
+        return text, []
+    tail = _tail(text[at:], tags)
+    content = (text[:at] + tail).strip()
+    return content or None, calls
+
+
+def _tail(region: str, tags: tuple[str, ...]) -> str:
+    """Text after the last closed call block (a list format runs to the end)."""
+    ends = [region.rfind(END_TAGS[t]) + len(END_TAGS[t]) for t in tags if END_TAGS[t] and END_TAGS[t] in region]
+    return region[max(ends):] if ends else ""
+
+
+@dataclass
+class CallStream:
+    """One streamed output's calls (module doc). `mode`: "auto" (tags), "named" (the whole output is
+    one call's arguments), "required" (the whole output is a JSON list of calls)."""
+
+    parser: str
+    mode: str
+    types: dict[str, dict[str, str]]
+    name: str | None = None  # the named call's function
+    held: str = ""
+    region: str | None = None  # the text from the first call on
+    sent: list[list[Any]] = field(default_factory=list)  # per call: [id, name, arguments text sent, complete]
+
+    def __post_init__(self) -> None:
+        if self.mode in ("named", "required"):
+            self.region = ""
+
+    def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
+        """(content that can be sent now, tool-call deltas)."""
+        if self.region is None:
+            self.held += text
+            tags = TAGS[self.parser]
+            at = _first_tag(self.held, tags)
+            if at < 0:
+                keep = max((k for t in tags for k in range(1, len(t)) if self.held.endswith(t[:k])), default=0)
+                out, self.held = self.held[: len(self.held) - keep], self.held[len(self.held) - keep:]
+                return out, []
+            out, self.region, self.held = self.held[:at], self.held[at:], ""
+            return out, self._deltas(self._partials(final=False))
+        self.region += text
+        return "", self._deltas(self._partials(final=False))
+
+    def finish(self) -> tuple[str, list[dict[str, Any]]]:
+        """(the rest of the content, the last deltas) once the output is complete."""
+        if self.region is None:
+            rest, self.held = self.held, ""
+            return rest, []
+        partials = [p for p in self._partials(final=True) if p.done and p.name]
+        if not partials and not self.sent:
+            return self.region, []
+        tail = _tail(self.region, TAGS[self.parser]) if self.mode == "auto" else ""
+        return tail.strip(), self._deltas(partials)
+
+    def _partials(self, final: bool) -> list[Partial]:
+        assert self.region is not None
+        if self.mode == "named":
+            text = self.region
+            done = final
+            if done:
+                try:
+                    json.loads(text)
+                except json.JSONDecodeError:
+                    return []
+            return [Partial(self.name, text.strip() if done else _value_prefix(text.lstrip()), done)]
+        if self.mode == "required":
+            calls = json_calls(self.region)
+            return [c for c in calls if c.done] if final else calls
+        return scan(self.region, TAGS[self.parser], self.types, final)
+
+    def _deltas(self, partials: list[Partial]) -> list[dict[str, Any]]:
+        out = []
+        for k, p in enumerate(partials):
+            if p.name is None:
+                break  # later calls wait for this one's header
+            if k == len(self.sent):
+                self.sent.append([call_id(), p.name, "", False])
+                out.append({"index": k, "id": self.sent[k][0], "type": "function",
+                            "function": {"name": p.name, "arguments": ""}})  # fmt: skip
+            entry = self.sent[k]
+            if len(p.args) > len(entry[2]) and p.args.startswith(entry[2]):
+                out.append({"index": k, "function": {"arguments": p.args[len(entry[2]):]}})
+                entry[2] = p.args
+            entry[3] = p.done and entry[2] == p.args
+        return out
+
+    def calls(self) -> list[dict[str, Any]]:
+        """The complete calls sent, as OpenAI tool_calls."""
+        return [{"id": cid, "type": "function", "function": {"name": name, "arguments": args}}
+                for cid, name, args, done in self.sent if done]  # fmt: skip
