@@ -113,8 +113,9 @@ def test_tool_choices(openai_client: openai.OpenAI) -> None:
         model=MODEL, messages=MSGS, tools=tools, max_tokens=30, stream=True, temperature=0,
         tool_choice={"type": "function", "function": {"name": "weather"}}))
     deltas = [c.choices[0].delta.tool_calls for c in chunks if c.choices and c.choices[0].delta.tool_calls]
-    assert len(deltas) == 1 and deltas[0][0].function.name == "weather"
-    assert deltas[0][0].function.arguments == named.choices[0].message.tool_calls[0].function.arguments
+    assert all(len(d) == 1 and d[0].index == 0 for d in deltas) and deltas[0][0].function.name == "weather"
+    assert "".join(d[0].function.arguments or "" for d in deltas) == \
+        named.choices[0].message.tool_calls[0].function.arguments  # the name first, then argument fragments
 
 
 def test_langchain(server: Server) -> None:

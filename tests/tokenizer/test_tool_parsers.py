@@ -40,8 +40,8 @@ def _stream(stream: CallStream, text: str, step: int) -> tuple[str, list[dict[st
     content, deltas = content + c, deltas + d
     for d in deltas:
         if "id" in d:
-            assert d["index"] == len(calls) and d["function"]["arguments"] == ""
-            calls.append({"name": d["function"]["name"], "arguments": ""})
+            assert d["index"] == len(calls)
+            calls.append({"name": d["function"]["name"], "arguments": d["function"]["arguments"]})
         else:
             calls[d["index"]]["arguments"] += d["function"]["arguments"]
     return content, calls
@@ -73,7 +73,7 @@ def test_arguments_stream_as_fragments() -> None:
     stream = CallStream("hermes", "auto", TYPES)
     sent = [d for i in range(len(text)) for d in stream.feed(text[i])[1]]
     assert sent[0]["function"]["name"] == "weather"
-    fragments = [d["function"]["arguments"] for d in sent[1:]]
+    fragments = [d["function"]["arguments"] for d in sent]
     assert len(fragments) > 5 and "".join(fragments) == '{"city": "Paris", "days": 12}'
 
 

@@ -8,7 +8,8 @@ chunk has `finish_reason` "stop" or "length"; with `stream_options.include_usage
 with empty `choices` carries `usage` (each prompt counted once) after every choice finished; then
 `data: [DONE]`. A request naming another model is a 404. `usage` includes
 `prompt_tokens_details.cached_tokens` (prefix-cache hits). A request that fails or is aborted
-by the server is HTTP 503 (non-streaming) or an error event before `[DONE]` (streaming).
+by the server is HTTP 503 (non-streaming) or an error event before `[DONE]` (streaming). vLLM's
+extra answer fields (token ids, prompt logprobs, continuous usage) are placed by openai_extras.py.
 """
 
 from __future__ import annotations

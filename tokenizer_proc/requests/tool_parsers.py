@@ -10,9 +10,10 @@ JSON or the XML form is read, whichever the block holds.
 Whole outputs: `parse_calls` gives (content outside the calls or None, calls); an output whose calls
 do not parse is all content. Streamed (`CallStream`): text before the first call is content as it comes
 (never a possible start of a call tag); a call's first delta carries its id, type and name as soon as
-the name is complete, then its arguments follow as fragments of their JSON text as it grows (held back
-where what follows could still be the end of the call); XML calls send their arguments in one fragment
-when the call is complete. The fragments of a call add up to its `arguments`, as in the whole answer.
+the name is complete (with the arguments so far), then its arguments follow as fragments of their
+JSON text as it grows (held back where what follows could still be the end of the call); XML calls
+send their arguments in one fragment when the call is complete. The fragments of a call add up to its
+`arguments`, as in the whole answer.
 """
 
 from __future__ import annotations
@@ -258,7 +259,11 @@ class CallStream:
                             "function": {"name": p.name, "arguments": ""}})  # fmt: skip
             entry = self.sent[k]
             if len(p.args) > len(entry[2]) and p.args.startswith(entry[2]):
-                out.append({"index": k, "function": {"arguments": p.args[len(entry[2]):]}})
+                fragment = p.args[len(entry[2]):]
+                if out and out[-1]["index"] == k:  # one entry per call in a delta, as OpenAI sends them
+                    out[-1]["function"]["arguments"] += fragment
+                else:
+                    out.append({"index": k, "function": {"arguments": fragment}})
                 entry[2] = p.args
             entry[3] = p.done and entry[2] == p.args
         return out
