@@ -20,6 +20,7 @@ another continuation costs acceptance, never correctness.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 
@@ -96,8 +97,7 @@ class MtpDrafter:
         idx = torch.tensor([row for row, _ in fixes], dtype=torch.int64, device=after.device)
         after[idx] = torch.tensor([tok for _, tok in fixes], dtype=torch.int64, device=after.device)
         model = self.model
-        mtp_batch = StepBatch(sb.input_ids, sb.positions, sb.new_kv_slots, sb.prefill, sb.decode_groups,
-                              sb.logit_rows, sb.logit_rids, sb.kv_full)  # fmt: skip
+        mtp_batch = dataclasses.replace(sb, kept_inputs=None)  # the MTP layers keep no recurrent inputs
         out = self.head(model.embed_scaled(after), hidden, mtp_batch, model.rope(sb.positions), self.kv, ops)
         wanted = [i for i, r in enumerate(reqs) if r.draft_next > 0 and next_tokens[i] >= 0]
         if not wanted:
