@@ -80,6 +80,8 @@ _HELP = {
     "quantization": "quantize the weights at load: int8 (per-channel, W8A16 or W8A8, whichever this machine "
     "runs faster), int4 (group-wise W4A16, CPU), fp8 (e4m3, per-channel); default: as the checkpoint is stored",
     "disable_lm_head_quantization": "with --quantization, keep the LM head (and a tied embedding) in the model dtype",
+    "trust_request_chat_template": "render a chat request's own chat_template field (Jinja, sandboxed); without "
+    "this flag such a request is a 400 naming the field, as vLLM does",
     "speculative_algorithm": "NGRAM: draft tokens from the request's own prompt and output (prompt lookup); "
     "NEXTN: draft them with the checkpoint's MTP layers (Qwen3-Next, Qwen3.5); either way they are verified in "
     "one step and the recurrent state is rolled back to the last accepted token (default: off)",

@@ -172,9 +172,10 @@ class DraftingGain:
 
 
 def can_draft(r: Req) -> bool:
-    """Requests whose sampling takes drafts: not those that want per-token logprobs or a grammar."""
+    """Requests whose sampling takes drafts: not those that want per-token logprobs, a grammar or a
+    thinking budget."""
     sp = r.sampling
-    return not (sp.logprobs or sp.top_logprobs or sp.grammar is not None)
+    return not (sp.logprobs or sp.top_logprobs or sp.grammar is not None or sp.thinking_budget is not None)
 
 
 class Speculation:

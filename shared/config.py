@@ -106,6 +106,7 @@ class ServerArgs:
     # limits
     context_length: int = 0  # 0 = the model's max_position_embeddings
     max_new_tokens_limit: int = 4096
+    trust_request_chat_template: bool = False  # vLLM's flag: a request's own chat_template is rendered
     max_body_bytes: int = 4 * 1024 * 1024
     # HTTP connections (tokenizer process)
     max_connections: int = 4096  # open connections; more are answered 503 and closed

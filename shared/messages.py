@@ -28,6 +28,18 @@ class GrammarSpec(msgspec.Struct, frozen=True, kw_only=True):
     after: tuple[int, ...] = ()
 
 
+class ThinkingBudget(msgspec.Struct, frozen=True, kw_only=True):
+    """A cap on a reasoning model's thinking (vLLM's `thinking_token_budget`), set by the tokenizer
+    process from the reasoning parser's tags: once `tokens` output tokens were made inside the
+    reasoning (from the output's start when `inside`, else after the `start` tokens) and it has not
+    ended (the `end` tokens), rank 0 forces the `end` tokens one by one (worker_proc/logit_processing.py)."""
+
+    tokens: int
+    start: tuple[int, ...]
+    end: tuple[int, ...]
+    inside: bool = False
+
+
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     """Per-request sampling. Validated by the tokenizer process before a request is accepted."""
 
@@ -50,6 +62,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     logit_bias: dict[int, float] = {}  # added to the logits before sampling
     min_tokens: int = 0  # EOS and stop_token_ids are masked until this many tokens were generated
     grammar: GrammarSpec | None = None  # the output must match it; the request stops when it is complete
+    thinking_budget: ThinkingBudget | None = None  # the reasoning is ended after this many tokens
 
     @property
     def greedy(self) -> bool:
@@ -62,12 +75,13 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def needs_history(self) -> bool:
         """The sampler needs the request's tokens so far (ReqSlice.history): for its penalties, and
-        to bring a grammar matcher up to date when it is not (worker_proc/grammar.py)."""
-        return self.has_penalties or self.grammar is not None
+        to bring a grammar matcher up to date when it is not (worker_proc/grammar.py), and to see
+        where a thinking budget stands."""
+        return self.has_penalties or self.grammar is not None or self.thinking_budget is not None
 
     @property
     def processes_logits(self) -> bool:
-        return self.has_penalties or bool(self.logit_bias) or self.min_tokens > 0
+        return self.has_penalties or bool(self.logit_bias) or self.min_tokens > 0 or self.thinking_budget is not None
 
 
 # ---------------------------------------------------------------- tokenizer -> scheduler

@@ -7,7 +7,10 @@ Python loops are over requests and over their listed token ids, never over the v
 - frequency_penalty f and presence_penalty q (tokens of the output only): logit -= f * count + q * [count > 0];
 - logit_bias: logit[token] += bias;
 - min_tokens m: while output_len < m, the stop tokens (the model's EOS ids unless ignore_eos, and
-  stop_token_ids) are -inf.
+  stop_token_ids) are -inf;
+- thinking_budget b: once b.tokens output tokens were made inside the reasoning and it has not ended,
+  every token but the next one of b.end is -inf (the end tokens already made count as its start, so a
+  model that began closing it itself is finished off, not restarted).
 Logprobs are still reported under the raw distribution (sampling.py); these only change the choice.
 """
 
@@ -18,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.messages import SamplingParams
+from shared.messages import SamplingParams, ThinkingBudget
 
 
 @dataclass(frozen=True)
@@ -81,6 +84,38 @@ def _sparse_add(x: torch.Tensor, rows: list[int], cols: list[int], vals: list[fl
         x.index_put_(index, torch.tensor(vals, dtype=x.dtype, device=dev), accumulate=True)
 
 
+def _find(seq: list[int], sub: tuple[int, ...], start: int = 0) -> int | None:
+    """The index just after the first occurrence of `sub` in seq[start:], or None."""
+    n = len(sub)
+    for i in range(start, len(seq) - n + 1):
+        if tuple(seq[i: i + n]) == sub:
+            return i + n
+    return None
+
+
+def thinking_end_token(budget: ThinkingBudget, output: list[int]) -> int | None:
+    """The token the budget forces after `output` (the request's output tokens so far), None when free."""
+    begin = 0 if budget.inside else _find(output, budget.start)
+    if begin is None or not budget.end or _find(output, budget.end, begin) is not None:
+        return None
+    made = next((k for k in range(len(budget.end) - 1, 0, -1)
+                 if len(output) - k >= begin and tuple(output[len(output) - k:]) == budget.end[:k]), 0)  # fmt: skip
+    return budget.end[made] if len(output) - begin - made >= budget.tokens else None
+
+
+def _thinking_forced(reqs: Sequence[SampleRequest]) -> list[tuple[int, int]]:
+    """(row, token) for every request whose thinking budget forces its next token."""
+    forced = []
+    for i, r in enumerate(reqs):
+        b = r.params.thinking_budget
+        if b is not None:
+            hist = r.history or []
+            tok = thinking_end_token(b, hist[len(hist) - r.output_len:] if r.output_len else [])
+            if tok is not None:
+                forced.append((i, tok))
+    return forced
+
+
 def process_logits(logits: torch.Tensor, reqs: Sequence[SampleRequest], eos_ids: Sequence[int] = ()) -> torch.Tensor:
     """The logits sampling chooses from: `logits` itself when no request processes them, else a
     processed copy (module doc). Token ids outside the vocabulary are ignored."""
@@ -110,4 +145,8 @@ def process_logits(logits: torch.Tensor, reqs: Sequence[SampleRequest], eos_ids:
     _sparse_add(x, rows, cols, vals)
     if mask_rows:
         x[torch.tensor(mask_rows, device=x.device), torch.tensor(mask_cols, device=x.device)] = float("-inf")
+    for i, tok in _thinking_forced(reqs):
+        if 0 <= tok < vocab:
+            x[i] = float("-inf")
+            x[i, tok] = 0.0
     return x

@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from shared.config import ServerArgs
+from shared.messages import ThinkingBudget
 from tests.tokenizer.conftest import FakeBackend, text_plan, write_model_dir
 from tests.tokenizer.test_app import serve, sse_events
 from tokenizer_proc.requests.chat_template import ChatTemplateError
@@ -132,3 +133,69 @@ def test_http_tool_calls_and_grammar_come_after_the_reasoning(tmp_path) -> None:
     serve(args, backend, tok, check)
     assert backend.submitted[-1].sampling.grammar.after == tuple(tok.encode("</think>", add_special_tokens=False))
     assert backend.submitted[0].sampling.grammar is None
+
+
+def test_include_reasoning_and_thinking_token_budget(model_dir: str) -> None:
+    tok = _tok(model_dir, "qwen3.jinja", "qwen3")
+    args = ServerArgs(model_path=model_dir, max_new_tokens_limit=64, reasoning_parser="qwen3")
+    backend = FakeBackend(plan=text_plan(THOUGHT, per_out=3))
+    n = len(THOUGHT.encode())
+
+    async def check(c: httpx.AsyncClient) -> None:
+        body = {"messages": MSGS, "max_tokens": n, "include_reasoning": False}
+        msg = (await c.post(CHAT, json=body)).json()["choices"][0]["message"]
+        assert msg["content"] == "It is 4." and msg["reasoning_content"] is None
+        events = sse_events((await c.post(CHAT, json={**body, "stream": True})).text)
+        deltas = [e["choices"][0]["delta"] for e in events if e["choices"]]
+        assert not any("reasoning_content" in d for d in deltas)
+        assert "".join(d.get("content", "") for d in deltas) == "It is 4."
+        r = await c.post(CHAT, json={"messages": MSGS, "max_tokens": 8, "thinking_token_budget": 5})
+        assert r.status_code == 200, r.text
+        r = await c.post(CHAT, json={"messages": MSGS, "max_tokens": 8, "thinking_token_budget": -1})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "thinking_token_budget"
+
+    serve(args, backend, tok, check)
+    enc = lambda text: tuple(tok.encode(text, add_special_tokens=False))  # noqa: E731
+    assert backend.submitted[-1].sampling.thinking_budget == ThinkingBudget(
+        tokens=5, start=enc("<think>"), end=enc("</think>"), inside=False)  # fmt: skip
+    assert backend.submitted[0].sampling.thinking_budget is None
+
+
+def test_a_thinking_budget_needs_a_reasoning_parser(model_dir: str) -> None:
+    tok = TextTokenizer.from_dir(model_dir)
+
+    async def check(c: httpx.AsyncClient) -> None:
+        r = await c.post(CHAT, json={"messages": MSGS, "max_tokens": 4, "thinking_token_budget": 5})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "thinking_token_budget"
+        assert "--reasoning-parser" in r.json()["error"]["message"]
+
+    serve(ServerArgs(model_path=model_dir), FakeBackend(), tok, check)
+
+
+def test_a_request_brings_its_own_template_only_when_trusted(model_dir: str) -> None:
+    own = "{% for m in messages %}[{{ m.role }}: {{ m.content }}]{% endfor %}"
+    for trusted in (False, True):
+        tok = TextTokenizer.from_dir(model_dir, chat=ChatConventions(trust_request_template=trusted))
+        args = ServerArgs(model_path=model_dir, trust_request_chat_template=trusted)
+        backend = FakeBackend()
+
+        async def check(c: httpx.AsyncClient, trusted: bool = trusted, tok: TextTokenizer = tok) -> None:
+            body = {"messages": MSGS, "max_tokens": 2, "chat_template": own}
+            r = await c.post(CHAT, json=body)
+            t = await c.post("/tokenize", json={"messages": MSGS, "chat_template": own})
+            if not trusted:
+                for resp in (r, t):
+                    assert resp.status_code == 400 and resp.json()["error"]["param"] == "chat_template"
+                    assert "--trust-request-chat-template" in resp.json()["error"]["message"]
+                return
+            assert r.status_code == 200 and t.status_code == 200
+            assert t.json()["tokens"] == tok.encode("[user: What is 2 + 2?]", add_special_tokens=False)
+            bad = await c.post(CHAT, json={**body, "chat_template": "{% for %}"})
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == "chat_template"
+            plain = await c.post(CHAT, json={"messages": MSGS, "max_tokens": 2})  # the server's own still serves
+            assert plain.status_code == 200
+
+        serve(args, backend, tok, check)
+        if trusted:
+            assert backend.submitted[0].input_ids == tok.encode("[user: What is 2 + 2?]", add_special_tokens=False)
+            assert backend.submitted[-1].input_ids == tok.encode(tok.render_chat(MSGS), add_special_tokens=False)

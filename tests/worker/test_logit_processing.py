@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from shared.messages import SamplingParams
+from shared.messages import SamplingParams, ThinkingBudget
 from worker_proc.logit_processing import process_logits
 from worker_proc.sampling import SampleRequest, sample, top_logprobs
 
@@ -109,3 +109,26 @@ def test_top_logprobs_per_row() -> None:
         order = torch.argsort(row, descending=True).tolist()
         assert [t for t, _ in top] == order[: len(top)]
         assert all(v == pytest.approx(row[t].item()) for t, v in top)
+
+
+def test_a_thinking_budget_forces_the_end_of_the_reasoning() -> None:
+    start, end = (30, 31), (32, 33, 34)
+    budget = ThinkingBudget(tokens=3, start=start, end=end)
+    prompt = [5, 6]
+
+    def forced(output: list[int], b: ThinkingBudget = budget) -> int | None:
+        r = SampleRequest("r", SamplingParams(thinking_budget=b), len(output), prompt + output)
+        x = process_logits(_logits(1), [r])
+        allowed = torch.isfinite(x[0]).nonzero().flatten().tolist()
+        return allowed[0] if len(allowed) == 1 else None
+
+    assert forced([7, 8, 9, 10]) is None  # never entered the reasoning
+    assert forced([30, 31, 7, 8]) is None  # two tokens of reasoning: under the budget
+    assert forced([30, 31, 7, 8, 9]) == 32  # three: the end tag is forced, token by token
+    assert forced([30, 31, 7, 8, 9, 32]) == 33 and forced([30, 31, 7, 8, 9, 32, 33]) == 34
+    assert forced([30, 31, 7, 8, 9, 32, 33, 34]) is None  # ended: the answer is free
+    assert forced([30, 31, 7, 8, 32, 33, 34, 9, 9, 9]) is None  # the model ended it itself
+    assert forced([30, 31, 7, 32]) is None  # it began closing under the budget: its own end goes on
+    assert forced([30, 31, 7, 8, 32, 9]) == 32  # a tag begun and dropped is reasoning: over the budget
+    assert forced([], ThinkingBudget(tokens=0, start=start, end=end, inside=True)) == 32  # no thinking at all
+    assert forced([7, 8], ThinkingBudget(tokens=2, start=start, end=end, inside=True)) == 32

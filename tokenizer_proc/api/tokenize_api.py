@@ -22,7 +22,7 @@ from tokenizer_proc.context import get_ctx
 from tokenizer_proc.http.errors import bad_request
 from tokenizer_proc.http.plumbing import json_response, read_body
 from tokenizer_proc.requests.chat_template import ChatTemplateError
-from tokenizer_proc.requests.peer_fields import generation_prompt, template_extra
+from tokenizer_proc.requests.peer_fields import generation_prompt, request_template, template_extra
 from tokenizer_proc.requests.prepare import chat_messages
 from tokenizer_proc.requests.schemas import ChatBody, DetokenizeBody, TokenizeBody
 from tokenizer_proc.requests.tokenizer import TextTokenizer
@@ -64,12 +64,13 @@ def _chat_tokens(tok: TextTokenizer, body: TokenizeBody) -> list[int]:
                     add_generation_prompt=body.add_generation_prompt,
                     continue_final_message=body.continue_final_message)
     messages = chat_messages(chat)
+    own = request_template(body, tok.chat.trust_request_template)
     try:
         text = tok.render_chat(messages, add_generation_prompt=generation_prompt(chat), extra=template_extra(chat),
                                tools=plan_tools(chat).template_tools,
-                               continue_final_message=body.continue_final_message)
+                               continue_final_message=body.continue_final_message, template=own)
     except ChatTemplateError as e:
-        raise bad_request(str(e), "messages") from e
+        raise bad_request(str(e), "messages" if own is None else "chat_template") from e
     return tok.encode(text, add_special_tokens=bool(body.add_special_tokens))
 
 

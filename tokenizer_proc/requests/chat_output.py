@@ -23,7 +23,7 @@ def message(req: PreparedRequest, text: str) -> dict[str, Any]:
         content = None  # all of it was reasoning
     out: dict[str, Any] = {"role": "assistant", "content": content}
     if req.reasoning is not None:
-        out["reasoning_content"] = reasoning
+        out["reasoning_content"] = reasoning if req.reasoning.include else None
     if calls:
         out["tool_calls"] = calls
     return out
@@ -55,7 +55,7 @@ class ChoiceStream:
                 rest, more_calls = self.tools.finish()
                 text, calls = text + rest, calls + more_calls
         out: dict[str, Any] = {}
-        if thought:
+        if thought and self.reasoning is not None and self.reasoning.plan.include:
             out["reasoning_content"] = thought
         if text:
             out["content"] = text

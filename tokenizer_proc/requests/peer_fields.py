@@ -88,6 +88,19 @@ def template_extra(body: Any) -> dict[str, Any] | None:
     return extra or None
 
 
+def request_template(body: Any, trusted: bool) -> str | None:
+    """A request's own chat template (vLLM's `chat_template` field), refused unless the server trusts
+    request templates (--trust-request-chat-template): a template is code the server runs."""
+    if body.chat_template is None:
+        return None
+    if not trusted:
+        raise bad_request("chat_template: a request's own chat template is rendered only when the server runs "
+                          "with --trust-request-chat-template", "chat_template")
+    if not body.chat_template.strip():
+        raise bad_request("chat_template must not be empty", "chat_template")
+    return body.chat_template
+
+
 def answer_options(body: Any, prompt_lps: int) -> dict[str, Any]:
     """The PreparedRequest fields of an OpenAI body that shape its answer (usage, token ids, prompt
     logprobs, stop_regex, priority)."""

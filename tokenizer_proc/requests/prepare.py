@@ -17,7 +17,7 @@ from dataclasses import replace
 
 import msgspec
 
-from shared.messages import GrammarSpec
+from shared.messages import GrammarSpec, ThinkingBudget
 from tokenizer_proc.http.errors import bad_request
 from tokenizer_proc.requests.chat_template import ChatTemplateError
 from tokenizer_proc.requests.compat import check_chat_fields, check_completion_fields, check_generate_fields
@@ -26,10 +26,11 @@ from tokenizer_proc.requests.peer_fields import (
     check_messages,
     generation_prompt,
     prompt_logprobs,
+    request_template,
     template_extra,
     truncate_prompt,
 )
-from tokenizer_proc.requests.reasoning import grammar_after, plan_reasoning
+from tokenizer_proc.requests.reasoning import ReasoningPlan, grammar_after, plan_reasoning, thinking_budget
 from tokenizer_proc.requests.schemas import ChatBody, CompletionBody, GenerateBody, NativeSamplingParams
 from tokenizer_proc.requests.stop_regex import check_stop_regexes
 from tokenizer_proc.requests.structured import native_grammar, openai_grammar
@@ -216,6 +217,14 @@ def chat_messages(body: ChatBody) -> list[dict[str, object]]:
     return out
 
 
+def _thinking(tokens: int, plan: ReasoningPlan | None, tok: TextTokenizer) -> ThinkingBudget | None:
+    require(plan is not None, "thinking_token_budget needs a reasoning model served with --reasoning-parser",
+            "thinking_token_budget")
+    require(tokens >= 0, "thinking_token_budget must be >= 0", "thinking_token_budget")
+    assert plan is not None  # for the type checker: required above
+    return thinking_budget(plan, tokens, lambda text: tok.encode(text, add_special_tokens=False))
+
+
 def prepare_chat(body: ChatBody, tok: TextTokenizer, limits: Limits) -> list[PreparedRequest]:
     _check_common(body)
     check_chat_fields(body)
@@ -229,14 +238,17 @@ def prepare_chat(body: ChatBody, tok: TextTokenizer, limits: Limits) -> list[Pre
         require(grammar is None, "response_format cannot be combined with a required or named tool_choice",
                 "response_format")
         grammar = plan.grammar
+    own = request_template(body, tok.chat.trust_request_template)
     try:
         text = tok.render_chat(messages, add_generation_prompt=generation_prompt(body), extra=template_extra(body),
-                               tools=plan.template_tools, continue_final_message=body.continue_final_message)
+                               tools=plan.template_tools, continue_final_message=body.continue_final_message,
+                               template=own)
     except ChatTemplateError as e:
-        raise bad_request(str(e), "messages") from e
+        raise bad_request(str(e), "messages" if own is None else "chat_template") from e
     ids = truncate_prompt(tok.encode(text, add_special_tokens=body.add_special_tokens), body, limits)
     require(bool(ids), "messages encode to no tokens", "messages")
-    reasoning = plan_reasoning(tok.chat.reasoning_parser, text, body.separate_reasoning, body.stream_reasoning)
+    reasoning = plan_reasoning(tok.chat.reasoning_parser, text, body.separate_reasoning, body.stream_reasoning,
+                               body.include_reasoning)
     if grammar is not None and (after := grammar_after(reasoning)):  # constrain the answer, not the thinking
         grammar = msgspec.structs.replace(grammar, after=tuple(tok.encode(after, add_special_tokens=False)))
     name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
@@ -247,6 +259,9 @@ def prepare_chat(body: ChatBody, tok: TextTokenizer, limits: Limits) -> list[Pre
         top_logprobs=body.top_logprobs or 0, prompt_logprobs=(plp := prompt_logprobs(body)),
     )
     sampling, stops = build_sampling(fields, len(ids), None, limits, tok, body.logprobs)
+    if body.thinking_token_budget is not None:
+        budget = _thinking(body.thinking_token_budget, reasoning, tok)
+        sampling = msgspec.structs.replace(sampling, thinking_budget=budget)
     base = PreparedRequest(
         rid=new_rid("chatcmpl-"), input_ids=ids, sampling=sampling, stops=stops,
         skip_special_tokens=body.skip_special_tokens, stream=body.stream, **answer_options(body, plp),

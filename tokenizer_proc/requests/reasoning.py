@@ -10,15 +10,20 @@ Rules, the same for the three formats but for where the reasoning starts:
   it started inside (cut by max_tokens, say), and all content when it never entered one;
 - `reasoning_content` is the text between the tags without surrounding blank lines, `content` what
   follows `</think>` without leading ones (null when empty); tool calls are parsed from `content` only;
+- `include_reasoning: false` (vLLM) drops the reasoning from the answer: `content` is what follows it;
 - `separate_reasoning: false` (SGLang) keeps everything in `content`; streamed, `reasoning_content`
   deltas come as the reasoning does, unless `stream_reasoning: false` holds it for one delta when it
   ends;
-- structured output and tool grammars constrain only what follows `</think>` (`grammar_after`).
+- structured output and tool grammars constrain only what follows `</think>` (`grammar_after`);
+- `thinking_token_budget: N` (vLLM) ends the reasoning after N tokens of it by forcing `</think>`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+
+from shared.messages import ThinkingBudget
 
 START, END = "<think>", "</think>"
 PARSERS = ("qwen3", "deepseek-r1", "nemotron")
@@ -30,21 +35,31 @@ class ReasoningPlan:
     may_reason: bool  # the output can contain reasoning at all
     separate: bool = True
     stream: bool = True
+    include: bool = True  # reasoning_content is returned (else dropped)
 
 
-def plan_reasoning(parser: str, prompt: str, separate: bool = True, stream: bool = True) -> ReasoningPlan | None:
+def plan_reasoning(parser: str, prompt: str, separate: bool = True, stream: bool = True, include: bool = True
+                   ) -> ReasoningPlan | None:  # fmt: skip
     """How a chat request's output splits (None without a parser); `prompt`: the rendered prompt text."""
     if not parser:
         return None
     tail = prompt.rstrip()
     closed = tail.endswith(END)
     inside = not closed and (parser == "deepseek-r1" or tail.endswith(START))
-    return ReasoningPlan(inside, not closed, separate, stream)
+    return ReasoningPlan(inside, not closed, separate, stream, include)
 
 
 def grammar_after(plan: ReasoningPlan | None) -> str:
     """The text after which a grammar starts constraining the output ("" = from the start)."""
     return END if plan is not None and plan.may_reason and plan.separate else ""
+
+
+def thinking_budget(plan: ReasoningPlan, tokens: int, encode: Callable[[str], list[int]]) -> ThinkingBudget | None:
+    """The cap of `thinking_token_budget` (None when the output cannot reason: nothing to cap); the
+    reasoning is ended with the parser's closing tag."""
+    if not plan.may_reason:
+        return None
+    return ThinkingBudget(tokens=tokens, start=tuple(encode(START)), end=tuple(encode(END)), inside=plan.inside)
 
 
 def split_reasoning(plan: ReasoningPlan | None, text: str) -> tuple[str | None, str]:

@@ -250,6 +250,9 @@ class ChatBody(_OpenAIBody):
     echo: Any = None  # vLLM's chat echo: out of scope, a true value is a 400 (compat.py)
     separate_reasoning: bool = True  # with --reasoning-parser: reasoning_content apart from content (reasoning.py)
     stream_reasoning: bool = True
+    include_reasoning: bool = True  # vLLM: false drops reasoning_content from the answer (reasoning.py)
+    thinking_token_budget: Int | None = None  # vLLM: the reasoning is ended after this many tokens
+    chat_template: str | None = None  # vLLM: the request's own template, with --trust-request-chat-template
 
 
 class TokenizeBody(_Body):
@@ -266,6 +269,7 @@ class TokenizeBody(_Body):
     chat_template_kwargs: dict[str, Any] | None = None
     documents: list[dict[str, Any]] | None = None
     return_token_strs: bool = False
+    chat_template: str | None = None
 
 
 class DetokenizeBody(_Body):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -70,19 +71,26 @@ def _byte_tables(tokenizer: Tokenizer) -> tuple[list[bytes], list[bytes]]:
 @dataclass(frozen=True)
 class ChatConventions:
     """How the served model's chats are written and read: the template (--chat-template, "" = the
-    checkpoint's), the tool-call format (--tool-call-parser) and the reasoning format (--reasoning-parser)."""
+    checkpoint's), the tool-call format (--tool-call-parser), the reasoning format (--reasoning-parser) and
+    whether a request may bring its own template (--trust-request-chat-template)."""
 
     template: str = ""
     tool_call_parser: str = "auto"
     reasoning_parser: str = ""
+    trust_request_template: bool = False
 
     @staticmethod
     def from_args(args: ServerArgs) -> ChatConventions:
-        return ChatConventions(args.chat_template, args.tool_call_parser, args.reasoning_parser)
+        return ChatConventions(args.chat_template, args.tool_call_parser, args.reasoning_parser,
+                               args.trust_request_chat_template)  # fmt: skip
+
+
+_REQUEST_TEMPLATES_KEPT = 8  # compiled per-request templates kept, the least recently used dropped first
 
 
 class TextTokenizer:
-    """Owns the `tokenizers.Tokenizer`, the chat template and the per-token byte tables."""
+    """Owns the `tokenizers.Tokenizer`, the chat template and the per-token byte tables. Immutable but
+    for the bounded cache of per-request templates compiled so far (the rendering is the same either way)."""
 
     def __init__(self, tokenizer: Tokenizer, config: dict[str, Any], model_dir: str, info: ModelInfo,
                  chat: ChatConventions = ChatConventions()) -> None:  # fmt: skip
@@ -102,6 +110,8 @@ class TextTokenizer:
         self.eos_token_ids: tuple[int, ...] = tuple(eos_ids)
         self.model_eos_ids: frozenset[int] = frozenset(info.eos_token_ids)
         self.chat_template = ChatTemplate(select_template(config, model_dir, chat.template), specials)
+        self._specials = specials
+        self._request_templates: OrderedDict[str, ChatTemplate] = OrderedDict()
         self._tables = _byte_tables(tokenizer) if _is_byte_level(tokenizer) else None
 
     @staticmethod
@@ -139,14 +149,27 @@ class TextTokenizer:
     def render_chat(
         self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
         extra: dict[str, Any] | None = None, tools: list[dict[str, Any]] | None = None,
-        continue_final_message: bool = False,
+        continue_final_message: bool = False, template: str | None = None,
     ) -> str:
         """The chat template over `messages`; `extra` are chat_template_kwargs, `tools` the tool
         definitions the template renders (OpenAI shape); `continue_final_message`: the text ends
-        inside the last message, without a generation prompt (chat_continuation.py)."""
-        text = self.chat_template.render(messages, add_generation_prompt=add_generation_prompt
-                                         and not continue_final_message, extra=extra, tools=tools)
+        inside the last message, without a generation prompt (chat_continuation.py); `template`: a
+        request's own template source instead of the server's (the caller checked it may bring one)."""
+        chosen = self.chat_template if template is None else self._request_template(template)
+        text = chosen.render(messages, add_generation_prompt=add_generation_prompt and not continue_final_message,
+                             extra=extra, tools=tools)  # fmt: skip
         return continue_final(text, messages) if continue_final_message else text
+
+    def _request_template(self, source: str) -> ChatTemplate:
+        """The compiled `source` (ChatTemplateError when it does not compile), from the bounded cache."""
+        kept = self._request_templates.get(source)
+        if kept is None:
+            kept = ChatTemplate(source, self._specials)
+            self._request_templates[source] = kept
+            while len(self._request_templates) > _REQUEST_TEMPLATES_KEPT:
+                self._request_templates.popitem(last=False)
+        self._request_templates.move_to_end(source)
+        return kept
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         detok = self.detokenizer((), skip_special_tokens)
