@@ -1,6 +1,7 @@
 """Chat templates, reasoning and tool-call parsers through a real launch.py with the real clients:
 `--chat-template` with a DeepSeek-R1-style template and `--reasoning-parser deepseek-r1` (the output
-comes back as `reasoning_content`, whole and streamed, and as content with separate_reasoning false),
+comes back as `reasoning_content`, whole and streamed, and as content with separate_reasoning false;
+thinking_token_budget ends it by forcing `</think>`, include_reasoning false drops it),
 and `--tool-call-parser qwen3_coder` reading calls in the Qwen3-Coder XML format (the built-in model
 is made to write one by a regex constraint) with the openai SDK and langchain-openai."""
 
@@ -45,6 +46,15 @@ def test_reasoning_content_with_a_template_that_opens_it() -> None:
         deltas = [c.choices[0].delta for c in stream if c.choices]
         assert "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas) == text.strip("\n")
         assert not "".join(d.content or "" for d in deltas)
+        capped = client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=20, temperature=0,
+                                                extra_body={"thinking_token_budget": 4, "return_token_ids": True})
+        ids = capped.choices[0].model_extra["token_ids"]
+        assert ids[:4] == list(text.encode())[:4] and ids[4:12] == list(b"</think>")  # forced after 4 tokens
+        assert capped.choices[0].message.model_extra["reasoning_content"] == text.encode()[:4].decode().strip("\n")
+        dropped = client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=20, temperature=0,
+                                                 extra_body={"thinking_token_budget": 4, "include_reasoning": False})
+        assert dropped.choices[0].message.model_extra["reasoning_content"] is None
+        assert dropped.choices[0].message.content == capped.choices[0].message.content
 
 
 def test_qwen3_coder_tool_calls_with_the_openai_sdk_and_langchain() -> None:
