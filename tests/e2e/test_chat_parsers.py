@@ -1,7 +1,8 @@
 """Chat templates, reasoning and tool-call parsers through a real launch.py with the real clients:
 `--chat-template` with a DeepSeek-R1-style template and `--reasoning-parser deepseek-r1` (the output
 comes back as `reasoning_content`, whole and streamed, and as content with separate_reasoning false;
-thinking_token_budget ends it by forcing `</think>`, include_reasoning false drops it),
+thinking_token_budget ends it by forcing `</think>`, include_reasoning false drops it; the Responses API
+returns it as a reasoning item),
 and `--tool-call-parser qwen3_coder` reading calls in the Qwen3-Coder XML format (the built-in model
 is made to write one by a regex constraint) with the openai SDK and langchain-openai."""
 
@@ -51,6 +52,12 @@ def test_reasoning_content_with_a_template_that_opens_it() -> None:
         ids = capped.choices[0].model_extra["token_ids"]
         assert ids[:4] == list(text.encode())[:4] and ids[4:12] == list(b"</think>")  # forced after 4 tokens
         assert capped.choices[0].message.model_extra["reasoning_content"] == text.encode()[:4].decode().strip("\n")
+        resp = client.responses.create(model=MODEL, input=MSGS[0]["content"], max_output_tokens=12, temperature=0)
+        (item,) = resp.output  # cut while reasoning: the reasoning item alone
+        assert item.type == "reasoning" and item.content[0].text == text.strip("\n")
+        events = list(client.responses.create(model=MODEL, input=MSGS[0]["content"], max_output_tokens=12,
+                                              temperature=0, stream=True))  # fmt: skip
+        assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == text.strip("\n")
         dropped = client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=20, temperature=0,
                                                  extra_body={"thinking_token_budget": 4, "include_reasoning": False})
         assert dropped.choices[0].message.model_extra["reasoning_content"] is None

@@ -1,11 +1,14 @@
 """POST /v1/responses, GET and DELETE /v1/responses/{id} (the OpenAI Responses API).
 
 A Responses request is computed as the chat request over its conversation (requests/responses_input.py)
-and answered as a `response` object: `output` holds one `message` item (an `output_text` part) when
+and answered as a `response` object: `output` holds, with --reasoning-parser, a `reasoning` item (one
+`reasoning_text` part) when the output reasoned, then one `message` item (an `output_text` part) when
 there is text, or when there is nothing else, then one `function_call` item per tool call; `status`
 is "completed", or "incomplete" with `incomplete_details.reason` "max_output_tokens" when the output
 was cut by `max_output_tokens`. Streamed, the events are OpenAI's, each with its `sequence_number`:
-response.created, response.in_progress, then for the message response.output_item.added,
+response.created, response.in_progress, then for the reasoning response.output_item.added,
+response.reasoning_text.delta (as it comes), .reasoning_text.done, .output_item.done, for the message
+response.output_item.added,
 response.content_part.added, response.output_text.delta (one per piece of text), .output_text.done,
 .content_part.done, .output_item.done, then per call .output_item.added,
 .function_call_arguments.delta / .done, .output_item.done, and last response.completed (or
@@ -31,6 +34,7 @@ from tokenizer_proc.http.plumbing import json_response, read_body, sse
 from tokenizer_proc.requests.flow import Accumulated, ended, respond
 from tokenizer_proc.requests.generation import Finish, Piece
 from tokenizer_proc.requests.prepare import prepare_chat
+from tokenizer_proc.requests.reasoning import ReasoningStream, split_reasoning
 from tokenizer_proc.requests.responses_input import chat_body, check_supported, input_messages
 from tokenizer_proc.requests.schemas import ChatMessage, FunctionCall, ResponsesBody, ToolCall
 from tokenizer_proc.requests.structured import needs_grammar
@@ -53,6 +57,9 @@ class _Response:
         self.created = int(time.time())
         self.seq = 0
         self.message_id = _item_id("msg")
+        self.reasoning_id = _item_id("rs")
+        self.reasoning_text = ""  # the output's reasoning so far (--reasoning-parser)
+        self.reasoning_open = False  # streamed: its item was added and is not done yet
 
     # ------------------------------------------------------------------ objects
     def obj(self, status: str, output: list[dict[str, Any]], last: Piece | None = None,
@@ -76,7 +83,8 @@ class _Response:
                 "input_tokens": last.prompt_tokens, "output_tokens": last.completion_tokens,
                 "total_tokens": last.prompt_tokens + last.completion_tokens,
                 "input_tokens_details": {"cached_tokens": last.cached_tokens},
-                "output_tokens_details": {"reasoning_tokens": 0},
+                "output_tokens_details": {"reasoning_tokens": len(self.ctx.tok.encode(
+                    self.reasoning_text, add_special_tokens=False)) if self.reasoning_text else 0},
             }
             if last.finish is not None and last.finish.reason == "length":
                 out["incomplete_details"] = {"reason": "max_output_tokens"}
@@ -95,7 +103,7 @@ class _Response:
                 "status": "completed" if arguments is None else "in_progress"}  # fmt: skip
 
     def output(self, content: str | None, calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        items = [self.message(content)] if content or not calls else []
+        items = [self.message(content or "")] if content or not calls else []
         return items + [self.call_item(c) for c in calls]
 
     def done(self, output: list[dict[str, Any]], content: str | None, calls: list[dict[str, Any]],
@@ -112,12 +120,19 @@ class _Response:
             self.ctx.responses.put(self.id, obj, [*self.conversation, reply])
         return obj
 
+    def reasoning_item(self, text: str, status: str = "completed") -> dict[str, Any]:
+        content = [] if status == "in_progress" else [{"type": "reasoning_text", "text": text}]
+        return {"type": "reasoning", "id": self.reasoning_id, "summary": [], "content": content, "status": status}
+
     def whole(self, accs: list[Accumulated]) -> dict[str, Any]:
         acc = accs[0]
-        text = "".join(acc.text)
+        reasoning, text = split_reasoning(self.req.reasoning, "".join(acc.text))
         plan = self.req.tool_plan
         content, calls = parse_output(plan, text) if plan is not None else (text, [])
-        return self.done(self.output(content, calls), content, calls, acc.last)
+        self.reasoning_text = reasoning or ""
+        thought = [self.reasoning_item(reasoning)] if reasoning else []
+        answer = self.output(content, calls) if content or calls or not thought else []
+        return self.done(thought + answer, content, calls, acc.last)
 
     # ------------------------------------------------------------------ stream
     def event(self, kind: str, **fields: Any) -> bytes:
@@ -128,23 +143,33 @@ class _Response:
         yield self.event("response.created", response=self.obj("in_progress", []))
         yield self.event("response.in_progress", response=self.obj("in_progress", []))
         stream = tool_stream(self.req.tool_plan) if self.req.tool_plan is not None else None
+        thinking = ReasoningStream(self.req.reasoning) if self.req.reasoning is not None else None
         shown: list[str] = []
+        output: list[dict[str, Any]] = []  # the finished items
         opened = False
-        where = {"item_id": self.message_id, "output_index": 0, "content_index": 0}
         async with contextlib.aclosing(pieces) as it:
             async for _, piece in it:
                 err = openai_error(piece.finish)
                 if err is not None:
                     yield self.event("response.failed", response=self.obj("failed", [], error=err))
                     return
-                text = stream.feed(piece.text)[0] if stream is not None else piece.text
+                thought, text = thinking.feed(piece.text) if thinking is not None else ("", piece.text)
+                if piece.finish is not None and thinking is not None:
+                    more_thought, more = thinking.finish()
+                    thought, text = thought + more_thought, text + more
+                for frame in self._reasoning_events(thought, output, ended=bool(text) or piece.finish is not None):
+                    yield frame
+                text = stream.feed(text)[0] if stream is not None else text
                 calls: list[dict[str, Any]] = []
                 if piece.finish is not None and stream is not None:
                     rest, _ = stream.finish()
                     text, calls = text + rest, stream.calls()
-                if text and not opened:
+                where = {"item_id": self.message_id, "output_index": len(output), "content_index": 0}
+                # an answer with nothing at all still has its (empty) message, as the whole answer has;
+                # one that only reasoned has only its reasoning item
+                if not opened and (text or (piece.finish is not None and not calls and not output)):
                     opened = True
-                    for frame in self._open_message():
+                    for frame in self._open_message(len(output)):
                         yield frame
                 if text:
                     shown.append(text)
@@ -152,15 +177,12 @@ class _Response:
                 if piece.finish is None:
                     continue
                 content = "".join(shown)
-                if not opened and not calls:  # nothing at all: an empty message, as the whole answer has
-                    opened = True
-                    for frame in self._open_message():
-                        yield frame
-                output = [self.message(content)] if opened else []
                 if opened:
+                    item = self.message(content)
                     yield self.event("response.output_text.done", **where, text=content, logprobs=[])
-                    yield self.event("response.content_part.done", **where, part=output[0]["content"][0])
-                    yield self.event("response.output_item.done", output_index=0, item=output[0])
+                    yield self.event("response.content_part.done", **where, part=item["content"][0])
+                    yield self.event("response.output_item.done", output_index=len(output), item=item)
+                    output.append(item)
                 for call in calls:
                     for frame in self._call_events(call, len(output)):
                         yield frame
@@ -169,11 +191,31 @@ class _Response:
                 yield self.event("response.completed" if obj["status"] == "completed" else "response.incomplete",
                                  response=obj)  # fmt: skip
 
-    def _open_message(self) -> list[bytes]:
+    def _reasoning_events(self, thought: str, output: list[dict[str, Any]], ended: bool) -> list[bytes]:
+        """The reasoning item's events for a new piece of reasoning (`thought`); `ended`: the reasoning
+        is over (content follows, or the output ended), so an open item is closed and put in `output`."""
+        frames = []
+        where = {"item_id": self.reasoning_id, "output_index": 0, "content_index": 0}
+        if thought and not self.reasoning_open and not output:
+            self.reasoning_open = True
+            frames.append(self.event("response.output_item.added", output_index=0,
+                                     item=self.reasoning_item("", "in_progress")))  # fmt: skip
+        if thought and self.reasoning_open:
+            self.reasoning_text += thought
+            frames.append(self.event("response.reasoning_text.delta", **where, delta=thought))
+        if ended and self.reasoning_open:
+            self.reasoning_open = False
+            item = self.reasoning_item(self.reasoning_text)
+            frames.append(self.event("response.reasoning_text.done", **where, text=self.reasoning_text))
+            frames.append(self.event("response.output_item.done", output_index=0, item=item))
+            output.append(item)
+        return frames
+
+    def _open_message(self, index: int) -> list[bytes]:
         part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-        return [self.event("response.output_item.added", output_index=0, item=self.message("", "in_progress")),
-                self.event("response.content_part.added", item_id=self.message_id, output_index=0, content_index=0,
-                           part=part)]  # fmt: skip
+        return [self.event("response.output_item.added", output_index=index, item=self.message("", "in_progress")),
+                self.event("response.content_part.added", item_id=self.message_id, output_index=index,
+                           content_index=0, part=part)]  # fmt: skip
 
     def _call_events(self, call: dict[str, Any], index: int) -> list[bytes]:
         item = self.call_item(call)

@@ -93,9 +93,9 @@ def input_messages(body: ResponsesBody) -> list[ChatMessage]:
             output = item.get("output")
             text = output if isinstance(output, str) else _text(output, f"{param}.output")
             out.append(ChatMessage(role="tool", content=text, tool_call_id=_str_field(item, "call_id", param)))
-        else:
+        elif kind != "reasoning":  # an earlier output's reasoning: templates drop it from earlier turns
             raise bad_request(f"input item of type {kind!r} is not supported (message, function_call, "
-                              "function_call_output)", f"{param}.type")  # fmt: skip
+                              "function_call_output, reasoning)", f"{param}.type")  # fmt: skip
     return out
 
 
