@@ -85,6 +85,19 @@ def test_structured_outputs_errors_name_the_key(args, tok, body, param) -> None:
     assert backend.submitted == []
 
 
+@pytest.mark.parametrize(("body", "param"), [
+    ({"structured_outputs": {"regex": "[a-z]+"}}, "structured_outputs.regex"),
+    ({"guided_regex": "[a-z]+"}, "guided_regex"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+])
+def test_a_constraint_with_a_forced_tool_call_names_its_own_field(args, tok, body, param) -> None:
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+    rs, backend = _post_all(args, tok, [(CHAT, {"messages": MSGS, "tools": [tool], "tool_choice": "required",
+                                                **body})])  # fmt: skip
+    assert rs[0].status_code == 400 and rs[0].json()["error"]["param"] == param, rs[0].text
+    assert "tool_choice" in rs[0].json()["error"]["message"] and backend.submitted == []
+
+
 def test_truncate_prompt_tokens(args, tok) -> None:
     prompt = list(range(10, 40))
     rs, backend = _post_all(args, tok, [

@@ -33,7 +33,7 @@ from tokenizer_proc.requests.peer_fields import (
 from tokenizer_proc.requests.reasoning import ReasoningPlan, grammar_after, plan_reasoning, thinking_budget
 from tokenizer_proc.requests.schemas import ChatBody, CompletionBody, GenerateBody, NativeSamplingParams
 from tokenizer_proc.requests.stop_regex import check_stop_regexes
-from tokenizer_proc.requests.structured import native_grammar, openai_grammar
+from tokenizer_proc.requests.structured import native_grammar, openai_constraint, openai_grammar
 from tokenizer_proc.requests.tokenizer import TextTokenizer
 from tokenizer_proc.requests.tools import plan_tools, template_message_calls
 from tokenizer_proc.requests.validation import (
@@ -233,10 +233,11 @@ def prepare_chat(body: ChatBody, tok: TextTokenizer, limits: Limits) -> list[Pre
     require(body.logprobs or not body.top_logprobs, "top_logprobs requires logprobs=true", "top_logprobs")
     messages = chat_messages(body)
     plan = plan_tools(body, tok.chat.tool_call_parser)
-    grammar = openai_grammar(body)
+    named = openai_constraint(body)
+    grammar = named[1] if named is not None else None
     if plan.grammar is not None:
-        require(grammar is None, "response_format cannot be combined with a required or named tool_choice",
-                "response_format")
+        if named is not None:
+            raise bad_request(f"{named[0]} cannot be combined with a required or named tool_choice", named[0])
         grammar = plan.grammar
     own = request_template(body, tok.chat.trust_request_template)
     try:
