@@ -172,10 +172,13 @@ class DraftingGain:
 
 
 def can_draft(r: Req) -> bool:
-    """Requests whose sampling takes drafts: not those that want per-token logprobs, a grammar or a
-    thinking budget."""
+    """Requests whose sampling takes drafts: not those that want per-token logprobs (a step reports one
+    per request), a grammar that waits for a reasoning end, or a thinking budget. A grammar from the
+    first token is checked in the verify step (worker_proc/grammar.py: each position is masked as the
+    grammar stands after the drafts before it, so a draft it refuses is never accepted)."""
     sp = r.sampling
-    return not (sp.logprobs or sp.top_logprobs or sp.grammar is not None or sp.thinking_budget is not None)
+    waits = sp.grammar is not None and bool(sp.grammar.after)
+    return not (sp.logprobs or sp.top_logprobs or waits or sp.thinking_budget is not None)
 
 
 class Speculation:

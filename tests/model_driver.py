@@ -73,7 +73,8 @@ def generate_speculative(
 ) -> tuple[list[int], list[int]]:
     """Like `generate_greedy` (state slot 1, KV slot p + 1 for position p), but every decode step
     verifies `propose(tokens_so_far)` drafted tokens (backup state slot 2), as the scheduler sends
-    them. Returns (output tokens, accepted count of each verify step); stops at max_new_tokens."""
+    them (with the request's tokens so far when its sampling needs them). Returns (output tokens,
+    accepted count of each verify step); stops at max_new_tokens or when the grammar is complete."""
     params = sampling or SamplingParams(temperature=0.0)
     out: list[int] = []
     accepted: list[int] = []
@@ -83,12 +84,16 @@ def generate_speculative(
         end = start + len(ids) + len(drafts)
         req = ReqSlice(rid="spec", input_ids=ids + drafts, start_pos=start, kv_slots=list(range(1, end + 1)),
                        state_slot=1, sample=True, sampling=params, output_len=len(out),
-                       drafts=len(drafts), backup_slot=2 if drafts else 0)
+                       drafts=len(drafts), backup_slot=2 if drafts else 0,
+                       history=prompt + out if params.needs_history else None)
         res = runner.step(ForwardBatch(step=step, reqs=[req], clears=[1] if start == 0 else []))
         n_ok = res.accepted.get("spec", 0)
         if drafts:
             accepted.append(n_ok)
         out.extend(drafts[:n_ok] + [res.next_tokens["spec"]])
+        assert "spec" not in res.grammar_errors, res.grammar_errors
+        if "spec" in res.grammar_done:
+            break
         start += len(ids) + n_ok
         ids, step = [out[-1]], step + 1
     return out[:max_new_tokens], accepted

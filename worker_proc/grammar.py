@@ -149,24 +149,43 @@ class GrammarRuntime:
     def constrain(self, reqs: Sequence[SampleRequest], errors: dict[str, str]) -> Callable[[torch.Tensor], None] | None:
         """A function that masks the constrained rows of the logits sampling chooses from (None when
         no row is constrained). A request whose matcher cannot be brought up to date is put in
-        `errors` and left unconstrained (the scheduler ends it with that error)."""
+        `errors` and left unconstrained (the scheduler ends it with that error). Consecutive requests
+        of one rid are a verify slice's positions, the later ones with a draft more in their history:
+        position k is masked as the grammar stands after the first k drafts, which the matcher accepts
+        for the masking and then rolls back; positions after a draft the grammar refuses stay free
+        (that draft is never accepted, since the draw before it is masked, so they are never used)."""
         rows: list[int] = []
-        matchers: list[_Matcher] = []
-        for i, r in enumerate(reqs):
-            if r.params.grammar is None:
-                continue
-            try:
-                m = self._matcher(r)
-                if m is not None:
-                    matchers.append(m)
-                    rows.append(i)
-            except (ValueError, RuntimeError) as e:
-                errors[r.rid] = f"structured output failed: {e}"
+        groups: list[tuple[_Matcher, list[int]]] = []  # matcher, its drafts (one per later position)
+        i = 0
+        while i < len(reqs):
+            n = next((k for k in range(i + 1, len(reqs)) if reqs[k].rid != reqs[i].rid), len(reqs)) - i
+            r = reqs[i]
+            if r.params.grammar is not None:
+                try:
+                    m = self._matcher(r)
+                    if m is not None:
+                        groups.append((m, [(reqs[i + k].history or [0])[-1] for k in range(1, n)]))
+                        rows.extend(range(i, i + n))
+                except (ValueError, RuntimeError) as e:
+                    errors[r.rid] = f"structured output failed: {e}"
+            i += n
         if not rows:
             return None
-        bitmask = self._xgr.allocate_token_bitmask(len(rows), self.vocab_size)
-        for j, m in enumerate(matchers):
+        bitmask = self._xgr.allocate_token_bitmask(len(rows), self.vocab_size)  # all tokens allowed
+        j = 0
+        for m, drafts in groups:
             m.matcher.fill_next_token_bitmask(bitmask, j)
+            tried = 0
+            for k, tok in enumerate(drafts, start=1):
+                if not m.matcher.accept_token(tok):
+                    break
+                tried += 1
+                if m.matcher.is_terminated():  # a drafted stop: nothing follows it
+                    break
+                m.matcher.fill_next_token_bitmask(bitmask, j + k)
+            if tried:
+                m.matcher.rollback(tried)
+            j += len(drafts) + 1
 
         def apply(logits: torch.Tensor) -> None:
             sub = logits[rows]
@@ -176,8 +195,8 @@ class GrammarRuntime:
         return apply
 
     def accept(self, reqs: Sequence[SampleRequest], tokens: Sequence[int], errors: dict[str, str]) -> list[str]:
-        """Advance every constrained request's matcher by its sampled token; the rids whose grammar
-        is now terminated (their matchers are dropped)."""
+        """Advance every constrained request's matcher by its emitted tokens (a verify slice's in order,
+        one entry each); the rids whose grammar is now terminated (their matchers are dropped)."""
         done = []
         for r, tok in zip(reqs, tokens, strict=True):
             if r.params.grammar is None or r.rid in errors:

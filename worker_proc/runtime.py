@@ -254,7 +254,9 @@ class ModelRunner:
                     n_ok = speculative.accepted_drafts(r, tokens[first : first + r.drafts + 1], eos)
                     out["accepted"][r.rid], out["next_tokens"][r.rid] = n_ok, tokens[first + n_ok]
             if constrain is not None or errors:
-                out["grammar_done"] = self.grammars.accept(sreqs, tokens, errors)
+                starts = {first: r.drafts for r, first in verify}
+                made = speculative.emitted(sreqs, tokens, starts, out.get("accepted", {}))
+                out["grammar_done"] = self.grammars.accept(*made, errors)
                 out["grammar_errors"] = errors
             if lps is not None:
                 out["logprobs"] = {s.rid: lp for s, lp in zip(sreqs, lps, strict=True) if s.params.logprobs}

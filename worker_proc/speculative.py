@@ -50,6 +50,22 @@ def accepted_drafts(r: ReqSlice, draws: list[int], eos_ids: tuple[int, ...]) -> 
     return n
 
 
+def emitted(sreqs: list[SampleRequest], tokens: list[int], starts: dict[int, int], accepted: dict[str, int]
+            ) -> tuple[list[SampleRequest], list[int]]:  # fmt: skip
+    """The draws of a step that became output tokens, in order: every plain draw, and of a verify slice
+    (its first draw's index in `starts` -> its draft count) its accepted drafts and the draw after them."""
+    reqs: list[SampleRequest] = []
+    toks: list[int] = []
+    i = 0
+    while i < len(sreqs):
+        n = starts[i] + 1 if i in starts else 1
+        keep = accepted[sreqs[i].rid] + 1 if i in starts else 1
+        reqs.extend(sreqs[i : i + keep])
+        toks.extend(tokens[i : i + keep])
+        i += n
+    return reqs, toks
+
+
 def back_up(pools: StatePools, reqs: list[ReqSlice]) -> None:
     """Copy each verify slice's state into its backup slot (before the forward)."""
     for r in reqs:

@@ -1,6 +1,7 @@
 """A real launch.py with `--speculative-algorithm NGRAM`: greedy outputs equal the model's own greedy
 decoding without drafts (concurrent requests, prefix hits, streaming, n > 1), drafts are accepted on
-text that repeats, structured output still holds, and the metrics say how many drafts were accepted."""
+text that repeats, structured output still holds (and takes drafts), and the metrics say how many drafts
+were accepted."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import shutil
 import subprocess
 import sys
 
+import httpx
 import openai
 import pytest
 
@@ -69,6 +71,22 @@ def test_streaming_n2_and_structured_output_with_drafts(spec_server, reference_r
         response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
     )
     assert isinstance(json.loads(chat.choices[0].message.content)["a"], int)
+
+
+def test_structured_output_takes_drafts_and_keeps_its_output(spec_server, reference_runner) -> None:
+    from shared.messages import GrammarSpec, SamplingParams
+    from tests.model_driver import generate_speculative
+
+    regex = "(ab|ba|abc){12}"  # repeats: prompt lookup finds drafts in the request's own output
+    prompt = list(b"Pattern: ")
+    params = SamplingParams(temperature=0.0, grammar=GrammarSpec(kind="regex", source=regex))
+    want, _ = generate_speculative(reference_runner, prompt, 48, lambda tokens: [], params)
+    steps = spec_server.metric("hyssm_spec_verify_steps_total")
+    body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 48, "temperature": 0, "regex": regex}}
+    for _ in range(3):
+        out = httpx.post(spec_server.url + "/generate", json=body, timeout=60).json()
+        assert out["output_ids"] == want[: len(out["output_ids"])] and len(out["output_ids"]) >= len(want) - 1
+    assert spec_server.metric("hyssm_spec_verify_steps_total") > steps  # the grammar requests drafted
 
 
 def test_bad_speculative_flags_are_one_line_errors() -> None:

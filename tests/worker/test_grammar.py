@@ -111,3 +111,33 @@ def test_a_grammar_after_reasoning_waits_for_its_end(runtime: GrammarRuntime) ->
         out.append(tok)
     assert _allowed(runtime, _req("think", spec, out)) == {ord("a")}
     assert _allowed(runtime, _req("late-think", spec, out + [ord("a")])) == {ord("b")}  # rebuilt past `after`
+
+
+def _masks(rt: GrammarRuntime, reqs: list[SampleRequest]) -> list[set[int]]:
+    errors: dict[str, str] = {}
+    apply = rt.constrain(reqs, errors)
+    assert apply is not None and not errors
+    logits = torch.zeros(len(reqs), rt.vocab_size)
+    apply(logits)
+    return [{i for i in range(rt.vocab_size) if logits[j, i] > -1e30} for j in range(len(reqs))]
+
+
+def _verify(spec: GrammarSpec, out: list[int], drafts: list[int], rid: str = "v") -> list[SampleRequest]:
+    """A verify slice's positions as the worker builds them: position k has the first k drafts."""
+    return [_req(rid, spec, out + drafts[:k]) for k in range(len(drafts) + 1)]
+
+
+def test_a_verify_slice_is_masked_position_by_position(runtime: GrammarRuntime) -> None:
+    digits = set(range(ord("0"), ord("9") + 1))
+    a, b, x = ord("a"), ord("b"), ord("x")
+    assert _masks(runtime, _verify(REGEX, [], [a, b])) == [{a}, {b}, digits]
+    free = _masks(runtime, _verify(REGEX, [], [a, x, b]))  # the grammar refuses the second draft
+    assert free[:2] == [{a}, {b}] and len(free[2]) == len(free[3]) == runtime.vocab_size
+    plain = _req("v", REGEX, [])
+    assert _allowed(runtime, plain) == {a}  # the drafts tried for the masks were rolled back
+    # a plain request beside a verify slice keeps its own row
+    both = _masks(runtime, [_req("p", REGEX, [a]), *_verify(REGEX, [a], [b, ord("3")], rid="w")])
+    assert both == [{b}, {b}, digits, {EOS}]
+    assert runtime.accept(_verify(REGEX, [], [a, b]), [a, b, ord("5")], {}) == []  # the emitted tokens
+    assert runtime._matchers["v"].accepted == 3
+    assert _allowed(runtime, _req("v", REGEX, [a, b, ord("5")])) == {EOS}

@@ -122,3 +122,29 @@ def test_sampled_tokens_keep_the_target_distribution() -> None:
         chi2 = float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum())
         dof = int(keep.sum()) - 1
         assert chi2 < dof + 6 * (2 * dof) ** 0.5 + 10, (chi2, dof)  # far beyond any plausible fluctuation
+
+
+def test_drafts_under_a_grammar_give_the_constrained_output() -> None:
+    """A request with structured output takes drafts: each position is masked as the grammar stands
+    after the drafts before it, so drafts the grammar refuses are rejected and the output is the
+    constrained greedy output without drafts."""
+    from shared.config import builtin_model_dir
+    from shared.messages import GrammarSpec
+    from worker_proc.runtime import ModelRunner
+
+    def fresh() -> ModelRunner:
+        return ModelRunner(builtin_model_dir(), device="cpu", dtype="float32", kv_slots=256, state_slots=4,
+                           deterministic=True)  # fmt: skip
+
+    params = SamplingParams(temperature=0.0, grammar=GrammarSpec(kind="regex", source="[a-c]{4}-[0-9]{3}"))
+    prompt = list(b"Code: ")
+    ref, _ = generate_speculative(fresh(), prompt, 30, lambda tokens: [], params)
+    assert len(ref) == 9 and bytes(ref[:4]).isalpha() and ref[4] == ord("-")
+    wrong = [ord("z"), ord("-"), ord("9")]  # bytes the grammar refuses where they are drafted
+
+    def propose(tokens: list[int]) -> list[int]:
+        n = len(tokens) - len(prompt)
+        return ref[n: n + n % 3] + wrong[: 3 - n % 3]
+
+    out, accepted = generate_speculative(fresh(), prompt, 30, propose, params)
+    assert out == ref and any(accepted) and 0 in accepted
