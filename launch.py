@@ -6,7 +6,9 @@ The launcher owns the children: it watches their sentinels, and when any of them
 tokenizer (so in-flight requests get a final error and /health turns 503), stops the rest and exits
 non-zero. With replicas, a death inside one replica stops only that replica while another is up
 (the tokenizer is told, so only that replica's requests fail). SIGTERM/SIGINT shut down gracefully (exit 0),
-whether they reach launch.py alone or the whole process group (see shared/proc.py).
+whether they reach launch.py alone or the whole process group (see shared/proc.py): the tokenizer
+drains first (up to --graceful-shutdown-timeout), then the schedulers and workers stop; a second
+SIGTERM/SIGINT to launch.py kills every child at once (exit 1).
 """
 
 from __future__ import annotations
@@ -29,19 +31,25 @@ import zmq
 from shared.channels import SCHEDULER_TO_TOKENIZER, TO_LAUNCHER, ChannelTimeout, Receiver, Sender
 from shared.config import ConfigError, FaultConfig, ServerArgs
 from shared.errors import HyssmError
+from shared.hub import resolve_model
 from shared.log import setup_logging
 from shared.messages import ProcFailed, ProcReady, SchedulerDead
 from shared.model_info import ModelInfo
-from shared.proc import STOP_SIGNAL, child_main
+from shared.proc import FORWARD_SIGNAL, STOP_SIGNAL, child_main
 from shared.replicas import ReplicaSet, dist_addrs, node_processes
 from shared.rundir import RunDir, remove_stale
 
 logger = logging.getLogger("launch")
 
 _STARTUP_MARGIN_S = 5.0
+_TOKENIZER_CLOSE_S = 5.0  # after its drain: answer the last clients, close connections and channels
 
 _HELP = {
-    "model_path": "checkpoint directory (config.json + *.safetensors); 'builtin' = the shipped tiny model",
+    "model_path": "checkpoint directory (config.json + *.safetensors), or a Hugging Face Hub id (org/name, fetched "
+    "before any process starts; HF_HUB_OFFLINE=1: the local cache only); 'builtin' = the shipped tiny model",
+    "revision": "with a Hub id: the branch, tag or commit to fetch (default: main)",
+    "download_dir": "with a Hub id: the Hub cache directory to fetch into (default: huggingface_hub's, "
+    "HF_HUB_CACHE or HF_HOME/hub)",
     "max_total_tokens": "KV token slots per rank (0 = from the memory budget)",
     "max_mamba_cache_size": ("recurrent-state slots per rank: one holds every Mamba and Gated DeltaNet state of a "
                              "request (0 = from the memory budget)"),
@@ -72,6 +80,8 @@ _HELP = {
     "(read with --tool-call-parser), as SGLang does",
     "reasoning_parser": "qwen3 | deepseek-r1 | nemotron: return the <think> part of the output as "
     "reasoning_content (default: none, it stays in content)",
+    "trust_request_chat_template": "render a chat request's own chat_template field (Jinja, sandboxed); without "
+    "this flag such a request is a 400 naming the field, as vLLM does",
     "max_stored_responses": "Responses API objects kept in memory for previous_response_id and GET "
     "/v1/responses/{id}; the least recently used is dropped first (default: 1024)",
     "http_read_timeout": "seconds from a request's first byte until its head and body are in (default: 30)",
@@ -80,8 +90,6 @@ _HELP = {
     "quantization": "quantize the weights at load: int8 (per-channel, W8A16 or W8A8, whichever this machine "
     "runs faster), int4 (group-wise W4A16, CPU), fp8 (e4m3, per-channel); default: as the checkpoint is stored",
     "disable_lm_head_quantization": "with --quantization, keep the LM head (and a tied embedding) in the model dtype",
-    "trust_request_chat_template": "render a chat request's own chat_template field (Jinja, sandboxed); without "
-    "this flag such a request is a 400 naming the field, as vLLM does",
     "speculative_algorithm": "NGRAM: draft tokens from the request's own prompt and output (prompt lookup); "
     "NEXTN: draft them with the checkpoint's MTP layers (Qwen3-Next, Qwen3.5); either way they are verified in "
     "one step and the recurrent state is rolled back to the last accepted token (default: off)",
@@ -91,6 +99,14 @@ _HELP = {
     "speculative_ngram_max_match_window_size": "NGRAM: the longest suffix matched; the longest match wins, the "
     "most recent among equals (default: 12)",
     "http_keep_alive_timeout": "seconds an HTTP connection may be idle before or between requests (default: 30)",
+    "max_queued_requests": "generation requests (each choice of n counted) admitted per replica beyond "
+    "--max-running-requests; past that a new one is answered 503 with Retry-After before its response starts. "
+    "The default 256 is 4 x the default --max-running-requests: a queue that drains within a few generations' "
+    "time, which a client can wait out, instead of one that grows until clients time out (default: 256)",
+    "graceful_shutdown_timeout": "on SIGTERM, seconds in-flight requests get to finish while new ones get 503 and "
+    "/health answers 503 'draining'; then the rest are aborted and every process exits 0; a second SIGTERM stops "
+    "at once. 25 s lets a typical generation finish and stays under Kubernetes' default 30-s termination grace "
+    "(default: 25)",
 }
 
 
@@ -106,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _OneLineParser(prog="hyssm-launch", description="Serve a hybrid SSM model.")
     hints = get_type_hints(ServerArgs)
     for f in dataclasses.fields(ServerArgs):
-        if f.name in ("faults", "run_dir", "dp_rank"):
+        if f.name in ("faults", "run_dir", "dp_rank", "http_uds"):
             continue
         flag = "--" + f.name.replace("_", "-")
         default = f.default
@@ -148,7 +164,7 @@ def preflight(args: ServerArgs) -> ModelInfo:
         _check_mtp_layers(args)
     if args.chat_template:
         _check_chat_template(args)
-    if args.node_rank == 0:
+    if args.node_rank == 0 and not args.http_uds:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             # as the tokenizer will bind: connections of a previous server in TIME_WAIT do not count,
             # a socket still listening there does (Linux refuses the bind)
@@ -266,6 +282,8 @@ class Launcher:
         self.procs: dict[str, mp.process.BaseProcess] = {}
         self.ready_rx: Receiver = Receiver(self.ctx, TO_LAUNCHER, args)
         self.stop_requested = False
+        self.direct_signals = 0  # SIGTERM/SIGINT sent to launch.py itself (not forwarded by a child)
+        self.forced = False  # a second one came: every child was killed
         self.replicas = ReplicaSet([])
 
     def start(self, addrs: list[str]) -> None:
@@ -334,7 +352,7 @@ class Launcher:
                 return 1
             self._drain_reports()
         self.shutdown("")
-        return 0
+        return 1 if self.forced else 0
 
     def _replica_down(self, name: str, failure: str) -> list[str]:
         """Take down the replica of `name`: tell the tokenizer (its requests there end with an error,
@@ -358,7 +376,8 @@ class Launcher:
 
     def _stop(self, names: list[str]) -> None:
         """Stop `names` in order (tokenizer with SIGTERM, others with STOP_SIGNAL); SIGKILL what is
-        still alive after the grace period."""
+        still alive after its grace period: the tokenizer's is its drain (--graceful-shutdown-timeout)
+        plus _TOKENIZER_CLOSE_S to close its connections."""
         for name in names:
             proc = self.procs[name]
             if proc.is_alive():
@@ -366,7 +385,7 @@ class Launcher:
                     proc.terminate()
                 elif proc.pid is not None:
                     os.kill(proc.pid, STOP_SIGNAL)
-                proc.join(5.0 if name == "tokenizer" else 3.0)
+                proc.join(self.args.graceful_shutdown_timeout + _TOKENIZER_CLOSE_S if name == "tokenizer" else 3.0)
         for name in names:
             if self.procs[name].is_alive():
                 self.procs[name].kill()
@@ -390,8 +409,23 @@ class Launcher:
         self.ctx.term()
 
     def request_stop(self, signum: int, _frame: object) -> None:
-        if not self.stop_requested:  # a group signal also arrives passed on by children
-            logger.info("received %s, shutting down", signal.Signals(signum).name)
+        """SIGTERM/SIGINT (or FORWARD_SIGNAL from a child): shut down gracefully. A second SIGTERM or
+        SIGINT sent to launch.py itself kills every child at once (exit 1); a child's forwarded
+        signal never counts as a second one (a group SIGTERM reaches launch.py that way too)."""
+        name = signal.Signals(signum).name
+        if signum != FORWARD_SIGNAL:
+            self.direct_signals += 1  # counted apart: Python may run a pending forward's handler first
+        if self.direct_signals >= 2:
+            if not self.forced:
+                logger.warning("received %s again: stopping every process now", name)
+                self.forced = True
+                for proc in self.procs.values():
+                    if proc.is_alive():
+                        proc.kill()
+            return
+        if not self.stop_requested:
+            logger.info("received %s, shutting down (in-flight requests get up to %g s)", name,
+                        self.args.graceful_shutdown_timeout)  # fmt: skip
         self.stop_requested = True
 
 
@@ -403,6 +437,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     setup_logging(f"launch-node{args.node_rank}", args.log_level)
     try:
+        args = resolve_model(args)  # a Hub id becomes its local snapshot: children only see directories
         preflight(args)
     except (ConfigError, HyssmError) as e:
         print(f"hyssm-launch: error: {e}", file=sys.stderr)
@@ -415,8 +450,8 @@ def main(argv: list[str] | None = None) -> int:
     addrs = dist_addrs(args, _free_port)
     args = args.replace(run_dir=run.path, dist_init_addr=addrs[0] or args.dist_init_addr)
     launcher = Launcher(args)
-    signal.signal(signal.SIGTERM, launcher.request_stop)
-    signal.signal(signal.SIGINT, launcher.request_stop)
+    for sig in (signal.SIGTERM, signal.SIGINT, FORWARD_SIGNAL):
+        signal.signal(sig, launcher.request_stop)
     try:
         launcher.start(addrs)
         info = launcher.wait_ready()

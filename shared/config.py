@@ -54,10 +54,13 @@ class FaultConfig:
 class ServerArgs:
     """Every flag of `launch.py`. Validated in `__post_init__`; raise ConfigError on bad values."""
 
-    model_path: str = BUILTIN_MODEL
+    model_path: str = BUILTIN_MODEL  # a directory, or a Hub id the launcher resolves to one (shared/hub.py)
+    revision: str = ""  # a Hub id's branch, tag or commit ("" = main)
+    download_dir: str = ""  # the Hub cache a Hub id is fetched into ("" = huggingface_hub's own)
     served_model_name: str = ""
     host: str = "127.0.0.1"
     port: int = 30000
+    http_uds: str = ""  # the tokenizer serves HTTP on this unix socket instead of host:port (hyssm.Engine sets it)
     api_key: str = ""
     tp_size: int = 1
     dp_size: int = 1  # engine replicas (each a scheduler with its own TP ranks) behind one tokenizer
@@ -103,16 +106,19 @@ class ServerArgs:
     tool_call_parser: Literal["auto", "hermes", "qwen25", "granite", "nemotron", "qwen3_coder"] = "auto"
     enable_auto_tool_choice: bool = False  # vLLM's flag: tool_choice "auto" is always parsed here, as SGLang does
     reasoning_parser: Literal["", "qwen3", "deepseek-r1", "nemotron"] = ""
+    trust_request_chat_template: bool = False  # vLLM's flag: a request's own chat_template is rendered
     # limits
     context_length: int = 0  # 0 = the model's max_position_embeddings
     max_new_tokens_limit: int = 4096
-    trust_request_chat_template: bool = False  # vLLM's flag: a request's own chat_template is rendered
     max_body_bytes: int = 4 * 1024 * 1024
     # HTTP connections (tokenizer process)
     max_connections: int = 4096  # open connections; more are answered 503 and closed
     max_stored_responses: int = 1024  # Responses API objects kept for previous_response_id (least recent dropped)
     http_read_timeout: float = 30.0  # seconds from a request's first byte until its body is in
     http_keep_alive_timeout: float = 30.0  # seconds a connection may sit idle between requests
+    # backpressure and shutdown (tokenizer process: tokenizer_proc/admission.py)
+    max_queued_requests: int = 256  # per replica, admitted beyond --max-running-requests; more get 503
+    graceful_shutdown_timeout: float = 25.0  # SIGTERM: seconds in-flight requests get to finish
     # supervision
     watchdog_timeout: float = 300.0  # SGLang's default: a long CPU prefill step must not count as a hang
     startup_timeout: float = 120.0
@@ -146,6 +152,8 @@ class ServerArgs:
             "--context-length": self.context_length,
             "--mem-budget-gb": self.mem_budget_gb,
             "--cpu-threads": self.cpu_threads,
+            "--max-queued-requests": self.max_queued_requests,
+            "--graceful-shutdown-timeout": self.graceful_shutdown_timeout,
         }
         for flag, value in non_negative.items():
             if value < 0:

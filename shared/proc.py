@@ -6,9 +6,11 @@ the process kind to its package's entry function. Only this module knows that ma
 Stop signals: launch.py stops its children in order (tokenizer first, with SIGTERM, so that clients
 get their answers; then the scheduler and the workers with STOP_SIGNAL). A SIGTERM that reaches a
 scheduler or worker process from anywhere else (the whole process group from systemd, Kubernetes
-or `kill -- -PGID`, or a kill of that one process) is passed on to launch.py, which then runs that
-same ordered shutdown, and the process keeps serving until launch.py stops it. SIGINT (Ctrl-C
-reaches the whole group) is left to launch.py likewise.
+or `kill -- -PGID`, or a kill of that one process) is passed on to launch.py (as FORWARD_SIGNAL),
+which then runs that same ordered shutdown, and the process keeps serving until launch.py stops it.
+SIGINT (Ctrl-C reaches the whole group) is left to launch.py likewise. The shutdown begins with the
+tokenizer's drain (--graceful-shutdown-timeout); a second SIGTERM or SIGINT to launch.py kills
+every process at once.
 """
 
 from __future__ import annotations
@@ -41,6 +43,11 @@ _PR_SET_PDEATHSIG = 1
 STOP_SIGNAL = signal.SIGUSR1
 """How launch.py stops a scheduler or worker process (see the module docstring)."""
 
+FORWARD_SIGNAL = signal.SIGUSR2
+"""How a scheduler or worker passes a SIGTERM on to launch.py. A signal of its own, so that launch.py
+tells a group SIGTERM (which it also gets from each of these processes) from a second SIGTERM sent
+to it, which ends the shutdown's grace period at once."""
+
 
 def set_parent_death_signal(sig: int = signal.SIGKILL) -> None:
     """Ask the kernel to kill this process when its parent dies (Linux). Elsewhere: a watcher
@@ -72,7 +79,7 @@ def _forward_sigterm_to(launcher_pid: int) -> None:
     def forward(signum: int, _frame: object) -> None:
         if os.getppid() == launcher_pid:  # else the launcher is gone and this process dies with it
             logger.info("SIGTERM: passed on to launch.py, which stops every process in order")
-            os.kill(launcher_pid, signal.SIGTERM)
+            os.kill(launcher_pid, FORWARD_SIGNAL)
 
     signal.signal(signal.SIGTERM, forward)
 

@@ -5,10 +5,13 @@ Routes: POST /generate (native.py); POST /v1/completions, POST /v1/chat/completi
 GET /v1/models, GET /v1/models/{id} (openai_api.py); POST /v1/responses, GET|DELETE /v1/responses/{id}
 (responses_api.py); POST /tokenize, POST /detokenize, GET /tokenizer_info (tokenize_api.py);
 GET /version, GET /health (and /health_generate), GET /get_server_info
-(and /server_info), GET /get_model_info (and /model_info), GET|POST /flush_cache, GET /metrics
-(here); GET /get_load (router_api.py, with what sglang-router reads from the info documents).
+(and /server_info), GET /get_model_info (and /model_info), POST /flush_cache (GET is a 405: it
+changes state), GET /metrics (here); GET /get_load (router_api.py, with what sglang-router reads
+from the info documents).
 With `--api-key`, every route except /health, /health_generate and /metrics requires
-`Authorization: Bearer <key>` (401 otherwise). Every error body is `{"error": {"message", "type", "param", "code"}}`.
+`Authorization: Bearer <key>` (the scheme in any case; 401 otherwise), WebSocket handshakes
+included. There is no WebSocket endpoint: a handshake is refused (after the key check) with a JSON
+error, never upgraded. Every error body is `{"error": {"message", "type", "param", "code"}}`.
 """
 
 from __future__ import annotations
@@ -39,13 +42,14 @@ from tokenizer_proc.api.tokenize_api import detokenize_endpoint, tokenize_endpoi
 from tokenizer_proc.context import AppContext, get_ctx
 from tokenizer_proc.http.errors import ApiError, unavailable
 from tokenizer_proc.http.plumbing import ClientGoneResponse, json_response
-from tokenizer_proc.metrics import render_metrics
+from tokenizer_proc.metrics import AdmissionSample, render_metrics
 from tokenizer_proc.replicas.backend import ReplicatedBackend
+from tokenizer_proc.requests.admission import Admission
 from tokenizer_proc.requests.generation import Backend, BackendUnavailable
 from tokenizer_proc.requests.latency import LatencyCollector
 from tokenizer_proc.requests.response_store import ResponseStore
 from tokenizer_proc.requests.tokenizer import ChatConventions, TextTokenizer
-from tokenizer_proc.requests.validation import Limits
+from tokenizer_proc.requests.validation import Limits, too_deep
 
 logger = logging.getLogger(__name__)
 
@@ -57,10 +61,16 @@ async def health(request: Request) -> Response:
     """200 {"status": "ok"} while a generation goes through. With --dp-size > 1 the body also has
     "degraded" (true while some replica is down), "replicas_up" and "dp_size": a server with any
     replica up still serves, and routers (sglang-router) keep a worker whose /health answers 200 in
-    rotation and drop one answering 503, so 503 is kept for a server that cannot serve at all."""
-    problem = await request.app.state.health.check()
+    rotation and drop one answering 503, so 503 is kept for a server that cannot serve at all.
+    While draining (SIGTERM) it is 503 {"status": "draining", "error": ...}, so routers stop sending;
+    the drain is checked again after the probe, so no probe in flight when it began answers 200."""
+    ctx = get_ctx(request)
+    problem = None if ctx.admission.draining else await request.app.state.health.check()
+    if ctx.admission.draining:
+        err = unavailable("the server is shutting down (draining in-flight requests)")
+        return json_response({"status": "draining", **err.body()}, 503)
     if problem is None:
-        backend = get_ctx(request).backend
+        backend = ctx.backend
         detail = backend.health_detail() if isinstance(backend, ReplicatedBackend) else {}
         return json_response({"status": "ok", **detail})
     raise unavailable(f"the server is not healthy: {problem}")
@@ -135,8 +145,11 @@ async def metrics(request: Request) -> Response:
             sched_metrics = (await ctx.backend.info()).metrics
         except (BackendUnavailable, TimeoutError) as e:
             logger.warning("/metrics without scheduler metrics: %s", e)
-    body = render_metrics(ctx.metrics, sched_metrics, len(ctx.in_flight), ctx.backend.healthy,
-                          LatencyCollector(ctx.latency), model_name=ctx.args.model_name)
+    admitted = len(ctx.in_flight)
+    admission = AdmissionSample(ctx.admission.queued(admitted), dict(ctx.admission.refused))
+    body = render_metrics(ctx.metrics, sched_metrics, admitted, ctx.backend.healthy,
+                          LatencyCollector(ctx.latency), model_name=ctx.args.model_name,
+                          admission=admission)  # fmt: skip
     return Response(body, media_type=CONTENT_TYPE_LATEST)
 
 
@@ -155,25 +168,58 @@ async def _client_gone(request: Request, exc: Exception) -> Response:
     return ClientGoneResponse()
 
 
+async def _too_deep(request: Request, exc: Exception) -> Response:
+    """Nested input that some step walks recursively (decode_body and the schema checks name the
+    field themselves; this is the answer for any other such step): the request's fault."""
+    logger.warning("%s %s: input nested too deeply (%s)", request.method, request.url.path, exc)
+    return too_deep("the request").response()
+
+
 async def _internal_error(request: Request, exc: Exception) -> Response:
     logger.exception("unhandled error in %s %s", request.method, request.url.path, exc_info=exc)
     return ApiError(500, f"internal error: {type(exc).__name__}", err_type="server_error").response()
 
 
+def _header(scope: Scope, wanted: bytes) -> bytes | None:
+    for name, value in scope.get("headers", []):
+        if name == wanted:
+            return value
+    return None
+
+
+def _no_websocket() -> ApiError:
+    return ApiError(400, "WebSocket is not supported: this server has no WebSocket endpoint (use HTTP and SSE)")
+
+
 class ApiMiddleware:
-    """Bearer-key check and per-endpoint request counting (pure ASGI, so streaming is untouched)."""
+    """Bearer-key check, WebSocket refusal and per-endpoint request counting (pure ASGI, so
+    streaming is untouched). Rule: every scope but lifespan is checked for the key, so no
+    handshake or request reaches a route without it."""
 
     def __init__(self, app: ASGIApp, ctx: AppContext, known_paths: frozenset[str]):
         self.app, self.ctx, self.known = app, ctx, known_paths
-        self._key = f"Bearer {ctx.args.api_key}".encode() if ctx.args.api_key else None
+        self._key = ctx.args.api_key.encode() if ctx.args.api_key else None
 
     def _authorized(self, scope: Scope) -> bool:
-        for name, value in scope.get("headers", []):
-            if name == b"authorization":
-                return hmac.compare_digest(value, self._key or b"")
-        return False
+        """`Authorization: Bearer <key>`; the scheme is case-insensitive (RFC 9110 §11.1)."""
+        value = _header(scope, b"authorization")
+        if value is None or self._key is None:
+            return False
+        scheme, _, token = value.strip().partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self._key)
+
+    def _refusal(self, scope: Scope) -> ApiError | None:
+        if self._key is not None and scope["path"] not in PUBLIC_PATHS and not self._authorized(scope):
+            return ApiError(401, "missing or invalid API key (send Authorization: Bearer <key>)")
+        upgrade = _header(scope, b"upgrade")
+        if scope["type"] == "websocket" or (upgrade is not None and upgrade.strip().lower() == b"websocket"):
+            return _no_websocket()
+        return None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "websocket":
+            await self._refuse_websocket(scope, send, self._refusal(scope) or _no_websocket())
+            return
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
@@ -186,13 +232,25 @@ class ApiMiddleware:
             await send(message)
 
         try:
-            if self._key is not None and path not in PUBLIC_PATHS and not self._authorized(scope):
-                err = ApiError(401, "missing or invalid API key (send Authorization: Bearer <key>)")
+            if (err := self._refusal(scope)) is not None:
                 await err.response()(scope, receive, counting_send)
                 return
             await self.app(scope, receive, counting_send)
         finally:
             self.ctx.metrics.record(path if path in self.known else "other", status[0])
+
+    async def _refuse_websocket(self, scope: Scope, send: Send, err: ApiError) -> None:
+        """A handshake that reached the app as a websocket scope (a server that upgrades; this one's
+        protocol never does): the JSON error where the server can send a denial response, else a
+        policy-violation close."""
+        self.ctx.metrics.record(scope["path"] if scope["path"] in self.known else "other", err.status)
+        if "websocket.http.response" in scope.get("extensions", {}):
+            body = msgspec.json.encode(err.body())
+            await send({"type": "websocket.http.response.start", "status": err.status,
+                        "headers": [(b"content-type", b"application/json")]})  # fmt: skip
+            await send({"type": "websocket.http.response.body", "body": body})
+            return
+        await send({"type": "websocket.close", "code": 1008, "reason": err.message[:120]})
 
 
 def create_app(args: ServerArgs, backend: Backend, tokenizer: TextTokenizer | None = None) -> Starlette:
@@ -201,7 +259,7 @@ def create_app(args: ServerArgs, backend: Backend, tokenizer: TextTokenizer | No
     info = ModelInfo.from_dir(model_dir)
     tok = tokenizer or TextTokenizer.from_dir(model_dir, info, chat=ChatConventions.from_args(args))
     ctx = AppContext(args, backend, tok, Limits.from_args(args, info.max_position_embeddings, info.vocab_size),
-                     responses=ResponseStore(args.max_stored_responses))
+                     responses=ResponseStore(args.max_stored_responses), admission=Admission.from_args(args))
     routes = [
         Route("/generate", generate_endpoint, methods=["POST"]),
         Route("/v1/completions", completions_endpoint, methods=["POST"]),
@@ -221,7 +279,7 @@ def create_app(args: ServerArgs, backend: Backend, tokenizer: TextTokenizer | No
         Route("/get_model_info", model_info, methods=["GET"]),
         Route("/model_info", model_info, methods=["GET"]),
         Route("/get_load", get_load, methods=["GET"]),
-        Route("/flush_cache", flush_cache, methods=["GET", "POST"]),
+        Route("/flush_cache", flush_cache, methods=["POST"]),  # it changes state: never on GET
         Route("/metrics", metrics, methods=["GET"]),
     ]
     known = frozenset(r.path for r in routes)
@@ -230,7 +288,7 @@ def create_app(args: ServerArgs, backend: Backend, tokenizer: TextTokenizer | No
         middleware=[Middleware(ApiMiddleware, ctx=ctx, known_paths=known)],  # type: ignore[arg-type]
         exception_handlers={
             ApiError: _api_error, HTTPException: _http_error, ClientDisconnect: _client_gone,
-            Exception: _internal_error,
+            RecursionError: _too_deep, Exception: _internal_error,
         },
     )
     app.state.ctx = ctx

@@ -14,6 +14,7 @@ from starlette.requests import Request
 
 from shared.config import ServerArgs
 from tokenizer_proc.metrics import HttpMetrics
+from tokenizer_proc.requests.admission import Admission
 from tokenizer_proc.requests.generation import Backend, InFlight
 from tokenizer_proc.requests.latency import LatencyStats
 from tokenizer_proc.requests.response_store import ResponseStore
@@ -34,6 +35,7 @@ class AppContext:
     tok: TextTokenizer
     limits: Limits
     in_flight: InFlight = field(default_factory=InFlight)
+    admission: Admission = field(default_factory=lambda: Admission.from_args(ServerArgs()))  # create_app: from args
     metrics: HttpMetrics = field(default_factory=HttpMetrics)
     latency: LatencyStats = field(default_factory=LatencyStats)
     responses: ResponseStore = field(default_factory=lambda: ResponseStore(ServerArgs.max_stored_responses))

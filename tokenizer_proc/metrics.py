@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -43,9 +43,30 @@ class HttpMetrics:
             assert n == sum(v for (e, s), v in self.requests.items() if e == endpoint and 400 <= s < 500)
 
 
+REFUSAL_REASONS = ("queue_full", "draining")  # tokenizer_proc/requests/admission.py
+
+
+@dataclass(frozen=True)
+class AdmissionSample:
+    """The admission state at a scrape: choices admitted beyond the running slots, refusals by reason."""
+
+    queued: int = 0
+    refused: Mapping[str, int] = field(default_factory=dict)
+
+
 class _HttpCollector(Collector):
-    def __init__(self, metrics: HttpMetrics, in_flight: int, healthy: bool):
+    def __init__(self, metrics: HttpMetrics, in_flight: int, healthy: bool, admission: AdmissionSample):
         self._metrics, self._in_flight, self._healthy = metrics, in_flight, healthy
+        self._admission = admission
+
+    def _admission_families(self) -> Iterator[Metric]:
+        queued_help = "generation requests admitted beyond the running slots (--max-running-requests per replica)"
+        yield GaugeMetricFamily("hyssm_http_queued_requests", queued_help, value=self._admission.queued)
+        refused_help = "generation requests answered 503 before their response started, by reason"
+        refused = CounterMetricFamily("hyssm_http_refused_requests", refused_help, labels=["reason"])
+        for reason in REFUSAL_REASONS:
+            refused.add_metric([reason], self._admission.refused.get(reason, 0))
+        yield refused
 
     def collect(self) -> Iterator[Metric]:
         reqs = CounterMetricFamily("hyssm_http_requests", "HTTP requests by endpoint and status",
@@ -60,6 +81,7 @@ class _HttpCollector(Collector):
         yield GaugeMetricFamily("hyssm_http_in_flight_requests", "generation requests in flight",
                                 value=self._in_flight)
         yield GaugeMetricFamily("hyssm_scheduler_up", "1 when the scheduler answers", value=int(self._healthy))
+        yield from self._admission_families()
 
 
 class SchedulerCollector(Collector):
@@ -93,10 +115,11 @@ class _Families(Collector):
 def render_metrics(
     http: HttpMetrics, scheduler_metrics: list[MetricRecord] | None, in_flight: int, healthy: bool,
     latency: Collector | None = None, *, model_name: str, now: float | None = None,
+    admission: AdmissionSample | None = None,
 ) -> bytes:
-    """The hyssm_* families (HTTP, latency, scheduler records when given), then their sglang
+    """The hyssm_* families (HTTP, admission, latency, scheduler records when given), then their sglang
     counterparts labelled model_name=`model_name`; `now` (monotonic seconds) times the rates."""
-    sources: list[Collector] = [_HttpCollector(http, in_flight, healthy)]
+    sources: list[Collector] = [_HttpCollector(http, in_flight, healthy, admission or AdmissionSample())]
     if latency is not None:
         sources.append(latency)
     if scheduler_metrics is not None:

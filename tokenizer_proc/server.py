@@ -1,11 +1,16 @@
 """Process entry of the tokenizer process: `run(args)`.
 
-Order: load the tokenizer, bind the HTTP socket, open the scheduler channels, serve with
+Order: load the tokenizer, bind the HTTP socket (--host/--port, or the unix socket
+`ServerArgs.http_uds` of hyssm.Engine instead), open the scheduler channels, serve with
 uvicorn on uvloop, report `ProcReady(name="tokenizer")` to launch.py once listening. A tokenizer
 that cannot load or a port in use is reported as `ProcFailed` and the process exits 1.
-SIGTERM/SIGINT: stop accepting, give in-flight requests GRACE_S seconds, then abort the rest at
-the scheduler and answer each client with a final "abort" (uvicorn cancels whatever is still
-open 2 s later; a cancelled request is aborted too), exit 0.
+SIGTERM/SIGINT start the drain (`drain`): the server keeps listening, so that every new generation
+request gets a 503 JSON error (with Retry-After) and /health a 503 {"status": "draining"} (routers
+stop sending here), while the requests admitted before go on for up to --graceful-shutdown-timeout
+seconds; then what is left is aborted at the scheduler with a final "abort" to each client, uvicorn
+stops accepting and closes the connections (cancelling whatever is still open CLOSE_S later; a
+cancelled request is aborted too), exit 0. Repeated signals change nothing here: launch.py kills
+the process on a second SIGTERM to it.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import resource
 import signal
 import socket
@@ -27,6 +33,7 @@ from shared.channels import TO_LAUNCHER, ChannelTimeout, Sender
 from shared.config import ServerArgs
 from shared.messages import ProcFailed, ProcReady, ToLauncher
 from tokenizer_proc.app import create_app
+from tokenizer_proc.context import AppContext
 from tokenizer_proc.http.protocol import HttpLimits, protocol_class
 from tokenizer_proc.replicas.backend import ReplicatedBackend
 from tokenizer_proc.replicas.scheduler_client import SchedulerClient
@@ -34,7 +41,7 @@ from tokenizer_proc.requests.tokenizer import ChatConventions, TextTokenizer
 
 logger = logging.getLogger(__name__)
 
-GRACE_S = 3.0
+CLOSE_S = 3.0  # after the drain: uvicorn's time to send the last frames and close connections
 FD_RESERVE = 128  # descriptors kept for sockets other than HTTP connections, files, pipes
 
 
@@ -78,6 +85,21 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def bind_unix_socket(path: str) -> socket.socket:
+    """The listening unix domain socket at `path` (`ServerArgs.http_uds`: hyssm.Engine's private one in
+    the run directory, which removes it with the directory), readable by this user only."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(path)
+        os.chmod(path, 0o600)
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        raise StartupFailed(f"cannot listen on the unix socket {path}: {e.strerror or e}") from e
+    sock.setblocking(False)
+    return sock
+
+
 def connection_limit(wanted: int) -> int:
     """`wanted` connections, or fewer when file descriptors would run out first: the soft
     RLIMIT_NOFILE is raised to the hard limit, and FD_RESERVE descriptors stay for everything else."""
@@ -102,6 +124,20 @@ def open_backend(zctx: zmq.asyncio.Context, args: ServerArgs) -> SchedulerClient
     return ReplicatedBackend([SchedulerClient(zctx, args.replace(dp_rank=d)) for d in range(args.dp_size)])
 
 
+async def drain(ctx: AppContext, client: SchedulerClient | ReplicatedBackend, server: uvicorn.Server,
+                grace_s: float) -> None:  # fmt: skip
+    """The SIGTERM drain (module docstring): refuse new generation requests, let the admitted ones
+    end for up to `grace_s`, abort what is left (each client gets a final "abort"), then stop uvicorn."""
+    ctx.admission.start_draining()
+    try:
+        await asyncio.wait_for(ctx.in_flight.idle.wait(), grace_s)
+        logger.info("every in-flight request has ended; stopping")
+    except asyncio.TimeoutError:
+        n = client.abort_all("server shutting down")
+        logger.info("aborted %d request(s) still running after %g s", n, grace_s)
+    server.should_exit = True
+
+
 def _report(launcher: Sender[ToLauncher], msg: ToLauncher) -> None:
     try:
         launcher.send(msg, timeout_ms=2000)
@@ -114,7 +150,7 @@ async def _serve(args: ServerArgs, launcher: Sender[ToLauncher]) -> None:
         tokenizer = TextTokenizer.from_dir(args.resolved_model_path, chat=ChatConventions.from_args(args))
     except Exception as e:  # noqa: BLE001 - any load failure is a startup failure
         raise StartupFailed(f"cannot load the tokenizer: {e}") from e
-    sock = bind_socket(args.host, args.port)
+    sock = bind_unix_socket(args.http_uds) if args.http_uds else bind_socket(args.host, args.port)
     zctx = zmq.asyncio.Context()
     try:
         try:
@@ -136,27 +172,24 @@ async def _serve_http(
     args: ServerArgs, client: SchedulerClient | ReplicatedBackend, tokenizer: TextTokenizer, sock: socket.socket,
     launcher: Sender[ToLauncher],
 ) -> None:
-    limits = HttpLimits(read_timeout_s=args.http_read_timeout, max_connections=connection_limit(args.max_connections))
+    limits = HttpLimits(read_timeout_s=args.http_read_timeout, max_connections=connection_limit(args.max_connections),
+                        max_body_bytes=args.max_body_bytes)  # fmt: skip
+    app = create_app(args, client, tokenizer)
     config = uvicorn.Config(
-        create_app(args, client, tokenizer), loop="uvloop", lifespan="off", access_log=False,
-        log_config=None, timeout_graceful_shutdown=GRACE_S + 2.0, timeout_keep_alive=args.http_keep_alive_timeout,
+        app, loop="uvloop", lifespan="off", access_log=False, ws="none",
+        log_config=None, timeout_graceful_shutdown=CLOSE_S, timeout_keep_alive=args.http_keep_alive_timeout,
         http=protocol_class(limits), h11_max_incomplete_event_size=limits.max_header_bytes,
     )
     ready = ProcReady(name="tokenizer", info={"host": args.host, "port": args.port})
     server = _Server(config, lambda: _report(launcher, ready))
     loop = asyncio.get_running_loop()
-
-    def abort_remaining() -> None:
-        n = client.abort_all("server shutting down")
-        if n:
-            logger.info("aborted %d request(s) still running after %.0f s", n, GRACE_S)
+    draining: list[asyncio.Task[None]] = []
 
     def stop(sig: signal.Signals) -> None:
-        if server.should_exit:
+        if draining or server.should_exit:  # launch.py's own SIGTERM follows a group signal
             return
-        logger.info("received %s: finishing in-flight requests (at most %.0f s)", sig.name, GRACE_S)
-        server.should_exit = True
-        loop.call_later(GRACE_S, abort_remaining)
+        logger.info("received %s: draining in-flight requests (at most %g s)", sig.name, args.graceful_shutdown_timeout)
+        draining.append(loop.create_task(drain(app.state.ctx, client, server, args.graceful_shutdown_timeout)))
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop, sig)

@@ -120,7 +120,7 @@ class Replica(FakeBackend):
 
 
 def _replica(hits: int) -> Replica:
-    info = SchedulerInfo(server=ServerState(prefix_state_hit_tokens=hits, kv_capacity=10),
+    info = SchedulerInfo(server=ServerState(prefix_state_hit_tokens=hits, kv_capacity=4096),  # every prompt fits
                          metrics=[_rec("hyssm_prefix_cache_hit_tokens_total", "counter", hits, kind="state")])
     return Replica(info_doc=info)
 
@@ -199,7 +199,7 @@ def test_info_keeps_counters_of_a_replica_gone() -> None:
         assert (await backend.info()).server.prefix_state_hit_tokens == 12
         replicas[1].go_down("gone")
         info = await backend.info()
-        assert info.server.prefix_state_hit_tokens == 5 and info.server.kv_capacity == 10  # live state only
+        assert info.server.prefix_state_hit_tokens == 5 and info.server.kv_capacity == 4096  # live state only
         hits = [r.value for r in info.metrics if r.name == "hyssm_prefix_cache_hit_tokens_total"]
         assert hits == [12]  # the counter never goes back
         assert await backend.flush_cache() == (True, "")

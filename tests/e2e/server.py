@@ -61,12 +61,14 @@ class Server:
     """A launch.py subprocess. `output` accumulates its stdout+stderr (read by a thread)."""
 
     def __init__(self, extra_args: list[str], port: int | None = None, env: dict[str, str] | None = None,
-                 prefix: list[str] | None = None):  # fmt: skip
+                 prefix: list[str] | None = None, command: list[str] | None = None):  # fmt: skip
         """`prefix`: a command that execs the launch (e.g. `ip netns exec NAME`), so the pid and
-        process group stay the launch's own."""
+        process group stay the launch's own. `command`: what runs launch.py (default `python
+        launch.py`; e.g. `hyssm serve MODEL`), followed by the port, device and `extra_args` flags."""
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, os.path.join(ROOT, "launch.py"), "--port", str(self.port), "--device", "cpu"]
+        launch = command or [sys.executable, os.path.join(ROOT, "launch.py")]
+        cmd = [*launch, "--port", str(self.port), "--device", "cpu"]
         self.proc = subprocess.Popen(
             (prefix or []) + cmd + extra_args,
             cwd=ROOT,

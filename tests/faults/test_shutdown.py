@@ -27,8 +27,13 @@ def _gen(server: Server, n: int, stream: bool = False) -> httpx.Response:
         return client.post("/generate", json=body)
 
 
+GRACE_S = 8.0  # these tests run into the end of the grace period; 30 tokens finish well within it
+SHORT_GRACE = ["--graceful-shutdown-timeout", str(GRACE_S)]
+CLOSE_BOUND_S = 12.0  # from the end of the grace period until launch.py has exited (a loaded 2-core box)
+
+
 def test_sigterm_answers_in_flight_requests_and_exits_zero() -> None:
-    server = Server(["--fault-delay-step-s", "0.01"])
+    server = Server(["--fault-delay-step-s", "0.01", *SHORT_GRACE])
     try:
         server.wait_ready()
         with cf.ThreadPoolExecutor(8) as pool:
@@ -38,11 +43,11 @@ def test_sigterm_answers_in_flight_requests_and_exits_zero() -> None:
                 assert f.result(60).status_code == 200
             t0 = time.monotonic()
             server.proc.send_signal(signal.SIGTERM)
-            code = server.wait_exit(20)
+            code = server.wait_exit(GRACE_S + CLOSE_BOUND_S + 10)
             elapsed = time.monotonic() - t0
             answers = [f.result(20) for f in long]
         assert code == 0, server.output[-3000:]
-        assert elapsed < 15, elapsed
+        assert elapsed < GRACE_S + CLOSE_BOUND_S, elapsed
         for r in answers:  # each stream ended with a final event and [DONE]
             assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]"), r.text[-300:]
         assert wait_group_empty(server.pgid) == []
@@ -107,7 +112,7 @@ def test_group_sigterm_is_a_graceful_shutdown_with_exit_zero() -> None:
     """SIGTERM to the whole process group (systemd, Kubernetes, `kill -- -PGID`) behaves like
     SIGTERM to launch.py: in-flight requests on every entry point get the grace period, streams
     end with a final event and [DONE], no process is reported as crashed, exit code 0."""
-    server = Server(["--fault-delay-step-s", "0.01"])
+    server = Server(["--fault-delay-step-s", "0.01", *SHORT_GRACE])
     try:
         server.wait_ready()
         run_dir = next(ln for ln in server.lines if "run directory" in ln).rsplit(" ", 1)[1].strip()
@@ -119,12 +124,12 @@ def test_group_sigterm_is_a_graceful_shutdown_with_exit_zero() -> None:
                 assert started.acquire(timeout=60), server.output[-3000:]
             t0 = time.monotonic()
             os.killpg(server.pgid, signal.SIGTERM)
-            code = server.wait_exit(30)
+            code = server.wait_exit(GRACE_S + CLOSE_BOUND_S + 10)
             elapsed = time.monotonic() - t0
             short_answers = {p: f.result(30) for p, f in shorts.items()}
             stream_lines = {p: f.result(30) for p, f in streams.items()}
         assert code == 0, server.output[-3000:]
-        assert 2.5 < elapsed < 15, elapsed  # the grace period was given, and bounded
+        assert GRACE_S - 0.5 < elapsed < GRACE_S + CLOSE_BOUND_S, elapsed  # the grace period was given, and bounded
         for path, lines in short_answers.items():  # short requests finished inside the grace period
             assert lines[-1] == "data: [DONE]" and '"length"' in lines[-2], (path, lines[-3:])
         for path, lines in stream_lines.items():

@@ -322,3 +322,24 @@ def test_native_batches_and_n(args, backend, tok) -> None:
     serve(args, backend, tok, check)
     seeds = {s.rid: s.sampling.seed for s in backend.submitted[:4]}
     assert seeds == {"job-0": 4, "job-1": 5, "job-2": 4, "job-3": 5}
+
+
+def test_native_batch_with_sampling_params_per_prompt(args, backend, tok) -> None:
+    async def check(c: httpx.AsyncClient) -> None:
+        per = [{"max_new_tokens": 1, "n": 2, "seed": 1}, {"max_new_tokens": 3}, {"max_new_tokens": 2, "regex": "x+"}]
+        r = await c.post("/generate", json={"text": ["a", "bb", "c"], "rid": "per", "sampling_params": per})
+        out = r.json()
+        assert r.status_code == 200 and [o["meta_info"]["id"] for o in out] == [f"per-{i}" for i in range(4)]
+        assert [o["text"] for o in out] == ["h", "h", "hel", "he"]
+        one = (await c.post("/generate", json={"text": "a", "sampling_params": [{"max_new_tokens": 2}]})).json()
+        assert isinstance(one, list) and one[0]["text"] == "he"
+        for body, param in (({"text": ["a", "b"], "sampling_params": [{"max_new_tokens": 1}]}, "sampling_params"),
+                            ({"text": ["a"], "sampling_params": [{"n": 0}]}, "sampling_params[0].n"),
+                            ({"text": ["a"], "sampling_params": [5]}, "sampling_params")):  # fmt: skip
+            bad = await c.post("/generate", json=body)
+            assert bad.status_code == 400 and bad.json()["error"]["param"].startswith(param), bad.text
+
+    serve(args, backend, tok, check)
+    got = sorted((s.rid, s.sampling.max_new_tokens, s.sampling.seed, s.sampling.grammar is not None)
+                 for s in backend.submitted[:4])  # fmt: skip
+    assert got == [("per-0", 1, 1, False), ("per-1", 1, 2, False), ("per-2", 3, None, False), ("per-3", 2, None, True)]

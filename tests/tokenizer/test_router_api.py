@@ -46,7 +46,9 @@ def test_get_load_counts_requests_and_tokens(args: ServerArgs, backend: FakeBack
     async def check(c: httpx.AsyncClient) -> None:
         r = await c.get("/get_load")
         assert r.status_code == 200
-        assert r.json() == [{"dp_rank": 0, "num_reqs": 5, "num_waiting_reqs": 2, "num_tokens": 41}]
+        assert r.json() == [{"dp_rank": 0, "num_reqs": 5, "num_waiting_reqs": 2, "num_tokens": 41,
+                             "num_queued_reqs": 0, "max_queued_reqs": args.max_queued_requests,
+                             "num_refused_reqs": 0, "draining": False}]  # fmt: skip
 
     serve(args, backend, tok, check)
 

@@ -61,8 +61,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+GRACE_S = 1.0  # --graceful-shutdown-timeout of these processes: the abort path is what is tested here
 INFO = SchedulerInfo(
-    server=ServerState(num_running=1, kv_capacity=64, batch_is_full=True, schedule_policy="fcfs"),
+    server=ServerState(num_running=1, kv_capacity=4096, batch_is_full=True, schedule_policy="fcfs"),
     metrics=[MetricRecord(name="hyssm_admission_refusals_total", type="counter", help="refusals",
                           labels={"reason": "kv"}, value=3)],
     in_flight_step=5, loop=LoopInfo(steps=4, worker_ms_mean=1.5),
@@ -111,7 +112,8 @@ def tokenizer_process(
     model_dir: str, port: int | None = None
 ) -> Iterator[tuple[subprocess.Popen, Receiver, FakeScheduler, ServerArgs]]:
     with tempfile.TemporaryDirectory(prefix="hyssm-t-") as run_dir:
-        args = ServerArgs(model_path=model_dir, port=port or _free_port(), run_dir=run_dir)
+        args = ServerArgs(model_path=model_dir, port=port or _free_port(), run_dir=run_dir,
+                          graceful_shutdown_timeout=GRACE_S)  # fmt: skip
         ctx = zmq.Context()
         launcher = Receiver(ctx, TO_LAUNCHER, args)
         sched = FakeScheduler(ctx, args)

@@ -3,7 +3,9 @@
 Rule: a check sends a one-token generation (like SGLang's /health_generate) and is healthy as soon
 as that probe gets its first token, or the scheduler sends any generated token meanwhile (under
 load a probe may queue behind other requests, while their tokens show the pipeline works). No
-answer within `timeout_s`, or a scheduler known to be gone, is unhealthy (503). Concurrent checks
+answer within `timeout_s`, a probe that ends without its token (the final error the scheduler
+sends every request when its watchdog fires), or a scheduler known to be gone when the probe
+ends, is unhealthy (503). Concurrent checks
 share one probe, and a probe that is no longer needed is aborted, so a check costs at most one
 decode token of work.
 """
@@ -14,11 +16,21 @@ import asyncio
 import contextlib
 import uuid
 
-from shared.messages import GenerateReq, SamplingParams
+from shared.messages import GenerateReq, SamplingParams, TokenOut
 from tokenizer_proc.requests.generation import Backend, BackendUnavailable
 
 HEALTH_TIMEOUT_S = 5.0
 PROBE_TOKEN = 1  # any id inside the vocabulary
+
+
+def _failure(out: TokenOut) -> str | None:
+    """Why the probe's reply shows no working pipeline: it ended with an error or an abort
+    before generating its token (None when it carries a token)."""
+    if out.token_ids or not out.finished:
+        return None
+    if out.finish_reason in ("error", "abort"):
+        return f"the probe ended with {out.finish_reason}: {out.error or 'no token generated'}"
+    return None
 
 
 class HealthProbe:
@@ -59,7 +71,11 @@ class HealthProbe:
                 return f"the scheduler is not available: {err}" if isinstance(err, BackendUnavailable) else repr(err)
             if not done:
                 return f"no answer from the scheduler and workers within {self.timeout_s:g} s"
-            return None
+            if answered in done and (failed := _failure(answered.result())) is not None:
+                # the probe's final error (the watchdog failing every request as the engine dies)
+                # is an answer of a dead pipeline, never a healthy one
+                return failed
+            return None if self.backend.healthy else "the scheduler is gone"
         finally:
             for t in (answered, other):
                 t.cancel()

@@ -30,10 +30,11 @@ from tokenizer_proc.requests.validation import PreparedRequest, decode_body
 
 
 def is_batch(body: GenerateBody) -> bool:
-    """Whether the body asks for several answers (a batch of prompts, or sampling_params.n > 1)."""
+    """Whether the body asks for several answers (a batch of prompts, a list of sampling_params, or
+    sampling_params.n > 1)."""
     sp = body.sampling_params
     return (isinstance(body.text, list) or any(isinstance(t, list) for t in body.input_ids or [])
-            or (sp is not None and sp.n != 1))
+            or isinstance(sp, list) or (sp is not None and sp.n != 1))
 
 
 async def _frames(merged: AsyncGenerator[tuple[int, Piece], None], req: PreparedRequest,

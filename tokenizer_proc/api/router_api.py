@@ -12,7 +12,10 @@ returns its ServerArgs flattened) next to hyssm's own nested keys, so both kinds
 `/get_load` is a list with one entry per data-parallel rank that answers (a replica that is down
 has none):
 `{"dp_rank", "num_reqs" (running + waiting), "num_waiting_reqs", "num_tokens" (KV token slots held
-by requests)}`; a scheduler that does not answer is 503, never a made-up zero load.
+by requests)}`, plus the HTTP server's admission figures, the same in every entry (one HTTP server
+admits for all replicas): `num_queued_reqs` (admitted beyond the running slots), `max_queued_reqs`,
+`num_refused_reqs` (503s since start: queue full or draining) and `draining`; a scheduler that does
+not answer is 503, never a made-up zero load.
 """
 
 from __future__ import annotations
@@ -81,9 +84,17 @@ async def get_load(request: Request) -> Response:
             states = {0: (await backend.info()).server}
     except (BackendUnavailable, TimeoutError) as e:
         raise unavailable(f"the scheduler did not answer: {e}") from e
+    admitted = len(ctx.in_flight)
+    server = {  # the HTTP server's admission (tokenizer_proc/requests/admission.py), one for every replica
+        "num_queued_reqs": ctx.admission.queued(admitted),
+        "max_queued_reqs": ctx.admission.limit - ctx.admission.running_slots,
+        "num_refused_reqs": sum(ctx.admission.refused.values()),
+        "draining": ctx.admission.draining,
+    }
     return json_response([{
         "dp_rank": d,
         "num_reqs": state.num_running + state.num_waiting,
         "num_waiting_reqs": state.num_waiting,
         "num_tokens": state.kv_used_by_requests,
-    } for d, state in sorted(states.items())])
+        **server,
+    } for d, state in sorted(states.items())])  # fmt: skip

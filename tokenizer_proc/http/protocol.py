@@ -9,8 +9,11 @@ header-size limit. This subclass adds, per connection:
 - at most `max_connections` connections are open; one more is answered 503 and closed at once,
   before it costs more than its file descriptor for a moment;
 - every HTTP-level error (a request h11 cannot parse: bad request line, bad Content-Length, bad
-  chunk size, missing Host) is answered with the API's JSON error body naming the problem; a
-  header block over `max_header_bytes` is 431.
+  chunk size, missing Host, both Content-Length and Transfer-Encoding) is answered with the API's
+  JSON error body naming the problem and the connection closes; a header block over
+  `max_header_bytes` is 431; a chunk size that can never be valid (over 16 hex digits) is a 400
+  and a declared chunk over the body limit a 413 as soon as its size line arrives;
+- no request is upgraded (WebSocket handshakes are answered by the app as plain HTTP).
 uvicorn's `limit_concurrency` is not used: it only refuses *requests* (text/plain 503) and keeps
 idle connections, which is what exhausts file descriptors. Connections closed by these rules are
 logged (`ShedLog`, at most one line per reason and second). These answers are written as raw bytes
@@ -29,6 +32,7 @@ from typing import Any
 
 import h11
 import msgspec
+from h11._readers import ChunkedReader
 from uvicorn.config import Config
 from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.server import ServerState
@@ -46,6 +50,10 @@ class HttpLimits:
     read_timeout_s: float
     max_connections: int
     max_header_bytes: int = 16 * 1024  # h11's default incomplete-event limit
+    max_body_bytes: int = 0  # a declared chunk larger than this is a 413 at once (0 = not checked here)
+
+
+MAX_CHUNK_SIZE_DIGITS = 16  # hex digits of a chunk size: 16 cover every 64-bit size
 
 
 def error_bytes(status: int, message: str) -> bytes:
@@ -80,16 +88,29 @@ class ShedLog:
 
 
 class _RecordingConnection(h11.Connection):
-    """h11.Connection that keeps the last protocol error of the peer (uvicorn drops it)."""
+    """h11.Connection that keeps the last protocol error of the peer (uvicorn drops it), and refuses
+    a request carrying both Content-Length and Transfer-Encoding: h11 would read it as chunked and
+    keep the connection, so bytes a front proxy took for this request's body would be served as a
+    second request (RFC 9112 §6.1 request smuggling); it is a 400 and the connection closes."""
 
     error: h11.RemoteProtocolError | None = None
 
     def next_event(self) -> Any:
         try:
-            return super().next_event()
+            event = super().next_event()
+            if isinstance(event, h11.Request) and _framed_twice(event.headers):
+                raise h11.RemoteProtocolError(
+                    "a request with both Content-Length and Transfer-Encoding is refused (RFC 9112 section 6.1)", 400
+                )
+            return event
         except h11.RemoteProtocolError as e:
             self.error = e
             raise
+
+
+def _framed_twice(headers: Any) -> bool:
+    names = {name.lower() for name, _ in headers}
+    return b"content-length" in names and b"transfer-encoding" in names
 
 
 class LimitedH11Protocol(H11Protocol):
@@ -148,8 +169,29 @@ class LimitedH11Protocol(H11Protocol):
                 return
         super().data_received(data)
         state = self.conn.their_state
+        if state is h11.SEND_BODY and not self.transport.is_closing() and (bad := self._chunk_problem()) is not None:
+            self._answer_and_close(*bad)
+            return
         if state is not h11.SEND_BODY and not (state is h11.IDLE and self.conn.trailing_data[0]):
             self._cancel_deadline()  # the request is in (or the connection is done with)
+
+    def _chunk_problem(self) -> tuple[int, str] | None:
+        """A chunked body known to be refused before its bytes arrive (else it would wait for the read
+        timeout): a chunk-size line past MAX_CHUNK_SIZE_DIGITS hex digits (2^64 and more: no real size)
+        is a 400, a declared chunk larger than the body limit a 413. Reads h11's chunked-reader state."""
+        reader = getattr(self.conn, "_reader", None)
+        if not isinstance(reader, ChunkedReader) or reader._reading_trailer:
+            return None
+        limit = self.LIMITS.max_body_bytes
+        if reader._bytes_in_chunk:
+            if limit and reader._bytes_in_chunk > limit:
+                return 413, f"a chunk of {reader._bytes_in_chunk} bytes exceeds the body limit of {limit} bytes"
+            return None
+        line = self.conn.trailing_data[0].lstrip(b"\r\n")
+        size = line.split(b";", 1)[0].split(b"\r", 1)[0].strip()
+        if len(size) > MAX_CHUNK_SIZE_DIGITS:
+            return 400, f"invalid HTTP request: chunk size {size[:24].decode('latin-1')!r}... is too large"
+        return None
 
     def _head_too_large(self, data: bytes) -> bool:
         """h11 limits only a head that is still incomplete; one that arrives whole is checked here."""
@@ -192,6 +234,11 @@ class LimitedH11Protocol(H11Protocol):
         if self.conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):
             self.transport.write(error_bytes(status, message))
         self.transport.close()
+
+    def _should_upgrade(self) -> bool:
+        """Never: there is no WebSocket (or other upgraded) endpoint. A handshake stays a plain HTTP
+        request, which the app answers with a JSON error after the API-key check (app.py)."""
+        return False
 
     def timeout_keep_alive_handler(self) -> None:
         logger.debug("closing an idle HTTP connection from %s", self.client)

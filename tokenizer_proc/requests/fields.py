@@ -38,7 +38,11 @@ def unknown_fields(data: bytes, body_type: type) -> list[str]:
         try:
             names += _unknown(msgspec.json.decode(sub, type=_RawObject), NativeSamplingParams, "sampling_params.")
         except (msgspec.ValidationError, msgspec.DecodeError):
-            pass
+            try:  # a list of them, one per prompt
+                for i, one in enumerate(msgspec.json.decode(sub, type=list[_RawObject])):
+                    names += _unknown(one, NativeSamplingParams, f"sampling_params[{i}].")
+            except (msgspec.ValidationError, msgspec.DecodeError):
+                pass
     return names
 
 

@@ -7,7 +7,8 @@ errors on that API) and `payload` (the whole answer as JSON). Rules:
 
 - `precheck` runs for every request before the response starts, so a request that cannot start
   (scheduler down, rid taken) gets a plain 503/400 even when it asked for a stream (a refusal
-  releases the rids already reserved);
+  releases the rids already reserved); so do the admission checks (admission.py: a request that can
+  never fit the KV pool is a 400, a full queue or a draining server a 503 with Retry-After);
 - several choices of one prompt compute it once (prompt_sharing.py); streamed, their pieces are
   interleaved in arrival order (`merge`); whole, they are collected concurrently and the first
   failure cancels (and so aborts) the rest;
@@ -40,6 +41,7 @@ from tokenizer_proc.http.plumbing import (
     run_unless_disconnected,
     sse,
 )
+from tokenizer_proc.requests.admission import Admission
 from tokenizer_proc.requests.generation import (
     Backend,
     BackendUnavailable,
@@ -67,6 +69,8 @@ class Serving(Protocol):
     def tok(self) -> TextTokenizer: ...
     @property
     def in_flight(self) -> InFlight: ...
+    @property
+    def admission(self) -> Admission: ...
     @property
     def latency(self) -> LatencyStats: ...
 
@@ -212,6 +216,10 @@ async def respond(
         for h in holds:
             ctx.in_flight.release(h)
 
+    await ctx.admission.check_fits(ctx.backend, reqs)
+    await ctx.in_flight.settle([r.rid for r in reqs])
+    # from the admission check to the last reservation nothing awaits: no request races past the limit
+    ctx.admission.admit(len(ctx.in_flight), len(reqs))
     try:
         for r in reqs:
             holds.append(precheck(ctx.backend, r, ctx.in_flight))

@@ -9,8 +9,9 @@ scheduler is aborted there exactly once, in `generate()`'s `finally`.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -77,12 +78,18 @@ class Piece:
 
 
 class Reservation:
-    """One request's hold on its rid in `InFlight` (compared by identity)."""
+    """One request's hold on its rid in `InFlight` (compared by identity); `released` is set once
+    the hold is dropped."""
 
-    __slots__ = ("rid",)
+    __slots__ = ("rid", "released")
 
     def __init__(self, rid: str) -> None:
         self.rid = rid
+        self.released = asyncio.Event()
+
+
+RID_SETTLE_S = 0.5
+"""How long a request whose rid is held waits for that hold to go before it is refused (see InFlight)."""
 
 
 @dataclass
@@ -92,19 +99,40 @@ class InFlight:
     Rule: a rid is reserved (`reserve`) before the response starts, synchronously in the event
     loop, so of several concurrent requests with one rid exactly one is accepted and the others
     get a 400; `release` only drops the caller's own reservation (a later request may hold the
-    rid again by then)."""
+    rid again by then). A client that disconnects and at once reuses its rid races the server:
+    the old request's hold goes only after the server has read that connection's end and
+    cancelled it (a few event-loop turns later), so `settle` first waits up to RID_SETTLE_S for a
+    held rid to be released; a rid still held then is refused with a message that says to retry."""
 
     rids: dict[str, Reservation] = field(default_factory=dict)
+    idle: asyncio.Event = field(default_factory=asyncio.Event)  # set while no rid is held
+
+    def __post_init__(self) -> None:
+        self.idle.set()
 
     def reserve(self, rid: str) -> Reservation:
         if rid in self.rids:
-            raise bad_request(f"a request with rid {rid!r} is already running", "rid")
+            raise bad_request(f"a request with rid {rid!r} is already running (if its client has just "
+                              "disconnected, retry in a moment)", "rid")  # fmt: skip
         hold = self.rids[rid] = Reservation(rid)
+        self.idle.clear()
         return hold
 
+    async def settle(self, rids: Sequence[str], timeout_s: float = RID_SETTLE_S) -> None:
+        """Wait until none of `rids` is held, or at most `timeout_s` (then `reserve` decides)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        for rid in rids:
+            while (hold := self.rids.get(rid)) is not None and (left := deadline - loop.time()) > 0:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(hold.released.wait(), left)
+
     def release(self, hold: Reservation) -> None:
+        hold.released.set()
         if self.rids.get(hold.rid) is hold:
             del self.rids[hold.rid]
+            if not self.rids:
+                self.idle.set()
 
     def __len__(self) -> int:
         return len(self.rids)

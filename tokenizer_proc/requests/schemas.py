@@ -60,7 +60,7 @@ class GenerateBody(_Body):
 
     text: str | list[str] | None = None  # a list: a batch, one answer each (native_batch.py)
     input_ids: list[Int | list[Int]] | None = None  # flat: one prompt; a list of lists: a batch
-    sampling_params: NativeSamplingParams | None = None
+    sampling_params: NativeSamplingParams | list[NativeSamplingParams] | None = None  # a list: one per prompt
     stream: bool = False
     rid: str | None = None
     return_logprob: bool = False

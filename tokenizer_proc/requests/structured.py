@@ -47,7 +47,8 @@ def needs_grammar(body: Any) -> bool:
     if getattr(body, "tools", None):
         return True
     sp = getattr(body, "sampling_params", None)
-    return sp is not None and any(getattr(sp, n, None) is not None for n in ("json_schema", "regex", "ebnf"))
+    return any(getattr(one, n, None) is not None for one in (sp if isinstance(sp, list) else [sp])
+               for n in ("json_schema", "regex", "ebnf"))  # fmt: skip
 
 
 def _message(e: Exception) -> str:

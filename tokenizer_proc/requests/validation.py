@@ -16,7 +16,7 @@ import msgspec
 
 from shared.config import ServerArgs
 from shared.messages import GrammarSpec, SamplingParams
-from tokenizer_proc.http.errors import bad_request
+from tokenizer_proc.http.errors import ApiError, bad_request
 from tokenizer_proc.requests.fields import warn_unknown
 from tokenizer_proc.requests.tokenizer import TextTokenizer
 
@@ -109,8 +109,32 @@ def decode_body(data: bytes, body_type: type[T]) -> T:
         raise bad_request(f"invalid request: {e}", _param_of(str(e))) from e
     except msgspec.DecodeError as e:
         raise bad_request(f"request body is not valid JSON: {e}") from e
+    except RecursionError as e:  # msgspec decodes nested arrays and objects recursively
+        raise too_deep("the request body") from e
     warn_unknown(data, body_type)
     return body
+
+
+def too_deep(what: str, param: str | None = None, limit: int | None = None) -> ApiError:
+    """The 400 for JSON nested deeper than this server reads (`limit` when it is a set bound)."""
+    bound = f" (at most {limit} levels)" if limit is not None else ""
+    return bad_request(f"{what}: JSON nesting too deep{bound}", param)
+
+
+def json_depth(value: Any, limit: int) -> int:
+    """How deeply arrays and objects nest in `value` (a scalar is 0, `{}` is 1), counted without
+    recursion and only up to limit + 1 (a deeper value is answered as limit + 1)."""
+    deepest = 0
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if not isinstance(item, (dict, list)):
+            continue
+        deepest = max(deepest, depth)
+        if depth > limit:
+            return depth
+        stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return deepest
 
 
 def _param_of(message: str) -> str | None:
