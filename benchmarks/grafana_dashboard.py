@@ -74,6 +74,7 @@ def panels() -> list[tuple[str, str, list[Target]]]:
         ("Inter-token latency", "s", _quantiles("hyssm_inter_token_latency_seconds")),
         ("Time per output token", "s", _quantiles("hyssm_time_per_output_token_seconds")),
         ("End-to-end request latency", "s", _quantiles("hyssm_e2e_request_latency_seconds")),
+        ("Queue time (arrival to admission)", "s", _quantiles("hyssm_queue_time_seconds")),
         ("Queue and running batch", "short", [
             (_gauge("hyssm_num_waiting_reqs"), "waiting"),
             (_gauge("hyssm_num_running_reqs"), "running"),

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
@@ -245,6 +246,8 @@ class Admission:
                 self.record_refusal(r, reason)
                 return
             view.start(r)
+            if r.queue_s < 0:  # the first admission ends its wait (not one after a retraction)
+                r.queue_s = time.monotonic() - r.arrived
             b.add(r, grant.chunk, prefill=True, admitted=True)
 
     def _chunk_cap(self, r: Req, peek: PeekResult) -> int:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import time
 from enum import Enum
 from typing import TYPE_CHECKING
 
@@ -35,7 +36,7 @@ class Req:
         "kv_slots", "tree_len", "node", "state_slot", "computed", "cow_node", "splits",
         "pending_ckpt", "cached_tokens", "admitted", "abort_reason", "peek", "queue_token",
         "retracted_at", "refusals", "sent_kv", "sent_step", "prompt_lps", "prompt_tops", "prompt_ranks",
-        "save_prompt_state", "backup_slot",
+        "save_prompt_state", "backup_slot", "arrived", "queue_s",
     )  # fmt: skip
 
     def __init__(self, rid: str, input_ids: list[int], sampling: SamplingParams, priority: int, seq: int) -> None:
@@ -71,6 +72,8 @@ class Req:
         self.prompt_ranks: list[int] = []
         self.save_prompt_state = False  # GenerateReq.save_prompt_state: a split point at prompt_len - 1
         self.backup_slot: int | None = None  # state slot lent for the in-flight verify step (drafting.py)
+        self.arrived = time.monotonic()  # when the scheduler received it
+        self.queue_s = -1.0  # seconds from arrival to its first admission into a batch (-1: not yet)
 
     def mark_sent(self, step: int, n_slots: int) -> None:
         """Batch `step` ran this request with kv_slots[:n_slots]: the workers hold those slots."""
@@ -183,13 +186,14 @@ def token_out(r: Req, new: list[int], reason: FinishReason | None, matched: int 
               logprobs: list[float] | None = None, error: str | None = None,
               top: list[list[tuple[int, float]]] | None = None) -> TokenOut:  # fmt: skip
     """The reply for `r` carrying `new` tokens; final when `reason` is set. The first reply with a
-    token carries the prompt logprobs the request asked for."""
-    first = bool(new) and r.num_output == len(new) and r.sampling.prompt_logprobs >= 0
+    token carries the request's queue time and the prompt logprobs it asked for."""
+    first_tokens = bool(new) and r.num_output == len(new)
+    first = first_tokens and r.sampling.prompt_logprobs >= 0
     return TokenOut(
         rid=r.rid, token_ids=new, finished=reason is not None, finish_reason=reason, matched_stop_token=matched,
         prompt_tokens=r.prompt_len, cached_tokens=r.cached_tokens, completion_tokens=r.num_output,
         logprobs=logprobs, error=error, top_logprobs=top,
         prompt_logprobs=list(r.prompt_lps) if first else None,
         prompt_top_logprobs=list(r.prompt_tops) if first and r.sampling.prompt_logprobs > 0 else None,
-        prompt_ranks=list(r.prompt_ranks) if first else None,
+        prompt_ranks=list(r.prompt_ranks) if first else None, queue_s=r.queue_s if first_tokens else -1.0,
     )  # fmt: skip

@@ -136,6 +136,7 @@ class TokenOut(msgspec.Struct, kw_only=True, array_like=True):
     prompt_logprobs: list[float] | None = None
     prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
     prompt_ranks: list[int] | None = None  # the rank of each of those prompt tokens (1 = the most likely)
+    queue_s: float = -1.0  # on the first TokenOut with tokens: seconds the request waited for admission
 
 
 class TokenOutBatch(msgspec.Struct, tag=True, kw_only=True):

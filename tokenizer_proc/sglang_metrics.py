@@ -227,6 +227,8 @@ SGLANG_METRICS: tuple[SglangMetric, ...] = (
                  "Histogram of time per output token in seconds.", Sample("hyssm_time_per_output_token_seconds")),
     SglangMetric("sglang:e2e_request_latency_seconds", "histogram",
                  "Histogram of End-to-end request latency in seconds", Sample("hyssm_e2e_request_latency_seconds")),
+    SglangMetric("sglang:queue_time_seconds", "histogram", "Histogram of queueing time in seconds.",
+                 Sample("hyssm_queue_time_seconds")),
 )
 
 

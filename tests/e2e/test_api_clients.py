@@ -132,7 +132,8 @@ def test_sampling_controls_change_outputs(openai_client: openai.OpenAI, server: 
 def test_metrics_latency_histograms(openai_client: openai.OpenAI, server: Server) -> None:
     openai_client.completions.create(model=MODEL, prompt="metrics", max_tokens=4, temperature=0)
     text = httpx.get(server.url + "/metrics", timeout=30).text
-    for name in ("time_to_first_token", "inter_token_latency", "time_per_output_token", "e2e_request_latency"):
+    for name in ("time_to_first_token", "inter_token_latency", "time_per_output_token", "e2e_request_latency",
+                 "queue_time"):
         count = next(ln for ln in text.splitlines() if ln.startswith(f"hyssm_{name}_seconds_count"))
         assert float(count.split()[-1]) >= 1, name
     # the same numbers under SGLang's names, labelled with the served model name
@@ -144,7 +145,8 @@ def test_metrics_latency_histograms(openai_client: openai.OpenAI, server: Server
                           ("sglang:prompt_tokens_total", "hyssm_prefix_cache_queried_tokens_total"),
                           ("sglang:num_running_reqs", "hyssm_num_running_reqs"),
                           ("sglang:time_to_first_token_seconds_count", "hyssm_time_to_first_token_seconds_count"),
-                          ("sglang:inter_token_latency_seconds_count", "hyssm_inter_token_latency_seconds_count")):
+                          ("sglang:inter_token_latency_seconds_count", "hyssm_inter_token_latency_seconds_count"),
+                          ("sglang:queue_time_seconds_count", "hyssm_queue_time_seconds_count")):
         assert sample(f"{sglang}{label} ") == sample(f"{hyssm} "), sglang
     assert sample(f"sglang:generation_tokens_total{label} ") >= 4
     assert 0 <= sample(f"sglang:token_usage{label} ") <= 1

@@ -245,3 +245,19 @@ def test_step_error_fails_only_that_batch_and_drops_its_checkpoint() -> None:
     assert set(log.finals) == {"w", "c"} and all(o.finish_reason == "length" for o in log.finals.values())
     ref_sched, ref_worker = make(disable_radix_cache=True)
     assert log.tokens["c"] == harness.run(ref_sched, ref_worker, {0: [greq("c", system + [90, 91], 3)]}).tokens["c"]
+
+
+def test_the_first_tokens_tell_the_queue_time() -> None:
+    """Each request's first TokenOut with tokens carries how long it waited for admission (the one that
+    waited behind a full batch waited at least as long as the one admitted at once); later ones do not."""
+    sched, worker = make(max_running_requests=1)
+    sched.add_request(greq("first", [1, 2, 3], 3))
+    sched.add_request(greq("second", [4, 5, 6], 3))
+    outs: list = []
+    while sched.reqs:
+        outs += round_(sched, worker)[1]
+    for rid in ("first", "second"):
+        mine = [o for o in outs if o.rid == rid and o.token_ids]
+        assert mine[0].queue_s >= 0 and all(o.queue_s == -1.0 for o in mine[1:]), mine
+    waited = {o.rid: o.queue_s for o in outs if o.queue_s >= 0}
+    assert waited["second"] >= waited["first"]

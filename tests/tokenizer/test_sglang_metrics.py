@@ -25,7 +25,7 @@ from tokenizer_proc.sglang_metrics import SGLANG_METRICS, RateWindow
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "org/granite-test"
 HISTOGRAMS = ("time_to_first_token_seconds", "inter_token_latency_seconds", "time_per_output_token_seconds",
-              "e2e_request_latency_seconds")  # fmt: skip
+              "e2e_request_latency_seconds", "queue_time_seconds")  # fmt: skip
 
 Key = tuple[str, frozenset[tuple[str, str]]]
 
@@ -65,6 +65,7 @@ def _latency() -> LatencyStats:
         if gaps:
             stats.tpot.observe(sum(gaps) / (2 * len(gaps)))
         stats.e2e.observe(ttft + sum(gaps))
+        stats.queue.observe(ttft / 3)
     return stats
 
 

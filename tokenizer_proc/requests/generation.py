@@ -75,6 +75,7 @@ class Piece:
     prompt_logprobs: list[float] | None = None  # prompt tokens 1.. (first piece only, when asked)
     prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
     prompt_ranks: list[int] | None = None  # the rank of each of those prompt tokens (1 = the most likely)
+    queue_s: float = -1.0  # seconds the request waited for admission (first piece with tokens; -1: not told)
 
 
 class Reservation:
@@ -192,7 +193,8 @@ async def generate(
                 logprobs = _aligned_logprobs(out) if req.sampling.logprobs else None
                 done = finish is not None
                 yield Piece(text, list(out.token_ids), logprobs, len(req.input_ids), completion, cached, finish,
-                            out.top_logprobs, out.prompt_logprobs, out.prompt_top_logprobs, out.prompt_ranks)
+                            out.top_logprobs, out.prompt_logprobs, out.prompt_top_logprobs, out.prompt_ranks,
+                            out.queue_s)
                 if done:
                     return
         done = True

@@ -4,8 +4,9 @@ output token and end-to-end latency, measured in this process (what a client see
 Rules: the clock starts when the request has been prepared and is about to be submitted; TTFT is
 observed at the first piece that carries a token; every later piece with k tokens observes its gap
 since the previous one, divided by k, k times (inter-token latency); at the finish the e2e latency
-and, with at least two tokens, TPOT = (finish - first token) / (tokens - 1). A request that ends
-without a finish (client gone) records only what it reached.
+and, with at least two tokens, TPOT = (finish - first token) / (tokens - 1). The queue time is the
+scheduler's own measure (arrival to first admission into a batch), told with the first token. A
+request that ends without a finish (client gone) records only what it reached.
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ class LatencyStats:
     itl: Histogram = field(default_factory=lambda: Histogram(ITL_BUCKETS))
     tpot: Histogram = field(default_factory=lambda: Histogram(ITL_BUCKETS))
     e2e: Histogram = field(default_factory=lambda: Histogram(E2E_BUCKETS))
+    queue: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
 
     async def timed(self, pieces: AsyncIterator[Piece]) -> AsyncIterator[Piece]:
         """`pieces`, observing the request's latencies as they pass (module doc)."""
@@ -72,6 +74,8 @@ class LatencyStats:
             async for piece in it:
                 now = time.monotonic()
                 n = len(piece.token_ids)
+                if piece.queue_s >= 0:
+                    self.queue.observe(piece.queue_s)
                 if n and first is None:
                     first = now
                     self.ttft.observe(now - start)
@@ -96,3 +100,5 @@ class LatencyCollector(Collector):
         yield s.itl.family("hyssm_inter_token_latency_seconds", "time between consecutive output tokens")
         yield s.tpot.family("hyssm_time_per_output_token_seconds", "per request: (finish - first token) / (tokens - 1)")
         yield s.e2e.family("hyssm_e2e_request_latency_seconds", "time from submission to the finish")
+        yield s.queue.family("hyssm_queue_time_seconds", "time a request waited in the scheduler's queue for "
+                             "its first admission")  # fmt: skip
