@@ -292,6 +292,7 @@ def parse_args(argv: Sequence[str] | None = None) -> PeersConfig:
     a("--ready-timeout", dest="ready_timeout_s", type=float, default=900.0, help="seconds for a server to be ready")
     a("--request-timeout", dest="request_timeout_s", type=float, default=3600.0)
     a("--output-json", default=None, metavar="PATH")
+    a("--plot", default=None, metavar="PNG", help="figure of the table (needs matplotlib: pip install 'hyssm[bench]')")
     a("--log-dir", default=None, help="server logs (default: a temporary directory, kept)")
     a("--log-level", default="INFO")
     ns = p.parse_args(argv)
@@ -331,6 +332,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(format_table(medians, notes, dtype=cfg.weights))
     if cfg.output_json:
         Path(cfg.output_json).write_text(to_json(medians, per_run, notes, dataclasses.asdict(cfg), dtype=cfg.weights))
+    if cfg.plot and medians:
+        from benchmarks.bench_plots import plot_peers, save_figure
+
+        save_figure(plot_peers(medians, title=f"bench_peers: {Path(cfg.model).name} ({cfg.weights})"), cfg.plot)
     return 0 if "hyssm" in medians else 1
 
 if __name__ == "__main__":

@@ -22,6 +22,10 @@ the same numbers as strict JSON (NaN -> null). Diagnostics go to logging. Reques
 servers or routers that take only text prompts, e.g. sglang-router's /v1/completions) are in serving_backends.py;
 the vocabulary size comes from ``--vocab-size``, else /get_server_info (hyssm, SGLang), else
 /v1/models (llama-server's ``meta.n_vocab``), else 256.
+
+Load sweeps (``--sweep-concurrency 1,2,4,8`` or ``--sweep-rate 1,2,4``, one run per level, several
+servers with ``--target LABEL=BACKEND@URL``, a figure with ``--plot out.png`` and its data with
+``--out-json``) are bench_sweep.py's; the figure is bench_plots.py's.
 """
 
 from __future__ import annotations
@@ -44,6 +48,17 @@ from tqdm import tqdm
 if __package__ in (None, ""):  # run as a file (python benchmarks/bench_serving.py): make the repo importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.bench_sweep import (  # noqa: E402
+    SWEEP_DESTS,
+    SweepOptions,
+    add_sweep_flags,
+    check_plotting,
+    run_sweep,
+    some_level_failed,
+    summary_lines,
+    sweep_options,
+    write_outputs,
+)
 from benchmarks.server_stats import counters_delta, read_counters  # noqa: E402
 from benchmarks.serving_backends import ALIASES, BACKENDS, canonical_backend, request_for  # noqa: E402
 from benchmarks.serving_metrics import (  # noqa: E402
@@ -102,6 +117,7 @@ class BenchConfig:
     disable_tqdm: bool = False
     output_json: str | None = None
     log_level: str = "WARNING"
+    sweep: SweepOptions | None = None  # --sweep-concurrency / --sweep-rate (bench_sweep.py); None: one run
 
 
 # ---------------------------------------------------------------- HTTP client
@@ -298,6 +314,7 @@ def parse_args(argv: Sequence[str] | None = None) -> BenchConfig:
     a("--disable-tqdm", action="store_true")
     a("--output-json", default=None, metavar="PATH")
     a("--log-level", default="WARNING")
+    add_sweep_flags(p)
     if p.parse_known_args(argv)[0].shared_prefix:
         p.set_defaults(**SHARED_PREFIX_PRESET)
     ns = p.parse_args(argv)
@@ -318,15 +335,26 @@ def parse_args(argv: Sequence[str] | None = None) -> BenchConfig:
     ns.backend = canonical_backend(ns.backend)
     if ns.flush_cache and ns.backend == "llama-server":
         p.error("--flush-cache needs a /flush_cache endpoint, which llama-server does not have")
+    try:
+        sweep = sweep_options(ns)
+    except ValueError as exc:
+        p.error(str(exc))
     base_url = (ns.base_url or f"http://{ns.host}:{ns.port}").rstrip("/")
-    skip = ("host", "port", "base_url", "shared_prefix")
-    return BenchConfig(base_url=base_url, **{k: v for k, v in vars(ns).items() if k not in skip})
+    skip = ("host", "port", "base_url", "shared_prefix", *SWEEP_DESTS)
+    return BenchConfig(base_url=base_url, sweep=sweep, **{k: v for k, v in vars(ns).items() if k not in skip})
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """CLI entry: prints the report table; writes JSON with --output-json. Exit 1 if every request failed."""
+    """CLI entry: prints the report table; writes JSON with --output-json. Exit 1 if every request failed
+    (a sweep: a summary line per level, its JSON and figure; exit 1 if some level completed nothing)."""
     cfg = parse_args(argv)
     logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if cfg.sweep is not None:
+        check_plotting(cfg.sweep)
+        doc = asyncio.run(run_sweep(cfg, cfg.sweep, benchmark))
+        print("\n".join(summary_lines(doc)))
+        write_outputs(doc, cfg.sweep)
+        return 1 if some_level_failed(doc) else 0
     metrics = asyncio.run(benchmark(cfg))
     print(format_report(metrics))
     for err in metrics["errors"]:  # type: ignore[union-attr]

@@ -49,6 +49,7 @@ class PeersConfig:
     ready_timeout_s: float = 900.0
     request_timeout_s: float = 3600.0
     output_json: str | None = None
+    plot: str | None = None  # PNG of the medians (bench_plots.plot_peers)
     log_dir: str | None = None
     quantization: str = ""  # "" or a key of QUANTIZED_GGUF: hyssm --quantization, llama.cpp's matching file
 

@@ -1,5 +1,6 @@
-"""Host memory of a worker process: freed blocks stay in the heap for the next step, and the state
-pools take pages only as their slots are used (`zeros`).
+"""Host memory of a worker process: freed blocks stay in the heap for the next step, the state
+pools take pages only as their slots are used (`zeros`), and oneDNN's primitive caches hold a bounded
+number of entries (`bound_onednn_caches`).
 
 glibc's malloc serves a block above its mmap threshold with a fresh mapping and returns the top of
 the heap to the kernel once more than its trim threshold is free. A step's temporaries are megabytes
@@ -45,6 +46,26 @@ def keep_freed_memory() -> bool:
     if not mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES):
         return False
     return bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))
+
+
+ONEDNN_CACHE_VARS = ("LRU_CACHE_CAPACITY", "ONEDNN_PRIMITIVE_CACHE_CAPACITY")
+"""The two caches of oneDNN primitives a CPU worker fills: PyTorch's ideep LRU and oneDNN's own."""
+ONEDNN_CACHE_CAPACITY = 128
+"""Entries each cache keeps (both default to 1024). A packed GEMM (worker_proc/model/gemm.py) creates
+one primitive per weight shape and row count, of a size that does not depend on the weight's, and
+mixed traffic brings hundreds of distinct prefill row counts: with the defaults a worker's heap grows
+for as long as new row counts come (benchmarks/soak.py shows it). The bound must hold every row
+bucket decode steps use (they stay hot in the LRU) and stay small enough that what an evicted entry
+frees is reused rather than fragmented; a miss costs about one more call of the same GEMM."""
+
+
+def bound_onednn_caches(capacity: int = ONEDNN_CACHE_CAPACITY) -> dict[str, str]:
+    """Cap both oneDNN primitive caches at `capacity` entries, unless the environment already sets a
+    capacity (kept as it is). oneDNN and ideep read these once, when the process creates its first
+    primitive, so this runs before the model is built. Returns the values in effect."""
+    for name in ONEDNN_CACHE_VARS:
+        os.environ.setdefault(name, str(capacity))
+    return {name: os.environ[name] for name in ONEDNN_CACHE_VARS}
 
 
 SIZE_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}

@@ -22,7 +22,7 @@ from shared.channels import SCHEDULER_TO_WORKER, TO_LAUNCHER, WORKER_TO_SCHEDULE
 from shared.config import FaultConfig, ServerArgs
 from shared.errors import StartupError
 from shared.messages import ForwardBatch, Heartbeat, ProcReady, Shutdown, StepResult, WorkerReady
-from worker_proc.host_memory import keep_freed_memory
+from worker_proc.host_memory import bound_onednn_caches, keep_freed_memory
 from worker_proc.numerics import flush_denormals
 from worker_proc.plan_cache import default_cache_dir
 from worker_proc.runtime import ModelRunner
@@ -121,6 +121,7 @@ def run(args: ServerArgs, rank: int) -> None:
             logger.warning("rank %d: this CPU does not flush subnormal floats to zero", rank)
         options = thread_options(args, available_cores())
         torch.set_num_threads(max(options))
+        logger.info("rank %d: oneDNN primitive caches capped: %s", rank, bound_onednn_caches())
     if keep_freed_memory():
         logger.info("rank %d: freed host memory stays in the heap (no page faults on each step's temporaries)", rank)
     if device.startswith("cuda"):

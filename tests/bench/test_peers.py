@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import importlib.util
 import json
 import os
 import shutil
@@ -225,6 +226,9 @@ def test_main_on_the_builtin_model_with_peers_skipped(tmp_path: Path, capsys) ->
     flags = ["--model", BUILTIN, "--runs", "1", "--levels", "1,2", "--input-len", "8", "--output-len", "3",
              "--prefix-len", "16", "--suffix-len", "4", "--skip-llama", "--skip-transformers", "--log-dir",
              str(tmp_path / "logs"), "--output-json", str(out), "--ready-timeout", "90"]  # fmt: skip
+    png = tmp_path / "peers.png"
+    if importlib.util.find_spec("matplotlib") is not None:
+        flags += ["--plot", str(png)]
     assert main(flags) == 0
     table = capsys.readouterr().out
     assert "note: llama.cpp: skipped (--skip-llama)" in table
@@ -234,6 +238,12 @@ def test_main_on_the_builtin_model_with_peers_skipped(tmp_path: Path, capsys) ->
     assert hy["tps_c1"] > 0 and hy["tps_c8"] is None and hy["ttft_prefix_ms"] > 0 and hy["peak_rss_mib"] > 50
     assert hy["ttft_shared_ms"] > 0 and "shared prefix: a new 16-token prefix with 3 distinct 4-token" in table
     assert set(doc["medians"]) == {"hyssm"} and (tmp_path / "logs" / "hyssm.log").is_file()
+    if "--plot" in flags:  # the figure of the table: a PNG whose throughput line is the JSON's tps_c1
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        from benchmarks.bench_plots import plot_peers
+
+        line = plot_peers(doc["medians"]).axes[0].get_lines()[0]
+        assert line.get_label() == "hyssm" and [tuple(xy) for xy in line.get_xydata()] == [(1.0, hy["tps_c1"])]
 
 
 def _builtin_tokenizer() -> dict:
