@@ -156,8 +156,9 @@ def test_killed_replica_fails_alone_then_last_one_ends_the_launch(first: str, si
 
 
 def test_sigterm_stops_every_replica_gracefully() -> None:
-    """SIGTERM with requests in flight on both replicas: each is answered (finish "abort"), exit 0, nothing left."""
-    server = Server(["--dp-size", "2", "--fault-delay-step-s", "0.05"])
+    """SIGTERM with requests in flight on both replicas and a drain shorter than they need: each is answered
+    (finish "abort" once the grace is over), exit 0, nothing left."""
+    server = Server(["--dp-size", "2", "--fault-delay-step-s", "0.05", "--graceful-shutdown-timeout", "1"])
     try:
         server.wait_ready()
         started = threading.Semaphore(0)

@@ -98,7 +98,9 @@ async def _maybe_disconnect(client: httpx.AsyncClient, ids: list[int], rng: rand
 def test_500_clients_with_random_disconnects_leave_nothing_behind() -> None:
     rng = random.Random(11)
     prompts = shared_prefix_prompts(500, seed=5, groups=8)
-    args = ["--max-total-tokens", "1200", "--max-mamba-cache-size", "24", "--max-running-requests", "16"]
+    # a queue that holds every client: this is about disconnects, not backpressure (test_backpressure.py)
+    args = ["--max-total-tokens", "1200", "--max-mamba-cache-size", "24", "--max-running-requests", "16",
+            "--max-queued-requests", "600"]  # fmt: skip
     with running_server(args) as server:
 
         async def main() -> list[str]:
