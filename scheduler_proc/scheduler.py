@@ -69,6 +69,7 @@ class Scheduler:
         self.max_running = clamp_max_running(args.max_running_requests, state_capacity, self.track_states)
         self.reqs: dict[str, Req] = {}
         self._reuse: dict[str, Req] = {}  # rid -> request waiting for the aborted holder of its rid to leave
+        self._ended: list[str] = []  # grammar requests finished since the last batch (ForwardBatch.ended)
         # preemption implies priority order: under FCFS a retracted (older) victim would sort before the
         # request it made room for and be re-admitted in its place, round after round
         self.waiting = WaitingQueue(args.schedule_policy == "priority" or args.enable_priority_preemption)
@@ -165,6 +166,7 @@ class Scheduler:
             assert not b.ckpt_copies and not b.cow_copies, "state ops without a request to run them"
             return None
         batch, self.in_flight = b.build()
+        batch.ended, self._ended = self._ended, []
         self._step += 1
         return batch
 
@@ -348,6 +350,8 @@ class Scheduler:
         """Finish `r` (never while its slice is in flight): give back or donate what it holds."""
         self.transition(r, ReqStatus.FINISHED, donate=reason != "error")
         self.speculation.forget(r.rid)
+        if r.sampling.grammar is not None:
+            self._ended.append(r.rid)
         if (reusing := self._reuse.pop(r.rid, None)) is not None:  # a new request waited for this rid
             self.reqs[r.rid] = reusing
             self.waiting.push(reusing)

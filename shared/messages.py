@@ -298,6 +298,9 @@ class ForwardBatch(msgspec.Struct, tag=True, kw_only=True):
     reqs: list[ReqSlice]
     copies: list[CopyOp] = []
     clears: list[int] = []  # state slots to zero before the forward pass (after copies)
+    # requests ended since the previous batch for which rank 0 holds state of its own (a grammar
+    # matcher): it is dropped before this batch runs (a rid in `reqs` too is a new request reusing it)
+    ended: list[str] = []
 
 
 class Shutdown(msgspec.Struct, tag=True, kw_only=True):

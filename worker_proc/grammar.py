@@ -194,6 +194,11 @@ class GrammarRuntime:
 
         return apply
 
+    def forget(self, rids: Sequence[str]) -> None:
+        """Drop the matchers of requests that ended (ForwardBatch.ended)."""
+        for rid in rids:
+            self._matchers.pop(rid, None)
+
     def accept(self, reqs: Sequence[SampleRequest], tokens: Sequence[int], errors: dict[str, str]) -> list[str]:
         """Advance every constrained request's matcher by its emitted tokens (a verify slice's in order,
         one entry each); the rids whose grammar is now terminated (their matchers are dropped)."""

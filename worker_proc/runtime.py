@@ -149,6 +149,8 @@ class ModelRunner:
         t0 = time.perf_counter()
         reqs = [r for r in batch.reqs if r.rid not in refused]
         sampled: dict[str, Any] = {}
+        if batch.ended:
+            self.grammars.forget(batch.ended)
         try:
             sb = self.build_batch(reqs, batch.step, all_rows=False)  # raises before anything is written
             self.apply_state_ops(batch, refused)

@@ -261,3 +261,20 @@ def test_the_first_tokens_tell_the_queue_time() -> None:
         assert mine[0].queue_s >= 0 and all(o.queue_s == -1.0 for o in mine[1:]), mine
     waited = {o.rid: o.queue_s for o in outs if o.queue_s >= 0}
     assert waited["second"] >= waited["first"]
+
+
+def test_a_finished_grammar_request_is_named_to_the_workers() -> None:
+    """Rank 0 keeps a grammar matcher per request: the batch after a grammar request ends names it
+    (ForwardBatch.ended) so the matcher is dropped; requests without a grammar are not named."""
+    from shared.messages import GrammarSpec
+
+    sched, worker = make()
+    sched.add_request(greq("g", [1, 2, 3], 2, grammar=GrammarSpec(kind="regex", source="[a-z]+")))
+    sched.add_request(greq("plain", [4, 5], 2))
+    sched.add_request(greq("long", [6, 7], 6))
+    batches = []
+    while sched.reqs:
+        batch, _ = round_(sched, worker)
+        batches.append(batch)
+    named = [b.ended for b in batches if b is not None]
+    assert sum(named, []) == ["g"] and named[0] == []

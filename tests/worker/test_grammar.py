@@ -141,3 +141,11 @@ def test_a_verify_slice_is_masked_position_by_position(runtime: GrammarRuntime) 
     assert runtime.accept(_verify(REGEX, [], [a, b]), [a, b, ord("5")], {}) == []  # the emitted tokens
     assert runtime._matchers["v"].accepted == 3
     assert _allowed(runtime, _req("v", REGEX, [a, b, ord("5")])) == {EOS}
+
+
+def test_an_ended_request_loses_its_matcher(runtime: GrammarRuntime) -> None:
+    r = _req("ended", REGEX, [ord("a")])
+    assert _allowed(runtime, r) == {ord("b")} and "ended" in runtime._matchers
+    runtime.forget(["ended", "never-seen"])
+    assert "ended" not in runtime._matchers
+    assert _allowed(runtime, r) == {ord("b")}  # rebuilt from the history if the rid comes back

@@ -76,3 +76,15 @@ def test_empty_batch_applies_state_ops_only() -> None:
     r.pools.ssm[:, 2].fill_(1.0)
     res = r.step(batch(9, [], clears=[2]))
     assert res.step == 9 and res.next_tokens == {} and not r.pools.ssm[:, 2].any()
+
+
+def test_a_batch_naming_ended_requests_drops_their_matchers() -> None:
+    from shared.messages import ForwardBatch, GrammarSpec
+    from tests.model_driver import generate_speculative
+
+    r = ModelRunner(builtin_model_dir(), device="cpu", dtype="float32", kv_slots=64, state_slots=4)
+    params = SamplingParams(temperature=0.0, grammar=GrammarSpec(kind="regex", source="[a-c]{20}"))
+    generate_speculative(r, list(b"Code: "), 4, lambda tokens: [], params)  # cut before the grammar ends
+    assert "spec" in r.grammars._matchers
+    r.step(ForwardBatch(step=99, reqs=[], ended=["spec"]))
+    assert "spec" not in r.grammars._matchers
