@@ -41,7 +41,7 @@ def _connect(server: Server) -> socket.socket:
     return sock
 
 
-def _read_all(sock: socket.socket) -> tuple[bytes, float]:
+def read_until_closed(sock: socket.socket) -> tuple[bytes, float]:
     """Everything until the server closes the connection, and how long that took."""
     t0, data = time.monotonic(), b""
     try:
@@ -56,7 +56,7 @@ def _exchange(server: Server, raw: bytes) -> tuple[int, dict, float]:
     """Send raw bytes, read until the server closes; (status, JSON body, seconds until closed)."""
     with _connect(server) as sock:
         sock.sendall(raw)
-        data, took = _read_all(sock)
+        data, took = read_until_closed(sock)
     head, _, body = data.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 "), data[:200]
     assert b"content-type: application/json" in head.lower(), head
@@ -107,7 +107,7 @@ def test_trickled_headers_do_not_extend_the_deadline(server: Server, path: str) 
             if time.monotonic() - t0 > READ_TIMEOUT_S + SLACK_S:
                 break
             time.sleep(0.05)  # the client's pace (the thing under test), not synchronisation
-        data, _ = _read_all(sock)
+        data, _ = read_until_closed(sock)
         took = time.monotonic() - t0
     assert data.startswith(b"HTTP/1.1 408"), data[:200]
     assert took <= READ_TIMEOUT_S + SLACK_S, took
@@ -116,12 +116,12 @@ def test_trickled_headers_do_not_extend_the_deadline(server: Server, path: str) 
 def test_idle_connections_are_closed(server: Server) -> None:
     """A connection that never sends a byte, and one idle after its response, are closed."""
     with _connect(server) as fresh:
-        data, took = _read_all(fresh)
+        data, took = read_until_closed(fresh)
     assert data == b"" and took <= KEEP_ALIVE_S + SLACK_S, (data, took)
     with _connect(server) as used:
         body = json.dumps(BODIES["/generate"]).encode()
         used.sendall(_post_head("/generate", length=len(body)) + body)
-        data, took = _read_all(used)
+        data, took = read_until_closed(used)
     assert data.startswith(b"HTTP/1.1 200") and took <= 60 + KEEP_ALIVE_S + SLACK_S, data[:200]
 
 
@@ -146,7 +146,7 @@ def test_http_level_errors_have_json_bodies(server: Server, path: str, name: str
                     sock.sendall(b"X-More: " + b"c" * 1000 + b"\r\n")
             except (BrokenPipeError, ConnectionResetError):
                 pass
-            data, _ = _read_all(sock)
+            data, _ = read_until_closed(sock)
         head, _, body = data.partition(b"\r\n\r\n")
         got, err = int(head.split()[1]), json.loads(body)
     else:
@@ -173,7 +173,7 @@ def test_connection_limit_sheds_with_503_and_a_log_line() -> None:
             status, err, took = answer
             assert err["error"]["code"] == 503 and "connections" in err["error"]["message"] and took < SLACK_S
             burst = [_connect(server) for _ in range(300)]  # well past the limit: each is shed at once
-            answers = [_read_all(s) for s in burst]
+            answers = [read_until_closed(s) for s in burst]
             for s in burst:
                 s.close()
             assert all(d.startswith(b"HTTP/1.1 503") or d == b"" for d, _ in answers)

@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from tests.e2e.server import Server, running_server
+from tests.faults.test_connections import read_until_closed
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
@@ -48,15 +49,8 @@ def _responses(data: bytes) -> list[tuple[int, bytes, bytes]]:
 def _exchange(server: Server, raw: bytes, timeout: float = READ_TIMEOUT_S + 4) -> tuple[bytes, float]:
     """Send `raw`, read until the server closes the connection; (everything read, seconds taken)."""
     with socket.create_connection(("127.0.0.1", server.port), timeout=timeout) as sock:
-        t0 = time.monotonic()
         sock.sendall(raw)
-        data = b""
-        try:
-            while chunk := sock.recv(65536):
-                data += chunk
-        except ConnectionResetError:
-            pass
-        return data, time.monotonic() - t0
+        return read_until_closed(sock)
 
 
 def _post(path: str, body: bytes, extra: str = "", close: bool = False) -> bytes:
