@@ -59,7 +59,8 @@ _HELP = {
     "take, the pools getting what the loaded weights leave of it (default: 0.85; --mem-budget-gb overrides)",
     "mamba_ssm_dtype": "storage of the recurrent states (Mamba SSM, Gated DeltaNet): float32, bfloat16, or int8 "
     "with a float32 scale per row of each head's state; updates are computed in float32 (default: float32)",
-    "kernels": "kernel implementation: auto (Triton on CUDA, fast torch kernels on CPU), reference, fast, triton",
+    "kernels": "kernel implementation: auto (Triton on CUDA, the fused native kernels on CPU, else fast), "
+               "reference, fast, native, triton",
     "disable_prompt_checkpoint": "do not save each prompt's final Mamba state in the cache (a later request that "
     "extends or repeats the prompt then recomputes it)",
     "cpu_threads": "torch threads per worker rank on CPU (0 = the execution plan measures, per step size, one "

@@ -14,7 +14,8 @@ from worker_proc.kernels.interface import SsdParams
 from worker_proc.kernels.select import select_ops
 from worker_proc.kernels.triton_ops import TritonOps
 
-METHODS = ("conv_prefill", "conv_decode", "ssd_prefill", "ssd_decode", "attn_prefill", "attn_decode")
+METHODS = ("conv_prefill", "conv_decode", "ssd_prefill", "ssd_decode", "attn_prefill", "attn_decode", "mamba_decode",
+           "gate_norm", "rms_norm")
 
 
 def test_interpreter_is_active() -> None:

@@ -43,6 +43,35 @@ class SsdParams:
     chunk_size: int
 
 
+class GateNorm(Protocol):
+    """A Mamba2 gated RMSNorm over whole groups of a rank's channels (worker_proc.model.layers.GatedRMSNorm):
+    `groups` groups of `weight`'s channels, each normalised on its own."""
+
+    weight: torch.Tensor
+    groups: int
+    eps: float
+    before_gate: bool
+
+    def __call__(self, y: Tensor, z: Tensor) -> Tensor: ...
+
+
+RMS_WEIGHTINGS = ("model_dtype", "float32", "unit_offset")
+"""How a residual-stream RMSNorm applies its weight to n = x / rms(x) (float32 statistics), in transformers'
+rounding: `model_dtype`: weight * n rounded to the dtype first (RMSNorm); `float32`: weight * n in float32,
+rounded once (Nemotron-H); `unit_offset`: (1 + weight) * n in float32, rounded once (Qwen3-Next / Qwen3.5)."""
+
+
+class ResidualNorm(Protocol):
+    """A residual-stream (or q/k) RMSNorm module (worker_proc.model.layers.make_norm): `weighting` is one
+    of RMS_WEIGHTINGS."""
+
+    weight: torch.Tensor
+    eps: float
+    weighting: str
+
+    def __call__(self, x: Tensor) -> Tensor: ...
+
+
 class KernelOps(Protocol):
     name: str
     batch_invariant: bool
@@ -67,6 +96,24 @@ class KernelOps(Protocol):
                    slots: Tensor) -> Tensor:  # fmt: skip
         """x: [Bt, H, P]; dt: [Bt, H] raw; b, c: [Bt, G, N]; slots: [Bt] int64 (distinct).
         Returns y [Bt, H, P] fp32; rows `slots` of ssm_pool advanced by one token."""
+        ...
+
+    def mamba_decode(self, xbc: Tensor, dt: Tensor, conv_pool: Tensor, slots: Tensor, weight: Tensor,
+                     bias: Tensor | None, p: SsdParams, ssm_pool: StatePool, groups: int,
+                     head_group: Tensor | None) -> Tensor:  # fmt: skip
+        """`conv_decode` then `ssd_decode` of one Mamba layer: xbc [Bt, Cd] = x [H * P] | B | C [groups * N
+        each] (H, P, N: ssm_pool's), dt [Bt, H] raw. `head_group` [H] int64: the B/C group each head reads
+        (None: heads spread evenly, H / groups to a group). Returns y [Bt, H, P] fp32; rows `slots` of both
+        pools advanced by one token."""
+        ...
+
+    def rms_norm(self, norm: ResidualNorm, x: Tensor) -> Tensor:
+        """`norm(x)`: x [T, width] in the model dtype -> [T, width] in it."""
+        ...
+
+    def gate_norm(self, y: Tensor, z: Tensor, norm: GateNorm | None) -> Tensor:
+        """A Mamba layer's gate on its scan output: `norm(y, z)`, or y * silu(z) without a norm. y [T, I] fp32,
+        z [T, I] in the model dtype. Returns [T, I] fp32."""
         ...
 
     def conv_prefill_many(self, x: Tensor, conv_pool: Tensor, spans: Spans, weight: Tensor,

@@ -1,10 +1,13 @@
 """Which kernel set a worker's mixers run: the kernel part of its execution plan (`--kernels`).
 
-Rules: `auto` is Triton on CUDA and `FastOps` on every other device; with
+Rules: `auto` is Triton on CUDA, `NativeOps` (`FastOps` with the decode step's fused C++ kernels,
+worker_proc.kernels.native) on the CPU, falling back to `FastOps` with a warning where they cannot be
+built, and `FastOps` on every other device; with
 `--enable-deterministic-inference` it is the batch-invariant `ReferenceOps` on CPU (Triton stays on
 CUDA: its kernels are batch invariant). An explicit choice is honoured or refused with a reason:
 `fast` is not batch invariant, so it cannot serve the deterministic mode; `triton` needs triton and
-a CUDA device (or the Triton interpreter, TRITON_INTERPRET=1, set before the kernels are imported).
+a CUDA device (or the Triton interpreter, TRITON_INTERPRET=1, set before the kernels are imported);
+`native` needs the CPU and a build of the fused kernels.
 CUDA without triton under `auto` falls back to the reference with a warning. `reference` is batch
 invariant exactly in the deterministic mode. Importing this module never imports triton. The gated
 delta rule (Gated DeltaNet layers) runs flash-linear-attention's kernels on CUDA when `fla` imports,
@@ -21,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from worker_proc.kernels import native
 from worker_proc.kernels.fast import FastOps
 from worker_proc.kernels.gdn_ops import gdn_choice, make_gdn
 from worker_proc.kernels.interface import KernelOps
@@ -29,12 +33,12 @@ from worker_proc.kernels.segments import PAD_SLACK
 
 logger = logging.getLogger(__name__)
 
-KERNEL_CHOICES = ("auto", "reference", "fast", "triton")
+KERNEL_CHOICES = ("auto", "reference", "fast", "native", "triton")
 
 
 @dataclass(frozen=True)
 class KernelChoice:
-    """The kernel set (`ops`: reference | fast | triton), whether it is batch invariant, and the gated
+    """The kernel set (`ops`: reference | fast | native | triton), whether it is batch invariant, and the gated
     delta backend (`gdn`: reference | fast | fla; empty for a model without Gated DeltaNet layers, whose
     ops then hold the pure-torch one unused); `fallback`: why a weaker set runs, if one does."""
 
@@ -44,7 +48,7 @@ class KernelChoice:
     fallback: str = ""
 
     def prefill_rule(self) -> str:
-        if self.ops == "fast":
+        if self.ops in ("fast", "native"):
             return (f"Mamba prefill segments batched when padding costs <= {PAD_SLACK}x rows, else one call each; "
                     "attention and gated-delta segments one call each")
         if self.ops == "triton":
@@ -69,6 +73,10 @@ class KernelChoice:
         gdn = make_gdn(self.gdn or "reference")
         if self.ops == "fast":
             return FastOps(gdn=gdn)
+        if self.ops == "native":
+            from worker_proc.kernels.native.ops import NativeOps
+
+            return NativeOps(gdn=gdn)
         if self.ops == "triton":
             from worker_proc.kernels.triton_ops import TritonOps  # imports triton: only when Triton is chosen
 
@@ -87,10 +95,19 @@ def choose_kernels(device: torch.device | str, choice: str = "auto", determinist
     def gdn(d: torch.device, fast: bool = False) -> str:
         return gdn_choice(d, fast) if has_gdn else ""
 
-    if choice == "fast" and deterministic:
-        raise ValueError("--kernels fast is not batch invariant: it cannot serve --enable-deterministic-inference")
     if choice == "reference" or (choice == "auto" and dev.type != "cuda" and deterministic):
         return KernelChoice("reference", deterministic, gdn(dev))
+    if choice in ("fast", "native") and deterministic:
+        raise ValueError(f"--kernels {choice} is not batch invariant: it cannot serve --enable-deterministic-inference")
+    if choice == "native" or (choice == "auto" and dev.type == "cpu"):
+        if dev.type != "cpu":
+            raise ValueError(f"--kernels native runs on the CPU, not on {dev}")
+        if native.load():
+            return KernelChoice("native", False, gdn(dev, fast=True))
+        if choice == "native":
+            raise ValueError(f"--kernels native: the fused CPU kernels could not be built ({native.load_error()})")
+        return KernelChoice("fast", False, gdn(dev, fast=True),
+                            f"the fused CPU kernels could not be built ({native.load_error()})")
     if choice == "fast" or (choice == "auto" and dev.type != "cuda"):
         return KernelChoice("fast", False, gdn(dev, fast=True))
     try:  # imports triton: only when Triton is chosen

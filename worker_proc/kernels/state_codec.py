@@ -66,6 +66,11 @@ def is_float32(pool: StatePool) -> bool:
     return isinstance(pool, Tensor) and pool.dtype == torch.float32
 
 
+def state_shape(pool: StatePool) -> tuple[int, ...]:
+    """The pool's shape [S, H, a, b], whatever its storage."""
+    return tuple((pool.values if isinstance(pool, QuantizedPool) else pool).shape)
+
+
 def quantize(state: Tensor) -> tuple[Tensor, Tensor]:
     """float32 states [..., H, a, b] -> (int8 values of the same shape, float32 scales [..., H, a]).
     Symmetric per row: scale = amax / 127; an all-zero row has scale 0 and values 0. No clamp is

@@ -29,6 +29,7 @@ from torch import Tensor
 
 from worker_proc.kernels import state_codec as codec
 from worker_proc.kernels import triton_attention, triton_conv, triton_ssd, triton_ssd_step
+from worker_proc.kernels.composed import ComposedSteps
 from worker_proc.kernels.gdn_ops import GdnMethods, ReferenceGdn
 from worker_proc.kernels.interface import AttnSpans, Spans, SsdParams
 from worker_proc.kernels.segments import PerSegment
@@ -43,7 +44,7 @@ def _index_tensor(values: list[int], device: torch.device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int32).to(device, non_blocking=True)
 
 
-class TritonOps(PerSegment, GdnMethods):
+class TritonOps(PerSegment, ComposedSteps, GdnMethods):
     """Fused Triton kernels over pool slots (CUDA; CPU only under TRITON_INTERPRET=1). Stateless but
     for `gdn`, the gated-delta backend (flash-linear-attention when installed, see gdn_ops)."""
 

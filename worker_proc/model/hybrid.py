@@ -130,7 +130,7 @@ class DecoderLayer(nn.Module):
         ops: KernelOps,
     ) -> torch.Tensor:
         for sub in self.subs:
-            x = getattr(self, sub.norm)(h)
+            x = ops.rms_norm(getattr(self, sub.norm), h)
             whole: torch.Tensor | None = None  # sum of all-reduced block outputs
             partial: torch.Tensor | None = None  # sum of this rank's partial sums
             for block in sub.blocks:
@@ -268,7 +268,7 @@ class HybridForCausalLM(nn.Module, GemmOwner):
         h = self.run_layers(batch, pools, ops)
         if not want_logits:
             return h.new_empty(0, self.cfg.vocab_size, dtype=torch.float32)
-        return self.logits(self.model.norm(h[batch.logit_rows]))
+        return self.logits(ops.rms_norm(self.model.norm, h[batch.logit_rows]))
 
     def run_layers(self, batch: StepBatch, pools: StatePools, ops: KernelOps) -> torch.Tensor:
         """The residual stream after the last layer (before the final norm), every row."""

@@ -85,6 +85,7 @@ class RMSNorm(nn.Module):
         self.weight = empty_param(size, dtype=dtype, device=device)
         self.eps = eps
         self.fp32_weight = fp32_weight
+        self.weighting = "float32" if fp32_weight else "model_dtype"  # kernels.interface.RMS_WEIGHTINGS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:  # the same arithmetic, one call
@@ -100,6 +101,8 @@ class UnitOffsetRMSNorm(nn.Module):
     """Zero-centred RMSNorm (Qwen3-Next / Qwen3.5): (x / rms(x) * (1 + weight)) in float32, cast back
     to x's dtype; the weight is stored around 0."""
 
+    weighting = "unit_offset"  # kernels.interface.RMS_WEIGHTINGS
+
     def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         self.weight = empty_param(size, dtype=dtype, device=device)
@@ -112,7 +115,7 @@ class UnitOffsetRMSNorm(nn.Module):
 
 
 def make_norm(size: int, eps: float, dtype: torch.dtype, device: torch.device, unit_offset: bool = False,
-              fp32_weight: bool = False) -> nn.Module:
+              fp32_weight: bool = False) -> RMSNorm | UnitOffsetRMSNorm:
     """The residual-stream (and q/k) norm of a family: zero-centred with `unit_offset`, else RMSNorm."""
     if unit_offset:
         return UnitOffsetRMSNorm(size, eps, dtype, device)

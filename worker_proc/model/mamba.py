@@ -13,7 +13,6 @@ Under tensor parallelism every size here is this rank's (`MambaShard`, see worke
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from shared.model_config import HybridConfig
@@ -43,7 +42,7 @@ class MambaMixer(nn.Module):
         self.D = empty_param(s.heads, dtype=dtype, device=device)
         self.dt_bias = empty_param(s.heads, dtype=dtype, device=device)
         before = cfg.mamba.norm_before_gate
-        self.norm: nn.Module | None = None
+        self.norm: GatedRMSNorm | SpanGatedRMSNorm | None = None
         if cfg.mamba.norm:
             self.norm = (
                 SpanGatedRMSNorm(s, cfg.mamba.n_groups, cfg.rms_norm_eps, tp, dtype, device, before)
@@ -113,24 +112,23 @@ class MambaMixer(nn.Module):
                                         self._groups(c), params, ssm_pool, spans)  # fmt: skip
 
         batch.keep_recurrent_inputs(self, (xbc, dt), conv_pool, ssm_pool)
-        return self._output(batch.by_group(decode, prefill), z, h)
+        return self._output(batch.by_group(decode, prefill), z, h, ops)
 
     def recur_decode(self, inputs: tuple[torch.Tensor, ...], rows: torch.Tensor | None, slots: torch.Tensor,
                      conv_pool: torch.Tensor, ssm_pool: StatePool, ops: KernelOps) -> torch.Tensor:  # fmt: skip
         """The conv and scan of one token per state slot: `rows` of the in_proj outputs `inputs` =
         (xBC, dt) advance `slots` by one; the scan output [rows, H, P]. A forward's decode group, and
         the replay of a verify slice's accepted tokens (worker_proc.speculative)."""
-        s = self.shard
         xbc, dt = inputs
-        conv = ops.conv_decode(rows_of(xbc, rows), conv_pool, slots, self.conv1d.weight[:, 0, :], self.conv1d.bias)
-        x, b, c = conv.split([s.inner, s.group_dim, s.group_dim], dim=-1)
-        return ops.ssd_decode(x.reshape(-1, s.heads, s.d_head), rows_of(dt, rows), self._groups(b), self._groups(c),
-                              self._ssd_params(), ssm_pool, slots)  # fmt: skip
+        return ops.mamba_decode(rows_of(xbc, rows), rows_of(dt, rows), conv_pool, slots, self.conv1d.weight[:, 0, :],
+                                self.conv1d.bias, self._ssd_params(), ssm_pool, len(self.shard.groups),
+                                self.head_group)  # fmt: skip
 
-    def _output(self, y: torch.Tensor, z: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    def _output(self, y: torch.Tensor, z: torch.Tensor, h: torch.Tensor, ops: KernelOps) -> torch.Tensor:
         """The scan output y [T, H, P] through the gate/norm and out_proj (all-reduced under TP)."""
         y = y.reshape(h.shape[0], self.shard.inner)
-        out = y * F.silu(z.float()) if self.norm is None else self.norm(y, z)
+        norm = self.norm
+        out = norm(y, z) if isinstance(norm, SpanGatedRMSNorm) else ops.gate_norm(y, z, norm)
         return row_parallel(out.to(h.dtype), self.out_proj, self.tp)
 
     def _ssd_params(self) -> SsdParams:

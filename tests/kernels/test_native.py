@@ -1,0 +1,120 @@
+"""The fused CPU kernels (`NativeOps`) against the reference ops, and the kernel selection around them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.kernels.util import TOL, max_diff, pool, rand, strided, untouched
+from worker_proc.kernels import FastOps, ReferenceOps, native, select
+from worker_proc.kernels import state_codec as codec
+from worker_proc.kernels.interface import SsdParams
+from worker_proc.model.layers import GatedRMSNorm, RMSNorm, UnitOffsetRMSNorm
+
+pytestmark = pytest.mark.skipif(not native.load(), reason="the fused CPU kernels cannot be built here")
+
+
+def _native():  # imported here: the class exists only where the library loads
+    from worker_proc.kernels.native.ops import NativeOps
+
+    return NativeOps()
+
+
+def _mamba_inputs(gen: torch.Generator, rows: int, heads: int, p: int, groups: int, n: int, k: int, dtype,
+                  limit=(0.0, float("inf")), bias: bool = True):  # fmt: skip
+    cd = heads * p + 2 * groups * n
+    proj = rand(gen, rows, cd + heads + 5, dtype=dtype)  # xBC and dt as views of one in_proj row, as in the mixer
+    params = SsdParams(-torch.rand(heads, generator=gen) - 0.1, rand(gen, heads, dtype=dtype),
+                       rand(gen, heads, dtype=dtype), limit, 64)  # fmt: skip
+    return dict(
+        xbc=proj[:, :cd], dt=proj[:, cd : cd + heads], conv_pool=pool(gen, 6, cd, k - 1, zero=(2,), dtype=dtype),
+        weight=rand(gen, cd, k, dtype=dtype, scale=0.5), bias=rand(gen, cd, dtype=dtype) if bias else None,
+        p=params, ssm_pool=pool(gen, 6, heads, p, n, zero=(3,)),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(("heads", "groups", "head_group", "limit", "bias"), [
+    (4, 1, None, (0.0, float("inf")), True),
+    (6, 2, None, (0.05, 1.5), False),
+    (4, 2, (0, 0, 0, 1), (0.0, float("inf")), True),  # heads spread unevenly over this rank's groups (TP)
+])  # fmt: skip
+def test_fused_mamba_step_equals_the_reference(gen: torch.Generator, heads: int, groups: int, head_group, limit,
+                                               bias: bool) -> None:  # fmt: skip
+    t = _mamba_inputs(gen, 3, heads, 8, groups, 16, 4, torch.float32, limit, bias)
+    slots = torch.tensor([5, 2, 3])
+    hg = None if head_group is None else torch.tensor(head_group)
+    want = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in t.items()}
+    got = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in t.items()}
+    y_ref = ReferenceOps().mamba_decode(want["xbc"], want["dt"], want["conv_pool"], slots, want["weight"],
+                                        want["bias"], want["p"], want["ssm_pool"], groups, hg)  # fmt: skip
+    y = _native().mamba_decode(got["xbc"], got["dt"], got["conv_pool"], slots, got["weight"], got["bias"], got["p"],
+                               got["ssm_pool"], groups, hg)  # fmt: skip
+    assert y.dtype == torch.float32 and y.shape == (3, heads, 8)
+    assert max_diff(y, y_ref) <= TOL
+    assert max_diff(got["ssm_pool"], want["ssm_pool"]) <= TOL
+    assert torch.equal(got["conv_pool"], want["conv_pool"])  # the window shift is exact
+    for name in ("ssm_pool", "conv_pool"):
+        assert untouched(t[name], got[name], [5, 2, 3])
+
+
+def test_fused_mamba_step_in_bfloat16_rounds_as_the_fast_kernels(gen: torch.Generator) -> None:
+    """A bfloat16 model: conv outputs rounded to bfloat16 as the torch path rounds them, the state float32."""
+    t = _mamba_inputs(gen, 2, 4, 8, 1, 16, 4, torch.bfloat16)
+    slots = torch.tensor([1, 4])
+    fast, mine = t["ssm_pool"].clone(), t["ssm_pool"].clone()
+    conv_fast, conv_mine = t["conv_pool"].clone(), t["conv_pool"].clone()
+    y_fast = FastOps().mamba_decode(t["xbc"], t["dt"], conv_fast, slots, t["weight"], t["bias"], t["p"], fast, 1, None)
+    y = _native().mamba_decode(t["xbc"], t["dt"], conv_mine, slots, t["weight"], t["bias"], t["p"], mine, 1, None)
+    assert torch.equal(conv_mine, conv_fast)
+    scale = float(y_fast.abs().max())
+    assert max_diff(y, y_fast) <= 2e-2 * scale and max_diff(mine, fast) <= 2e-2 * float(fast.abs().max())
+
+
+def test_a_narrow_state_pool_takes_the_fast_kernels(gen: torch.Generator) -> None:
+    """An int8 state pool is not the fused kernel's: the result is FastOps' own, bit for bit."""
+    t = _mamba_inputs(gen, 2, 4, 8, 1, 16, 4, torch.float32)
+    slots = torch.tensor([1, 4])
+    q_fast = codec.QuantizedPool(*codec.quantize(t["ssm_pool"]))
+    q_mine = codec.QuantizedPool(q_fast.values.clone(), q_fast.scale.clone())
+    args = (t["xbc"], t["dt"])
+    y_fast = FastOps().mamba_decode(*args, t["conv_pool"].clone(), slots, t["weight"], t["bias"], t["p"], q_fast, 1,
+                                    None)  # fmt: skip
+    y = _native().mamba_decode(*args, t["conv_pool"].clone(), slots, t["weight"], t["bias"], t["p"], q_mine, 1, None)
+    assert torch.equal(y, y_fast) and torch.equal(q_mine.values, q_fast.values)
+
+
+@pytest.mark.parametrize("before_gate", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_gate_norm_equals_the_module(gen: torch.Generator, before_gate: bool, dtype) -> None:
+    norm = GatedRMSNorm(24, 3, 1e-5, dtype, torch.device("cpu"), before_gate)
+    norm.weight.data = rand(gen, 24, dtype=dtype)
+    y, z = rand(gen, 5, 24), strided(rand(gen, 5, 24, dtype=dtype))
+    assert max_diff(_native().gate_norm(y, z, norm), norm(y, z)) <= TOL
+    assert max_diff(_native().gate_norm(y, z, None), ReferenceOps().gate_norm(y, z, None)) <= TOL
+
+
+@pytest.mark.parametrize("kind", ["rms", "rms_fp32_weight", "unit_offset"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_rms_norm_equals_the_module(gen: torch.Generator, kind: str, dtype) -> None:
+    cpu = torch.device("cpu")
+    norm = UnitOffsetRMSNorm(64, 1e-6, dtype, cpu) if kind == "unit_offset" else RMSNorm(
+        64, 1e-6, dtype, cpu, fp32_weight=kind == "rms_fp32_weight")
+    norm.weight.data = rand(gen, 64, dtype=dtype)
+    x = strided(rand(gen, 7, 64, dtype=dtype, scale=3.0))
+    got, want = _native().rms_norm(norm, x), norm(x)
+    assert got.dtype == dtype and got.shape == want.shape
+    # float32 statistics summed in another order: at most one rounding step of the output dtype apart
+    ulp = 1e-6 if dtype == torch.float32 else 2 ** -7
+    assert max_diff(got, want) <= 2 * ulp * float(want.abs().max())
+
+
+def test_the_cpu_takes_the_fused_kernels_or_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert select.choose_kernels("cpu").ops == "native"
+    assert select.choose_kernels("cpu", deterministic=True).ops == "reference"
+    with pytest.raises(ValueError, match="not batch invariant"):
+        select.choose_kernels("cpu", "native", deterministic=True)
+    monkeypatch.setattr(native, "_load", lambda: (False, "no compiler found"))
+    fallback = select.choose_kernels("cpu")
+    assert fallback.ops == "fast" and "no compiler found" in fallback.describe()
+    with pytest.raises(ValueError, match="no compiler found"):
+        select.choose_kernels("cpu", "native")

@@ -1,0 +1,86 @@
+"""The fused CPU kernels of the decode step (`cpu_ops.cpp`), compiled once per machine and loaded as
+`torch.ops.hyssm_cpu`.
+
+Owns the build: the library is compiled with torch's extension builder for this machine's CPU into a
+directory named by a digest of the source, the torch version, the compiler flags and the CPU's model
+and ISA flags (`$XDG_CACHE_HOME/hyssm/kernels/<digest>`, `~/.cache/...` by default), so a later start,
+or another process of the same launch, loads it without compiling. The builder's file lock serialises
+processes that start at once. A machine without a working C++ toolchain gets `None` from `load` with
+the reason in `load_error()`; the kernel selection then runs the pure-torch `FastOps` and says why.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_ops.cpp")
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=fast")
+
+
+def _cpu_identity() -> str:
+    """The CPU model and ISA flags (what -march=native compiles for)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor()
+    fields = {}
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    return f"{fields.get('model name', '')}|{fields.get('flags', '')}"
+
+
+def build_digest() -> str:
+    """What the compiled library depends on, hashed."""
+    h = hashlib.sha256(SOURCE.read_bytes())
+    for part in (torch.__version__, " ".join(CFLAGS), _cpu_identity(), platform.machine()):
+        h.update(part.encode())
+    return h.hexdigest()[:16]
+
+
+def build_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "hyssm" / "kernels" / build_digest()
+
+
+@functools.cache
+def _load() -> tuple[bool, str]:
+    from torch.utils import cpp_extension
+
+    target = build_dir()
+    target.mkdir(parents=True, exist_ok=True)
+    fresh = not any(target.glob("*.so"))
+    if fresh:
+        logger.info("compiling the fused CPU kernels for this machine into %s (once; about a minute)", target)
+    start = time.perf_counter()
+    try:
+        cpp_extension.load(name="hyssm_cpu_ops", sources=[str(SOURCE)], extra_cflags=list(CFLAGS),
+                           extra_ldflags=["-fopenmp"], build_directory=str(target), is_python_module=False,
+                           verbose=False)  # fmt: skip
+    except Exception as exc:  # a missing compiler or ninja, a failed build: the pure-torch kernels run
+        reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+        logger.warning("the fused CPU kernels could not be built (%s): the pure-torch kernels run", reason)
+        return False, reason
+    if fresh:
+        logger.info("fused CPU kernels compiled in %.1f s", time.perf_counter() - start)
+    return True, ""
+
+
+def load() -> bool:
+    """Whether `torch.ops.hyssm_cpu` is available (built or read from the cache on first call)."""
+    return _load()[0]
+
+
+def load_error() -> str:
+    """Why `load()` failed ("" when it did not)."""
+    return _load()[1]

@@ -1,0 +1,47 @@
+"""`NativeOps`: `FastOps` with the decode step's Mamba conv + scan and its gated norm in the fused
+CPU kernels of `cpu_ops.cpp` (one call each per layer instead of tens of dispatched ops).
+
+Same interface and mathematics as `FastOps` (checked against `ReferenceOps` by the kernel tests);
+not batch invariant. Where a fused kernel does not hold its inputs (a bfloat16 or int8 state pool,
+float64 tensors) the `FastOps` method runs instead. Only constructed after
+`worker_proc.kernels.native.load()` returned True.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from worker_proc.kernels.fast import FastOps
+from worker_proc.kernels.interface import RMS_WEIGHTINGS, GateNorm, ResidualNorm, SsdParams
+from worker_proc.kernels.state_codec import StatePool, is_float32
+
+_MODEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class NativeOps(FastOps):
+    name = "native"
+
+    def mamba_decode(self, xbc: Tensor, dt: Tensor, conv_pool: Tensor, slots: Tensor, weight: Tensor,
+                     bias: Tensor | None, p: SsdParams, ssm_pool: StatePool, groups: int,
+                     head_group: Tensor | None) -> Tensor:  # fmt: skip
+        if not (is_float32(ssm_pool) and xbc.dtype in _MODEL_DTYPES and xbc.dtype == conv_pool.dtype == weight.dtype
+                and xbc.stride(-1) == 1 and dt.stride(-1) == 1):  # fmt: skip
+            return super().mamba_decode(xbc, dt, conv_pool, slots, weight, bias, p, ssm_pool, groups, head_group)
+        assert isinstance(ssm_pool, Tensor)
+        lo, hi = p.dt_limit
+        return torch.ops.hyssm_cpu.mamba_decode(xbc, dt, conv_pool, ssm_pool, slots, weight, bias, p.a, p.d,
+                                                p.dt_bias, head_group, lo, hi, groups)  # fmt: skip
+
+    def gate_norm(self, y: Tensor, z: Tensor, norm: GateNorm | None) -> Tensor:
+        if z.dtype not in _MODEL_DTYPES or z.stride(-1) != 1:
+            return super().gate_norm(y, z, norm)
+        y = y.contiguous()
+        if norm is None:
+            return torch.ops.hyssm_cpu.gated_rms_norm(y, z, None, 1, 0.0, False)
+        return torch.ops.hyssm_cpu.gated_rms_norm(y, z, norm.weight, norm.groups, norm.eps, norm.before_gate)
+
+    def rms_norm(self, norm: ResidualNorm, x: Tensor) -> Tensor:
+        if x.dim() != 2 or x.stride(-1) != 1 or x.dtype not in _MODEL_DTYPES or norm.weight.dtype != x.dtype:
+            return super().rms_norm(norm, x)
+        return torch.ops.hyssm_cpu.rms_norm(x, norm.weight, norm.eps, RMS_WEIGHTINGS.index(norm.weighting))
