@@ -163,8 +163,9 @@ class ModelRunner:
                     logits = self.model.forward_step(sb, self.pools, self.ops, want_logits=sampler)
                 else:  # the MTP layers read the final-normed hidden state of every row
                     h = self.model.run_layers(sb, self.pools, self.ops)
-                    logits = self.model.logits(self.model.model.norm(h[sb.logit_rows])) if sampler else h[:0]
-                    hidden = self.model.model.norm(h)
+                    final_norm = self.model.model.norm
+                    logits = self.model.logits(self.ops.rms_norm(final_norm, h[sb.logit_rows])) if sampler else h[:0]
+                    hidden = self.ops.rms_norm(final_norm, h)
                 if sb.logit_rids and sampler:
                     sampled = self._sample(logits, reqs)
                 if sb.kept_inputs is not None or hidden is not None:

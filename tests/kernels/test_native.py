@@ -118,3 +118,26 @@ def test_the_cpu_takes_the_fused_kernels_or_falls_back(monkeypatch: pytest.Monke
     assert fallback.ops == "fast" and "no compiler found" in fallback.describe()
     with pytest.raises(ValueError, match="no compiler found"):
         select.choose_kernels("cpu", "native")
+
+
+@pytest.mark.parametrize(("groups", "limit", "dtype"), [
+    (1, (0.0, float("inf")), torch.float32),
+    (2, (0.05, 1.5), torch.float32),
+    (2, (0.0, float("inf")), torch.bfloat16),
+])  # fmt: skip
+def test_token_by_token_prefill_scan_equals_the_chunked_reference(gen: torch.Generator, groups: int, limit,
+                                                                   dtype) -> None:  # fmt: skip
+    heads, p, n = 4, 8, 16
+    spans = ((13, 5), (1, 2), (70, 3))  # a segment longer than a chunk, a one-token one, a fresh slot (3)
+    total = sum(length for length, _ in spans)
+    x, dt = strided(rand(gen, total, heads, p, dtype=dtype)), strided(rand(gen, total, heads, dtype=dtype))
+    b, c = strided(rand(gen, total, groups, n, dtype=dtype)), strided(rand(gen, total, groups, n, dtype=dtype))
+    params = SsdParams(-torch.rand(heads, generator=gen) - 0.1, rand(gen, heads), rand(gen, heads), limit, 16)
+    start = pool(gen, 6, heads, p, n, zero=(3,))
+    want, got = start.clone(), start.clone()
+    y_ref = ReferenceOps().ssd_prefill_many(x, dt, b, c, params, want, spans)
+    y = _native().ssd_prefill_many(x, dt, b, c, params, got, spans)
+    assert y.dtype == torch.float32 and y.shape == y_ref.shape
+    assert max_diff(y, y_ref) <= TOL * max(1.0, float(y_ref.abs().max()))
+    assert max_diff(got, want) <= TOL * max(1.0, float(want.abs().max()))
+    assert untouched(start, got, [5, 2, 3])

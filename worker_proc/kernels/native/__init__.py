@@ -24,7 +24,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_ops.cpp")
-CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=fast")
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=fast") + (
+    ("-mprefer-vector-width=512",) if platform.machine() in ("x86_64", "AMD64") else ())
 
 
 def _cpu_identity() -> str:

@@ -15,6 +15,7 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 namespace {
@@ -28,12 +29,78 @@ inline float round_to(float v) {
   return to_f(static_cast<T>(v));
 }
 
-inline float silu(float v) { return v / (1.0f + std::exp(-v)); }
+// exp without a libm call, so that loops over it vectorize: 2^k * e^r with |r| <= ln2 / 2 and a degree-6
+// polynomial for e^r (relative error about 2e-7, as a float's own rounding); arguments clamped to
+// [-87, 88], where the result stays a normal float.
+inline float exp_approx(float v) {
+  v = std::min(std::max(v, -87.0f), 88.0f);
+  const float k = std::nearbyint(v * 1.44269504088896341f);
+  const float r = (v - k * 0.693145751953125f) - k * 1.428606765330187045e-06f;
+  float poly = 1.0f / 720.0f;
+  poly = poly * r + 1.0f / 120.0f;
+  poly = poly * r + 1.0f / 24.0f;
+  poly = poly * r + 1.0f / 6.0f;
+  poly = poly * r + 0.5f;
+  poly = poly * r + 1.0f;
+  poly = poly * r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return poly * scale;
+}
+
+inline float silu(float v) { return v / (1.0f + exp_approx(-v)); }
 
 inline float softplus(float v) { return v > 20.0f ? v : std::log1p(std::exp(v)); }
 
 void check_rows(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, " must be [rows, width] with unit-stride rows");
+}
+
+// One token through one head's state rows: for each of the head's `p` rows q, state[q] = state[q] * decay +
+// (step x[q]) B and out[q] = state[q] . C + d x[q]. Rows go four at a time so that four independent
+// dot products share each load of B and C and hide each other's latency.
+inline void advance_head(float* st, int64_t p, int64_t n, float decay, float step, const float* x, const float* bt,
+                         const float* ct, float d, float* out) {
+  int64_t q = 0;
+  for (; q + 4 <= p; q += 4) {
+    float* s0 = st + q * n;
+    float* s1 = s0 + n;
+    float* s2 = s1 + n;
+    float* s3 = s2 + n;
+    const float u0 = step * x[q], u1 = step * x[q + 1], u2 = step * x[q + 2], u3 = step * x[q + 3];
+    float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
+#pragma omp simd reduction(+ : a0, a1, a2, a3)
+    for (int64_t j = 0; j < n; ++j) {
+      const float bj = bt[j], cj = ct[j];
+      const float v0 = s0[j] * decay + u0 * bj, v1 = s1[j] * decay + u1 * bj;
+      const float v2 = s2[j] * decay + u2 * bj, v3 = s3[j] * decay + u3 * bj;
+      s0[j] = v0;
+      s1[j] = v1;
+      s2[j] = v2;
+      s3[j] = v3;
+      a0 += v0 * cj;
+      a1 += v1 * cj;
+      a2 += v2 * cj;
+      a3 += v3 * cj;
+    }
+    out[q] = a0 + x[q] * d;
+    out[q + 1] = a1 + x[q + 1] * d;
+    out[q + 2] = a2 + x[q + 2] * d;
+    out[q + 3] = a3 + x[q + 3] * d;
+  }
+  for (; q < p; ++q) {
+    float* srow = st + q * n;
+    const float u = step * x[q];
+    float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+    for (int64_t j = 0; j < n; ++j) {
+      const float v = srow[j] * decay + u * bt[j];
+      srow[j] = v;
+      acc += v * ct[j];
+    }
+    out[q] = acc + x[q] * d;
+  }
 }
 
 // The conv step and the SSD state step of one token per slot (see mamba_decode below).
@@ -103,19 +170,7 @@ at::Tensor mamba_decode_impl(const at::Tensor& xbc, const at::Tensor& dt, at::Te
       const float* bv = row_in + inner + g * n;
       const float* cv = row_in + inner + groups * n + g * n;
       float* st = state_p + ((slot_p[r] * heads + h) * p) * n;
-      float* out = y_p + (r * heads + h) * p;
-      for (int64_t q = 0; q < p; ++q) {
-        const float dtx = step * x[q];
-        float* srow = st + q * n;
-        float acc = 0.0f;
-#pragma omp simd reduction(+ : acc)
-        for (int64_t j = 0; j < n; ++j) {
-          const float s = srow[j] * decay + dtx * bv[j];
-          srow[j] = s;
-          acc += s * cv[j];
-        }
-        out[q] = acc + x[q] * d_p[h];
-      }
+      advance_head(st, p, n, decay, step, x, bv, cv, d_p[h], y_p + (r * heads + h) * p);
     }
   });
   return y;
@@ -148,6 +203,80 @@ at::Tensor mamba_decode(const at::Tensor& xbc, const at::Tensor& dt, at::Tensor 
   return out;
 }
 
+// The SSD scan of prefill segments token by token: for each segment (`lengths`, `slots`), each head h
+// and each row q of its state, state = state * exp(dt a) + (dt x) B and y = state . C + D x at every
+// position, the state row held in registers over the whole segment. x [T, H, P], dt [T, H] raw, b, c
+// [T, G, N] (head h reads group h / (H / G)); any strides but a unit-stride last dim. Returns y [T, H, P]
+// float32; each segment's slot of the float32 pool ends at the state after its last token.
+template <typename T>
+at::Tensor ssd_prefill_impl(const at::Tensor& x, const at::Tensor& dt, const at::Tensor& b, const at::Tensor& c,
+                            at::Tensor& ssm_pool, const std::vector<int64_t>& lengths,
+                            const std::vector<int64_t>& slots, const at::Tensor& a, const at::Tensor& d,
+                            const at::Tensor& dt_bias, double dt_min, double dt_max) {
+  const int64_t total = x.size(0), heads = x.size(1), p = x.size(2), groups = b.size(1), n = b.size(2);
+  TORCH_CHECK(heads % groups == 0 && ssm_pool.size(1) == heads && ssm_pool.size(2) == p && ssm_pool.size(3) == n,
+              "state pool, x and B/C shapes disagree");
+  const int64_t per_group = heads / groups, segs = static_cast<int64_t>(lengths.size());
+  std::vector<int64_t> starts(segs + 1, 0);
+  for (int64_t i = 0; i < segs; ++i) starts[i + 1] = starts[i] + lengths[i];
+  TORCH_CHECK(starts[segs] == total, "segment lengths do not add up to the rows");
+  at::Tensor a32 = a.to(at::kFloat).contiguous(), d32 = d.to(at::kFloat).contiguous();
+  at::Tensor bias32 = dt_bias.to(at::kFloat).contiguous();
+  const float *a_p = a32.data_ptr<float>(), *d_p = d32.data_ptr<float>(), *bias_p = bias32.data_ptr<float>();
+  const T *x_p = x.data_ptr<T>(), *dt_p = dt.data_ptr<T>(), *b_p = b.data_ptr<T>(), *c_p = c.data_ptr<T>();
+  const int64_t xs0 = x.stride(0), xs1 = x.stride(1), dts = dt.stride(0), dth = dt.stride(1);
+  const int64_t bs0 = b.stride(0), bs1 = b.stride(1), cs0 = c.stride(0), cs1 = c.stride(1);
+  float* state_p = ssm_pool.data_ptr<float>();
+  const float lo = static_cast<float>(dt_min), hi = static_cast<float>(dt_max);
+  at::Tensor y = at::empty({total, heads, p}, x.options().dtype(at::kFloat));
+  float* y_p = y.data_ptr<float>();
+  at::parallel_for(0, segs * heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> bt(n), ct(n), xt(p);
+    for (int64_t u = begin; u < end; ++u) {
+      const int64_t sg = u / heads, h = u % heads, g = h / per_group;
+      float* st = state_p + ((slots[sg] * heads + h) * p) * n;
+      for (int64_t t = starts[sg]; t < starts[sg + 1]; ++t) {
+        float step = softplus(to_f(dt_p[t * dts + h * dth]) + bias_p[h]);
+        step = std::min(std::max(step, lo), hi);
+        const float decay = std::exp(step * a_p[h]);
+        const T* bsrc = b_p + t * bs0 + g * bs1;
+        const T* csrc = c_p + t * cs0 + g * cs1;
+        for (int64_t j = 0; j < n; ++j) {
+          bt[j] = to_f(bsrc[j]);
+          ct[j] = to_f(csrc[j]);
+        }
+        const T* xr = x_p + t * xs0 + h * xs1;
+        for (int64_t q = 0; q < p; ++q) xt[q] = to_f(xr[q]);
+        advance_head(st, p, n, decay, step, xt.data(), bt.data(), ct.data(), d_p[h], y_p + (t * heads + h) * p);
+      }
+    }
+  });
+  return y;
+}
+
+at::Tensor ssd_prefill(const at::Tensor& x, const at::Tensor& dt, const at::Tensor& b, const at::Tensor& c,
+                       at::Tensor ssm_pool, at::IntArrayRef lengths, at::IntArrayRef slots, const at::Tensor& a,
+                       const at::Tensor& d, const at::Tensor& dt_bias, double dt_min, double dt_max) {
+  TORCH_CHECK(x.dim() == 3 && dt.dim() == 2 && b.dim() == 3 && c.dim() == 3, "x [T, H, P], dt [T, H], B/C [T, G, N]");
+  TORCH_CHECK(x.stride(2) == 1 && b.stride(2) == 1 && c.stride(2) == 1, "last dims must be unit-stride");
+  TORCH_CHECK(b.sizes() == c.sizes(), "B and C must have one shape");
+  TORCH_CHECK(x.scalar_type() == dt.scalar_type() && x.scalar_type() == b.scalar_type() &&
+                  x.scalar_type() == c.scalar_type(),
+              "x, dt, B and C must share one dtype");
+  TORCH_CHECK(ssm_pool.scalar_type() == at::kFloat && ssm_pool.is_contiguous(), "state pool must be float32");
+  TORCH_CHECK(lengths.size() == slots.size(), "one slot per segment");
+  std::vector<int64_t> lens(lengths.begin(), lengths.end()), sl(slots.begin(), slots.end());
+  at::Tensor out;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "ssd_prefill", [&] {
+    if constexpr (!std::is_same_v<scalar_t, double>) {
+      out = ssd_prefill_impl<scalar_t>(x, dt, b, c, ssm_pool, lens, sl, a, d, dt_bias, dt_min, dt_max);
+    } else {
+      TORCH_CHECK(false, "float64 is not a model dtype");
+    }
+  });
+  return out;
+}
+
 // Mamba2's gated RMSNorm per group of channels: norm(y * silu(z)) * w, or with `before_gate`
 // norm(y) * w * silu(z); without a weight only y * silu(z). y [rows, I] float32; z [rows, I] in the
 // model dtype. Returns float32 [rows, I] (the mixer rounds it to its dtype before out_proj).
@@ -171,12 +300,14 @@ at::Tensor gated_rms_norm_impl(const at::Tensor& y, const at::Tensor& z, const c
       const float* yr = y_p + r * y_rs + off;
       const T* zr = z_p + r * z_rs + off;
       float* orow = o_p + r * width + off;
+#pragma omp simd
       for (int64_t j = 0; j < size; ++j) gate[j] = silu(to_f(zr[j]));
       if (w_p == nullptr) {
         for (int64_t j = 0; j < size; ++j) orow[j] = yr[j] * gate[j];
         continue;
       }
       float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
       for (int64_t j = 0; j < size; ++j) {
         const float h = before_gate ? yr[j] : yr[j] * gate[j];
         orow[j] = h;
@@ -225,6 +356,7 @@ at::Tensor rms_norm_impl(const at::Tensor& x, const at::Tensor& weight, double e
     for (int64_t r = begin; r < end; ++r) {
       const T* xr = x_p + r * rs;
       float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
       for (int64_t j = 0; j < width; ++j) ss += to_f(xr[j]) * to_f(xr[j]);
       const float rstd = 1.0f / std::sqrt(ss / static_cast<float>(width) + e);
       T* orow = o_p + r * width;
@@ -263,12 +395,16 @@ TORCH_LIBRARY(hyssm_cpu, m) {
       "mamba_decode(Tensor xbc, Tensor dt, Tensor(a!) conv_pool, Tensor(b!) ssm_pool, Tensor slots, "
       "Tensor conv_w, Tensor? conv_b, Tensor a, Tensor d, Tensor dt_bias, Tensor? head_group, float dt_min, "
       "float dt_max, int groups) -> Tensor");
+  m.def(
+      "ssd_prefill(Tensor x, Tensor dt, Tensor b, Tensor c, Tensor(a!) ssm_pool, int[] lengths, int[] slots, "
+      "Tensor a, Tensor d, Tensor dt_bias, float dt_min, float dt_max) -> Tensor");
   m.def("gated_rms_norm(Tensor y, Tensor z, Tensor? weight, int groups, float eps, bool before_gate) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps, int weighting) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(hyssm_cpu, CPU, m) {
   m.impl("mamba_decode", mamba_decode);
+  m.impl("ssd_prefill", ssd_prefill);
   m.impl("gated_rms_norm", gated_rms_norm);
   m.impl("rms_norm", rms_norm);
 }

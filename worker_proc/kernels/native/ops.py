@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from worker_proc.kernels.fast import FastOps
-from worker_proc.kernels.interface import RMS_WEIGHTINGS, GateNorm, ResidualNorm, SsdParams
+from worker_proc.kernels.interface import RMS_WEIGHTINGS, GateNorm, ResidualNorm, Spans, SsdParams
 from worker_proc.kernels.state_codec import StatePool, is_float32
 
 _MODEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -33,6 +33,22 @@ class NativeOps(FastOps):
         return torch.ops.hyssm_cpu.mamba_decode(xbc, dt, conv_pool, ssm_pool, slots, weight, bias, p.a, p.d,
                                                 p.dt_bias, head_group, lo, hi, groups)  # fmt: skip
 
+    def ssd_prefill(self, x: Tensor, dt: Tensor, b: Tensor, c: Tensor, p: SsdParams, ssm_pool: StatePool,
+                    slot: int) -> Tensor:  # fmt: skip
+        return self.ssd_prefill_many(x, dt, b, c, p, ssm_pool, ((x.shape[0], slot),))
+
+    def ssd_prefill_many(self, x: Tensor, dt: Tensor, b: Tensor, c: Tensor, p: SsdParams, ssm_pool: StatePool,
+                         spans: Spans) -> Tensor:  # fmt: skip
+        """The scan token by token, every segment in one call (no chunking, no padding)."""
+        if not (is_float32(ssm_pool) and x.dtype in _MODEL_DTYPES and x.dtype == dt.dtype == b.dtype == c.dtype
+                and x.shape[1] % b.shape[1] == 0):  # fmt: skip
+            return super().ssd_prefill_many(x, dt, b, c, p, ssm_pool, spans)
+        assert isinstance(ssm_pool, Tensor)
+        lo, hi = p.dt_limit
+        lengths, slots = [length for length, _ in spans], [slot for _, slot in spans]
+        return torch.ops.hyssm_cpu.ssd_prefill(_unit_last(x), dt, _unit_last(b), _unit_last(c), ssm_pool, lengths,
+                                               slots, p.a, p.d, p.dt_bias, lo, hi)  # fmt: skip
+
     def gate_norm(self, y: Tensor, z: Tensor, norm: GateNorm | None) -> Tensor:
         if z.dtype not in _MODEL_DTYPES or z.stride(-1) != 1:
             return super().gate_norm(y, z, norm)
@@ -45,3 +61,7 @@ class NativeOps(FastOps):
         if x.dim() != 2 or x.stride(-1) != 1 or x.dtype not in _MODEL_DTYPES or norm.weight.dtype != x.dtype:
             return super().rms_norm(norm, x)
         return torch.ops.hyssm_cpu.rms_norm(x, norm.weight, norm.eps, RMS_WEIGHTINGS.index(norm.weighting))
+
+
+def _unit_last(t: Tensor) -> Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
