@@ -205,76 +205,51 @@ at::Tensor mamba_decode(const at::Tensor& xbc, const at::Tensor& dt, at::Tensor 
 
 // The SSD scan of prefill segments token by token: for each segment (`lengths`, `slots`), each head h
 // and each row q of its state, state = state * exp(dt a) + (dt x) B and y = state . C + D x at every
-// position, the state row held in registers over the whole segment. x [T, H, P], dt [T, H] raw, b, c
-// [T, G, N] (head h reads group h / (H / G)); any strides but a unit-stride last dim. Returns y [T, H, P]
-// float32; each segment's slot of the float32 pool ends at the state after its last token.
-template <typename T>
-at::Tensor ssd_prefill_impl(const at::Tensor& x, const at::Tensor& dt, const at::Tensor& b, const at::Tensor& c,
-                            at::Tensor& ssm_pool, const std::vector<int64_t>& lengths,
-                            const std::vector<int64_t>& slots, const at::Tensor& a, const at::Tensor& d,
-                            const at::Tensor& dt_bias, double dt_min, double dt_max) {
+// position. x [T, H, P], dt [T, H] raw, b, c [T, G, N] (head h reads group h / (H / G)), in the model
+// dtype with a unit-stride last dim; they are read as float32 (widened once, not once per head). Returns
+// y [T, H, P] float32; each segment's slot of the float32 pool ends at the state after its last token.
+at::Tensor ssd_prefill(const at::Tensor& x_in, const at::Tensor& dt, const at::Tensor& b_in, const at::Tensor& c_in,
+                       at::Tensor ssm_pool, at::IntArrayRef lengths, at::IntArrayRef slots, const at::Tensor& a,
+                       const at::Tensor& d, const at::Tensor& dt_bias, double dt_min, double dt_max) {
+  TORCH_CHECK(x_in.dim() == 3 && dt.dim() == 2 && b_in.dim() == 3 && c_in.dim() == 3,
+              "x [T, H, P], dt [T, H], B/C [T, G, N]");
+  TORCH_CHECK(b_in.sizes() == c_in.sizes(), "B and C must have one shape");
+  TORCH_CHECK(ssm_pool.scalar_type() == at::kFloat && ssm_pool.is_contiguous(), "state pool must be float32");
+  TORCH_CHECK(lengths.size() == slots.size(), "one slot per segment");
+  const at::Tensor x = x_in.to(at::kFloat).contiguous(), b = b_in.to(at::kFloat).contiguous();
+  const at::Tensor c = c_in.to(at::kFloat).contiguous();
   const int64_t total = x.size(0), heads = x.size(1), p = x.size(2), groups = b.size(1), n = b.size(2);
   TORCH_CHECK(heads % groups == 0 && ssm_pool.size(1) == heads && ssm_pool.size(2) == p && ssm_pool.size(3) == n,
               "state pool, x and B/C shapes disagree");
+  TORCH_CHECK(dt.size(0) == total && dt.size(1) == heads && b.size(0) == total, "rows of x, dt, B and C differ");
   const int64_t per_group = heads / groups, segs = static_cast<int64_t>(lengths.size());
   std::vector<int64_t> starts(segs + 1, 0);
   for (int64_t i = 0; i < segs; ++i) starts[i + 1] = starts[i] + lengths[i];
   TORCH_CHECK(starts[segs] == total, "segment lengths do not add up to the rows");
-  at::Tensor a32 = a.to(at::kFloat).contiguous(), d32 = d.to(at::kFloat).contiguous();
-  at::Tensor bias32 = dt_bias.to(at::kFloat).contiguous();
-  const float *a_p = a32.data_ptr<float>(), *d_p = d32.data_ptr<float>(), *bias_p = bias32.data_ptr<float>();
-  const T *x_p = x.data_ptr<T>(), *dt_p = dt.data_ptr<T>(), *b_p = b.data_ptr<T>(), *c_p = c.data_ptr<T>();
-  const int64_t xs0 = x.stride(0), xs1 = x.stride(1), dts = dt.stride(0), dth = dt.stride(1);
-  const int64_t bs0 = b.stride(0), bs1 = b.stride(1), cs0 = c.stride(0), cs1 = c.stride(1);
+  // the discretized step and its decay at every (position, head)
+  const at::Tensor a32 = a.to(at::kFloat), d32 = d.to(at::kFloat).contiguous();
+  at::Tensor step = at::softplus(dt.to(at::kFloat) + dt_bias.to(at::kFloat));
+  if (dt_min > 0.0 || std::isfinite(dt_max)) step = step.clamp(dt_min, dt_max);
+  step = step.contiguous();
+  const at::Tensor decay = at::exp(step * a32).contiguous();
+  const float *step_p = step.data_ptr<float>(), *decay_p = decay.data_ptr<float>(), *d_p = d32.data_ptr<float>();
+  const float *x_p = x.data_ptr<float>(), *b_p = b.data_ptr<float>(), *c_p = c.data_ptr<float>();
   float* state_p = ssm_pool.data_ptr<float>();
-  const float lo = static_cast<float>(dt_min), hi = static_cast<float>(dt_max);
-  at::Tensor y = at::empty({total, heads, p}, x.options().dtype(at::kFloat));
+  std::vector<int64_t> slot_of(slots.begin(), slots.end());
+  at::Tensor y = at::empty({total, heads, p}, x.options());
   float* y_p = y.data_ptr<float>();
   at::parallel_for(0, segs * heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> bt(n), ct(n), xt(p);
     for (int64_t u = begin; u < end; ++u) {
       const int64_t sg = u / heads, h = u % heads, g = h / per_group;
-      float* st = state_p + ((slots[sg] * heads + h) * p) * n;
+      float* st = state_p + ((slot_of[sg] * heads + h) * p) * n;
       for (int64_t t = starts[sg]; t < starts[sg + 1]; ++t) {
-        float step = softplus(to_f(dt_p[t * dts + h * dth]) + bias_p[h]);
-        step = std::min(std::max(step, lo), hi);
-        const float decay = std::exp(step * a_p[h]);
-        const T* bsrc = b_p + t * bs0 + g * bs1;
-        const T* csrc = c_p + t * cs0 + g * cs1;
-        for (int64_t j = 0; j < n; ++j) {
-          bt[j] = to_f(bsrc[j]);
-          ct[j] = to_f(csrc[j]);
-        }
-        const T* xr = x_p + t * xs0 + h * xs1;
-        for (int64_t q = 0; q < p; ++q) xt[q] = to_f(xr[q]);
-        advance_head(st, p, n, decay, step, xt.data(), bt.data(), ct.data(), d_p[h], y_p + (t * heads + h) * p);
+        const int64_t th = t * heads + h;
+        advance_head(st, p, n, decay_p[th], step_p[th], x_p + th * p, b_p + (t * groups + g) * n,
+                     c_p + (t * groups + g) * n, d_p[h], y_p + th * p);
       }
     }
   });
   return y;
-}
-
-at::Tensor ssd_prefill(const at::Tensor& x, const at::Tensor& dt, const at::Tensor& b, const at::Tensor& c,
-                       at::Tensor ssm_pool, at::IntArrayRef lengths, at::IntArrayRef slots, const at::Tensor& a,
-                       const at::Tensor& d, const at::Tensor& dt_bias, double dt_min, double dt_max) {
-  TORCH_CHECK(x.dim() == 3 && dt.dim() == 2 && b.dim() == 3 && c.dim() == 3, "x [T, H, P], dt [T, H], B/C [T, G, N]");
-  TORCH_CHECK(x.stride(2) == 1 && b.stride(2) == 1 && c.stride(2) == 1, "last dims must be unit-stride");
-  TORCH_CHECK(b.sizes() == c.sizes(), "B and C must have one shape");
-  TORCH_CHECK(x.scalar_type() == dt.scalar_type() && x.scalar_type() == b.scalar_type() &&
-                  x.scalar_type() == c.scalar_type(),
-              "x, dt, B and C must share one dtype");
-  TORCH_CHECK(ssm_pool.scalar_type() == at::kFloat && ssm_pool.is_contiguous(), "state pool must be float32");
-  TORCH_CHECK(lengths.size() == slots.size(), "one slot per segment");
-  std::vector<int64_t> lens(lengths.begin(), lengths.end()), sl(slots.begin(), slots.end());
-  at::Tensor out;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "ssd_prefill", [&] {
-    if constexpr (!std::is_same_v<scalar_t, double>) {
-      out = ssd_prefill_impl<scalar_t>(x, dt, b, c, ssm_pool, lens, sl, a, d, dt_bias, dt_min, dt_max);
-    } else {
-      TORCH_CHECK(false, "float64 is not a model dtype");
-    }
-  });
-  return out;
 }
 
 // Mamba2's gated RMSNorm per group of channels: norm(y * silu(z)) * w, or with `before_gate`
