@@ -20,13 +20,33 @@
 
 namespace {
 
+// Conversions between float and the model dtypes; bfloat16's as branch-free bit arithmetic (round to
+// nearest even, NaN kept a NaN) so that loops over them vectorize.
 inline float to_f(float v) { return v; }
-inline float to_f(c10::BFloat16 v) { return static_cast<float>(v); }
 inline float to_f(c10::Half v) { return static_cast<float>(v); }
+inline float to_f(c10::BFloat16 v) {
+  const uint32_t bits = static_cast<uint32_t>(v.x) << 16;
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
+template <typename T>
+inline T from_f(float v) {
+  return static_cast<T>(v);
+}
+
+template <>
+inline c10::BFloat16 from_f<c10::BFloat16>(float v) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof(bits));
+  const uint16_t rounded = static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+  return c10::BFloat16(v != v ? static_cast<uint16_t>(0x7FC0) : rounded, c10::BFloat16::from_bits());
+}
 
 template <typename T>
 inline float round_to(float v) {
-  return to_f(static_cast<T>(v));
+  return to_f(from_f<T>(v));
 }
 
 // exp without a libm call, so that loops over it vectorize: 2^k * e^r with |r| <= ln2 / 2 and a degree-6
@@ -203,6 +223,81 @@ at::Tensor mamba_decode(const at::Tensor& xbc, const at::Tensor& dt, at::Tensor 
   return out;
 }
 
+// The depthwise causal conv + SiLU of prefill segments: segment i (`lengths`, `slots`) continues from
+// its slot's window of the K-1 inputs before it. x [T, Cd] (any row stride, unit-stride channels),
+// weight [Cd, K], bias [Cd] or none, conv_pool [S, Cd, K-1], all in the model dtype. Returns [T, Cd]
+// in it: the sum in float32, rounded to the dtype before and after the SiLU (as the torch path's conv
+// and activation round); each slot's window ends as the segment's last K-1 inputs.
+template <typename T>
+at::Tensor conv_prefill_impl(const at::Tensor& x, at::Tensor& conv_pool, const std::vector<int64_t>& lengths,
+                             const std::vector<int64_t>& slots, const at::Tensor& weight,
+                             const c10::optional<at::Tensor>& bias) {
+  const int64_t total = x.size(0), cd = x.size(1), k = weight.size(1), segs = static_cast<int64_t>(lengths.size());
+  std::vector<int64_t> starts(segs + 1, 0);
+  for (int64_t i = 0; i < segs; ++i) starts[i + 1] = starts[i] + lengths[i];
+  TORCH_CHECK(starts[segs] == total, "segment lengths do not add up to the rows");
+  const at::Tensor wt = weight.to(at::kFloat).t().contiguous();  // [K, Cd]
+  const at::Tensor b32 = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::zeros({cd}, wt.options());
+  const float *w_p = wt.data_ptr<float>(), *b_p = b32.data_ptr<float>();
+  const T* x_p = x.data_ptr<T>();
+  T* pool_p = conv_pool.data_ptr<T>();
+  const int64_t xs = x.stride(0), block = 256, blocks = (cd + block - 1) / block;
+  at::Tensor out = at::empty({total, cd}, x.options().memory_format(at::MemoryFormat::Contiguous));
+  T* o_p = out.data_ptr<T>();
+  at::parallel_for(0, segs * blocks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<T> prev((k - 1) * block);  // the window before the segment, [K-1, block]
+    std::vector<float> acc(block);
+    for (int64_t u = begin; u < end; ++u) {
+      const int64_t sg = u / blocks, c0 = (u % blocks) * block, width = std::min(block, cd - c0);
+      const int64_t start = starts[sg], len = lengths[sg];
+      T* win = pool_p + slots[sg] * cd * (k - 1);
+      for (int64_t c = 0; c < width; ++c)
+        for (int64_t j = 0; j < k - 1; ++j) prev[j * block + c] = win[(c0 + c) * (k - 1) + j];
+      // input i of the segment's extended sequence (i < K-1: the window) for channels c0..
+      auto input = [&](int64_t i) -> const T* {
+        return i < k - 1 ? prev.data() + i * block : x_p + (start + i - (k - 1)) * xs + c0;
+      };
+      for (int64_t t = 0; t < len; ++t) {
+        for (int64_t c = 0; c < width; ++c) acc[c] = b_p[c0 + c];
+        for (int64_t j = 0; j < k; ++j) {
+          const T* in = input(t + j);
+          const float* wj = w_p + j * cd + c0;
+#pragma omp simd
+          for (int64_t c = 0; c < width; ++c) acc[c] += wj[c] * to_f(in[c]);
+        }
+        T* orow = o_p + (start + t) * cd + c0;
+#pragma omp simd
+        for (int64_t c = 0; c < width; ++c) orow[c] = from_f<T>(silu(round_to<T>(acc[c])));
+      }
+      for (int64_t j = 0; j < k - 1; ++j) {
+        const T* row = input(len + j);
+        for (int64_t c = 0; c < width; ++c) win[(c0 + c) * (k - 1) + j] = row[c];
+      }
+    }
+  });
+  return out;
+}
+
+at::Tensor conv_prefill(const at::Tensor& x, at::Tensor conv_pool, at::IntArrayRef lengths, at::IntArrayRef slots,
+                        const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  check_rows(x, "x");
+  TORCH_CHECK(conv_pool.is_contiguous() && conv_pool.size(1) == x.size(1) && conv_pool.size(2) == weight.size(1) - 1,
+              "conv pool must be contiguous [S, Cd, K-1]");
+  TORCH_CHECK(x.scalar_type() == conv_pool.scalar_type() && weight.size(0) == x.size(1),
+              "x and the conv pool must share one dtype; weight [Cd, K]");
+  TORCH_CHECK(lengths.size() == slots.size(), "one slot per segment");
+  std::vector<int64_t> lens(lengths.begin(), lengths.end()), sl(slots.begin(), slots.end());
+  at::Tensor out;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "conv_prefill", [&] {
+    if constexpr (!std::is_same_v<scalar_t, double>) {
+      out = conv_prefill_impl<scalar_t>(x, conv_pool, lens, sl, weight, bias);
+    } else {
+      TORCH_CHECK(false, "float64 is not a model dtype");
+    }
+  });
+  return out;
+}
+
 // The SSD scan of prefill segments token by token: for each segment (`lengths`, `slots`), each head h
 // and each row q of its state, state = state * exp(dt a) + (dt x) B and y = state . C + D x at every
 // position. x [T, H, P], dt [T, H] raw, b, c [T, G, N] (head h reads group h / (H / G)), in the model
@@ -339,11 +434,11 @@ at::Tensor rms_norm_impl(const at::Tensor& x, const at::Tensor& weight, double e
         const float v = to_f(xr[j]) * rstd;
         const float w = to_f(w_p[j]);
         if (weighting == kModelDtype) {
-          orow[j] = static_cast<T>(w * round_to<T>(v));
+          orow[j] = from_f<T>(w * round_to<T>(v));
         } else if (weighting == kFloat32) {
-          orow[j] = static_cast<T>(w * v);
+          orow[j] = from_f<T>(w * v);
         } else {
-          orow[j] = static_cast<T>(v * (1.0f + w));
+          orow[j] = from_f<T>(v * (1.0f + w));
         }
       }
     }
@@ -371,6 +466,8 @@ TORCH_LIBRARY(hyssm_cpu, m) {
       "Tensor conv_w, Tensor? conv_b, Tensor a, Tensor d, Tensor dt_bias, Tensor? head_group, float dt_min, "
       "float dt_max, int groups) -> Tensor");
   m.def(
+      "conv_prefill(Tensor x, Tensor(a!) conv_pool, int[] lengths, int[] slots, Tensor weight, Tensor? bias) -> Tensor");
+  m.def(
       "ssd_prefill(Tensor x, Tensor dt, Tensor b, Tensor c, Tensor(a!) ssm_pool, int[] lengths, int[] slots, "
       "Tensor a, Tensor d, Tensor dt_bias, float dt_min, float dt_max) -> Tensor");
   m.def("gated_rms_norm(Tensor y, Tensor z, Tensor? weight, int groups, float eps, bool before_gate) -> Tensor");
@@ -379,6 +476,7 @@ TORCH_LIBRARY(hyssm_cpu, m) {
 
 TORCH_LIBRARY_IMPL(hyssm_cpu, CPU, m) {
   m.impl("mamba_decode", mamba_decode);
+  m.impl("conv_prefill", conv_prefill);
   m.impl("ssd_prefill", ssd_prefill);
   m.impl("gated_rms_norm", gated_rms_norm);
   m.impl("rms_norm", rms_norm);

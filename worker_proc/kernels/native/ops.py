@@ -33,6 +33,17 @@ class NativeOps(FastOps):
         return torch.ops.hyssm_cpu.mamba_decode(xbc, dt, conv_pool, ssm_pool, slots, weight, bias, p.a, p.d,
                                                 p.dt_bias, head_group, lo, hi, groups)  # fmt: skip
 
+    def conv_prefill(self, x: Tensor, conv_pool: Tensor, slot: int, weight: Tensor, bias: Tensor | None) -> Tensor:
+        return self.conv_prefill_many(x, conv_pool, ((x.shape[0], slot),), weight, bias)
+
+    def conv_prefill_many(self, x: Tensor, conv_pool: Tensor, spans: Spans, weight: Tensor,
+                          bias: Tensor | None) -> Tensor:  # fmt: skip
+        """Every segment in one call, each continuing from its own window (no padding)."""
+        if not (x.dtype in _MODEL_DTYPES and x.dtype == conv_pool.dtype and x.stride(-1) == 1):
+            return super().conv_prefill_many(x, conv_pool, spans, weight, bias)
+        lengths, slots = [length for length, _ in spans], [slot for _, slot in spans]
+        return torch.ops.hyssm_cpu.conv_prefill(x, conv_pool, lengths, slots, weight, bias)
+
     def ssd_prefill(self, x: Tensor, dt: Tensor, b: Tensor, c: Tensor, p: SsdParams, ssm_pool: StatePool,
                     slot: int) -> Tensor:  # fmt: skip
         return self.ssd_prefill_many(x, dt, b, c, p, ssm_pool, ((x.shape[0], slot),))
