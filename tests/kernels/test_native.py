@@ -70,17 +70,33 @@ def test_fused_mamba_step_in_bfloat16_rounds_as_the_fast_kernels(gen: torch.Gene
     assert max_diff(y, y_fast) <= 2e-2 * scale and max_diff(mine, fast) <= 2e-2 * float(fast.abs().max())
 
 
-def test_a_narrow_state_pool_takes_the_fast_kernels(gen: torch.Generator) -> None:
-    """An int8 state pool is not the fused kernel's: the result is FastOps' own, bit for bit."""
+@pytest.mark.parametrize("state_dtype", ["bfloat16", "int8"])
+def test_a_narrow_state_pool_is_read_and_stored_in_its_encoding(gen: torch.Generator, state_dtype: str) -> None:
+    """bfloat16 and int8 pools through the fused step and the fused scan: the float32 result of the same
+    update, stored as state_codec stores it (one rounding or quantisation step at most apart)."""
     t = _mamba_inputs(gen, 2, 4, 8, 1, 16, 4, torch.float32)
     slots = torch.tensor([1, 4])
-    q_fast = codec.QuantizedPool(*codec.quantize(t["ssm_pool"]))
-    q_mine = codec.QuantizedPool(q_fast.values.clone(), q_fast.scale.clone())
-    args = (t["xbc"], t["dt"])
-    y_fast = FastOps().mamba_decode(*args, t["conv_pool"].clone(), slots, t["weight"], t["bias"], t["p"], q_fast, 1,
-                                    None)  # fmt: skip
-    y = _native().mamba_decode(*args, t["conv_pool"].clone(), slots, t["weight"], t["bias"], t["p"], q_mine, 1, None)
-    assert torch.equal(y, y_fast) and torch.equal(q_mine.values, q_fast.values)
+
+    def encoded(states: torch.Tensor):
+        if state_dtype == "int8":
+            return codec.QuantizedPool(*codec.quantize(states))
+        return states.to(torch.bfloat16)
+
+    want_f32 = t["ssm_pool"].clone()
+    y_ref = ReferenceOps().mamba_decode(t["xbc"], t["dt"], t["conv_pool"].clone(), slots, t["weight"], t["bias"],
+                                        t["p"], want_f32, 1, None)  # fmt: skip
+    start = encoded(t["ssm_pool"])
+    mine = encoded(t["ssm_pool"])
+    ref_from_stored = codec.load(start, torch.arange(7)).clone()
+    ReferenceOps().mamba_decode(t["xbc"], t["dt"], t["conv_pool"].clone(), slots, t["weight"], t["bias"], t["p"],
+                                ref_from_stored, 1, None)  # fmt: skip
+    y = _native().mamba_decode(t["xbc"], t["dt"], t["conv_pool"].clone(), slots, t["weight"], t["bias"], t["p"],
+                               mine, 1, None)  # fmt: skip
+    got = codec.load(mine, torch.arange(7))
+    step = float(ref_from_stored.abs().max()) / (127 if state_dtype == "int8" else 128)
+    assert max_diff(got, ref_from_stored) <= step  # the update of the stored state, stored again
+    assert max_diff(y, y_ref) <= 0.05 * float(y_ref.abs().max())  # the stored state's own error, no more
+    assert torch.equal(got[[0, 2, 3, 5, 6]], codec.load(start, torch.arange(7))[[0, 2, 3, 5, 6]])
 
 
 @pytest.mark.parametrize("before_gate", [False, True])

@@ -4,8 +4,9 @@
 // with the same arithmetic: every recurrent quantity in float32, values the pure-torch path rounds to
 // the model dtype (the conv outputs, a norm's result) rounded to it here too. Rules that hold:
 // - the pools are read and written only at the slots given, which are distinct;
-// - the recurrent-state pool is float32 and contiguous [S, H, P, N]; the conv pool [S, Cd, K-1] is
-//   contiguous in the model dtype;
+// - the recurrent-state pool is contiguous [S, H, P, N] in its storage (`StatePool`), read into
+//   float32 once per call and head and written back once; the conv pool [S, Cd, K-1] is contiguous in
+//   the model dtype;
 // - row inputs (xBC, dt, z) may be views with any row stride; their last dimension is unit-stride.
 
 #include <ATen/ATen.h>
@@ -123,25 +124,92 @@ inline void advance_head(float* st, int64_t p, int64_t n, float decay, float ste
   }
 }
 
+// A layer's recurrent-state pool [S, H, P, N] in its storage (worker_proc.kernels.state_codec): float32,
+// bfloat16, or int8 values with one float32 scale per (slot, head, row) [S, H, P]. A head's rows are
+// read into float32 (`load`) and written back encoded (`store`): bfloat16 rounded to nearest even; int8
+// symmetric per row, scale = amax / 127 and values round(x * (127 / amax)) (an all-zero row: scale 0).
+// A float32 pool is updated in place (`direct`). Stores to padding slot 0 are dropped.
+struct StatePool {
+  at::ScalarType kind;
+  float* f32 = nullptr;
+  c10::BFloat16* bf16 = nullptr;
+  int8_t* q8 = nullptr;
+  float* scale = nullptr;
+  int64_t heads, p, n;
+
+  StatePool(at::Tensor& pool, const c10::optional<at::Tensor>& scales)
+      : kind(pool.scalar_type()), heads(pool.size(1)), p(pool.size(2)), n(pool.size(3)) {
+    TORCH_CHECK(pool.dim() == 4 && pool.is_contiguous(), "state pool must be contiguous [S, H, P, N]");
+    if (kind == at::kFloat) {
+      f32 = pool.data_ptr<float>();
+    } else if (kind == at::kBFloat16) {
+      bf16 = pool.data_ptr<c10::BFloat16>();
+    } else {
+      TORCH_CHECK(kind == at::kChar && scales.has_value() && scales->scalar_type() == at::kFloat &&
+                      scales->is_contiguous() && scales->numel() * n == pool.numel(),
+                  "state pool must be float32, bfloat16, or int8 with float32 scales [S, H, P]");
+      q8 = pool.data_ptr<int8_t>();
+      scale = scales->data_ptr<float>();
+    }
+  }
+
+  bool direct() const { return f32 != nullptr; }
+
+  // the head's rows: in place for float32, else `buf` [P * N] filled from the pool
+  float* load(int64_t slot, int64_t h, float* buf) const {
+    const int64_t base = (slot * heads + h) * p * n;
+    if (f32 != nullptr) return f32 + base;
+    if (bf16 != nullptr) {
+      for (int64_t i = 0; i < p * n; ++i) buf[i] = to_f(bf16[base + i]);
+      return buf;
+    }
+    for (int64_t q = 0; q < p; ++q) {
+      const float sc = scale[(slot * heads + h) * p + q];
+      const int8_t* v = q8 + base + q * n;
+      float* dst = buf + q * n;
+#pragma omp simd
+      for (int64_t j = 0; j < n; ++j) dst[j] = static_cast<float>(v[j]) * sc;
+    }
+    return buf;
+  }
+
+  void store(int64_t slot, int64_t h, const float* rows) const {
+    if (f32 != nullptr || slot == 0) return;
+    const int64_t base = (slot * heads + h) * p * n;
+    if (bf16 != nullptr) {
+      for (int64_t i = 0; i < p * n; ++i) bf16[base + i] = from_f<c10::BFloat16>(rows[i]);
+      return;
+    }
+    for (int64_t q = 0; q < p; ++q) {
+      const float* src = rows + q * n;
+      float amax = 0.0f;
+#pragma omp simd reduction(max : amax)
+      for (int64_t j = 0; j < n; ++j) amax = std::max(amax, std::abs(src[j]));
+      const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+      int8_t* v = q8 + base + q * n;
+      for (int64_t j = 0; j < n; ++j) v[j] = static_cast<int8_t>(std::nearbyint(src[j] * inv));
+      scale[(slot * heads + h) * p + q] = amax / 127.0f;
+    }
+  }
+};
+
 // The conv step and the SSD state step of one token per slot (see mamba_decode below).
 template <typename T>
 at::Tensor mamba_decode_impl(const at::Tensor& xbc, const at::Tensor& dt, at::Tensor& conv_pool,
-                             at::Tensor& ssm_pool, const at::Tensor& slots, const at::Tensor& conv_w,
+                             const StatePool& states, const at::Tensor& slots, const at::Tensor& conv_w,
                              const c10::optional<at::Tensor>& conv_b, const at::Tensor& a, const at::Tensor& d,
                              const at::Tensor& dt_bias, const c10::optional<at::Tensor>& head_group,
                              double dt_min, double dt_max, int64_t groups) {
   const int64_t rows = xbc.size(0), cd = xbc.size(1), k = conv_w.size(1), heads = dt.size(1);
-  const int64_t p = ssm_pool.size(2), n = ssm_pool.size(3), inner = heads * p, per_group = heads / groups;
+  const int64_t p = states.p, n = states.n, inner = heads * p, per_group = heads / groups;
   TORCH_CHECK(cd == inner + 2 * groups * n, "xBC width ", cd, " is not heads * head_dim + 2 * groups * d_state");
   TORCH_CHECK(heads % groups == 0 || head_group.has_value(), "heads must spread evenly over the groups");
   TORCH_CHECK(conv_pool.size(1) == cd && conv_pool.size(2) == k - 1, "conv pool does not match the conv weight");
-  TORCH_CHECK(ssm_pool.size(1) == heads && ssm_pool.size(2) == p && ssm_pool.size(3) == n,
-              "state pool is not [S, heads, head_dim, d_state]");
+  TORCH_CHECK(states.heads == heads, "state pool is not [S, heads, head_dim, d_state]");
   const T* xbc_p = xbc.data_ptr<T>();
   const T* dt_p = dt.data_ptr<T>();
   const int64_t xbc_rs = xbc.stride(0), dt_rs = dt.stride(0);
   T* conv_p = conv_pool.data_ptr<T>();
-  float* state_p = ssm_pool.data_ptr<float>();
   const int64_t* slot_p = slots.data_ptr<int64_t>();
   const T* w_p = conv_w.data_ptr<T>();
   const T* b_p = conv_b.has_value() ? conv_b->data_ptr<T>() : nullptr;
@@ -180,6 +248,7 @@ at::Tensor mamba_decode_impl(const at::Tensor& xbc, const at::Tensor& dt, at::Te
   at::Tensor y = at::empty({rows, heads, p}, xbc.options().dtype(at::kFloat));
   float* y_p = y.data_ptr<float>();
   at::parallel_for(0, rows * heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> buf(states.direct() ? 0 : p * n);
     for (int64_t i = begin; i < end; ++i) {
       const int64_t r = i / heads, h = i % heads, g = group_of[h];
       float step = softplus(to_f(dt_p[r * dt_rs + h]) + bias_p[h]);
@@ -189,21 +258,22 @@ at::Tensor mamba_decode_impl(const at::Tensor& xbc, const at::Tensor& dt, at::Te
       const float* x = row_in + h * p;
       const float* bv = row_in + inner + g * n;
       const float* cv = row_in + inner + groups * n + g * n;
-      float* st = state_p + ((slot_p[r] * heads + h) * p) * n;
+      float* st = states.load(slot_p[r], h, buf.data());
       advance_head(st, p, n, decay, step, x, bv, cv, d_p[h], y_p + (r * heads + h) * p);
+      states.store(slot_p[r], h, st);
     }
   });
   return y;
 }
 
 at::Tensor mamba_decode(const at::Tensor& xbc, const at::Tensor& dt, at::Tensor conv_pool, at::Tensor ssm_pool,
-                        const at::Tensor& slots, const at::Tensor& conv_w, const c10::optional<at::Tensor>& conv_b,
+                        const c10::optional<at::Tensor>& ssm_scale, const at::Tensor& slots, const at::Tensor& conv_w, const c10::optional<at::Tensor>& conv_b,
                         const at::Tensor& a, const at::Tensor& d, const at::Tensor& dt_bias,
                         const c10::optional<at::Tensor>& head_group, double dt_min, double dt_max, int64_t groups) {
   check_rows(xbc, "xBC");
   check_rows(dt, "dt");
   TORCH_CHECK(conv_pool.is_contiguous() && conv_w.is_contiguous(), "conv pool and weight must be contiguous");
-  TORCH_CHECK(ssm_pool.scalar_type() == at::kFloat && ssm_pool.is_contiguous(), "state pool must be float32");
+  const StatePool states(ssm_pool, ssm_scale);
   TORCH_CHECK(xbc.scalar_type() == conv_pool.scalar_type() && xbc.scalar_type() == conv_w.scalar_type() &&
                   xbc.scalar_type() == dt.scalar_type(),
               "xBC, dt, conv pool and conv weight must share one dtype");
@@ -214,7 +284,7 @@ at::Tensor mamba_decode(const at::Tensor& xbc, const at::Tensor& dt, at::Tensor 
   at::Tensor out;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, xbc.scalar_type(), "mamba_decode", [&] {
     if constexpr (!std::is_same_v<scalar_t, double>) {
-      out = mamba_decode_impl<scalar_t>(xbc, dt, conv_pool, ssm_pool, slots, w, b, a, d, dt_bias, head_group,
+      out = mamba_decode_impl<scalar_t>(xbc, dt, conv_pool, states, slots, w, b, a, d, dt_bias, head_group,
                                         dt_min, dt_max, groups);
     } else {
       TORCH_CHECK(false, "float64 is not a model dtype");
@@ -304,17 +374,17 @@ at::Tensor conv_prefill(const at::Tensor& x, at::Tensor conv_pool, at::IntArrayR
 // dtype with a unit-stride last dim; they are read as float32 (widened once, not once per head). Returns
 // y [T, H, P] float32; each segment's slot of the float32 pool ends at the state after its last token.
 at::Tensor ssd_prefill(const at::Tensor& x_in, const at::Tensor& dt, const at::Tensor& b_in, const at::Tensor& c_in,
-                       at::Tensor ssm_pool, at::IntArrayRef lengths, at::IntArrayRef slots, const at::Tensor& a,
+                       at::Tensor ssm_pool, const c10::optional<at::Tensor>& ssm_scale, at::IntArrayRef lengths, at::IntArrayRef slots, const at::Tensor& a,
                        const at::Tensor& d, const at::Tensor& dt_bias, double dt_min, double dt_max) {
   TORCH_CHECK(x_in.dim() == 3 && dt.dim() == 2 && b_in.dim() == 3 && c_in.dim() == 3,
               "x [T, H, P], dt [T, H], B/C [T, G, N]");
   TORCH_CHECK(b_in.sizes() == c_in.sizes(), "B and C must have one shape");
-  TORCH_CHECK(ssm_pool.scalar_type() == at::kFloat && ssm_pool.is_contiguous(), "state pool must be float32");
+  const StatePool states(ssm_pool, ssm_scale);
   TORCH_CHECK(lengths.size() == slots.size(), "one slot per segment");
   const at::Tensor x = x_in.to(at::kFloat).contiguous(), b = b_in.to(at::kFloat).contiguous();
   const at::Tensor c = c_in.to(at::kFloat).contiguous();
   const int64_t total = x.size(0), heads = x.size(1), p = x.size(2), groups = b.size(1), n = b.size(2);
-  TORCH_CHECK(heads % groups == 0 && ssm_pool.size(1) == heads && ssm_pool.size(2) == p && ssm_pool.size(3) == n,
+  TORCH_CHECK(heads % groups == 0 && states.heads == heads && states.p == p && states.n == n,
               "state pool, x and B/C shapes disagree");
   TORCH_CHECK(dt.size(0) == total && dt.size(1) == heads && b.size(0) == total, "rows of x, dt, B and C differ");
   const int64_t per_group = heads / groups, segs = static_cast<int64_t>(lengths.size());
@@ -329,19 +399,20 @@ at::Tensor ssd_prefill(const at::Tensor& x_in, const at::Tensor& dt, const at::T
   const at::Tensor decay = at::exp(step * a32).contiguous();
   const float *step_p = step.data_ptr<float>(), *decay_p = decay.data_ptr<float>(), *d_p = d32.data_ptr<float>();
   const float *x_p = x.data_ptr<float>(), *b_p = b.data_ptr<float>(), *c_p = c.data_ptr<float>();
-  float* state_p = ssm_pool.data_ptr<float>();
   std::vector<int64_t> slot_of(slots.begin(), slots.end());
   at::Tensor y = at::empty({total, heads, p}, x.options());
   float* y_p = y.data_ptr<float>();
   at::parallel_for(0, segs * heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> buf(states.direct() ? 0 : p * n);
     for (int64_t u = begin; u < end; ++u) {
       const int64_t sg = u / heads, h = u % heads, g = h / per_group;
-      float* st = state_p + ((slot_of[sg] * heads + h) * p) * n;
+      float* st = states.load(slot_of[sg], h, buf.data());
       for (int64_t t = starts[sg]; t < starts[sg + 1]; ++t) {
         const int64_t th = t * heads + h;
         advance_head(st, p, n, decay_p[th], step_p[th], x_p + th * p, b_p + (t * groups + g) * n,
                      c_p + (t * groups + g) * n, d_p[h], y_p + th * p);
       }
+      states.store(slot_of[sg], h, st);
     }
   });
   return y;
@@ -462,13 +533,15 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, i
 
 TORCH_LIBRARY(hyssm_cpu, m) {
   m.def(
-      "mamba_decode(Tensor xbc, Tensor dt, Tensor(a!) conv_pool, Tensor(b!) ssm_pool, Tensor slots, "
+      "mamba_decode(Tensor xbc, Tensor dt, Tensor(a!) conv_pool, Tensor(b!) ssm_pool, Tensor(c!)? ssm_scale, "
+      "Tensor slots, "
       "Tensor conv_w, Tensor? conv_b, Tensor a, Tensor d, Tensor dt_bias, Tensor? head_group, float dt_min, "
       "float dt_max, int groups) -> Tensor");
   m.def(
       "conv_prefill(Tensor x, Tensor(a!) conv_pool, int[] lengths, int[] slots, Tensor weight, Tensor? bias) -> Tensor");
   m.def(
-      "ssd_prefill(Tensor x, Tensor dt, Tensor b, Tensor c, Tensor(a!) ssm_pool, int[] lengths, int[] slots, "
+      "ssd_prefill(Tensor x, Tensor dt, Tensor b, Tensor c, Tensor(a!) ssm_pool, Tensor(b!)? ssm_scale, "
+      "int[] lengths, int[] slots, "
       "Tensor a, Tensor d, Tensor dt_bias, float dt_min, float dt_max) -> Tensor");
   m.def("gated_rms_norm(Tensor y, Tensor z, Tensor? weight, int groups, float eps, bool before_gate) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps, int weighting) -> Tensor");

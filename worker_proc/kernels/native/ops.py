@@ -2,8 +2,9 @@
 CPU kernels of `cpu_ops.cpp` (one call each per layer instead of tens of dispatched ops).
 
 Same interface and mathematics as `FastOps` (checked against `ReferenceOps` by the kernel tests);
-not batch invariant. Where a fused kernel does not hold its inputs (a bfloat16 or int8 state pool,
-float64 tensors) the `FastOps` method runs instead. Only constructed after
+not batch invariant. The recurrent state is read and written in its storage (float32, bfloat16 or int8,
+state_codec's encodings) once per call. Where a fused kernel does not hold its inputs (float64 tensors,
+a non-unit-stride row) the `FastOps` method runs instead. Only constructed after
 `worker_proc.kernels.native.load()` returned True.
 """
 
@@ -14,7 +15,7 @@ from torch import Tensor
 
 from worker_proc.kernels.fast import FastOps
 from worker_proc.kernels.interface import RMS_WEIGHTINGS, GateNorm, ResidualNorm, Spans, SsdParams
-from worker_proc.kernels.state_codec import StatePool, is_float32
+from worker_proc.kernels.state_codec import QuantizedPool, StatePool
 
 _MODEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -25,13 +26,12 @@ class NativeOps(FastOps):
     def mamba_decode(self, xbc: Tensor, dt: Tensor, conv_pool: Tensor, slots: Tensor, weight: Tensor,
                      bias: Tensor | None, p: SsdParams, ssm_pool: StatePool, groups: int,
                      head_group: Tensor | None) -> Tensor:  # fmt: skip
-        if not (is_float32(ssm_pool) and xbc.dtype in _MODEL_DTYPES and xbc.dtype == conv_pool.dtype == weight.dtype
+        if not (xbc.dtype in _MODEL_DTYPES and xbc.dtype == conv_pool.dtype == weight.dtype
                 and xbc.stride(-1) == 1 and dt.stride(-1) == 1):  # fmt: skip
             return super().mamba_decode(xbc, dt, conv_pool, slots, weight, bias, p, ssm_pool, groups, head_group)
-        assert isinstance(ssm_pool, Tensor)
         lo, hi = p.dt_limit
-        return torch.ops.hyssm_cpu.mamba_decode(xbc, dt, conv_pool, ssm_pool, slots, weight, bias, p.a, p.d,
-                                                p.dt_bias, head_group, lo, hi, groups)  # fmt: skip
+        return torch.ops.hyssm_cpu.mamba_decode(xbc, dt, conv_pool, *_pool_args(ssm_pool), slots, weight, bias, p.a,
+                                                p.d, p.dt_bias, head_group, lo, hi, groups)  # fmt: skip
 
     def conv_prefill(self, x: Tensor, conv_pool: Tensor, slot: int, weight: Tensor, bias: Tensor | None) -> Tensor:
         return self.conv_prefill_many(x, conv_pool, ((x.shape[0], slot),), weight, bias)
@@ -51,14 +51,13 @@ class NativeOps(FastOps):
     def ssd_prefill_many(self, x: Tensor, dt: Tensor, b: Tensor, c: Tensor, p: SsdParams, ssm_pool: StatePool,
                          spans: Spans) -> Tensor:  # fmt: skip
         """The scan token by token, every segment in one call (no chunking, no padding)."""
-        if not (is_float32(ssm_pool) and x.dtype in _MODEL_DTYPES and x.dtype == dt.dtype == b.dtype == c.dtype
+        if not (x.dtype in _MODEL_DTYPES and x.dtype == dt.dtype == b.dtype == c.dtype
                 and x.shape[1] % b.shape[1] == 0):  # fmt: skip
             return super().ssd_prefill_many(x, dt, b, c, p, ssm_pool, spans)
-        assert isinstance(ssm_pool, Tensor)
         lo, hi = p.dt_limit
         lengths, slots = [length for length, _ in spans], [slot for _, slot in spans]
-        return torch.ops.hyssm_cpu.ssd_prefill(_unit_last(x), dt, _unit_last(b), _unit_last(c), ssm_pool, lengths,
-                                               slots, p.a, p.d, p.dt_bias, lo, hi)  # fmt: skip
+        return torch.ops.hyssm_cpu.ssd_prefill(x, dt, b, c, *_pool_args(ssm_pool), lengths, slots, p.a, p.d, p.dt_bias,
+                                               lo, hi)  # fmt: skip
 
     def gate_norm(self, y: Tensor, z: Tensor, norm: GateNorm | None) -> Tensor:
         if z.dtype not in _MODEL_DTYPES or z.stride(-1) != 1:
@@ -69,10 +68,14 @@ class NativeOps(FastOps):
         return torch.ops.hyssm_cpu.gated_rms_norm(y, z, norm.weight, norm.groups, norm.eps, norm.before_gate)
 
     def rms_norm(self, norm: ResidualNorm, x: Tensor) -> Tensor:
-        if x.dim() != 2 or x.stride(-1) != 1 or x.dtype not in _MODEL_DTYPES or norm.weight.dtype != x.dtype:
+        """A reduced-precision model's norm in one call (its module takes eight); a float32 `RMSNorm` stays
+        torch's one call, whose sum of squares is transformers' own to the last bit."""
+        if (x.dim() != 2 or x.stride(-1) != 1 or x.dtype not in _MODEL_DTYPES or norm.weight.dtype != x.dtype
+                or (x.dtype == torch.float32 and norm.weighting == "model_dtype")):  # fmt: skip
             return super().rms_norm(norm, x)
         return torch.ops.hyssm_cpu.rms_norm(x, norm.weight, norm.eps, RMS_WEIGHTINGS.index(norm.weighting))
 
 
-def _unit_last(t: Tensor) -> Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
+def _pool_args(pool: StatePool) -> tuple[Tensor, Tensor | None]:
+    """A state pool as the fused kernels take it: its values, and the scales of an int8 one."""
+    return (pool.values, pool.scale) if isinstance(pool, QuantizedPool) else (pool, None)
