@@ -12,7 +12,7 @@ def test_bench_step_table(capsys: pytest.CaptureFixture[str], deterministic: boo
     argv = ["--threads", "1", "--batches", "1,3", "--prompt-len", "20", "--decode-steps", "3", "--runs", "1"]
     bench_step.main(argv + (["--deterministic"] if deterministic else []))
     out = capsys.readouterr().out.splitlines()
-    assert ("deterministic mode, reference kernels" if deterministic else "default mode, fast kernels") in out[0]
+    assert ("deterministic mode, reference kernels" if deterministic else "default mode, native kernels") in out[0]
     rows = [line.split("|") for line in out[2:]]
     assert [int(r[0]) for r in rows] == [1, 3]
     assert all(float(r[1]) > 0 and float(r[2]) > 0 for r in rows)

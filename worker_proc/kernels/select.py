@@ -48,7 +48,10 @@ class KernelChoice:
     fallback: str = ""
 
     def prefill_rule(self) -> str:
-        if self.ops in ("fast", "native"):
+        if self.ops == "native":
+            return ("Mamba conv and scan: every segment in one call from its own state, unpadded; attention and "
+                    "gated-delta segments one call each")
+        if self.ops == "fast":
             return (f"Mamba prefill segments batched when padding costs <= {PAD_SLACK}x rows, else one call each; "
                     "attention and gated-delta segments one call each")
         if self.ops == "triton":
