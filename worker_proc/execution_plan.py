@@ -7,11 +7,12 @@ the model (`ExecutionPlan.bind`); nothing else changes how a product runs. Rules
 - the deterministic mode: every product is `padded` (batch invariant), on one thread count;
 - otherwise, by measurement on this machine (`choose`): for each weight shape and dtype and each row
   bucket (`ROW_BUCKETS`: a product of r rows takes the rule of the smallest bucket >= r, the largest
-  beyond it) the fastest of `THROUGHPUT_METHODS`, at the thread count whose products of that bucket
-  take the least time over the whole model. `dense` is kept unless another method is more than
-  `MARGIN` faster, and fewer threads unless more are more than `MARGIN` faster (timing noise must not
-  buy a second weight copy or a second woken core). A shape whose methods need both a dense and a
-  packed copy keeps both only when all such copies together are affordable
+  beyond it) the fastest of `THROUGHPUT_METHODS`, at the thread count whose products and recurrent
+  kernels of a step of that many rows take the least time over the whole model. `dense` is kept
+  unless another method is more than `MARGIN` faster, and fewer threads unless more are more than
+  `MARGIN` faster (timing noise must not buy a second weight copy or a second woken core). A shape
+  whose methods need both a dense and a packed copy keeps both only when all such copies together are
+  affordable
   (worker_proc.host_memory.copy_affordable); else each keeps the one storage its buckets lose
   least with.
 """
@@ -179,8 +180,9 @@ def instances_of(model: nn.Module) -> list[Instance]:
 
 
 def choose(instances: list[Instance], thread_options: tuple[int, ...], measure: Measure,
-           affordable: Callable[[int], bool]) -> ExecutionPlan:
-    """The measured plan (see the module doc) over these sites."""
+           affordable: Callable[[int], bool], mixers: Callable[[int, int], float] | None = None) -> ExecutionPlan:
+    """The measured plan (see the module doc) over these sites. `mixers(rows, threads)`: the seconds of a
+    step's recurrent kernels (worker_proc.mixer_timing), added to its products' when threads are chosen."""
     counts: dict[GemmKey, int] = {}
     nbytes: dict[GemmKey, int] = {}
     for site, weight in instances:
@@ -192,7 +194,7 @@ def choose(instances: list[Instance], thread_options: tuple[int, ...], measure: 
     for rows in ROW_BUCKETS:
         by_threads = {t: _timed(measure, rows, t) for t in thread_options}
         totals = {t: sum(counts.get(k, 0) * min(ts.values()) for k, ts in timed.items())
-                  for t, timed in by_threads.items()}
+                  + (mixers(rows, t) if mixers is not None else 0.0) for t, timed in by_threads.items()}
         best = min(thread_options, key=lambda t: (totals[t], t))
         chosen = min((t for t in thread_options if totals[t] <= totals[best] * (1 + MARGIN)), default=best)
         threads.append(chosen)

@@ -105,7 +105,8 @@ class ModelRunner:
             quantize_model(self.model, QuantScheme(quantization, lm_head=quantize_lm_head))
         self.plan = dataclasses.replace(
             plan_for(self.model, self.device, deterministic=deterministic, thread_options=thread_options,
-                     cores=available_cores(), pinned=execution_plan, cache_dir=plan_cache_dir),
+                     cores=available_cores(), pinned=execution_plan, cache_dir=plan_cache_dir,
+                     ops=kernel_choice.build()),
             kernels=kernel_choice,
         )
         self.plan.bind(self.model)

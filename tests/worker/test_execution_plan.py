@@ -59,6 +59,16 @@ def test_dense_and_fewer_threads_win_within_the_margin() -> None:
     assert choose(_instances(A), (1, 2), measure, lambda n: True).threads == ((ROW_BUCKETS[-1], 2),)
 
 
+def test_a_steps_recurrent_kernels_count_in_its_thread_choice() -> None:
+    """Products as fast on one thread as on two, but a prefill's scan twice as fast on two: steps above
+    the decode buckets take two threads, decode steps (whose kernels gain nothing) keep one."""
+    measure, _ = _fake({})
+    mixers = lambda rows, threads: (10.0 * rows / threads if rows > 8 else 10.0 * rows)  # noqa: E731
+    plan = choose(_instances(A), (1, 2), measure, lambda n: True, mixers)
+    assert plan.threads == ((8, 1), (ROW_BUCKETS[-1], 2))
+    assert choose(_instances(A), (1, 2), measure, lambda n: True).threads == ((ROW_BUCKETS[-1], 1),)
+
+
 def test_rules_change_by_row_bucket_and_two_copies_need_the_memory() -> None:
     def measure(method: GemmMethod, rows: int, threads: int) -> dict[GemmKey, float]:
         fast = "split" if rows <= 4 else "packed"
@@ -89,7 +99,7 @@ def _runner(tmp_path: Path, **kw: object) -> ModelRunner:
 def test_the_cache_round_trips_and_a_new_key_measures_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     measured: list[tuple[int, ...]] = []
     real = plan_cache.measure_plan
-    monkeypatch.setattr(plan_cache, "measure_plan", lambda m, t: (measured.append(t), real(m, t))[1])
+    monkeypatch.setattr(plan_cache, "measure_plan", lambda m, t, ops: (measured.append(t), real(m, t, ops))[1])
     first = _runner(tmp_path, thread_options=(1,))
     assert measured == [(1,)] and "saved to" in first.plan.source
     again = _runner(tmp_path, thread_options=(1,))
@@ -183,3 +193,16 @@ def test_ranks_share_the_node_cores_and_never_oversubscribe() -> None:
     assert thread_options(ServerArgs(dp_size=2, tp_size=2), cores=16) == (1, 4)
     assert thread_options(ServerArgs(cpu_threads=3), cores=16) == (3,)
     assert thread_options(ServerArgs(enable_deterministic_inference=True), cores=16) == (16,)
+
+
+def test_the_mixer_timer_times_a_models_mamba_kernels_and_the_key_names_the_kernel_set() -> None:
+    from worker_proc.kernels import FastOps
+    from worker_proc.mixer_timing import MixerTimer
+
+    runner = ModelRunner(builtin_model_dir(), kv_slots=64, state_slots=2, plan_cache_dir=None, thread_options=(1,))
+    timer = MixerTimer(runner.model, runner.ops, reps=1)
+    assert timer.layers == len(runner.cfg.mamba_layer_ids) > 0
+    assert timer(1, 1) > 0 and timer(64, 1) > 0  # a decode of one request, a prefill of 64 tokens
+    assert MixerTimer(torch.nn.Linear(2, 2), FastOps())(64, 1) == 0.0
+    key = plan_cache.plan_key
+    assert key(runner.model, "throughput", (1, 2), 2, "fast") != key(runner.model, "throughput", (1, 2), 2, "native")
