@@ -1,5 +1,5 @@
-"""The fused CPU kernels of the decode step (`cpu_ops.cpp`), compiled once per machine and loaded as
-`torch.ops.hyssm_cpu`.
+"""The fused CPU kernels of the recurrent layers (`scan_ops.cpp`, `norm_ops.cpp`, `cpu_common.h`), compiled
+once per machine and loaded as `torch.ops.hyssm_cpu`.
 
 Owns the build: the library is compiled with torch's extension builder for this machine's CPU into a
 directory named by a digest of the source, the torch version, the compiler flags and the CPU's model
@@ -23,7 +23,9 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_ops.cpp")
+HERE = Path(__file__).parent
+SOURCES = tuple(sorted(HERE.glob("*.cpp")))
+HEADERS = tuple(sorted(HERE.glob("*.h")))
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=fast") + (
     ("-mprefer-vector-width=512",) if platform.machine() in ("x86_64", "AMD64") else ())
 
@@ -43,7 +45,9 @@ def _cpu_identity() -> str:
 
 def build_digest() -> str:
     """What the compiled library depends on, hashed."""
-    h = hashlib.sha256(SOURCE.read_bytes())
+    h = hashlib.sha256()
+    for path in SOURCES + HEADERS:
+        h.update(path.name.encode() + path.read_bytes())
     for part in (torch.__version__, " ".join(CFLAGS), _cpu_identity(), platform.machine()):
         h.update(part.encode())
     return h.hexdigest()[:16]
@@ -62,10 +66,10 @@ def _load() -> tuple[bool, str]:
     target.mkdir(parents=True, exist_ok=True)
     fresh = not any(target.glob("*.so"))
     if fresh:
-        logger.info("compiling the fused CPU kernels for this machine into %s (once; about a minute)", target)
+        logger.info("compiling the fused CPU kernels for this machine into %s (once; seconds)", target)
     start = time.perf_counter()
     try:
-        cpp_extension.load(name="hyssm_cpu_ops", sources=[str(SOURCE)], extra_cflags=list(CFLAGS),
+        cpp_extension.load(name="hyssm_cpu_ops", sources=[str(p) for p in SOURCES], extra_cflags=list(CFLAGS),
                            extra_ldflags=["-fopenmp"], build_directory=str(target), is_python_module=False,
                            verbose=False)  # fmt: skip
     except Exception as exc:  # a missing compiler or ninja, a failed build: the pure-torch kernels run

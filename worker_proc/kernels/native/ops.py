@@ -1,5 +1,6 @@
-"""`NativeOps`: `FastOps` with the decode step's Mamba conv + scan and its gated norm in the fused
-CPU kernels of `cpu_ops.cpp` (one call each per layer instead of tens of dispatched ops).
+"""`NativeOps`: `FastOps` with a Mamba layer's decode step (conv + scan), its prefill conv and scan over
+every segment, its gated norm and the residual norms in the fused CPU kernels of `scan_ops.cpp` and
+`norm_ops.cpp` (one call each per layer instead of tens of dispatched ops).
 
 Same interface and mathematics as `FastOps` (checked against `ReferenceOps` by the kernel tests);
 not batch invariant. The recurrent state is read and written in its storage (float32, bfloat16 or int8,

@@ -1,0 +1,196 @@
+// What the fused CPU kernels share (worker_proc.kernels.native loads and describes them).
+//
+// Each op does in one pass over its data what the pure-torch FastOps does in tens of dispatched ops,
+// with the same arithmetic: every recurrent quantity in float32, values the pure-torch path rounds to
+// the model dtype (the conv outputs, a norm's result) rounded to it here too. Rules that hold:
+// - the pools are read and written only at the slots given, which are distinct;
+// - the recurrent-state pool is contiguous [S, H, P, N] in its storage (`StatePool`), read into
+//   float32 once per call and head and written back once; the conv pool [S, Cd, K-1] is contiguous in
+//   the model dtype;
+// - row inputs (xBC, dt, z) may be views with any row stride; their last dimension is unit-stride.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+namespace hyssm_cpu {
+
+// Conversions between float and the model dtypes; bfloat16's as branch-free bit arithmetic (round to
+// nearest even, NaN kept a NaN) so that loops over them vectorize.
+inline float to_f(float v) { return v; }
+inline float to_f(c10::Half v) { return static_cast<float>(v); }
+inline float to_f(c10::BFloat16 v) {
+  const uint32_t bits = static_cast<uint32_t>(v.x) << 16;
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
+template <typename T>
+inline T from_f(float v) {
+  return static_cast<T>(v);
+}
+
+template <>
+inline c10::BFloat16 from_f<c10::BFloat16>(float v) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof(bits));
+  const uint16_t rounded = static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+  return c10::BFloat16(v != v ? static_cast<uint16_t>(0x7FC0) : rounded, c10::BFloat16::from_bits());
+}
+
+template <typename T>
+inline float round_to(float v) {
+  return to_f(from_f<T>(v));
+}
+
+// exp without a libm call, so that loops over it vectorize: 2^k * e^r with |r| <= ln2 / 2 and a degree-6
+// polynomial for e^r (relative error about 2e-7, as a float's own rounding); arguments clamped to
+// [-87, 88], where the result stays a normal float.
+inline float exp_approx(float v) {
+  v = std::min(std::max(v, -87.0f), 88.0f);
+  const float k = std::nearbyint(v * 1.44269504088896341f);
+  const float r = (v - k * 0.693145751953125f) - k * 1.428606765330187045e-06f;
+  float poly = 1.0f / 720.0f;
+  poly = poly * r + 1.0f / 120.0f;
+  poly = poly * r + 1.0f / 24.0f;
+  poly = poly * r + 1.0f / 6.0f;
+  poly = poly * r + 0.5f;
+  poly = poly * r + 1.0f;
+  poly = poly * r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return poly * scale;
+}
+
+inline float silu(float v) { return v / (1.0f + exp_approx(-v)); }
+
+inline float softplus(float v) { return v > 20.0f ? v : std::log1p(std::exp(v)); }
+
+inline void check_rows(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, " must be [rows, width] with unit-stride rows");
+}
+
+// One token through one head's state rows: for each of the head's `p` rows q, state[q] = state[q] * decay +
+// (step x[q]) B and out[q] = state[q] . C + d x[q]. Rows go four at a time so that four independent
+// dot products share each load of B and C and hide each other's latency.
+inline void advance_head(float* st, int64_t p, int64_t n, float decay, float step, const float* x, const float* bt,
+                         const float* ct, float d, float* out) {
+  int64_t q = 0;
+  for (; q + 4 <= p; q += 4) {
+    float* s0 = st + q * n;
+    float* s1 = s0 + n;
+    float* s2 = s1 + n;
+    float* s3 = s2 + n;
+    const float u0 = step * x[q], u1 = step * x[q + 1], u2 = step * x[q + 2], u3 = step * x[q + 3];
+    float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
+#pragma omp simd reduction(+ : a0, a1, a2, a3)
+    for (int64_t j = 0; j < n; ++j) {
+      const float bj = bt[j], cj = ct[j];
+      const float v0 = s0[j] * decay + u0 * bj, v1 = s1[j] * decay + u1 * bj;
+      const float v2 = s2[j] * decay + u2 * bj, v3 = s3[j] * decay + u3 * bj;
+      s0[j] = v0;
+      s1[j] = v1;
+      s2[j] = v2;
+      s3[j] = v3;
+      a0 += v0 * cj;
+      a1 += v1 * cj;
+      a2 += v2 * cj;
+      a3 += v3 * cj;
+    }
+    out[q] = a0 + x[q] * d;
+    out[q + 1] = a1 + x[q + 1] * d;
+    out[q + 2] = a2 + x[q + 2] * d;
+    out[q + 3] = a3 + x[q + 3] * d;
+  }
+  for (; q < p; ++q) {
+    float* srow = st + q * n;
+    const float u = step * x[q];
+    float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+    for (int64_t j = 0; j < n; ++j) {
+      const float v = srow[j] * decay + u * bt[j];
+      srow[j] = v;
+      acc += v * ct[j];
+    }
+    out[q] = acc + x[q] * d;
+  }
+}
+
+// A layer's recurrent-state pool [S, H, P, N] in its storage (worker_proc.kernels.state_codec): float32,
+// bfloat16, or int8 values with one float32 scale per (slot, head, row) [S, H, P]. A head's rows are
+// read into float32 (`load`) and written back encoded (`store`): bfloat16 rounded to nearest even; int8
+// symmetric per row, scale = amax / 127 and values round(x * (127 / amax)) (an all-zero row: scale 0).
+// A float32 pool is updated in place (`direct`). Stores to padding slot 0 are dropped.
+struct StatePool {
+  at::ScalarType kind;
+  float* f32 = nullptr;
+  c10::BFloat16* bf16 = nullptr;
+  int8_t* q8 = nullptr;
+  float* scale = nullptr;
+  int64_t heads, p, n;
+
+  StatePool(at::Tensor& pool, const c10::optional<at::Tensor>& scales)
+      : kind(pool.scalar_type()), heads(pool.size(1)), p(pool.size(2)), n(pool.size(3)) {
+    TORCH_CHECK(pool.dim() == 4 && pool.is_contiguous(), "state pool must be contiguous [S, H, P, N]");
+    if (kind == at::kFloat) {
+      f32 = pool.data_ptr<float>();
+    } else if (kind == at::kBFloat16) {
+      bf16 = pool.data_ptr<c10::BFloat16>();
+    } else {
+      TORCH_CHECK(kind == at::kChar && scales.has_value() && scales->scalar_type() == at::kFloat &&
+                      scales->is_contiguous() && scales->numel() * n == pool.numel(),
+                  "state pool must be float32, bfloat16, or int8 with float32 scales [S, H, P]");
+      q8 = pool.data_ptr<int8_t>();
+      scale = scales->data_ptr<float>();
+    }
+  }
+
+  bool direct() const { return f32 != nullptr; }
+
+  // the head's rows: in place for float32, else `buf` [P * N] filled from the pool
+  float* load(int64_t slot, int64_t h, float* buf) const {
+    const int64_t base = (slot * heads + h) * p * n;
+    if (f32 != nullptr) return f32 + base;
+    if (bf16 != nullptr) {
+      for (int64_t i = 0; i < p * n; ++i) buf[i] = to_f(bf16[base + i]);
+      return buf;
+    }
+    for (int64_t q = 0; q < p; ++q) {
+      const float sc = scale[(slot * heads + h) * p + q];
+      const int8_t* v = q8 + base + q * n;
+      float* dst = buf + q * n;
+#pragma omp simd
+      for (int64_t j = 0; j < n; ++j) dst[j] = static_cast<float>(v[j]) * sc;
+    }
+    return buf;
+  }
+
+  void store(int64_t slot, int64_t h, const float* rows) const {
+    if (f32 != nullptr || slot == 0) return;
+    const int64_t base = (slot * heads + h) * p * n;
+    if (bf16 != nullptr) {
+      for (int64_t i = 0; i < p * n; ++i) bf16[base + i] = from_f<c10::BFloat16>(rows[i]);
+      return;
+    }
+    for (int64_t q = 0; q < p; ++q) {
+      const float* src = rows + q * n;
+      float amax = 0.0f;
+#pragma omp simd reduction(max : amax)
+      for (int64_t j = 0; j < n; ++j) amax = std::max(amax, std::abs(src[j]));
+      const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+      int8_t* v = q8 + base + q * n;
+      for (int64_t j = 0; j < n; ++j) v[j] = static_cast<int8_t>(std::nearbyint(src[j] * inv));
+      scale[(slot * heads + h) * p + q] = amax / 127.0f;
+    }
+  }
+};
+
+}  // namespace hyssm_cpu

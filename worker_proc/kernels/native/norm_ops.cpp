@@ -1,0 +1,127 @@
+// The norms: Mamba2's gated RMSNorm and the residual-stream RMSNorm (cpu_common.h states the rules).
+
+#include <torch/library.h>
+
+#include "cpu_common.h"
+
+namespace hyssm_cpu {
+namespace {
+
+// Mamba2's gated RMSNorm per group of channels: norm(y * silu(z)) * w, or with `before_gate`
+// norm(y) * w * silu(z); without a weight only y * silu(z). y [rows, I] float32; z [rows, I] in the
+// model dtype. Returns float32 [rows, I] (the mixer rounds it to its dtype before out_proj).
+template <typename T>
+at::Tensor gated_rms_norm_impl(const at::Tensor& y, const at::Tensor& z, const c10::optional<at::Tensor>& weight,
+                               int64_t groups, double eps, bool before_gate) {
+  const int64_t rows = y.size(0), width = y.size(1), size = width / groups;
+  at::Tensor out = at::empty({rows, width}, y.options().dtype(at::kFloat));
+  at::Tensor w32;
+  if (weight.has_value()) w32 = weight->to(at::kFloat).contiguous();
+  const float* w_p = weight.has_value() ? w32.data_ptr<float>() : nullptr;
+  const float* y_p = y.data_ptr<float>();
+  const T* z_p = z.data_ptr<T>();
+  const int64_t y_rs = y.stride(0), z_rs = z.stride(0);
+  float* o_p = out.data_ptr<float>();
+  const float e = static_cast<float>(eps);
+  at::parallel_for(0, rows * groups, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> gate(size);
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t r = i / groups, off = (i % groups) * size;
+      const float* yr = y_p + r * y_rs + off;
+      const T* zr = z_p + r * z_rs + off;
+      float* orow = o_p + r * width + off;
+#pragma omp simd
+      for (int64_t j = 0; j < size; ++j) gate[j] = silu(to_f(zr[j]));
+      if (w_p == nullptr) {
+        for (int64_t j = 0; j < size; ++j) orow[j] = yr[j] * gate[j];
+        continue;
+      }
+      float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t j = 0; j < size; ++j) {
+        const float h = before_gate ? yr[j] : yr[j] * gate[j];
+        orow[j] = h;
+        ss += h * h;
+      }
+      const float rstd = 1.0f / std::sqrt(ss / static_cast<float>(size) + e);
+      const float* w = w_p + off;
+      for (int64_t j = 0; j < size; ++j) {
+        const float v = orow[j] * rstd * w[j];
+        orow[j] = before_gate ? v * gate[j] : v;
+      }
+    }
+  });
+  return out;
+}
+
+at::Tensor gated_rms_norm(const at::Tensor& y, const at::Tensor& z, const c10::optional<at::Tensor>& weight,
+                          int64_t groups, double eps, bool before_gate) {
+  check_rows(y, "y");
+  check_rows(z, "z");
+  TORCH_CHECK(y.scalar_type() == at::kFloat, "y must be float32");
+  TORCH_CHECK(y.sizes() == z.sizes() && y.size(1) % groups == 0, "y and z must be [rows, groups * size]");
+  at::Tensor out;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, z.scalar_type(), "gated_rms_norm", [&] {
+    out = gated_rms_norm_impl<scalar_t>(y, z, weight, groups, eps, before_gate);
+  });
+  return out;
+}
+
+// The residual-stream RMSNorm with transformers' rounding for each weighting (`RmsWeighting`): x / rms(x)
+// rounded to the model dtype, then times the weight and rounded again (kModelDtype); times the weight
+// in float32 and rounded once (kFloat32); times (1 + weight) in float32 and rounded once (kUnitOffset).
+// x [rows, width] (any row stride); the statistics are float32.
+enum RmsWeighting : int64_t { kModelDtype = 0, kFloat32 = 1, kUnitOffset = 2 };
+
+template <typename T>
+at::Tensor rms_norm_impl(const at::Tensor& x, const at::Tensor& weight, double eps, int64_t weighting) {
+  const int64_t rows = x.size(0), width = x.size(1);
+  at::Tensor out = at::empty({rows, width}, x.options().memory_format(at::MemoryFormat::Contiguous));
+  const T* x_p = x.data_ptr<T>();
+  const T* w_p = weight.data_ptr<T>();
+  T* o_p = out.data_ptr<T>();
+  const int64_t rs = x.stride(0);
+  const float e = static_cast<float>(eps);
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* xr = x_p + r * rs;
+      float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t j = 0; j < width; ++j) ss += to_f(xr[j]) * to_f(xr[j]);
+      const float rstd = 1.0f / std::sqrt(ss / static_cast<float>(width) + e);
+      T* orow = o_p + r * width;
+      for (int64_t j = 0; j < width; ++j) {
+        const float v = to_f(xr[j]) * rstd;
+        const float w = to_f(w_p[j]);
+        if (weighting == kModelDtype) {
+          orow[j] = from_f<T>(w * round_to<T>(v));
+        } else if (weighting == kFloat32) {
+          orow[j] = from_f<T>(w * v);
+        } else {
+          orow[j] = from_f<T>(v * (1.0f + w));
+        }
+      }
+    }
+  });
+  return out;
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, int64_t weighting) {
+  check_rows(x, "x");
+  TORCH_CHECK(weight.is_contiguous() && weight.scalar_type() == x.scalar_type() && weight.numel() == x.size(1),
+              "the norm weight must be [width] in x's dtype");
+  TORCH_CHECK(weighting >= kModelDtype && weighting <= kUnitOffset, "unknown weighting ", weighting);
+  at::Tensor out;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
+    out = rms_norm_impl<scalar_t>(x, weight, eps, weighting);
+  });
+  return out;
+}
+
+}  // namespace
+}  // namespace hyssm_cpu
+
+TORCH_LIBRARY_IMPL(hyssm_cpu, CPU, m) {
+  m.impl("gated_rms_norm", hyssm_cpu::gated_rms_norm);
+  m.impl("rms_norm", hyssm_cpu::rms_norm);
+}
