@@ -1,7 +1,7 @@
 """Which kernel set a worker's mixers run: the kernel part of its execution plan (`--kernels`).
 
-Rules: `auto` is Triton on CUDA, `NativeOps` (`FastOps` with the decode step's fused C++ kernels,
-worker_proc.kernels.native) on the CPU, falling back to `FastOps` with a warning where they cannot be
+Rules: `auto` is Triton on CUDA, `NativeOps` (`FastOps` with the Mamba layers' and the norms' fused C++
+kernels, worker_proc.kernels.native) on the CPU, falling back to `FastOps` with a warning where they cannot be
 built, and `FastOps` on every other device; with
 `--enable-deterministic-inference` it is the batch-invariant `ReferenceOps` on CPU (Triton stays on
 CUDA: its kernels are batch invariant). An explicit choice is honoured or refused with a reason:

@@ -60,15 +60,19 @@ def build_dir() -> Path:
 
 @functools.cache
 def _load() -> tuple[bool, str]:
-    from torch.utils import cpp_extension
-
     target = build_dir()
-    target.mkdir(parents=True, exist_ok=True)
+    try:
+        target.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        logger.warning("the fused CPU kernels cannot be built in %s (%s): the pure-torch kernels run", target, exc)
+        return False, f"{target}: {exc}"
     fresh = not any(target.glob("*.so"))
     if fresh:
         logger.info("compiling the fused CPU kernels for this machine into %s (once; seconds)", target)
     start = time.perf_counter()
     try:
+        from torch.utils import cpp_extension  # needs setuptools, which a bare environment may lack
+
         cpp_extension.load(name="hyssm_cpu_ops", sources=[str(p) for p in SOURCES], extra_cflags=list(CFLAGS),
                            extra_ldflags=["-fopenmp"], build_directory=str(target), is_python_module=False,
                            verbose=False)  # fmt: skip
