@@ -78,16 +78,6 @@ class MixerTimer:
     def _prefill(self, rows: int):  # type: ignore[no-untyped-def]
         m = self.layer
         assert m is not None
-        s = m.shard
         conv, ssm = self._pools(1)
-        xbc, dt = self._inputs(rows)
-        spans = ((rows, 1),)
-        weight, bias, params = m.conv1d.weight[:, 0, :], m.conv1d.bias, m._ssd_params()
-
-        def run() -> torch.Tensor:
-            out = self.ops.conv_prefill_many(xbc, conv, spans, weight, bias)
-            x, b, c = out.split([s.inner, s.group_dim, s.group_dim], dim=-1)
-            return self.ops.ssd_prefill_many(x.reshape(-1, s.heads, s.d_head), dt, m._groups(b), m._groups(c),
-                                             params, ssm, spans)  # fmt: skip
-
-        return run
+        inputs = self._inputs(rows)
+        return lambda: m.recur_prefill(inputs, ((rows, 1),), conv, ssm, self.ops)

@@ -17,7 +17,7 @@ from torch import nn
 
 from shared.model_config import HybridConfig
 from worker_proc.kernels import KernelOps
-from worker_proc.kernels.interface import SsdParams
+from worker_proc.kernels.interface import Spans, SsdParams
 from worker_proc.kernels.state_codec import StatePool
 from worker_proc.model.batch import DecodeGroup, StepBatch, rows_of
 from worker_proc.model.layers import GatedRMSNorm, Linear, empty_param
@@ -92,27 +92,32 @@ class MambaMixer(nn.Module):
     ) -> torch.Tensor:
         """h: [T, hidden]; conv_pool: [S, conv_dim, K-1] and ssm_pool: [S, H, P, N] of this layer."""
         s = self.shard
-        inner, heads, p, gn = s.inner, s.heads, s.d_head, s.group_dim
         proj = self.in_proj(h)
         if self.mup is not None:
             proj = proj * self.mup
-        z, xbc, dt = proj.split([inner, s.conv_dim, heads], dim=-1)
-        weight = self.conv1d.weight[:, 0, :]
-        bias = self.conv1d.bias
-        params = self._ssd_params()
+        z, xbc, dt = proj.split([s.inner, s.conv_dim, s.heads], dim=-1)
 
         def decode(group: DecodeGroup, rows: torch.Tensor | None) -> torch.Tensor:
             return self.recur_decode((xbc, dt), rows, group.state_slots, conv_pool, ssm_pool, ops)
 
         def prefill(rows: torch.Tensor | None) -> torch.Tensor:
-            spans = batch.prefill_spans
-            conv_out = ops.conv_prefill_many(rows_of(xbc, rows), conv_pool, spans, weight, bias)
-            x, b, c = conv_out.split([inner, gn, gn], dim=-1)
-            return ops.ssd_prefill_many(x.reshape(-1, heads, p), rows_of(dt, rows), self._groups(b),
-                                        self._groups(c), params, ssm_pool, spans)  # fmt: skip
+            return self.recur_prefill((rows_of(xbc, rows), rows_of(dt, rows)), batch.prefill_spans, conv_pool,
+                                      ssm_pool, ops)  # fmt: skip
 
         batch.keep_recurrent_inputs(self, (xbc, dt), conv_pool, ssm_pool)
         return self._output(batch.by_group(decode, prefill), z, h, ops)
+
+    def recur_prefill(self, inputs: tuple[torch.Tensor, torch.Tensor], spans: Spans, conv_pool: torch.Tensor,
+                      ssm_pool: StatePool, ops: KernelOps) -> torch.Tensor:  # fmt: skip
+        """The conv and scan of prefill segments: the in_proj outputs `inputs` = (xBC, dt) of every segment's
+        rows, concatenated in `spans` order, advance each span's slot past its segment; the scan output
+        [rows, H, P]. A forward's prefill group, and the plan's timing of it (worker_proc.mixer_timing)."""
+        s = self.shard
+        xbc, dt = inputs
+        conv_out = ops.conv_prefill_many(xbc, conv_pool, spans, self.conv1d.weight[:, 0, :], self.conv1d.bias)
+        x, b, c = conv_out.split([s.inner, s.group_dim, s.group_dim], dim=-1)
+        return ops.ssd_prefill_many(x.reshape(-1, s.heads, s.d_head), dt, self._groups(b), self._groups(c),
+                                    self._ssd_params(), ssm_pool, spans)  # fmt: skip
 
     def recur_decode(self, inputs: tuple[torch.Tensor, ...], rows: torch.Tensor | None, slots: torch.Tensor,
                      conv_pool: torch.Tensor, ssm_pool: StatePool, ops: KernelOps) -> torch.Tensor:  # fmt: skip
