@@ -4,13 +4,20 @@ once per machine and loaded as `torch.ops.hyssm_cpu`.
 Owns the build: the library is compiled with torch's extension builder for this machine's CPU into a
 directory named by a digest of the source, the torch version, the compiler flags and the CPU's model
 and ISA flags (`$XDG_CACHE_HOME/hyssm/kernels/<digest>`, `~/.cache/...` by default), so a later start,
-or another process of the same launch, loads it without compiling. The builder's file lock serialises
-processes that start at once. A machine without a working C++ toolchain gets `None` from `load` with
-the reason in `load_error()`; the kernel selection then runs the pure-torch `FastOps` and says why.
+or another process of the same launch, loads it without compiling.
+
+Rules: a build happens under an flock on `build.lock` in that directory, which the kernel releases
+however its holder ends (SIGKILL included), and a `built` marker is written only after the library
+linked. A process that finds the marker loads the library without the builder; one that does not takes
+the flock and, before building, removes the builder's own lock file, which a builder killed mid-build
+leaves behind and which would otherwise make every later load wait for ever. A machine without a
+working C++ toolchain gets False from `load` with the reason in `load_error()`; the kernel selection
+then runs the pure-torch `FastOps` and says why.
 """
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import logging
@@ -24,6 +31,9 @@ import torch
 logger = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
+LIBRARY = "hyssm_cpu_ops"
+BUILT_MARKER = "built"
+BUILDER_LOCK = "lock"  # the file torch's extension builder waits on while it exists
 SOURCES = tuple(sorted(HERE.glob("*.cpp")))
 HEADERS = tuple(sorted(HERE.glob("*.h")))
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=fast") + (
@@ -58,6 +68,35 @@ def build_dir() -> Path:
     return Path(base) / "hyssm" / "kernels" / build_digest()
 
 
+def _build(target: Path) -> None:
+    """Compile and load the library into `target`; the caller holds the build flock."""
+    from torch.utils import cpp_extension  # needs setuptools, which a bare environment may lack
+
+    (target / BUILDER_LOCK).unlink(missing_ok=True)
+    (target / BUILT_MARKER).unlink(missing_ok=True)
+    cpp_extension.load(name=LIBRARY, sources=[str(p) for p in SOURCES], extra_cflags=list(CFLAGS),
+                       extra_ldflags=["-fopenmp"], build_directory=str(target), is_python_module=False,
+                       verbose=False)  # fmt: skip
+    (target / BUILT_MARKER).write_text(f"{LIBRARY}.so\n")
+
+
+def _load_into(target: Path) -> None:
+    """Load the built library, building it first when no finished build is there."""
+    library = target / f"{LIBRARY}.so"
+    if (target / BUILT_MARKER).exists() and library.exists():
+        torch.ops.load_library(str(library))
+        return
+    with open(target / "build.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (target / BUILT_MARKER).exists() and library.exists():  # another process built it meanwhile
+            torch.ops.load_library(str(library))
+            return
+        logger.info("compiling the fused CPU kernels for this machine into %s (once; seconds)", target)
+        start = time.perf_counter()
+        _build(target)
+        logger.info("fused CPU kernels compiled in %.1f s", time.perf_counter() - start)
+
+
 @functools.cache
 def _load() -> tuple[bool, str]:
     target = build_dir()
@@ -66,22 +105,12 @@ def _load() -> tuple[bool, str]:
     except OSError as exc:
         logger.warning("the fused CPU kernels cannot be built in %s (%s): the pure-torch kernels run", target, exc)
         return False, f"{target}: {exc}"
-    fresh = not any(target.glob("*.so"))
-    if fresh:
-        logger.info("compiling the fused CPU kernels for this machine into %s (once; seconds)", target)
-    start = time.perf_counter()
     try:
-        from torch.utils import cpp_extension  # needs setuptools, which a bare environment may lack
-
-        cpp_extension.load(name="hyssm_cpu_ops", sources=[str(p) for p in SOURCES], extra_cflags=list(CFLAGS),
-                           extra_ldflags=["-fopenmp"], build_directory=str(target), is_python_module=False,
-                           verbose=False)  # fmt: skip
+        _load_into(target)
     except Exception as exc:  # a missing compiler or ninja, a failed build: the pure-torch kernels run
         reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
         logger.warning("the fused CPU kernels could not be built (%s): the pure-torch kernels run", reason)
         return False, reason
-    if fresh:
-        logger.info("fused CPU kernels compiled in %.1f s", time.perf_counter() - start)
     return True, ""
 
 
