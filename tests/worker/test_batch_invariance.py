@@ -1,6 +1,7 @@
 """Batch invariance: requests of different lengths and phases (fresh prefill, resumed prefill,
 decode, one-token fresh prefill) in one step give the same logits and leave the same KV/Mamba state
-as when each runs alone: bitwise in the deterministic mode, to fp32 rounding (<= 1e-4) by default;
+as when each runs alone: bitwise in the deterministic mode, to fp32 rounding (<= 1e-4 of the values'
+size, at least 1) by default, where each row count may take another product method;
 for every model family (so every family's GEMMs are covered by the deterministic mode)."""
 
 from __future__ import annotations
@@ -14,6 +15,10 @@ from tests.worker.util import FAMILY_FIXTURES, GDN_FIXTURES, batch, max_diff, re
 from worker_proc.runtime import ModelRunner
 
 TOL = {True: 0.0, False: 1e-4}  # by deterministic mode
+
+
+def close(got: torch.Tensor, want: torch.Tensor, deterministic: bool) -> bool:
+    return max_diff(got, want) <= TOL[deterministic] * max(1.0, float(want.abs().max()) if want.numel() else 1.0)
 
 
 def _prompt(seed: int, n: int) -> list[int]:
@@ -63,13 +68,13 @@ def test_mixed_batch_equals_each_alone(name: str, deterministic: bool) -> None:
     got, expected = mixed_and_alone(alone, together)
     assert set(got) == set(expected) == {"a", "b", "c", "d", "e", "f"}
     for rid in expected:
-        assert max_diff(got[rid], expected[rid]) <= TOL[deterministic], rid
+        assert close(got[rid], expected[rid], deterministic), rid
     pools = {"k": (alone.pools.k, together.pools.k), "v": (alone.pools.v, together.pools.v)}
     pools.update({name: (t, together.pools.states[name]) for name, t in alone.pools.states.items()})
     for pool, (a, b) in pools.items():
         if a.numel() == 0:  # no such layer (Mamba2: no KV tensor; GDN models: no Mamba state)
             continue
-        assert max_diff(a, b) <= TOL[deterministic], pool
+        assert close(b, a, deterministic), pool
     together.check_integrity()
 
 

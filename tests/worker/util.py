@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
+from pathlib import Path
 
 import msgspec
 import torch
@@ -20,6 +22,9 @@ FAMILY_FIXTURES = ("nemotron_h_dense", "nemotron_h_moe", "falcon_h1", "falcon_h1
 ALL_FIXTURES = FIXTURE_NAMES + FAMILY_FIXTURES
 GDN_FIXTURES = ("qwen3_next_moe", "qwen3_5_dense", "qwen3_5_moe")  # Gated DeltaNet; prompts > 64 tokens
 GREEDY = SamplingParams(temperature=0.0)
+PLANS = tempfile.TemporaryDirectory(prefix="hyssm-test-plans-")
+"""One measured execution plan per model shape for the whole run: two runners of one test run the same
+product methods (a plan measured twice may pick another method, and so other roundings)."""
 
 
 def fixture_dir(name: str) -> str:
@@ -41,6 +46,7 @@ def reference(name: str) -> dict[str, torch.Tensor]:
 
 
 def runner(name: str, kv_slots: int = 96, state_slots: int = 8, **kw: object) -> ModelRunner:
+    kw.setdefault("plan_cache_dir", Path(PLANS.name))
     return ModelRunner(fixture_dir(name), kv_slots=kv_slots, state_slots=state_slots, **kw)
 
 

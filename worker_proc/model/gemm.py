@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from worker_proc.kernels import native
 from worker_proc.model.quantized import (
     FORMATS,
     QuantizedWeight,
@@ -100,6 +101,10 @@ def _packed(x: torch.Tensor, weight: torch.Tensor, stored: object, bias: torch.T
     return packed_product(x, stored, bias)
 
 
+def _gemv(x: torch.Tensor, weight: torch.Tensor, stored: object, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.hyssm_cpu.gemv(x, weight, bias)
+
+
 def _padded(x: torch.Tensor, weight: torch.Tensor, stored: object, bias: torch.Tensor | None) -> torch.Tensor:
     return padded_product(x, weight, bias)
 
@@ -134,11 +139,13 @@ class GemmMethod:
     """It reads the int8 weight's oneDNN copy (single matrices only; the plan makes the copy at bind)."""
     in_multiple: int = 1
     """The input width must be a multiple of this (torch's int8-weight CPU kernel reads 16 at a time)."""
+    native: bool = False
+    """It is one of the fused CPU kernels (worker_proc.kernels.native): offered where they load."""
 
     def supports(self, site: GemmSite, device: torch.device) -> bool:
         if device.type not in self.devices or self.dtypes and site.dtype not in self.dtypes:
             return False
-        if site.shape[1] % self.in_multiple:
+        if site.shape[1] % self.in_multiple or self.native and not native.load():
             return False
         if self.storage == "packed":
             return site.quantized is None and site.packable and packing_supported(site.dtype, device)
@@ -157,6 +164,7 @@ ANY_DEVICE = ("cpu", "cuda", "mps", "xpu", "meta")
 DENSE = GemmMethod("dense", "dense", _dense, devices=ANY_DEVICE)
 SPLIT = GemmMethod("split", "dense", _split, dtypes=(torch.float32,))
 PACKED = GemmMethod("packed", "packed", _packed)
+GEMV = GemmMethod("gemv", "dense", _gemv, dtypes=(torch.float32, torch.bfloat16), native=True)
 PADDED = GemmMethod("padded", "dense", _padded, batch_invariant=True)
 W8A16 = GemmMethod("w8a16", "int8", _quantized(w8a16), in_multiple=16)
 W8A8 = GemmMethod("w8a8", "int8", _quantized(w8a8), batch_invariant=True, devices=("cpu", "cuda"))
@@ -168,9 +176,9 @@ FP8_SCALED = GemmMethod("fp8_scaled", "fp8", _quantized(fp8_scaled), devices=("c
 DEQUANT = {fmt: GemmMethod(f"dequant_{fmt}", fmt, _dequant_padded, batch_invariant=True, devices=ANY_DEVICE)
            for fmt in FORMATS}
 """Every format's reference product (the weight materialised, padded like PADDED): any device."""
-METHODS = {m.name: m for m in (DENSE, SPLIT, PACKED, PADDED, W8A16, W8A8, W8A8_ONEDNN, W4A16, FP8_BF16,
+METHODS = {m.name: m for m in (DENSE, SPLIT, PACKED, GEMV, PADDED, W8A16, W8A8, W8A8_ONEDNN, W4A16, FP8_BF16,
                                FP8_SCALED, *DEQUANT.values())}
-THROUGHPUT_METHODS = (DENSE, SPLIT, PACKED, W8A16, W8A8, W8A8_ONEDNN, W4A16, FP8_BF16)
+THROUGHPUT_METHODS = (DENSE, SPLIT, PACKED, GEMV, W8A16, W8A8, W8A8_ONEDNN, W4A16, FP8_BF16)
 """The candidates the plan measures on the CPU outside the deterministic mode (each site is timed with
 those that `supports` it)."""
 DETERMINISTIC = {"dense": PADDED, "int8": W8A8, "int4": W4A16, "fp8": DEQUANT["fp8"]}

@@ -1,0 +1,51 @@
+"""The fused few-row matrix product (`gemv`) against F.linear, and its place among the plan's methods."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.kernels.util import max_diff, rand, strided
+from worker_proc.kernels import native
+from worker_proc.model.gemm import GEMV, THROUGHPUT_METHODS, GemmSite
+
+pytestmark = pytest.mark.skipif(not native.load(), reason="the fused CPU kernels cannot be built here")
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])
+@pytest.mark.parametrize(("out_features", "in_features"), [(64, 256), (37, 100), (6, 16)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemv_equals_f_linear(rows: int, out_features: int, in_features: int, dtype: torch.dtype, bias: bool) -> None:
+    gen = torch.Generator().manual_seed(rows * 1000 + out_features)
+    x = strided(rand(gen, rows, in_features, dtype=dtype))  # a view with a row stride, as split projections are
+    weight = rand(gen, out_features, in_features, dtype=dtype, scale=0.1)
+    b = rand(gen, out_features, dtype=dtype) if bias else None
+    got, want = GEMV.apply(x, weight, None, b), F.linear(x, weight, b)
+    assert got.dtype == dtype and got.shape == want.shape and got.is_contiguous()
+    # float32 sums in another order: float32's rounding over the inner width, then one rounding to bf16
+    ulp = 1e-6 * in_features if dtype == torch.float32 else 2**-7
+    assert max_diff(got, want) <= 2 * ulp * max(1.0, float(want.abs().max()))
+
+
+def test_gemv_runs_on_every_thread_count() -> None:
+    gen = torch.Generator().manual_seed(3)
+    x, weight = rand(gen, 2, 512), rand(gen, 1000, 512, scale=0.05)
+    want = F.linear(x, weight)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            assert max_diff(GEMV.apply(x, weight, None, None), want) <= 1e-4
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_the_plan_measures_gemv_for_dense_float_weights_only() -> None:
+    assert GEMV in THROUGHPUT_METHODS
+    cpu = torch.device("cpu")
+    assert GEMV.supports(GemmSite(64, 64, torch.bfloat16, packable=True), cpu)
+    assert GEMV.supports(GemmSite(64, 64, torch.float32, packable=False), cpu)
+    assert not GEMV.supports(GemmSite(64, 64, torch.float16, packable=True), cpu)
+    assert not GEMV.supports(GemmSite(64, 64, torch.float32, packable=True), torch.device("meta"))

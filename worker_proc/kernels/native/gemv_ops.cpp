@@ -1,0 +1,144 @@
+// The matrix product of few input rows (a decode step's): out[M, N] = x[M, K] @ w[N, K]^T (+ bias),
+// read from the module's own [out, in] weight, float32 or bfloat16. The execution plan times it against
+// the library products for each weight shape and row bucket and binds it where it is faster
+// (worker_proc.model.gemm `gemv`). Rules that hold:
+// - every weight row is read once per group of up to ROWS input rows, four weight rows at a time, and
+//   the threads split the weight's rows into contiguous ranges (a step is bound by reading the weight);
+// - the input rows are converted to float32 once per call, products accumulate in float32, and the
+//   result is rounded once to the input's dtype (F.linear's arithmetic, in another summation order).
+#include <torch/library.h>
+
+#include "cpu_common.h"
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace hyssm_cpu {
+namespace {
+
+constexpr int64_t ROWS = 8;        // input rows sharing one pass over the weight
+constexpr int64_t WEIGHT_ROWS = 4;  // weight rows read side by side
+constexpr int64_t PREFETCH_ROWS = 8;  // how far ahead (in weight rows) the loop asks for the weight
+
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+#endif
+
+// acc[r][i] = sum_k x[r][k] * w_i[k] for R input rows (float32, row stride k) and WR weight rows.
+template <typename W, int R, int WR>
+inline void dot_block(const float* x, int64_t k, const W* const* w, float (*acc)[WEIGHT_ROWS]) {
+  int64_t j = 0;
+#if defined(__AVX512F__)
+  __m512 sums[R][WR];
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < WR; ++i) sums[r][i] = _mm512_setzero_ps();
+  for (; j + 16 <= k; j += 16) {
+    __m512 wv[WR];
+    for (int i = 0; i < WR; ++i) {
+      _mm_prefetch(reinterpret_cast<const char*>(w[i] + j + PREFETCH_ROWS * k), _MM_HINT_T0);
+      wv[i] = load16(w[i] + j);
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512 xv = _mm512_loadu_ps(x + r * k + j);
+      for (int i = 0; i < WR; ++i) sums[r][i] = _mm512_fmadd_ps(xv, wv[i], sums[r][i]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < WR; ++i) acc[r][i] = _mm512_reduce_add_ps(sums[r][i]);
+#else
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < WR; ++i) acc[r][i] = 0.0f;
+#endif
+  for (; j < k; ++j) {
+    for (int i = 0; i < WR; ++i) {
+      const float wj = to_f(w[i][j]);
+      for (int r = 0; r < R; ++r) acc[r][i] += x[r * k + j] * wj;
+    }
+  }
+}
+
+template <typename W, typename O, int R>
+void rows_range(const float* x, int64_t k, const W* w, const float* bias, O* out, int64_t n, int64_t begin,
+                int64_t end) {
+  constexpr int WR = R <= 4 ? WEIGHT_ROWS : WEIGHT_ROWS / 2;  // R * WR accumulators stay in registers
+  float acc[ROWS][WEIGHT_ROWS];
+  for (int64_t row = begin; row < end;) {
+    const int64_t take = std::min<int64_t>(WR, end - row);
+    const W* ws[WEIGHT_ROWS];
+    for (int64_t i = 0; i < take; ++i) ws[i] = w + (row + i) * k;
+    if (take == WR) {
+      dot_block<W, R, WR>(x, k, ws, acc);
+    } else {
+      for (int64_t i = 0; i < take; ++i) {
+        float one[ROWS][WEIGHT_ROWS];
+        dot_block<W, R, 1>(x, k, ws + i, one);
+        for (int r = 0; r < R; ++r) acc[r][i] = one[r][0];
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int64_t i = 0; i < take; ++i)
+        out[r * n + row + i] = from_f<O>(acc[r][i] + (bias ? bias[row + i] : 0.0f));
+    row += take;
+  }
+}
+
+template <typename W, typename O>
+void gemv_group(const float* x, int64_t rows, int64_t k, const W* w, const float* bias, O* out, int64_t n,
+                int64_t begin, int64_t end) {
+  switch (rows) {
+    case 1: return rows_range<W, O, 1>(x, k, w, bias, out, n, begin, end);
+    case 2: return rows_range<W, O, 2>(x, k, w, bias, out, n, begin, end);
+    case 3: return rows_range<W, O, 3>(x, k, w, bias, out, n, begin, end);
+    case 4: return rows_range<W, O, 4>(x, k, w, bias, out, n, begin, end);
+    case 5: return rows_range<W, O, 5>(x, k, w, bias, out, n, begin, end);
+    case 6: return rows_range<W, O, 6>(x, k, w, bias, out, n, begin, end);
+    case 7: return rows_range<W, O, 7>(x, k, w, bias, out, n, begin, end);
+    default: return rows_range<W, O, 8>(x, k, w, bias, out, n, begin, end);
+  }
+}
+
+}  // namespace
+
+at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
+              "gemv: x [M, K] and weight [N, K] expected");
+  TORCH_CHECK(weight.is_contiguous(), "gemv: the weight must be contiguous");
+  TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "gemv: x and weight must share a dtype");
+  const int64_t m = x.size(0), k = x.size(1), n = weight.size(0);
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  at::Tensor bf;
+  if (bias.has_value() && bias->defined()) bf = bias->to(at::kFloat).contiguous();
+  at::Tensor out = at::empty({m, n}, x.options().memory_format(at::MemoryFormat::Contiguous));
+  const float* bias_ptr = bf.defined() ? bf.data_ptr<float>() : nullptr;
+  // each thread takes a contiguous range of weight rows (a multiple of WEIGHT_ROWS) for every row group
+  const int64_t blocks = (n + WEIGHT_ROWS - 1) / WEIGHT_ROWS;
+  AT_DISPATCH_SWITCH(weight.scalar_type(), "hyssm_gemv",
+    AT_DISPATCH_CASE(at::kFloat, [&] {
+      const float* w = weight.data_ptr<float>();
+      float* o = out.data_ptr<float>();
+      at::parallel_for(0, blocks, 16, [&](int64_t b0, int64_t b1) {
+        for (int64_t r = 0; r < m; r += ROWS)
+          gemv_group(xf.data_ptr<float>() + r * k, std::min(ROWS, m - r), k, w, bias_ptr, o + r * n, n,
+                     b0 * WEIGHT_ROWS, std::min(n, b1 * WEIGHT_ROWS));
+      });
+    })
+    AT_DISPATCH_CASE(at::kBFloat16, [&] {
+      const c10::BFloat16* w = weight.data_ptr<c10::BFloat16>();
+      c10::BFloat16* o = out.data_ptr<c10::BFloat16>();
+      at::parallel_for(0, blocks, 16, [&](int64_t b0, int64_t b1) {
+        for (int64_t r = 0; r < m; r += ROWS)
+          gemv_group(xf.data_ptr<float>() + r * k, std::min(ROWS, m - r), k, w, bias_ptr, o + r * n, n,
+                     b0 * WEIGHT_ROWS, std::min(n, b1 * WEIGHT_ROWS));
+      });
+    }));
+  return out;
+}
+
+}  // namespace hyssm_cpu
+
+TORCH_LIBRARY_IMPL(hyssm_cpu, CPU, m) { m.impl("gemv", hyssm_cpu::gemv); }
