@@ -30,7 +30,7 @@ from starlette.routing import Route
 
 VOCAB_SIZE = 100
 MODEL_NAME = "fake-model"
-TOKEN_PAUSE_S = 0.002  # simulated decode time per chunk (load simulation, not synchronisation)
+TOKEN_PAUSE_S = 0.02  # simulated decode time per chunk (load simulation, not synchronisation)
 
 
 @dataclass
