@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from shared.errors import ModelLoadError
 from tests.model_driver import forward_all_logits
-from tests.worker.util import PLANS, batch, edit_config, fixture_dir, max_diff, reference, req, runner
+from tests.worker.util import batch, edit_config, fixture_dir, max_diff, reference, req, runner, runner_at
 from worker_proc.loader import load_model
 from worker_proc.runtime import ModelRunner
 
@@ -113,7 +112,7 @@ def _shard(ckpt: str, missing_shard: bool = False) -> None:
 
 def test_sharded_checkpoint_loads_identically(ckpt: str) -> None:
     _shard(ckpt)
-    sharded = ModelRunner(ckpt, kv_slots=32, state_slots=2, plan_cache_dir=Path(PLANS.name))
+    sharded = runner_at(ckpt, kv_slots=32, state_slots=2)
     assert torch.equal(_prompt_logits(sharded), _prompt_logits(runner(NAME)))
 
 
@@ -133,7 +132,7 @@ def test_transformers5_in_memory_names_accepted(ckpt: str) -> None:
                     t[k[: -len(old)] + new] = t.pop(k)
 
     _edit_weights(ckpt, rename)
-    r = ModelRunner(ckpt, kv_slots=32, state_slots=2, plan_cache_dir=Path(PLANS.name))
+    r = runner_at(ckpt, kv_slots=32, state_slots=2)
     assert torch.equal(_prompt_logits(r), _prompt_logits(runner(NAME)))
 
 

@@ -46,8 +46,13 @@ def reference(name: str) -> dict[str, torch.Tensor]:
 
 
 def runner(name: str, kv_slots: int = 96, state_slots: int = 8, **kw: object) -> ModelRunner:
+    return runner_at(fixture_dir(name), kv_slots, state_slots, **kw)
+
+
+def runner_at(model_dir: str, kv_slots: int = 96, state_slots: int = 8, **kw: object) -> ModelRunner:
+    """A runner of the checkpoint in `model_dir` on the run's shared plans (PLANS)."""
     kw.setdefault("plan_cache_dir", Path(PLANS.name))
-    return ModelRunner(fixture_dir(name), kv_slots=kv_slots, state_slots=state_slots, **kw)
+    return ModelRunner(model_dir, kv_slots=kv_slots, state_slots=state_slots, **kw)
 
 
 def wire(batch: ForwardBatch) -> ForwardBatch:
