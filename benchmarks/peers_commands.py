@@ -94,7 +94,8 @@ def hyssm_command(cfg: PeersConfig, port: int) -> list[str]:
 def llama_command(cfg: PeersConfig, binary: str, gguf: Path, port: int) -> list[str]:
     """llama-server on `gguf` (cfg.gguf_type) at 127.0.0.1:`port`: one slot per request of the highest
     level, each with a context of whole KiB that holds the longest prompt plus its output."""
-    ctx = max(cfg.levels) * 1024 * max(1, -(-(cfg.prefix_len + cfg.suffix_len + cfg.output_len) // 1024))
+    longest = max(cfg.input_len, cfg.prefix_len + cfg.suffix_len) + cfg.output_len
+    ctx = max(cfg.levels) * 1024 * max(1, -(-longest // 1024))
     return [binary, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "--parallel", str(max(cfg.levels)),
             "--threads", str(cfg.threads), "-c", str(ctx), "--no-webui"]  # fmt: skip
 

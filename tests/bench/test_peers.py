@@ -474,3 +474,19 @@ def test_transformers_loads_the_model_in_the_jobs_dtype() -> None:
     assert out["dtype"] == "bfloat16" and out["runs"][0]["tps_c1"] > 0
     with pytest.raises(ValueError, match="dtype must be one of"):
         run_job({"model": BUILTIN, "dtype": "float16", "threads": 1, "output_len": 3, "runs": [run]})
+
+
+@pytest.mark.parametrize(("input_len", "prefix_len", "levels", "want"), [
+    (4096, 512, (1,), 5 * 1024),  # a long cold prompt decides the slot size
+    (128, 512, (1, 8), 8 * 1024),  # the continuation prompt does
+    (16384, 512, (1, 2), 2 * 17 * 1024),
+])
+def test_llama_context_holds_the_longest_prompt_of_every_slot(input_len: int, prefix_len: int,
+                                                              levels: tuple[int, ...], want: int) -> None:
+    from benchmarks.peers_commands import llama_command
+
+    cfg = PeersConfig(model="m", levels=levels, input_len=input_len, output_len=32, prefix_len=prefix_len,
+                      suffix_len=32)  # fmt: skip
+    cmd = llama_command(cfg, "llama-server", Path("m.gguf"), 1234)
+    assert int(cmd[cmd.index("-c") + 1]) == want
+    assert int(cmd[cmd.index("--parallel") + 1]) == max(levels)

@@ -86,6 +86,11 @@ class ChatConventions:
 
 
 _REQUEST_TEMPLATES_KEPT = 8  # compiled per-request templates kept, the least recently used dropped first
+# Pieces whose BPE merges the tokenizers library memoises (its default is 10,000). A piece is a word
+# for a tokenizer that splits on a regex, but a whole run of text between special tokens for one that
+# does not (the built-in model's): then each entry is a short prompt of a few KB and never hit again.
+# The library fills its cache and never evicts, so this bound is what the cache adds to the process.
+WORD_CACHE_ENTRIES = 2048
 
 
 class TextTokenizer:
@@ -113,6 +118,9 @@ class TextTokenizer:
         self._specials = specials
         self._request_templates: OrderedDict[str, ChatTemplate] = OrderedDict()
         self._tables = _byte_tables(tokenizer) if _is_byte_level(tokenizer) else None
+        resize = getattr(tokenizer.model, "_resize_cache", None)  # tokenizers >= 0.21, BPE models
+        if resize is not None:
+            resize(WORD_CACHE_ENTRIES)
 
     @staticmethod
     def from_dir(model_dir: str, info: ModelInfo | None = None, chat: ChatConventions = ChatConventions()
