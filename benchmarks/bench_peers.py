@@ -46,7 +46,6 @@ import logging
 import os
 import random
 import shlex
-import signal
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -68,7 +67,7 @@ from benchmarks.peers_commands import (  # noqa: E402
     transformers_job,
 )
 from benchmarks.peers_gguf import gguf_for  # noqa: E402
-from benchmarks.peers_procs import ManagedProcess, PeerError, free_port  # noqa: E402
+from benchmarks.peers_procs import ManagedProcess, PeerError, free_port, stop_on_sigterm  # noqa: E402
 from benchmarks.peers_report import format_table, median_runs, to_json  # noqa: E402
 from benchmarks.serving_metrics import RequestSpec, compute_metrics  # noqa: E402
 
@@ -314,21 +313,14 @@ def parse_args(argv: Sequence[str] | None = None) -> PeersConfig:
     return PeersConfig(**vars(ns))
 
 
-def _sigterm(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt  # unwinds through every server's stop()
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Print the table (and write JSON with --output-json); exit 1 when hyssm could not be measured."""
     cfg = parse_args(argv)
-    previous = signal.signal(signal.SIGTERM, _sigterm)
-    try:
+    with stop_on_sigterm():
         log_dir = Path(cfg.log_dir or tempfile.mkdtemp(prefix="bench_peers_"))
         log_dir.mkdir(parents=True, exist_ok=True)
         logger.info("logs in %s", log_dir)
         medians, per_run, notes = benchmark(cfg, log_dir)
-    finally:
-        signal.signal(signal.SIGTERM, previous)
     print(format_table(medians, notes, dtype=cfg.weights))
     if cfg.output_json:
         Path(cfg.output_json).write_text(to_json(medians, per_run, notes, dataclasses.asdict(cfg), dtype=cfg.weights))

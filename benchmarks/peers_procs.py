@@ -12,6 +12,7 @@ Contracts:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -21,7 +22,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -29,6 +30,21 @@ logger = logging.getLogger(__name__)
 
 class PeerError(RuntimeError):
     """A peer could not be started or measured; the message says why."""
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def stop_on_sigterm() -> Iterator[None]:
+    """Within the block, SIGTERM to this benchmark raises KeyboardInterrupt, so every `finally` that
+    stops a started server runs (Python's default for SIGTERM exits at once and leaves them running)."""
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def free_port() -> int:

@@ -35,7 +35,7 @@ import httpx
 if __package__ in (None, ""):  # run as a file (python benchmarks/soak.py): make the repo importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.peers_procs import ManagedProcess, free_port  # noqa: E402
+from benchmarks.peers_procs import ManagedProcess, free_port, stop_on_sigterm  # noqa: E402
 from benchmarks.soak_procs import ProcSample, listener_pid, sample_server  # noqa: E402
 from benchmarks.soak_traffic import WaveTally, draw_request, prefix_texts, send  # noqa: E402
 
@@ -196,13 +196,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         log_path = Path(args.out).with_suffix(".server.log") if args.out else Path(f"/tmp/soak-server-{port}.log")
         server = ManagedProcess("hyssm", cmd, log_path, cwd=str(ROOT))
         root = server.proc.pid
-    try:
-        if server is not None:
-            server.wait_ready(f"{url}/health", args.ready_timeout)
-        waves = asyncio.run(soak(args, url, root))
-    finally:
-        if server is not None:
-            server.stop()
+    with stop_on_sigterm():
+        try:
+            if server is not None:
+                server.wait_ready(f"{url}/health", args.ready_timeout)
+            waves = asyncio.run(soak(args, url, root))
+        finally:
+            if server is not None:
+                server.stop()
     result = verdict(waves, args.growth_mb_per_wave, args.growth_fds_per_wave)
     for name, v in sorted(result["processes"].items()):  # type: ignore[union-attr]
         print(f"{name:>16}: {v['first_rss_mb']:.0f} -> {v['last_rss_mb']:.0f} MB, "

@@ -490,3 +490,38 @@ def test_llama_context_holds_the_longest_prompt_of_every_slot(input_len: int, pr
     cmd = llama_command(cfg, "llama-server", Path("m.gguf"), 1234)
     assert int(cmd[cmd.index("-c") + 1]) == want
     assert int(cmd[cmd.index("--parallel") + 1]) == max(levels)
+
+
+STOPPED_ON_SIGTERM = """
+import sys, time
+from pathlib import Path
+from benchmarks.peers_procs import ManagedProcess, stop_on_sigterm
+
+with stop_on_sigterm():
+    child = ManagedProcess("sleeper", [sys.executable, "-c", "import time; time.sleep(600)"], Path(sys.argv[1]))
+    try:
+        print(child.proc.pid, flush=True)
+        time.sleep(600)
+    finally:
+        child.stop()
+"""
+
+
+def test_sigterm_to_a_benchmark_stops_the_servers_it_started(tmp_path: Path) -> None:
+    """bench_peers and soak run their servers inside stop_on_sigterm: a SIGTERM to the benchmark stops
+    them too (by default Python would exit at once and leave them running)."""
+    import signal
+    import subprocess
+
+    bench = subprocess.Popen([sys.executable, "-c", STOPPED_ON_SIGTERM, str(tmp_path / "child.log")],
+                             cwd=Path(__file__).resolve().parents[2], stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert bench.stdout is not None
+        child = int(bench.stdout.readline())
+        bench.send_signal(signal.SIGTERM)
+        bench.wait(timeout=30)
+        with pytest.raises(ProcessLookupError):
+            os.kill(child, 0)
+    finally:
+        bench.kill()
+        bench.wait()
