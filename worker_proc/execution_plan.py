@@ -10,11 +10,10 @@ the model (`ExecutionPlan.bind`); nothing else changes how a product runs. Rules
   beyond it) the fastest of `THROUGHPUT_METHODS`, at the thread count whose products and recurrent
   kernels of a step of that many rows take the least time over the whole model. `dense` is kept
   unless another method is more than `MARGIN` faster, and fewer threads unless more are more than
-  `MARGIN` faster (timing noise must not buy a second weight copy or a second woken core). A shape
-  whose methods need both a dense and a packed copy keeps both only when all such copies together are
-  affordable
-  (worker_proc.host_memory.copy_affordable); else each keeps the one storage its buckets lose
-  least with.
+  `MARGIN` faster (timing noise must not buy a second weight copy or a second woken core). Second
+  copies (a dense weight also read packed, a quantized weight's int8 copy) are kept only when all of
+  them together are affordable (worker_proc.host_memory.copy_affordable); else a dense shape keeps
+  the one storage its buckets lose least with and a quantized one its own values only.
 """
 
 from __future__ import annotations
@@ -200,13 +199,13 @@ def choose(instances: list[Instance], thread_options: tuple[int, ...], measure: 
         threads.append(chosen)
         for key in counts:
             picks[key].append(by_threads[chosen].get(key, {}))
-    dual = {k for k in counts if len({METHODS[_pick(t, k.storage)].storage for t in picks[k]}) > 1}
-    keep_both = affordable(sum(nbytes[k] for k in dual))
+    extra = {k: _second_copy_bytes(k, [_pick(t, k.storage) for t in picks[k]], counts[k], nbytes[k]) for k in counts}
+    keep_both = affordable(sum(extra.values()))
     gemms = {}
     for key, timed in picks.items():
         per_bucket = [_pick(t, key.storage) for t in timed]
-        if key in dual and not keep_both:
-            per_bucket = _one_storage(timed)
+        if extra[key] and not keep_both:
+            per_bucket = _one_storage(timed) if key.storage == "dense" else [_pick(_own(t), key.storage) for t in timed]
         gemms[key] = rule_from_buckets(per_bucket, dict(zip(ROW_BUCKETS, timed, strict=True)))
     rule: list[tuple[int, int]] = []
     for bucket, n in zip(ROW_BUCKETS, threads, strict=True):
@@ -234,6 +233,26 @@ def _pick(timed: dict[str, float], storage: str = "dense") -> str:
     if DENSE.name in timed and timed[DENSE.name] <= timed[best] * (1 + MARGIN):
         return DENSE.name
     return best
+
+
+def _reads_copy(name: str) -> bool:
+    """The method reads a second copy of the weight (oneDNN's packed layout of it)."""
+    method = METHODS[name]
+    return method.storage == "packed" or method.reads_int8_packed
+
+
+def _own(timed: dict[str, float]) -> dict[str, float]:
+    return {m: s for m, s in timed.items() if not _reads_copy(m)}
+
+
+def _second_copy_bytes(key: GemmKey, per_bucket: list[str], count: int, nbytes: int) -> int:
+    """Bytes these picks hold beyond one copy of the key's weights: a dense weight read both as it is
+    and packed (a packed-only site drops its dense weight), or a quantized weight's int8 copy (one byte
+    per weight; the quantized values stay)."""
+    copies = {_reads_copy(m) for m in per_bucket}
+    if key.storage == "dense":
+        return nbytes if len(copies) > 1 else 0
+    return count * key.out_features * key.in_features if True in copies else 0
 
 
 def _one_storage(timed: list[dict[str, float]]) -> list[str]:

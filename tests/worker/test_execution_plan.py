@@ -82,6 +82,32 @@ def test_rules_change_by_row_bucket_and_two_copies_need_the_memory() -> None:
     assert one.gemms[A].bounds == () and one.gemms[A].methods == ("packed",)
 
 
+def test_an_int4_weights_int8_copy_is_a_second_copy_that_needs_the_memory() -> None:
+    """torch's 4-bit product costs one pass over the weight per row; the int8 copy's wins from 4 rows up
+    when the memory for it is there, and is never made when it is not."""
+    from worker_proc.quantization import quantize_weight
+
+    site = GemmSite(64, 32, torch.float32, True)
+    site.quantize(quantize_weight(torch.randn(64, 32), "int4"))
+    key = GemmKey.of(site)
+    assert key.storage == "int4"
+    asked: list[int] = []
+
+    def measure(method: GemmMethod, rows: int, threads: int) -> dict[GemmKey, float]:
+        speed = {"w4a16": 1.0 * rows, "w8a8_over_int4": 2.5 + 0.1 * rows}.get(method.name)
+        return {} if speed is None else {key: speed}
+
+    def affordable(nbytes: int) -> bool:
+        asked.append(nbytes)
+        return True
+
+    both = choose([(site, torch.empty(0))], (1,), measure, affordable)
+    assert both.gemms[key].bounds == (2,) and both.gemms[key].methods == ("w4a16", "w8a8_over_int4")
+    assert asked == [64 * 32]  # one byte per weight
+    one = choose([(site, torch.empty(0))], (1,), measure, lambda n: False)
+    assert one.gemms[key].methods == ("w4a16",)
+
+
 def test_the_real_timer_reports_every_supported_key() -> None:
     from worker_proc.model.gemm import DENSE, PACKED
 

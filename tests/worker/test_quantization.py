@@ -14,7 +14,18 @@ from shared.config import builtin_model_dir
 from shared.errors import ModelLoadError
 from worker_proc.execution_plan import product_sites
 from worker_proc.loader import load_model
-from worker_proc.model.gemm import DEQUANT, FP8_BF16, FP8_SCALED, METHODS, W4A16, W8A8, W8A8_ONEDNN, W8A16, GemmSite
+from worker_proc.model.gemm import (
+    DEQUANT,
+    FP8_BF16,
+    FP8_SCALED,
+    METHODS,
+    W4A16,
+    W8A8,
+    W8A8_ONEDNN,
+    W8A8_OVER_INT4,
+    W8A16,
+    GemmSite,
+)
 from worker_proc.model.quantized import QuantizedWeight, int4_group
 from worker_proc.quantization import QuantScheme, quantize_model, quantize_weight
 
@@ -49,6 +60,21 @@ def test_int4_groups_round_to_half_a_step() -> None:
     assert torch.equal(q.dequantize()[3], torch.zeros(128))
 
 
+def test_an_int4_weights_int8_copy_is_within_half_an_int8_step_of_its_values() -> None:
+    """The copy `w8a8_over_int4` reads: the 4-bit values (read with bfloat16 scales), per row in int8."""
+    q = quantize_weight(_weight(), "int4").with_packed()
+    assert q.packed is not None and q.nbytes == q.data.numel() + 2 * q.scale.numel() + 96 * 128
+    values = q.dequantize(torch.bfloat16).float()
+    step = values.abs().amax(1) / 127
+    assert torch.allclose(q.packed.scale, step, rtol=1e-6)
+    x = torch.eye(128)  # the int8 product of the identity reads the copy back exactly (a row scale of 1)
+    copy = W8A8_OVER_INT4.apply(x, torch.empty(0), q, None).t()
+    assert ((copy - values).abs() <= step[:, None] / 2 + 1e-7).all()
+    assert torch.equal(copy[3], torch.zeros(128))
+    with pytest.raises(ValueError, match="int8 or int4"):
+        quantize_weight(_weight(), "fp8").with_packed()
+
+
 def test_int4_falls_back_to_int8_where_its_layout_cannot_hold_the_weight() -> None:
     assert int4_group(128, 100) == 0 and int4_group(48, 16) == 0 and int4_group(64, 16) == 32
     assert quantize_weight(_weight(100, 128), "int4").fmt == "int8"
@@ -66,13 +92,15 @@ def test_fp8_keeps_three_mantissa_bits() -> None:
 
 
 @pytest.mark.parametrize("fmt,method,tol", [("int8", W8A16, 1e-2), ("int8", W8A8, 2e-2), ("int8", W8A8_ONEDNN, 2e-2),
-                                            ("int4", W4A16, 1e-2), ("fp8", FP8_BF16, 1e-2)])
+                                            ("int4", W4A16, 1e-2), ("int4", W8A8_OVER_INT4, 2e-2),
+                                            ("fp8", FP8_BF16, 1e-2)])
 @pytest.mark.parametrize("rows", [1, 5, 64])
 def test_each_product_matches_its_format_reference(fmt: str, method, tol: float, rows: int) -> None:
     w = _weight()
     q = quantize_weight(w, fmt)
     if method.reads_int8_packed:
         q = q.with_packed()
+    if method is W8A8_ONEDNN:
         x0 = torch.randn(3, 128, generator=G)  # the same exact int32 product, another kernel and epilogue
         assert torch.allclose(method.apply(x0, w, q, None), W8A8.apply(x0, w, q, None), rtol=1e-6, atol=1e-7)
     bias = torch.randn(96, generator=G)

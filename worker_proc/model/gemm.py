@@ -136,7 +136,8 @@ class GemmMethod:
     dtypes: tuple[torch.dtype, ...] = ()
     per_row_scale: bool = False
     reads_int8_packed: bool = False
-    """It reads the int8 weight's oneDNN copy (single matrices only; the plan makes the copy at bind)."""
+    """It reads the quantized weight's oneDNN int8 copy (single matrices only; the plan makes the copy at
+    bind: one more byte per weight)."""
     in_multiple: int = 1
     """The input width must be a multiple of this (torch's int8-weight CPU kernel reads 16 at a time)."""
     native: bool = False
@@ -171,14 +172,16 @@ W8A8 = GemmMethod("w8a8", "int8", _quantized(w8a8), batch_invariant=True, device
 W8A8_ONEDNN = GemmMethod("w8a8_onednn", "int8", _quantized(w8a8_onednn), batch_invariant=True,
                          reads_int8_packed=True)
 W4A16 = GemmMethod("w4a16", "int4", _quantized(w4a16), batch_invariant=True)
+W8A8_OVER_INT4 = GemmMethod("w8a8_over_int4", "int4", _quantized(w8a8_onednn), batch_invariant=True,
+                            reads_int8_packed=True)
 FP8_BF16 = GemmMethod("fp8_bf16", "fp8", _quantized(fp8_bf16), per_row_scale=True)
 FP8_SCALED = GemmMethod("fp8_scaled", "fp8", _quantized(fp8_scaled), devices=("cuda",), per_row_scale=True)
 DEQUANT = {fmt: GemmMethod(f"dequant_{fmt}", fmt, _dequant_padded, batch_invariant=True, devices=ANY_DEVICE)
            for fmt in FORMATS}
 """Every format's reference product (the weight materialised, padded like PADDED): any device."""
-METHODS = {m.name: m for m in (DENSE, SPLIT, PACKED, GEMV, PADDED, W8A16, W8A8, W8A8_ONEDNN, W4A16, FP8_BF16,
-                               FP8_SCALED, *DEQUANT.values())}
-THROUGHPUT_METHODS = (DENSE, SPLIT, PACKED, GEMV, W8A16, W8A8, W8A8_ONEDNN, W4A16, FP8_BF16)
+METHODS = {m.name: m for m in (DENSE, SPLIT, PACKED, GEMV, PADDED, W8A16, W8A8, W8A8_ONEDNN, W4A16, W8A8_OVER_INT4,
+                               FP8_BF16, FP8_SCALED, *DEQUANT.values())}
+THROUGHPUT_METHODS = (DENSE, SPLIT, PACKED, GEMV, W8A16, W8A8, W8A8_ONEDNN, W4A16, W8A8_OVER_INT4, FP8_BF16)
 """The candidates the plan measures on the CPU outside the deterministic mode (each site is timed with
 those that `supports` it)."""
 DETERMINISTIC = {"dense": PADDED, "int8": W8A8, "int4": W4A16, "fp8": DEQUANT["fp8"]}
@@ -227,7 +230,8 @@ class GemmSite:
         if any(m.storage == "packed" for m in methods) and packed is None:
             raise ValueError("a packed method needs the packed weight")
         if any(m.reads_int8_packed for m in methods):
-            assert self.quantized is not None and self.storage_format == "int8", "w8a8_onednn on a non-int8 site"
+            assert self.quantized is not None and self.storage_format in ("int8", "int4"), \
+                "an int8 copy of a weight that is neither int8 nor int4"
             self.quantized = self.quantized.with_packed()
         wrong = [m.name for m in methods if m.storage not in (self.storage_format, "packed")
                  or m.storage == "packed" and self.quantized is not None]

@@ -23,7 +23,9 @@ exactly, so its rows never depend on the row count; `w4a16` runs torch's CPU 4-b
 activations and scales (a checkpoint's float32 scales are rounded for it; its reference `dequant_int4`
 reads them exactly); `fp8_bf16` is a bfloat16 product over the held values, scaled per output row
 after it; `w8a8_onednn` is `w8a8` through oneDNN's int8 product over a packed copy of the weight (the
-copy costs one more byte per weight); `fp8_scaled` quantizes rows of x to e4m3 and runs
+copy costs one more byte per weight), and `w8a8_over_int4` the same over an int8 copy of a 4-bit weight
+(torch's 4-bit kernel takes each row of x as a separate pass over the weight, oneDNN's int8 one does
+not); `fp8_scaled` quantizes rows of x to e4m3 and runs
 `torch._scaled_mm`; `dequant` (any format, any device) materialises the weight in x's dtype first:
 the reference every other product is tested against.
 """
@@ -46,6 +48,27 @@ INT4_OUT_MULTIPLE = 16
 
 
 @dataclass(frozen=True, eq=False)
+class Int8Copy:
+    """A matrix in oneDNN's packed int8 layout: `weight` (from `qlinear_prepack`), its zero points (all
+    zero: symmetric) and `scale`, float32 [out]: w = value * scale per output row."""
+
+    weight: torch.Tensor
+    zero: torch.Tensor
+    scale: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.numel() * self.weight.element_size()
+
+
+def pack_int8(data: torch.Tensor, scale: torch.Tensor) -> Int8Copy:
+    """oneDNN's copy of an int8 matrix `data` [out, in] with row scales `scale` [out]."""
+    packed = torch.ops.onednn.qlinear_prepack(data.contiguous(), [1, data.shape[1]])
+    zero = torch.zeros(data.shape[0], dtype=torch.int64, device=data.device)
+    return Int8Copy(packed, zero, scale.float().contiguous())
+
+
+@dataclass(frozen=True, eq=False)
 class QuantizedWeight:
     """One quantized weight or expert stack (see the module doc for each format's fields)."""
 
@@ -54,9 +77,9 @@ class QuantizedWeight:
     scale: torch.Tensor
     shape: tuple[int, int]  # (out, in) of one matrix
     group: int = 0  # int4: inputs per group; fp8: block side (0: one scale per row)
-    packed: tuple[torch.Tensor, torch.Tensor] | None = None
-    """int8 only: oneDNN's packed copy of `data` and its (zero) zero points, made when the execution plan
-    binds `w8a8_onednn` (`with_packed`)."""
+    packed: Int8Copy | None = None
+    """int8 / int4 single matrices: the weight in oneDNN's packed int8 layout, made when the execution
+    plan binds a product that reads it (`with_packed`)."""
     scale_bf16: torch.Tensor | None = dataclasses.field(default=None, compare=False)
     """int8 / int4: `scale` in bfloat16, what the bfloat16-activation products take (made once, here)."""
 
@@ -71,18 +94,23 @@ class QuantizedWeight:
 
     @property
     def nbytes(self) -> int:
-        extra = self.packed[0].numel() * self.packed[0].element_size() if self.packed is not None else 0
+        extra = self.packed.nbytes if self.packed is not None else 0
         return self.data.numel() * self.data.element_size() + self.scale.numel() * self.scale.element_size() + extra
 
     def with_packed(self) -> QuantizedWeight:
-        """This int8 matrix with oneDNN's packed copy (`w8a8_onednn` reads it)."""
-        if self.fmt != "int8" or self.experts:
-            raise ValueError("only a single int8 matrix has a packed copy")
+        """This matrix with oneDNN's packed int8 copy (`w8a8_onednn` and `w8a8_over_int4` read it): an
+        int8 matrix's own values, or an int4 matrix's dequantized values (read with bfloat16 scales)
+        quantized per row to int8: each value moves by at most half an int8 step of its row."""
+        if self.fmt not in ("int8", "int4") or self.experts:
+            raise ValueError("only a single int8 or int4 matrix has a packed int8 copy")
         if self.packed is not None:
             return self
-        packed = torch.ops.onednn.qlinear_prepack(self.data, [1, self.shape[1]])
-        zero = torch.zeros(self.shape[0], dtype=torch.int64, device=self.data.device)
-        return dataclasses.replace(self, packed=(packed, zero))
+        if self.fmt == "int8":
+            return dataclasses.replace(self, packed=pack_int8(self.data, self.scale))
+        eye = torch.eye(self.shape[1], dtype=torch.bfloat16, device=self.data.device)
+        values = torch._weight_int4pack_mm_for_cpu(eye, self.data, self.group, self.scale_bf16).t().contiguous()
+        row = quantize_int8(values)
+        return dataclasses.replace(self, packed=pack_int8(row.data, row.scale))
 
     def __getitem__(self, expert: int) -> QuantizedWeight:
         """One matrix of a stack (views; nothing is copied)."""
@@ -223,14 +251,14 @@ def int8_packing_supported() -> bool:
 def w8a8_onednn(x: torch.Tensor, q: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
     """`w8a8` through oneDNN's packed int8 product: each row of x is divided by its own scale before the
     product (so the per-tensor activation scale oneDNN takes is 1) and multiplied by it after."""
-    assert q.packed is not None, "w8a8_onednn needs the packed copy (QuantizedWeight.with_packed)"
+    copy = q.packed
+    assert copy is not None, "w8a8_onednn needs the packed copy (QuantizedWeight.with_packed)"
     xf = x.float()
     xs = xf.abs().amax(-1, keepdim=True) / INT8_MAX
     xs = torch.where(xs > 0, xs, torch.ones_like(xs))
     xq = torch.round(xf / xs).to(torch.int8)
-    packed, zero = q.packed
-    out = torch.ops.onednn.qlinear_pointwise(xq, 1.0, 0, packed, q.scale, zero, None, 1.0, 0, torch.float32,
-                                             "none", [], "")  # fmt: skip
+    out = torch.ops.onednn.qlinear_pointwise(xq, 1.0, 0, copy.weight, copy.scale, copy.zero, None, 1.0, 0,
+                                             torch.float32, "none", [], "")  # fmt: skip
     return _bias((out * xs).to(x.dtype), bias)
 
 
