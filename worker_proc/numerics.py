@@ -30,6 +30,11 @@ FLOAT_BITS = {  # dtype -> (integer view, mantissa bits, exponent mask)
 }
 
 
+FLUSH_BLOCK_ELEMENTS = 1 << 20
+"""`flush_subnormal_` reads a weight this many elements at a time: its bit tests make several temporaries
+the size of what they read, which for a whole embedding would be hundreds of megabytes at load."""
+
+
 def subnormal_mask(t: torch.Tensor) -> torch.Tensor:
     """Which elements are subnormal, read from their bits: with denormals-are-zero on, a float
     comparison would see them as zero."""
@@ -69,9 +74,14 @@ def flush_subnormal_(module: torch.nn.Module) -> int:
         for t in list(module.parameters()) + list(module.buffers()):
             if t.device.type != "cpu" or t.dtype not in FLOAT_BITS or t.numel() == 0:
                 continue
-            mask = subnormal_mask(t)
-            n = int(mask.sum())
-            if n:
-                t.masked_fill_(mask.view(t.shape), 0.0)
-                total += n
+            parts = [t]
+            if t.is_contiguous():  # a block's temporaries, not a whole tensor's
+                flat = t.view(-1)
+                parts = [flat[i:i + FLUSH_BLOCK_ELEMENTS] for i in range(0, flat.numel(), FLUSH_BLOCK_ELEMENTS)]
+            for part in parts:
+                mask = subnormal_mask(part)
+                n = int(mask.sum())
+                if n:
+                    part.masked_fill_(mask.view(part.shape), 0.0)
+                    total += n
     return total

@@ -4,8 +4,8 @@ fresh measurement, and the plan's file format.
 A measured plan is stored under the cache directory keyed by everything its timings depend on
 (`plan_key`: the CPU model and its instruction sets, the cores the rank may use, the thread options,
 torch's version, the mode, the candidate methods, the kernel set timed with them, the model's product
-shapes); a restart with the
-same key reads it instead of measuring. `--execution-plan FILE` pins a plan: it is used as it is
+shapes, whether second weight copies may be kept); a restart with the same key reads it instead of
+measuring. `--execution-plan FILE` pins a plan: it is used as it is
 (measured elsewhere, edited by hand) and refused at start-up when it lacks a rule for one of the
 model's shapes. Writes are atomic (a rank reads a whole file or none), so ranks measuring the same
 key at once only race to the same content.
@@ -72,14 +72,14 @@ def cpu_identity() -> dict[str, object]:
 
 
 def plan_key(model: nn.Module, mode: str, thread_options: tuple[int, ...], cores: int,
-             kernels: str = "") -> dict[str, object]:
+             kernels: str = "", single_copy: bool = False) -> dict[str, object]:
     shapes: dict[str, int] = {}
     for site, _ in instances_of(model):
         label = GemmKey.of(site).label()
         shapes[label] = shapes.get(label, 0) + 1
     return {**cpu_identity(), "cores": cores, "threads": list(thread_options), "torch": torch.__version__,
             "mode": mode, "methods": [m.name for m in THROUGHPUT_METHODS], "kernels": kernels,
-            "shapes": dict(sorted(shapes.items()))}
+            "shapes": dict(sorted(shapes.items())), "copies": "one" if single_copy else "affordable"}
 
 
 def key_digest(key: dict[str, object]) -> str:
@@ -132,10 +132,11 @@ def read_plan(path: Path, source: str) -> ExecutionPlan:
 
 def plan_for(model: nn.Module, device: torch.device, *, deterministic: bool, thread_options: tuple[int, ...],
              cores: int, pinned: str = "", cache_dir: Path | None = None,
-             ops: KernelOps | None = None) -> ExecutionPlan:
+             ops: KernelOps | None = None, single_copy: bool = False) -> ExecutionPlan:
     """The rank's plan (see the module doc). `thread_options`: the thread counts a step may run on
     (empty: torch's setting is left alone and products are timed on it); `cache_dir` None: no cache; `ops`:
-    the kernel set whose recurrent kernels are timed with the products (None: products only)."""
+    the kernel set whose recurrent kernels are timed with the products (None: products only);
+    `single_copy`: a measured plan keeps no second copy of any weight, affordable or not."""
     if device.type != "cpu":
         return accelerator_plan(model)
     if deterministic:
@@ -150,14 +151,14 @@ def plan_for(model: nn.Module, device: torch.device, *, deterministic: bool, thr
             raise ModelLoadError(f"--execution-plan {pinned} has no rule for {', '.join(sorted(missing))}")
         return plan
     options = thread_options or (torch.get_num_threads(),)
-    key = plan_key(model, "throughput", options, cores, ops.name if ops is not None else "")
+    key = plan_key(model, "throughput", options, cores, ops.name if ops is not None else "", single_copy)
     path = cache_dir / f"plan-{key_digest(key)}.json" if cache_dir is not None else None
     if path is not None and path.exists():
         try:
             return read_plan(path, f"cached {path}")
         except (OSError, ValueError) as e:
             logger.warning("ignoring the cached execution plan %s (%s): measuring again", path, e)
-    plan = measure_plan(model, options, ops)
+    plan = measure_plan(model, options, ops, single_copy)
     if path is not None:
         try:
             write_plan(path, plan, key)
@@ -167,7 +168,13 @@ def plan_for(model: nn.Module, device: torch.device, *, deterministic: bool, thr
     return plan
 
 
-def measure_plan(model: nn.Module, thread_options: tuple[int, ...], ops: KernelOps | None = None) -> ExecutionPlan:
+def never_affordable(nbytes: int) -> bool:
+    """The `--single-weight-copy` rule: no second copy, whatever its size."""
+    return False
+
+
+def measure_plan(model: nn.Module, thread_options: tuple[int, ...], ops: KernelOps | None = None,
+                 single_copy: bool = False) -> ExecutionPlan:
     instances = instances_of(model)
     before = torch.get_num_threads()
     timer = ProductTimer(instances, last_level_cache_bytes())
@@ -175,7 +182,8 @@ def measure_plan(model: nn.Module, thread_options: tuple[int, ...], ops: KernelO
     logger.info("measuring the execution plan: %d product sites, threads %s", len(instances), thread_options)
     try:
         mixers = MixerTimer(model, ops) if ops is not None and len(thread_options) > 1 else None
-        plan = choose(instances, thread_options, timer, copy_affordable, mixers)
+        affordable = never_affordable if single_copy else copy_affordable
+        plan = choose(instances, thread_options, timer, affordable, mixers)
         torch.set_num_threads(max(thread_options))
         weight_bytes = sum(t.numel() * t.element_size()
                            for t in {id(t): t for s, w in instances for t in read_tensors(s, w)}.values())

@@ -15,6 +15,7 @@ ranks' StepResult carries no tokens.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import time
 from pathlib import Path
@@ -27,6 +28,7 @@ from shared.model_info import ModelInfo
 from worker_proc import speculative
 from worker_proc.execution_plan import product_sites
 from worker_proc.grammar import GrammarRuntime
+from worker_proc.host_memory import release_free_heap
 from worker_proc.kernels.select import choose_kernels
 from worker_proc.loader import checkpoint_quantization, load_model
 from worker_proc.model import StepBatch, build_step_batch
@@ -77,6 +79,7 @@ class ModelRunner:
         kernels: str = "auto",
         thread_options: tuple[int, ...] = (),
         execution_plan: str = "",
+        single_weight_copy: bool = False,
         plan_cache_dir: Path | None = None,
         quantization: str = "",
         quantize_lm_head: bool = True,
@@ -106,10 +109,13 @@ class ModelRunner:
         self.plan = dataclasses.replace(
             plan_for(self.model, self.device, deterministic=deterministic, thread_options=thread_options,
                      cores=available_cores(), pinned=execution_plan, cache_dir=plan_cache_dir,
-                     ops=kernel_choice.build()),
+                     ops=kernel_choice.build(), single_copy=single_weight_copy),
             kernels=kernel_choice,
         )
         self.plan.bind(self.model)
+        gc.collect()
+        if self.device.type == "cpu":
+            release_free_heap()
         logger.info("rank %d execution plan (%s, %s):%s", tp_rank, self.plan.mode, self.plan.source,
                     "".join(f"\n  {line}" for line in self.plan.describe()))
         self.cfg = self.model.cfg

@@ -18,6 +18,7 @@ from worker_proc import plan_cache
 from worker_proc.execution_plan import ROW_BUCKETS, choose, instances_of, product_sites
 from worker_proc.kernels.select import KernelChoice
 from worker_proc.model.gemm import GemmMethod, GemmSite
+from worker_proc.model.layers import Linear
 from worker_proc.plan_timing import GemmKey, ProductTimer
 from worker_proc.runtime import ModelRunner
 from worker_proc.threads import thread_options
@@ -125,7 +126,8 @@ def _runner(tmp_path: Path, **kw: object) -> ModelRunner:
 def test_the_cache_round_trips_and_a_new_key_measures_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     measured: list[tuple[int, ...]] = []
     real = plan_cache.measure_plan
-    monkeypatch.setattr(plan_cache, "measure_plan", lambda m, t, ops: (measured.append(t), real(m, t, ops))[1])
+    monkeypatch.setattr(plan_cache, "measure_plan",
+                        lambda m, t, ops, single: (measured.append(t), real(m, t, ops, single))[1])
     first = _runner(tmp_path, thread_options=(1,))
     assert measured == [(1,)] and "saved to" in first.plan.source
     again = _runner(tmp_path, thread_options=(1,))
@@ -136,6 +138,43 @@ def test_the_cache_round_trips_and_a_new_key_measures_again(tmp_path: Path, monk
     _runner(tmp_path, thread_options=(1,))
     assert len(measured) == 2 and len(list(tmp_path.glob("plan-*.json"))) == 2
     first.check_integrity()
+
+
+class _DenseThenPacked:
+    """A ProductTimer stand-in: `dense` fastest for one row, `packed` for more (so a plan that may keep
+    two copies of a weight does)."""
+
+    def __init__(self, instances: list[tuple[GemmSite, torch.Tensor]], cache_bytes: int, reps: int = 3) -> None:
+        self.sites = [site for site, _ in instances]
+
+    def __call__(self, method: GemmMethod, rows: int, threads: int) -> dict[GemmKey, float]:
+        fast = "dense" if rows == 1 else "packed"
+        return {GemmKey.of(s): 0.5 if method.name == fast else 1.0 for s in self.sites
+                if method.supports(s, torch.device("cpu"))}
+
+    def release(self) -> None:
+        pass
+
+
+def test_a_single_weight_copy_keeps_one_layout_of_every_weight(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(plan_cache, "ProductTimer", _DenseThenPacked)
+    both = _runner(tmp_path, thread_options=(1,))
+    assert any(site.storages == {"dense", "packed"} for _, site, _ in product_sites(both.model))
+    one = _runner(tmp_path, thread_options=(1,), single_weight_copy=True)
+    assert "saved to" in one.plan.source and len(list(tmp_path.glob("plan-*.json"))) == 2  # its own cache key
+    for owner, site, weight in product_sites(one.model):
+        assert len(site.storages) == 1, site.storages
+        if site.storages == {"packed"} and isinstance(owner, Linear):  # (a tied head's weight is the embedding)
+            assert weight.numel() == 0  # the dense weight is gone, not only unused
+    one.check_integrity()
+    greedy = SamplingParams(temperature=0.0)
+    ids = [5, 9, 2, 7, 1, 3, 8, 4]
+    for runner in (both, one):
+        req = ReqSlice(rid="a", input_ids=ids, start_pos=0, kv_slots=list(range(1, 9)), state_slot=1, sample=True,
+                       sampling=greedy, output_len=0)
+        runner.step(ForwardBatch(step=1, reqs=[req], clears=[1]))
+    assert one.plan.gemms.keys() == both.plan.gemms.keys()
 
 
 def _write_plan(path: Path, runner: ModelRunner, method: str, threads: list[list[int]]) -> None:

@@ -101,3 +101,23 @@ def test_subnormal_weights_are_zeroed_at_load() -> None:
     assert flush_subnormal_(layer) == 6
     assert subnormal_count(layer.weight) == 0 and layer.weight[0, 0].item() == 0.0
     assert layer.weight[1, 1].item() == 0.5
+
+
+def test_a_large_weight_is_flushed_block_by_block_with_every_subnormal_found() -> None:
+    """A tensor over several of flush_subnormal_'s blocks (the last one partial) and a non-contiguous
+    one: every subnormal is zeroed, in every block, and nothing else changes."""
+    from worker_proc.numerics import FLUSH_BLOCK_ELEMENTS
+
+    module = torch.nn.Module()
+    big = torch.full((5, FLUSH_BLOCK_ELEMENTS // 2 + 3), 0.25, dtype=torch.bfloat16)
+    tiny = torch.tensor([1], dtype=torch.int16).view(torch.bfloat16)
+    planted = [0, FLUSH_BLOCK_ELEMENTS - 1, FLUSH_BLOCK_ELEMENTS, big.numel() - 1]
+    big.view(-1)[planted] = tiny
+    module.big = torch.nn.Parameter(big, requires_grad=False)
+    module.register_buffer("strided", torch.full((6, 4), 0.5).t())
+    module.strided[1, 2] = torch.tensor([1], dtype=torch.int32).view(torch.float32)
+    assert not module.strided.is_contiguous()
+    assert flush_subnormal_(module) == len(planted) + 1
+    assert subnormal_count(module.big) == 0 and subnormal_count(module.strided) == 0
+    assert (module.big.view(-1)[planted] == 0).all() and int((module.big == 0.25).sum()) == big.numel() - len(planted)
+    assert module.strided[1, 2].item() == 0.0 and int((module.strided == 0.5).sum()) == 23
