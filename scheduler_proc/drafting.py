@@ -14,8 +14,7 @@ accepted draft ends the pause, so a request whose drafts miss costs a verify ste
 rounds whose batch size drafting was measured to pay at (`DraftingGain`): a request drafts only when
 KV slots for its drafts and one state slot lent for the step's backup can be had, free or evicted
 from the cache like any allocation (never taken from a running request); otherwise it decodes as
-usual. Requests that want what a verify step does not return per token (logprobs, top logprobs) or a
-grammar decode as usual.
+usual. Requests whose grammar waits for a reasoning end or with a thinking budget decode as usual.
 """
 
 from __future__ import annotations
@@ -172,13 +171,14 @@ class DraftingGain:
 
 
 def can_draft(r: Req) -> bool:
-    """Requests whose sampling takes drafts: not those that want per-token logprobs (a step reports one
-    per request), a grammar that waits for a reasoning end, or a thinking budget. A grammar from the
-    first token is checked in the verify step (worker_proc/grammar.py: each position is masked as the
-    grammar stands after the drafts before it, so a draft it refuses is never accepted)."""
+    """Requests whose sampling takes drafts: not those with a grammar that waits for a reasoning end or
+    a thinking budget. A grammar from the first token is checked in the verify step
+    (worker_proc/grammar.py: each position is masked as the grammar stands after the drafts before it,
+    so a draft it refuses is never accepted); logprobs and top logprobs come for every token a verify
+    step emits."""
     sp = r.sampling
     waits = sp.grammar is not None and bool(sp.grammar.after)
-    return not (sp.logprobs or sp.top_logprobs or waits or sp.thinking_budget is not None)
+    return not (waits or sp.thinking_budget is not None)
 
 
 class Speculation:

@@ -319,10 +319,12 @@ class Scheduler:
         new = [*e.drafts, tok]  # the accepted drafts (never a stop token: the worker ends the run there)
         r.tokens.extend(new)
         self.metrics.inc("hyssm_generated_tokens_total", len(new))
-        lp = result.logprobs.get(r.rid) if r.sampling.logprobs else None
-        logprobs = [lp] if lp is not None else None
         sp = r.sampling
-        top = [result.top_logprobs.get(r.rid, [])] if sp.top_logprobs else None
+        logprobs = result.logprobs.get(r.rid) if sp.logprobs else None
+        top = result.top_logprobs.get(r.rid) if sp.top_logprobs else None
+        if any(x is not None and len(x) != len(new) for x in (logprobs, top)):
+            return self._finish(r, "error", error=f"worker returned logprobs for other than the {len(new)} tokens "
+                                f"of step {result.step}")
         if (error := result.grammar_errors.get(r.rid)) is not None:
             return self._finish(r, "error", new, logprobs=logprobs, error=error, top=top)
         if (not sp.ignore_eos and tok in self._eos) or tok in sp.stop_token_ids or r.rid in result.grammar_done:

@@ -331,8 +331,10 @@ class StepResult(msgspec.Struct, tag=True, kw_only=True):
 
     step: int
     next_tokens: dict[str, int] = {}
-    logprobs: dict[str, float] = {}
-    top_logprobs: dict[str, list[tuple[int, float]]] = {}
+    # per sampling slice that asked: the logprob (and alternatives) of each token it emits, in order:
+    # one for a plain slice, its accepted drafts and then its next_tokens entry for a verify slice
+    logprobs: dict[str, list[float]] = {}
+    top_logprobs: dict[str, list[list[tuple[int, float]]]] = {}
     # per prompt-logprob slice: the logprob of the token after each of its positions, and alternatives
     prompt_logprobs: dict[str, list[float]] = {}
     prompt_top_logprobs: dict[str, list[list[tuple[int, float]]]] = {}

@@ -70,11 +70,13 @@ def generate_greedy(
 
 def generate_speculative(
     runner: ModelRunner, prompt: list[int], max_new_tokens: int, propose, sampling: SamplingParams | None = None,
+    logprobs: list[tuple[float | None, list[tuple[int, float]] | None]] | None = None,
 ) -> tuple[list[int], list[int]]:
     """Like `generate_greedy` (state slot 1, KV slot p + 1 for position p), but every decode step
     verifies `propose(tokens_so_far)` drafted tokens (backup state slot 2), as the scheduler sends
     them (with the request's tokens so far when its sampling needs them). Returns (output tokens,
-    accepted count of each verify step); stops at max_new_tokens or when the grammar is complete."""
+    accepted count of each verify step); stops at max_new_tokens or when the grammar is complete.
+    `logprobs` (when given) receives (logprob, top logprobs) of every output token, None where not asked."""
     params = sampling or SamplingParams(temperature=0.0)
     out: list[int] = []
     accepted: list[int] = []
@@ -91,6 +93,11 @@ def generate_speculative(
         if drafts:
             accepted.append(n_ok)
         out.extend(drafts[:n_ok] + [res.next_tokens["spec"]])
+        if logprobs is not None:
+            lps = res.logprobs.get("spec") or [None] * (n_ok + 1)
+            tops = res.top_logprobs.get("spec") or [None] * (n_ok + 1)
+            assert len(lps) == len(tops) == n_ok + 1, (lps, tops, n_ok)
+            logprobs.extend(zip(lps, tops, strict=True))
         assert "spec" not in res.grammar_errors, res.grammar_errors
         if "spec" in res.grammar_done:
             break

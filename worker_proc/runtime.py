@@ -263,20 +263,34 @@ class ModelRunner:
                 for r, first in verify:
                     n_ok = speculative.accepted_drafts(r, tokens[first : first + r.drafts + 1], eos)
                     out["accepted"][r.rid], out["next_tokens"][r.rid] = n_ok, tokens[first + n_ok]
+            starts = {first: r.drafts for r, first in verify}
             if constrain is not None or errors:
-                starts = {first: r.drafts for r, first in verify}
                 made = speculative.emitted(sreqs, tokens, starts, out.get("accepted", {}))
                 out["grammar_done"] = self.grammars.accept(*made, errors)
                 out["grammar_errors"] = errors
-            if lps is not None:
-                out["logprobs"] = {s.rid: lp for s, lp in zip(sreqs, lps, strict=True) if s.params.logprobs}
-            ks = [s.params.top_logprobs for s in sreqs]
-            if any(ks):
-                tops = top_logprobs(torch.log_softmax(rows, dim=-1), ks)
-                out["top_logprobs"] = {s.rid: t for s, t, k in zip(sreqs, tops, ks, strict=True) if k}
+            out.update(self._token_logprobs(rows, sreqs, lps, starts, out.get("accepted", {})))
         if prompt:
             out["prompt_logprobs"], out["prompt_top_logprobs"], out["prompt_ranks"] = self._prompt_logprobs(logits,
                                                                                                          prompt)
+        return out
+
+    @staticmethod
+    def _token_logprobs(rows: torch.Tensor, sreqs: list[SampleRequest], lps: list[float] | None,
+                        starts: dict[int, int], accepted: dict[str, int]) -> dict[str, Any]:
+        """The StepResult's `logprobs` / `top_logprobs`: per request that asked, those of the draws
+        that became its output tokens (`speculative.emitted`'s), in order."""
+        ks = [s.params.top_logprobs for s in sreqs]
+        if lps is None and not any(ks):
+            return {}
+        tops = top_logprobs(torch.log_softmax(rows, dim=-1), ks) if any(ks) else None
+        kept = speculative.emitted_rows(sreqs, starts, accepted)
+        out: dict[str, Any] = {"logprobs": {}, "top_logprobs": {}}
+        for i in kept:
+            s = sreqs[i]
+            if lps is not None and s.params.logprobs:
+                out["logprobs"].setdefault(s.rid, []).append(lps[i])
+            if tops is not None and ks[i]:
+                out["top_logprobs"].setdefault(s.rid, []).append(tops[i])
         return out
 
     @staticmethod

@@ -50,20 +50,25 @@ def accepted_drafts(r: ReqSlice, draws: list[int], eos_ids: tuple[int, ...]) -> 
     return n
 
 
-def emitted(sreqs: list[SampleRequest], tokens: list[int], starts: dict[int, int], accepted: dict[str, int]
-            ) -> tuple[list[SampleRequest], list[int]]:  # fmt: skip
-    """The draws of a step that became output tokens, in order: every plain draw, and of a verify slice
-    (its first draw's index in `starts` -> its draft count) its accepted drafts and the draw after them."""
-    reqs: list[SampleRequest] = []
-    toks: list[int] = []
+def emitted_rows(sreqs: list[SampleRequest], starts: dict[int, int], accepted: dict[str, int]) -> list[int]:
+    """The indices of a step's draws that became output tokens, in order: every plain draw, and of a
+    verify slice (its first draw's index in `starts` -> its draft count) its accepted drafts and the
+    draw after them."""
+    rows: list[int] = []
     i = 0
     while i < len(sreqs):
         n = starts[i] + 1 if i in starts else 1
         keep = accepted[sreqs[i].rid] + 1 if i in starts else 1
-        reqs.extend(sreqs[i : i + keep])
-        toks.extend(tokens[i : i + keep])
+        rows.extend(range(i, i + keep))
         i += n
-    return reqs, toks
+    return rows
+
+
+def emitted(sreqs: list[SampleRequest], tokens: list[int], starts: dict[int, int], accepted: dict[str, int]
+            ) -> tuple[list[SampleRequest], list[int]]:  # fmt: skip
+    """`emitted_rows`' draws and their tokens."""
+    rows = emitted_rows(sreqs, starts, accepted)
+    return [sreqs[i] for i in rows], [tokens[i] for i in rows]
 
 
 def back_up(pools: StatePools, reqs: list[ReqSlice]) -> None:

@@ -73,6 +73,23 @@ def test_streaming_n2_and_structured_output_with_drafts(spec_server, reference_r
     assert isinstance(json.loads(chat.choices[0].message.content)["a"], int)
 
 
+def test_logprobs_with_drafts_are_those_decoding_without_them(spec_server, reference_runner) -> None:
+    from shared.messages import SamplingParams
+    from tests.model_driver import generate_speculative
+
+    prompt = _repeating_prompts(reference_runner)[1]
+    want: list = []
+    params = SamplingParams(temperature=0.0, logprobs=True, top_logprobs=2)
+    generate_speculative(reference_runner, prompt, 24, lambda tokens: [], params, want)
+    accepted = spec_server.metric("hyssm_spec_accepted_tokens_total")
+    body = {"model": "hyssm-tiny", "prompt": prompt, "max_tokens": 24, "temperature": 0, "logprobs": 2}
+    lp = httpx.post(spec_server.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["logprobs"]
+    assert spec_server.metric("hyssm_spec_accepted_tokens_total") > accepted  # this request took drafts
+    assert lp["token_logprobs"] == pytest.approx([w[0] for w in want], abs=1e-6)
+    assert [sorted(t.values(), reverse=True) for t in lp["top_logprobs"]] == [
+        pytest.approx([v for _, v in w[1]], abs=1e-5) for w in want]  # (log_softmax over more rows)
+
+
 def test_structured_output_takes_drafts_and_keeps_its_output(spec_server, reference_runner) -> None:
     from shared.messages import GrammarSpec, SamplingParams
     from tests.model_driver import generate_speculative

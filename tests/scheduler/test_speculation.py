@@ -122,14 +122,38 @@ def test_no_free_state_slot_means_no_drafts_not_a_failure() -> None:
     assert not any(s.drafts for b in log.batches for s in b.reqs)
 
 
-def test_drafts_stop_at_max_new_tokens_and_skip_logprob_requests() -> None:
+def test_drafts_stop_at_max_new_tokens_and_logprob_requests_take_them() -> None:
     sched, _ = make(kv=256, states=8, speculative_algorithm="NGRAM", speculative_num_draft_tokens=8)
     reqs = [greq("short", [1, 2, 3, 4, 5] * 3, 6), greq("lp", [1, 2, 3, 4, 5] * 3, 10, logprobs=True)]
     log = harness.run(sched, CyclingWorker(256, 8), {0: reqs}, keep_batches=True)
     assert len(log.tokens["short"]) == 6 and len(log.tokens["lp"]) == 10
-    assert all(s.drafts == 0 for b in log.batches for s in b.reqs if s.rid == "lp")
+    assert any(s.drafts for b in log.batches for s in b.reqs if s.rid == "lp")
     short = [s for b in log.batches for s in b.reqs if s.rid == "short" and s.drafts]
     assert short and all(s.output_len + s.drafts + 1 <= 6 for s in short)
+
+
+def test_a_verify_steps_logprobs_go_out_with_its_tokens_or_end_the_request() -> None:
+    """A verify step emits its accepted drafts and the next token with one logprob each; a result
+    whose logprobs do not cover exactly those tokens ends the request with an error, not a mismatch."""
+    for wrong in (False, True):
+        sched, _ = make(kv=256, states=8, speculative_algorithm="NGRAM", speculative_num_draft_tokens=4)
+        worker = CyclingWorker(256, 8)
+        sched.add_request(greq("lp", [1, 2, 3, 4, 5] * 3, 12, logprobs=True))
+        got: list[tuple[int, float]] = []
+        while sched.has_work:
+            batch = sched.schedule()
+            assert batch is not None
+            result = worker.step(batch)
+            drafted = {s.rid: s.drafts for s in batch.reqs}
+            if result.next_tokens:
+                n = result.accepted.get("lp", 0) + 1
+                result.logprobs = {"lp": [-0.5 * (i + 1) for i in range(n + (wrong and drafted["lp"] > 0))]}
+            for out in sched.apply_result(result):
+                got.extend(zip(out.token_ids, out.logprobs or [], strict=not out.error))
+                if out.finished:
+                    assert (out.finish_reason == "error") == wrong, out
+        if not wrong:
+            assert len(got) == 12 and any(lp < -0.5 for _, lp in got)  # a multi-token step's second logprob
 
 
 def test_memory_pressure_retractions_and_prefix_hits_keep_outputs() -> None:

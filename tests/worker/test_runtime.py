@@ -58,7 +58,8 @@ def test_step_result_logprobs_and_seeded_retry() -> None:
         results.append(res)
     a, b = results
     assert a.step == 3 and a.next_tokens == b.next_tokens and set(a.next_tokens) == {"s", "g"}
-    assert set(a.logprobs) == {"s"} and a.logprobs["s"] <= 0.0 and a.logprobs == b.logprobs
+    assert set(a.logprobs) == {"s"} and len(a.logprobs["s"]) == 1 and a.logprobs["s"][0] <= 0.0
+    assert a.logprobs == b.logprobs
     assert a.elapsed_s > 0 and a.refused == [] and a.error is None
 
 

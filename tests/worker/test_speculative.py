@@ -62,6 +62,22 @@ def test_seeded_sampling_draws_the_same_tokens_with_drafts() -> None:
     assert drafted == plain and any(accepted)
 
 
+def test_logprobs_come_for_every_token_a_verify_step_emits() -> None:
+    """The logprob and top logprobs of each emitted token, accepted draft or not, are those decoding
+    without drafts gives (bit for bit in the deterministic mode, where a verify position runs as a
+    decode step)."""
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=7, logprobs=True, top_logprobs=2)
+    plain_lps: list = []
+    plain, _ = generate_speculative(runner("nope_groups2", kv_slots=160, deterministic=True), PROMPT, 16,
+                                    lambda tokens: [], params, plain_lps)  # fmt: skip
+    drafted_lps: list = []
+    drafted, accepted = generate_speculative(runner("nope_groups2", kv_slots=160, deterministic=True), PROMPT, 16,
+                                             _oracle(plain, len(PROMPT), 3), params, drafted_lps)  # fmt: skip
+    assert drafted == plain and sum(accepted) >= 4
+    assert len(drafted_lps) == len(plain_lps) >= 16 and drafted_lps == plain_lps
+    assert all(lp <= 0.0 and len(top) == 2 and top[0][1] >= top[1][1] for lp, top in drafted_lps)
+
+
 def test_default_mode_accepts_what_greedy_decoding_gives() -> None:
     ref = generate_greedy(runner("rope_moe", kv_slots=160), PROMPT, 12)
     out, accepted = generate_speculative(runner("rope_moe", kv_slots=160), PROMPT, 12, _oracle(ref, len(PROMPT), 4))
