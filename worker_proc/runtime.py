@@ -15,7 +15,6 @@ ranks' StepResult carries no tokens.
 from __future__ import annotations
 
 import dataclasses
-import gc
 import logging
 import time
 from pathlib import Path
@@ -113,7 +112,6 @@ class ModelRunner:
             kernels=kernel_choice,
         )
         self.plan.bind(self.model)
-        gc.collect()
         if self.device.type == "cpu":
             release_free_heap()
         logger.info("rank %d execution plan (%s, %s):%s", tp_rank, self.plan.mode, self.plan.source,
