@@ -39,7 +39,7 @@ from worker_proc.host_memory import copy_affordable, last_level_cache_bytes
 from worker_proc.kernels import KernelOps
 from worker_proc.mixer_timing import MixerTimer
 from worker_proc.model.gemm import THROUGHPUT_METHODS
-from worker_proc.plan_timing import GemmKey, ProductTimer, read_bytes_per_s, read_tensors
+from worker_proc.plan_timing import DEFAULT_STREAM_BYTES, GemmKey, ProductTimer, read_bytes_per_s, read_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -177,7 +177,8 @@ def measure_plan(model: nn.Module, thread_options: tuple[int, ...], ops: KernelO
                  single_copy: bool = False) -> ExecutionPlan:
     instances = instances_of(model)
     before = torch.get_num_threads()
-    timer = ProductTimer(instances, last_level_cache_bytes())
+    cap = DEFAULT_STREAM_BYTES if single_copy else 0
+    timer = ProductTimer(instances, last_level_cache_bytes(), max_stream_bytes=cap)
     t0 = time.perf_counter()
     logger.info("measuring the execution plan: %d product sites, threads %s", len(instances), thread_options)
     try:

@@ -24,7 +24,8 @@ from worker_proc.model.quantized import QuantizedWeight
 STREAM_ROWS = 8
 """Up to this many rows a product is timed streaming its weights (see the module doc)."""
 DEFAULT_STREAM_BYTES = 256 << 20
-"""Bytes streamed per round where the host does not report its last-level cache."""
+"""Bytes streamed per round where the host does not report its last-level cache, and at most under
+`--single-weight-copy` (a packed method is timed on packed copies of every weight it streams)."""
 WARM_BUDGET_S = 0.05
 
 
@@ -55,8 +56,10 @@ Measure = Callable[[GemmMethod, int, int], dict[GemmKey, float]]
 class ProductTimer:
     """Times methods over a model's product sites (see the module doc); a `Measure`."""
 
-    def __init__(self, instances: list[Instance], cache_bytes: int, reps: int = 3) -> None:
+    def __init__(self, instances: list[Instance], cache_bytes: int, reps: int = 3, max_stream_bytes: int = 0) -> None:
         budget = 2 * cache_bytes if cache_bytes > 0 else DEFAULT_STREAM_BYTES
+        if max_stream_bytes > 0:  # the timing copies of a streamed method (packed ones) stay within it
+            budget = min(budget, max_stream_bytes)
         self.streamed: list[Instance] = []
         streamed_bytes = 0
         for site, weight in instances:

@@ -19,7 +19,7 @@ from worker_proc.execution_plan import ROW_BUCKETS, choose, instances_of, produc
 from worker_proc.kernels.select import KernelChoice
 from worker_proc.model.gemm import GemmMethod, GemmSite
 from worker_proc.model.layers import Linear
-from worker_proc.plan_timing import GemmKey, ProductTimer
+from worker_proc.plan_timing import DEFAULT_STREAM_BYTES, GemmKey, ProductTimer
 from worker_proc.runtime import ModelRunner
 from worker_proc.threads import thread_options
 
@@ -116,7 +116,11 @@ def test_the_real_timer_reports_every_supported_key() -> None:
     for method in (DENSE, PACKED):
         got = timer(method, 2, 1)
         assert set(got) == {A, B} and all(s > 0 for s in got.values())
+    assert len(timer.streamed) == 3 and len(timer.packed) == 3  # a packed copy of every weight streamed
     timer.release()
+    capped = ProductTimer(_instances(A, B, A), cache_bytes=1 << 20, reps=2, max_stream_bytes=1)
+    assert len(capped.streamed) == 1  # the stream stops at the cap (a copy of the first weight only)
+    assert set(capped(PACKED, 2, 1)) == {A} and len(capped.packed) == 1
 
 
 def _runner(tmp_path: Path, **kw: object) -> ModelRunner:
@@ -144,8 +148,12 @@ class _DenseThenPacked:
     """A ProductTimer stand-in: `dense` fastest for one row, `packed` for more (so a plan that may keep
     two copies of a weight does)."""
 
-    def __init__(self, instances: list[tuple[GemmSite, torch.Tensor]], cache_bytes: int, reps: int = 3) -> None:
+    made: list[int] = []  # each timer's max_stream_bytes
+
+    def __init__(self, instances: list[tuple[GemmSite, torch.Tensor]], cache_bytes: int, reps: int = 3,
+                 max_stream_bytes: int = 0) -> None:
         self.sites = [site for site, _ in instances]
+        self.made.append(max_stream_bytes)
 
     def __call__(self, method: GemmMethod, rows: int, threads: int) -> dict[GemmKey, float]:
         fast = "dense" if rows == 1 else "packed"
@@ -163,6 +171,7 @@ def test_a_single_weight_copy_keeps_one_layout_of_every_weight(tmp_path: Path,
     assert any(site.storages == {"dense", "packed"} for _, site, _ in product_sites(both.model))
     one = _runner(tmp_path, thread_options=(1,), single_weight_copy=True)
     assert "saved to" in one.plan.source and len(list(tmp_path.glob("plan-*.json"))) == 2  # its own cache key
+    assert _DenseThenPacked.made[-2:] == [0, DEFAULT_STREAM_BYTES]  # its timing copies are bounded too
     for owner, site, weight in product_sites(one.model):
         assert len(site.storages) == 1, site.storages
         if site.storages == {"packed"} and isinstance(owner, Linear):  # (a tied head's weight is the embedding)
