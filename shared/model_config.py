@@ -180,6 +180,8 @@ class HybridConfig:
             raise ValueError(f"{self.mtp_layers} MTP layers with {len(self.mtp_spec)} sublayers each")
         if any(b.kind not in ("attention", *MLP_KINDS) for sub in self.mtp_spec for b in sub.blocks):
             raise ValueError("an MTP layer holds attention and an MLP or MoE only")
+        if self.mtp_spec and sum(b.kind == "attention" for sub in self.mtp_spec for b in sub.blocks) != 1:
+            raise ValueError("an MTP layer holds exactly one attention block (it reads one MTP KV layer)")
 
     @property
     def num_layers(self) -> int:

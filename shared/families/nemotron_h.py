@@ -3,10 +3,19 @@ MoE): every layer is one pre-normed block (`norm`, `mixer`) with a residual add:
 RoPE-free attention (scale 1/sqrt(head_dim), explicit `head_dim`), a relu2 MLP or the sigmoid-routed
 MoE (worker_proc.model.moe). The pattern comes from `hybrid_override_pattern` (M = Mamba, * =
 attention, - = MLP, E = MoE) or `layers_block_type`. Checkpoint names `backbone.embeddings`,
-`backbone.norm_f` map onto the shared names; MTP layers (`mtp.*`) are not loaded (logged).
-The Mamba dt is clamped below at `time_step_min` (as the reference's chunked scan does)."""
+`backbone.norm_f` map onto the shared names.
+The Mamba dt is clamped below at `time_step_min` (as the reference's chunked scan does).
+
+MTP (`num_nextn_predict_layers` > 0; built only for `--speculative-algorithm NEXTN`, skipped and
+logged otherwise): one MTP step is `len(mtp_layers_block_type)` checkpoint layers `mtp.layers.i`
+(one attention, MoE or MLP ones), each pre-normed with a residual add like the model's; the first also
+holds `enorm`, `hnorm` and `eh_proj` (the projection of the normed embedding and hidden state), the
+last `final_layernorm`. They load as one MTP layer of the shared MTP head, sublayer i named
+`norm_i`/`mixer_i`. A checkpoint with several MTP steps drafts with the first (every guess runs it)."""
 
 from __future__ import annotations
+
+import dataclasses
 
 from shared.families.common import dtype_name
 from shared.families.family import Family
@@ -21,6 +30,13 @@ RENAMES = (
     (r"^model\.embeddings\.", "model.embed_tokens."),
     (r"^model\.norm_f\.", "model.norm."),
 )
+# the first MTP step's own tensors onto the shared MTP head's names
+_MTP_HEAD_RENAMES = (
+    (r"^mtp\.layers\.0\.enorm\.", "mtp.pre_fc_norm_embedding."),
+    (r"^mtp\.layers\.0\.hnorm\.", "mtp.pre_fc_norm_hidden."),
+    (r"^mtp\.layers\.0\.eh_proj\.", "mtp.fc."),
+)
+_UNUSED_MTP = "mtp_unused."  # MTP steps after the first: never loaded
 
 
 def block_types(cfg: dict) -> list[str]:
@@ -47,6 +63,45 @@ def layer_kinds(cfg: dict) -> tuple[str, ...]:
     return tuple(_KINDS[t] for t in block_types(cfg))
 
 
+def mtp_block_types(cfg: dict) -> list[str]:
+    """attention | mlp | moe per checkpoint layer of one MTP step (one attention: the MTP KV's layer)."""
+    raw = cfg.get("mtp_layers_block_type")
+    pattern = cfg.get("mtp_hybrid_override_pattern")
+    if raw:
+        bad = [t for t in raw if _TYPES.get(t) not in ("attention", "mlp", "moe")]
+        if bad:
+            raise ValueError(f"mtp_layers_block_type {bad[0]!r} is not attention, mlp or moe")
+        types = [_TYPES[t] for t in raw]
+    elif pattern:
+        bad = [c for c in pattern if c not in "*-E"]
+        if bad:
+            raise ValueError(f"unknown mtp_hybrid_override_pattern character {bad[0]!r} (one of * - E)")
+        types = [_PATTERN[c] for c in pattern]
+    else:
+        types = ["attention", "moe"]
+    if types.count("attention") != 1:
+        raise ValueError(f"an MTP step of {types} must hold exactly one attention layer")
+    return types
+
+
+def _mtp(cfg: dict, blocks: dict[str, Block]) -> tuple[tuple[Sublayer, ...], tuple[tuple[str, str], ...]]:
+    """The MTP head's sublayers and the renames onto them; none when the checkpoint has no MTP."""
+    steps = int(cfg.get("num_nextn_predict_layers") or 0)
+    if steps <= 0:
+        return (), ()
+    types = mtp_block_types(cfg)
+    spec = tuple(Sublayer(f"norm_{i}", (dataclasses.replace(blocks[t], name=f"mixer_{i}"),))
+                 for i, t in enumerate(types))  # fmt: skip
+    size, last = len(types), len(types) - 1
+    renames = (
+        *((rf"^mtp\.layers\.{i}\.", f"{_UNUSED_MTP}{i}.") for i in range(size, steps * size)),
+        *_MTP_HEAD_RENAMES,
+        (rf"^mtp\.layers\.{last}\.final_layernorm\.", "mtp.norm."),
+        (r"^mtp\.layers\.(\d+)\.(norm|mixer)\.", r"mtp.layers.0.\2_\1."),
+    )
+    return spec, renames
+
+
 def parse(cfg: dict, arch: str) -> HybridConfig:
     hidden = int(cfg["hidden_size"])
     types = block_types(cfg)
@@ -71,6 +126,7 @@ def parse(cfg: dict, arch: str) -> HybridConfig:
     mlp = Block("relu2_mlp", "mixer", int(cfg.get("intermediate_size") or 0), "intermediate_size")
     moe = Block("sigmoid_moe", "mixer", int(cfg.get("moe_intermediate_size") or 0), "moe_intermediate_size")
     blocks = {"mamba": Block("mamba", "mixer"), "attention": Block("attention", "mixer"), "mlp": mlp, "moe": moe}
+    mtp_spec, mtp_renames = _mtp(cfg, blocks)
     return HybridConfig(
         architecture=arch,
         vocab_size=int(cfg["vocab_size"]),
@@ -96,8 +152,11 @@ def parse(cfg: dict, arch: str) -> HybridConfig:
         torch_dtype=dtype_name(cfg),
         layer_specs=tuple((Sublayer("norm", (blocks[t],)),) for t in types),
         norm_fp32_weight=True,
-        renames=RENAMES,
-        ignored_prefixes=("mtp.",),  # MTP layers are never built; the loader logs the tensors it skipped
+        renames=RENAMES + mtp_renames,
+        # the loader logs the tensors it skipped
+        ignored_prefixes=("mtp.", _UNUSED_MTP) if any(_UNUSED_MTP in r for _, r in mtp_renames) else ("mtp.",),
+        mtp_layers=1 if mtp_spec else 0,
+        mtp_spec=mtp_spec,
     )
 
 

@@ -115,22 +115,24 @@ def test_bad_speculative_flags_are_one_line_errors() -> None:
         assert res.returncode == 2 and needle in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr
 
 
-def _mtp_model(tmp_path) -> str:
+def _mtp_model(tmp_path, family: str) -> str:
     from shared.config import builtin_model_dir
-    from tests.mtp_checkpoint import write_mtp_checkpoint
+    from tests.mtp_checkpoint import write_mtp_checkpoint, write_nemotron_mtp_checkpoint
 
-    path = write_mtp_checkpoint(str(tmp_path / "qwen3_next_mtp"))
+    write = {"qwen3_next": write_mtp_checkpoint, "nemotron_h": write_nemotron_mtp_checkpoint}[family]
+    path = write(str(tmp_path / f"{family}_mtp"))
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(os.path.join(builtin_model_dir(), f), path)
     return path
 
 
-def test_nextn_drafts_with_the_mtp_layers_and_keeps_the_greedy_output(tmp_path) -> None:
+@pytest.mark.parametrize("family", ["qwen3_next", "nemotron_h"])
+def test_nextn_drafts_with_the_mtp_layers_and_keeps_the_greedy_output(tmp_path, family: str) -> None:
     """The MTP layers guess every round's drafts (concurrent requests, chunked prompts, a second wave
     that hits the prefix cache); outputs equal the model's greedy decoding without drafts."""
     from worker_proc.runtime import ModelRunner
 
-    path = _mtp_model(tmp_path)
+    path = _mtp_model(tmp_path, family)
     ref = ModelRunner(path, dtype="float32", kv_slots=600, state_slots=4, deterministic=True)
     system = [(7 * i + 3) % 200 + 3 for i in range(70)]
     prompts = [system + [(11 * i + j) % 200 + 3 for i in range(4 + j)] for j in range(4)]

@@ -117,14 +117,15 @@ def test_tp2_with_drafts_serves_the_single_rank_outputs(tmp_path, runner: Any, n
             assert server.metric("hyssm_spec_accepted_tokens_total") > 0
 
 
-def test_tp2_nextn_drafts_with_sharded_mtp_layers(tmp_path) -> None:
+@pytest.mark.parametrize("family", ["qwen3_next", "nemotron_h"])
+def test_tp2_nextn_drafts_with_sharded_mtp_layers(tmp_path, family: str) -> None:
     """NEXTN under --tp-size 2: each rank holds its heads and experts of the MTP layer and its MTP KV
     shard, both run it on rank 0's sampled tokens, and outputs are the single-rank runtime's."""
     from tests.e2e.test_speculative import _mtp_model
     from tests.model_driver import generate_greedy
     from worker_proc.runtime import ModelRunner
 
-    path = _mtp_model(tmp_path)
+    path = _mtp_model(tmp_path, family)
     ref = ModelRunner(path, device="cpu", dtype="float32", kv_slots=512, state_slots=4, deterministic=True)
     rng = random.Random(14)
     prompts = [[rng.randrange(3, 256) for _ in range(rng.randint(66, 80))] for _ in range(3)]

@@ -1,7 +1,8 @@
 """Drafting with a checkpoint's MTP layers (worker_proc/mtp_drafting.py, --speculative-algorithm NEXTN):
-the guesses after every step are the ones transformers' Qwen3-Next decoder layer gives when run as the
-MTP layer over the whole sequence, through chunked prefill, decode and verify steps that accept some
-drafts and reject others; the output stays the greedy one."""
+the guesses after every step are the ones transformers' own layers give when run as the MTP layers
+over the whole sequence (Qwen3-Next's MTP layer; Nemotron-H's MTP step, an attention and a MoE
+block), through chunked prefill, decode and verify steps that accept some drafts and reject others;
+the output stays the greedy one."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 from shared.errors import ModelLoadError
 from shared.messages import ForwardBatch, ReqSlice, SamplingParams
 from tests.model_driver import generate_greedy
-from tests.mtp_checkpoint import ReferenceMtp, write_mtp_checkpoint
+from tests.mtp_checkpoint import ReferenceMtp, ReferenceNemotronMtp, write_mtp_checkpoint, write_nemotron_mtp_checkpoint
 from tests.worker.util import fixture_dir
 from worker_proc.runtime import ModelRunner
 
@@ -19,9 +20,22 @@ PROMPT = [(7 * i + 3) % 40 + 1 for i in range(70)]  # GDN fixtures want prompts 
 K = 3
 
 
+FAMILIES = {
+    "qwen3_next": (write_mtp_checkpoint, ReferenceMtp),
+    "nemotron_h": (write_nemotron_mtp_checkpoint, ReferenceNemotronMtp),
+}
+
+
 @pytest.fixture(scope="module")
 def mtp_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return write_mtp_checkpoint(str(tmp_path_factory.mktemp("mtp")))
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family_mtp(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, type]:
+    """(checkpoint directory, reference MTP class) of each family with MTP layers."""
+    write, reference = FAMILIES[request.param]
+    return write(str(tmp_path_factory.mktemp(request.param))), reference
 
 
 def _slice(ids: list[int], start: int, sample: bool = True, **kw: object) -> ReqSlice:
@@ -29,8 +43,9 @@ def _slice(ids: list[int], start: int, sample: bool = True, **kw: object) -> Req
                     state_slot=1, sample=sample, sampling=GREEDY if sample else None, **kw)  # fmt: skip
 
 
-def test_guesses_follow_the_reference_mtp_through_chunks_decodes_and_verifies(mtp_dir: str) -> None:
-    ref = ReferenceMtp(mtp_dir)
+def test_guesses_follow_the_reference_mtp_through_chunks_decodes_and_verifies(family_mtp: tuple[str, type]) -> None:
+    mtp_dir, reference = family_mtp
+    ref = reference(mtp_dir)
     greedy = generate_greedy(ModelRunner(mtp_dir, kv_slots=200, state_slots=8), PROMPT, 12)
     r = ModelRunner(mtp_dir, kv_slots=200, state_slots=8, speculative_algorithm="NEXTN")
     first = _slice(PROMPT[:40], 0, sample=False, prompt_next=PROMPT[40])
@@ -44,8 +59,16 @@ def test_guesses_follow_the_reference_mtp_through_chunks_decodes_and_verifies(mt
         right = step % (K + 1)  # steps whose drafts are right for 0..K tokens, then the MTP's own guesses
         drafts = greedy[len(out) : len(out) + right] + guesses[right:] if right else guesses
         start = len(PROMPT) + len(out) - 1
-        res = r.step(ForwardBatch(step=step, reqs=[
-            _slice([out[-1], *drafts], start, drafts=len(drafts), backup_slot=2, draft_next=K, output_len=len(out))]))
+        res = r.step(
+            ForwardBatch(
+                step=step,
+                reqs=[
+                    _slice(
+                        [out[-1], *drafts], start, drafts=len(drafts), backup_slot=2, draft_next=K, output_len=len(out)
+                    )
+                ],
+            )
+        )
         n_ok = res.accepted["a"]
         verified.append(n_ok)
         out += drafts[:n_ok] + [res.next_tokens["a"]]
@@ -80,3 +103,35 @@ def test_without_nextn_the_mtp_tensors_are_skipped_and_guesses_refused(mtp_dir: 
     assert r.model.mtp is None and r.drafter is None
     with pytest.raises(ValueError, match="no MTP layers"):
         r.step(ForwardBatch(step=0, reqs=[_slice(PROMPT, 0, draft_next=2)], clears=[1]))
+
+
+def test_a_nemotron_checkpoint_with_two_mtp_steps_drafts_with_the_first(tmp_path, caplog) -> None:
+    """Every guess runs the first MTP step; the second step's tensors are skipped, with one log line."""
+    path = write_nemotron_mtp_checkpoint(str(tmp_path / "two_steps"), steps=2)
+    with caplog.at_level("INFO", logger="worker_proc.weight_files"):
+        r = ModelRunner(path, kv_slots=200, state_slots=8, speculative_algorithm="NEXTN")
+    from safetensors import safe_open
+
+    with safe_open(f"{path}/model.safetensors", "pt") as f:
+        second = [k for k in f.keys() if k.startswith(("mtp.layers.2.", "mtp.layers.3."))]
+    skipped = [m.message for m in caplog.records if "not loaded" in m.message]
+    assert skipped == [f"{len(second)} checkpoint tensors under mtp_unused. not loaded (not used for serving)"]
+    res = r.step(ForwardBatch(step=0, reqs=[_slice(PROMPT, 0, draft_next=K)], clears=[1]))
+    assert res.drafts["a"] == ReferenceNemotronMtp(path).guesses(PROMPT + [res.next_tokens["a"]], K)
+
+
+def test_nemotron_mtp_layer_spellings_and_bad_layouts() -> None:
+    from shared.families.registry import parse_config
+    from shared.model_info import read_config_json
+
+    cfg = dict(read_config_json(fixture_dir("nemotron_h_moe")), num_nextn_predict_layers=1)
+    by_list = parse_config(cfg)
+    assert [b.kind for sub in by_list.mtp_spec for b in sub.blocks] == ["attention", "sigmoid_moe"]
+    legacy = dict(cfg, mtp_hybrid_override_pattern="*E")
+    del legacy["mtp_layers_block_type"]
+    assert parse_config(legacy) == by_list
+    assert parse_config(dict(cfg, num_nextn_predict_layers=0)).mtp_layers == 0
+    with pytest.raises(ModelLoadError, match="exactly one attention"):
+        parse_config(dict(cfg, mtp_layers_block_type=["attention", "attention", "moe"]))
+    with pytest.raises(ModelLoadError, match="mtp_layers_block_type 'mamba'"):
+        parse_config(dict(cfg, mtp_layers_block_type=["attention", "mamba"]))
