@@ -23,6 +23,7 @@ import re
 from collections.abc import Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -36,7 +37,7 @@ from worker_proc.model.quantized import QuantizedWeight
 from worker_proc.model.shard import Range, ShardSpec, TPInfo
 from worker_proc.prequant_config import CheckpointQuant, StoredScheme
 from worker_proc.prequant_formats import Part, layout_problem, narrow_int4, read_module, stack
-from worker_proc.weight_files import _Names, load_weights
+from worker_proc.weight_files import MAPPED_BYTES, _Names, load_weights, stored_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -65,28 +66,42 @@ class QuantModule:
 
 
 class _Tensors:
-    """The checkpoint's open files and which holds each tensor; `read` is a prequant_formats.Read."""
+    """The checkpoint's files and which holds each tensor; `read` is a prequant_formats.Read. A file's
+    mapping is reopened once `MAPPED_BYTES` have been read through it (worker_proc.weight_files)."""
 
     def __init__(self, files: dict[str, list[str]], stack_: ExitStack) -> None:
-        self.where: dict[str, object] = {}
+        self.where: dict[str, str] = {}
+        self._handles: dict[str, Any] = {}
+        self._mapped: dict[str, int] = {}
+        stack_.callback(self._handles.clear)
         for path in files:
-            try:
-                handle = stack_.enter_context(safe_open(path, framework="pt", device="cpu"))
-            except Exception as e:  # safetensors raises its own error types for corrupt files
-                raise ModelLoadError(f"{path}: cannot read safetensors ({e})") from e
-            for key in handle.keys():
-                self.where[key] = handle
+            for key in self._handle(path).keys():
+                self.where[key] = path
+
+    def _handle(self, path: str, nbytes: int = 0) -> Any:
+        """The open file at `path`, reopened first when `nbytes` more would pass MAPPED_BYTES."""
+        if path in self._handles and self._mapped[path] + nbytes <= MAPPED_BYTES:
+            self._mapped[path] += nbytes
+            return self._handles[path]
+        self._handles.pop(path, None)  # the last reference: the old mapping closes
+        try:
+            self._handles[path] = safe_open(path, framework="pt", device="cpu")
+        except Exception as e:  # safetensors raises its own error types for corrupt files
+            raise ModelLoadError(f"{path}: cannot read safetensors ({e})") from e
+        self._mapped[path] = nbytes
+        return self._handles[path]
 
     def shape(self, key: str) -> list[int]:
-        return list(self.where[key].get_slice(key).get_shape())  # type: ignore[attr-defined]
+        return list(self._handle(self.where[key]).get_slice(key).get_shape())
 
     def read(self, key: str, dim: int, ranges: tuple[Range, ...] | None) -> torch.Tensor:
         if key not in self.where:
             raise ModelLoadError(f"checkpoint lacks tensor {key!r}")
-        handle = self.where[key]
+        path = self.where[key]
+        handle = self._handle(path, stored_bytes(self._handle(path).get_slice(key)))
         if ranges is None:
-            return handle.get_tensor(key)  # type: ignore[attr-defined]
-        sl = handle.get_slice(key)  # type: ignore[attr-defined]
+            return handle.get_tensor(key)
+        sl = handle.get_slice(key)
         lead = (slice(None),) * dim
         parts = [sl[(*lead, slice(a, b))] for a, b in ranges]
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import re
 from collections.abc import Callable, Iterator
@@ -31,6 +32,13 @@ logger = logging.getLogger(__name__)
 
 _PER_EXPERT = re.compile(r"^(?P<base>.+\.experts)\.(?P<index>\d+)\.(?P<proj>[A-Za-z0-9_]+)\.weight$")
 _PROGRESS_MIN_BYTES = 256 * 2**20
+MAPPED_BYTES = 64 * 2**20
+"""The most tensor bytes of a checkpoint file mapped at once while loading. Every page a mapping has
+touched counts in the worker's resident memory until the mapping closes, on top of the parameters that
+hold the values copied out of it: one mapping of a whole file made the load's peak the file's size
+above the loaded model."""
+_DTYPE_BITS = {"F64": 64, "I64": 64, "U64": 64, "F32": 32, "I32": 32, "U32": 32, "F16": 16, "BF16": 16, "I16": 16,
+               "U16": 16, "F8_E4M3": 8, "F8_E5M2": 8, "I8": 8, "U8": 8, "BOOL": 8}
 
 
 def weight_files(model_dir: str) -> dict[str, list[str]]:
@@ -96,7 +104,8 @@ def _iter_tensors(
     skip: Callable[[str], bool] | None = None,
 ) -> Iterator[tuple[str, str, str, int | None, torch.Tensor, float]]:
     """(file, checkpoint name, parameter name, expert row, this rank's part of the tensor, its
-    fraction of the stored tensor); ignored tensors, and those `skip` names, are skipped unread."""
+    fraction of the stored tensor); ignored tensors, and those `skip` names, are skipped unread. A
+    file is mapped `MAPPED_BYTES` of tensors at a time (`_batches`)."""
     for path, listed_names in files.items():
         try:
             with safe_open(path, framework="pt", device="cpu") as f:
@@ -106,6 +115,7 @@ def _iter_tensors(
                     missing = sorted(listed - set(keys))
                     if missing:
                         raise ModelLoadError(f"{path} lacks tensor {missing[0]!r} listed in the shard index")
+                wanted = []
                 for key in keys:
                     if skip is not None and skip(key):
                         continue
@@ -113,14 +123,40 @@ def _iter_tensors(
                     if names.ignore(name):
                         names.skipped += 1
                         continue
-                    spec = spec_of(name)
-                    if spec is not None and row is not None:  # one expert of a stacked [E, ...] tensor
-                        spec = ShardSpec(spec.dim - 1, spec.ranges) if spec.dim > 0 else None
-                    yield path, key, name, row, *_read(f, key, spec)
+                    wanted.append((key, name, row))
+                batches = list(_batches(f, wanted))
+            for batch in batches:
+                with safe_open(path, framework="pt", device="cpu") as f:
+                    for key, name, row in batch:
+                        spec = spec_of(name)
+                        if spec is not None and row is not None:  # one expert of a stacked [E, ...] tensor
+                            spec = ShardSpec(spec.dim - 1, spec.ranges) if spec.dim > 0 else None
+                        yield path, key, name, row, *_read(f, key, spec)
         except ModelLoadError:
             raise
         except Exception as e:  # safetensors raises its own error types for corrupt files
             raise ModelLoadError(f"{path}: cannot read safetensors ({e})") from e
+
+
+def stored_bytes(sl: Any) -> int:
+    """The bytes a tensor takes in its file, from its safetensors slice (shape and dtype only)."""
+    return math.prod(sl.get_shape()) * _DTYPE_BITS.get(sl.get_dtype(), 32) // 8
+
+
+def _batches(f: Any, wanted: list[tuple[str, str, int | None]]) -> Iterator[list[tuple[str, str, int | None]]]:
+    """`wanted` in order, cut where the next tensor would take a batch past `MAPPED_BYTES` (a larger
+    tensor is a batch of its own)."""
+    batch: list[tuple[str, str, int | None]] = []
+    size = 0
+    for item in wanted:
+        nbytes = stored_bytes(f.get_slice(item[0]))
+        if batch and size + nbytes > MAPPED_BYTES:
+            yield batch
+            batch, size = [], 0
+        batch.append(item)
+        size += nbytes
+    if batch:
+        yield batch
 
 
 def load_weights(model: HybridForCausalLM, files: dict[str, list[str]], skip: Callable[[str], bool] | None = None,

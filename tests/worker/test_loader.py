@@ -180,3 +180,59 @@ def test_16bit_on_a_cpu_without_native_support_computes_in_float32(
     cfg = loader.load_config(fixture_dir(NAME))
     assert loader.resolve_dtype("bfloat16", torch.device("cuda"), cfg, native=False) == torch.bfloat16
     assert loader.resolve_dtype("auto", torch.device("cpu"), cfg, native=False) == torch.float32
+
+
+def _mapped_kib(path: str) -> int:
+    """Resident KiB of this process's mappings of file `path` (/proc/self/smaps)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            fields = line.split()
+            if "-" in fields[0] and len(fields) >= 5 and ":" in fields[3]:  # a mapping's header line
+                inside = fields[-1] == path
+            elif inside and fields[0] == "Rss:":
+                total += int(fields[1])
+    return total
+
+
+@pytest.mark.parametrize("bound_kib", [256, 1 << 20])
+def test_loading_maps_a_bounded_part_of_the_file(bound_kib: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The file's pages a load keeps mapped stay within MAPPED_BYTES plus one tensor (the largest here
+    is 146 KiB); with the bound above the file's size the whole file is mapped by the end, so the
+    measure sees what it bounds. The parameters are the same either way."""
+    from safetensors import safe_open
+
+    import worker_proc.weight_files as wf
+    from shared.config import builtin_model_dir
+
+    path = os.path.realpath(os.path.join(builtin_model_dir(), "model.safetensors"))
+    peak = [0]
+
+    class Spy:
+        def __init__(self, *args: object, **kw: object) -> None:
+            self.f = safe_open(*args, **kw)
+
+        def __enter__(self) -> Spy:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            self.f = None  # the last reference: the mapping closes
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(self.f, name)
+
+        def get_tensor(self, key: str) -> torch.Tensor:
+            t = self.f.get_tensor(key)
+            peak[0] = max(peak[0], _mapped_kib(path))
+            return t
+
+    monkeypatch.setattr(wf, "MAPPED_BYTES", bound_kib * 1024)
+    monkeypatch.setattr(wf, "safe_open", Spy)
+    model = load_model(builtin_model_dir())
+    size_kib = os.path.getsize(path) // 1024
+    if bound_kib < size_kib:
+        assert 0 < peak[0] <= bound_kib + 146 + 128, peak[0]  # 128: pages the kernel maps around a fault
+        expected = {n: p.clone() for n, p in load_model(builtin_model_dir()).named_parameters()}
+        assert all(torch.equal(p, expected[n]) for n, p in model.named_parameters())
+    else:
+        assert peak[0] > 0.9 * size_kib, (peak[0], size_kib)
