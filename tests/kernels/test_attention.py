@@ -1,4 +1,5 @@
-"""Triton attention over slot-indexed KV (decode split-K, varlen prefill) against the reference, interpreted."""
+"""Attention over slot-indexed KV: Triton (decode split-K, varlen prefill, interpreted) and the CPU kernels
+against the reference."""
 
 from __future__ import annotations
 
@@ -101,3 +102,24 @@ def test_half_precision(gen: torch.Generator) -> None:
     lens = torch.tensor([12])
     dec = attn_decode(q[:1], k_pool, v_pool, kv[None], lens, SCALE, split_size=8)
     assert max_diff(dec, ref.attention_decode(q[:1], k_pool[kv[None]], v_pool[kv[None]], lens, SCALE)) <= 0.03
+
+
+@pytest.mark.parametrize("run", [True, False], ids=["one_run_of_slots", "scattered_slots"])
+def test_fast_attention_reads_a_run_of_slots_in_place(gen: torch.Generator, run: bool) -> None:
+    """The CPU kernels read a context held in one ascending run of slots as a view of the pool (no copy
+    of the context per layer and step) and a scattered one by gathering; both give the reference's
+    prefill after a cached prefix and decode of one request."""
+    from worker_proc.kernels.fast import FastOps, pool_rows
+
+    k_pool, v_pool = _kv_pools(gen, 2, 16)
+    n, cached = 90, 70
+    kv = torch.arange(40, 40 + n) if run else _slots(gen, n)
+    assert (pool_rows(k_pool, kv).untyped_storage().data_ptr() == k_pool.untyped_storage().data_ptr()) == run
+    ops = FastOps()
+    q = rand(gen, n - cached, 6, 16)
+    out = ops.attn_prefill(q, k_pool, v_pool, kv, cached, SCALE)
+    assert max_diff(out, ref.attention_prefill(q, k_pool[kv], v_pool[kv], cached, SCALE)) <= TOL
+    q1 = rand(gen, 1, 6, 16)
+    lens = torch.tensor([n])
+    out = ops.attn_decode(q1, k_pool, v_pool, kv[None], lens, SCALE)
+    assert max_diff(out, ref.attention_decode(q1, k_pool[kv[None]], v_pool[kv[None]], lens, SCALE)) <= TOL

@@ -93,6 +93,15 @@ def ssd_scan_batched(x: Tensor, dt: Tensor, a: Tensor, b: Tensor, c: Tensor, d: 
     return y + x * d.float()[:, None], state.reshape(seqs, heads, p, n)
 
 
+def pool_rows(pool: Tensor, idx: Tensor) -> Tensor:
+    """Rows `idx` of a KV pool: a view when they are one ascending run of slots (a long prompt's usually
+    are: no copy of its whole context per layer and step), else a copy."""
+    n = idx.numel()
+    if n > 1 and int(idx[-1]) - int(idx[0]) == n - 1 and bool((idx.diff() == 1).all()):
+        return pool.narrow(0, int(idx[0]), n)
+    return pool.index_select(0, idx)
+
+
 def _exp(t: Tensor) -> Tensor:
     """exp of a temporary, in place, its argument clamped to EXP_FLOOR."""
     return t.clamp_(min=EXP_FLOOR).exp_()
@@ -178,8 +187,8 @@ class FastOps(ReferenceOps):
     def attn_prefill(self, q: Tensor, k_pool: Tensor, v_pool: Tensor, kv_idx: Tensor, start_pos: int,
                      scale: float) -> Tensor:  # fmt: skip
         length, heads, dim = q.shape
-        k = k_pool.index_select(0, kv_idx).transpose(0, 1)[None]  # [1, kvh, T, d]
-        v = v_pool.index_select(0, kv_idx).transpose(0, 1)[None]
+        k = pool_rows(k_pool, kv_idx).transpose(0, 1)[None]  # [1, kvh, T, d]
+        v = pool_rows(v_pool, kv_idx).transpose(0, 1)[None]
         mask = None
         if start_pos > 0 and length > 1:  # causal, the queries sitting after `start_pos` cached keys
             qpos = torch.arange(length, device=q.device)[:, None] + start_pos
@@ -193,8 +202,12 @@ class FastOps(ReferenceOps):
     def attn_decode(self, q: Tensor, k_pool: Tensor, v_pool: Tensor, kv_idx: Tensor, lengths: Tensor,
                     scale: float) -> Tensor:  # fmt: skip
         """One padded SDPA over the decode group; positions past lengths[b] are masked out."""
-        k = k_pool[kv_idx].transpose(1, 2)  # [Bt, kvh, T, d]
-        v = v_pool[kv_idx].transpose(1, 2)
+        if kv_idx.shape[0] == 1:  # one request: its context may be one run of slots
+            k = pool_rows(k_pool, kv_idx[0])[None].transpose(1, 2)
+            v = pool_rows(v_pool, kv_idx[0])[None].transpose(1, 2)
+        else:
+            k = k_pool[kv_idx].transpose(1, 2)  # [Bt, kvh, T, d]
+            v = v_pool[kv_idx].transpose(1, 2)
         valid = torch.arange(kv_idx.shape[1], device=q.device)[None, :] < lengths[:, None]  # [Bt, T]
         out = F.scaled_dot_product_attention(
             q[:, :, None].to(k.dtype), k, v, attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=True
