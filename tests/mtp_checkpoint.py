@@ -80,6 +80,27 @@ def write_nemotron_mtp_checkpoint(dst: str, seed: int = 0, steps: int = 1) -> st
     return _save(tensors, dst, num_nextn_predict_layers=steps)
 
 
+def _converted(model_class: type, model_dir: str, tensors: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """transformers' `model_class` with `model_dir`'s config, loaded (converted by transformers' own
+    loading) from `tensors`."""
+    with tempfile.TemporaryDirectory() as tmp:
+        shutil.copy(os.path.join(model_dir, "config.json"), tmp)
+        save_file(tensors, os.path.join(tmp, "model.safetensors"))
+        return model_class.from_pretrained(tmp, dtype=torch.float32).eval()
+
+
+def _linear(weight: torch.Tensor) -> torch.nn.Linear:
+    out = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+    out.weight.data.copy_(weight)
+    return out
+
+
+def _norm(norm_class: type, weight: torch.Tensor, eps: float) -> torch.nn.Module:
+    out = norm_class(weight.shape[0], eps=eps)
+    out.weight.data.copy_(weight)
+    return out
+
+
 class _Reference:
     """A transformers model `hf` and its MTP beside it: subclasses give `_input` (the MTP's input at
     each position from the next token and the model's hidden state) and `_layer` (the MTP over
@@ -127,17 +148,11 @@ class ReferenceNemotronMtp(_Reference):
             for part in ("norm", "mixer"):
                 src, dst = f"mtp.layers.{i}.{part}.", f"backbone.layers.{template}.{part}."
                 swapped.update({dst + k[len(src) :]: v for k, v in tensors.items() if k.startswith(src)})
-        with tempfile.TemporaryDirectory() as tmp:
-            shutil.copy(os.path.join(model_dir, "config.json"), tmp)
-            save_file(swapped, os.path.join(tmp, "model.safetensors"))
-            holder = NemotronHForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
+        holder = _converted(NemotronHForCausalLM, model_dir, swapped)
         self.blocks = [holder.model.layers[t] for t in NEMOTRON_TEMPLATES]
-        self.eh_proj = torch.nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
-        self.eh_proj.weight.data.copy_(tensors["mtp.layers.0.eh_proj.weight"])
-        self.norms = {}
-        for norm in ("0.enorm", "0.hnorm", "1.final_layernorm"):
-            self.norms[norm] = NemotronHRMSNorm(cfg.hidden_size, eps=cfg.layer_norm_epsilon)
-            self.norms[norm].weight.data.copy_(tensors[f"mtp.layers.{norm}.weight"])
+        self.eh_proj = _linear(tensors["mtp.layers.0.eh_proj.weight"])
+        self.norms = {n: _norm(NemotronHRMSNorm, tensors[f"mtp.layers.{n}.weight"], cfg.layer_norm_epsilon)
+                      for n in ("0.enorm", "0.hnorm", "1.final_layernorm")}  # fmt: skip
 
     def _input(self, token: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         e = self.hf.model.embeddings(token)
@@ -162,12 +177,9 @@ class ReferenceMtp(_Reference):
         cfg = self.hf.config
         tensors = load_file(os.path.join(model_dir, "model.safetensors"))
         self.layer = self._mtp_layer(model_dir, tensors)
-        self.fc = torch.nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
-        self.fc.weight.data.copy_(tensors["mtp.fc.weight"])
-        self.norms = {}
-        for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
-            self.norms[norm] = Qwen3NextRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
-            self.norms[norm].weight.data.copy_(tensors[f"mtp.{norm}.weight"])
+        self.fc = _linear(tensors["mtp.fc.weight"])
+        self.norms = {n: _norm(Qwen3NextRMSNorm, tensors[f"mtp.{n}.weight"], cfg.rms_norm_eps)
+                      for n in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")}  # fmt: skip
 
     @staticmethod
     def _mtp_layer(model_dir: str, tensors: dict[str, torch.Tensor]) -> torch.nn.Module:
@@ -178,10 +190,7 @@ class ReferenceMtp(_Reference):
         swapped = {k: v for k, v in tensors.items() if not k.startswith("mtp.")}
         swapped.update({f"model.layers.{TEMPLATE_LAYER}." + k[len("mtp.layers.0."):]: v
                         for k, v in tensors.items() if k.startswith("mtp.layers.0.")})  # fmt: skip
-        with tempfile.TemporaryDirectory() as tmp:
-            shutil.copy(os.path.join(model_dir, "config.json"), tmp)
-            save_file(swapped, os.path.join(tmp, "model.safetensors"))
-            holder = Qwen3NextForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
+        holder = _converted(Qwen3NextForCausalLM, model_dir, swapped)
         return holder.model.layers[TEMPLATE_LAYER]
 
     def _layer(self, x: torch.Tensor) -> torch.Tensor:
