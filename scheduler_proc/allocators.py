@@ -2,7 +2,8 @@
 
 The scheduler owns slot *ids*; workers own the tensors those ids index. Slot 0 is the workers' padding
 slot and is never handed out, so usable ids are 1..capacity. Allocation and freeing are O(1) per slot
-(a LIFO free stack plus a membership bitmap); `alloc_many` is all-or-nothing.
+(a LIFO free stack plus a membership bitmap); `alloc_many` is all-or-nothing and hands out
+consecutive ids in ascending order while the stack holds them so.
 """
 
 from __future__ import annotations
@@ -71,7 +72,10 @@ class SlotAllocator:
         self._free.append(slot)
 
     def free_many(self, slots: list[int]) -> None:
-        for slot in slots:
+        """Free `slots`; the next `alloc_many` hands them out again in the order given (the stack takes
+        them last first). A context freed as one ascending run of KV slots comes back as that run, which
+        CPU attention reads in place instead of gathering it per layer and step."""
+        for slot in reversed(slots):
             self.free(slot)
 
     def check_integrity(self) -> None:

@@ -31,6 +31,7 @@ import zmq.asyncio
 
 from shared.channels import TO_LAUNCHER, ChannelTimeout, Sender
 from shared.config import ServerArgs
+from shared.heap import release_free_heap
 from shared.messages import ProcFailed, ProcReady, ToLauncher
 from tokenizer_proc.app import create_app
 from tokenizer_proc.context import AppContext
@@ -150,6 +151,7 @@ async def _serve(args: ServerArgs, launcher: Sender[ToLauncher]) -> None:
         tokenizer = TextTokenizer.from_dir(args.resolved_model_path, chat=ChatConventions.from_args(args))
     except Exception as e:  # noqa: BLE001 - any load failure is a startup failure
         raise StartupFailed(f"cannot load the tokenizer: {e}") from e
+    release_free_heap()  # what parsing tokenizer.json freed
     sock = bind_unix_socket(args.http_uds) if args.http_uds else bind_socket(args.host, args.port)
     zctx = zmq.asyncio.Context()
     try:

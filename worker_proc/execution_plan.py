@@ -184,10 +184,12 @@ def choose(instances: list[Instance], thread_options: tuple[int, ...], measure: 
     step's recurrent kernels (worker_proc.mixer_timing), added to its products' when threads are chosen."""
     counts: dict[GemmKey, int] = {}
     nbytes: dict[GemmKey, int] = {}
+    kept: dict[GemmKey, int] = {}  # bytes of dense weights their owners read themselves
     for site, weight in instances:
         key = GemmKey.of(site)
         counts[key] = counts.get(key, 0) + 1
         nbytes[key] = nbytes.get(key, 0) + site.weight_bytes(weight)
+        kept[key] = kept.get(key, 0) + (site.weight_bytes(weight) if site.dense_kept else 0)
     picks: dict[GemmKey, list[dict[str, float]]] = {k: [] for k in counts}
     threads: list[int] = []
     for rows in ROW_BUCKETS:
@@ -199,13 +201,15 @@ def choose(instances: list[Instance], thread_options: tuple[int, ...], measure: 
         threads.append(chosen)
         for key in counts:
             picks[key].append(by_threads[chosen].get(key, {}))
-    extra = {k: _second_copy_bytes(k, [_pick(t, k.storage) for t in picks[k]], counts[k], nbytes[k]) for k in counts}
+    extra = {k: _second_copy_bytes(k, [_pick(t, k.storage) for t in picks[k]], counts[k], nbytes[k], kept[k])
+             for k in counts}  # fmt: skip
     keep_both = affordable(sum(extra.values()))
     gemms = {}
     for key, timed in picks.items():
         per_bucket = [_pick(t, key.storage) for t in timed]
         if extra[key] and not keep_both:
-            per_bucket = _one_storage(timed) if key.storage == "dense" else [_pick(_own(t), key.storage) for t in timed]
+            one_storage = key.storage == "dense" and not kept[key]
+            per_bucket = _one_storage(timed) if one_storage else [_pick(_own(t), key.storage) for t in timed]
         gemms[key] = rule_from_buckets(per_bucket, dict(zip(ROW_BUCKETS, timed, strict=True)))
     rule: list[tuple[int, int]] = []
     for bucket, n in zip(ROW_BUCKETS, threads, strict=True):
@@ -245,13 +249,13 @@ def _own(timed: dict[str, float]) -> dict[str, float]:
     return {m: s for m, s in timed.items() if not _reads_copy(m)}
 
 
-def _second_copy_bytes(key: GemmKey, per_bucket: list[str], count: int, nbytes: int) -> int:
+def _second_copy_bytes(key: GemmKey, per_bucket: list[str], count: int, nbytes: int, kept: int = 0) -> int:
     """Bytes these picks hold beyond one copy of the key's weights: a dense weight read both as it is
-    and packed (a packed-only site drops its dense weight), or a quantized weight's int8 copy (one byte
-    per weight; the quantized values stay)."""
+    and packed (a packed-only site drops its dense weight unless its owner reads it: `kept` bytes), or
+    a quantized weight's int8 copy (one byte per weight; the quantized values stay)."""
     copies = {_reads_copy(m) for m in per_bucket}
     if key.storage == "dense":
-        return nbytes if len(copies) > 1 else 0
+        return nbytes if len(copies) > 1 else (kept if True in copies else 0)
     return count * key.out_features * key.in_features if True in copies else 0
 
 

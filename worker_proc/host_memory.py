@@ -1,5 +1,5 @@
 """Host memory of a worker process: freed blocks stay in the heap for the next step, what load left
-free goes back once (`release_free_heap`), the state pools take pages only as their slots are used
+free goes back once (`shared.heap.release_free_heap`), the state pools take pages only as their slots are used
 (`zeros`), and oneDNN's primitive caches hold a bounded number of entries (`bound_onednn_caches`).
 
 glibc's malloc serves a block above its mmap threshold with a fresh mapping and returns the top of
@@ -46,21 +46,6 @@ def keep_freed_memory() -> bool:
     if not mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES):
         return False
     return bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))
-
-
-def release_free_heap() -> bool:
-    """Give the heap's free pages back to the kernel (glibc's `malloc_trim(0)`, which also frees whole
-    free pages inside the heap, not only at its top). Run once after load: the dense weights that a
-    packed-only site drops and the plan's timing copies are freed below the trim threshold
-    `keep_freed_memory` sets, so without it they stay resident for the process's life. Returns whether
-    any memory was released (False, doing nothing, where the C library is not glibc)."""
-    try:
-        trim = ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim
-    except (OSError, AttributeError, TypeError):
-        return False
-    trim.argtypes = (ctypes.c_size_t,)
-    trim.restype = ctypes.c_int
-    return bool(trim(0))
 
 
 ONEDNN_CACHE_VARS = ("LRU_CACHE_CAPACITY", "ONEDNN_PRIMITIVE_CACHE_CAPACITY")

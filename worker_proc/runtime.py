@@ -22,12 +22,12 @@ from typing import Any
 
 import torch
 
+from shared.heap import release_free_heap
 from shared.messages import ForwardBatch, ReqSlice, StepResult
 from shared.model_info import ModelInfo
 from worker_proc import speculative
 from worker_proc.execution_plan import product_sites
 from worker_proc.grammar import GrammarRuntime
-from worker_proc.host_memory import release_free_heap
 from worker_proc.kernels.select import choose_kernels
 from worker_proc.loader import checkpoint_quantization, load_model
 from worker_proc.model import StepBatch, build_step_batch

@@ -104,21 +104,39 @@ def test_half_precision(gen: torch.Generator) -> None:
     assert max_diff(dec, ref.attention_decode(q[:1], k_pool[kv[None]], v_pool[kv[None]], lens, SCALE)) <= 0.03
 
 
-@pytest.mark.parametrize("run", [True, False], ids=["one_run_of_slots", "scattered_slots"])
-def test_fast_attention_reads_a_run_of_slots_in_place(gen: torch.Generator, run: bool) -> None:
-    """The CPU kernels read a context held in one ascending run of slots as a view of the pool (no copy
-    of the context per layer and step) and a scattered one by gathering; both give the reference's
-    prefill after a cached prefix and decode of one request."""
-    from worker_proc.kernels.fast import FastOps, pool_rows
+def _context(gen: torch.Generator, layout: str) -> tuple[torch.Tensor, int]:
+    """KV slots of a 700-token context in `layout`, and how many of its views of the pool to expect."""
+    if layout == "one_run_of_slots":
+        return torch.arange(40, 740), 1
+    scattered = torch.randperm(300, generator=gen)[:140] + 1  # from slots 1..300
+    if layout == "scattered_slots":
+        return torch.cat([scattered, torch.randperm(400, generator=gen)[:560] + 301]), 0
+    # runs of 300 and 260 slots (views), the rest scattered between them, as decode slots of other
+    # requests and a cached prefix leave a long context; one run ends where the next one begins
+    return torch.cat([torch.arange(301, 601), scattered[:70], torch.arange(601, 861), scattered[70:]]), 2
 
-    k_pool, v_pool = _kv_pools(gen, 2, 16)
-    n, cached = 90, 70
-    kv = torch.arange(40, 40 + n) if run else _slots(gen, n)
-    assert (pool_rows(k_pool, kv).untyped_storage().data_ptr() == k_pool.untyped_storage().data_ptr()) == run
+
+@pytest.mark.parametrize("layout", ["one_run_of_slots", "runs_and_scattered_slots", "scattered_slots"])
+def test_fast_attention_reads_runs_of_slots_in_place(gen: torch.Generator, layout: str) -> None:
+    """The CPU kernels read each long run of slots of a context as a view of the pool (no copy of the
+    context per layer and step) and gather the rest; whatever the layout they give the reference's
+    prefill after a cached prefix (also one token long) and decode of one request."""
+    from worker_proc.kernels.fast import CONTEXT_RUN, FastOps, context_parts
+
+    k_pool = rand(gen, 1201, 2, 16)
+    v_pool = rand(gen, 1201, 2, 16)
+    kv, views = _context(gen, layout)
+    n = kv.numel()
+    assert CONTEXT_RUN <= 260 and len(set(kv.tolist())) == n
+    parts = context_parts(k_pool, v_pool, kv)
+    shares = [k.untyped_storage().data_ptr() == k_pool.untyped_storage().data_ptr() for k, _ in parts]
+    assert sum(shares) == views and len(parts) == views + (layout != "one_run_of_slots")
+    assert torch.equal(torch.cat([k for k, _ in parts]).sort(0).values, k_pool[kv].sort(0).values)
     ops = FastOps()
-    q = rand(gen, n - cached, 6, 16)
-    out = ops.attn_prefill(q, k_pool, v_pool, kv, cached, SCALE)
-    assert max_diff(out, ref.attention_prefill(q, k_pool[kv], v_pool[kv], cached, SCALE)) <= TOL
+    for cached in (n - 90, n - 1):
+        q = rand(gen, n - cached, 6, 16)
+        out = ops.attn_prefill(q, k_pool, v_pool, kv, cached, SCALE)
+        assert max_diff(out, ref.attention_prefill(q, k_pool[kv], v_pool[kv], cached, SCALE)) <= TOL
     q1 = rand(gen, 1, 6, 16)
     lens = torch.tensor([n])
     out = ops.attn_decode(q1, k_pool, v_pool, kv[None], lens, SCALE)

@@ -15,6 +15,19 @@ def test_alloc_free_roundtrip_and_padding_slot_never_given() -> None:
     a.check_integrity()
 
 
+def test_a_freed_run_of_slots_comes_back_as_the_same_ascending_run() -> None:
+    """A long prompt's chunks take their KV slots one after another; once its cached context is evicted
+    (freed leaf first, each node's slots in order), the next prompt's chunks get one ascending run again."""
+    a = KVAllocator(64)
+    first = [a.alloc_many(16) for _ in range(3)]
+    assert sum(first, []) == list(range(1, 49))
+    for part in reversed(first):  # eviction frees the deepest node first
+        a.free_many(part)
+    again = [a.alloc_many(16) for _ in range(3)]
+    assert sum(again, []) == list(range(1, 49))
+    a.check_integrity()
+
+
 def test_alloc_many_is_all_or_nothing() -> None:
     a = StateSlotAllocator(3)
     assert a.alloc() == 1

@@ -6,6 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
+from shared.model_info import ModelInfo
 from tokenizer_proc.requests.detokenizer import (
     ByteTableStream,
     DecodeStreamAdapter,
@@ -142,3 +143,20 @@ def test_decode_stream_adapter_for_non_byte_level_tokenizers() -> None:
     text = "".join(_feed(detok, ids)) + detok.finish()
     assert text == t.decode(ids)[: t.decode(ids).find("ld!")]
     assert detok.matched_stop == "ld!"
+
+
+def test_byte_tables_follow_the_decoder_also_inside_a_sequence(model_dir: str) -> None:
+    """A ByteLevel decoder, alone or chained (ByteLevel then Strip, as some checkpoints write it), decodes
+    through the byte tables; another decoder, or none, through the tokenizers library."""
+    path = f"{model_dir}/tokenizer.json"
+    info = ModelInfo.from_dir(model_dir)
+    for decoder, byte_level in ((decoders.ByteLevel(), True),
+                                (decoders.Sequence([decoders.ByteLevel(), decoders.Strip(" ", 0, 0)]), True),
+                                (decoders.Metaspace(), False), (None, False)):  # fmt: skip
+        t = Tokenizer.from_file(path)
+        t.decoder = decoder
+        tok = TextTokenizer(t, {}, model_dir, info)
+        ids = tok.encode("héllo wörld")
+        assert isinstance(tok.detokenizer()._stream, ByteTableStream) == byte_level, decoder
+        if byte_level:
+            assert tok.decode(ids) == "héllo wörld"

@@ -172,10 +172,12 @@ def test_a_single_weight_copy_keeps_one_layout_of_every_weight(tmp_path: Path,
     one = _runner(tmp_path, thread_options=(1,), single_weight_copy=True)
     assert "saved to" in one.plan.source and len(list(tmp_path.glob("plan-*.json"))) == 2  # its own cache key
     assert _DenseThenPacked.made[-2:] == [0, DEFAULT_STREAM_BYTES]  # its timing copies are bounded too
+    tied = [site for _, site, _ in product_sites(one.model) if site.dense_kept]
+    assert len(tied) == 1 and tied[0].storages == {"dense"}  # the embedding reads the dense table anyway
     for owner, site, weight in product_sites(one.model):
         assert len(site.storages) == 1, site.storages
-        if site.storages == {"packed"} and isinstance(owner, Linear):  # (a tied head's weight is the embedding)
-            assert weight.numel() == 0  # the dense weight is gone, not only unused
+        if site.storages == {"packed"}:
+            assert isinstance(owner, Linear) and weight.numel() == 0  # the dense weight is gone, not only unused
     one.check_integrity()
     greedy = SamplingParams(temperature=0.0)
     ids = [5, 9, 2, 7, 1, 3, 8, 4]

@@ -76,7 +76,8 @@ def test_pool_zeros_take_pages_only_where_written() -> None:
 
 TRIM_PROBE = """
 import torch
-from worker_proc.host_memory import keep_freed_memory, release_free_heap
+from shared.heap import release_free_heap
+from worker_proc.host_memory import keep_freed_memory
 def anon():
     with open("/proc/self/status") as f:
         return next(int(l.split()[1]) for l in f if l.startswith("RssAnon")) >> 10

@@ -38,7 +38,9 @@ def _token_content(value: Any) -> str | None:
 
 
 def _is_byte_level(tokenizer: Tokenizer) -> bool:
-    decoder = json.loads(tokenizer.to_str()).get("decoder") or {}
+    """Whether the decoder is (or chains) ByteLevel, read from the decoder's own serialisation: the whole
+    tokenizer's would parse its vocabulary and merges into Python objects that outlive the load."""
+    decoder = json.loads(tokenizer.decoder.__getstate__()) if tokenizer.decoder is not None else {}
     if decoder.get("type") == "Sequence":
         return any(d.get("type") == "ByteLevel" for d in decoder.get("decoders", []))
     return decoder.get("type") == "ByteLevel"

@@ -38,6 +38,9 @@ EXP_FLOOR = -87.0
 """Arguments of the scan's exponentials are clamped to at least this: below it exp underflows (to a
 denormal or 0) and torch's CPU exp takes a slow path, 10x slower over a scan's decay matrix; the clamp
 changes a result by at most exp(-87) ~ 1.6e-38, masked (acausal) entries included."""
+CONTEXT_RUN = 256
+"""Shortest run of consecutive KV slots that CPU attention reads in place (`context_parts`); each run
+read so costs one more attention call, the slots of shorter runs are copied."""
 def _grouped(t: torch.Tensor, groups: int, dim: int = 1) -> torch.Tensor:
     """Split the head dimension `dim` (H) into (G, H/G): heads of one group are contiguous, as
     `repeat_interleave` of the groups lays them out."""
@@ -94,12 +97,53 @@ def ssd_scan_batched(x: Tensor, dt: Tensor, a: Tensor, b: Tensor, c: Tensor, d: 
 
 
 def pool_rows(pool: Tensor, idx: Tensor) -> Tensor:
-    """Rows `idx` of a KV pool: a view when they are one ascending run of slots (a long prompt's usually
-    are: no copy of its whole context per layer and step), else a copy."""
+    """Rows `idx` of a KV pool: a view when they are one ascending run of slots, else a copy."""
     n = idx.numel()
     if n > 1 and int(idx[-1]) - int(idx[0]) == n - 1 and bool((idx.diff() == 1).all()):
         return pool.narrow(0, int(idx[0]), n)
     return pool.index_select(0, idx)
+
+
+def context_parts(k_pool: Tensor, v_pool: Tensor, idx: Tensor) -> list[tuple[Tensor, Tensor]]:
+    """A context's keys and values (slots `idx`) in parts whose attention results merge by log-sum-exp:
+    each ascending run of at least CONTEXT_RUN slots (or the whole context, when it is one run) is a view
+    of the pools, the slots of all shorter runs are gathered into one part. A long context is rarely one
+    run (decode slots of other requests and cached prefixes interleave), and gathering it whole would
+    copy it per layer and step."""
+    n = idx.numel()
+    starts = torch.cat([idx.new_zeros(1), (idx.diff() != 1).nonzero().flatten() + 1])
+    ends = torch.cat([starts[1:], idx.new_full((1,), n)])
+    long = ((ends - starts) >= min(CONTEXT_RUN, n)).nonzero().flatten().tolist()
+    parts = []
+    rest = torch.ones(n, dtype=torch.bool) if long else None
+    for run in long:
+        lo, hi = int(starts[run]), int(ends[run])
+        parts.append((k_pool.narrow(0, int(idx[lo]), hi - lo), v_pool.narrow(0, int(idx[lo]), hi - lo)))
+        rest[lo:hi] = False
+    scattered = idx if rest is None else idx[rest]
+    if scattered.numel():
+        parts.append((k_pool.index_select(0, scattered), v_pool.index_select(0, scattered)))
+    return parts
+
+
+def _merged(results: list[tuple[Tensor, Tensor]]) -> Tensor:
+    """Attention over a context from its parts' (output [1, H, L, d], log-sum-exp [1, H, L]); float32
+    when there is more than one part."""
+    if len(results) == 1:
+        return results[0][0]
+    lse = torch.stack([r[1] for r in results])
+    weights = (lse - lse.amax(0)).exp_()[..., None]  # [P, 1, H, L, 1]
+    out = results[0][0].float() * weights[0]
+    for i in range(1, len(results)):
+        out.addcmul_(results[i][0].float(), weights[i])
+    return out.div_(weights.sum(0))
+
+
+def _flash_with_lse(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+    """CPU flash attention ([1, H, L, d] queries, grouped keys) and each query's log-sum-exp of its
+    scores, [1, H, L] float32; `causal` aligns query i with key i."""
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+    return out, lse
 
 
 def _exp(t: Tensor) -> Tensor:
@@ -186,28 +230,33 @@ class FastOps(ReferenceOps):
 
     def attn_prefill(self, q: Tensor, k_pool: Tensor, v_pool: Tensor, kv_idx: Tensor, start_pos: int,
                      scale: float) -> Tensor:  # fmt: skip
-        length, heads, dim = q.shape
-        k = pool_rows(k_pool, kv_idx).transpose(0, 1)[None]  # [1, kvh, T, d]
-        v = pool_rows(v_pool, kv_idx).transpose(0, 1)[None]
-        mask = None
-        if start_pos > 0 and length > 1:  # causal, the queries sitting after `start_pos` cached keys
-            qpos = torch.arange(length, device=q.device)[:, None] + start_pos
-            mask = torch.arange(start_pos + length, device=q.device)[None, :] <= qpos
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None].to(k.dtype), k, v, attn_mask=mask,
-            is_causal=start_pos == 0 and length > 1, scale=scale, enable_gqa=True,
-        )
-        return out[0].transpose(0, 1).to(q.dtype)
+        """Causal attention of `q` (positions start_pos..) over its context, without a mask: the queries
+        attend to the cached part of the context in full, a view of the pool where it is a run of slots
+        (`context_parts`), and to their own keys causally; the parts merge by their log-sum-exps. A
+        [queries, context] mask would be built and converted per layer and chunk, its cost and size
+        growing with the context (16 MiB at 16k positions)."""
+        qt = q.transpose(0, 1)[None].to(k_pool.dtype)  # [1, H, L, d]
+        own = [pool_rows(pool, kv_idx[start_pos:]).transpose(0, 1)[None] for pool in (k_pool, v_pool)]
+        results = [_flash_with_lse(qt, own[0], own[1], causal=True, scale=scale)]
+        if start_pos > 0:
+            results += [_flash_with_lse(qt, k.transpose(0, 1)[None], v.transpose(0, 1)[None], causal=False,
+                                        scale=scale)  # fmt: skip
+                        for k, v in context_parts(k_pool, v_pool, kv_idx[:start_pos])]
+        return _merged(results)[0].transpose(0, 1).to(q.dtype)
 
     def attn_decode(self, q: Tensor, k_pool: Tensor, v_pool: Tensor, kv_idx: Tensor, lengths: Tensor,
                     scale: float) -> Tensor:  # fmt: skip
-        """One padded SDPA over the decode group; positions past lengths[b] are masked out."""
-        if kv_idx.shape[0] == 1:  # one request: its context may be one run of slots
-            k = pool_rows(k_pool, kv_idx[0])[None].transpose(1, 2)
-            v = pool_rows(v_pool, kv_idx[0])[None].transpose(1, 2)
-        else:
-            k = k_pool[kv_idx].transpose(1, 2)  # [Bt, kvh, T, d]
-            v = v_pool[kv_idx].transpose(1, 2)
+        """One request: attention over its context's parts (`context_parts`, no copy of its runs of
+        slots); several: one padded SDPA over the group, positions past lengths[b] masked out."""
+        if kv_idx.shape[0] == 1:
+            qt = q[:, :, None].to(k_pool.dtype)  # [1, H, 1, d]
+            parts = context_parts(k_pool, v_pool, kv_idx[0, : int(lengths[0])])
+            results = [_flash_with_lse(qt, k.transpose(0, 1)[None], v.transpose(0, 1)[None], causal=False,
+                                       scale=scale)  # fmt: skip
+                       for k, v in parts]
+            return _merged(results)[0, :, 0][None].to(q.dtype)
+        k = k_pool[kv_idx].transpose(1, 2)  # [Bt, kvh, T, d]
+        v = v_pool[kv_idx].transpose(1, 2)
         valid = torch.arange(kv_idx.shape[1], device=q.device)[None, :] < lengths[:, None]  # [Bt, T]
         out = F.scaled_dot_product_attention(
             q[:, :, None].to(k.dtype), k, v, attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=True

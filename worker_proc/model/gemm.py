@@ -200,10 +200,13 @@ class GemmSite:
     `packed` holds oneDNN's copy when a bound method reads it."""
 
     def __init__(self, out_features: int, in_features: int, dtype: torch.dtype, packable: bool,
-                 quantizable: bool = True) -> None:
+                 quantizable: bool = True, dense_kept: bool = False) -> None:  # fmt: skip
         self.shape = (out_features, in_features)
         self.dtype = dtype
         self.packable = packable
+        self.dense_kept = dense_kept
+        """The owner reads the dense weight itself (a tied LM head's embedding lookups), so it stays
+        whatever the plan binds: a packed copy is always a second copy."""
         self.quantizable = quantizable
         self.quantized: QuantizedWeight | None = None
         self.bounds: tuple[int, ...] = ()

@@ -211,7 +211,8 @@ class HybridForCausalLM(nn.Module, GemmOwner):
             if cfg.tie_word_embeddings
             else Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, device=device)
         )
-        self.head_gemm = GemmSite(cfg.vocab_size, cfg.hidden_size, dtype, packable=True)  # a tied LM head
+        self.head_gemm = GemmSite(cfg.vocab_size, cfg.hidden_size, dtype, packable=True,
+                                  dense_kept=True)  # a tied LM head over the embedding table
         if mtp and not cfg.mtp_layers:
             raise ModelLoadError(f"{cfg.architecture}: the checkpoint has no MTP layers (mtp_num_hidden_layers or "
                                  "num_nextn_predict_layers in config.json) to draft with")
