@@ -17,7 +17,6 @@ import argparse
 import dataclasses
 import json
 import logging
-import multiprocessing as mp
 import os
 import signal
 import socket
@@ -29,13 +28,14 @@ from typing import Any, Literal, get_args, get_origin, get_type_hints
 import zmq
 
 from shared.channels import SCHEDULER_TO_TOKENIZER, TO_LAUNCHER, ChannelTimeout, Receiver, Sender
+from shared.child_process import ChildProcess
 from shared.config import ConfigError, FaultConfig, ServerArgs
 from shared.errors import HyssmError
 from shared.hub import resolve_model
 from shared.log import setup_logging
 from shared.messages import ProcFailed, ProcReady, SchedulerDead
 from shared.model_info import ModelInfo
-from shared.proc import FORWARD_SIGNAL, STOP_SIGNAL, child_main
+from shared.proc import FORWARD_SIGNAL, STOP_SIGNAL
 from shared.replicas import ReplicaSet, dist_addrs, node_processes
 from shared.rundir import RunDir, remove_stale
 
@@ -283,7 +283,7 @@ class Launcher:
     def __init__(self, args: ServerArgs) -> None:
         self.args = args
         self.ctx = zmq.Context()
-        self.procs: dict[str, mp.process.BaseProcess] = {}
+        self.procs: dict[str, ChildProcess] = {}
         self.ready_rx: Receiver = Receiver(self.ctx, TO_LAUNCHER, args)
         self.stop_requested = False
         self.direct_signals = 0  # SIGTERM/SIGINT sent to launch.py itself (not forwarded by a child)
@@ -292,12 +292,10 @@ class Launcher:
 
     def start(self, addrs: list[str]) -> None:
         """Start every child of this node (shared/replicas.py); `addrs`: each replica's rendezvous address."""
-        spawn = mp.get_context("spawn")
         specs = node_processes(self.args, addrs)
         self.replicas = ReplicaSet(specs)
         for spec in specs:
-            target_args = (spec.kind, spec.args.to_bytes()) + (() if spec.rank is None else (spec.rank,))
-            self.procs[spec.name] = spawn.Process(target=child_main, args=target_args, name=spec.name)
+            self.procs[spec.name] = ChildProcess(spec.kind, spec.args.to_bytes(), spec.rank, spec.name)
         for proc in self.procs.values():
             proc.start()
 
@@ -409,6 +407,9 @@ class Launcher:
                 self._tell_tokenizer(self.replicas.args_of(d), failure)
         kinds = ("tokenizer", "scheduler", "worker")
         self._stop([n for kind in kinds for n in self.procs if n.startswith(kind)])
+        for proc in self.procs.values():
+            if not proc.is_alive():
+                proc.close()
         self.ready_rx.close()
         self.ctx.term()
 

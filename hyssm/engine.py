@@ -18,8 +18,8 @@ What must hold:
 - when any process dies, every waiting call and every later call raises EngineDeadError naming it;
 - `shutdown()` (also on leaving a `with` block, and at interpreter exit) stops every child and
   removes the run directory; afterwards no process of the engine is left.
-Children are started with multiprocessing's spawn method: a script that creates an Engine must
-guard it with `if __name__ == "__main__":`. A SIGTERM sent to a scheduler or worker process is
+Children are fresh interpreters (shared/child_process.py) that do not import the script that created
+the Engine, so it needs no `if __name__ == "__main__":` guard. A SIGTERM sent to a scheduler or worker process is
 passed on to its parent, this process (shared/proc.py), as launch.py would receive it.
 """
 

@@ -1,7 +1,7 @@
 """Child-process bootstrap used by launch.py: name the process, set up logging, die with the parent.
 
-Every child is started with the `spawn` method and enters through `child_main`, which resolves
-the process kind to its package's entry function. Only this module knows that mapping.
+Every child is a fresh interpreter (shared/child_process.py) that enters through `child_main`, which
+resolves the process kind to its package's entry function. Only this module knows that mapping.
 
 Stop signals: launch.py stops its children in order (tokenizer first, with SIGTERM, so that clients
 get their answers; then the scheduler and the workers with STOP_SIGNAL). A SIGTERM that reaches a
@@ -85,7 +85,7 @@ def _forward_sigterm_to(launcher_pid: int) -> None:
 
 
 def child_main(kind: str, args_bytes: bytes, rank: int | None = None) -> None:
-    """Entry of every child process (target of multiprocessing.Process)."""
+    """Entry of every child process (shared.child_process.BOOTSTRAP)."""
     args = ServerArgs.from_bytes(args_bytes)
     title = process_title(args, kind, rank)
     try:

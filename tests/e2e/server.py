@@ -49,8 +49,8 @@ def group_pids(pgid: int) -> list[int]:
 
 
 def wait_group_empty(pgid: int, timeout: float = 5.0) -> list[int]:
-    """Poll until no live process of the group is left (launch.py's helpers, such as the
-    multiprocessing resource tracker, exit just after it); return what is still alive."""
+    """Poll until no live process of the group is left (children may exit just after launch.py);
+    return what is still alive."""
     deadline = time.monotonic() + timeout
     while (left := group_pids(pgid)) and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from tests.e2e.server import Server
+from tests.e2e.server import Server, group_pids
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -152,3 +152,15 @@ def test_flush_is_not_refused_for_the_servers_own_health_probe(server: Server) -
 
     codes = asyncio.run(rounds())
     assert codes == [(200, 200)] * 20, codes
+
+
+def _title(pid: int) -> str:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return f.read().replace(b"\0", b" ").decode().strip()
+
+
+def test_a_launch_runs_its_processes_and_no_other(server: Server) -> None:
+    """launch.py and the three processes it starts, nothing beside them (no helper process of the
+    launcher's own for the server's life)."""
+    titles = sorted(_title(pid) for pid in group_pids(server.pgid) if pid != server.pgid)
+    assert titles == ["hyssm::scheduler", "hyssm::tokenizer", "hyssm::worker-tp0"], titles

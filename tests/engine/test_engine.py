@@ -7,6 +7,8 @@ import asyncio
 import json
 import os
 import re
+import subprocess
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -214,3 +216,23 @@ def test_shutdown_leaves_no_process() -> None:
     with pytest.raises(hyssm.EngineDeadError, match="shut down"):
         eng.generate("Hi")
     eng.shutdown()  # idempotent
+
+
+UNGUARDED = """
+import sys
+import hyssm
+print("script ran", flush=True)
+with hyssm.Engine(model_path="builtin", device="cpu") as eng:
+    print("tokens", eng.generate("Hi", {"max_new_tokens": 2})["meta_info"]["completion_tokens"], flush=True)
+"""
+
+
+def test_a_script_creating_an_engine_needs_no_main_guard(tmp_path) -> None:
+    """The engine's processes do not import the script that creates it: a script without an
+    `if __name__ == "__main__":` guard runs once and gets its answer."""
+    script = tmp_path / "unguarded.py"
+    script.write_text(UNGUARDED)
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180,
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split("\n").count("script ran") == 1 and "tokens 2" in out.stdout, out.stdout
