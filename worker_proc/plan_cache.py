@@ -75,7 +75,7 @@ def plan_key(model: nn.Module, mode: str, thread_options: tuple[int, ...], cores
              kernels: str = "", single_copy: bool = False) -> dict[str, object]:
     shapes: dict[str, int] = {}
     for site, _ in instances_of(model):
-        label = GemmKey.of(site).label()
+        label = GemmKey.of(site).label() + (" (dense kept)" if site.dense_kept else "")  # the copies rule reads it
         shapes[label] = shapes.get(label, 0) + 1
     return {**cpu_identity(), "cores": cores, "threads": list(thread_options), "torch": torch.__version__,
             "mode": mode, "methods": [m.name for m in THROUGHPUT_METHODS], "kernels": kernels,

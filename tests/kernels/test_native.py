@@ -141,9 +141,10 @@ def test_the_cpu_takes_the_fused_kernels_or_falls_back(monkeypatch: pytest.Monke
     (2, (0.05, 1.5), torch.float32),
     (2, (0.0, float("inf")), torch.bfloat16),
 ])  # fmt: skip
+@pytest.mark.parametrize(("p", "n"), [(8, 16), (6, 37)])  # rows past the last four, state past the last 16
 def test_token_by_token_prefill_scan_equals_the_chunked_reference(gen: torch.Generator, groups: int, limit,
-                                                                   dtype) -> None:  # fmt: skip
-    heads, p, n = 4, 8, 16
+                                                                   dtype, p: int, n: int) -> None:  # fmt: skip
+    heads = 4
     spans = ((13, 5), (1, 2), (70, 3))  # a segment longer than a chunk, a one-token one, a fresh slot (3)
     total = sum(length for length, _ in spans)
     x, dt = strided(rand(gen, total, heads, p, dtype=dtype)), strided(rand(gen, total, heads, dtype=dtype))

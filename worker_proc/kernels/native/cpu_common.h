@@ -15,6 +15,7 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -78,11 +79,27 @@ inline void check_rows(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, " must be [rows, width] with unit-stride rows");
 }
 
+constexpr int64_t kLanes = 16;  // the width of the dot products' partial sums (one AVX-512 vector of floats)
+
+// The sum of `kLanes` partial sums, halving: the same order in every call (the decode and prefill scans
+// share `advance_head`, so they sum a state row in one order).
+inline float lane_sum(float* acc) {
+  for (int64_t w = kLanes / 2; w > 0; w /= 2) {
+#pragma omp simd
+    for (int64_t l = 0; l < w; ++l) acc[l] += acc[l + w];
+  }
+  return acc[0];
+}
+
 // One token through one head's state rows: for each of the head's `p` rows q, state[q] = state[q] * decay +
 // (step x[q]) B and out[q] = state[q] . C + d x[q]. Rows go four at a time so that four independent
-// dot products share each load of B and C and hide each other's latency.
+// dot products share each load of B and C and hide each other's latency; each dot product keeps
+// `kLanes` partial sums (lane l adds the elements j = l mod kLanes) that `lane_sum` adds at the end (a
+// reduction left to the compiler spilled them and added them one after another, the longest part of a
+// token's work).
 inline void advance_head(float* st, int64_t p, int64_t n, float decay, float step, const float* x, const float* bt,
                          const float* ct, float d, float* out) {
+  const int64_t body = n - n % kLanes;
   int64_t q = 0;
   for (; q + 4 <= p; q += 4) {
     float* s0 = st + q * n;
@@ -90,37 +107,57 @@ inline void advance_head(float* st, int64_t p, int64_t n, float decay, float ste
     float* s2 = s1 + n;
     float* s3 = s2 + n;
     const float u0 = step * x[q], u1 = step * x[q + 1], u2 = step * x[q + 2], u3 = step * x[q + 3];
-    float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
-#pragma omp simd reduction(+ : a0, a1, a2, a3)
-    for (int64_t j = 0; j < n; ++j) {
-      const float bj = bt[j], cj = ct[j];
-      const float v0 = s0[j] * decay + u0 * bj, v1 = s1[j] * decay + u1 * bj;
-      const float v2 = s2[j] * decay + u2 * bj, v3 = s3[j] * decay + u3 * bj;
-      s0[j] = v0;
-      s1[j] = v1;
-      s2[j] = v2;
-      s3[j] = v3;
-      a0 += v0 * cj;
-      a1 += v1 * cj;
-      a2 += v2 * cj;
-      a3 += v3 * cj;
+    float a0[kLanes] = {}, a1[kLanes] = {}, a2[kLanes] = {}, a3[kLanes] = {};
+    for (int64_t j0 = 0; j0 < body; j0 += kLanes) {
+#pragma omp simd
+      for (int64_t l = 0; l < kLanes; ++l) {
+        const int64_t j = j0 + l;
+        const float bj = bt[j], cj = ct[j];
+        const float v0 = s0[j] * decay + u0 * bj, v1 = s1[j] * decay + u1 * bj;
+        const float v2 = s2[j] * decay + u2 * bj, v3 = s3[j] * decay + u3 * bj;
+        s0[j] = v0;
+        s1[j] = v1;
+        s2[j] = v2;
+        s3[j] = v3;
+        a0[l] += v0 * cj;
+        a1[l] += v1 * cj;
+        a2[l] += v2 * cj;
+        a3[l] += v3 * cj;
+      }
     }
-    out[q] = a0 + x[q] * d;
-    out[q + 1] = a1 + x[q + 1] * d;
-    out[q + 2] = a2 + x[q + 2] * d;
-    out[q + 3] = a3 + x[q + 3] * d;
+    for (int64_t j = body; j < n; ++j) {
+      const float bj = bt[j], cj = ct[j];
+      s0[j] = s0[j] * decay + u0 * bj;
+      s1[j] = s1[j] * decay + u1 * bj;
+      s2[j] = s2[j] * decay + u2 * bj;
+      s3[j] = s3[j] * decay + u3 * bj;
+      a0[j - body] += s0[j] * cj;
+      a1[j - body] += s1[j] * cj;
+      a2[j - body] += s2[j] * cj;
+      a3[j - body] += s3[j] * cj;
+    }
+    out[q] = lane_sum(a0) + x[q] * d;
+    out[q + 1] = lane_sum(a1) + x[q + 1] * d;
+    out[q + 2] = lane_sum(a2) + x[q + 2] * d;
+    out[q + 3] = lane_sum(a3) + x[q + 3] * d;
   }
   for (; q < p; ++q) {
     float* srow = st + q * n;
     const float u = step * x[q];
-    float acc = 0.0f;
-#pragma omp simd reduction(+ : acc)
-    for (int64_t j = 0; j < n; ++j) {
-      const float v = srow[j] * decay + u * bt[j];
-      srow[j] = v;
-      acc += v * ct[j];
+    float acc[kLanes] = {};
+    for (int64_t j0 = 0; j0 < body; j0 += kLanes) {
+#pragma omp simd
+      for (int64_t l = 0; l < kLanes; ++l) {
+        const float v = srow[j0 + l] * decay + u * bt[j0 + l];
+        srow[j0 + l] = v;
+        acc[l] += v * ct[j0 + l];
+      }
     }
-    out[q] = acc + x[q] * d;
+    for (int64_t j = body; j < n; ++j) {
+      srow[j] = srow[j] * decay + u * bt[j];
+      acc[j - body] += srow[j] * ct[j];
+    }
+    out[q] = lane_sum(acc) + x[q] * d;
   }
 }
 

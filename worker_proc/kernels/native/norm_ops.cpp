@@ -36,13 +36,17 @@ at::Tensor gated_rms_norm_impl(const at::Tensor& y, const at::Tensor& z, const c
         for (int64_t j = 0; j < size; ++j) orow[j] = yr[j] * gate[j];
         continue;
       }
+      // the product first, then its sum of squares in a loop that only reads (one that also writes
+      // the product compiles to a scalar chain of dependent adds)
+      if (before_gate) {
+        std::copy(yr, yr + size, orow);
+      } else {
+#pragma omp simd
+        for (int64_t j = 0; j < size; ++j) orow[j] = yr[j] * gate[j];
+      }
       float ss = 0.0f;
 #pragma omp simd reduction(+ : ss)
-      for (int64_t j = 0; j < size; ++j) {
-        const float h = before_gate ? yr[j] : yr[j] * gate[j];
-        orow[j] = h;
-        ss += h * h;
-      }
+      for (int64_t j = 0; j < size; ++j) ss += orow[j] * orow[j];
       const float rstd = 1.0f / std::sqrt(ss / static_cast<float>(size) + e);
       const float* w = w_p + off;
       for (int64_t j = 0; j < size; ++j) {
