@@ -11,7 +11,9 @@ the kernel level, <= 1e-4 on logits against transformers). What differs, and why
   one matvec) instead of gathering every state, building temporaries and scattering them back: a
   Granite-350M state is 786 KB per layer and request, so at 32 decoding requests the state traffic
   rivals the weights.
-- Decode attention is one padded batched computation over the decode group.
+- Decode attention is one padded batched computation over the decode group; prefill attention (and
+  one request's decode) needs no mask and reads runs of KV slots in place, merging parts of the
+  context by their log-sum-exps (`context_parts`).
 Rules that must hold: every op reads and writes the pools only at the slots it is given; slots of
 one decode call are distinct; recurrent math is float32 whatever the model dtype and whatever the
 SSM pool stores (`state_codec`: decoded to float32 before the update, encoded after).
@@ -41,6 +43,8 @@ changes a result by at most exp(-87) ~ 1.6e-38, masked (acausal) entries include
 CONTEXT_RUN = 256
 """Shortest run of consecutive KV slots that CPU attention reads in place (`context_parts`); each run
 read so costs one more attention call, the slots of shorter runs are copied."""
+
+
 def _grouped(t: torch.Tensor, groups: int, dim: int = 1) -> torch.Tensor:
     """Split the head dimension `dim` (H) into (G, H/G): heads of one group are contiguous, as
     `repeat_interleave` of the groups lays them out."""
