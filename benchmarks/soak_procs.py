@@ -4,12 +4,12 @@
   the ppid fields in /proc, see peers_procs.process_tree);
 - kind of a process, from its title (hyssm's children set ``hyssm::<name>``, e.g. ``hyssm::worker-tp0``):
   ``launcher`` for the root, ``tokenizer`` / ``scheduler`` / ``worker`` for the matching names
-  (``-dp<D>`` / ``-tp<R>`` suffixes kept in ``name``), ``other`` for anything else (e.g. the
-  multiprocessing resource tracker);
+  (``-dp<D>`` / ``-tp<R>`` suffixes kept in ``name``), ``other`` for anything else (a process a
+  library starts);
 - a sample: VmRSS, RssAnon, RssFile, RssShmem (MiB, from /proc/PID/status; VmRSS is their sum) and
   the number of entries of /proc/PID/fd. A process that exits while it is read is left out of that
-  sample. The worker's state pools are shared anonymous mappings (worker_proc.host_memory.zeros), so
-  their touched pages count under RssShmem, its heap under RssAnon, and mapped libraries under RssFile.
+  sample. The worker's state pools are private anonymous mappings (worker_proc.host_memory.zeros), so
+  their touched pages count under RssAnon with its heap, and mapped libraries under RssFile.
 """
 
 from __future__ import annotations

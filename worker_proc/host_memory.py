@@ -108,13 +108,15 @@ def copy_affordable(nbytes: int, physical: int | None = None) -> bool:
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
     """A zero tensor whose host pages are taken only when first touched.
 
-    On the CPU the tensor views an anonymous mapping, which the kernel fills with zeros on first
+    On the CPU the tensor views a private anonymous mapping, which the kernel fills with zeros on first
     access: a pool sized for the most requests the server admits costs resident memory only for the
-    slots it uses (`torch.zeros` writes every page at once). The tensor keeps the mapping alive.
-    Other devices get `torch.zeros`."""
+    slots it uses (`torch.zeros` writes every page at once). Private, because no other process reads a
+    pool, and a shared mapping's pages fault in through the shared-memory layer, slower: a new request's
+    state slot takes thousands of first-touch faults. The tensor keeps the mapping alive. Other devices
+    get `torch.zeros`."""
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
-    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)
+    return torch.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE), dtype=dtype).view(shape)
