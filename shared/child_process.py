@@ -1,11 +1,12 @@
 """`ChildProcess`: one process of a launch (tokenizer, scheduler, worker rank), a fresh interpreter.
 
 launch.py's `Launcher` (also under an Engine) owns one per child. The child runs a short bootstrap
-(`BOOTSTRAP`) that reads its import path, kind, ServerArgs and rank from its stdin and enters
-`shared.proc.child_main`. multiprocessing's spawn method is not used: it starts a resource-tracker
-process beside the launch for the launch's whole life (a whole interpreter's resident memory, for
-semaphores and shared memory hyssm never registers), and it imports the parent's `__main__` into
-every child (under an Engine, the user's script with everything it imports).
+(`BOOTSTRAP`) that reads its import path, kind, ServerArgs, rank and the launcher's pid from its
+stdin and enters `shared.proc.child_main` (which exits at once if the launcher died meanwhile).
+multiprocessing's spawn method is not used: it starts a resource-tracker process beside the launch
+for the launch's whole life (a whole interpreter's resident memory, for semaphores and shared memory
+hyssm never registers), and it imports the parent's `__main__` into every child (under an Engine,
+the user's script with everything it imports).
 
 What must hold, as for `multiprocessing.Process`: `sentinel` (a pidfd) becomes readable when the
 child exits; `exitcode` is None until the child has exited, then its exit status, or minus the
@@ -21,9 +22,9 @@ import sys
 import msgspec
 
 BOOTSTRAP = (
-    "import sys, msgspec; path, kind, args, rank = msgspec.msgpack.decode(sys.stdin.buffer.read()); "
+    "import sys, msgspec; path, kind, args, rank, parent = msgspec.msgpack.decode(sys.stdin.buffer.read()); "
     "sys.stdin.close(); sys.path[:] = path; from shared.proc import child_main; "
-    "child_main(kind, args) if rank is None else child_main(kind, args, rank)"
+    "child_main(kind, args, rank, parent)"
 )
 
 
@@ -33,7 +34,7 @@ class ChildProcess:
     def __init__(self, kind: str, args: bytes, rank: int | None, name: str) -> None:
         self.kind = kind
         self.name = name
-        self._payload = msgspec.msgpack.encode([list(sys.path), kind, args, rank])
+        self._payload = msgspec.msgpack.encode([list(sys.path), kind, args, rank, os.getpid()])
         self._popen: subprocess.Popen[bytes] | None = None
         self._pidfd = -1
 

@@ -49,10 +49,14 @@ tells a group SIGTERM (which it also gets from each of these processes) from a s
 to it, which ends the shutdown's grace period at once."""
 
 
-def set_parent_death_signal(sig: int = signal.SIGKILL) -> None:
+def set_parent_death_signal(sig: int = signal.SIGKILL, parent: int | None = None) -> None:
     """Ask the kernel to kill this process when its parent dies (Linux). Elsewhere: a watcher
-    thread polls the parent pid and exits the process when it changes."""
-    parent = os.getppid()
+    thread polls the parent pid and exits the process when it changes. `parent`: the pid that
+    started this process; when it is no longer the parent (it died before this ran) the process
+    exits at once, as the death signal would have made it."""
+    parent = os.getppid() if parent is None else parent
+    if os.getppid() != parent:
+        os._exit(1)
     if sys.platform.startswith("linux"):
         try:
             libc = ctypes.CDLL("libc.so.6", use_errno=True)
@@ -84,8 +88,8 @@ def _forward_sigterm_to(launcher_pid: int) -> None:
     signal.signal(signal.SIGTERM, forward)
 
 
-def child_main(kind: str, args_bytes: bytes, rank: int | None = None) -> None:
-    """Entry of every child process (shared.child_process.BOOTSTRAP)."""
+def child_main(kind: str, args_bytes: bytes, rank: int | None = None, parent: int | None = None) -> None:
+    """Entry of every child process (shared.child_process.BOOTSTRAP); `parent`: the launcher's pid."""
     args = ServerArgs.from_bytes(args_bytes)
     title = process_title(args, kind, rank)
     try:
@@ -94,7 +98,7 @@ def child_main(kind: str, args_bytes: bytes, rank: int | None = None) -> None:
         setproctitle.setproctitle(title)
     except ImportError:  # pragma: no cover - setproctitle is a dependency
         pass
-    set_parent_death_signal()
+    set_parent_death_signal(parent=parent)
     setup_logging(title.removeprefix("hyssm::"), args.log_level)
     # launch.py handles Ctrl-C for the whole group; children shut down when told or killed.
     signal.signal(signal.SIGINT, signal.SIG_IGN)

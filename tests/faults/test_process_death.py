@@ -75,3 +75,23 @@ def test_sigkill_tp2(title: str) -> None:
 
 def test_sigstop_worker_fires_watchdog() -> None:
     _run_fault(["--watchdog-timeout", "3"], "hyssm::worker-tp0", sig=signal.SIGSTOP)
+
+
+def test_a_child_whose_launcher_died_before_it_started_exits_at_once() -> None:
+    """The launcher's pid travels with a child's arguments: a child that starts after its launcher died
+    (the death signal can only be asked for once it runs) exits before it loads anything."""
+    import subprocess
+    import sys
+
+    import msgspec
+
+    from shared.child_process import BOOTSTRAP
+    from shared.config import ServerArgs
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          check=True, timeout=60).stdout.strip()  # fmt: skip
+    payload = msgspec.msgpack.encode([list(sys.path), "scheduler", ServerArgs().to_bytes(), None, int(gone)])
+    started = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", BOOTSTRAP], input=payload, capture_output=True, timeout=60)
+    assert out.returncode == 1 and out.stderr == b"", out.stderr[-2000:]
+    assert time.monotonic() - started < BOUND_S
