@@ -18,7 +18,7 @@ import pytest
 
 import hyssm
 from shared.config import builtin_model_dir
-from tests.e2e.server import DETERMINISTIC, Server, free_port, running_server
+from tests.e2e.server import DETERMINISTIC, ROOT, Server, free_port, running_server
 from tests.engine.conftest import hyssm_children, listening_tcp_ports, wait_gone
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
@@ -219,7 +219,6 @@ def test_shutdown_leaves_no_process() -> None:
 
 
 UNGUARDED = """
-import sys
 import hyssm
 print("script ran", flush=True)
 with hyssm.Engine(model_path="builtin", device="cpu") as eng:
@@ -232,7 +231,6 @@ def test_a_script_creating_an_engine_needs_no_main_guard(tmp_path) -> None:
     `if __name__ == "__main__":` guard runs once and gets its answer."""
     script = tmp_path / "unguarded.py"
     script.write_text(UNGUARDED)
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180,
-                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # fmt: skip
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split("\n").count("script ran") == 1 and "tokens 2" in out.stdout, out.stdout
