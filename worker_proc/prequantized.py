@@ -23,10 +23,8 @@ import re
 from collections.abc import Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass
-from typing import Any
 
 import torch
-from safetensors import safe_open
 from torch import nn
 
 from shared.errors import ModelLoadError
@@ -37,7 +35,7 @@ from worker_proc.model.quantized import QuantizedWeight
 from worker_proc.model.shard import Range, ShardSpec, TPInfo
 from worker_proc.prequant_config import CheckpointQuant, StoredScheme
 from worker_proc.prequant_formats import Part, layout_problem, narrow_int4, read_module, stack
-from worker_proc.weight_files import MAPPED_BYTES, _Names, load_weights, stored_bytes
+from worker_proc.weight_files import MappedFile, _Names, load_weights
 
 logger = logging.getLogger(__name__)
 
@@ -66,39 +64,28 @@ class QuantModule:
 
 
 class _Tensors:
-    """The checkpoint's files and which holds each tensor; `read` is a prequant_formats.Read. A file's
-    mapping is reopened once `MAPPED_BYTES` have been read through it (worker_proc.weight_files)."""
+    """The checkpoint's files and which holds each tensor; `read` is a prequant_formats.Read. Each file
+    is a `MappedFile` (worker_proc.weight_files), so only a bounded part of it is mapped at a time."""
 
     def __init__(self, files: dict[str, list[str]], stack_: ExitStack) -> None:
-        self.where: dict[str, str] = {}
-        self._handles: dict[str, Any] = {}
-        self._mapped: dict[str, int] = {}
-        stack_.callback(self._handles.clear)
+        self.where: dict[str, MappedFile] = {}
         for path in files:
-            for key in self._handle(path).keys():
-                self.where[key] = path
-
-    def _handle(self, path: str, nbytes: int = 0) -> Any:
-        """The open file at `path`, reopened first when `nbytes` more would pass MAPPED_BYTES."""
-        if path in self._handles and self._mapped[path] + nbytes <= MAPPED_BYTES:
-            self._mapped[path] += nbytes
-            return self._handles[path]
-        self._handles.pop(path, None)  # the last reference: the old mapping closes
-        try:
-            self._handles[path] = safe_open(path, framework="pt", device="cpu")
-        except Exception as e:  # safetensors raises its own error types for corrupt files
-            raise ModelLoadError(f"{path}: cannot read safetensors ({e})") from e
-        self._mapped[path] = nbytes
-        return self._handles[path]
+            mapped = MappedFile(path)
+            stack_.callback(mapped.close)
+            try:
+                keys = mapped.handle().keys()
+            except Exception as e:  # safetensors raises its own error types for corrupt files
+                raise ModelLoadError(f"{path}: cannot read safetensors ({e})") from e
+            for key in keys:
+                self.where[key] = mapped
 
     def shape(self, key: str) -> list[int]:
-        return list(self._handle(self.where[key]).get_slice(key).get_shape())
+        return list(self.where[key].handle().get_slice(key).get_shape())
 
     def read(self, key: str, dim: int, ranges: tuple[Range, ...] | None) -> torch.Tensor:
         if key not in self.where:
             raise ModelLoadError(f"checkpoint lacks tensor {key!r}")
-        path = self.where[key]
-        handle = self._handle(path, stored_bytes(self._handle(path).get_slice(key)))
+        handle = self.where[key].for_tensor(key)
         if ranges is None:
             return handle.get_tensor(key)
         sl = handle.get_slice(key)

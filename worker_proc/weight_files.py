@@ -99,64 +99,71 @@ class _Names:
         return any(name.startswith(p) for p in self.ignored)
 
 
+class MappedFile:
+    """One checkpoint file read through safetensors, its mapping reopened before `MAPPED_BYTES` more of
+    tensors would have been read through it (the pages a mapping touched stay resident until it closes).
+    Tensors read through an earlier mapping are copies and stay valid."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._handle: Any = None
+        self._mapped = 0
+
+    def handle(self, nbytes: int = 0) -> Any:
+        """The open file, reopened first when `nbytes` more would take it past MAPPED_BYTES."""
+        if self._handle is None or self._mapped + nbytes > MAPPED_BYTES:
+            self._handle = None  # the last reference: the old mapping closes
+            self._handle = safe_open(self.path, framework="pt", device="cpu")
+            self._mapped = 0
+        self._mapped += nbytes
+        return self._handle
+
+    def for_tensor(self, key: str) -> Any:
+        """The open file to read tensor `key` through (its stored bytes counted against the bound)."""
+        return self.handle(stored_bytes(self.handle().get_slice(key)))
+
+    def close(self) -> None:
+        self._handle = None
+
+
 def _iter_tensors(
     files: dict[str, list[str]], names: _Names, spec_of: Callable[[str], ShardSpec | None],
     skip: Callable[[str], bool] | None = None,
 ) -> Iterator[tuple[str, str, str, int | None, torch.Tensor, float]]:
     """(file, checkpoint name, parameter name, expert row, this rank's part of the tensor, its
     fraction of the stored tensor); ignored tensors, and those `skip` names, are skipped unread. A
-    file is mapped `MAPPED_BYTES` of tensors at a time (`_batches`)."""
+    file is mapped `MAPPED_BYTES` of tensors at a time (`MappedFile`)."""
     for path, listed_names in files.items():
+        mapped = MappedFile(path)
         try:
-            with safe_open(path, framework="pt", device="cpu") as f:
-                keys = list(f.keys())
-                listed = set(listed_names)
-                if listed and listed != set(keys):
-                    missing = sorted(listed - set(keys))
-                    if missing:
-                        raise ModelLoadError(f"{path} lacks tensor {missing[0]!r} listed in the shard index")
-                wanted = []
-                for key in keys:
-                    if skip is not None and skip(key):
-                        continue
-                    name, row = names.resolve(key)
-                    if names.ignore(name):
-                        names.skipped += 1
-                        continue
-                    wanted.append((key, name, row))
-                batches = list(_batches(f, wanted))
-            for batch in batches:
-                with safe_open(path, framework="pt", device="cpu") as f:
-                    for key, name, row in batch:
-                        spec = spec_of(name)
-                        if spec is not None and row is not None:  # one expert of a stacked [E, ...] tensor
-                            spec = ShardSpec(spec.dim - 1, spec.ranges) if spec.dim > 0 else None
-                        yield path, key, name, row, *_read(f, key, spec)
+            keys = list(mapped.handle().keys())
+            listed = set(listed_names)
+            if listed and listed != set(keys):
+                missing = sorted(listed - set(keys))
+                if missing:
+                    raise ModelLoadError(f"{path} lacks tensor {missing[0]!r} listed in the shard index")
+            for key in keys:
+                if skip is not None and skip(key):
+                    continue
+                name, row = names.resolve(key)
+                if names.ignore(name):
+                    names.skipped += 1
+                    continue
+                spec = spec_of(name)
+                if spec is not None and row is not None:  # one expert of a stacked [E, ...] tensor
+                    spec = ShardSpec(spec.dim - 1, spec.ranges) if spec.dim > 0 else None
+                yield path, key, name, row, *_read(mapped.for_tensor(key), key, spec)
         except ModelLoadError:
             raise
         except Exception as e:  # safetensors raises its own error types for corrupt files
             raise ModelLoadError(f"{path}: cannot read safetensors ({e})") from e
+        finally:
+            mapped.close()
 
 
 def stored_bytes(sl: Any) -> int:
     """The bytes a tensor takes in its file, from its safetensors slice (shape and dtype only)."""
     return math.prod(sl.get_shape()) * _DTYPE_BITS.get(sl.get_dtype(), 32) // 8
-
-
-def _batches(f: Any, wanted: list[tuple[str, str, int | None]]) -> Iterator[list[tuple[str, str, int | None]]]:
-    """`wanted` in order, cut where the next tensor would take a batch past `MAPPED_BYTES` (a larger
-    tensor is a batch of its own)."""
-    batch: list[tuple[str, str, int | None]] = []
-    size = 0
-    for item in wanted:
-        nbytes = stored_bytes(f.get_slice(item[0]))
-        if batch and size + nbytes > MAPPED_BYTES:
-            yield batch
-            batch, size = [], 0
-        batch.append(item)
-        size += nbytes
-    if batch:
-        yield batch
 
 
 def load_weights(model: HybridForCausalLM, files: dict[str, list[str]], skip: Callable[[str], bool] | None = None,
