@@ -153,7 +153,8 @@ def parse(cfg: dict, arch: str) -> HybridConfig:
         layer_specs=tuple((Sublayer("norm", (blocks[t],)),) for t in types),
         norm_fp32_weight=True,
         renames=RENAMES + mtp_renames,
-        ignored_prefixes=("mtp.", _UNUSED_MTP),  # the loader logs the tensors it skipped
+        # the loader logs the tensors it skipped
+        ignored_prefixes=("mtp.", _UNUSED_MTP) if any(_UNUSED_MTP in r for _, r in mtp_renames) else ("mtp.",),
         mtp_layers=1 if mtp_spec else 0,
         mtp_spec=mtp_spec,
     )
