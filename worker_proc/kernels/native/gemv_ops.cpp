@@ -4,8 +4,10 @@
 // (worker_proc.model.gemm `gemv`). Rules that hold:
 // - every weight row is read once per group of up to ROWS input rows, four weight rows at a time, and
 //   the threads split the weight's rows into contiguous ranges (a step is bound by reading the weight);
-// - the input rows are converted to float32 once per call, products accumulate in float32, and the
-//   result is rounded once to the input's dtype (F.linear's arithmetic, in another summation order).
+// - the input rows are converted to float32 once per call (bfloat16 rows against a bfloat16 weight stay
+//   bfloat16 where the CPU multiplies bfloat16 pairs into float32: AVX512-BF16, exact products, and the
+//   weight is read without widening each element), products accumulate in float32, and the result is
+//   rounded once to the input's dtype (F.linear's arithmetic, in another summation order).
 #include <torch/library.h>
 
 #include "cpu_common.h"
@@ -62,8 +64,51 @@ inline void dot_block(const float* x, int64_t k, const W* const* w, float (*acc)
   }
 }
 
-template <typename W, typename O, int R>
-void rows_range(const float* x, int64_t k, const W* w, const float* bias, O* out, int64_t n, int64_t begin,
+#if defined(__AVX512BF16__)
+// dot_block for bfloat16 weights and bfloat16 input rows (row stride k): each instruction multiplies 32
+// pairs and adds each pair's two products to a float32 lane, so a weight vector is read without widening.
+template <int R, int WR>
+inline void dot_block_bf16(const c10::BFloat16* x, int64_t k, const c10::BFloat16* const* w,
+                           float (*acc)[WEIGHT_ROWS]) {
+  __m512 sums[R][WR];
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < WR; ++i) sums[r][i] = _mm512_setzero_ps();
+  int64_t j = 0;
+  for (; j + 32 <= k; j += 32) {
+    __m512bh wv[WR];
+    for (int i = 0; i < WR; ++i) {
+      _mm_prefetch(reinterpret_cast<const char*>(w[i] + j + PREFETCH_ROWS * k), _MM_HINT_T0);
+      wv[i] = (__m512bh)_mm512_loadu_si512(w[i] + j);
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + r * k + j);
+      for (int i = 0; i < WR; ++i) sums[r][i] = _mm512_dpbf16_ps(sums[r][i], xv, wv[i]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < WR; ++i) acc[r][i] = _mm512_reduce_add_ps(sums[r][i]);
+  for (; j < k; ++j)
+    for (int i = 0; i < WR; ++i)
+      for (int r = 0; r < R; ++r) acc[r][i] += to_f(x[r * k + j]) * to_f(w[i][j]);
+}
+
+#endif
+
+// The dot products of R input rows x (float32, or bfloat16 where the weight is too and the CPU multiplies
+// bfloat16 pairs) with WR weight rows.
+template <int R, int WR, typename W>
+inline void dot_rows(const float* x, int64_t k, const W* const* w, float (*acc)[WEIGHT_ROWS]) {
+  dot_block<W, R, WR>(x, k, w, acc);
+}
+#if defined(__AVX512BF16__)
+template <int R, int WR>
+inline void dot_rows(const c10::BFloat16* x, int64_t k, const c10::BFloat16* const* w, float (*acc)[WEIGHT_ROWS]) {
+  dot_block_bf16<R, WR>(x, k, w, acc);
+}
+#endif
+
+template <typename W, typename O, int R, typename X>
+void rows_range(const X* x, int64_t k, const W* w, const float* bias, O* out, int64_t n, int64_t begin,
                 int64_t end) {
   constexpr int WR = R <= 4 ? WEIGHT_ROWS : WEIGHT_ROWS / 2;  // R * WR accumulators stay in registers
   float acc[ROWS][WEIGHT_ROWS];
@@ -72,11 +117,11 @@ void rows_range(const float* x, int64_t k, const W* w, const float* bias, O* out
     const W* ws[WEIGHT_ROWS];
     for (int64_t i = 0; i < take; ++i) ws[i] = w + (row + i) * k;
     if (take == WR) {
-      dot_block<W, R, WR>(x, k, ws, acc);
+      dot_rows<R, WR>(x, k, ws, acc);
     } else {
       for (int64_t i = 0; i < take; ++i) {
         float one[ROWS][WEIGHT_ROWS];
-        dot_block<W, R, 1>(x, k, ws + i, one);
+        dot_rows<R, 1>(x, k, ws + i, one);
         for (int r = 0; r < R; ++r) acc[r][i] = one[r][0];
       }
     }
@@ -87,8 +132,8 @@ void rows_range(const float* x, int64_t k, const W* w, const float* bias, O* out
   }
 }
 
-template <typename W, typename O>
-void gemv_group(const float* x, int64_t rows, int64_t k, const W* w, const float* bias, O* out, int64_t n,
+template <typename W, typename O, typename X>
+void gemv_group(const X* x, int64_t rows, int64_t k, const W* w, const float* bias, O* out, int64_t n,
                 int64_t begin, int64_t end) {
   switch (rows) {
     case 1: return rows_range<W, O, 1>(x, k, w, bias, out, n, begin, end);
@@ -110,7 +155,12 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight, const c10::option
   TORCH_CHECK(weight.is_contiguous(), "gemv: the weight must be contiguous");
   TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "gemv: x and weight must share a dtype");
   const int64_t m = x.size(0), k = x.size(1), n = weight.size(0);
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
+#if defined(__AVX512BF16__)
+  const bool pairs = x.scalar_type() == at::kBFloat16;  // bfloat16 rows go to the pair products as they are
+#else
+  const bool pairs = false;
+#endif
+  const at::Tensor xf = pairs ? x.contiguous() : x.to(at::kFloat).contiguous();
   at::Tensor bf;
   if (bias.has_value() && bias->defined()) bf = bias->to(at::kFloat).contiguous();
   at::Tensor out = at::empty({m, n}, x.options().memory_format(at::MemoryFormat::Contiguous));
@@ -131,9 +181,13 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight, const c10::option
       const c10::BFloat16* w = weight.data_ptr<c10::BFloat16>();
       c10::BFloat16* o = out.data_ptr<c10::BFloat16>();
       at::parallel_for(0, blocks, 16, [&](int64_t b0, int64_t b1) {
-        for (int64_t r = 0; r < m; r += ROWS)
-          gemv_group(xf.data_ptr<float>() + r * k, std::min(ROWS, m - r), k, w, bias_ptr, o + r * n, n,
-                     b0 * WEIGHT_ROWS, std::min(n, b1 * WEIGHT_ROWS));
+        for (int64_t r = 0; r < m; r += ROWS) {
+          const int64_t take = std::min(ROWS, m - r), lo = b0 * WEIGHT_ROWS, hi = std::min(n, b1 * WEIGHT_ROWS);
+          if (pairs)
+            gemv_group(xf.data_ptr<c10::BFloat16>() + r * k, take, k, w, bias_ptr, o + r * n, n, lo, hi);
+          else
+            gemv_group(xf.data_ptr<float>() + r * k, take, k, w, bias_ptr, o + r * n, n, lo, hi);
+        }
       });
     }));
   return out;
