@@ -99,6 +99,27 @@ def test_a_narrow_state_pool_is_read_and_stored_in_its_encoding(gen: torch.Gener
     assert torch.equal(got[[0, 2, 3, 5, 6]], codec.load(start, torch.arange(7))[[0, 2, 3, 5, 6]])
 
 
+@pytest.mark.parametrize("state_dtype", ["bfloat16", "int8"])
+def test_a_narrow_state_pool_through_a_long_prefill_segment(gen: torch.Generator, state_dtype: str) -> None:
+    """The prefill scan's blocked path reads a narrow pool once and stores it once: the float32 scan from
+    the stored state, stored as state_codec stores it."""
+    heads, p, n, length = 2, 16, 32, 45
+    x, dt = rand(gen, length, heads, p), rand(gen, length, heads)
+    b, c = rand(gen, length, 1, n), rand(gen, length, 1, n)
+    params = SsdParams(-torch.rand(heads, generator=gen) - 0.1, rand(gen, heads), rand(gen, heads), (0.0, 10.0), 16)
+    states = pool(gen, 3, heads, p, n)
+    stored = codec.QuantizedPool(*codec.quantize(states)) if state_dtype == "int8" else states.to(torch.bfloat16)
+    want = codec.load(stored, torch.arange(4)).clone()
+    y_ref = ReferenceOps().ssd_prefill_many(x, dt, b, c, params, want, ((length, 2),))
+    y = _native().ssd_prefill_many(x, dt, b, c, params, stored, ((length, 2),))
+    got = codec.load(stored, torch.arange(4))
+    step = float(want.abs().max()) / (127 if state_dtype == "int8" else 128)
+    assert max_diff(y, y_ref) <= TOL * max(1.0, float(y_ref.abs().max()))
+    assert max_diff(got[2], want[2]) <= step
+    assert torch.equal(got[[0, 1, 3]], codec.load(codec.QuantizedPool(*codec.quantize(states)) if state_dtype == "int8"
+                                                  else states.to(torch.bfloat16), torch.arange(4))[[0, 1, 3]])
+
+
 @pytest.mark.parametrize("before_gate", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_gate_norm_equals_the_module(gen: torch.Generator, before_gate: bool, dtype) -> None:
@@ -141,9 +162,12 @@ def test_the_cpu_takes_the_fused_kernels_or_falls_back(monkeypatch: pytest.Monke
     (2, (0.05, 1.5), torch.float32),
     (2, (0.0, float("inf")), torch.bfloat16),
 ])  # fmt: skip
-@pytest.mark.parametrize(("p", "n"), [(8, 16), (6, 37)])  # rows past the last four, state past the last 16
-def test_token_by_token_prefill_scan_equals_the_chunked_reference(gen: torch.Generator, groups: int, limit,
-                                                                   dtype, p: int, n: int) -> None:  # fmt: skip
+@pytest.mark.parametrize(("p", "n"), [
+    (8, 16), (6, 37),  # token by token only: rows past the last four, state past the last 16
+    (16, 32), (32, 48),  # a long segment's whole blocks in vector lanes, its tail token by token
+])  # fmt: skip
+def test_prefill_scan_equals_the_chunked_reference(gen: torch.Generator, groups: int, limit, dtype, p: int,
+                                                   n: int) -> None:  # fmt: skip
     heads = 4
     spans = ((13, 5), (1, 2), (70, 3))  # a segment longer than a chunk, a one-token one, a fresh slot (3)
     total = sum(length for length, _ in spans)

@@ -3,6 +3,7 @@
 
 #include <torch/library.h>
 
+#include "block_scan.h"
 #include "cpu_common.h"
 
 namespace hyssm_cpu {
@@ -207,22 +208,47 @@ at::Tensor ssd_prefill(const at::Tensor& x_in, const at::Tensor& dt, const at::T
   for (int64_t i = 0; i < segs; ++i) starts[i + 1] = starts[i] + lengths[i];
   TORCH_CHECK(starts[segs] == total, "segment lengths do not add up to the rows");
   // the discretized step and its decay at every (position, head)
-  const at::Tensor a32 = a.to(at::kFloat), d32 = d.to(at::kFloat).contiguous();
+  const at::Tensor a32 = a.to(at::kFloat).contiguous(), d32 = d.to(at::kFloat).contiguous();
   at::Tensor step = at::softplus(dt.to(at::kFloat) + dt_bias.to(at::kFloat));
   if (dt_min > 0.0 || std::isfinite(dt_max)) step = step.clamp(dt_min, dt_max);
   step = step.contiguous();
   const at::Tensor decay = at::exp(step * a32).contiguous();
   const float *step_p = step.data_ptr<float>(), *decay_p = decay.data_ptr<float>(), *d_p = d32.data_ptr<float>();
+  const float* a_p = a32.data_ptr<float>();
   const float *x_p = x.data_ptr<float>(), *b_p = b.data_ptr<float>(), *c_p = c.data_ptr<float>();
   std::vector<int64_t> slot_of(slots.begin(), slots.end());
+  // the whole blocks of every segment long enough for them, and their C . B grams
+  std::vector<int64_t> whole(segs, 0), block_rows, first_block(segs + 1, 0);
+  for (int64_t sg = 0; sg < segs; ++sg) {
+    if (block_scan_fits(p, n) && lengths[sg] >= BLOCK_MIN_TOKENS) whole[sg] = lengths[sg] / BLOCK * BLOCK;
+    for (int64_t t = 0; t < whole[sg]; t += BLOCK) block_rows.push_back(starts[sg] + t);
+    first_block[sg + 1] = static_cast<int64_t>(block_rows.size());
+  }
+  std::vector<float> gram(block_rows.size() * groups * BLOCK * BLOCK), packed(block_rows.size() * groups * n * 2 * BLOCK);
+  if (!block_rows.empty()) block_gram(b_p, c_p, groups, n, block_rows, gram.data(), packed.data());
   at::Tensor y = at::empty({total, heads, p}, x.options());
   float* y_p = y.data_ptr<float>();
   at::parallel_for(0, segs * heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> buf(states.direct() ? 0 : p * n);
+    std::vector<float> buf(states.direct() ? 0 : p * n), transposed(p * n);
     for (int64_t u = begin; u < end; ++u) {
       const int64_t sg = u / heads, h = u % heads, g = h / per_group;
       float* st = states.load(slot_of[sg], h, buf.data());
-      for (int64_t t = starts[sg]; t < starts[sg + 1]; ++t) {
+      int64_t t = starts[sg];
+#if defined(__AVX512F__)
+      if (whole[sg] > 0) {
+        transpose_state(st, p, n, transposed.data());
+        for (int64_t blk = first_block[sg]; blk < first_block[sg + 1]; ++blk) {
+          const int64_t t0 = block_rows[blk];
+          const BlockInput in{x_p + (t0 * heads + h) * p, heads * p, step_p + t0 * heads + h, heads,
+                              packed.data() + (blk * groups + g) * n * 2 * BLOCK,
+                              gram.data() + (blk * groups + g) * BLOCK * BLOCK};
+          scan_block(transposed.data(), p, n, a_p[h], d_p[h], in, y_p + (t0 * heads + h) * p, heads * p);
+        }
+        transpose_state(transposed.data(), n, p, st);
+        t += whole[sg];
+      }
+#endif
+      for (; t < starts[sg + 1]; ++t) {
         const int64_t th = t * heads + h;
         advance_head(st, p, n, decay_p[th], step_p[th], x_p + th * p, b_p + (t * groups + g) * n,
                      c_p + (t * groups + g) * n, d_p[h], y_p + th * p);
