@@ -3,8 +3,8 @@ fresh measurement, and the plan's file format.
 
 A measured plan is stored under the cache directory keyed by everything its timings depend on
 (`plan_key`: the CPU model and its instruction sets, the cores the rank may use, the thread options,
-torch's version, the mode, the candidate methods, the kernel set timed with them, the model's product
-shapes, whether second weight copies may be kept); a restart with the same key reads it instead of
+torch's version, the mode, the candidate methods, the kernel set timed with them and the source of the
+fused CPU kernels (a new build of them is timed again), the model's product shapes, whether second weight copies may be kept); a restart with the same key reads it instead of
 measuring. `--execution-plan FILE` pins a plan: it is used as it is
 (measured elsewhere, edited by hand) and refused at start-up when it lacks a rule for one of the
 model's shapes. Writes are atomic (a rank reads a whole file or none), so ranks measuring the same
@@ -36,7 +36,7 @@ from worker_proc.execution_plan import (
     instances_of,
 )
 from worker_proc.host_memory import copy_affordable, last_level_cache_bytes
-from worker_proc.kernels import KernelOps
+from worker_proc.kernels import KernelOps, native
 from worker_proc.mixer_timing import MixerTimer
 from worker_proc.model.gemm import THROUGHPUT_METHODS
 from worker_proc.plan_timing import DEFAULT_STREAM_BYTES, GemmKey, ProductTimer, read_bytes_per_s, read_tensors
@@ -79,6 +79,7 @@ def plan_key(model: nn.Module, mode: str, thread_options: tuple[int, ...], cores
         shapes[label] = shapes.get(label, 0) + 1
     return {**cpu_identity(), "cores": cores, "threads": list(thread_options), "torch": torch.__version__,
             "mode": mode, "methods": [m.name for m in THROUGHPUT_METHODS], "kernels": kernels,
+            "native": native.build_digest() if native.load() else "",  # the fused kernels' code is timed too
             "shapes": dict(sorted(shapes.items())), "copies": "one" if single_copy else "affordable"}
 
 

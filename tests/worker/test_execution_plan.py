@@ -282,3 +282,16 @@ def test_the_mixer_timer_times_a_models_mamba_kernels_and_the_key_names_the_kern
     assert MixerTimer(torch.nn.Linear(2, 2), FastOps())(64, 1) == 0.0
     key = plan_cache.plan_key
     assert key(runner.model, "throughput", (1, 2), 2, "fast") != key(runner.model, "throughput", (1, 2), 2, "native")
+
+
+def test_a_new_build_of_the_fused_kernels_is_measured_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plan times the fused kernels (gemv among the product methods): a plan cached before their
+    source changed does not stand for the new build."""
+    from worker_proc.kernels import native
+
+    if not native.load():
+        pytest.skip("the fused CPU kernels cannot be built here")
+    model = ModelRunner(builtin_model_dir(), kv_slots=64, state_slots=2, plan_cache_dir=None, thread_options=(1,)).model
+    before = plan_cache.plan_key(model, "throughput", (1,), 2, "native")
+    monkeypatch.setattr(native, "build_digest", lambda: "another-build")
+    assert plan_cache.plan_key(model, "throughput", (1,), 2, "native") != before
