@@ -4,10 +4,11 @@ fresh measurement, and the plan's file format.
 A measured plan is stored under the cache directory keyed by everything its timings depend on
 (`plan_key`: the CPU model and its instruction sets, the cores the rank may use, the thread options,
 torch's version, the mode, the candidate methods, the kernel set timed with them and the source of the
-fused CPU kernels (a new build of them is timed again), the model's product shapes, whether second weight copies may be kept); a restart with the same key reads it instead of
-measuring. `--execution-plan FILE` pins a plan: it is used as it is
-(measured elsewhere, edited by hand) and refused at start-up when it lacks a rule for one of the
-model's shapes. Writes are atomic (a rank reads a whole file or none), so ranks measuring the same
+fused CPU kernels (a new build of them is timed again), the model's product shapes, whether second
+weight copies may be kept); a restart with the same key reads it instead of measuring.
+`--execution-plan FILE` pins a plan: it is used as it is (measured elsewhere, edited by hand) and
+refused at start-up when it lacks a rule for one of the model's shapes. Writes are atomic (a rank
+reads a whole file or none), so ranks measuring the same
 key at once only race to the same content.
 """
 
