@@ -144,6 +144,20 @@ at::Tensor conv_prefill_impl(const at::Tensor& x, at::Tensor& conv_pool, const s
         return i < k - 1 ? prev.data() + i * block : x_p + (start + i - (k - 1)) * xs + c0;
       };
       for (int64_t t = 0; t < len; ++t) {
+        T* orow = o_p + (start + t) * cd + c0;
+        if (k == 4) {  // the families' width: the four taps summed in one register
+          const T *in0 = input(t), *in1 = input(t + 1), *in2 = input(t + 2), *in3 = input(t + 3);
+          const float *w0 = w_p + c0, *w1 = w0 + cd, *w2 = w1 + cd, *w3 = w2 + cd, *bias_c = b_p + c0;
+#pragma omp simd
+          for (int64_t c = 0; c < width; ++c) {
+            float sum = bias_c[c] + w0[c] * to_f(in0[c]);
+            sum += w1[c] * to_f(in1[c]);
+            sum += w2[c] * to_f(in2[c]);
+            sum += w3[c] * to_f(in3[c]);
+            orow[c] = from_f<T>(silu(round_to<T>(sum)));
+          }
+          continue;
+        }
         for (int64_t c = 0; c < width; ++c) acc[c] = b_p[c0 + c];
         for (int64_t j = 0; j < k; ++j) {
           const T* in = input(t + j);
@@ -151,7 +165,6 @@ at::Tensor conv_prefill_impl(const at::Tensor& x, at::Tensor& conv_pool, const s
 #pragma omp simd
           for (int64_t c = 0; c < width; ++c) acc[c] += wj[c] * to_f(in[c]);
         }
-        T* orow = o_p + (start + t) * cd + c0;
 #pragma omp simd
         for (int64_t c = 0; c < width; ++c) orow[c] = from_f<T>(silu(round_to<T>(acc[c])));
       }
