@@ -44,8 +44,15 @@ from worker_proc.plan_timing import GemmKey, Instance, Measure
 
 logger = logging.getLogger(__name__)
 
-ROW_BUCKETS = (1, 2, 4, 8, 16, 64, 256)
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+"""Row counts the plan measures: decode batches up to 64 rows, prefill steps up to the default chunk (512).
+A library product's cost is not linear between them (a dense bfloat16 product of 128 rows can cost what
+one of 256 does: oneDNN reorders the weight on every call), so each size a step commonly has is its own."""
 MARGIN = 0.03
+MEASURE_ROUNDS = 2
+"""Every (rows, threads) figure is the fastest of this many rounds, the thread counts taking turns: the
+worker measures while its sibling processes start, and a burst of theirs must not decide a choice that is
+cached for every later start."""
 
 
 @dataclass(frozen=True)
@@ -193,9 +200,9 @@ def choose(instances: list[Instance], thread_options: tuple[int, ...], measure: 
     picks: dict[GemmKey, list[dict[str, float]]] = {k: [] for k in counts}
     threads: list[int] = []
     for rows in ROW_BUCKETS:
-        by_threads = {t: _timed(measure, rows, t) for t in thread_options}
-        totals = {t: sum(counts.get(k, 0) * min(ts.values()) for k, ts in timed.items())
-                  + (mixers(rows, t) if mixers is not None else 0.0) for t, timed in by_threads.items()}
+        by_threads, mixer_s = _timed_rounds(measure, mixers, rows, thread_options)
+        totals = {t: sum(counts.get(k, 0) * min(ts.values()) for k, ts in timed.items()) + mixer_s[t]
+                  for t, timed in by_threads.items()}
         best = min(thread_options, key=lambda t: (totals[t], t))
         chosen = min((t for t in thread_options if totals[t] <= totals[best] * (1 + MARGIN)), default=best)
         threads.append(chosen)
@@ -218,6 +225,27 @@ def choose(instances: list[Instance], thread_options: tuple[int, ...], measure: 
         else:
             rule.append((bucket, n))
     return ExecutionPlan("throughput", gemms, tuple(rule), source="measured")
+
+
+Timings = dict[GemmKey, dict[str, float]]
+"""Seconds per product by weight key and method name."""
+
+
+def _timed_rounds(measure: Measure, mixers: Callable[[int, int], float] | None, rows: int,
+                  thread_options: tuple[int, ...]) -> tuple[dict[int, Timings], dict[int, float]]:
+    """Per thread count: the products' seconds by key and method, and the recurrent kernels' seconds, each
+    the fastest of MEASURE_ROUNDS rounds in which the thread counts take turns."""
+    products: dict[int, Timings] = {t: {} for t in thread_options}
+    mixer_s = {t: float("inf") if mixers is not None else 0.0 for t in thread_options}
+    for _ in range(MEASURE_ROUNDS):
+        for t in thread_options:
+            for key, by_method in _timed(measure, rows, t).items():
+                best = products[t].setdefault(key, {})
+                for name, seconds in by_method.items():
+                    best[name] = min(seconds, best.get(name, seconds))
+            if mixers is not None:
+                mixer_s[t] = min(mixer_s[t], mixers(rows, t))
+    return products, mixer_s
 
 
 def _timed(measure: Measure, rows: int, threads: int) -> dict[GemmKey, dict[str, float]]:

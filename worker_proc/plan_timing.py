@@ -80,6 +80,8 @@ class ProductTimer:
             torch.set_num_threads(threads)
         streaming = rows <= STREAM_ROWS
         chosen = self.streamed if streaming else list(self.first.values())
+        if method.max_rows and rows > method.max_rows:
+            return {}
         chosen = [(s, w) for s, w in chosen if method.supports(s, w.device)]
         if streaming:
             samples: dict[GemmKey, list[float]] = {}

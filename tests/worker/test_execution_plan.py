@@ -60,6 +60,27 @@ def test_dense_and_fewer_threads_win_within_the_margin() -> None:
     assert choose(_instances(A), (1, 2), measure, lambda n: True).threads == ((ROW_BUCKETS[-1], 2),)
 
 
+def test_a_burst_during_one_round_does_not_decide_a_choice() -> None:
+    """Two threads are twice as fast, but whatever runs first at each row count is slowed tenfold (a
+    sibling process starting): the rounds take turns and the fastest of each figure decides."""
+    seen: set[tuple[int, int]] = set()
+
+    def measure(method: GemmMethod, rows: int, threads: int) -> dict[GemmKey, float]:
+        burst = (rows, threads) not in seen and threads == 2
+        seen.add((rows, threads))
+        return {A: rows / threads * (10.0 if burst else 1.0)} if method.name == "dense" else {}
+
+    plan = choose(_instances(A), (1, 2), measure, lambda n: True)
+    assert plan.threads == ((ROW_BUCKETS[-1], 2),)
+
+
+def test_a_few_row_product_is_not_timed_against_prefill_steps() -> None:
+    weight = torch.randn(64, 32)
+    timer = ProductTimer([(GemmSite(64, 32, torch.float32, True), weight)], cache_bytes=1 << 20)
+    few_rows = GemmMethod("few_rows", "dense", lambda x, w, stored, bias: x @ w.T, max_rows=8)
+    assert A in timer(few_rows, 8, 1) and timer(few_rows, 9, 1) == {}
+
+
 def test_a_steps_recurrent_kernels_count_in_its_thread_choice() -> None:
     """Products as fast on one thread as on two, but a prefill's scan twice as fast on two: steps above
     the decode buckets take two threads, decode steps (whose kernels gain nothing) keep one."""

@@ -142,6 +142,8 @@ class GemmMethod:
     """The input width must be a multiple of this (torch's int8-weight CPU kernel reads 16 at a time)."""
     native: bool = False
     """It is one of the fused CPU kernels (worker_proc.kernels.native): offered where they load."""
+    max_rows: int = 0
+    """The most rows it is offered for (0: any): a few-row product is not timed against prefill steps."""
 
     def supports(self, site: GemmSite, device: torch.device) -> bool:
         if device.type not in self.devices or self.dtypes and site.dtype not in self.dtypes:
@@ -165,7 +167,7 @@ ANY_DEVICE = ("cpu", "cuda", "mps", "xpu", "meta")
 DENSE = GemmMethod("dense", "dense", _dense, devices=ANY_DEVICE)
 SPLIT = GemmMethod("split", "dense", _split, dtypes=(torch.float32,))
 PACKED = GemmMethod("packed", "packed", _packed)
-GEMV = GemmMethod("gemv", "dense", _gemv, dtypes=(torch.float32, torch.bfloat16), native=True)
+GEMV = GemmMethod("gemv", "dense", _gemv, dtypes=(torch.float32, torch.bfloat16), native=True, max_rows=64)
 PADDED = GemmMethod("padded", "dense", _padded, batch_invariant=True)
 W8A16 = GemmMethod("w8a16", "int8", _quantized(w8a16), in_multiple=16)
 W8A8 = GemmMethod("w8a8", "int8", _quantized(w8a8), batch_invariant=True, devices=("cpu", "cuda"))
