@@ -4,12 +4,12 @@ fresh measurement, and the plan's file format.
 A measured plan is stored under the cache directory keyed by everything its timings depend on
 (`plan_key`: the CPU model and its instruction sets, the cores the rank may use, the thread options,
 torch's version, the mode, the candidate methods, the kernel set timed with them and the source of the
-fused CPU kernels (a new build of them is timed again), the model's product shapes, whether second
-weight copies may be kept); a restart with the same key reads it instead of measuring.
-`--execution-plan FILE` pins a plan: it is used as it is (measured elsewhere, edited by hand) and
-refused at start-up when it lacks a rule for one of the model's shapes. Writes are atomic (a rank
-reads a whole file or none), so ranks measuring the same
-key at once only race to the same content.
+fused CPU kernels (a new build of them is timed again), the row buckets and rounds measured, the
+model's product shapes, whether second weight copies may be kept); a restart with the same key reads
+it instead of measuring. `--execution-plan FILE` pins a plan: it is used as it is (measured elsewhere,
+edited by hand) and refused at start-up when it lacks a rule for one of the model's shapes. Writes are
+atomic (a rank reads a whole file or none), so ranks measuring the same key at once only race to the
+same content.
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ from torch import nn
 
 from shared.errors import ModelLoadError
 from worker_proc.execution_plan import (
+    MEASURE_ROUNDS,
+    ROW_BUCKETS,
     ExecutionPlan,
     GemmRule,
     accelerator_plan,
@@ -81,6 +83,7 @@ def plan_key(model: nn.Module, mode: str, thread_options: tuple[int, ...], cores
     return {**cpu_identity(), "cores": cores, "threads": list(thread_options), "torch": torch.__version__,
             "mode": mode, "methods": [m.name for m in THROUGHPUT_METHODS], "kernels": kernels,
             "native": native.build_digest() if native.load() else "",  # the fused kernels' code is timed too
+            "buckets": list(ROW_BUCKETS), "rounds": MEASURE_ROUNDS,
             "shapes": dict(sorted(shapes.items())), "copies": "one" if single_copy else "affordable"}
 
 

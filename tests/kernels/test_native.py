@@ -120,6 +120,22 @@ def test_a_narrow_state_pool_through_a_long_prefill_segment(gen: torch.Generator
                                                   else states.to(torch.bfloat16), torch.arange(4))[[0, 1, 3]])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_fused_gated_activation_equals_the_composed_one(gen: torch.Generator, dtype, rows: int) -> None:
+    """silu(gate) * up over a projection's [gate | up] halves, read from a view with a row stride (as the
+    projection's output rows may be), with torch's roundings: float32 to its rounding, bfloat16 within
+    one rounding of the SiLU (another exponential can round it the other way)."""
+    gate_up = strided(rand(gen, rows, 2 * 1100, dtype=dtype, scale=4.0))
+    want = FastOps().silu_mul(gate_up)
+    got = _native().silu_mul(gate_up)
+    assert got.dtype == dtype and got.shape == (rows, 1100) and got.is_contiguous()
+    scale = float(want.abs().max())
+    assert max_diff(got, want) <= (TOL if dtype == torch.float32 else 2**-7) * scale
+    if dtype == torch.bfloat16:  # one rounding apart at most, and mostly none
+        assert (got != want).float().mean() < 0.05
+
+
 @pytest.mark.parametrize("before_gate", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_gate_norm_equals_the_module(gen: torch.Generator, before_gate: bool, dtype) -> None:

@@ -13,7 +13,8 @@ from worker_proc.kernels.state_codec import StatePool
 
 
 class ComposedSteps:
-    """`mamba_decode` from the class's own `conv_decode` and `ssd_decode`; the norms as their modules run them."""
+    """`mamba_decode` from the class's own `conv_decode` and `ssd_decode`; the norms as their modules run them;
+    the gated MLP activation as torch computes it."""
 
     def mamba_decode(self, xbc: Tensor, dt: Tensor, conv_pool: Tensor, slots: Tensor, weight: Tensor,
                      bias: Tensor | None, p: SsdParams, ssm_pool: StatePool, groups: int,
@@ -36,3 +37,7 @@ class ComposedSteps:
 
     def gate_norm(self, y: Tensor, z: Tensor, norm: GateNorm | None) -> Tensor:
         return y * F.silu(z.float()) if norm is None else norm(y, z)
+
+    def silu_mul(self, gate_up: Tensor) -> Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up

@@ -111,6 +111,10 @@ class KernelOps(Protocol):
         """`norm(x)`: x [T, width] in the model dtype -> [T, width] in it."""
         ...
 
+    def silu_mul(self, gate_up: Tensor) -> Tensor:
+        """A gated MLP's activation: silu(gate) * up of gate_up [T, 2 * I] = [gate | up] (model dtype) -> [T, I]."""
+        ...
+
     def gate_norm(self, y: Tensor, z: Tensor, norm: GateNorm | None) -> Tensor:
         """A Mamba layer's gate on its scan output: `norm(y, z)`, or y * silu(z) without a norm. y [T, I] fp32,
         z [T, I] in the model dtype. Returns [T, I] fp32."""

@@ -119,6 +119,8 @@ class DecoderLayer(nn.Module):
         if isinstance(module, Attention):
             i = self.attn_index
             return module(x, batch, rope, pools.k[i], pools.v[i], ops)
+        if isinstance(module, GatedMLP):
+            return module(x, ops)
         return module(x)
 
     def forward(

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from worker_proc.kernels.interface import KernelOps
 from worker_proc.model.gemm import GemmOwner, GemmSite
 from worker_proc.model.shard import ShardSpec, TPInfo, column_spec
 
@@ -156,9 +157,8 @@ class GatedMLP(nn.Module):
         self.input_linear = Linear(hidden, 2 * inner, bias=False, dtype=dtype, device=device)
         self.output_linear = Linear(inner, hidden, bias=False, dtype=dtype, device=device)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.input_linear(x).chunk(2, dim=-1)
-        return self.output_linear(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, ops: KernelOps) -> torch.Tensor:
+        return self.output_linear(ops.silu_mul(self.input_linear(x)))
 
     def shard_spec(self, sub: str) -> ShardSpec | None:
         return fused_mlp_spec(self.output_linear.in_features * self.tp.size, self.tp, sub, 0)

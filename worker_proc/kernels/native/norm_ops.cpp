@@ -122,10 +122,49 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, i
   return out;
 }
 
+// A gated MLP's activation: silu(gate) * up over the halves [gate | up] of each row of gu [rows, 2 * I]
+// (the model dtype, unit-stride rows of any stride). Returns [rows, I] in the dtype: the SiLU rounded
+// to it, then the product rounded (F.silu(gate) * up's roundings; the exponential is exp_approx).
+template <typename T>
+at::Tensor silu_mul_impl(const at::Tensor& gu) {
+  const int64_t rows = gu.size(0), width = gu.size(1) / 2, rs = gu.stride(0);
+  constexpr int64_t kSpan = 512;  // columns per task: a decode row still spreads over the threads
+  const int64_t spans = (width + kSpan - 1) / kSpan;
+  at::Tensor out = at::empty({rows, width}, gu.options().memory_format(at::MemoryFormat::Contiguous));
+  const T* g_p = gu.data_ptr<T>();
+  T* o_p = out.data_ptr<T>();
+  at::parallel_for(0, rows * spans, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t u = begin; u < end; ++u) {
+      const int64_t r = u / spans, lo = (u % spans) * kSpan, hi = std::min(width, lo + kSpan);
+      const T* gate = g_p + r * rs;
+      const T* up = gate + width;
+      T* orow = o_p + r * width;
+#pragma omp simd
+      for (int64_t j = lo; j < hi; ++j) orow[j] = from_f<T>(round_to<T>(silu(to_f(gate[j]))) * to_f(up[j]));
+    }
+  });
+  return out;
+}
+
+at::Tensor silu_mul(const at::Tensor& gu) {
+  check_rows(gu, "gate|up");
+  TORCH_CHECK(gu.size(1) % 2 == 0, "silu_mul: [rows, 2 * width] expected");
+  at::Tensor out;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gu.scalar_type(), "silu_mul", [&] {
+    if constexpr (!std::is_same_v<scalar_t, double>) {
+      out = silu_mul_impl<scalar_t>(gu);
+    } else {
+      TORCH_CHECK(false, "float64 is not a model dtype");
+    }
+  });
+  return out;
+}
+
 }  // namespace
 }  // namespace hyssm_cpu
 
 TORCH_LIBRARY_IMPL(hyssm_cpu, CPU, m) {
+  m.impl("silu_mul", hyssm_cpu::silu_mul);
   m.impl("gated_rms_norm", hyssm_cpu::gated_rms_norm);
   m.impl("rms_norm", hyssm_cpu::rms_norm);
 }

@@ -1,6 +1,6 @@
 """`NativeOps`: `FastOps` with a Mamba layer's decode step (conv + scan), its prefill conv and scan over
-every segment, its gated norm and the residual norms in the fused CPU kernels of `scan_ops.cpp` and
-`norm_ops.cpp` (one call each per layer instead of tens of dispatched ops).
+every segment, its gated norm, the residual norms and the gated MLP activation in the fused CPU kernels
+of `scan_ops.cpp` and `norm_ops.cpp` (one call each per layer instead of tens of dispatched ops).
 
 Same interface and mathematics as `FastOps` (checked against `ReferenceOps` by the kernel tests);
 not batch invariant. The recurrent state is read and written in its storage (float32, bfloat16 or int8,
@@ -67,6 +67,11 @@ class NativeOps(FastOps):
         if norm is None:
             return torch.ops.hyssm_cpu.gated_rms_norm(y, z, None, 1, 0.0, False)
         return torch.ops.hyssm_cpu.gated_rms_norm(y, z, norm.weight, norm.groups, norm.eps, norm.before_gate)
+
+    def silu_mul(self, gate_up: Tensor) -> Tensor:
+        if gate_up.dim() != 2 or gate_up.stride(-1) != 1 or gate_up.dtype not in _MODEL_DTYPES:
+            return super().silu_mul(gate_up)
+        return torch.ops.hyssm_cpu.silu_mul(gate_up)
 
     def rms_norm(self, norm: ResidualNorm, x: Tensor) -> Tensor:
         """A reduced-precision model's norm in one call (its module takes eight); a float32 `RMSNorm` stays

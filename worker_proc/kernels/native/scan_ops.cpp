@@ -289,6 +289,7 @@ TORCH_LIBRARY(hyssm_cpu, m) {
       "Tensor a, Tensor d, Tensor dt_bias, float dt_min, float dt_max) -> Tensor");
   m.def("gated_rms_norm(Tensor y, Tensor z, Tensor? weight, int groups, float eps, bool before_gate) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps, int weighting) -> Tensor");
+  m.def("silu_mul(Tensor gu) -> Tensor");
   m.def("gemv(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
 }
 
