@@ -53,6 +53,9 @@ MEASURE_ROUNDS = 2
 """Every (rows, threads) figure is the fastest of this many rounds, the thread counts taking turns: the
 worker measures while its sibling processes start, and a burst of theirs must not decide a choice that is
 cached for every later start."""
+CONTENDER = 2.0
+"""A round after the first times again only the methods within this factor of a key's fastest (one slower
+than twice the fastest does not win by a burst that slowed the fastest in the first round)."""
 
 
 @dataclass(frozen=True)
@@ -206,8 +209,8 @@ def choose(instances: list[Instance], thread_options: tuple[int, ...], measure: 
         best = min(thread_options, key=lambda t: (totals[t], t))
         chosen = min((t for t in thread_options if totals[t] <= totals[best] * (1 + MARGIN)), default=best)
         threads.append(chosen)
-        for key in counts:
-            picks[key].append(by_threads[chosen].get(key, {}))
+        for key in counts:  # a bucket past the key's timed rows takes the largest bucket timed
+            picks[key].append(by_threads[chosen].get(key) or (picks[key][-1] if picks[key] else {}))
     extra = {k: _second_copy_bytes(k, [_pick(t, k.storage) for t in picks[k]], counts[k], nbytes[k], kept[k])
              for k in counts}  # fmt: skip
     keep_both = affordable(sum(extra.values()))
@@ -234,12 +237,14 @@ Timings = dict[GemmKey, dict[str, float]]
 def _timed_rounds(measure: Measure, mixers: Callable[[int, int], float] | None, rows: int,
                   thread_options: tuple[int, ...]) -> tuple[dict[int, Timings], dict[int, float]]:
     """Per thread count: the products' seconds by key and method, and the recurrent kernels' seconds, each
-    the fastest of MEASURE_ROUNDS rounds in which the thread counts take turns."""
+    the fastest of MEASURE_ROUNDS rounds in which the thread counts take turns; a later round times only
+    the methods within CONTENDER of the fastest for some key."""
     products: dict[int, Timings] = {t: {} for t in thread_options}
     mixer_s = {t: float("inf") if mixers is not None else 0.0 for t in thread_options}
-    for _ in range(MEASURE_ROUNDS):
+    for round_ in range(MEASURE_ROUNDS):
         for t in thread_options:
-            for key, by_method in _timed(measure, rows, t).items():
+            only = _contenders(products[t]) if round_ else None
+            for key, by_method in _timed(measure, rows, t, only).items():
                 best = products[t].setdefault(key, {})
                 for name, seconds in by_method.items():
                     best[name] = min(seconds, best.get(name, seconds))
@@ -248,9 +253,16 @@ def _timed_rounds(measure: Measure, mixers: Callable[[int, int], float] | None, 
     return products, mixer_s
 
 
-def _timed(measure: Measure, rows: int, threads: int) -> dict[GemmKey, dict[str, float]]:
-    out: dict[GemmKey, dict[str, float]] = {}
+def _contenders(timed: Timings) -> set[str]:
+    return {name for by_method in timed.values() for name, seconds in by_method.items()
+            if seconds <= min(by_method.values()) * CONTENDER}
+
+
+def _timed(measure: Measure, rows: int, threads: int, only: set[str] | None = None) -> Timings:
+    out: Timings = {}
     for method in THROUGHPUT_METHODS:
+        if only is not None and method.name not in only:
+            continue
         for key, seconds in measure(method, rows, threads).items():
             out.setdefault(key, {})[method.name] = seconds
     return out

@@ -178,12 +178,16 @@ def never_affordable(nbytes: int) -> bool:
     return False
 
 
+PLAN_REPS = 2
+"""Timed repetitions per product in each of the plan's rounds (execution_plan.MEASURE_ROUNDS)."""
+
+
 def measure_plan(model: nn.Module, thread_options: tuple[int, ...], ops: KernelOps | None = None,
                  single_copy: bool = False) -> ExecutionPlan:
     instances = instances_of(model)
     before = torch.get_num_threads()
     cap = DEFAULT_STREAM_BYTES if single_copy else 0
-    timer = ProductTimer(instances, last_level_cache_bytes(), max_stream_bytes=cap)
+    timer = ProductTimer(instances, last_level_cache_bytes(), reps=PLAN_REPS, max_stream_bytes=cap)
     t0 = time.perf_counter()
     logger.info("measuring the execution plan: %d product sites, threads %s", len(instances), thread_options)
     try:

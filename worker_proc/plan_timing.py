@@ -82,7 +82,8 @@ class ProductTimer:
         chosen = self.streamed if streaming else list(self.first.values())
         if method.max_rows and rows > method.max_rows:
             return {}
-        chosen = [(s, w) for s, w in chosen if method.supports(s, w.device)]
+        chosen = [(s, w) for s, w in chosen
+                  if method.supports(s, w.device) and not (s.timed_rows and rows > s.timed_rows)]
         if streaming:
             samples: dict[GemmKey, list[float]] = {}
             for rep in range(self.reps + 1):

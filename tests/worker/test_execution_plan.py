@@ -81,6 +81,23 @@ def test_a_few_row_product_is_not_timed_against_prefill_steps() -> None:
     assert A in timer(few_rows, 8, 1) and timer(few_rows, 9, 1) == {}
 
 
+def test_a_site_timed_up_to_some_rows_keeps_that_choice_beyond_them() -> None:
+    """An LM head is timed at decode batches only: its timer skips it above its rows, and the plan gives
+    larger products the choice of the largest bucket timed (not the untimed default)."""
+    head = GemmSite(64, 32, torch.float32, True, timed_rows=16)
+    timer = ProductTimer([(head, torch.randn(64, 32))], cache_bytes=1 << 20)
+    dense = GemmMethod("dense", "dense", lambda x, w, stored, bias: x @ w.T)
+    assert A in timer(dense, 16, 1) and timer(dense, 17, 1) == {}
+
+    def measure(method: GemmMethod, rows: int, threads: int) -> dict[GemmKey, float]:
+        if rows > 16:
+            return {}
+        return {A: {"dense": 2.0, "split": 1.0}.get(method.name, 3.0) * rows}
+
+    plan = choose(_instances(A), (1,), measure, lambda n: True)
+    assert plan.gemms[A].methods == ("split",)
+
+
 def test_a_steps_recurrent_kernels_count_in_its_thread_choice() -> None:
     """Products as fast on one thread as on two, but a prefill's scan twice as fast on two: steps above
     the decode buckets take two threads, decode steps (whose kernels gain nothing) keep one."""

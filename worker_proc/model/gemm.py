@@ -202,13 +202,16 @@ class GemmSite:
     `packed` holds oneDNN's copy when a bound method reads it."""
 
     def __init__(self, out_features: int, in_features: int, dtype: torch.dtype, packable: bool,
-                 quantizable: bool = True, dense_kept: bool = False) -> None:  # fmt: skip
+                 quantizable: bool = True, dense_kept: bool = False, timed_rows: int = 0) -> None:  # fmt: skip
         self.shape = (out_features, in_features)
         self.dtype = dtype
         self.packable = packable
         self.dense_kept = dense_kept
         """The owner reads the dense weight itself (a tied LM head's embedding lookups), so it stays
         whatever the plan binds: a packed copy is always a second copy."""
+        self.timed_rows = timed_rows
+        """The most rows the plan times it at (0: every bucket); larger products take the choice made
+        for the largest bucket timed. An LM head sees a step's sampled rows, not its prompt tokens."""
         self.quantizable = quantizable
         self.quantized: QuantizedWeight | None = None
         self.bounds: tuple[int, ...] = ()

@@ -50,6 +50,10 @@ __all__ = ["DecoderLayer", "HybridForCausalLM", "HybridModel", "TPInfo"]
 
 _LAYER_PARAM = re.compile(r"^(model|mtp)\.layers\.(\d+)\.([^.]+)\.(.+)$")
 
+HEAD_TIMED_ROWS = 64
+"""Rows the plan times the LM head at: it takes a step's sampled rows (a decode batch), and timing it
+over a prefill chunk's rows (a 100k-vocabulary head at 512 rows is ~80 GFLOP) would cost seconds."""
+
 
 class KVLayers(Protocol):
     """Where a layer's attention keeps its KV: `k[i]`, `v[i]` [slots, kv_heads, head_dim] of attention
@@ -211,10 +215,11 @@ class HybridForCausalLM(nn.Module, GemmOwner):
         self.lm_head = (
             None
             if cfg.tie_word_embeddings
-            else Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, device=device)
+            else Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, device=device,
+                        timed_rows=HEAD_TIMED_ROWS)
         )
-        self.head_gemm = GemmSite(cfg.vocab_size, cfg.hidden_size, dtype, packable=True,
-                                  dense_kept=True)  # a tied LM head over the embedding table
+        self.head_gemm = GemmSite(cfg.vocab_size, cfg.hidden_size, dtype, packable=True, dense_kept=True,
+                                  timed_rows=HEAD_TIMED_ROWS)  # a tied LM head over the embedding table
         if mtp and not cfg.mtp_layers:
             raise ModelLoadError(f"{cfg.architecture}: the checkpoint has no MTP layers (mtp_num_hidden_layers or "
                                  "num_nextn_predict_layers in config.json) to draft with")

@@ -50,9 +50,10 @@ class Linear(nn.Linear, GemmOwner):
     does when it quantizes the site)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, dtype: torch.dtype | None = None,
-                 device: torch.device | None = None, quantizable: bool = True) -> None:
+                 device: torch.device | None = None, quantizable: bool = True, timed_rows: int = 0) -> None:
         super().__init__(in_features, out_features, bias=bias, dtype=dtype, device=device)
-        self.gemm = GemmSite(out_features, in_features, self.weight.dtype, packable=True, quantizable=quantizable)
+        self.gemm = GemmSite(out_features, in_features, self.weight.dtype, packable=True, quantizable=quantizable,
+                             timed_rows=timed_rows)  # fmt: skip
 
     def gemm_weights(self) -> Iterator[tuple[GemmSite, nn.Module, str]]:
         yield self.gemm, self, "weight"
