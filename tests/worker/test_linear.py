@@ -14,6 +14,7 @@ from worker_proc.model.gemm import (
     DENSE,
     MIN_GEMM_ROWS,
     PACKED,
+    PACKED_ROW_STEP,
     PADDED,
     SPLIT,
     GemmSite,
@@ -49,6 +50,24 @@ def test_every_method_matches_f_linear(threads: int, rows: int, out_features: in
         assert got.shape == want.shape and got.is_contiguous(), method.name
         assert torch.allclose(got, want, rtol=1e-5, atol=1e-5), method.name
         assert torch.allclose(method.apply(x, w, packed, None), F.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+def test_packed_products_run_on_few_distinct_row_counts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """oneDNN compiles and caches a primitive per row count: above PACKED_ROW_STEP rows the packed method
+    pads to a multiple of it, and each real row's result is that of F.linear."""
+    from worker_proc.model import gemm
+
+    seen: list[int] = []
+    real = gemm.packed_product
+    monkeypatch.setattr(gemm, "packed_product", lambda x, p, b: seen.append(x.shape[0]) or real(x, p, b))
+    w, b = torch.randn(40, 48, generator=G), torch.randn(40, generator=G)
+    packed = pack_weight(w)
+    for rows in range(1, 3 * PACKED_ROW_STEP + 2):
+        x = torch.randn(rows, 48, generator=G)
+        got = PACKED.apply(x, w, packed, b)
+        assert got.shape == (rows, 40) and torch.allclose(got, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    assert seen[:PACKED_ROW_STEP] == list(range(1, PACKED_ROW_STEP + 1))
+    assert set(seen[PACKED_ROW_STEP:]) == {2 * PACKED_ROW_STEP, 3 * PACKED_ROW_STEP, 4 * PACKED_ROW_STEP}
 
 
 def test_parts_divide_the_rows(threads: int) -> None:
