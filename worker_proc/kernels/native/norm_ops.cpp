@@ -128,12 +128,14 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, i
 template <typename T>
 at::Tensor silu_mul_impl(const at::Tensor& gu) {
   const int64_t rows = gu.size(0), width = gu.size(1) / 2, rs = gu.stride(0);
-  constexpr int64_t kSpan = 512;  // columns per task: a decode row still spreads over the threads
+  constexpr int64_t kSpan = 512;    // columns per task
+  constexpr int64_t kInline = 16;   // fewer tasks than this run on the calling thread (waking the others
+                                    // costs more than a decode row's few thousand elements)
   const int64_t spans = (width + kSpan - 1) / kSpan;
   at::Tensor out = at::empty({rows, width}, gu.options().memory_format(at::MemoryFormat::Contiguous));
   const T* g_p = gu.data_ptr<T>();
   T* o_p = out.data_ptr<T>();
-  at::parallel_for(0, rows * spans, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows * spans, kInline, [&](int64_t begin, int64_t end) {
     for (int64_t u = begin; u < end; ++u) {
       const int64_t r = u / spans, lo = (u % spans) * kSpan, hi = std::min(width, lo + kSpan);
       const T* gate = g_p + r * rs;
