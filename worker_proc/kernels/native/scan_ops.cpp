@@ -197,9 +197,10 @@ at::Tensor conv_prefill(const at::Tensor& x, at::Tensor conv_pool, at::IntArrayR
   return out;
 }
 
-// The SSD scan of prefill segments token by token: for each segment (`lengths`, `slots`), each head h
-// and each row q of its state, state = state * exp(dt a) + (dt x) B and y = state . C + D x at every
-// position. x [T, H, P], dt [T, H] raw, b, c [T, G, N] (head h reads group h / (H / G)), in the model
+// The SSD scan of prefill segments: for each segment (`lengths`, `slots`), each head h and each row q of
+// its state, state = state * exp(dt a) + (dt x) B and y = state . C + D x at every position; a segment's
+// whole blocks in `scan_block` where `block_scan_fits` and it has BLOCK_MIN_TOKENS (block_scan.h), the
+// rest token by token in `advance_head`. x [T, H, P], dt [T, H] raw, b, c [T, G, N] (head h reads group h / (H / G)), in the model
 // dtype with a unit-stride last dim; they are read as float32 (widened once, not once per head). Returns
 // y [T, H, P] float32; each segment's slot of the float32 pool ends at the state after its last token.
 at::Tensor ssd_prefill(const at::Tensor& x_in, const at::Tensor& dt, const at::Tensor& b_in, const at::Tensor& c_in,
@@ -237,7 +238,8 @@ at::Tensor ssd_prefill(const at::Tensor& x_in, const at::Tensor& dt, const at::T
     for (int64_t t = 0; t < whole[sg]; t += BLOCK) block_rows.push_back(starts[sg] + t);
     first_block[sg + 1] = static_cast<int64_t>(block_rows.size());
   }
-  std::vector<float> gram(block_rows.size() * groups * BLOCK * BLOCK), packed(block_rows.size() * groups * n * 2 * BLOCK);
+  const int64_t block_groups = static_cast<int64_t>(block_rows.size()) * groups;
+  std::vector<float> gram(block_groups * BLOCK * BLOCK), packed(block_groups * n * 2 * BLOCK);
   if (!block_rows.empty()) block_gram(b_p, c_p, groups, n, block_rows, gram.data(), packed.data());
   at::Tensor y = at::empty({total, heads, p}, x.options());
   float* y_p = y.data_ptr<float>();
