@@ -161,6 +161,27 @@ def test_fused_rms_norm_equals_the_module(gen: torch.Generator, kind: str, dtype
     assert max_diff(got, want) <= 2 * ulp * float(want.abs().max())
 
 
+@pytest.mark.parametrize("multiplier", [1.0, 0.22])
+@pytest.mark.parametrize("kind", ["rms", "rms_fp32_weight", "unit_offset"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_residual_add_and_norm_in_one_pass_equal_the_add_then_the_norm(gen: torch.Generator, kind: str, dtype,
+                                                                     multiplier: float) -> None:  # fmt: skip
+    """The stream after the add is torch.add's to the bit (the multiplier rounded to the dtype as torch
+    rounds it); the norm of it is the fused norm's; a float32 `RMSNorm` keeps torch's own call."""
+    cpu = torch.device("cpu")
+    norm = UnitOffsetRMSNorm(96, 1e-6, dtype, cpu) if kind == "unit_offset" else RMSNorm(
+        96, 1e-6, dtype, cpu, fp32_weight=kind == "rms_fp32_weight")
+    norm.weight.data = rand(gen, 96, dtype=dtype)
+    h, y = rand(gen, 9, 96, dtype=dtype, scale=3.0), strided(rand(gen, 9, 96, dtype=dtype))
+    ops = _native()
+    summed, x = ops.add_rms_norm(norm, h, y, multiplier)
+    want = h + y if multiplier == 1.0 else torch.add(h, y, alpha=multiplier)
+    assert torch.equal(summed, want)
+    assert torch.equal(x, ops.rms_norm(norm, want))
+    composed = FastOps().add_rms_norm(norm, h, y, multiplier)
+    assert torch.equal(composed[0], want) and torch.equal(composed[1], FastOps().rms_norm(norm, want))
+
+
 def test_the_cpu_takes_the_fused_kernels_or_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
     assert select.choose_kernels("cpu").ops == "native"
     assert select.choose_kernels("cpu", deterministic=True).ops == "reference"

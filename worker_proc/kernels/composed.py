@@ -4,6 +4,7 @@ overrides it (`NativeOps`). Contracts: worker_proc.kernels.interface."""
 
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -34,6 +35,10 @@ class ComposedSteps:
 
     def rms_norm(self, norm: ResidualNorm, x: Tensor) -> Tensor:
         return norm(x)
+
+    def add_rms_norm(self, norm: ResidualNorm, h: Tensor, y: Tensor, multiplier: float) -> tuple[Tensor, Tensor]:
+        summed = h + y if multiplier == 1.0 else torch.add(h, y, alpha=multiplier)
+        return summed, self.rms_norm(norm, summed)
 
     def gate_norm(self, y: Tensor, z: Tensor, norm: GateNorm | None) -> Tensor:
         return y * F.silu(z.float()) if norm is None else norm(y, z)

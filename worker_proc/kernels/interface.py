@@ -111,6 +111,12 @@ class KernelOps(Protocol):
         """`norm(x)`: x [T, width] in the model dtype -> [T, width] in it."""
         ...
 
+    def add_rms_norm(self, norm: ResidualNorm, h: Tensor, y: Tensor, multiplier: float) -> tuple[Tensor, Tensor]:
+        """A sublayer's output added to the residual stream and the next norm: (h', `rms_norm(norm, h')`)
+        with h' = h + y, or torch.add(h, y, alpha=multiplier)'s sum (the multiplier rounded to the
+        model dtype first); h, y [T, width] in the model dtype."""
+        ...
+
     def silu_mul(self, gate_up: Tensor) -> Tensor:
         """A gated MLP's activation: silu(gate) * up of gate_up [T, 2 * I] = [gate | up] (model dtype) -> [T, I]."""
         ...

@@ -43,6 +43,7 @@ from worker_proc.model.mamba import MambaMixer
 from worker_proc.model.moe import SigmoidMoE
 from worker_proc.model.quantized import QuantizedWeight
 from worker_proc.model.qwen_moe import SharedGateMoE
+from worker_proc.model.residual import Residual
 from worker_proc.model.shard import ShardSpec, TPInfo
 from worker_proc.pools import StatePools
 
@@ -129,14 +130,15 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self,
-        h: torch.Tensor,
+        stream: Residual,
         batch: StepBatch,
         rope: tuple[torch.Tensor, torch.Tensor] | None,
         pools: KVLayers,
         ops: KernelOps,
-    ) -> torch.Tensor:
+    ) -> Residual:
+        """Every sublayer over the residual `stream`; the last one's output is left pending in it."""
         for sub in self.subs:
-            x = ops.rms_norm(getattr(self, sub.norm), h)
+            x = stream.normed(getattr(self, sub.norm), ops)
             whole: torch.Tensor | None = None  # sum of all-reduced block outputs
             partial: torch.Tensor | None = None  # sum of this rank's partial sums
             for block in sub.blocks:
@@ -152,8 +154,8 @@ class DecoderLayer(nn.Module):
             if partial is not None:
                 partial = self.tp.all_reduce(partial)  # one sum of every MLP/MoE partial
             y = partial if whole is None else (whole if partial is None else whole + partial)
-            h = h + y if sub.multiplier == 1.0 else torch.add(h, y, alpha=sub.multiplier)
-        return h
+            stream.add(y, sub.multiplier, ops)
+        return stream
 
 
 class HybridModel(nn.Module):
@@ -190,7 +192,7 @@ class MtpHead(nn.Module):
                 rope: tuple[torch.Tensor, torch.Tensor] | None, kv: KVLayers, ops: KernelOps,
                 layer: int = 0) -> torch.Tensor:  # fmt: skip
         x = self.fc(torch.cat([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)], dim=-1))
-        return self.norm(self.layers[layer](x, batch, rope, kv, ops))
+        return self.norm(self.layers[layer](Residual(x), batch, rope, kv, ops).value(ops))
 
 
 class HybridForCausalLM(nn.Module, GemmOwner):
@@ -273,18 +275,22 @@ class HybridForCausalLM(nn.Module, GemmOwner):
         """Run every layer over the step's rows, writing KV and advancing recurrent state in place.
         Returns float32 logits [len(batch.logit_rows), vocab] (already scaled); with
         `want_logits=False` (ranks that do not sample) the LM head is skipped: [0, vocab]."""
-        h = self.run_layers(batch, pools, ops)
+        stream = self.run_stream(batch, pools, ops)
         if not want_logits:
-            return h.new_empty(0, self.cfg.vocab_size, dtype=torch.float32)
-        return self.logits(ops.rms_norm(self.model.norm, h[batch.logit_rows]))
+            return stream.h.new_empty(0, self.cfg.vocab_size, dtype=torch.float32)
+        return self.logits(stream.normed(self.model.norm, ops, rows=batch.logit_rows))
 
     def run_layers(self, batch: StepBatch, pools: StatePools, ops: KernelOps) -> torch.Tensor:
         """The residual stream after the last layer (before the final norm), every row."""
-        h = self.embed_scaled(batch.input_ids)
+        return self.run_stream(batch, pools, ops).value(ops)
+
+    def run_stream(self, batch: StepBatch, pools: StatePools, ops: KernelOps) -> Residual:
+        """Every layer over the step's rows; the last layer's output is left pending in the stream."""
+        stream = Residual(self.embed_scaled(batch.input_ids))
         rope = self.rope(batch.positions)
         for layer in self.model.layers:
-            h = layer(h, batch, rope, pools, ops)
-        return h
+            layer(stream, batch, rope, pools, ops)
+        return stream
 
     def embed_scaled(self, ids: torch.Tensor) -> torch.Tensor:
         h = self.embed(ids)

@@ -77,6 +77,25 @@ at::Tensor gated_rms_norm(const at::Tensor& y, const at::Tensor& z, const c10::o
 // x [rows, width] (any row stride); the statistics are float32.
 enum RmsWeighting : int64_t { kModelDtype = 0, kFloat32 = 1, kUnitOffset = 2 };
 
+// One row: orow = norm(xr) with `weighting`'s rounding (xr and orow may not overlap).
+template <typename T>
+inline void norm_row(const T* xr, const T* w_p, T* orow, int64_t width, float eps, int64_t weighting) {
+  float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t j = 0; j < width; ++j) ss += to_f(xr[j]) * to_f(xr[j]);
+  const float rstd = 1.0f / std::sqrt(ss / static_cast<float>(width) + eps);
+  if (weighting == kModelDtype) {
+#pragma omp simd
+    for (int64_t j = 0; j < width; ++j) orow[j] = from_f<T>(to_f(w_p[j]) * round_to<T>(to_f(xr[j]) * rstd));
+  } else if (weighting == kFloat32) {
+#pragma omp simd
+    for (int64_t j = 0; j < width; ++j) orow[j] = from_f<T>(to_f(w_p[j]) * (to_f(xr[j]) * rstd));
+  } else {
+#pragma omp simd
+    for (int64_t j = 0; j < width; ++j) orow[j] = from_f<T>((to_f(xr[j]) * rstd) * (1.0f + to_f(w_p[j])));
+  }
+}
+
 template <typename T>
 at::Tensor rms_norm_impl(const at::Tensor& x, const at::Tensor& weight, double eps, int64_t weighting) {
   const int64_t rows = x.size(0), width = x.size(1);
@@ -87,27 +106,34 @@ at::Tensor rms_norm_impl(const at::Tensor& x, const at::Tensor& weight, double e
   const int64_t rs = x.stride(0);
   const float e = static_cast<float>(eps);
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const T* xr = x_p + r * rs;
-      float ss = 0.0f;
-#pragma omp simd reduction(+ : ss)
-      for (int64_t j = 0; j < width; ++j) ss += to_f(xr[j]) * to_f(xr[j]);
-      const float rstd = 1.0f / std::sqrt(ss / static_cast<float>(width) + e);
-      T* orow = o_p + r * width;
-      for (int64_t j = 0; j < width; ++j) {
-        const float v = to_f(xr[j]) * rstd;
-        const float w = to_f(w_p[j]);
-        if (weighting == kModelDtype) {
-          orow[j] = from_f<T>(w * round_to<T>(v));
-        } else if (weighting == kFloat32) {
-          orow[j] = from_f<T>(w * v);
-        } else {
-          orow[j] = from_f<T>(v * (1.0f + w));
-        }
-      }
-    }
+    for (int64_t r = begin; r < end; ++r) norm_row(x_p + r * rs, w_p, o_p + r * width, width, e, weighting);
   });
   return out;
+}
+
+// The residual add of a sublayer's output and the next norm in one pass over the rows: h' = h + alpha y
+// (alpha rounded to the model dtype first, the sum in float32 rounded once: torch.add(h, y, alpha=alpha)'s
+// arithmetic), then norm(h') as `rms_norm` computes it. Returns (h', norm(h')), contiguous, in the dtype.
+template <typename T>
+std::tuple<at::Tensor, at::Tensor> add_rms_norm_impl(const at::Tensor& h, const at::Tensor& y, double alpha,
+                                                     const at::Tensor& weight, double eps, int64_t weighting) {
+  const int64_t rows = h.size(0), width = h.size(1);
+  const auto options = h.options().memory_format(at::MemoryFormat::Contiguous);
+  at::Tensor sum = at::empty({rows, width}, options), out = at::empty({rows, width}, options);
+  const T *h_p = h.data_ptr<T>(), *y_p = y.data_ptr<T>(), *w_p = weight.data_ptr<T>();
+  T *s_p = sum.data_ptr<T>(), *o_p = out.data_ptr<T>();
+  const int64_t hs = h.stride(0), ys = y.stride(0);
+  const float a = round_to<T>(static_cast<float>(alpha)), e = static_cast<float>(eps);
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T *hr = h_p + r * hs, *yr = y_p + r * ys;
+      T* sr = s_p + r * width;
+#pragma omp simd
+      for (int64_t j = 0; j < width; ++j) sr[j] = from_f<T>(to_f(hr[j]) + to_f(yr[j]) * a);
+      norm_row(sr, w_p, o_p + r * width, width, e, weighting);
+    }
+  });
+  return {sum, out};
 }
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, int64_t weighting) {
@@ -118,6 +144,21 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, i
   at::Tensor out;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
     out = rms_norm_impl<scalar_t>(x, weight, eps, weighting);
+  });
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& h, const at::Tensor& y, double alpha,
+                                                const at::Tensor& weight, double eps, int64_t weighting) {
+  check_rows(h, "h");
+  check_rows(y, "y");
+  TORCH_CHECK(h.sizes() == y.sizes() && h.scalar_type() == y.scalar_type(), "h and y must share a shape and dtype");
+  TORCH_CHECK(weight.is_contiguous() && weight.scalar_type() == h.scalar_type() && weight.numel() == h.size(1),
+              "the norm weight must be [width] in h's dtype");
+  TORCH_CHECK(weighting >= kModelDtype && weighting <= kUnitOffset, "unknown weighting ", weighting);
+  std::tuple<at::Tensor, at::Tensor> out;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, h.scalar_type(), "add_rms_norm", [&] {
+    out = add_rms_norm_impl<scalar_t>(h, y, alpha, weight, eps, weighting);
   });
   return out;
 }
@@ -169,4 +210,5 @@ TORCH_LIBRARY_IMPL(hyssm_cpu, CPU, m) {
   m.impl("silu_mul", hyssm_cpu::silu_mul);
   m.impl("gated_rms_norm", hyssm_cpu::gated_rms_norm);
   m.impl("rms_norm", hyssm_cpu::rms_norm);
+  m.impl("add_rms_norm", hyssm_cpu::add_rms_norm);
 }

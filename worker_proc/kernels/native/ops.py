@@ -40,7 +40,8 @@ class NativeOps(FastOps):
     def conv_prefill_many(self, x: Tensor, conv_pool: Tensor, spans: Spans, weight: Tensor,
                           bias: Tensor | None) -> Tensor:  # fmt: skip
         """Every segment in one call, each continuing from its own window (no padding)."""
-        if not (x.dtype in _MODEL_DTYPES and x.dtype == conv_pool.dtype and x.stride(-1) == 1):
+        if not (x.dtype in _MODEL_DTYPES and x.dtype == conv_pool.dtype == weight.dtype and x.stride(-1) == 1
+                and (bias is None or bias.dtype == x.dtype)):  # fmt: skip
             return super().conv_prefill_many(x, conv_pool, spans, weight, bias)
         lengths, slots = [length for length, _ in spans], [slot for _, slot in spans]
         return torch.ops.hyssm_cpu.conv_prefill(x, conv_pool, lengths, slots, weight, bias)
@@ -76,10 +77,23 @@ class NativeOps(FastOps):
     def rms_norm(self, norm: ResidualNorm, x: Tensor) -> Tensor:
         """A reduced-precision model's norm in one call (its module takes eight); a float32 `RMSNorm` stays
         torch's one call, whose sum of squares is transformers' own to the last bit."""
-        if (x.dim() != 2 or x.stride(-1) != 1 or x.dtype not in _MODEL_DTYPES or norm.weight.dtype != x.dtype
-                or (x.dtype == torch.float32 and norm.weighting == "model_dtype")):  # fmt: skip
+        if not _native_norm(norm, x):
             return super().rms_norm(norm, x)
         return torch.ops.hyssm_cpu.rms_norm(x, norm.weight, norm.eps, RMS_WEIGHTINGS.index(norm.weighting))
+
+    def add_rms_norm(self, norm: ResidualNorm, h: Tensor, y: Tensor, multiplier: float) -> tuple[Tensor, Tensor]:
+        """The add and the norm in one pass where the norm is the fused kernel's (`rms_norm`)."""
+        if not (_native_norm(norm, h) and y.dtype == h.dtype and y.shape == h.shape and y.stride(-1) == 1):
+            return super().add_rms_norm(norm, h, y, multiplier)
+        return torch.ops.hyssm_cpu.add_rms_norm(h, y, multiplier, norm.weight, norm.eps,
+                                                RMS_WEIGHTINGS.index(norm.weighting))
+
+
+def _native_norm(norm: ResidualNorm, x: Tensor) -> bool:
+    """`rms_norm`'s kernel holds this norm of x: [T, width] unit-stride rows in a model dtype, the weight in
+    it, and not a float32 `RMSNorm` (torch's call stays)."""
+    return (x.dim() == 2 and x.stride(-1) == 1 and x.dtype in _MODEL_DTYPES and norm.weight.dtype == x.dtype
+            and not (x.dtype == torch.float32 and norm.weighting == "model_dtype"))
 
 
 def _pool_args(pool: StatePool) -> tuple[Tensor, Tensor | None]:
