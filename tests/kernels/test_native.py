@@ -144,6 +144,9 @@ def test_fused_gate_norm_equals_the_module(gen: torch.Generator, before_gate: bo
     y, z = rand(gen, 5, 24), strided(rand(gen, 5, 24, dtype=dtype))
     assert max_diff(_native().gate_norm(y, z, norm), norm(y, z)) <= TOL
     assert max_diff(_native().gate_norm(y, z, None), ReferenceOps().gate_norm(y, z, None)) <= TOL
+    for weighted in (norm, None):  # written in the model dtype: the float32 result rounded once, as `.to` does
+        rounded = _native().gate_norm(y, z, weighted, dtype)
+        assert rounded.dtype == dtype and torch.equal(rounded, _native().gate_norm(y, z, weighted).to(dtype))
 
 
 @pytest.mark.parametrize("kind", ["rms", "rms_fp32_weight", "unit_offset"])
@@ -180,6 +183,18 @@ def test_residual_add_and_norm_in_one_pass_equal_the_add_then_the_norm(gen: torc
     assert torch.equal(x, ops.rms_norm(norm, want))
     composed = FastOps().add_rms_norm(norm, h, y, multiplier)
     assert torch.equal(composed[0], want) and torch.equal(composed[1], FastOps().rms_norm(norm, want))
+
+
+def test_scan_constants_are_widened_again_when_written() -> None:
+    """A reduced-precision D or dt_bias is widened once, and again after it is written (a reload)."""
+    ops = _native()
+    d = torch.tensor([0.5, -1.25], dtype=torch.bfloat16)
+    first = ops._f32(d)
+    assert first.dtype == torch.float32 and torch.equal(first, d.float()) and ops._f32(d) is first
+    d.mul_(2)
+    assert torch.equal(ops._f32(d), d.float())
+    same = torch.ones(2)
+    assert ops._f32(same) is same
 
 
 def test_the_cpu_takes_the_fused_kernels_or_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:

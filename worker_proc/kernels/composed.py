@@ -40,8 +40,9 @@ class ComposedSteps:
         summed = h + y if multiplier == 1.0 else torch.add(h, y, alpha=multiplier)
         return summed, self.rms_norm(norm, summed)
 
-    def gate_norm(self, y: Tensor, z: Tensor, norm: GateNorm | None) -> Tensor:
-        return y * F.silu(z.float()) if norm is None else norm(y, z)
+    def gate_norm(self, y: Tensor, z: Tensor, norm: GateNorm | None, out_dtype: torch.dtype | None = None) -> Tensor:
+        out = y * F.silu(z.float()) if norm is None else norm(y, z)
+        return out if out_dtype is None else out.to(out_dtype)
 
     def silu_mul(self, gate_up: Tensor) -> Tensor:
         gate, up = gate_up.chunk(2, dim=-1)

@@ -121,9 +121,9 @@ class KernelOps(Protocol):
         """A gated MLP's activation: silu(gate) * up of gate_up [T, 2 * I] = [gate | up] (model dtype) -> [T, I]."""
         ...
 
-    def gate_norm(self, y: Tensor, z: Tensor, norm: GateNorm | None) -> Tensor:
+    def gate_norm(self, y: Tensor, z: Tensor, norm: GateNorm | None, out_dtype: torch.dtype | None = None) -> Tensor:
         """A Mamba layer's gate on its scan output: `norm(y, z)`, or y * silu(z) without a norm. y [T, I] fp32,
-        z [T, I] in the model dtype. Returns [T, I] fp32."""
+        z [T, I] in the model dtype. Returns [T, I] fp32, or that result rounded once to `out_dtype`."""
         ...
 
     def conv_prefill_many(self, x: Tensor, conv_pool: Tensor, spans: Spans, weight: Tensor,

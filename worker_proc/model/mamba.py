@@ -133,7 +133,7 @@ class MambaMixer(nn.Module):
         """The scan output y [T, H, P] through the gate/norm and out_proj (all-reduced under TP)."""
         y = y.reshape(h.shape[0], self.shard.inner)
         norm = self.norm
-        out = norm(y, z) if isinstance(norm, SpanGatedRMSNorm) else ops.gate_norm(y, z, norm)
+        out = norm(y, z) if isinstance(norm, SpanGatedRMSNorm) else ops.gate_norm(y, z, norm, h.dtype)
         return row_parallel(out.to(h.dtype), self.out_proj, self.tp)
 
     def _ssd_params(self) -> SsdParams:

@@ -9,64 +9,73 @@ namespace {
 
 // Mamba2's gated RMSNorm per group of channels: norm(y * silu(z)) * w, or with `before_gate`
 // norm(y) * w * silu(z); without a weight only y * silu(z). y [rows, I] float32; z [rows, I] in the
-// model dtype. Returns float32 [rows, I] (the mixer rounds it to its dtype before out_proj).
-template <typename T>
-at::Tensor gated_rms_norm_impl(const at::Tensor& y, const at::Tensor& z, const c10::optional<at::Tensor>& weight,
-                               int64_t groups, double eps, bool before_gate) {
+// model dtype. Returns [rows, I] in float32, or with `round_out` in z's dtype (the float32 result
+// rounded once, as the mixer rounds it before out_proj).
+template <typename T, typename O>
+void gated_rms_norm_rows(const at::Tensor& y, const at::Tensor& z, const float* w_p, int64_t groups, float e,
+                         bool before_gate, O* o_p) {
   const int64_t rows = y.size(0), width = y.size(1), size = width / groups;
-  at::Tensor out = at::empty({rows, width}, y.options().dtype(at::kFloat));
-  at::Tensor w32;
-  if (weight.has_value()) w32 = weight->to(at::kFloat).contiguous();
-  const float* w_p = weight.has_value() ? w32.data_ptr<float>() : nullptr;
   const float* y_p = y.data_ptr<float>();
   const T* z_p = z.data_ptr<T>();
   const int64_t y_rs = y.stride(0), z_rs = z.stride(0);
-  float* o_p = out.data_ptr<float>();
-  const float e = static_cast<float>(eps);
   at::parallel_for(0, rows * groups, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> gate(size);
+    std::vector<float> gate(size), prod(size);
     for (int64_t i = begin; i < end; ++i) {
       const int64_t r = i / groups, off = (i % groups) * size;
       const float* yr = y_p + r * y_rs + off;
       const T* zr = z_p + r * z_rs + off;
-      float* orow = o_p + r * width + off;
+      O* orow = o_p + r * width + off;
 #pragma omp simd
       for (int64_t j = 0; j < size; ++j) gate[j] = silu(to_f(zr[j]));
       if (w_p == nullptr) {
-        for (int64_t j = 0; j < size; ++j) orow[j] = yr[j] * gate[j];
+        for (int64_t j = 0; j < size; ++j) orow[j] = from_f<O>(yr[j] * gate[j]);
         continue;
       }
       // the product first, then its sum of squares in a loop that only reads (one that also writes
       // the product compiles to a scalar chain of dependent adds)
       if (before_gate) {
-        std::copy(yr, yr + size, orow);
+        std::copy(yr, yr + size, prod.data());
       } else {
 #pragma omp simd
-        for (int64_t j = 0; j < size; ++j) orow[j] = yr[j] * gate[j];
+        for (int64_t j = 0; j < size; ++j) prod[j] = yr[j] * gate[j];
       }
       float ss = 0.0f;
 #pragma omp simd reduction(+ : ss)
-      for (int64_t j = 0; j < size; ++j) ss += orow[j] * orow[j];
+      for (int64_t j = 0; j < size; ++j) ss += prod[j] * prod[j];
       const float rstd = 1.0f / std::sqrt(ss / static_cast<float>(size) + e);
       const float* w = w_p + off;
       for (int64_t j = 0; j < size; ++j) {
-        const float v = orow[j] * rstd * w[j];
-        orow[j] = before_gate ? v * gate[j] : v;
+        const float v = prod[j] * rstd * w[j];
+        orow[j] = from_f<O>(before_gate ? v * gate[j] : v);
       }
     }
   });
+}
+
+template <typename T>
+at::Tensor gated_rms_norm_impl(const at::Tensor& y, const at::Tensor& z, const c10::optional<at::Tensor>& weight,
+                               int64_t groups, double eps, bool before_gate, bool round_out) {
+  at::Tensor out = at::empty({y.size(0), y.size(1)}, y.options().dtype(round_out ? z.scalar_type() : at::kFloat));
+  at::Tensor w32;
+  if (weight.has_value()) w32 = weight->to(at::kFloat).contiguous();
+  const float* w_p = weight.has_value() ? w32.data_ptr<float>() : nullptr;
+  const float e = static_cast<float>(eps);
+  if (round_out)
+    gated_rms_norm_rows<T, T>(y, z, w_p, groups, e, before_gate, out.data_ptr<T>());
+  else
+    gated_rms_norm_rows<T, float>(y, z, w_p, groups, e, before_gate, out.data_ptr<float>());
   return out;
 }
 
 at::Tensor gated_rms_norm(const at::Tensor& y, const at::Tensor& z, const c10::optional<at::Tensor>& weight,
-                          int64_t groups, double eps, bool before_gate) {
+                          int64_t groups, double eps, bool before_gate, bool round_out) {
   check_rows(y, "y");
   check_rows(z, "z");
   TORCH_CHECK(y.scalar_type() == at::kFloat, "y must be float32");
   TORCH_CHECK(y.sizes() == z.sizes() && y.size(1) % groups == 0, "y and z must be [rows, groups * size]");
   at::Tensor out;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, z.scalar_type(), "gated_rms_norm", [&] {
-    out = gated_rms_norm_impl<scalar_t>(y, z, weight, groups, eps, before_gate);
+    out = gated_rms_norm_impl<scalar_t>(y, z, weight, groups, eps, before_gate, round_out);
   });
   return out;
 }

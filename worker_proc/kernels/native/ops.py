@@ -24,6 +24,20 @@ _MODEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 class NativeOps(FastOps):
     name = "native"
 
+    def __init__(self, gdn: object | None = None) -> None:
+        super().__init__(gdn)
+        self._f32_copies: dict[int, tuple[Tensor, int, Tensor]] = {}
+
+    def _f32(self, t: Tensor) -> Tensor:
+        """`t` in float32, converted once per version of it: the scan constants every step reads (the kernels
+        would convert a reduced-precision one on each call)."""
+        if t.dtype == torch.float32:
+            return t
+        hit = self._f32_copies.get(id(t))
+        if hit is None or hit[0] is not t or hit[1] != t._version:
+            hit = self._f32_copies[id(t)] = (t, t._version, t.float())
+        return hit[2]
+
     def mamba_decode(self, xbc: Tensor, dt: Tensor, conv_pool: Tensor, slots: Tensor, weight: Tensor,
                      bias: Tensor | None, p: SsdParams, ssm_pool: StatePool, groups: int,
                      head_group: Tensor | None) -> Tensor:  # fmt: skip
@@ -32,7 +46,8 @@ class NativeOps(FastOps):
             return super().mamba_decode(xbc, dt, conv_pool, slots, weight, bias, p, ssm_pool, groups, head_group)
         lo, hi = p.dt_limit
         return torch.ops.hyssm_cpu.mamba_decode(xbc, dt, conv_pool, *_pool_args(ssm_pool), slots, weight, bias, p.a,
-                                                p.d, p.dt_bias, head_group, lo, hi, groups)  # fmt: skip
+                                                self._f32(p.d), self._f32(p.dt_bias), head_group, lo, hi,
+                                                groups)  # fmt: skip
 
     def conv_prefill(self, x: Tensor, conv_pool: Tensor, slot: int, weight: Tensor, bias: Tensor | None) -> Tensor:
         return self.conv_prefill_many(x, conv_pool, ((x.shape[0], slot),), weight, bias)
@@ -58,16 +73,18 @@ class NativeOps(FastOps):
             return super().ssd_prefill_many(x, dt, b, c, p, ssm_pool, spans)
         lo, hi = p.dt_limit
         lengths, slots = [length for length, _ in spans], [slot for _, slot in spans]
-        return torch.ops.hyssm_cpu.ssd_prefill(x, dt, b, c, *_pool_args(ssm_pool), lengths, slots, p.a, p.d, p.dt_bias,
-                                               lo, hi)  # fmt: skip
+        return torch.ops.hyssm_cpu.ssd_prefill(x, dt, b, c, *_pool_args(ssm_pool), lengths, slots, p.a,
+                                               self._f32(p.d), self._f32(p.dt_bias), lo, hi)  # fmt: skip
 
-    def gate_norm(self, y: Tensor, z: Tensor, norm: GateNorm | None) -> Tensor:
-        if z.dtype not in _MODEL_DTYPES or z.stride(-1) != 1:
-            return super().gate_norm(y, z, norm)
+    def gate_norm(self, y: Tensor, z: Tensor, norm: GateNorm | None, out_dtype: torch.dtype | None = None) -> Tensor:
+        """The kernel writes `out_dtype` itself when it is z's (the float32 result rounded as `.to` rounds)."""
+        if z.dtype not in _MODEL_DTYPES or z.stride(-1) != 1 or out_dtype not in (None, torch.float32, z.dtype):
+            return super().gate_norm(y, z, norm, out_dtype)
         y = y.contiguous()
+        rounded = out_dtype is not None and out_dtype != torch.float32
         if norm is None:
-            return torch.ops.hyssm_cpu.gated_rms_norm(y, z, None, 1, 0.0, False)
-        return torch.ops.hyssm_cpu.gated_rms_norm(y, z, norm.weight, norm.groups, norm.eps, norm.before_gate)
+            return torch.ops.hyssm_cpu.gated_rms_norm(y, z, None, 1, 0.0, False, rounded)
+        return torch.ops.hyssm_cpu.gated_rms_norm(y, z, norm.weight, norm.groups, norm.eps, norm.before_gate, rounded)
 
     def silu_mul(self, gate_up: Tensor) -> Tensor:
         if gate_up.dim() != 2 or gate_up.stride(-1) != 1 or gate_up.dtype not in _MODEL_DTYPES:

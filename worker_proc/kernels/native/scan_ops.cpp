@@ -301,7 +301,8 @@ TORCH_LIBRARY(hyssm_cpu, m) {
       "ssd_prefill(Tensor x, Tensor dt, Tensor b, Tensor c, Tensor(a!) ssm_pool, Tensor(b!)? ssm_scale, "
       "int[] lengths, int[] slots, "
       "Tensor a, Tensor d, Tensor dt_bias, float dt_min, float dt_max) -> Tensor");
-  m.def("gated_rms_norm(Tensor y, Tensor z, Tensor? weight, int groups, float eps, bool before_gate) -> Tensor");
+  m.def("gated_rms_norm(Tensor y, Tensor z, Tensor? weight, int groups, float eps, bool before_gate, "
+        "bool round_out) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps, int weighting) -> Tensor");
   m.def("add_rms_norm(Tensor h, Tensor y, float alpha, Tensor weight, float eps, int weighting) -> (Tensor, Tensor)");
   m.def("silu_mul(Tensor gu) -> Tensor");
