@@ -36,28 +36,36 @@ inline bool block_scan_fits(int64_t p, int64_t n) {
 // For block blk (starting at row block_rows[blk]) and group g, u = blk * groups + g:
 // gram[u * BLOCK * BLOCK + t * BLOCK + tau] = C_{t0+t} . B_{t0+tau} for tau <= t (0 above), and
 // packed[(u * n + j) * 2 * BLOCK + t] = C_{t0+t}[j], [... + BLOCK + t] = B_{t0+t}[j] (a block's C and B
-// values of one state column in one cache line); b, c are [T, G, N] float32.
-inline void block_gram(const float* b, const float* c, int64_t groups, int64_t n,
+// values of one state column in one cache line); b, c are [T, G, N] in the model dtype (row stride `rs`,
+// group stride `gs`, unit-stride N), read as float32.
+template <typename T>
+inline void block_gram(const T* b, const T* c, int64_t rs, int64_t gs, int64_t groups, int64_t n,
                        const std::vector<int64_t>& block_rows, float* gram, float* packed) {
   const int64_t blocks = static_cast<int64_t>(block_rows.size());
   at::parallel_for(0, blocks * groups, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> cs(BLOCK * n), bs(BLOCK * n);  // the block's C and B rows, widened
     for (int64_t u = begin; u < end; ++u) {
       const int64_t blk = u / groups, g = u % groups, t0 = block_rows[blk];
       float* out = gram + u * BLOCK * BLOCK;
       float* pk = packed + u * n * 2 * BLOCK;
       for (int64_t t = 0; t < BLOCK; ++t) {
-        const float* ct = c + ((t0 + t) * groups + g) * n;
-        const float* bt = b + ((t0 + t) * groups + g) * n;
+        const T* ct = c + (t0 + t) * rs + g * gs;
+        const T* bt = b + (t0 + t) * rs + g * gs;
         for (int64_t j = 0; j < n; ++j) {
-          pk[j * 2 * BLOCK + t] = ct[j];
-          pk[j * 2 * BLOCK + BLOCK + t] = bt[j];
+          cs[t * n + j] = to_f(ct[j]);
+          bs[t * n + j] = to_f(bt[j]);
+          pk[j * 2 * BLOCK + t] = cs[t * n + j];
+          pk[j * 2 * BLOCK + BLOCK + t] = bs[t * n + j];
         }
+      }
+      for (int64_t t = 0; t < BLOCK; ++t) {
+        const float* ct = cs.data() + t * n;
         for (int64_t tau = 0; tau < BLOCK; ++tau) {
           float acc = 0.0f;
           if (tau <= t) {
-            const float* bs = b + ((t0 + tau) * groups + g) * n;
+            const float* bt = bs.data() + tau * n;
 #pragma omp simd reduction(+ : acc)
-            for (int64_t j = 0; j < n; ++j) acc += ct[j] * bs[j];
+            for (int64_t j = 0; j < n; ++j) acc += ct[j] * bt[j];
           }
           out[t * BLOCK + tau] = acc;
         }
@@ -66,10 +74,11 @@ inline void block_gram(const float* b, const float* c, int64_t groups, int64_t n
   });
 }
 
-// What one head's block reads: rows t0..t0+BLOCK-1 of x (row stride xs, head offset applied), the
+// What one head's block reads: rows t0..t0+BLOCK-1 of x in the model dtype (row stride xs, head offset applied), the
 // head's step per row (stride ss), and its group's packed C and B values and gram (`block_gram`).
+template <typename T>
 struct BlockInput {
-  const float* x;
+  const T* x;
   int64_t xs;
   const float* step;
   int64_t ss;
@@ -109,7 +118,8 @@ inline void transpose_state(const float* src, int64_t rows, int64_t cols, float*
 }
 
 // One block of one head: st_t [N][P] advances BLOCK tokens; y rows (row stride ys) get the outputs.
-inline void scan_block(float* st_t, int64_t p, int64_t n, float a, float d, const BlockInput& in, float* y,
+template <typename T>
+inline void scan_block(float* st_t, int64_t p, int64_t n, float a, float d, const BlockInput<T>& in, float* y,
                        int64_t ys) {
   static_assert(BLOCK == 8, "the register loop below names eight tokens");
   float cs[BLOCK], e[BLOCK], v[BLOCK], w[BLOCK][BLOCK];
@@ -127,7 +137,7 @@ inline void scan_block(float* st_t, int64_t p, int64_t n, float a, float d, cons
   const __m512 end_decay = _mm512_set1_ps(exp_approx(cs[BLOCK - 1]));
   for (int64_t q = 0; q < p; q += BLOCK_LANES) {
     __m512 xin[BLOCK];
-    for (int64_t t = 0; t < BLOCK; ++t) xin[t] = _mm512_loadu_ps(in.x + t * in.xs + q);
+    for (int64_t t = 0; t < BLOCK; ++t) xin[t] = load16(in.x + t * in.xs + q);
     const __m512 u0 = _mm512_mul_ps(_mm512_set1_ps(v[0]), xin[0]), u1 = _mm512_mul_ps(_mm512_set1_ps(v[1]), xin[1]);
     const __m512 u2 = _mm512_mul_ps(_mm512_set1_ps(v[2]), xin[2]), u3 = _mm512_mul_ps(_mm512_set1_ps(v[3]), xin[3]);
     const __m512 u4 = _mm512_mul_ps(_mm512_set1_ps(v[4]), xin[4]), u5 = _mm512_mul_ps(_mm512_set1_ps(v[5]), xin[5]);

@@ -19,6 +19,10 @@
 #include <cmath>
 #include <cstring>
 #include <tuple>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 #include <vector>
 
 namespace hyssm_cpu {
@@ -79,6 +83,18 @@ inline float softplus(float v) { return v > 20.0f ? v : std::log1p(std::exp(v));
 inline void check_rows(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, " must be [rows, width] with unit-stride rows");
 }
+
+#if defined(__AVX512F__)
+// 16 consecutive values widened to float32 lanes
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+#endif
 
 constexpr int64_t kLanes = 16;  // the width of the dot products' partial sums (one AVX-512 vector of floats)
 

@@ -23,14 +23,6 @@ constexpr int64_t ROWS = 8;        // input rows sharing one pass over the weigh
 constexpr int64_t WEIGHT_ROWS = 4;  // weight rows read side by side
 constexpr int64_t PREFETCH_ROWS = 8;  // how far ahead (in weight rows) the loop asks for the weight
 
-#if defined(__AVX512F__)
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-#endif
-
 // acc[r][i] = sum_k x[r][k] * w_i[k] for R input rows (float32, row stride k) and WR weight rows.
 template <typename W, int R, int WR>
 inline void dot_block(const float* x, int64_t k, const W* const* w, float (*acc)[WEIGHT_ROWS]) {

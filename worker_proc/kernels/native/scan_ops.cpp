@@ -213,50 +213,33 @@ at::Tensor conv_prefill(const at::Tensor& x, at::Tensor conv_pool, at::IntArrayR
 // its state, state = state * exp(dt a) + (dt x) B and y = state . C + D x at every position; a segment's
 // whole blocks in `scan_block` where `block_scan_fits` and it has BLOCK_MIN_TOKENS (block_scan.h), the
 // rest token by token in `advance_head`. x [T, H, P], dt [T, H] raw, b, c [T, G, N] (head h reads group h / (H / G)), in the model
-// dtype with a unit-stride last dim; they are read as float32 (widened once, not once per head). Returns
+// dtype with a unit-stride last dim; they are read where they lie and widened as they are read (no float32
+// copies: a block's B and C once for all heads of their group, `block_gram`). Returns
 // y [T, H, P] float32; each segment's slot of the float32 pool ends at the state after its last token.
-at::Tensor ssd_prefill(const at::Tensor& x_in, const at::Tensor& dt, const at::Tensor& b_in, const at::Tensor& c_in,
-                       at::Tensor ssm_pool, const c10::optional<at::Tensor>& ssm_scale, at::IntArrayRef lengths, at::IntArrayRef slots, const at::Tensor& a,
-                       const at::Tensor& d, const at::Tensor& dt_bias, double dt_min, double dt_max) {
-  TORCH_CHECK(x_in.dim() == 3 && dt.dim() == 2 && b_in.dim() == 3 && c_in.dim() == 3,
-              "x [T, H, P], dt [T, H], B/C [T, G, N]");
-  TORCH_CHECK(b_in.sizes() == c_in.sizes(), "B and C must have one shape");
-  const StatePool states(ssm_pool, ssm_scale);
-  TORCH_CHECK(lengths.size() == slots.size(), "one slot per segment");
-  const at::Tensor x = x_in.to(at::kFloat).contiguous(), b = b_in.to(at::kFloat).contiguous();
-  const at::Tensor c = c_in.to(at::kFloat).contiguous();
-  const int64_t total = x.size(0), heads = x.size(1), p = x.size(2), groups = b.size(1), n = b.size(2);
-  TORCH_CHECK(heads % groups == 0 && states.heads == heads && states.p == p && states.n == n,
-              "state pool, x and B/C shapes disagree");
-  TORCH_CHECK(dt.size(0) == total && dt.size(1) == heads && b.size(0) == total, "rows of x, dt, B and C differ");
-  const int64_t per_group = heads / groups, segs = static_cast<int64_t>(lengths.size());
-  std::vector<int64_t> starts(segs + 1, 0);
-  for (int64_t i = 0; i < segs; ++i) starts[i + 1] = starts[i] + lengths[i];
-  TORCH_CHECK(starts[segs] == total, "segment lengths do not add up to the rows");
-  // the discretized step and its decay at every (position, head)
-  const at::Tensor a32 = a.to(at::kFloat).contiguous(), d32 = d.to(at::kFloat).contiguous();
-  at::Tensor step = at::softplus(dt.to(at::kFloat) + dt_bias.to(at::kFloat));
-  if (dt_min > 0.0 || std::isfinite(dt_max)) step = step.clamp(dt_min, dt_max);
-  step = step.contiguous();
-  const at::Tensor decay = at::exp(step * a32).contiguous();
-  const float *step_p = step.data_ptr<float>(), *decay_p = decay.data_ptr<float>(), *d_p = d32.data_ptr<float>();
-  const float* a_p = a32.data_ptr<float>();
-  const float *x_p = x.data_ptr<float>(), *b_p = b.data_ptr<float>(), *c_p = c.data_ptr<float>();
-  std::vector<int64_t> slot_of(slots.begin(), slots.end());
+// The grams and the scan of `ssd_prefill` over x, b, c in the model dtype T, read where they lie (x [T, H, P],
+// b, c [T, G, N], unit-stride last dims) and widened as they are read.
+template <typename T>
+void ssd_prefill_scan(const at::Tensor& x, const at::Tensor& b, const at::Tensor& c, const StatePool& states,
+                      const std::vector<int64_t>& starts, const std::vector<int64_t>& slot_of, const float* step_p,
+                      const float* decay_p, const float* a_p, const float* d_p, float* y_p) {
+  const int64_t heads = x.size(1), p = x.size(2), groups = b.size(1), n = b.size(2), per_group = heads / groups;
+  const int64_t segs = static_cast<int64_t>(slot_of.size());
+  const T *x_p = x.data_ptr<T>(), *b_p = b.data_ptr<T>(), *c_p = c.data_ptr<T>();
+  const int64_t xs = x.stride(0), xh = x.stride(1), bs = b.stride(0), bg = b.stride(1);
+  TORCH_CHECK(c.stride(0) == bs && c.stride(1) == bg, "B and C must be laid out alike");
   // the whole blocks of every segment long enough for them, and their C . B grams
   std::vector<int64_t> whole(segs, 0), block_rows, first_block(segs + 1, 0);
   for (int64_t sg = 0; sg < segs; ++sg) {
-    if (block_scan_fits(p, n) && lengths[sg] >= BLOCK_MIN_TOKENS) whole[sg] = lengths[sg] / BLOCK * BLOCK;
+    const int64_t len = starts[sg + 1] - starts[sg];
+    if (block_scan_fits(p, n) && len >= BLOCK_MIN_TOKENS) whole[sg] = len / BLOCK * BLOCK;
     for (int64_t t = 0; t < whole[sg]; t += BLOCK) block_rows.push_back(starts[sg] + t);
     first_block[sg + 1] = static_cast<int64_t>(block_rows.size());
   }
   const int64_t block_groups = static_cast<int64_t>(block_rows.size()) * groups;
   std::vector<float> gram(block_groups * BLOCK * BLOCK), packed(block_groups * n * 2 * BLOCK);
-  if (!block_rows.empty()) block_gram(b_p, c_p, groups, n, block_rows, gram.data(), packed.data());
-  at::Tensor y = at::empty({total, heads, p}, x.options());
-  float* y_p = y.data_ptr<float>();
+  if (!block_rows.empty()) block_gram(b_p, c_p, bs, bg, groups, n, block_rows, gram.data(), packed.data());
   at::parallel_for(0, segs * heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> buf(states.direct() ? 0 : p * n), transposed(p * n);
+    std::vector<float> buf(states.direct() ? 0 : p * n), transposed(p * n), xf(p), bf(n), cf(n);
     for (int64_t u = begin; u < end; ++u) {
       const int64_t sg = u / heads, h = u % heads, g = h / per_group;
       float* st = states.load(slot_of[sg], h, buf.data());
@@ -266,21 +249,67 @@ at::Tensor ssd_prefill(const at::Tensor& x_in, const at::Tensor& dt, const at::T
         transpose_state(st, p, n, transposed.data());
         for (int64_t blk = first_block[sg]; blk < first_block[sg + 1]; ++blk) {
           const int64_t t0 = block_rows[blk];
-          const BlockInput in{x_p + (t0 * heads + h) * p, heads * p, step_p + t0 * heads + h, heads,
-                              packed.data() + (blk * groups + g) * n * 2 * BLOCK,
-                              gram.data() + (blk * groups + g) * BLOCK * BLOCK};
+          const BlockInput<T> in{x_p + t0 * xs + h * xh, xs, step_p + t0 * heads + h, heads,
+                                 packed.data() + (blk * groups + g) * n * 2 * BLOCK,
+                                 gram.data() + (blk * groups + g) * BLOCK * BLOCK};
           scan_block(transposed.data(), p, n, a_p[h], d_p[h], in, y_p + (t0 * heads + h) * p, heads * p);
         }
         transpose_state(transposed.data(), n, p, st);
         t += whole[sg];
       }
 #endif
-      for (; t < starts[sg + 1]; ++t) {
+      for (; t < starts[sg + 1]; ++t) {  // token by token: the row's inputs widened first
         const int64_t th = t * heads + h;
-        advance_head(st, p, n, decay_p[th], step_p[th], x_p + th * p, b_p + (t * groups + g) * n,
-                     c_p + (t * groups + g) * n, d_p[h], y_p + th * p);
+        const T *xr = x_p + t * xs + h * xh, *br = b_p + t * bs + g * bg, *cr = c_p + t * bs + g * bg;
+        for (int64_t q = 0; q < p; ++q) xf[q] = to_f(xr[q]);
+        for (int64_t j = 0; j < n; ++j) {
+          bf[j] = to_f(br[j]);
+          cf[j] = to_f(cr[j]);
+        }
+        advance_head(st, p, n, decay_p[th], step_p[th], xf.data(), bf.data(), cf.data(), d_p[h], y_p + th * p);
       }
       states.store(slot_of[sg], h, st);
+    }
+  });
+}
+
+at::Tensor ssd_prefill(const at::Tensor& x_in, const at::Tensor& dt, const at::Tensor& b_in, const at::Tensor& c_in,
+                       at::Tensor ssm_pool, const c10::optional<at::Tensor>& ssm_scale, at::IntArrayRef lengths, at::IntArrayRef slots, const at::Tensor& a,
+                       const at::Tensor& d, const at::Tensor& dt_bias, double dt_min, double dt_max) {
+  TORCH_CHECK(x_in.dim() == 3 && dt.dim() == 2 && b_in.dim() == 3 && c_in.dim() == 3,
+              "x [T, H, P], dt [T, H], B/C [T, G, N]");
+  TORCH_CHECK(b_in.sizes() == c_in.sizes(), "B and C must have one shape");
+  TORCH_CHECK(x_in.scalar_type() == b_in.scalar_type() && x_in.scalar_type() == c_in.scalar_type(),
+              "x, B and C must share one dtype");
+  const StatePool states(ssm_pool, ssm_scale);
+  TORCH_CHECK(lengths.size() == slots.size(), "one slot per segment");
+  // read in place where the last dims are unit-stride (B and C alike), else from a contiguous copy
+  const bool bc_alike = b_in.stride(0) == c_in.stride(0) && b_in.stride(1) == c_in.stride(1);
+  const at::Tensor x = x_in.stride(2) == 1 ? x_in : x_in.contiguous();
+  const at::Tensor b = b_in.stride(2) == 1 && bc_alike ? b_in : b_in.contiguous();
+  const at::Tensor c = c_in.stride(2) == 1 && bc_alike ? c_in : c_in.contiguous();
+  const int64_t total = x.size(0), heads = x.size(1), p = x.size(2), groups = b.size(1), n = b.size(2);
+  TORCH_CHECK(heads % groups == 0 && states.heads == heads && states.p == p && states.n == n,
+              "state pool, x and B/C shapes disagree");
+  TORCH_CHECK(dt.size(0) == total && dt.size(1) == heads && b.size(0) == total, "rows of x, dt, B and C differ");
+  const int64_t segs = static_cast<int64_t>(lengths.size());
+  std::vector<int64_t> starts(segs + 1, 0);
+  for (int64_t i = 0; i < segs; ++i) starts[i + 1] = starts[i] + lengths[i];
+  TORCH_CHECK(starts[segs] == total, "segment lengths do not add up to the rows");
+  // the discretized step and its decay at every (position, head)
+  const at::Tensor a32 = a.to(at::kFloat).contiguous(), d32 = d.to(at::kFloat).contiguous();
+  at::Tensor step = at::softplus(dt.to(at::kFloat) + dt_bias.to(at::kFloat));
+  if (dt_min > 0.0 || std::isfinite(dt_max)) step = step.clamp(dt_min, dt_max);
+  step = step.contiguous();
+  const at::Tensor decay = at::exp(step * a32).contiguous();
+  std::vector<int64_t> slot_of(slots.begin(), slots.end());
+  at::Tensor y = at::empty({total, heads, p}, x.options().dtype(at::kFloat));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "ssd_prefill", [&] {
+    if constexpr (!std::is_same_v<scalar_t, double>) {
+      ssd_prefill_scan<scalar_t>(x, b, c, states, starts, slot_of, step.data_ptr<float>(), decay.data_ptr<float>(),
+                                 a32.data_ptr<float>(), d32.data_ptr<float>(), y.data_ptr<float>());
+    } else {
+      TORCH_CHECK(false, "float64 is not a model dtype");
     }
   });
   return y;
