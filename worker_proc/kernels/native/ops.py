@@ -29,8 +29,8 @@ class NativeOps(FastOps):
         self._f32_copies: dict[int, tuple[Tensor, int, Tensor]] = {}
 
     def _f32(self, t: Tensor) -> Tensor:
-        """`t` in float32, converted once per version of it: the scan constants every step reads (the kernels
-        would convert a reduced-precision one on each call)."""
+        """`t` in float32, converted once per version of it: the scan constants and gate norm weights every
+        step reads (the kernels would convert a reduced-precision one on each call)."""
         if t.dtype == torch.float32:
             return t
         hit = self._f32_copies.get(id(t))
@@ -84,7 +84,8 @@ class NativeOps(FastOps):
         rounded = out_dtype is not None and out_dtype != torch.float32
         if norm is None:
             return torch.ops.hyssm_cpu.gated_rms_norm(y, z, None, 1, 0.0, False, rounded)
-        return torch.ops.hyssm_cpu.gated_rms_norm(y, z, norm.weight, norm.groups, norm.eps, norm.before_gate, rounded)
+        return torch.ops.hyssm_cpu.gated_rms_norm(y, z, self._f32(norm.weight), norm.groups, norm.eps,
+                                                  norm.before_gate, rounded)  # fmt: skip
 
     def silu_mul(self, gate_up: Tensor) -> Tensor:
         if gate_up.dim() != 2 or gate_up.stride(-1) != 1 or gate_up.dtype not in _MODEL_DTYPES:
