@@ -19,11 +19,11 @@
 #include <cmath>
 #include <cstring>
 #include <tuple>
+#include <vector>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
-#include <vector>
 
 namespace hyssm_cpu {
 
