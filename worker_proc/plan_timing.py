@@ -3,7 +3,8 @@
 A product of few rows reads its whole weight for little arithmetic: its speed is the speed at which
 the weight streams from wherever it lives between steps. So it is timed as a decode step meets it:
 over the model's own weights in model order, as many as stream at least twice the last-level cache
-through (all of them when the model is smaller; then they stay cached, as they do in serving). A
+through (all of them when the model is smaller; then they stay cached, as they do in serving), and
+at least one weight of every shape. A
 product of more than `STREAM_ROWS` rows reuses each weight row many times and is timed on one weight
 per shape, warm. Each figure is the fastest of `reps` rounds after one untimed round (which also
 creates oneDNN's primitives and faults in the inputs' pages): interference only ever adds time. A
@@ -60,12 +61,18 @@ class ProductTimer:
         budget = 2 * cache_bytes if cache_bytes > 0 else DEFAULT_STREAM_BYTES
         if max_stream_bytes > 0:  # the timing copies of a streamed method (packed ones) stay within it
             budget = min(budget, max_stream_bytes)
+        # in model order until the budget is streamed, then the first weight of each key not yet in it:
+        # every key is timed streaming (a weight larger than the budget, the LM head's, must not leave
+        # the others untimed, their products then falling back to `dense` at every small row count)
         self.streamed: list[Instance] = []
         streamed_bytes = 0
+        streamed_keys: set[GemmKey] = set()
         for site, weight in instances:
-            if streamed_bytes >= budget:
-                break
+            key = GemmKey.of(site)
+            if streamed_bytes >= budget and key in streamed_keys:
+                continue
             self.streamed.append((site, weight))
+            streamed_keys.add(key)
             streamed_bytes += site.weight_bytes(weight)
         self.first: dict[GemmKey, Instance] = {}
         for site, weight in instances:

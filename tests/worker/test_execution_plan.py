@@ -157,8 +157,20 @@ def test_the_real_timer_reports_every_supported_key() -> None:
     assert len(timer.streamed) == 3 and len(timer.packed) == 3  # a packed copy of every weight streamed
     timer.release()
     capped = ProductTimer(_instances(A, B, A), cache_bytes=1 << 20, reps=2, max_stream_bytes=1)
-    assert len(capped.streamed) == 1  # the stream stops at the cap (a copy of the first weight only)
-    assert set(capped(PACKED, 2, 1)) == {A} and len(capped.packed) == 1
+    assert len(capped.streamed) == 2  # past the cap, only a first weight of a shape not yet streamed
+    assert set(capped(PACKED, 2, 1)) == {A, B} and len(capped.packed) == 2
+
+
+def test_a_weight_larger_than_the_stream_budget_leaves_no_shape_untimed() -> None:
+    """A model's LM head can alone exceed twice the last-level cache; every other shape is still
+    timed at the streamed row counts (untimed, it would run `dense` there whatever is faster)."""
+    from worker_proc.model.gemm import DENSE
+
+    head = GemmKey(4096, 64, "float32")
+    timer = ProductTimer(_instances(head, A, B, A, B), cache_bytes=(4096 * 64 * 4) // 4, reps=1)
+    assert [GemmKey.of(s) for s, _ in timer.streamed] == [head, A, B]
+    got = timer(DENSE, 1, 1)
+    assert set(got) == {head, A, B} and all(s > 0 for s in got.values())
 
 
 def _runner(tmp_path: Path, **kw: object) -> ModelRunner:
