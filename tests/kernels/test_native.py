@@ -254,3 +254,31 @@ def test_one_conv_call_over_segments_equals_the_reference(gen: torch.Generator, 
     assert max_diff(out, out_ref) <= tol
     assert torch.equal(got, want)  # the windows hold inputs: copied, never rounded
     assert untouched(start, got, [4, 1, 6, 3])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_decode_attention_reads_each_context_at_its_own_slots(gen: torch.Generator, dtype) -> None:
+    """Requests of several lengths, slots scattered over the pools and the rows padded with slot 0 past
+    each length: the reference's float32 attention over exactly each request's slots; in bfloat16 no
+    further from it than the flash kernel the fast kernels call (or than one rounding of the output)."""
+    from worker_proc.kernels import reference as ref
+
+    k_pool, v_pool = rand(gen, 301, 2, 32, dtype=dtype), rand(gen, 301, 2, 32, dtype=dtype)
+    lengths = [1, 37, 250]
+    kv_idx = torch.zeros(3, 250, dtype=torch.int64)
+    for b, n in enumerate(lengths):
+        kv_idx[b, :n] = torch.randperm(300, generator=gen)[:n] + 1
+    lens = torch.tensor(lengths)
+    q = rand(gen, 3, 6, 32, dtype=dtype)
+    out = _native().attn_decode(q, k_pool, v_pool, kv_idx, lens, 0.2)
+    assert out.dtype == dtype and out.shape == (3, 6, 32)
+    want = ref.attention_decode(q.float(), k_pool[kv_idx].float(), v_pool[kv_idx].float(), lens, 0.2)
+    if dtype == torch.float32:
+        assert max_diff(out, want) <= TOL
+    else:
+        flash = FastOps().attn_decode(q, k_pool, v_pool, kv_idx, lens, 0.2)
+        assert max_diff(out, want) <= max(max_diff(flash, want), 2.0**-7)
+    bad = kv_idx.clone()
+    bad[1, 5] = 301
+    with pytest.raises(RuntimeError, match="outside the pools"):
+        _native().attn_decode(q, k_pool, v_pool, bad, lens, 0.2)

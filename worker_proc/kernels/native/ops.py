@@ -1,6 +1,7 @@
 """`NativeOps`: `FastOps` with a Mamba layer's decode step (conv + scan), its prefill conv and scan over
-every segment, its gated norm, the residual norms and the gated MLP activation in the fused CPU kernels
-of `scan_ops.cpp` and `norm_ops.cpp` (one call each per layer instead of tens of dispatched ops).
+every segment, its gated norm, the residual norms, the gated MLP activation and decode attention in the
+fused CPU kernels of `scan_ops.cpp`, `norm_ops.cpp` and `attn_ops.cpp` (one call each per layer instead
+of tens of dispatched ops).
 
 Same interface and mathematics as `FastOps` (checked against `ReferenceOps` by the kernel tests);
 not batch invariant. The recurrent state is read and written in its storage (float32, bfloat16 or int8,
@@ -91,6 +92,15 @@ class NativeOps(FastOps):
         if gate_up.dim() != 2 or gate_up.stride(-1) != 1 or gate_up.dtype not in _MODEL_DTYPES:
             return super().silu_mul(gate_up)
         return torch.ops.hyssm_cpu.silu_mul(gate_up)
+
+    def attn_decode(self, q: Tensor, k_pool: Tensor, v_pool: Tensor, kv_idx: Tensor, lengths: Tensor,
+                    scale: float) -> Tensor:  # fmt: skip
+        """Every request of the group in one call, each over exactly its own slots (no gathered copy of its
+        keys, no padding to the longest context)."""
+        if not (q.dim() == 3 and q.dtype in _MODEL_DTYPES and q.dtype == k_pool.dtype == v_pool.dtype
+                and k_pool.stride(-1) == 1 and k_pool.stride() == v_pool.stride()):  # fmt: skip
+            return super().attn_decode(q, k_pool, v_pool, kv_idx, lengths, scale)
+        return torch.ops.hyssm_cpu.attn_decode(q, k_pool, v_pool, kv_idx, lengths, scale)
 
     def rms_norm(self, norm: ResidualNorm, x: Tensor) -> Tensor:
         """A reduced-precision model's norm in one call (its module takes eight); a float32 `RMSNorm` stays
