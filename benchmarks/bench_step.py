@@ -19,6 +19,7 @@ import torch
 
 from shared.config import builtin_model_dir
 from shared.messages import ForwardBatch, ReqSlice, SamplingParams
+from worker_proc.host_memory import keep_freed_memory
 from worker_proc.numerics import flush_denormals
 from worker_proc.runtime import ModelRunner
 
@@ -80,6 +81,7 @@ def main(argv: list[str] | None = None) -> None:
                     help="weights quantized at load, as the server's --quantization")
     args = ap.parse_args(argv)
     flush_denormals()  # as a worker process does, before its first parallel region
+    keep_freed_memory()
     torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batches.split(",")]
     runner = ModelRunner(args.model_path, device=args.device, dtype=args.dtype, kv_slots=max(batches) * SLOT_STRIDE,

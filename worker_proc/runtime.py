@@ -249,7 +249,10 @@ class ModelRunner:
             at += n
         out: dict[str, Any] = {}
         if sreqs:
-            rows = logits[torch.tensor(sample_rows, dtype=torch.int64, device=logits.device)]
+            if sample_rows == list(range(logits.shape[0])):
+                rows = logits  # every row samples, in order (a decode step): no gathered copy
+            else:
+                rows = logits[torch.tensor(sample_rows, dtype=torch.int64, device=logits.device)]
             want = any(s.params.logprobs or s.params.top_logprobs for s in sreqs)
             eos = tuple(self.model_info.eos_token_ids)
             errors: dict[str, str] = {}

@@ -309,6 +309,8 @@ class HybridForCausalLM(nn.Module, GemmOwner):
             logits = self.lm_head(h).float()
         else:
             logits = self.head_gemm.apply(h, self.model.embed_tokens.weight).float()
+        # in place: the product's result is this call's own, and a vocabulary-wide temporary per op costs
+        # its pages again on every step
         if cfg.lm_head_multiplier != 1.0:
-            logits = logits * cfg.lm_head_multiplier
-        return logits / cfg.logits_scaling
+            logits.mul_(cfg.lm_head_multiplier)
+        return logits.div_(cfg.logits_scaling) if cfg.logits_scaling != 1.0 else logits
