@@ -49,7 +49,11 @@ ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 A library product's cost is not linear between them (a dense bfloat16 product of 128 rows can cost what
 one of 256 does: oneDNN reorders the weight on every call), so each size a step commonly has is its own."""
 MARGIN = 0.03
-MEASURE_ROUNDS = 2
+SWITCH_MARGIN = 0.05
+"""A product keeps the method of the next smaller row bucket unless another is more than this much faster:
+two methods a few percent apart trade places from one timing to the next, and a rule that flips between
+them at every bucket is noise, not a measurement."""
+MEASURE_ROUNDS = 3
 """Every (rows, threads) figure is the fastest of this many rounds, the thread counts taking turns: the
 worker measures while its sibling processes start, and a burst of theirs must not decide a choice that is
 cached for every later start."""
@@ -216,7 +220,7 @@ def choose(instances: list[Instance], thread_options: tuple[int, ...], measure: 
     keep_both = affordable(sum(extra.values()))
     gemms = {}
     for key, timed in picks.items():
-        per_bucket = [_pick(t, key.storage) for t in timed]
+        per_bucket = _picks(timed, key.storage)
         if extra[key] and not keep_both:
             one_storage = key.storage == "dense" and not kept[key]
             per_bucket = _one_storage(timed) if one_storage else [_pick(_own(t), key.storage) for t in timed]
@@ -277,6 +281,19 @@ def _pick(timed: dict[str, float], storage: str = "dense") -> str:
     if DENSE.name in timed and timed[DENSE.name] <= timed[best] * (1 + MARGIN):
         return DENSE.name
     return best
+
+
+def _picks(timed: list[dict[str, float]], storage: str = "dense") -> list[str]:
+    """`_pick` of each bucket in turn, a bucket keeping the previous bucket's method while that is within
+    SWITCH_MARGIN of its fastest."""
+    out: list[str] = []
+    for t in timed:
+        pick = _pick(t, storage)
+        prev = out[-1] if out else None
+        if prev is not None and pick != DENSE.name and prev in t and t[prev] <= min(t.values()) * (1 + SWITCH_MARGIN):
+            pick = prev
+        out.append(pick)
+    return out
 
 
 def _reads_copy(name: str) -> bool:

@@ -60,6 +60,20 @@ def test_dense_and_fewer_threads_win_within_the_margin() -> None:
     assert choose(_instances(A), (1, 2), measure, lambda n: True).threads == ((ROW_BUCKETS[-1], 2),)
 
 
+def test_a_rule_does_not_flip_between_methods_within_the_noise() -> None:
+    """Two methods within a few percent of each other trade places from bucket to bucket: the rule keeps
+    the first one; a method that is clearly faster at larger products still takes over there."""
+    def measure(method: GemmMethod, rows: int, threads: int) -> dict[GemmKey, float]:
+        odd = ROW_BUCKETS.index(rows) % 2
+        gemv = 1.0 if rows <= 8 else 2.0
+        packed = {0: 1.04, 1: 0.97}[odd] if rows <= 8 else 1.0
+        seconds = {"dense": 5.0, "packed": packed, "split": gemv}.get(method.name)
+        return {A: seconds} if seconds is not None else {}
+
+    plan = choose(_instances(A), (1,), measure, lambda n: True)
+    assert plan.gemms[A].methods == ("split", "packed") and plan.gemms[A].bounds == (8,)
+
+
 def test_a_burst_during_one_round_does_not_decide_a_choice() -> None:
     """Two threads are twice as fast, but whatever runs first at each row count is slowed tenfold (a
     sibling process starting): the rounds take turns and the fastest of each figure decides."""
