@@ -42,7 +42,14 @@ from worker_proc.host_memory import copy_affordable, last_level_cache_bytes
 from worker_proc.kernels import KernelOps, native
 from worker_proc.mixer_timing import MixerTimer
 from worker_proc.model.gemm import THROUGHPUT_METHODS
-from worker_proc.plan_timing import DEFAULT_STREAM_BYTES, GemmKey, ProductTimer, read_bytes_per_s, read_tensors
+from worker_proc.plan_timing import (
+    DEFAULT_STREAM_BYTES,
+    STREAM_ROWS,
+    GemmKey,
+    ProductTimer,
+    read_bytes_per_s,
+    read_tensors,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +90,7 @@ def plan_key(model: nn.Module, mode: str, thread_options: tuple[int, ...], cores
     return {**cpu_identity(), "cores": cores, "threads": list(thread_options), "torch": torch.__version__,
             "mode": mode, "methods": [m.name for m in THROUGHPUT_METHODS], "kernels": kernels,
             "native": native.build_digest() if native.load() else "",  # the fused kernels' code is timed too
-            "buckets": list(ROW_BUCKETS), "rounds": MEASURE_ROUNDS,
+            "buckets": list(ROW_BUCKETS), "rounds": MEASURE_ROUNDS, "stream_rows": STREAM_ROWS,
             "shapes": dict(sorted(shapes.items())), "copies": "one" if single_copy else "affordable"}
 
 
