@@ -50,9 +50,9 @@ A library product's cost is not linear between them (a dense bfloat16 product of
 one of 256 does: oneDNN reorders the weight on every call), so each size a step commonly has is its own."""
 MARGIN = 0.03
 SWITCH_MARGIN = 0.05
-"""A product keeps the method of the next smaller row bucket unless another is more than this much faster:
-two methods a few percent apart trade places from one timing to the next, and a rule that flips between
-them at every bucket is noise, not a measurement."""
+"""A product keeps the method of the next smaller row bucket unless another is more than this much faster,
+and a step its thread count likewise: two choices a few percent apart trade places from one timing to the
+next, and a rule that flips between them at every bucket is noise, not a measurement."""
 MEASURE_ROUNDS = 3
 """Every (rows, threads) figure is the fastest of this many rounds, the thread counts taking turns: the
 worker measures while its sibling processes start, and a burst of theirs must not decide a choice that is
@@ -212,6 +212,8 @@ def choose(instances: list[Instance], thread_options: tuple[int, ...], measure: 
                   for t, timed in by_threads.items()}
         best = min(thread_options, key=lambda t: (totals[t], t))
         chosen = min((t for t in thread_options if totals[t] <= totals[best] * (1 + MARGIN)), default=best)
+        if threads and totals[threads[-1]] <= totals[best] * (1 + SWITCH_MARGIN):
+            chosen = threads[-1]  # as a product keeps its method (`_picks`)
         threads.append(chosen)
         for key in counts:  # a bucket past the key's timed rows takes the largest bucket timed
             picks[key].append(by_threads[chosen].get(key) or (picks[key][-1] if picks[key] else {}))

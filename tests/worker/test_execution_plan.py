@@ -73,6 +73,13 @@ def test_a_rule_does_not_flip_between_methods_within_the_noise() -> None:
     plan = choose(_instances(A), (1,), measure, lambda n: True)
     assert plan.gemms[A].methods == ("split", "packed") and plan.gemms[A].bounds == (8,)
 
+    def by_threads(method: GemmMethod, rows: int, threads: int) -> dict[GemmKey, float]:
+        odd = ROW_BUCKETS.index(rows) % 2
+        one = {0: 1.04, 1: 0.96}[odd] if rows <= 64 else 2.0
+        return {A: one if threads == 1 else 1.0} if method.name == "dense" else {}
+
+    assert choose(_instances(A), (1, 2), by_threads, lambda n: True).threads == ((ROW_BUCKETS[-1], 2),)
+
 
 def test_a_burst_during_one_round_does_not_decide_a_choice() -> None:
     """Two threads are twice as fast, but whatever runs first at each row count is slowed tenfold (a
