@@ -210,6 +210,8 @@ def choose(instances: list[Instance], thread_options: tuple[int, ...], measure: 
         by_threads, mixer_s = _timed_rounds(measure, mixers, rows, thread_options)
         totals = {t: sum(counts.get(k, 0) * min(ts.values()) for k, ts in timed.items()) + mixer_s[t]
                   for t, timed in by_threads.items()}
+        logger.debug("plan bucket %d rows: step seconds by threads %s", rows,
+                     {t: round(v, 6) for t, v in totals.items()})
         best = min(thread_options, key=lambda t: (totals[t], t))
         chosen = min((t for t in thread_options if totals[t] <= totals[best] * (1 + MARGIN)), default=best)
         if threads and totals[threads[-1]] <= totals[best] * (1 + SWITCH_MARGIN):

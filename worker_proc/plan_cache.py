@@ -170,8 +170,11 @@ def plan_for(model: nn.Module, device: torch.device, *, deterministic: bool, thr
             return read_plan(path, f"cached {path}")
         except (OSError, ValueError) as e:
             logger.warning("ignoring the cached execution plan %s (%s): measuring again", path, e)
-    plan = measure_plan(model, options, ops, single_copy)
-    if path is not None:
+    plan, quiet = measure_quietly(model, options, ops, single_copy)
+    if path is not None and not quiet:
+        logger.warning("the execution plan was measured while other processes kept the CPU busy: it is not "
+                       "saved, and the next start measures again")
+    elif path is not None:
         try:
             write_plan(path, plan, key)
             plan = dataclasses.replace(plan, source=f"measured, saved to {path}")
@@ -187,6 +190,45 @@ def never_affordable(nbytes: int) -> bool:
 
 PLAN_REPS = 2
 """Timed repetitions per product in each of the plan's rounds (execution_plan.MEASURE_ROUNDS)."""
+
+
+CONTENDED_CORES = 0.2
+"""Other processes (the server's own siblings starting, another tenant) busy on this much of a core on
+average while the plan is measured make its figures untrustworthy: a product on two threads waits for a
+preempted one, and fewer threads then look faster than they are (on a quiet machine two threads were
+1.2-1.9x faster at every row count, measured under a starting tokenizer one was chosen for 5-32 rows,
+and such a step ran 1.4x slower)."""
+MEASURE_ATTEMPTS = 3
+
+
+def cpu_busy_seconds() -> tuple[float, float]:
+    """(seconds every CPU of the machine spent busy, including time the hypervisor took; seconds this
+    process ran), both since boot; (0, 0) where /proc/stat cannot be read."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return 0.0, 0.0
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
+    own = os.times()
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK"), own.user + own.system
+
+
+def measure_quietly(model: nn.Module, thread_options: tuple[int, ...], ops: KernelOps | None = None,
+                    single_copy: bool = False) -> tuple[ExecutionPlan, bool]:
+    """`measure_plan`, again while other processes kept more than CONTENDED_CORES busy during it (at most
+    MEASURE_ATTEMPTS times); the flag says whether the last measurement was quiet."""
+    for attempt in range(1, MEASURE_ATTEMPTS + 1):
+        busy0, own0 = cpu_busy_seconds()
+        t0 = time.perf_counter()
+        plan = measure_plan(model, thread_options, ops, single_copy)
+        busy1, own1 = cpu_busy_seconds()
+        others = max(0.0, (busy1 - busy0) - (own1 - own0)) / max(time.perf_counter() - t0, 1e-9)
+        if others <= CONTENDED_CORES:
+            return plan, True
+        logger.info("other processes kept %.2f cores busy while the plan was measured (attempt %d of %d)",
+                    others, attempt, MEASURE_ATTEMPTS)
+    return plan, False
 
 
 def measure_plan(model: nn.Module, thread_options: tuple[int, ...], ops: KernelOps | None = None,

@@ -194,6 +194,28 @@ def test_a_weight_larger_than_the_stream_budget_leaves_no_shape_untimed() -> Non
     assert set(got) == {head, A, B} and all(s > 0 for s in got.values())
 
 
+@pytest.fixture(autouse=True)
+def _quiet_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whether these tests' plans are saved must not depend on what else the machine runs meanwhile."""
+    monkeypatch.setattr(plan_cache, "cpu_busy_seconds", lambda: (0.0, 0.0))
+
+
+def test_a_plan_measured_while_other_processes_ran_is_measured_again_and_never_saved(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    measured: list[int] = []
+    real = plan_cache.measure_plan
+    monkeypatch.setattr(plan_cache, "measure_plan", lambda *a: (measured.append(1), real(*a))[1])
+    busy = iter([0.0, 1e6, 1e6, 1e6])  # others busy during the first measurement, idle during the second
+    monkeypatch.setattr(plan_cache, "cpu_busy_seconds", lambda: (next(busy), 0.0))
+    first = _runner(tmp_path, thread_options=(1,))
+    assert len(measured) == 2 and "saved to" in first.plan.source
+    always = iter(float(i) * 1e6 for i in range(100))
+    monkeypatch.setattr(plan_cache, "cpu_busy_seconds", lambda: (next(always), 0.0))
+    contended = _runner(tmp_path / "other", thread_options=(1,))
+    assert len(measured) == 2 + plan_cache.MEASURE_ATTEMPTS and contended.plan.source == "measured"
+    assert not list((tmp_path / "other").glob("plan-*.json"))
+
+
 def _runner(tmp_path: Path, **kw: object) -> ModelRunner:
     return ModelRunner(builtin_model_dir(), kv_slots=512, state_slots=4, plan_cache_dir=tmp_path, **kw)
 
