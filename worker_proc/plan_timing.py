@@ -22,10 +22,10 @@ import torch
 from worker_proc.model.gemm import GemmMethod, GemmSite, pack_weight
 from worker_proc.model.quantized import QuantizedWeight
 
-STREAM_ROWS = 64
-"""Up to this many rows a product is timed streaming its weights (see the module doc): decode batches and
-short prefills (a continuation's new tokens) read each weight from memory, and at a few dozen rows that
-read still costs as much as the arithmetic (a warm timing there picked methods 1.5-2x slower in a step)."""
+STREAM_ROWS = 8
+"""Up to this many rows a product is timed streaming its weights (see the module doc). Beyond it a product's
+method is timed warm: timed streaming up to 64 rows instead, the plan took `gemv` (several passes over a
+weight) at 17-32 rows where a decode step of 32 requests then ran slower than on `packed`."""
 DEFAULT_STREAM_BYTES = 256 << 20
 """Bytes streamed per round where the host does not report its last-level cache, and at most under
 `--single-weight-copy` (a packed method is timed on packed copies of every weight it streams)."""
