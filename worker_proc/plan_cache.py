@@ -195,9 +195,8 @@ PLAN_REPS = 2
 CONTENDED_CORES = 0.2
 """Other processes (the server's own siblings starting, another tenant) busy on this much of a core on
 average while the plan is measured make its figures untrustworthy: a product on two threads waits for a
-preempted one, and fewer threads then look faster than they are (on a quiet machine two threads were
-1.2-1.9x faster at every row count, measured under a starting tokenizer one was chosen for 5-32 rows,
-and such a step ran 1.4x slower)."""
+preempted one, so fewer threads look faster than they are, and a plan cached from such a start would
+hold a slower step on every later start."""
 MEASURE_ATTEMPTS = 3
 
 
