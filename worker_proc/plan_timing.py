@@ -23,9 +23,9 @@ from worker_proc.model.gemm import GemmMethod, GemmSite, pack_weight
 from worker_proc.model.quantized import QuantizedWeight
 
 STREAM_ROWS = 8
-"""Up to this many rows a product is timed streaming its weights (see the module doc). Beyond it a product's
-method is timed warm: timed streaming up to 64 rows instead, the plan took `gemv` (several passes over a
-weight) at 17-32 rows where a decode step of 32 requests then ran slower than on `packed`."""
+"""Up to this many rows a product is timed streaming its weights (see the module doc); beyond it, warm.
+Streamed timing of larger products favours methods that pass over a weight several times (`gemv`, eight
+rows a pass), which lose to a cache-blocked one (`packed`) inside a step."""
 DEFAULT_STREAM_BYTES = 256 << 20
 """Bytes streamed per round where the host does not report its last-level cache, and at most under
 `--single-weight-copy` (a packed method is timed on packed copies of every weight it streams)."""
