@@ -1,6 +1,6 @@
 """Host memory of a worker process: freed blocks stay in the heap for the next step, what load left
-free goes back once (`shared.heap.release_free_heap`), the state pools take pages only as their slots are used
-(`zeros`), and oneDNN's primitive caches hold a bounded number of entries (`bound_onednn_caches`).
+free goes back once (`shared.heap.release_free_heap`), the state pools are resident before the first
+request (`zeros`), and oneDNN's primitive caches hold a bounded number of entries (`bound_onednn_caches`).
 
 glibc's malloc serves a block above its mmap threshold with a fresh mapping and returns the top of
 the heap to the kernel once more than its trim threshold is free. A step's temporaries are megabytes
@@ -106,17 +106,20 @@ def copy_affordable(nbytes: int, physical: int | None = None) -> bool:
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-    """A zero tensor whose host pages are taken only when first touched.
+    """A zero tensor whose host pages are resident when it is returned.
 
-    On the CPU the tensor views a private anonymous mapping, which the kernel fills with zeros on first
-    access: a pool sized for the most requests the server admits costs resident memory only for the
-    slots it uses (`torch.zeros` writes every page at once). Private, because no other process reads a
-    pool, and a shared mapping's pages fault in through the shared-memory layer, slower: a new request's
-    state slot takes thousands of first-touch faults. The tensor keeps the mapping alive. Other devices
-    get `torch.zeros`."""
+    Rule: no request pays for first-touch page faults of the pools. A state slot of a 350M-shaped
+    model spans thousands of pages, and a new request or prefix-cache checkpoint takes a slot that may
+    never have been touched: faulting its pages in made that request's step several times slower
+    (more again on a VM whose host backs guest memory on first use). So on the CPU the tensor views a
+    private anonymous mapping, zero-filled by the kernel, and one byte of every page is written before
+    it is returned (torch's threads split the pages); resident memory is the pools' full size from the
+    start, as with every server that allocates its caches up front. Other devices get `torch.zeros`."""
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
-    return torch.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE), dtype=dtype).view(shape)
+    raw = torch.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE), dtype=torch.uint8)
+    raw[:: mmap.PAGESIZE].zero_()
+    return raw.view(dtype).view(shape)
