@@ -1,6 +1,7 @@
 """Host memory of a worker process: freed blocks stay in the heap for the next step, what load left
 free goes back once (`shared.heap.release_free_heap`), the state pools are resident before the first
-request (`zeros`), and oneDNN's primitive caches hold a bounded number of entries (`bound_onednn_caches`).
+request while the KV pools take pages as tokens fill them (`zeros`), and oneDNN's primitive caches
+hold a bounded number of entries (`bound_onednn_caches`).
 
 glibc's malloc serves a block above its mmap threshold with a fresh mapping and returns the top of
 the heap to the kernel once more than its trim threshold is free. A step's temporaries are megabytes
@@ -105,21 +106,23 @@ def copy_affordable(nbytes: int, physical: int | None = None) -> bool:
     return 0 < nbytes <= total * SPARE_COPY_FRACTION
 
 
-def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-    """A zero tensor whose host pages are resident when it is returned.
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str, resident: bool) -> torch.Tensor:
+    """A zero tensor for a pool; on the CPU a private anonymous mapping, which the kernel fills with zeros
+    on first access. The tensor keeps the mapping alive. Other devices get `torch.zeros`.
 
-    Rule: no request pays for first-touch page faults of the pools. A state slot of a 350M-shaped
-    model spans thousands of pages, and a new request or prefix-cache checkpoint takes a slot that may
-    never have been touched: faulting its pages in made that request's step several times slower
-    (more again on a VM whose host backs guest memory on first use). So on the CPU the tensor views a
-    private anonymous mapping, zero-filled by the kernel, and one byte of every page is written before
-    it is returned (torch's threads split the pages); resident memory is the pools' full size from the
-    start, as with every server that allocates its caches up front. Other devices get `torch.zeros`."""
+    `resident`: one byte of every page is written before the tensor is returned (torch's threads split
+    the pages), for a pool whose every slot is touched whole by each user of it. A state slot of a
+    350M-shaped model spans thousands of pages, whatever the request's length: faulting them in on
+    first use made a new request's step several times slower (more again on a VM whose host backs
+    guest memory on first use). Not resident: pages are taken as they are first written, for a pool
+    written a little per token (a KV slot), where a page's fault is small next to computing the tokens
+    that fill it, and where resident memory should grow with the contexts actually held."""
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
     raw = torch.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE), dtype=torch.uint8)
-    raw[:: mmap.PAGESIZE].zero_()
+    if resident:
+        raw[:: mmap.PAGESIZE].zero_()
     return raw.view(dtype).view(shape)

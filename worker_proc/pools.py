@@ -255,11 +255,11 @@ class StatePools:
         attn = AttnShard.of(cfg, tp_rank, tp_size)
         kv_shape = (n_attn, kv_slots + 1, attn.kv_heads, cfg.attn.head_dim)
         started = time.perf_counter()
-        self.k = zeros(kv_shape, dtype, device)
-        self.v = zeros(kv_shape, dtype, device)
+        self.k = zeros(kv_shape, dtype, device, resident=False)
+        self.v = zeros(kv_shape, dtype, device, resident=False)
         self.layout = tuple(state_tensors(cfg, dtype, tp_size, tp_rank, state_dtype))
         self.states: dict[str, torch.Tensor] = {
-            t.name: zeros((t.layers, state_slots + 1, *t.shape), t.dtype, device)
+            t.name: zeros((t.layers, state_slots + 1, *t.shape), t.dtype, device, resident=True)
             for t in self.layout
         }
         logger.info(

@@ -59,26 +59,65 @@ def _resident_mib() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/statm")
-def test_pool_zeros_are_resident_before_any_slot_is_written() -> None:
+def _minor_faults() -> int:
     import resource
 
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/statm")
+def test_a_resident_pool_takes_no_page_fault_when_a_slot_is_first_written() -> None:
     import torch
 
     from worker_proc.host_memory import zeros
 
     before = _resident_mib()
-    pool = zeros((4, 1024, 16384), torch.float32, "cpu")  # 256 MiB
+    pool = zeros((4, 1024, 16384), torch.float32, "cpu", resident=True)  # 256 MiB
     assert _resident_mib() - before > 240
     assert pool.shape == (4, 1024, 16384) and pool.dtype == torch.float32 and pool.is_contiguous()
-    assert float(pool.abs().max()) == 0.0
-    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    faults = _minor_faults()
     pool[:, 7:71] = 3.0  # 64 slots of every layer: 16 MiB, 4096 pages
-    assert resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults < 256
+    assert _minor_faults() - faults < 256
     assert float(pool[:, 7:71].sum()) == 3.0 * 4 * 64 * 16384 and float(pool[:, 71].abs().max()) == 0.0
-    assert zeros((0, 5), torch.bfloat16, "cpu").shape == (0, 5)
-    odd = zeros((3, 5, 7), torch.bfloat16, "cpu")  # smaller than a page
+    odd = zeros((3, 5, 7), torch.bfloat16, "cpu", resident=True)  # smaller than a page
     assert odd.shape == (3, 5, 7) and float(odd.abs().max()) == 0.0
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/statm")
+def test_a_pool_that_is_not_resident_takes_pages_only_where_written() -> None:
+    import torch
+
+    from worker_proc.host_memory import zeros
+
+    before = _resident_mib()
+    pool = zeros((4, 1024, 16384), torch.float32, "cpu", resident=False)  # 256 MiB
+    assert _resident_mib() - before < 32
+    pool[:, 7] = 3.0  # one slot of every layer: 256 KiB
+    assert _resident_mib() - before < 32
+    assert float(pool[:, 7].sum()) == 3.0 * 4 * 16384 and float(pool[:, 8].abs().max()) == 0.0
+    assert zeros((0, 5), torch.bfloat16, "cpu", resident=False).shape == (0, 5)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/statm")
+def test_state_pools_are_resident_and_kv_pools_grow_with_use() -> None:
+    import torch
+
+    from shared.config import builtin_model_dir
+    from worker_proc.loader import load_config
+    from worker_proc.pools import StatePools
+
+    cfg = load_config(builtin_model_dir())
+    before = _resident_mib()
+    pools = StatePools(cfg, kv_slots=1 << 20, state_slots=64, dtype=torch.float32, device="cpu")
+    kv_mib = (pools.k.nbytes + pools.v.nbytes) / 2**20
+    state_mib = sum(t.nbytes for t in pools.states.values()) / 2**20
+    grown = _resident_mib() - before
+    assert kv_mib > 64 and state_mib > 8
+    assert state_mib * 0.9 < grown < state_mib + kv_mib / 4
+    faults = _minor_faults()
+    for name in pools.states:
+        pools.states[name][:, 40] = 1.0  # a slot no request used yet
+    assert _minor_faults() - faults < 16
 
 
 TRIM_PROBE = """
