@@ -257,21 +257,24 @@ def test_one_conv_call_over_segments_equals_the_reference(gen: torch.Generator, 
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_decode_attention_reads_each_context_at_its_own_slots(gen: torch.Generator, dtype) -> None:
-    """Requests of several lengths, slots scattered over the pools and the rows padded with slot 0 past
-    each length: the reference's float32 attention over exactly each request's slots; in bfloat16 no
-    further from it than the flash kernel the fast kernels call (or than one rounding of the output)."""
+@pytest.mark.parametrize("head_dim", [32, 24])  # a multiple of the vector width, and not
+def test_fused_decode_attention_reads_each_context_at_its_own_slots(gen: torch.Generator, dtype, head_dim) -> None:
+    """Requests of several lengths (one of them over several chunks of keys, whose partial softmaxes
+    are combined), slots scattered over the pools and the rows padded with slot 0 past each length:
+    the reference's float32 attention over exactly each request's slots; in bfloat16 no further from
+    it than the flash kernel the fast kernels call (or than one rounding of the output)."""
     from worker_proc.kernels import reference as ref
 
-    k_pool, v_pool = rand(gen, 301, 2, 32, dtype=dtype), rand(gen, 301, 2, 32, dtype=dtype)
-    lengths = [1, 37, 250]
-    kv_idx = torch.zeros(3, 250, dtype=torch.int64)
+    k_pool, v_pool = rand(gen, 1201, 2, head_dim, dtype=dtype), rand(gen, 1201, 2, head_dim, dtype=dtype)
+    lengths = [1, 37, 250, 1100]
+    kv_idx = torch.zeros(4, 1100, dtype=torch.int64)
     for b, n in enumerate(lengths):
-        kv_idx[b, :n] = torch.randperm(300, generator=gen)[:n] + 1
+        kv_idx[b, :n] = torch.randperm(1200, generator=gen)[:n] + 1
     lens = torch.tensor(lengths)
-    q = rand(gen, 3, 6, 32, dtype=dtype)
+    q = rand(gen, 4, 6, head_dim, dtype=dtype)
+    q[3, 1] *= 40.0  # a sharply peaked softmax: the chunks' maxima differ by far
     out = _native().attn_decode(q, k_pool, v_pool, kv_idx, lens, 0.2)
-    assert out.dtype == dtype and out.shape == (3, 6, 32)
+    assert out.dtype == dtype and out.shape == (4, 6, head_dim)
     want = ref.attention_decode(q.float(), k_pool[kv_idx].float(), v_pool[kv_idx].float(), lens, 0.2)
     if dtype == torch.float32:
         assert max_diff(out, want) <= TOL
@@ -279,6 +282,6 @@ def test_fused_decode_attention_reads_each_context_at_its_own_slots(gen: torch.G
         flash = FastOps().attn_decode(q, k_pool, v_pool, kv_idx, lens, 0.2)
         assert max_diff(out, want) <= max(max_diff(flash, want), 2.0**-7)
     bad = kv_idx.clone()
-    bad[1, 5] = 301
+    bad[1, 5] = 1201
     with pytest.raises(RuntimeError, match="outside the pools"):
         _native().attn_decode(q, k_pool, v_pool, bad, lens, 0.2)

@@ -1,11 +1,13 @@
 // Decode attention: one query row per request and head over the request's context, read from the KV
 // pools at its slots. Rules that hold:
 // - a request's keys and values are read where they lie in the pools (no gathered copy, no padding:
-//   request b reads exactly lengths[b] slots of its row of kv_idx), once per KV head for all the query
-//   heads that share it;
+//   request b reads exactly lengths[b] slots of its row of kv_idx), each slot's row once for all the
+//   KV heads and the query heads that share them;
 // - scores, the softmax and the weighted sum of values are float32 (exact products of the model dtype's
 //   values); the output is rounded once to the model dtype;
-// - the threads split the (request, KV head) pairs.
+// - a context is cut into chunks of kKeyChunk keys, and the threads split the (request, chunk) pairs:
+//   each chunk's softmax is taken against its own maximum, and the chunks of a request are then
+//   combined against the largest (as flash-decoding does), so that one long context uses every thread.
 #include <torch/library.h>
 
 #include "cpu_common.h"
@@ -19,55 +21,146 @@ struct DecodeShape {
   int64_t kv_stride[2];  // pools: slot, head
 };
 
-// Request b's query heads h0..h0+group-1 attend over slots idx[0..len) of KV head g.
+constexpr int64_t kValueKeys = 4;  // keys whose values one pass adds into a head's accumulators
+constexpr int64_t kKeyChunk = 256;  // keys of one work item
 template <typename T>
-void attend_group(const T* q, const T* k_pool, const T* v_pool, const int64_t* idx, int64_t len, int64_t g,
-                  int64_t group, float scale, const DecodeShape& s, T* out, std::vector<float>& buf) {
-  const int64_t d = s.d, h0 = g * group;
-  buf.assign(group * d * 3 + group * len, 0.0f);
-  float *qf = buf.data(), *row = qf + group * d, *acc = row + d, *p = acc + group * d;
-  for (int64_t i = 0; i < group; ++i) {
-    const T* qi = q + (h0 + i) * s.q_stride[1];
-#pragma omp simd
-    for (int64_t j = 0; j < d; ++j) qf[i * d + j] = to_f(qi[j]) * scale;
+constexpr bool kWidened = !std::is_same_v<T, double>;  // a model dtype, which `load16` widens
+
+struct Heads {
+  int64_t heads, kv_heads, group;  // query heads, KV heads, query heads per KV head
+};
+
+// p[h * n + t] = qf[h] . K_g(h)[idx[t]] for every query head h (qf: float32, scale applied); the keys
+// outermost, so that each slot's row is read once, whole.
+template <typename T>
+void scores(const float* qf, const T* k_pool, const int64_t* idx, int64_t n, const Heads& hd,
+            const DecodeShape& s, float* p, float* row) {
+  const int64_t d = s.d;
+#if defined(__AVX512F__)
+  if constexpr (kWidened<T>) if (d % kLanes == 0) {
+    // each dot product keeps kLanes partial sums, added once per key and head: a reduction added in
+    // one chain per key waits on every add in turn
+    for (int64_t t = 0; t < n; ++t) {
+      const T* kr = k_pool + idx[t] * s.kv_stride[0];
+      for (int64_t h = 0; h < hd.heads; ++h) {
+        const T* kg = kr + (h / hd.group) * s.kv_stride[1];
+        const float* qh = qf + h * d;
+        __m512 acc = _mm512_mul_ps(load16(qh), load16(kg));
+        for (int64_t j = kLanes; j < d; j += kLanes) acc = _mm512_fmadd_ps(load16(qh + j), load16(kg + j), acc);
+        p[h * n + t] = _mm512_reduce_add_ps(acc);
+      }
+    }
+    return;
   }
-  for (int64_t t = 0; t < len; ++t) {
-    const T* kr = k_pool + idx[t] * s.kv_stride[0] + g * s.kv_stride[1];
+#endif
+  for (int64_t t = 0; t < n; ++t) {
+    for (int64_t g = 0; g < hd.kv_heads; ++g) {
+      const T* kg = k_pool + idx[t] * s.kv_stride[0] + g * s.kv_stride[1];
 #pragma omp simd
-    for (int64_t j = 0; j < d; ++j) row[j] = to_f(kr[j]);
-    for (int64_t i = 0; i < group; ++i) {
-      float dot = 0.0f;
+      for (int64_t j = 0; j < d; ++j) row[j] = to_f(kg[j]);
+      for (int64_t h = g * hd.group; h < (g + 1) * hd.group; ++h) {
+        float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-      for (int64_t j = 0; j < d; ++j) dot += qf[i * d + j] * row[j];
-      p[i * len + t] = dot;
+        for (int64_t j = 0; j < d; ++j) dot += qf[h * d + j] * row[j];
+        p[h * n + t] = dot;
+      }
     }
   }
-  std::vector<float> total(group);
-  for (int64_t i = 0; i < group; ++i) {
-    float* pi = p + i * len;
-    const float top = *std::max_element(pi, pi + len);
+}
+
+// acc[h] += sum over t of p[h * n + t] * V_g(h)[idx[t]] for every query head h.
+template <typename T>
+void weighted_values(const float* p, const T* v_pool, const int64_t* idx, int64_t n, const Heads& hd,
+                     const DecodeShape& s, float* acc, float* row) {
+  const int64_t d = s.d;
+  int64_t t = 0;
+#if defined(__AVX512F__)
+  if constexpr (kWidened<T>) if (d % kLanes == 0) {
+    // kValueKeys keys per pass: each accumulator vector is loaded and stored once per pass, not per key
+    for (; t + kValueKeys <= n; t += kValueKeys) {
+      for (int64_t g = 0; g < hd.kv_heads; ++g) {
+        const T* vr[kValueKeys];
+        for (int64_t u = 0; u < kValueKeys; ++u) vr[u] = v_pool + idx[t + u] * s.kv_stride[0] + g * s.kv_stride[1];
+        for (int64_t j = 0; j < d; j += kLanes) {
+          __m512 vv[kValueKeys];
+          for (int64_t u = 0; u < kValueKeys; ++u) vv[u] = load16(vr[u] + j);
+          for (int64_t h = g * hd.group; h < (g + 1) * hd.group; ++h) {
+            const float* w = p + h * n + t;
+            __m512 a = _mm512_loadu_ps(acc + h * d + j);
+            for (int64_t u = 0; u < kValueKeys; ++u) a = _mm512_fmadd_ps(_mm512_set1_ps(w[u]), vv[u], a);
+            _mm512_storeu_ps(acc + h * d + j, a);
+          }
+        }
+      }
+    }
+  }
+#endif
+  for (; t < n; ++t) {
+    for (int64_t g = 0; g < hd.kv_heads; ++g) {
+      const T* vg = v_pool + idx[t] * s.kv_stride[0] + g * s.kv_stride[1];
+#pragma omp simd
+      for (int64_t j = 0; j < d; ++j) row[j] = to_f(vg[j]);
+      for (int64_t h = g * hd.group; h < (g + 1) * hd.group; ++h) {
+        const float w = p[h * n + t];
+#pragma omp simd
+        for (int64_t j = 0; j < d; ++j) acc[h * d + j] += w * row[j];
+      }
+    }
+  }
+}
+
+// One chunk of one request's keys (slots idx[0..n)): per query head its scores' maximum top[h], the
+// sum of exp(score - top[h]) total[h] and those weights' sum of values acc[h * d ..].
+template <typename T>
+void attend_chunk(const T* q, const T* k_pool, const T* v_pool, const int64_t* idx, int64_t n, float scale,
+                  const Heads& hd, const DecodeShape& s, float* top, float* total, float* acc,
+                  std::vector<float>& buf) {
+  const int64_t d = s.d;
+  buf.assign(hd.heads * d + d + hd.heads * n, 0.0f);
+  float *qf = buf.data(), *row = qf + hd.heads * d, *p = row + d;
+  for (int64_t h = 0; h < hd.heads; ++h) {
+    const T* qh = q + h * s.q_stride[1];
+#pragma omp simd
+    for (int64_t j = 0; j < d; ++j) qf[h * d + j] = to_f(qh[j]) * scale;
+  }
+  scores(qf, k_pool, idx, n, hd, s, p, row);
+  for (int64_t h = 0; h < hd.heads; ++h) {
+    float* ph = p + h * n;
+    const float m = *std::max_element(ph, ph + n);
     float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
-    for (int64_t t = 0; t < len; ++t) {
-      pi[t] = exp_approx(pi[t] - top);
-      sum += pi[t];
+    for (int64_t t = 0; t < n; ++t) {
+      ph[t] = exp_approx(ph[t] - m);
+      sum += ph[t];
     }
-    total[i] = sum;
+    top[h] = m;
+    total[h] = sum;
   }
-  for (int64_t t = 0; t < len; ++t) {
-    const T* vr = v_pool + idx[t] * s.kv_stride[0] + g * s.kv_stride[1];
+  std::fill(acc, acc + hd.heads * d, 0.0f);
+  weighted_values(p, v_pool, idx, n, hd, s, acc, row);
+}
+
+// Request b's output from its `chunks` partial results (attend_chunk's, chunk after chunk).
+template <typename T>
+void combine_chunks(const float* top, const float* total, const float* acc, int64_t chunks, const Heads& hd,
+                    const DecodeShape& s, T* out) {
+  const int64_t d = s.d, heads = hd.heads;
+  std::vector<float> o(d);
+  for (int64_t h = 0; h < heads; ++h) {
+    float m = top[h];
+    for (int64_t c = 1; c < chunks; ++c) m = std::max(m, top[c * heads + h]);
+    float sum = 0.0f;
+    std::fill(o.begin(), o.end(), 0.0f);
+    for (int64_t c = 0; c < chunks; ++c) {
+      const float w = exp_approx(top[c * heads + h] - m);
+      sum += w * total[c * heads + h];
+      const float* a = acc + (c * heads + h) * d;
 #pragma omp simd
-    for (int64_t j = 0; j < d; ++j) row[j] = to_f(vr[j]);
-    for (int64_t i = 0; i < group; ++i) {
-      const float w = p[i * len + t];
-#pragma omp simd
-      for (int64_t j = 0; j < d; ++j) acc[i * d + j] += w * row[j];
+      for (int64_t j = 0; j < d; ++j) o[j] += w * a[j];
     }
-  }
-  for (int64_t i = 0; i < group; ++i) {
-    T* oi = out + (h0 + i) * s.q_stride[1];
-    const float inv = 1.0f / total[i];
-    for (int64_t j = 0; j < d; ++j) oi[j] = from_f<T>(acc[i * d + j] * inv);
+    T* oh = out + h * s.q_stride[1];
+    const float inv = 1.0f / sum;
+    for (int64_t j = 0; j < d; ++j) oh[j] = from_f<T>(o[j] * inv);
   }
 }
 
@@ -95,19 +188,32 @@ at::Tensor attn_decode(const at::Tensor& q_in, const at::Tensor& k_pool, const a
   }
   at::Tensor out = at::empty_like(q);
   const DecodeShape s{d, {q.stride(0), q.stride(1)}, {k_pool.stride(0), k_pool.stride(1)}};
-  const int64_t group = heads / kv_heads, width = kv_idx.size(1);
+  const Heads hd{heads, kv_heads, heads / kv_heads};
+  const int64_t width = kv_idx.size(1);
+  std::vector<int64_t> first(batch + 1, 0);  // request b's chunks are [first[b], first[b + 1])
+  for (int64_t b = 0; b < batch; ++b) first[b + 1] = first[b] + (len_p[b] + kKeyChunk - 1) / kKeyChunk;
+  const int64_t items = first[batch];
+  std::vector<float> top(items * heads), total(items * heads), acc(items * heads * d);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "attn_decode", [&] {
     if constexpr (!std::is_same_v<scalar_t, double>) {
       const scalar_t *q_p = q.data_ptr<scalar_t>(), *k_p = k_pool.data_ptr<scalar_t>();
       const scalar_t* v_p = v_pool.data_ptr<scalar_t>();
       scalar_t* o_p = out.data_ptr<scalar_t>();
       const int64_t* idx_p = kv_idx.data_ptr<int64_t>();
-      at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
+      at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
         std::vector<float> buf;
         for (int64_t u = begin; u < end; ++u) {
-          const int64_t b = u / kv_heads, g = u % kv_heads;
-          attend_group(q_p + b * s.q_stride[0], k_p, v_p, idx_p + b * width, len_p[b], g, group,
-                       static_cast<float>(scale), s, o_p + b * s.q_stride[0], buf);
+          const int64_t b = std::upper_bound(first.begin(), first.end(), u) - first.begin() - 1;
+          const int64_t t0 = (u - first[b]) * kKeyChunk, n = std::min(kKeyChunk, len_p[b] - t0);
+          attend_chunk(q_p + b * s.q_stride[0], k_p, v_p, idx_p + b * width + t0, n, static_cast<float>(scale), hd,
+                       s, top.data() + u * heads, total.data() + u * heads, acc.data() + u * heads * d, buf);
+        }
+      });
+      at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t b = begin; b < end; ++b) {
+          const int64_t u = first[b];
+          combine_chunks(top.data() + u * heads, total.data() + u * heads, acc.data() + u * heads * d,
+                         first[b + 1] - u, hd, s, o_p + b * s.q_stride[0]);
         }
       });
     } else {
