@@ -36,8 +36,16 @@ BUILT_MARKER = "built"
 BUILDER_LOCK = "lock"  # the file torch's extension builder waits on while it exists
 SOURCES = tuple(sorted(HERE.glob("*.cpp")))
 HEADERS = tuple(sorted(HERE.glob("*.h")))
-CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=fast") + (
-    ("-mprefer-vector-width=512",) if platform.machine() in ("x86_64", "AMD64") else ())
+NATIVE_ARCH = "native"
+"""What the library is compiled for where it runs: this machine's CPU and every ISA extension it has.
+The sources hold no path that needs one extension only: each has a portable form (see cpu_common.h),
+and `compile_library` builds them for any other `-march` (tests build the baseline x86-64 levels)."""
+
+
+def cflags(arch: str = NATIVE_ARCH) -> tuple[str, ...]:
+    """The compiler flags of a build for `-march=arch`."""
+    wide = ("-mprefer-vector-width=512",) if platform.machine() in ("x86_64", "AMD64") else ()
+    return ("-O3", f"-march={arch}", "-fopenmp", "-ffp-contract=fast", *wide)
 
 
 def _cpu_identity() -> str:
@@ -58,7 +66,7 @@ def build_digest() -> str:
     h = hashlib.sha256()
     for path in SOURCES + HEADERS:
         h.update(path.name.encode() + path.read_bytes())
-    for part in (torch.__version__, " ".join(CFLAGS), _cpu_identity(), platform.machine()):
+    for part in (torch.__version__, " ".join(cflags()), _cpu_identity(), platform.machine()):
         h.update(part.encode())
     return h.hexdigest()[:16]
 
@@ -68,15 +76,22 @@ def build_dir() -> Path:
     return Path(base) / "hyssm" / "kernels" / build_digest()
 
 
-def _build(target: Path) -> None:
-    """Compile and load the library into `target`; the caller holds the build flock."""
+def compile_library(target: Path, arch: str = NATIVE_ARCH) -> Path:
+    """Compile the library for `-march=arch` into `target`, load it into this process (which holds one
+    build of `torch.ops.hyssm_cpu`) and return its path."""
     from torch.utils import cpp_extension  # needs setuptools, which a bare environment may lack
 
     (target / BUILDER_LOCK).unlink(missing_ok=True)
-    (target / BUILT_MARKER).unlink(missing_ok=True)
-    cpp_extension.load(name=LIBRARY, sources=[str(p) for p in SOURCES], extra_cflags=list(CFLAGS),
+    cpp_extension.load(name=LIBRARY, sources=[str(p) for p in SOURCES], extra_cflags=list(cflags(arch)),
                        extra_ldflags=["-fopenmp"], build_directory=str(target), is_python_module=False,
                        verbose=False)  # fmt: skip
+    return target / f"{LIBRARY}.so"
+
+
+def _build(target: Path) -> None:
+    """Compile and load the library into `target`; the caller holds the build flock."""
+    (target / BUILT_MARKER).unlink(missing_ok=True)
+    compile_library(target)
     (target / BUILT_MARKER).write_text(f"{LIBRARY}.so\n")
 
 

@@ -36,7 +36,6 @@ template <typename T>
 void scores(const float* qf, const T* k_pool, const int64_t* idx, int64_t n, const Heads& hd,
             const DecodeShape& s, float* p, float* row) {
   const int64_t d = s.d;
-#if defined(__AVX512F__)
   if constexpr (kWidened<T>) if (d % kLanes == 0) {
     // each dot product keeps kLanes partial sums, added once per key and head: a reduction added in
     // one chain per key waits on every add in turn
@@ -45,14 +44,13 @@ void scores(const float* qf, const T* k_pool, const int64_t* idx, int64_t n, con
       for (int64_t h = 0; h < hd.heads; ++h) {
         const T* kg = kr + (h / hd.group) * s.kv_stride[1];
         const float* qh = qf + h * d;
-        __m512 acc = _mm512_mul_ps(load16(qh), load16(kg));
-        for (int64_t j = kLanes; j < d; j += kLanes) acc = _mm512_fmadd_ps(load16(qh + j), load16(kg + j), acc);
-        p[h * n + t] = _mm512_reduce_add_ps(acc);
+        vf16 acc = load16(qh) * load16(kg);
+        for (int64_t j = kLanes; j < d; j += kLanes) acc = load16(qh + j) * load16(kg + j) + acc;
+        p[h * n + t] = sum16(acc);
       }
     }
     return;
   }
-#endif
   for (int64_t t = 0; t < n; ++t) {
     for (int64_t g = 0; g < hd.kv_heads; ++g) {
       const T* kg = k_pool + idx[t] * s.kv_stride[0] + g * s.kv_stride[1];
@@ -74,7 +72,6 @@ void weighted_values(const float* p, const T* v_pool, const int64_t* idx, int64_
                      const DecodeShape& s, float* acc, float* row) {
   const int64_t d = s.d;
   int64_t t = 0;
-#if defined(__AVX512F__)
   if constexpr (kWidened<T>) if (d % kLanes == 0) {
     // kValueKeys keys per pass: each accumulator vector is loaded and stored once per pass, not per key
     for (; t + kValueKeys <= n; t += kValueKeys) {
@@ -82,19 +79,18 @@ void weighted_values(const float* p, const T* v_pool, const int64_t* idx, int64_
         const T* vr[kValueKeys];
         for (int64_t u = 0; u < kValueKeys; ++u) vr[u] = v_pool + idx[t + u] * s.kv_stride[0] + g * s.kv_stride[1];
         for (int64_t j = 0; j < d; j += kLanes) {
-          __m512 vv[kValueKeys];
+          vf16 vv[kValueKeys];
           for (int64_t u = 0; u < kValueKeys; ++u) vv[u] = load16(vr[u] + j);
           for (int64_t h = g * hd.group; h < (g + 1) * hd.group; ++h) {
             const float* w = p + h * n + t;
-            __m512 a = _mm512_loadu_ps(acc + h * d + j);
-            for (int64_t u = 0; u < kValueKeys; ++u) a = _mm512_fmadd_ps(_mm512_set1_ps(w[u]), vv[u], a);
-            _mm512_storeu_ps(acc + h * d + j, a);
+            vf16 a = load16(acc + h * d + j);
+            for (int64_t u = 0; u < kValueKeys; ++u) a = splat(w[u]) * vv[u] + a;
+            store16(acc + h * d + j, a);
           }
         }
       }
     }
   }
-#endif
   for (; t < n; ++t) {
     for (int64_t g = 0; g < hd.kv_heads; ++g) {
       const T* vg = v_pool + idx[t] * s.kv_stride[0] + g * s.kv_stride[1];

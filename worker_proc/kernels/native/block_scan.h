@@ -13,25 +13,13 @@
 
 #include "cpu_common.h"
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-
 namespace hyssm_cpu {
 
 constexpr int64_t BLOCK = 8;               // tokens per block: BLOCK accumulators + BLOCK inputs stay in registers
 constexpr int64_t BLOCK_MIN_TOKENS = 32;   // shorter segments (draft verification among them) go token by token
 constexpr int64_t BLOCK_LANES = 16;        // floats per vector register: P and N must be multiples
 
-inline bool block_scan_fits(int64_t p, int64_t n) {
-#if defined(__AVX512F__)
-  return p % BLOCK_LANES == 0 && n % BLOCK_LANES == 0;
-#else
-  (void)p;
-  (void)n;
-  return false;
-#endif
-}
+inline bool block_scan_fits(int64_t p, int64_t n) { return p % BLOCK_LANES == 0 && n % BLOCK_LANES == 0; }
 
 // For block blk (starting at row block_rows[blk]) and group g, u = blk * groups + g:
 // gram[u * BLOCK * BLOCK + t * BLOCK + tau] = C_{t0+t} . B_{t0+tau} for tau <= t (0 above), and
@@ -86,9 +74,9 @@ struct BlockInput {
   const float* gram;
 };
 
-#if defined(__AVX512F__)
 // 16 x 16 floats: out row c = in column c (rows of in and out `in_stride` / `out_stride` floats apart).
 inline void transpose16(const float* in, int64_t in_stride, float* out, int64_t out_stride) {
+#if defined(__AVX512F__)
   __m512 r[16], t[16];
   for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(in + i * in_stride);
   for (int i = 0; i < 8; ++i) {
@@ -109,6 +97,10 @@ inline void transpose16(const float* in, int64_t in_stride, float* out, int64_t 
     _mm512_storeu_ps(out + (4 + j) * out_stride, _mm512_shuffle_f32x4(odd_lo, odd_hi, 0x88));
     _mm512_storeu_ps(out + (12 + j) * out_stride, _mm512_shuffle_f32x4(odd_lo, odd_hi, 0xDD));
   }
+#else
+  for (int i = 0; i < 16; ++i)
+    for (int j = 0; j < 16; ++j) out[j * out_stride + i] = in[i * in_stride + j];
+#endif
 }
 
 // dst [cols][rows] = src [rows][cols]^T; both multiples of 16
@@ -134,46 +126,45 @@ inline void scan_block(float* st_t, int64_t p, int64_t n, float a, float d, cons
     for (int64_t tau = 0; tau < BLOCK; ++tau)
       w[t][tau] = tau <= t ? exp_approx(cs[t] - cs[tau]) * in.gram[t * BLOCK + tau] * in.step[tau * in.ss] : 0.0f;
   }
-  const __m512 end_decay = _mm512_set1_ps(exp_approx(cs[BLOCK - 1]));
+  const vf16 end_decay = splat(exp_approx(cs[BLOCK - 1]));
   for (int64_t q = 0; q < p; q += BLOCK_LANES) {
-    __m512 xin[BLOCK];
+    vf16 xin[BLOCK];
     for (int64_t t = 0; t < BLOCK; ++t) xin[t] = load16(in.x + t * in.xs + q);
-    const __m512 u0 = _mm512_mul_ps(_mm512_set1_ps(v[0]), xin[0]), u1 = _mm512_mul_ps(_mm512_set1_ps(v[1]), xin[1]);
-    const __m512 u2 = _mm512_mul_ps(_mm512_set1_ps(v[2]), xin[2]), u3 = _mm512_mul_ps(_mm512_set1_ps(v[3]), xin[3]);
-    const __m512 u4 = _mm512_mul_ps(_mm512_set1_ps(v[4]), xin[4]), u5 = _mm512_mul_ps(_mm512_set1_ps(v[5]), xin[5]);
-    const __m512 u6 = _mm512_mul_ps(_mm512_set1_ps(v[6]), xin[6]), u7 = _mm512_mul_ps(_mm512_set1_ps(v[7]), xin[7]);
-    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+    const vf16 u0 = splat(v[0]) * xin[0], u1 = splat(v[1]) * xin[1];
+    const vf16 u2 = splat(v[2]) * xin[2], u3 = splat(v[3]) * xin[3];
+    const vf16 u4 = splat(v[4]) * xin[4], u5 = splat(v[5]) * xin[5];
+    const vf16 u6 = splat(v[6]) * xin[6], u7 = splat(v[7]) * xin[7];
+    vf16 a0 = vf16{}, a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
     float* col = st_t + q;
     const float* cb = in.packed;
     for (int64_t j = 0; j < n; ++j, col += p, cb += 2 * BLOCK) {
-      const __m512 s = _mm512_loadu_ps(col);
-      a0 = _mm512_fmadd_ps(_mm512_set1_ps(cb[0]), s, a0);
-      a1 = _mm512_fmadd_ps(_mm512_set1_ps(cb[1]), s, a1);
-      a2 = _mm512_fmadd_ps(_mm512_set1_ps(cb[2]), s, a2);
-      a3 = _mm512_fmadd_ps(_mm512_set1_ps(cb[3]), s, a3);
-      a4 = _mm512_fmadd_ps(_mm512_set1_ps(cb[4]), s, a4);
-      a5 = _mm512_fmadd_ps(_mm512_set1_ps(cb[5]), s, a5);
-      a6 = _mm512_fmadd_ps(_mm512_set1_ps(cb[6]), s, a6);
-      a7 = _mm512_fmadd_ps(_mm512_set1_ps(cb[7]), s, a7);
-      __m512 lo = _mm512_mul_ps(s, end_decay);
-      __m512 hi = _mm512_mul_ps(_mm512_set1_ps(cb[8]), u0);
-      lo = _mm512_fmadd_ps(_mm512_set1_ps(cb[9]), u1, lo);
-      hi = _mm512_fmadd_ps(_mm512_set1_ps(cb[10]), u2, hi);
-      lo = _mm512_fmadd_ps(_mm512_set1_ps(cb[11]), u3, lo);
-      hi = _mm512_fmadd_ps(_mm512_set1_ps(cb[12]), u4, hi);
-      lo = _mm512_fmadd_ps(_mm512_set1_ps(cb[13]), u5, lo);
-      hi = _mm512_fmadd_ps(_mm512_set1_ps(cb[14]), u6, hi);
-      lo = _mm512_fmadd_ps(_mm512_set1_ps(cb[15]), u7, lo);
-      _mm512_storeu_ps(col, _mm512_add_ps(lo, hi));
+      const vf16 s = load16(col);
+      a0 = splat(cb[0]) * s + a0;
+      a1 = splat(cb[1]) * s + a1;
+      a2 = splat(cb[2]) * s + a2;
+      a3 = splat(cb[3]) * s + a3;
+      a4 = splat(cb[4]) * s + a4;
+      a5 = splat(cb[5]) * s + a5;
+      a6 = splat(cb[6]) * s + a6;
+      a7 = splat(cb[7]) * s + a7;
+      vf16 lo = s * end_decay;
+      vf16 hi = splat(cb[8]) * u0;
+      lo = splat(cb[9]) * u1 + lo;
+      hi = splat(cb[10]) * u2 + hi;
+      lo = splat(cb[11]) * u3 + lo;
+      hi = splat(cb[12]) * u4 + hi;
+      lo = splat(cb[13]) * u5 + lo;
+      hi = splat(cb[14]) * u6 + hi;
+      lo = splat(cb[15]) * u7 + lo;
+      store16(col, lo + hi);
     }
-    const __m512 acc[BLOCK] = {a0, a1, a2, a3, a4, a5, a6, a7};
+    const vf16 acc[BLOCK] = {a0, a1, a2, a3, a4, a5, a6, a7};
     for (int64_t t = 0; t < BLOCK; ++t) {
-      __m512 out = _mm512_mul_ps(_mm512_set1_ps(e[t]), acc[t]);
-      for (int64_t tau = 0; tau <= t; ++tau) out = _mm512_fmadd_ps(_mm512_set1_ps(w[t][tau]), xin[tau], out);
-      _mm512_storeu_ps(y + t * ys + q, _mm512_fmadd_ps(_mm512_set1_ps(d), xin[t], out));
+      vf16 out = splat(e[t]) * acc[t];
+      for (int64_t tau = 0; tau <= t; ++tau) out = splat(w[t][tau]) * xin[tau] + out;
+      store16(y + t * ys + q, splat(d) * xin[t] + out);
     }
   }
 }
-#endif
 
 }  // namespace hyssm_cpu

@@ -84,17 +84,58 @@ inline void check_rows(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, " must be [rows, width] with unit-stride rows");
 }
 
+// Sixteen float32 lanes as a GCC/Clang vector type: one AVX-512 register, two AVX2 ones, four SSE or NEON
+// ones. The kernels are written once over it; the compiler lowers each operation to the widest vectors the
+// target has (`a * b + c` contracts to a fused multiply-add under -ffp-contract=fast), so no kernel needs
+// an ISA extension to build, and the AVX-512 intrinsics below are only faster forms of the same loads.
+typedef float vf16 __attribute__((vector_size(64)));
+typedef uint16_t vu16x16 __attribute__((vector_size(32)));
+typedef uint32_t vu32x16 __attribute__((vector_size(64)));
+
+inline vf16 splat(float v) { return vf16{} + v; }
+inline vf16 load16(const float* p) {
+  vf16 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline void store16(float* p, vf16 v) { std::memcpy(p, &v, sizeof(v)); }
+
+// 16 consecutive values of a model dtype widened to float32 lanes
+inline vf16 load16(const c10::BFloat16* p) {
 #if defined(__AVX512F__)
-// 16 consecutive values widened to float32 lanes
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-inline __m512 load16(const c10::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
+  return (vf16)_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+#else
+  vu16x16 raw;
+  std::memcpy(&raw, p, sizeof(raw));
+  const vu32x16 wide = __builtin_convertvector(raw, vu32x16) << 16;
+  vf16 v;
+  std::memcpy(&v, &wide, sizeof(v));
+  return v;
 #endif
+}
+inline vf16 load16(const c10::Half* p) {
+#if defined(__AVX512F__)
+  return (vf16)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#else
+  float wide[16];
+  for (int l = 0; l < 16; ++l) wide[l] = to_f(p[l]);
+  return load16(wide);
+#endif
+}
+
+// The sum of the 16 lanes (AVX-512: the compiler's reduction; elsewhere halving, in one fixed order).
+inline float sum16(vf16 v) {
+#if defined(__AVX512F__)
+  return _mm512_reduce_add_ps((__m512)v);
+#else
+  float lanes[16];
+  std::memcpy(lanes, &v, sizeof(lanes));
+  for (int w = 8; w > 0; w /= 2)
+    for (int l = 0; l < w; ++l) lanes[l] += lanes[l + w];
+  return lanes[0];
+#endif
+}
 
 constexpr int64_t kLanes = 16;  // the width of the dot products' partial sums (one AVX-512 vector of floats)
 

@@ -12,10 +12,6 @@
 
 #include "cpu_common.h"
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-
 namespace hyssm_cpu {
 namespace {
 
@@ -27,27 +23,22 @@ constexpr int64_t PREFETCH_ROWS = 8;  // how far ahead (in weight rows) the loop
 template <typename W, int R, int WR>
 inline void dot_block(const float* x, int64_t k, const W* const* w, float (*acc)[WEIGHT_ROWS]) {
   int64_t j = 0;
-#if defined(__AVX512F__)
-  __m512 sums[R][WR];
+  vf16 sums[R][WR];
   for (int r = 0; r < R; ++r)
-    for (int i = 0; i < WR; ++i) sums[r][i] = _mm512_setzero_ps();
-  for (; j + 16 <= k; j += 16) {
-    __m512 wv[WR];
+    for (int i = 0; i < WR; ++i) sums[r][i] = vf16{};
+  for (; j + kLanes <= k; j += kLanes) {
+    vf16 wv[WR];
     for (int i = 0; i < WR; ++i) {
-      _mm_prefetch(reinterpret_cast<const char*>(w[i] + j + PREFETCH_ROWS * k), _MM_HINT_T0);
+      __builtin_prefetch(w[i] + j + PREFETCH_ROWS * k, 0, 3);
       wv[i] = load16(w[i] + j);
     }
     for (int r = 0; r < R; ++r) {
-      const __m512 xv = _mm512_loadu_ps(x + r * k + j);
-      for (int i = 0; i < WR; ++i) sums[r][i] = _mm512_fmadd_ps(xv, wv[i], sums[r][i]);
+      const vf16 xv = load16(x + r * k + j);
+      for (int i = 0; i < WR; ++i) sums[r][i] = xv * wv[i] + sums[r][i];
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int i = 0; i < WR; ++i) acc[r][i] = _mm512_reduce_add_ps(sums[r][i]);
-#else
-  for (int r = 0; r < R; ++r)
-    for (int i = 0; i < WR; ++i) acc[r][i] = 0.0f;
-#endif
+    for (int i = 0; i < WR; ++i) acc[r][i] = sum16(sums[r][i]);
   for (; j < k; ++j) {
     for (int i = 0; i < WR; ++i) {
       const float wj = to_f(w[i][j]);
@@ -175,10 +166,13 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight, const c10::option
       at::parallel_for(0, blocks, 16, [&](int64_t b0, int64_t b1) {
         for (int64_t r = 0; r < m; r += ROWS) {
           const int64_t take = std::min(ROWS, m - r), lo = b0 * WEIGHT_ROWS, hi = std::min(n, b1 * WEIGHT_ROWS);
-          if (pairs)
+#if defined(__AVX512BF16__)
+          if (pairs) {
             gemv_group(xf.data_ptr<c10::BFloat16>() + r * k, take, k, w, bias_ptr, o + r * n, n, lo, hi);
-          else
-            gemv_group(xf.data_ptr<float>() + r * k, take, k, w, bias_ptr, o + r * n, n, lo, hi);
+            continue;
+          }
+#endif
+          gemv_group(xf.data_ptr<float>() + r * k, take, k, w, bias_ptr, o + r * n, n, lo, hi);
         }
       });
     }));

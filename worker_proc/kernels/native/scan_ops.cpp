@@ -244,7 +244,6 @@ void ssd_prefill_scan(const at::Tensor& x, const at::Tensor& b, const at::Tensor
       const int64_t sg = u / heads, h = u % heads, g = h / per_group;
       float* st = states.load(slot_of[sg], h, buf.data());
       int64_t t = starts[sg];
-#if defined(__AVX512F__)
       if (whole[sg] > 0) {
         transpose_state(st, p, n, transposed.data());
         for (int64_t blk = first_block[sg]; blk < first_block[sg + 1]; ++blk) {
@@ -257,7 +256,6 @@ void ssd_prefill_scan(const at::Tensor& x, const at::Tensor& b, const at::Tensor
         transpose_state(transposed.data(), n, p, st);
         t += whole[sg];
       }
-#endif
       for (; t < starts[sg + 1]; ++t) {  // token by token: the row's inputs widened first
         const int64_t th = t * heads + h;
         const T *xr = x_p + t * xs + h * xh, *br = b_p + t * bs + g * bg, *cr = c_p + t * bs + g * bg;
