@@ -285,3 +285,50 @@ def test_fused_decode_attention_reads_each_context_at_its_own_slots(gen: torch.G
     bad[1, 5] = 1201
     with pytest.raises(RuntimeError, match="outside the pools"):
         _native().attn_decode(q, k_pool, v_pool, bad, lens, 0.2)
+
+
+def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float) -> torch.Tensor:
+    """Float64 attention of q [L, H, d] (positions start..) over k, v [start + L, kvh, d], causal."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
+    s = torch.einsum("lhd,thd->hlt", q.double(), k) * scale
+    future = torch.arange(k.shape[0])[None, :] > (start + torch.arange(q.shape[0]))[:, None]
+    return torch.einsum("hlt,thd->lhd", s.masked_fill(future, float("-inf")).softmax(-1), v)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("length", "start", "heads", "kv_heads", "head_dim"), [
+    (37, 0, 6, 2, 64),  # a first chunk, shorter than one block of queries or keys
+    (100, 300, 12, 4, 64),  # a later chunk: the cached part in full, the chunk's own keys causally
+    (5, 1000, 8, 1, 128),  # one KV head for every query head, a wider head
+    (64, 64, 4, 4, 64),  # chunk and context on block boundaries
+    (20, 10, 4, 2, 48),  # a head width the kernel does not take: the fast kernels' call
+])  # fmt: skip
+def test_fused_prefill_attention_is_causal_over_the_context_at_its_slots(gen: torch.Generator, dtype, length: int,
+                                                                         start: int, heads: int, kv_heads: int,
+                                                                         head_dim: int) -> None:  # fmt: skip
+    """Queries at positions start.. over a context scattered over the pools: float64 causal attention
+    over exactly those slots (float32 within TOL; bfloat16 no further from it than the flash kernel the
+    fast kernels call, or one rounding of the output), a sharply peaked row included."""
+    slots = start + length + 50
+    k_pool = rand(gen, slots, kv_heads, head_dim, dtype=dtype)
+    v_pool = rand(gen, slots, kv_heads, head_dim, dtype=dtype)
+    kv_idx = torch.randperm(slots, generator=gen)[: start + length]
+    q = rand(gen, length, heads, head_dim, dtype=dtype)
+    q[length // 2, 0] *= 30.0  # one row's weight on a single key: the running maximum jumps
+    out = _native().attn_prefill(q, k_pool, v_pool, kv_idx, start, 0.125)
+    assert out.dtype == dtype and out.shape == q.shape
+    want = _causal_attention(q, k_pool[kv_idx], v_pool[kv_idx], start, 0.125)
+    if dtype == torch.float32:
+        assert max_diff(out, want) <= TOL
+    else:
+        flash = FastOps().attn_prefill(q, k_pool, v_pool, kv_idx, start, 0.125)
+        assert max_diff(out, want) <= max(max_diff(flash, want), 2.0**-7)
+
+
+def test_fused_prefill_attention_refuses_a_slot_outside_the_pools(gen: torch.Generator) -> None:
+    k_pool, v_pool = rand(gen, 40, 2, 64), rand(gen, 40, 2, 64)
+    kv_idx = torch.arange(30)
+    kv_idx[7] = 40
+    with pytest.raises(RuntimeError, match="outside the pools"):
+        _native().attn_prefill(rand(gen, 10, 4, 64), k_pool, v_pool, kv_idx, 20, 0.125)

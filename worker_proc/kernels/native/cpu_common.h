@@ -137,6 +137,40 @@ inline float sum16(vf16 v) {
 #endif
 }
 
+typedef int32_t vi16 __attribute__((vector_size(64)));
+
+inline vf16 max16(vf16 a, vf16 b) { return a > b ? a : b; }
+
+// The largest of the 16 lanes.
+inline float max_lanes(vf16 v) {
+#if defined(__AVX512F__)
+  return _mm512_reduce_max_ps((__m512)v);
+#else
+  float lanes[16];
+  std::memcpy(lanes, &v, sizeof(lanes));
+  return *std::max_element(lanes, lanes + 16);
+#endif
+}
+
+// `exp_approx` of 16 lanes, except that an argument below -87 (-inf included) gives exactly 0: a masked
+// score weighs nothing.
+inline vf16 exp16(vf16 v) {
+  const vf16 lo = splat(-87.0f), hi = splat(88.0f), magic = splat(12582912.0f);  // 1.5 * 2^23 rounds to integers
+  const vf16 x = v < lo ? lo : (v > hi ? hi : v);
+  const vf16 k = (x * splat(1.44269504088896341f) + magic) - magic;
+  const vf16 r = (x - k * splat(0.693145751953125f)) - k * splat(1.428606765330187045e-06f);
+  vf16 poly = splat(1.0f / 720.0f);
+  poly = poly * r + splat(1.0f / 120.0f);
+  poly = poly * r + splat(1.0f / 24.0f);
+  poly = poly * r + splat(1.0f / 6.0f);
+  poly = poly * r + splat(0.5f);
+  poly = poly * r + splat(1.0f);
+  poly = poly * r + splat(1.0f);
+  const vi16 bits = (__builtin_convertvector(k, vi16) + 127) << 23;
+  const vf16 out = poly * (vf16)bits;
+  return v < lo ? vf16{} : out;
+}
+
 constexpr int64_t kLanes = 16;  // the width of the dot products' partial sums (one AVX-512 vector of floats)
 
 // The sum of `kLanes` partial sums, halving: the same order in every call (the decode and prefill scans

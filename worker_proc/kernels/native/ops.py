@@ -1,7 +1,7 @@
 """`NativeOps`: `FastOps` with a Mamba layer's decode step (conv + scan), its prefill conv and scan over
-every segment, its gated norm, the residual norms, the gated MLP activation and decode attention in the
-fused CPU kernels of `scan_ops.cpp`, `norm_ops.cpp` and `attn_ops.cpp` (one call each per layer instead
-of tens of dispatched ops).
+every segment, its gated norm, the residual norms, the gated MLP activation, decode attention and prefill
+attention in the fused CPU kernels of `scan_ops.cpp`, `norm_ops.cpp`, `attn_ops.cpp` and
+`prefill_attn_ops.cpp` (one call each per layer instead of tens of dispatched ops).
 
 Same interface and mathematics as `FastOps` (checked against `ReferenceOps` by the kernel tests);
 not batch invariant. The recurrent state is read and written in its storage (float32, bfloat16 or int8,
@@ -20,6 +20,8 @@ from worker_proc.kernels.interface import RMS_WEIGHTINGS, GateNorm, ResidualNorm
 from worker_proc.kernels.state_codec import QuantizedPool, StatePool
 
 _MODEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+PREFILL_HEAD_WIDTH = 64  # prefill_attn_ops.cpp: head widths it takes are multiples of this
+PREFILL_KEY_BLOCK = 64  # prefill_attn_ops.cpp: the context is packed in blocks of this many keys
 
 
 class NativeOps(FastOps):
@@ -28,6 +30,7 @@ class NativeOps(FastOps):
     def __init__(self, gdn: object | None = None) -> None:
         super().__init__(gdn)
         self._f32_copies: dict[int, tuple[Tensor, int, Tensor]] = {}
+        self._attn_workspace = torch.empty(0)
 
     def _f32(self, t: Tensor) -> Tensor:
         """`t` in float32, converted once per version of it: the scan constants and gate norm weights every
@@ -101,6 +104,22 @@ class NativeOps(FastOps):
                 and k_pool.stride(-1) == 1 and k_pool.stride() == v_pool.stride()):  # fmt: skip
             return super().attn_decode(q, k_pool, v_pool, kv_idx, lengths, scale)
         return torch.ops.hyssm_cpu.attn_decode(q, k_pool, v_pool, kv_idx, lengths, scale)
+
+    def attn_prefill(self, q: Tensor, k_pool: Tensor, v_pool: Tensor, kv_idx: Tensor, start_pos: int,
+                     scale: float) -> Tensor:  # fmt: skip
+        """The chunk's queries over exactly its context's slots in one call (no gathered copy, no merge of
+        parts); the context is widened into a float32 workspace kept between calls, which grows to the
+        longest context seen."""
+        d = q.shape[-1]
+        if not (q.dim() == 3 and q.dtype in _MODEL_DTYPES and q.dtype == k_pool.dtype == v_pool.dtype
+                and k_pool.stride(-1) == 1 and k_pool.stride() == v_pool.stride()
+                and d % PREFILL_HEAD_WIDTH == 0):  # fmt: skip
+            return super().attn_prefill(q, k_pool, v_pool, kv_idx, start_pos, scale)
+        padded = -(-kv_idx.numel() // PREFILL_KEY_BLOCK) * PREFILL_KEY_BLOCK
+        need = 2 * k_pool.shape[1] * padded * d
+        if self._attn_workspace.numel() < need:
+            self._attn_workspace = torch.empty(need, dtype=torch.float32)
+        return torch.ops.hyssm_cpu.attn_prefill(q, k_pool, v_pool, kv_idx, start_pos, scale, self._attn_workspace)
 
     def rms_norm(self, norm: ResidualNorm, x: Tensor) -> Tensor:
         """A reduced-precision model's norm in one call (its module takes eight); a float32 `RMSNorm` stays
