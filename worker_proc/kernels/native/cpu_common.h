@@ -92,7 +92,9 @@ typedef float vf16 __attribute__((vector_size(64)));
 typedef uint16_t vu16x16 __attribute__((vector_size(32)));
 typedef uint32_t vu32x16 __attribute__((vector_size(64)));
 
-inline vf16 splat(float v) { return vf16{} + v; }
+// v in every lane (a broadcast; `vf16{} + v` would also add 0.0 to v first, which the compiler may not
+// drop: -0.0 + 0.0 is +0.0)
+inline vf16 splat(float v) { return vf16{v, v, v, v, v, v, v, v, v, v, v, v, v, v, v, v}; }
 inline vf16 load16(const float* p) {
   vf16 v;
   std::memcpy(&v, p, sizeof(v));
