@@ -26,6 +26,16 @@ constexpr int64_t kKeyChunk = 256;  // keys of one work item
 template <typename T>
 constexpr bool kWidened = !std::is_same_v<T, double>;  // a model dtype, which `load16` widens
 
+constexpr int64_t kPrefetchKeys = 32;  // how far ahead of its use a pass asks for a slot's row
+
+// Every cache line of a slot's row of `width` values, requested ahead of its use: a long context's rows
+// lie across many pages, and the hardware's prefetchers stop at each page's end.
+template <typename T>
+inline void prefetch_row(const T* row, int64_t width) {
+  const char* bytes = reinterpret_cast<const char*>(row);
+  for (int64_t b = 0; b < width * static_cast<int64_t>(sizeof(T)); b += 64) __builtin_prefetch(bytes + b);
+}
+
 struct Heads {
   int64_t heads, kv_heads, group;  // query heads, KV heads, query heads per KV head
 };
@@ -40,6 +50,8 @@ void scores(const float* qf, const T* k_pool, const int64_t* idx, int64_t n, con
     // each dot product keeps kLanes partial sums, added once per key and head: a reduction added in
     // one chain per key waits on every add in turn
     for (int64_t t = 0; t < n; ++t) {
+      if (t + kPrefetchKeys < n)
+        prefetch_row(k_pool + idx[t + kPrefetchKeys] * s.kv_stride[0], hd.kv_heads * s.kv_stride[1]);
       const T* kr = k_pool + idx[t] * s.kv_stride[0];
       for (int64_t h = 0; h < hd.heads; ++h) {
         const T* kg = kr + (h / hd.group) * s.kv_stride[1];
@@ -75,6 +87,8 @@ void weighted_values(const float* p, const T* v_pool, const int64_t* idx, int64_
   if constexpr (kWidened<T>) if (d % kLanes == 0) {
     // kValueKeys keys per pass: each accumulator vector is loaded and stored once per pass, not per key
     for (; t + kValueKeys <= n; t += kValueKeys) {
+      for (int64_t u = t + kPrefetchKeys; u < std::min(n, t + kPrefetchKeys + kValueKeys); ++u)
+        prefetch_row(v_pool + idx[u] * s.kv_stride[0], hd.kv_heads * s.kv_stride[1]);
       for (int64_t g = 0; g < hd.kv_heads; ++g) {
         const T* vr[kValueKeys];
         for (int64_t u = 0; u < kValueKeys; ++u) vr[u] = v_pool + idx[t + u] * s.kv_stride[0] + g * s.kv_stride[1];
