@@ -54,7 +54,7 @@ def _rows(args: argparse.Namespace, ctx: int, dt: torch.dtype, fused: FastOps, f
     return rows
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--contexts", default="0,4096,16384")
@@ -64,7 +64,7 @@ def main() -> None:
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--runs", type=int, default=7)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if not native.load():
         raise SystemExit(f"the fused CPU kernels cannot be built here: {native.load_error()}")
     from worker_proc.kernels.native.ops import NativeOps
