@@ -301,6 +301,7 @@ def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: 
     (37, 0, 6, 2, 64),  # a first chunk, shorter than one block of queries or keys
     (100, 300, 12, 4, 64),  # a later chunk: the cached part in full, the chunk's own keys causally
     (5, 1000, 8, 1, 128),  # one KV head for every query head, a wider head
+    (7, 90, 4, 2, 256),  # Qwen3-Next's and Qwen3.5's head width: four tiles of the output per row
     (64, 64, 4, 4, 64),  # chunk and context on block boundaries
     (20, 10, 4, 2, 48),  # a head width the kernel does not take: the fast kernels' call
 ])  # fmt: skip
