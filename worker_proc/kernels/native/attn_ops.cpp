@@ -176,16 +176,10 @@ void combine_chunks(const float* top, const float* total, const float* acc, int6
 
 at::Tensor attn_decode(const at::Tensor& q_in, const at::Tensor& k_pool, const at::Tensor& v_pool,
                        const at::Tensor& kv_idx_in, const at::Tensor& lengths_in, double scale) {
-  TORCH_CHECK(q_in.dim() == 3 && k_pool.dim() == 3 && v_pool.dim() == 3, "q [B, H, d], pools [S, kvh, d]");
-  TORCH_CHECK(k_pool.sizes() == v_pool.sizes() && k_pool.strides() == v_pool.strides(),
-              "the K and V pools must be laid out alike");
-  TORCH_CHECK(q_in.scalar_type() == k_pool.scalar_type() && k_pool.scalar_type() == v_pool.scalar_type(),
-              "q and the pools must share one dtype");
-  TORCH_CHECK(k_pool.stride(2) == 1, "pool rows must be unit-stride");
+  check_attention(q_in, k_pool, v_pool);
   const at::Tensor q = q_in.contiguous();
   const at::Tensor kv_idx = kv_idx_in.to(at::kLong).contiguous(), lengths = lengths_in.to(at::kLong).contiguous();
   const int64_t batch = q.size(0), heads = q.size(1), d = q.size(2), kv_heads = k_pool.size(1);
-  TORCH_CHECK(k_pool.size(2) == d && heads % kv_heads == 0, "q and the pools disagree on heads or width");
   TORCH_CHECK(kv_idx.dim() == 2 && kv_idx.size(0) == batch && lengths.numel() == batch,
               "kv_idx [B, T] and lengths [B]");
   const int64_t* len_p = lengths.data_ptr<int64_t>();

@@ -80,6 +80,18 @@ inline float silu(float v) { return v / (1.0f + exp_approx(-v)); }
 
 inline float softplus(float v) { return v > 20.0f ? v : std::log1p(std::exp(v)); }
 
+// What both attention kernels require of their query rows q [N, H, d] and KV pools [S, kvh, d].
+inline void check_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool) {
+  TORCH_CHECK(q.dim() == 3 && k_pool.dim() == 3 && v_pool.dim() == 3, "q [N, H, d], pools [S, kvh, d]");
+  TORCH_CHECK(k_pool.sizes() == v_pool.sizes() && k_pool.strides() == v_pool.strides(),
+              "the K and V pools must be laid out alike");
+  TORCH_CHECK(q.scalar_type() == k_pool.scalar_type() && k_pool.scalar_type() == v_pool.scalar_type(),
+              "q and the pools must share one dtype");
+  TORCH_CHECK(k_pool.stride(2) == 1, "pool rows must be unit-stride");
+  TORCH_CHECK(k_pool.size(2) == q.size(2) && q.size(1) % k_pool.size(1) == 0,
+              "q and the pools disagree on heads or width");
+}
+
 inline void check_rows(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, " must be [rows, width] with unit-stride rows");
 }

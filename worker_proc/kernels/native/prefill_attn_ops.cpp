@@ -307,17 +307,11 @@ void attend_all(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor&
 
 at::Tensor attn_prefill(const at::Tensor& q_in, const at::Tensor& k_pool, const at::Tensor& v_pool,
                         const at::Tensor& kv_idx_in, int64_t start, double scale, at::Tensor& workspace) {
-  TORCH_CHECK(q_in.dim() == 3 && k_pool.dim() == 3 && v_pool.dim() == 3, "q [L, H, d], pools [S, kvh, d]");
-  TORCH_CHECK(k_pool.sizes() == v_pool.sizes() && k_pool.strides() == v_pool.strides(),
-              "the K and V pools must be laid out alike");
-  TORCH_CHECK(q_in.scalar_type() == k_pool.scalar_type() && k_pool.scalar_type() == v_pool.scalar_type(),
-              "q and the pools must share one dtype");
-  TORCH_CHECK(k_pool.stride(2) == 1, "pool rows must be unit-stride");
+  check_attention(q_in, k_pool, v_pool);
   const at::Tensor q = q_in.contiguous();
   const at::Tensor kv_idx = kv_idx_in.to(at::kLong).contiguous();
   const int64_t length = q.size(0), heads = q.size(1), d = q.size(2), kv_heads = k_pool.size(1);
   const int64_t keys = kv_idx.numel();
-  TORCH_CHECK(k_pool.size(2) == d && heads % kv_heads == 0, "q and the pools disagree on heads or width");
   TORCH_CHECK(d % (kTileWidth * kLanes) == 0, "the head width must be a multiple of ", kTileWidth * kLanes);
   TORCH_CHECK(start >= 0 && keys == start + length, "kv_idx must hold start + L slots");
   const int64_t* idx = kv_idx.data_ptr<int64_t>();
