@@ -19,7 +19,7 @@ import torch
 
 from shared.config import builtin_model_dir
 from shared.messages import ForwardBatch, ReqSlice, SamplingParams
-from worker_proc.host_memory import keep_freed_memory
+from worker_proc.host_memory import keep_freed_memory, map_load_blocks
 from worker_proc.numerics import flush_denormals
 from worker_proc.runtime import ModelRunner
 
@@ -81,12 +81,13 @@ def main(argv: list[str] | None = None) -> None:
                     help="weights quantized at load, as the server's --quantization")
     args = ap.parse_args(argv)
     flush_denormals()  # as a worker process does, before its first parallel region
-    keep_freed_memory()
+    map_load_blocks()
     torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batches.split(",")]
     runner = ModelRunner(args.model_path, device=args.device, dtype=args.dtype, kv_slots=max(batches) * SLOT_STRIDE,
                          state_slots=max(batches), deterministic=args.deterministic,
                          quantization=args.quantization, state_dtype=args.mamba_ssm_dtype)  # fmt: skip
+    keep_freed_memory()
     results: dict[int, list[tuple[float, float]]] = {b: [] for b in batches}
     step = 0
     for _ in range(args.runs):

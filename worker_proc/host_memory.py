@@ -1,7 +1,8 @@
-"""Host memory of a worker process: freed blocks stay in the heap for the next step, what load left
-free goes back once (`shared.heap.release_free_heap`), the state pools are resident before the first
-request while the KV pools take pages as tokens fill them (`zeros`), and oneDNN's primitive caches
-hold a bounded number of entries (`bound_onednn_caches`).
+"""Host memory of a worker process: what the load allocates lives in mappings of its own
+(`map_load_blocks`), freed blocks of the steps stay in the heap for the next step
+(`keep_freed_memory`), what load left free goes back once (`shared.heap.release_free_heap`), the state
+pools are resident before the first request while the KV pools take pages as tokens fill them
+(`zeros`), and oneDNN's primitive caches hold a bounded number of entries (`bound_onednn_caches`).
 
 glibc's malloc serves a block above its mmap threshold with a fresh mapping and returns the top of
 the heap to the kernel once more than its trim threshold is free. A step's temporaries are megabytes
@@ -10,6 +11,13 @@ kernel: measured 20,000-45,000 page faults in one step of 32 prompts of 128 toke
 model (a fifth of its time). `keep_freed_memory` raises the mmap threshold to glibc's maximum (32 MiB)
 and the trim threshold to 1 GiB: the process's resident memory then stays at its peak (which is what
 the pools are sized against), and a step reuses the previous step's pages.
+
+The load comes first, under a low mmap threshold: its weights, the dense copies that packed ones
+replace and the execution plan's timing copies are each a mapping, which goes back to the kernel
+whole when freed. Loaded into the heap instead, they left holes of hundreds of MiB there (released
+by `release_free_heap`, yet inside the heap): the steps' temporaries then landed in a different hole
+from one step to the next, and each hole they touched became resident again, so the worker's
+memory grew by the holes' size over a long prompt instead of by its temporaries' peak.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ import logging
 import math
 import mmap
 import os
+from collections.abc import Callable
 
 import torch
 
@@ -34,17 +43,33 @@ SPARE_COPY_FRACTION = 1 / 16
 """A second copy of some weights is affordable when it takes at most this share of the host's memory."""
 
 
-def keep_freed_memory() -> bool:
-    """Apply the policy (see the module doc). Returns False, changing nothing, where the C library is
-    not glibc (no `mallopt`) or refuses a setting."""
-    name = ctypes.util.find_library("c")
+LOAD_MMAP_THRESHOLD_BYTES = 64 << 10
+"""Blocks above this size are their own mapping while the model loads (`map_load_blocks`)."""
+
+
+def _mallopt() -> Callable[[int, int], int] | None:
     try:
-        mallopt = ctypes.CDLL(name).mallopt
+        mallopt = ctypes.CDLL(ctypes.util.find_library("c")).mallopt
     except (OSError, AttributeError, TypeError):
-        return False
+        return None
     mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
     mallopt.restype = ctypes.c_int
-    if not mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES):
+    return mallopt
+
+
+def map_load_blocks() -> bool:
+    """Before the load: every block above LOAD_MMAP_THRESHOLD_BYTES is a mapping of its own (see the
+    module doc), until `keep_freed_memory` applies the steps' policy. Returns False, changing nothing,
+    where the C library is not glibc or refuses the setting."""
+    mallopt = _mallopt()
+    return mallopt is not None and bool(mallopt(M_MMAP_THRESHOLD, LOAD_MMAP_THRESHOLD_BYTES))
+
+
+def keep_freed_memory() -> bool:
+    """After the load: apply the steps' policy (see the module doc). Returns False, changing nothing,
+    where the C library is not glibc (no `mallopt`) or refuses a setting."""
+    mallopt = _mallopt()
+    if mallopt is None or not mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES):
         return False
     return bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))
 

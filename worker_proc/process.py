@@ -22,7 +22,7 @@ from shared.channels import SCHEDULER_TO_WORKER, TO_LAUNCHER, WORKER_TO_SCHEDULE
 from shared.config import FaultConfig, ServerArgs
 from shared.errors import StartupError
 from shared.messages import ForwardBatch, Heartbeat, ProcReady, Shutdown, StepResult, WorkerReady
-from worker_proc.host_memory import bound_onednn_caches, keep_freed_memory
+from worker_proc.host_memory import bound_onednn_caches, keep_freed_memory, map_load_blocks
 from worker_proc.numerics import flush_denormals
 from worker_proc.plan_cache import default_cache_dir
 from worker_proc.runtime import ModelRunner
@@ -122,8 +122,7 @@ def run(args: ServerArgs, rank: int) -> None:
         options = thread_options(args, available_cores())
         torch.set_num_threads(max(options))
         logger.info("rank %d: oneDNN primitive caches capped: %s", rank, bound_onednn_caches())
-    if keep_freed_memory():
-        logger.info("rank %d: freed host memory stays in the heap (no page faults on each step's temporaries)", rank)
+    loads_mapped = device == "cpu" and map_load_blocks()
     if device.startswith("cuda"):
         torch.cuda.set_device(device)
     group = init_distributed(args, rank, device)
@@ -152,6 +151,10 @@ def run(args: ServerArgs, rank: int) -> None:
         speculative_algorithm=args.speculative_algorithm,
         plan_cache_dir=plan_cache_dir(args),
     )
+    if keep_freed_memory():
+        logger.info("rank %d: the load's blocks were their own mappings (%s); freed host memory of the steps "
+                    "stays in the heap (no page faults on each step's temporaries)", rank,
+                    "freed whole" if loads_mapped else "not applied")
     ctx = zmq.Context()
     rx: Receiver = Receiver(ctx, SCHEDULER_TO_WORKER, args, rank)
     tx: Sender = Sender(ctx, WORKER_TO_SCHEDULER, args)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -325,6 +327,37 @@ def test_fused_prefill_attention_is_causal_over_the_context_at_its_slots(gen: to
     else:
         flash = FastOps().attn_prefill(q, k_pool, v_pool, kv_idx, start, 0.125)
         assert max_diff(out, want) <= max(max_diff(flash, want), 2.0**-7)
+
+
+def _resident_anon_mib() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("RssAnon")) / 1024
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+def test_fused_prefill_attention_packs_into_one_workspace_that_grows_resident_only_where_written(
+        gen: torch.Generator) -> None:  # fmt: skip
+    """The first call makes the workspace with room for every slot of the pools (1 GiB here, for 2^20 slots)
+    without making it resident; chunks of a growing context reuse it, each answer exact."""
+    from worker_proc.host_memory import zeros
+
+    slots, kv_heads, d = 1 << 20, 2, 64
+    k_pool = zeros((slots, kv_heads, d), torch.float32, "cpu", resident=False)
+    v_pool = zeros((slots, kv_heads, d), torch.float32, "cpu", resident=False)
+    kv_idx = torch.randperm(4096, generator=gen)[:700] * 16  # 700 slots spread over the first 64k
+    k_pool[kv_idx], v_pool[kv_idx] = rand(gen, 700, kv_heads, d), rand(gen, 700, kv_heads, d)
+    ops = _native()
+    before = _resident_anon_mib()
+    workspace = None
+    for start, length in ((0, 100), (100, 300), (400, 300)):
+        q = rand(gen, length, 4, d)
+        context = kv_idx[: start + length]
+        out = ops.attn_prefill(q, k_pool, v_pool, context, start, 0.125)
+        workspace = ops._attn_workspace if workspace is None else workspace
+        assert ops._attn_workspace is workspace
+        assert max_diff(out, _causal_attention(q, k_pool[context], v_pool[context], start, 0.125)) <= TOL
+    assert workspace.numel() >= 2 * kv_heads * slots * d
+    assert _resident_anon_mib() - before < 64
 
 
 def test_fused_prefill_attention_refuses_a_slot_outside_the_pools(gen: torch.Generator) -> None:

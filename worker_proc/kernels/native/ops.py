@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from worker_proc.host_memory import zeros
 from worker_proc.kernels.fast import FastOps
 from worker_proc.kernels.interface import RMS_WEIGHTINGS, GateNorm, ResidualNorm, Spans, SsdParams
 from worker_proc.kernels.state_codec import QuantizedPool, StatePool
@@ -108,8 +109,9 @@ class NativeOps(FastOps):
     def attn_prefill(self, q: Tensor, k_pool: Tensor, v_pool: Tensor, kv_idx: Tensor, start_pos: int,
                      scale: float) -> Tensor:  # fmt: skip
         """The chunk's queries over exactly its context's slots in one call (no gathered copy, no merge of
-        parts); the context is widened into a float32 workspace kept between calls, which grows to the
-        longest context seen."""
+        parts). The context is packed into a workspace kept between calls: one mapping with room for every
+        slot of the pool, made once, whose pages become resident as contexts first reach them (a
+        workspace regrown for each longer context left the freed smaller ones resident in the heap)."""
         d = q.shape[-1]
         if not (q.dim() == 3 and q.dtype in _MODEL_DTYPES and q.dtype == k_pool.dtype == v_pool.dtype
                 and k_pool.stride(-1) == 1 and k_pool.stride() == v_pool.stride()
@@ -118,7 +120,9 @@ class NativeOps(FastOps):
         padded = -(-kv_idx.numel() // PREFILL_KEY_BLOCK) * PREFILL_KEY_BLOCK
         need = 2 * k_pool.shape[1] * padded * d
         if self._attn_workspace.numel() < need:
-            self._attn_workspace = torch.empty(need, dtype=torch.float32)
+            slots = -(-k_pool.shape[0] // PREFILL_KEY_BLOCK) * PREFILL_KEY_BLOCK
+            room = max(need, 2 * k_pool.shape[1] * slots * d)
+            self._attn_workspace = zeros((room,), torch.float32, "cpu", resident=False)
         return torch.ops.hyssm_cpu.attn_prefill(q, k_pool, v_pool, kv_idx, start_pos, scale, self._attn_workspace)
 
     def rms_norm(self, norm: ResidualNorm, x: Tensor) -> Tensor:
