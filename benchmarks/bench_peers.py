@@ -1,6 +1,9 @@
 """hyssm, llama.cpp's llama-server and transformers ``generate`` on one checkpoint, one table.
 
-One invocation runs the three systems one after another on the same prompts:
+One invocation runs the three systems on the same prompts: hyssm and llama-server are both started and
+their runs alternate (run 1 of each, then run 2 of each, ...; --sequential: one server at a time, all its
+runs), so that the k-th runs of both meet the same minute of a machine whose speed drifts; then
+transformers:
 
     python benchmarks/make_bench_model.py --shape granite-4.0-h-350m /work/bench-models/granite-350m
     python benchmarks/bench_peers.py --model /work/bench-models/granite-350m --runs 3 --output-json peers.json
@@ -177,25 +180,59 @@ async def measure_http(
     return m
 
 
-def run_server(
-    name: str, cmd: list[str], port: int, backend: str, runs: list[RunPrompts], cfg: PeersConfig, log_dir: Path
-) -> list[dict[str, float]]:
-    """Start one server, wait for /health, measure every run, stop it; peak RSS goes into every run."""
-    proc = ManagedProcess(name, cmd, log_dir / f"{name}.log", cwd=str(REPO))
+@dataclasses.dataclass(frozen=True)
+class ServerSpec:
+    """One server to measure: its name in the table, its command, port and HTTP dialect."""
+
+    name: str
+    cmd: list[str]
+    port: int
+    backend: str
+
+
+def run_servers(specs: list[ServerSpec], runs: list[RunPrompts], cfg: PeersConfig,
+                log_dir: Path) -> tuple[dict[str, list[dict[str, float]]], list[str]]:  # fmt: skip
+    """Start every server in `specs`, wait until each is ready, then measure run 1 on each in turn, then
+    run 2, ...: on a machine whose speed drifts from one minute to the next, the systems' k-th runs meet
+    the same minute (a server waits idle while another is measured). Returns each server's per-run
+    figures, its process tree's peak RSS added to every run, and a note per server that failed (stopped
+    then; the others go on). Every server is stopped at the end, on error and on Ctrl-C."""
+    procs: dict[str, ManagedProcess] = {}
+    out: dict[str, list[dict[str, float]]] = {s.name: [] for s in specs}
+    notes: list[str] = []
+
+    def fail(spec: ServerSpec, e: PeerError) -> None:
+        notes.append(f"{spec.name}: failed: {e}\n--- {spec.name} log tail ---\n{procs[spec.name].log_tail()}")
+        procs[spec.name].stop()
+        del out[spec.name]
+
     try:
-        ready_s = proc.wait_ready(f"http://127.0.0.1:{port}/health", cfg.ready_timeout_s)
-        logger.info("%s ready in %.1fs", name, ready_s)
-        out = []
+        for spec in specs:
+            procs[spec.name] = ManagedProcess(spec.name, spec.cmd, log_dir / f"{spec.name}.log", cwd=str(REPO))
+            try:
+                ready_s = procs[spec.name].wait_ready(f"http://127.0.0.1:{spec.port}/health", cfg.ready_timeout_s)
+                logger.info("%s ready in %.1fs", spec.name, ready_s)
+            except PeerError as e:
+                fail(spec, e)
         for k, run in enumerate(runs):
-            out.append(asyncio.run(measure_http(f"http://127.0.0.1:{port}", backend, run, cfg, warmup=k == 0)))
-            logger.info("%s run %d: %s", name, k + 1, out[-1])
-    except PeerError as e:
-        raise PeerError(f"{e}\n--- {name} log tail ---\n{proc.log_tail()}") from None
+            for spec in specs:
+                if spec.name not in out:
+                    continue
+                try:
+                    m = asyncio.run(measure_http(f"http://127.0.0.1:{spec.port}", spec.backend, run, cfg,
+                                                 warmup=k == 0))  # fmt: skip
+                except PeerError as e:
+                    fail(spec, e)
+                    continue
+                out[spec.name].append(m)
+                logger.info("%s run %d: %s", spec.name, k + 1, m)
     finally:
-        proc.stop()
-    for m in out:
-        m["peak_rss_mib"] = proc.peak_rss_bytes / 2**20
-    return out
+        for proc in procs.values():
+            proc.stop()
+    for name, measured in out.items():
+        for m in measured:
+            m["peak_rss_mib"] = procs[name].peak_rss_bytes / 2**20
+    return out, notes
 
 
 def run_transformers(runs: list[RunPrompts], cfg: PeersConfig, log_dir: Path) -> list[dict[str, float]]:
@@ -235,27 +272,30 @@ def benchmark(cfg: PeersConfig, log_dir: Path) -> tuple[dict[str, dict[str, floa
     per_run: dict[str, list] = {}
     notes: list[str] = []
     port = free_port()
-    hyssm_cmd = hyssm_command(cfg, port)
-    try:
-        per_run["hyssm"] = run_server("hyssm", hyssm_cmd, port, "hyssm", runs, cfg, log_dir)
-    except PeerError as e:
-        notes.append(f"hyssm: failed: {e}")
-    def llama() -> list:
-        gguf, llama_port = gguf_for(cfg.model, cfg.peers_script, log_dir, cfg.gguf_type), free_port()
-        binary = cfg.llama_server or str(default_llama_server(cfg.peers_script))
-        return run_server("llama.cpp", llama_command(cfg, binary, gguf, llama_port), llama_port, "llama-server",
-                          runs, cfg, log_dir)  # fmt: skip
-
-    peers = (("llama.cpp", llama_skip_reason(cfg), llama),
-             ("transformers", transformers_skip_reason(cfg), lambda: run_transformers(runs, cfg, log_dir)))
-    for name, skip, run in peers:
-        if skip:
-            notes.append(skip)
-            continue
+    specs = [ServerSpec("hyssm", hyssm_command(cfg, port), port, "hyssm")]
+    llama_skip = llama_skip_reason(cfg)
+    if llama_skip:
+        notes.append(llama_skip)
+    else:
         try:
-            per_run[name] = run()
+            gguf, llama_port = gguf_for(cfg.model, cfg.peers_script, log_dir, cfg.gguf_type), free_port()
+            binary = cfg.llama_server or str(default_llama_server(cfg.peers_script))
+            specs.append(ServerSpec("llama.cpp", llama_command(cfg, binary, gguf, llama_port), llama_port,
+                                    "llama-server"))  # fmt: skip
         except PeerError as e:
-            notes.append(f"{name}: failed: {e}")
+            notes.append(f"llama.cpp: failed: {e}")
+    for group in [[spec] for spec in specs] if cfg.sequential else [specs]:
+        measured, failed = run_servers(group, runs, cfg, log_dir)
+        per_run.update(measured)
+        notes.extend(failed)
+    skip = transformers_skip_reason(cfg)
+    if skip:
+        notes.append(skip)
+    else:
+        try:
+            per_run["transformers"] = run_transformers(runs, cfg, log_dir)
+        except PeerError as e:
+            notes.append(f"transformers: failed: {e}")
     medians = {name: median_runs(r) for name, r in per_run.items()}
     notes.insert(
         0,
@@ -278,6 +318,9 @@ def parse_args(argv: Sequence[str] | None = None) -> PeersConfig:
       help="hyssm --quantization against llama.cpp's Q8_0 (int8) or Q4_K_M (int4) file; transformers is skipped")
     a("--skip-llama", action="store_true")
     a("--skip-transformers", action="store_true")
+    a("--sequential", action="store_true",
+      help="start one server at a time and measure all its runs (less memory); by default both servers are up and "
+           "their runs alternate")
     a("--llama-server", default=None, metavar="PATH", help="llama-server binary (default: llama-server.sh's)")
     a("--hyssm-args", default="", help="extra launch.py flags, one string (e.g. '--max-mamba-cache-size 64')")
     a("--peers-script", default=str(DEFAULT_PEERS_SCRIPT), help="llama-server.sh (build / convert)")

@@ -36,6 +36,7 @@ class PeersConfig:
     dtype: str = "float32"
     skip_llama: bool = False
     skip_transformers: bool = False
+    sequential: bool = False  # one server at a time, all its runs (else both up, runs alternating)
     llama_server: str | None = None
     hyssm_args: tuple[str, ...] = ()
     peers_script: str = str(DEFAULT_PEERS_SCRIPT)

@@ -12,6 +12,7 @@ import os
 import shutil
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ import pytest
 from benchmarks import bench_peers
 from benchmarks.bench_peers import (
     PeersConfig,
+    ServerSpec,
     benchmark,
     default_llama_server,
     llama_skip_reason,
@@ -26,6 +28,7 @@ from benchmarks.bench_peers import (
     make_prompts,
     measure_http,
     parse_args,
+    run_servers,
     transformers_skip_reason,
 )
 from benchmarks.peers_gguf import gguf_for, placeholder_merge, safetensors_header
@@ -194,6 +197,45 @@ def test_managed_process_ready_rss_and_group_stop(tmp_path: Path) -> None:
     assert not os.path.exists(f"/proc/{grandchild}") or "Z" in Path(f"/proc/{grandchild}/stat").read_text().split()[2]
 
 
+def _answers(port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as resp:
+            return resp.status == 200
+    except OSError:
+        return False
+
+
+def test_servers_are_up_together_and_their_runs_alternate(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`run_servers` starts every server, then measures run 1 of each, run 2 of each, ... while the others
+    wait up; a server that fails to start or in a run is stopped and noted, the others are measured to the
+    end with their peak RSS; none is left running."""
+    ports = [free_port() for _ in range(3)]
+    specs = [ServerSpec(f"s{i}", [sys.executable, "-c", CHILD, str(port)], port, "lost" if i == 1 else "hyssm")
+             for i, port in enumerate(ports)]  # fmt: skip
+    specs.insert(1, ServerSpec("early", [sys.executable, "-c", "import sys; sys.exit(3)"], free_port(), "hyssm"))
+    calls: list[tuple[str, int, bool, bool]] = []
+
+    async def fake_measure(base_url: str, backend: str, run: dict, cfg: PeersConfig, warmup: bool) -> dict:
+        port = int(base_url.rsplit(":", 1)[1])
+        others_up = all(_answers(p) for p in ports if p != port and not (p == ports[1] and run["k"] >= 1))
+        calls.append((f"s{ports.index(port)}", run["k"], warmup, others_up))
+        if backend == "lost" and run["k"] == 1:
+            raise PeerError("connection lost")
+        return {"tps_c1": float(run["k"])}
+
+    monkeypatch.setattr(bench_peers, "measure_http", fake_measure)
+    cfg = PeersConfig(model="m", ready_timeout_s=30)
+    out, notes = run_servers(specs, [{"k": k} for k in range(3)], cfg, tmp_path)  # type: ignore[misc]
+    assert [c[:3] for c in calls] == [("s0", 0, True), ("s1", 0, True), ("s2", 0, True), ("s0", 1, False),
+                                      ("s1", 1, False), ("s2", 1, False), ("s0", 2, False), ("s2", 2, False)]
+    assert all(c[3] for c in calls)
+    assert set(out) == {"s0", "s2"} and [m["tps_c1"] for m in out["s0"]] == [0.0, 1.0, 2.0]
+    assert all(m["peak_rss_mib"] > 1 for m in out["s0"] + out["s2"])
+    assert len(notes) == 2 and notes[0].startswith("early: failed: early exited with 3 before it was ready")
+    assert notes[1].startswith("s1: failed: connection lost\n--- s1 log tail ---")
+    assert not any(_answers(p) for p in ports)
+
+
 def test_process_exiting_before_ready_reports_its_log(tmp_path: Path) -> None:
     code = "import sys; print('bad model path', flush=True); sys.exit(3)"
     proc = ManagedProcess("early", [sys.executable, "-c", code], tmp_path / "early.log")
@@ -211,6 +253,8 @@ def test_cli_validation(tmp_path: Path) -> None:
             parse_args(flags)
         assert exc.value.code == 2
     assert parse_args(["--model", BUILTIN]).levels == (1, 8, 32)
+    assert not parse_args(["--model", BUILTIN]).sequential
+    assert parse_args(["--model", BUILTIN, "--sequential"]).sequential
     cfg = parse_args(["--model", BUILTIN, "--hyssm-args", "--max-mamba-cache-size 64 --log-level warning"])
     assert cfg.hyssm_args == ("--max-mamba-cache-size", "64", "--log-level", "warning")
     assert cfg.dtype == "float32" and parse_args(["--model", BUILTIN, "--dtype", "bfloat16"]).dtype == "bfloat16"
@@ -395,11 +439,11 @@ def test_dtype_reaches_every_command_and_the_gguf_name(tmp_path: Path, monkeypat
     llama.chmod(0o755)
     commands: list[tuple[str, list[str]]] = []
 
-    def fake_run_server(name: str, cmd: list[str], *args: object) -> list[dict[str, float]]:
-        commands.append((name, cmd))
-        return [{"tps_c1": 1.0}]
+    def fake_run_servers(specs: list[ServerSpec], *args: object) -> tuple[dict[str, list], list[str]]:
+        commands.extend((spec.name, spec.cmd) for spec in specs)
+        return {spec.name: [{"tps_c1": 1.0}] for spec in specs}, []
 
-    monkeypatch.setattr(bench_peers, "run_server", fake_run_server)
+    monkeypatch.setattr(bench_peers, "run_servers", fake_run_servers)
     monkeypatch.setattr(bench_peers, "transformers_skip_reason", lambda cfg: None)
     monkeypatch.setattr(bench_peers, "ManagedProcess", _FakeTransformersProcess)
     monkeypatch.setattr(_FakeTransformersProcess, "jobs", [])
@@ -447,8 +491,14 @@ def test_quantization_reaches_hyssm_and_picks_llamas_matching_file(tmp_path: Pat
     llama.write_text("#!/bin/sh\n")
     llama.chmod(0o755)
     commands: dict[str, list[str]] = {}
-    monkeypatch.setattr(bench_peers, "run_server",
-                        lambda name, cmd, *a: (commands.__setitem__(name, cmd), [{"tps_c1": 1.0}])[1])
+    groups: list[list[str]] = []
+
+    def fake_run_servers(specs: list[ServerSpec], *args: object) -> tuple[dict[str, list], list[str]]:
+        commands.update((spec.name, spec.cmd) for spec in specs)
+        groups.append([spec.name for spec in specs])
+        return {spec.name: [{"tps_c1": 1.0}] for spec in specs}, []
+
+    monkeypatch.setattr(bench_peers, "run_servers", fake_run_servers)
     q4 = ("int4", "m.Q4_K_M.gguf", "Q4_K_M of gguf f32\n")
     for quant, name, content in (("int8", "m.q8_0.gguf", "gguf q8_0\n"), q4, q4):
         cfg = PeersConfig(model=str(model), runs=1, quantization=quant, levels=(1,), input_len=4, output_len=2,
@@ -460,6 +510,10 @@ def test_quantization_reaches_hyssm_and_picks_llamas_matching_file(tmp_path: Pat
         gguf = Path(commands["llama.cpp"][commands["llama.cpp"].index("-m") + 1])
         assert gguf == tmp_path / name and gguf.read_text() == content
     assert rec.read_text().split("\n")[:-1] == ["q8_0", "f32", "quantize Q4_K_M"]  # each made once
+    assert groups == [["hyssm", "llama.cpp"]] * 3  # both servers up together, their runs alternating
+    groups.clear()
+    benchmark(dataclasses.replace(cfg, sequential=True), logs)
+    assert groups == [["hyssm"], ["llama.cpp"]]
     with pytest.raises(ValueError, match="quantization must be one of"):
         PeersConfig(model=str(model), quantization="int3")
 
