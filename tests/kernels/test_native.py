@@ -360,6 +360,25 @@ def test_fused_prefill_attention_packs_into_one_workspace_that_grows_resident_on
     assert _resident_anon_mib() - before < 64
 
 
+def test_fused_prefill_attention_falls_back_to_a_workspace_of_the_context_where_the_mapping_is_refused(
+        gen: torch.Generator, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """A host that commits address space up front may refuse a mapping for the whole pool: the workspace is
+    then the context's size, and the answer the same."""
+    from worker_proc.kernels.native import ops as native_ops
+
+    def refuse(*args: object, **kwargs: object) -> torch.Tensor:
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(native_ops, "zeros", refuse)
+    k_pool, v_pool = rand(gen, 4000, 2, 64), rand(gen, 4000, 2, 64)
+    kv_idx = torch.randperm(4000, generator=gen)[:150]
+    q = rand(gen, 50, 4, 64)
+    ops = _native()
+    out = ops.attn_prefill(q, k_pool, v_pool, kv_idx, 100, 0.125)
+    assert ops._attn_workspace.numel() == 2 * 2 * 192 * 64  # 150 keys padded to blocks of 64
+    assert max_diff(out, _causal_attention(q, k_pool[kv_idx], v_pool[kv_idx], 100, 0.125)) <= TOL
+
+
 def test_fused_prefill_attention_refuses_a_slot_outside_the_pools(gen: torch.Generator) -> None:
     k_pool, v_pool = rand(gen, 40, 2, 64), rand(gen, 40, 2, 64)
     kv_idx = torch.arange(30)
