@@ -24,8 +24,8 @@ from worker_proc.model.quantized import QuantizedWeight
 
 STREAM_ROWS = 8
 """Up to this many rows a product is timed streaming its weights (see the module doc); beyond it, warm.
-Streamed timing of larger products favours methods that pass over a weight several times (`gemv`, eight
-rows a pass), which lose to a cache-blocked one (`packed`) inside a step."""
+Streamed timing of larger products favours methods that pass over a weight several times (`gemv` and
+`gemv_seq`, eight rows a pass), which lose to a cache-blocked one (`packed`) inside a step."""
 DEFAULT_STREAM_BYTES = 256 << 20
 """Bytes streamed per round where the host does not report its last-level cache, and at most under
 `--single-weight-copy` (a packed method is timed on packed copies of every weight it streams)."""

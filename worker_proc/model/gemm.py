@@ -114,6 +114,10 @@ def _gemv(x: torch.Tensor, weight: torch.Tensor, stored: object, bias: torch.Ten
     return torch.ops.hyssm_cpu.gemv(x, weight, bias)
 
 
+def _gemv_seq(x: torch.Tensor, weight: torch.Tensor, stored: object, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.hyssm_cpu.gemv_seq(x, weight, bias)
+
+
 def _padded(x: torch.Tensor, weight: torch.Tensor, stored: object, bias: torch.Tensor | None) -> torch.Tensor:
     return padded_product(x, weight, bias)
 
@@ -177,6 +181,11 @@ DENSE = GemmMethod("dense", "dense", _dense, devices=ANY_DEVICE)
 SPLIT = GemmMethod("split", "dense", _split, dtypes=(torch.float32,))
 PACKED = GemmMethod("packed", "packed", _packed)
 GEMV = GemmMethod("gemv", "dense", _gemv, dtypes=(torch.float32, torch.bfloat16), native=True, max_rows=64)
+"""The fused few-row product reading four weight rows side by side, with software prefetch."""
+GEMV_SEQ = GemmMethod("gemv_seq", "dense", _gemv_seq, dtypes=(torch.float32, torch.bfloat16), native=True,
+                      max_rows=64)
+"""The same product reading one weight row after another, front to back, without software prefetch: which
+of the two streams a weight faster is the machine's memory system's to say, so the plan times both."""
 PADDED = GemmMethod("padded", "dense", _padded, batch_invariant=True)
 W8A16 = GemmMethod("w8a16", "int8", _quantized(w8a16), in_multiple=16)
 W8A8 = GemmMethod("w8a8", "int8", _quantized(w8a8), batch_invariant=True, devices=("cpu", "cuda"))
@@ -190,9 +199,9 @@ FP8_SCALED = GemmMethod("fp8_scaled", "fp8", _quantized(fp8_scaled), devices=("c
 DEQUANT = {fmt: GemmMethod(f"dequant_{fmt}", fmt, _dequant_padded, batch_invariant=True, devices=ANY_DEVICE)
            for fmt in FORMATS}
 """Every format's reference product (the weight materialised, padded like PADDED): any device."""
-METHODS = {m.name: m for m in (DENSE, SPLIT, PACKED, GEMV, PADDED, W8A16, W8A8, W8A8_ONEDNN, W4A16, W8A8_OVER_INT4,
-                               FP8_BF16, FP8_SCALED, *DEQUANT.values())}
-THROUGHPUT_METHODS = (DENSE, SPLIT, PACKED, GEMV, W8A16, W8A8, W8A8_ONEDNN, W4A16, W8A8_OVER_INT4, FP8_BF16)
+METHODS = {m.name: m for m in (DENSE, SPLIT, PACKED, GEMV, GEMV_SEQ, PADDED, W8A16, W8A8, W8A8_ONEDNN, W4A16,
+                               W8A8_OVER_INT4, FP8_BF16, FP8_SCALED, *DEQUANT.values())}
+THROUGHPUT_METHODS = (DENSE, SPLIT, PACKED, GEMV, GEMV_SEQ, W8A16, W8A8, W8A8_ONEDNN, W4A16, W8A8_OVER_INT4, FP8_BF16)
 """The candidates the plan measures on the CPU outside the deterministic mode (each site is timed with
 those that `supports` it)."""
 DETERMINISTIC = {"dense": PADDED, "int8": W8A8, "int4": W4A16, "fp8": DEQUANT["fp8"]}

@@ -1,9 +1,13 @@
 // The matrix product of few input rows (a decode step's): out[M, N] = x[M, K] @ w[N, K]^T (+ bias),
-// read from the module's own [out, in] weight, float32 or bfloat16. The execution plan times it against
-// the library products for each weight shape and row bucket and binds it where it is faster
-// (worker_proc.model.gemm `gemv`). Rules that hold:
-// - every weight row is read once per group of up to ROWS input rows, four weight rows at a time, and
-//   the threads split the weight's rows into contiguous ranges (a step is bound by reading the weight);
+// read from the module's own [out, in] weight, float32 or bfloat16, in two orders the execution plan
+// times against the library products for each weight shape and row bucket, binding whichever is faster
+// on the machine (worker_proc.model.gemm `gemv` and `gemv_seq`). Rules that hold:
+// - every weight row is read once per group of up to ROWS input rows, and the threads split the weight's
+//   rows into contiguous ranges (a step is bound by reading the weight);
+// - `gemv` reads four weight rows side by side and asks for the rows PREFETCH_ROWS ahead; `gemv_seq`
+//   reads one weight row after another front to back with no software prefetch, so that each thread is
+//   one sequential stream for the hardware prefetcher. Which reads faster depends on the machine's
+//   memory system, not on the arithmetic;
 // - the input rows are converted to float32 once per call (bfloat16 rows against a bfloat16 weight stay
 //   bfloat16 where the CPU multiplies bfloat16 pairs into float32: AVX512-BF16, exact products, and the
 //   weight is read without widening each element), products accumulate in float32, and the result is
@@ -18,6 +22,7 @@ namespace {
 constexpr int64_t ROWS = 8;        // input rows sharing one pass over the weight
 constexpr int64_t WEIGHT_ROWS = 4;  // weight rows read side by side
 constexpr int64_t PREFETCH_ROWS = 8;  // how far ahead (in weight rows) the loop asks for the weight
+constexpr int SEQ_VECTORS = 2;  // vectors of one weight row per step of `gemv_seq` (accumulation chains per input row)
 
 // acc[r][i] = sum_k x[r][k] * w_i[k] for R input rows (float32, row stride k) and WR weight rows.
 template <typename W, int R, int WR>
@@ -90,6 +95,72 @@ inline void dot_rows(const c10::BFloat16* x, int64_t k, const c10::BFloat16* con
 }
 #endif
 
+// acc[r] = x[r] . w for R input rows (float32, row stride k) and one weight row read front to back.
+template <int R, typename W>
+inline void row_dot(const float* x, int64_t k, const W* w, float* acc) {
+  vf16 sums[R][SEQ_VECTORS];
+  for (int r = 0; r < R; ++r)
+    for (int u = 0; u < SEQ_VECTORS; ++u) sums[r][u] = vf16{};
+  int64_t j = 0;
+  for (; j + SEQ_VECTORS * kLanes <= k; j += SEQ_VECTORS * kLanes) {
+    vf16 wv[SEQ_VECTORS];
+    for (int u = 0; u < SEQ_VECTORS; ++u) wv[u] = load16(w + j + u * kLanes);
+    for (int r = 0; r < R; ++r)
+      for (int u = 0; u < SEQ_VECTORS; ++u) sums[r][u] = load16(x + r * k + j + u * kLanes) * wv[u] + sums[r][u];
+  }
+  for (; j + kLanes <= k; j += kLanes) {
+    const vf16 wv = load16(w + j);
+    for (int r = 0; r < R; ++r) sums[r][0] = load16(x + r * k + j) * wv + sums[r][0];
+  }
+  for (int r = 0; r < R; ++r) {
+    vf16 total = sums[r][0];
+    for (int u = 1; u < SEQ_VECTORS; ++u) total += sums[r][u];
+    acc[r] = sum16(total);
+  }
+  for (; j < k; ++j) {
+    const float wj = to_f(w[j]);
+    for (int r = 0; r < R; ++r) acc[r] += x[r * k + j] * wj;
+  }
+}
+
+#if defined(__AVX512BF16__)
+// row_dot for a bfloat16 weight row and bfloat16 input rows (row stride k), multiplied in pairs.
+template <int R>
+inline void row_dot(const c10::BFloat16* x, int64_t k, const c10::BFloat16* w, float* acc) {
+  __m512 sums[R][SEQ_VECTORS];
+  for (int r = 0; r < R; ++r)
+    for (int u = 0; u < SEQ_VECTORS; ++u) sums[r][u] = _mm512_setzero_ps();
+  int64_t j = 0;
+  for (; j + SEQ_VECTORS * 32 <= k; j += SEQ_VECTORS * 32) {
+    __m512bh wv[SEQ_VECTORS];
+    for (int u = 0; u < SEQ_VECTORS; ++u) wv[u] = (__m512bh)_mm512_loadu_si512(w + j + u * 32);
+    for (int r = 0; r < R; ++r)
+      for (int u = 0; u < SEQ_VECTORS; ++u)
+        sums[r][u] = _mm512_dpbf16_ps(sums[r][u], (__m512bh)_mm512_loadu_si512(x + r * k + j + u * 32), wv[u]);
+  }
+  for (; j + 32 <= k; j += 32) {
+    const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + j);
+    for (int r = 0; r < R; ++r) sums[r][0] = _mm512_dpbf16_ps(sums[r][0], (__m512bh)_mm512_loadu_si512(x + r * k + j), wv);
+  }
+  for (int r = 0; r < R; ++r) {
+    __m512 total = sums[r][0];
+    for (int u = 1; u < SEQ_VECTORS; ++u) total = _mm512_add_ps(total, sums[r][u]);
+    acc[r] = _mm512_reduce_add_ps(total);
+  }
+  for (; j < k; ++j)
+    for (int r = 0; r < R; ++r) acc[r] += to_f(x[r * k + j]) * to_f(w[j]);
+}
+#endif
+
+template <typename W, typename O, int R, typename X>
+void seq_range(const X* x, int64_t k, const W* w, const float* bias, O* out, int64_t n, int64_t begin, int64_t end) {
+  float acc[R];
+  for (int64_t row = begin; row < end; ++row) {
+    row_dot<R>(x, k, w + row * k, acc);
+    for (int r = 0; r < R; ++r) out[r * n + row] = from_f<O>(acc[r] + (bias ? bias[row] : 0.0f));
+  }
+}
+
 template <typename W, typename O, int R, typename X>
 void rows_range(const X* x, int64_t k, const W* w, const float* bias, O* out, int64_t n, int64_t begin,
                 int64_t end) {
@@ -115,24 +186,31 @@ void rows_range(const X* x, int64_t k, const W* w, const float* bias, O* out, in
   }
 }
 
+template <typename W, typename O, int R, typename X>
+void range_in_order(bool sequential, const X* x, int64_t k, const W* w, const float* bias, O* out, int64_t n,
+                    int64_t begin, int64_t end) {
+  if (sequential) return seq_range<W, O, R>(x, k, w, bias, out, n, begin, end);
+  rows_range<W, O, R>(x, k, w, bias, out, n, begin, end);
+}
+
 template <typename W, typename O, typename X>
-void gemv_group(const X* x, int64_t rows, int64_t k, const W* w, const float* bias, O* out, int64_t n,
-                int64_t begin, int64_t end) {
+void gemv_group(bool sequential, const X* x, int64_t rows, int64_t k, const W* w, const float* bias, O* out,
+                int64_t n, int64_t begin, int64_t end) {
   switch (rows) {
-    case 1: return rows_range<W, O, 1>(x, k, w, bias, out, n, begin, end);
-    case 2: return rows_range<W, O, 2>(x, k, w, bias, out, n, begin, end);
-    case 3: return rows_range<W, O, 3>(x, k, w, bias, out, n, begin, end);
-    case 4: return rows_range<W, O, 4>(x, k, w, bias, out, n, begin, end);
-    case 5: return rows_range<W, O, 5>(x, k, w, bias, out, n, begin, end);
-    case 6: return rows_range<W, O, 6>(x, k, w, bias, out, n, begin, end);
-    case 7: return rows_range<W, O, 7>(x, k, w, bias, out, n, begin, end);
-    default: return rows_range<W, O, 8>(x, k, w, bias, out, n, begin, end);
+    case 1: return range_in_order<W, O, 1>(sequential, x, k, w, bias, out, n, begin, end);
+    case 2: return range_in_order<W, O, 2>(sequential, x, k, w, bias, out, n, begin, end);
+    case 3: return range_in_order<W, O, 3>(sequential, x, k, w, bias, out, n, begin, end);
+    case 4: return range_in_order<W, O, 4>(sequential, x, k, w, bias, out, n, begin, end);
+    case 5: return range_in_order<W, O, 5>(sequential, x, k, w, bias, out, n, begin, end);
+    case 6: return range_in_order<W, O, 6>(sequential, x, k, w, bias, out, n, begin, end);
+    case 7: return range_in_order<W, O, 7>(sequential, x, k, w, bias, out, n, begin, end);
+    default: return range_in_order<W, O, 8>(sequential, x, k, w, bias, out, n, begin, end);
   }
 }
 
-}  // namespace
-
-at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+// x @ weight.T (+ bias) in the order `sequential` names (see the file's rules).
+at::Tensor few_row_product(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+                           bool sequential) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
               "gemv: x [M, K] and weight [N, K] expected");
   TORCH_CHECK(weight.is_contiguous(), "gemv: the weight must be contiguous");
@@ -156,7 +234,7 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight, const c10::option
       float* o = out.data_ptr<float>();
       at::parallel_for(0, blocks, 16, [&](int64_t b0, int64_t b1) {
         for (int64_t r = 0; r < m; r += ROWS)
-          gemv_group(xf.data_ptr<float>() + r * k, std::min(ROWS, m - r), k, w, bias_ptr, o + r * n, n,
+          gemv_group(sequential, xf.data_ptr<float>() + r * k, std::min(ROWS, m - r), k, w, bias_ptr, o + r * n, n,
                      b0 * WEIGHT_ROWS, std::min(n, b1 * WEIGHT_ROWS));
       });
     })
@@ -168,17 +246,30 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight, const c10::option
           const int64_t take = std::min(ROWS, m - r), lo = b0 * WEIGHT_ROWS, hi = std::min(n, b1 * WEIGHT_ROWS);
 #if defined(__AVX512BF16__)
           if (pairs) {
-            gemv_group(xf.data_ptr<c10::BFloat16>() + r * k, take, k, w, bias_ptr, o + r * n, n, lo, hi);
+            gemv_group(sequential, xf.data_ptr<c10::BFloat16>() + r * k, take, k, w, bias_ptr, o + r * n, n, lo, hi);
             continue;
           }
 #endif
-          gemv_group(xf.data_ptr<float>() + r * k, take, k, w, bias_ptr, o + r * n, n, lo, hi);
+          gemv_group(sequential, xf.data_ptr<float>() + r * k, take, k, w, bias_ptr, o + r * n, n, lo, hi);
         }
       });
     }));
   return out;
 }
 
+}  // namespace
+
+at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  return few_row_product(x, weight, bias, false);
+}
+
+at::Tensor gemv_seq(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  return few_row_product(x, weight, bias, true);
+}
+
 }  // namespace hyssm_cpu
 
-TORCH_LIBRARY_IMPL(hyssm_cpu, CPU, m) { m.impl("gemv", hyssm_cpu::gemv); }
+TORCH_LIBRARY_IMPL(hyssm_cpu, CPU, m) {
+  m.impl("gemv", hyssm_cpu::gemv);
+  m.impl("gemv_seq", hyssm_cpu::gemv_seq);
+}

@@ -334,6 +334,7 @@ TORCH_LIBRARY(hyssm_cpu, m) {
   m.def("add_rms_norm(Tensor h, Tensor y, float alpha, Tensor weight, float eps, int weighting) -> (Tensor, Tensor)");
   m.def("silu_mul(Tensor gu) -> Tensor");
   m.def("gemv(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.def("gemv_seq(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("attn_decode(Tensor q, Tensor k_pool, Tensor v_pool, Tensor kv_idx, Tensor lengths, float scale) -> Tensor");
   m.def("attn_prefill(Tensor q, Tensor k_pool, Tensor v_pool, Tensor kv_idx, int start, float scale, "
         "Tensor(a!) workspace) -> Tensor");
