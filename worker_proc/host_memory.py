@@ -2,7 +2,8 @@
 (`map_load_blocks`), freed blocks of the steps stay in the heap for the next step
 (`keep_freed_memory`), what load left free goes back once (`shared.heap.release_free_heap`), the state
 pools are resident before the first request while the KV pools take pages as tokens fill them
-(`zeros`), and oneDNN's primitive caches hold a bounded number of entries (`bound_onednn_caches`).
+(`zeros`), the weights lie on 2 MiB pages where the kernel offers transparent huge pages (`weight_tensor`),
+and oneDNN's primitive caches hold a bounded number of entries (`bound_onednn_caches`).
 
 glibc's malloc serves a block above its mmap threshold with a fresh mapping and returns the top of
 the heap to the kernel once more than its trim threshold is free. A step's temporaries are megabytes
@@ -45,6 +46,8 @@ SPARE_COPY_FRACTION = 1 / 16
 
 LOAD_MMAP_THRESHOLD_BYTES = 64 << 10
 """Blocks above this size are their own mapping while the model loads (`map_load_blocks`)."""
+HUGE_PAGE_BYTES = 2 << 20
+"""The transparent huge page of x86-64 (and of arm64 with 4 KiB base pages)."""
 
 
 def _mallopt() -> Callable[[int, int], int] | None:
@@ -129,6 +132,29 @@ def copy_affordable(nbytes: int, physical: int | None = None) -> bool:
     """Whether keeping `nbytes` more of weights costs at most SPARE_COPY_FRACTION of the host's memory."""
     total = physical_memory_bytes() if physical is None else physical
     return 0 < nbytes <= total * SPARE_COPY_FRACTION
+
+
+def weight_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised CPU tensor for a weight the loader fills. One of at least HUGE_PAGE_BYTES is a
+    private anonymous mapping whose data start on a 2 MiB boundary, advised for transparent huge pages
+    (MADV_HUGEPAGE) before anything is written, so that the load faults it in as 2 MiB pages wherever
+    the kernel's THP mode is `madvise` or `always`: a step of few rows streams every weight once, and
+    on 4 KiB pages that stream takes a TLB miss every 64 cache lines. A kernel that refuses the advice
+    (THP `never`, or none built in) leaves base pages and nothing else changes. Smaller weights, which
+    cannot fill a huge page, are `torch.empty`. The tensor keeps its mapping alive."""
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if nbytes < HUGE_PAGE_BYTES:
+        return torch.empty(shape, dtype=dtype)
+    mapping = mmap.mmap(-1, nbytes + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE)
+    advise = getattr(mmap, "MADV_HUGEPAGE", None)
+    if advise is not None:
+        try:
+            mapping.madvise(advise)
+        except OSError as exc:
+            logger.debug("transparent huge pages refused for a weight: %s", exc)
+    raw = torch.frombuffer(mapping, dtype=torch.uint8)
+    start = -raw.data_ptr() % HUGE_PAGE_BYTES
+    return raw[start : start + nbytes].view(dtype).view(shape)
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str, resident: bool) -> torch.Tensor:

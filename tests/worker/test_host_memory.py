@@ -1,5 +1,5 @@
 """`keep_freed_memory`: a worker's step temporaries reuse the heap instead of faulting in fresh pages; `zeros`:
-the pools are resident before a request writes them."""
+the pools are resident before a request writes them; `weight_tensor`: weights lie on huge pages."""
 
 from __future__ import annotations
 
@@ -182,3 +182,61 @@ def test_what_the_load_frees_goes_back_to_the_kernel_whole_and_at_once() -> None
     assert held - freed > 850, (held, freed)
     held, freed = probe("heap")
     assert held - freed < 100, (held, freed)
+
+
+def _huge_page_mode() -> str:
+    """The kernel's transparent huge page mode (`always`, `madvise`, `never`), "" where it has none."""
+    try:
+        text = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+    except OSError:
+        return ""
+    return text.split("[", 1)[1].split("]", 1)[0] if "[" in text else ""
+
+
+def _anon_huge_kib(address: int) -> int:
+    """AnonHugePages of the mapping of this process that holds `address`."""
+    inside = False
+    for line in open("/proc/self/smaps").read().splitlines():
+        head = line.split()[0] if line else ""
+        if "-" in head and ":" not in head:
+            lo, hi = (int(v, 16) for v in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and line.startswith("AnonHugePages:"):
+            return int(line.split()[1])
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def test_a_weight_of_a_huge_page_or_more_starts_on_one_and_is_advised_onto_them() -> None:
+    """A few-row product streams the whole weight each step: the loader's storage starts on a 2 MiB
+    boundary and, where the kernel offers transparent huge pages, the load faults it in as 2 MiB pages."""
+    import torch
+
+    from worker_proc.host_memory import HUGE_PAGE_BYTES, weight_tensor
+
+    w = weight_tensor((1024, 4096), torch.float32)
+    assert w.shape == (1024, 4096) and w.dtype == torch.float32 and w.is_contiguous()
+    assert w.data_ptr() % HUGE_PAGE_BYTES == 0
+    w.copy_(torch.arange(w.numel(), dtype=torch.float32).view(1024, 4096))  # as the loader fills it
+    assert float(w[1023, 4095]) == w.numel() - 1
+    if _huge_page_mode() in ("always", "madvise"):
+        assert _anon_huge_kib(w.data_ptr()) >= HUGE_PAGE_BYTES >> 10
+    small = weight_tensor((64, 64), torch.bfloat16)  # cannot fill a huge page: an ordinary tensor
+    assert small.shape == (64, 64) and small.dtype == torch.bfloat16
+
+
+def test_model_weights_are_built_on_huge_page_storage_with_their_initial_values() -> None:
+    """The model's linear layers and parameters (filled by the loader) take `weight_tensor`'s storage on the
+    CPU, and a linear layer keeps the values nn.Linear initialised it with."""
+    import torch
+
+    from worker_proc.host_memory import HUGE_PAGE_BYTES
+    from worker_proc.model.layers import Linear, empty_param
+
+    torch.manual_seed(5)
+    want = torch.nn.Linear(1024, 1024, bias=True).weight.detach().clone()
+    torch.manual_seed(5)
+    layer = Linear(1024, 1024, bias=True, dtype=torch.float32, device=torch.device("cpu"))
+    assert layer.weight.data_ptr() % HUGE_PAGE_BYTES == 0 and torch.equal(layer.weight, want)
+    param = empty_param(2048, 512, dtype=torch.bfloat16, device=torch.device("cpu"))
+    assert param.data_ptr() % HUGE_PAGE_BYTES == 0 and not param.requires_grad
+    assert empty_param(2048, 512, dtype=torch.bfloat16, device=torch.device("meta")).is_meta

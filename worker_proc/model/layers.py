@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from worker_proc.host_memory import weight_tensor
 from worker_proc.kernels.interface import KernelOps
 from worker_proc.model.gemm import GemmOwner, GemmSite
 from worker_proc.model.shard import ShardSpec, TPInfo, column_spec
@@ -52,6 +53,9 @@ class Linear(nn.Linear, GemmOwner):
     def __init__(self, in_features: int, out_features: int, bias: bool = True, dtype: torch.dtype | None = None,
                  device: torch.device | None = None, quantizable: bool = True, timed_rows: int = 0) -> None:
         super().__init__(in_features, out_features, bias=bias, dtype=dtype, device=device)
+        if self.weight.device.type == "cpu":  # the weight a few-row product streams lies on huge pages
+            held = weight_tensor(tuple(self.weight.shape), self.weight.dtype).copy_(self.weight.detach())
+            self.weight = nn.Parameter(held, requires_grad=self.weight.requires_grad)
         self.gemm = GemmSite(out_features, in_features, self.weight.dtype, packable=True, quantizable=quantizable,
                              timed_rows=timed_rows)  # fmt: skip
 
@@ -73,8 +77,11 @@ def expert_site(stacked: torch.Tensor) -> GemmSite:
 
 
 def empty_param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
-    """An uninitialised frozen parameter (the loader fills it from the checkpoint)."""
-    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+    """An uninitialised frozen parameter (the loader fills it from the checkpoint); on the CPU in
+    `host_memory.weight_tensor`'s storage."""
+    data = weight_tensor(shape, dtype) if torch.device(device).type == "cpu" else torch.empty(*shape, dtype=dtype,
+                                                                                              device=device)
+    return nn.Parameter(data, requires_grad=False)
 
 
 class RMSNorm(nn.Module):
