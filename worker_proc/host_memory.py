@@ -146,14 +146,18 @@ def weight_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     if nbytes < HUGE_PAGE_BYTES:
         return torch.empty(shape, dtype=dtype)
     mapping = mmap.mmap(-1, nbytes + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE)
-    advise = getattr(mmap, "MADV_HUGEPAGE", None)
-    if advise is not None:
-        try:
-            mapping.madvise(advise)
-        except OSError as exc:
-            logger.debug("transparent huge pages refused for a weight: %s", exc)
     raw = torch.frombuffer(mapping, dtype=torch.uint8)
     start = -raw.data_ptr() % HUGE_PAGE_BYTES
+    huge, base = getattr(mmap, "MADV_HUGEPAGE", None), getattr(mmap, "MADV_NOHUGEPAGE", None)
+    if huge is not None and base is not None:
+        # only the huge pages the weight fills: its last partial one stays on base pages (under THP
+        # `always` too), so that resident memory is the weight's bytes, not those rounded up to 2 MiB
+        filled = nbytes // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
+        try:
+            mapping.madvise(huge, start, filled)
+            mapping.madvise(base, start + filled, len(mapping) - start - filled)
+        except OSError as exc:
+            logger.debug("transparent huge pages refused for a weight: %s", exc)
     return raw[start : start + nbytes].view(dtype).view(shape)
 
 

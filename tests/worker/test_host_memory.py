@@ -193,16 +193,21 @@ def _huge_page_mode() -> str:
     return text.split("[", 1)[1].split("]", 1)[0] if "[" in text else ""
 
 
-def _anon_huge_kib(address: int) -> int:
-    """AnonHugePages of the mapping of this process that holds `address`."""
-    inside = False
+def _mapping_kib(address: int) -> dict[str, int]:
+    """The kB figures (Rss, AnonHugePages, ...) of the mapping of this process that holds `address`."""
+    inside, found = False, {}
     for line in open("/proc/self/smaps").read().splitlines():
         head = line.split()[0] if line else ""
         if "-" in head and ":" not in head:
+            if inside:
+                return found
             lo, hi = (int(v, 16) for v in head.split("-"))
             inside = lo <= address < hi
-        elif inside and line.startswith("AnonHugePages:"):
-            return int(line.split()[1])
+        elif inside and line.endswith(" kB"):
+            key, value = line.split(":", 1)
+            found[key] = int(value.split()[0])
+    if inside:
+        return found
     raise AssertionError(f"no mapping holds {address:#x}")
 
 
@@ -213,13 +218,16 @@ def test_a_weight_of_a_huge_page_or_more_starts_on_one_and_is_advised_onto_them(
 
     from worker_proc.host_memory import HUGE_PAGE_BYTES, weight_tensor
 
-    w = weight_tensor((1024, 4096), torch.float32)
-    assert w.shape == (1024, 4096) and w.dtype == torch.float32 and w.is_contiguous()
+    rows = 1024 + 3  # 16 MiB and three rows: the last huge page is not filled
+    w = weight_tensor((rows, 4096), torch.float32)
+    assert w.shape == (rows, 4096) and w.dtype == torch.float32 and w.is_contiguous()
     assert w.data_ptr() % HUGE_PAGE_BYTES == 0
-    w.copy_(torch.arange(w.numel(), dtype=torch.float32).view(1024, 4096))  # as the loader fills it
-    assert float(w[1023, 4095]) == w.numel() - 1
+    w.copy_(torch.arange(w.numel(), dtype=torch.float32).view(rows, 4096))  # as the loader fills it
+    assert float(w[rows - 1, 4095]) == w.numel() - 1
+    kib = _mapping_kib(w.data_ptr())
+    assert kib["Rss"] <= w.numel() * 4 // 1024 + 4  # the weight's bytes resident, not them rounded up to 2 MiB
     if _huge_page_mode() in ("always", "madvise"):
-        assert _anon_huge_kib(w.data_ptr()) >= HUGE_PAGE_BYTES >> 10
+        assert kib["AnonHugePages"] >= HUGE_PAGE_BYTES >> 10
     small = weight_tensor((64, 64), torch.bfloat16)  # cannot fill a huge page: an ordinary tensor
     assert small.shape == (64, 64) and small.dtype == torch.bfloat16
 
