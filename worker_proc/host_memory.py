@@ -48,6 +48,9 @@ LOAD_MMAP_THRESHOLD_BYTES = 64 << 10
 """Blocks above this size are their own mapping while the model loads (`map_load_blocks`)."""
 HUGE_PAGE_BYTES = 2 << 20
 """The transparent huge page of x86-64 (and of arm64 with 4 KiB base pages)."""
+WEIGHT_STORAGE = "2 MiB-aligned mappings advised MADV_HUGEPAGE"
+"""What `weight_tensor` gives a weight: part of a measured plan's key, since how fast a weight streams
+depends on the pages it lies on."""
 
 
 def _mallopt() -> Callable[[int, int], int] | None:

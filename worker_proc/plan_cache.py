@@ -4,12 +4,12 @@ fresh measurement, and the plan's file format.
 A measured plan is stored under the cache directory keyed by everything its timings depend on
 (`plan_key`: the CPU model and its instruction sets, the cores the rank may use, the thread options,
 torch's version, the mode, the candidate methods, the kernel set timed with them and the source of the
-fused CPU kernels (a new build of them is timed again), the row buckets and rounds measured, the
-model's product shapes, whether second weight copies may be kept); a restart with the same key reads
-it instead of measuring. `--execution-plan FILE` pins a plan: it is used as it is (measured elsewhere,
-edited by hand) and refused at start-up when it lacks a rule for one of the model's shapes. Writes are
-atomic (a rank reads a whole file or none), so ranks measuring the same key at once only race to the
-same content.
+fused CPU kernels (a new build of them is timed again), the row buckets and rounds measured, the model's
+product shapes, whether second weight copies may be kept, the pages the weights lie on); a restart with
+the same key reads it instead of measuring. `--execution-plan FILE` pins a plan: it is used as it is
+(measured elsewhere, edited by hand) and refused at start-up when it lacks a rule for one of the model's
+shapes. Writes are atomic (a rank reads a whole file or none), so ranks measuring the same key at once
+only race to the same content.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from worker_proc.execution_plan import (
     deterministic_plan,
     instances_of,
 )
-from worker_proc.host_memory import copy_affordable, last_level_cache_bytes
+from worker_proc.host_memory import WEIGHT_STORAGE, copy_affordable, last_level_cache_bytes
 from worker_proc.kernels import KernelOps, native
 from worker_proc.mixer_timing import MixerTimer
 from worker_proc.model.gemm import THROUGHPUT_METHODS
@@ -91,6 +91,7 @@ def plan_key(model: nn.Module, mode: str, thread_options: tuple[int, ...], cores
             "mode": mode, "methods": [m.name for m in THROUGHPUT_METHODS], "kernels": kernels,
             "native": native.build_digest() if native.load() else "",  # the fused kernels' code is timed too
             "buckets": list(ROW_BUCKETS), "rounds": MEASURE_ROUNDS, "stream_rows": STREAM_ROWS,
+            "weight_storage": WEIGHT_STORAGE,
             "shapes": dict(sorted(shapes.items())), "copies": "one" if single_copy else "affordable"}
 
 
