@@ -59,6 +59,26 @@ def test_fused_mamba_step_equals_the_reference(gen: torch.Generator, heads: int,
         assert untouched(t[name], got[name], [5, 2, 3])
 
 
+@pytest.mark.parametrize(("heads", "p", "n", "k"), [(20, 8, 20, 4), (18, 6, 36, 3)])
+def test_fused_mamba_step_over_several_conv_blocks_and_partial_vectors(gen: torch.Generator, heads: int, p: int,
+                                                                       n: int, k: int) -> None:  # fmt: skip
+    """A conv wider than one task's block of channels (the last block partial), state rows whose width is
+    not a multiple of the vector, and a head dimension not a multiple of four, still equal the reference."""
+    t = _mamba_inputs(gen, 3, heads, p, 1, n, k, torch.float32)
+    assert t["xbc"].shape[1] > 128
+    slots = torch.tensor([4, 1, 3])
+    want = {key: v.clone() if isinstance(v, torch.Tensor) else v for key, v in t.items()}
+    got = {key: v.clone() if isinstance(v, torch.Tensor) else v for key, v in t.items()}
+    y_ref = ReferenceOps().mamba_decode(want["xbc"], want["dt"], want["conv_pool"], slots, want["weight"],
+                                        want["bias"], want["p"], want["ssm_pool"], 1, None)  # fmt: skip
+    y = _native().mamba_decode(got["xbc"], got["dt"], got["conv_pool"], slots, got["weight"], got["bias"], got["p"],
+                               got["ssm_pool"], 1, None)  # fmt: skip
+    assert max_diff(y, y_ref) <= TOL and max_diff(got["ssm_pool"], want["ssm_pool"]) <= TOL
+    assert torch.equal(got["conv_pool"], want["conv_pool"])
+    for name in ("ssm_pool", "conv_pool"):
+        assert untouched(t[name], got[name], [4, 1, 3])
+
+
 def test_fused_mamba_step_in_bfloat16_rounds_as_the_fast_kernels(gen: torch.Generator) -> None:
     """A bfloat16 model: conv outputs rounded to bfloat16 as the torch path rounds them, the state float32."""
     t = _mamba_inputs(gen, 2, 4, 8, 1, 16, 4, torch.bfloat16)

@@ -188,13 +188,33 @@ inline vf16 exp16(vf16 v) {
 constexpr int64_t kLanes = 16;  // the width of the dot products' partial sums (one AVX-512 vector of floats)
 
 // The sum of `kLanes` partial sums, halving: the same order in every call (the decode and prefill scans
-// share `advance_head`, so they sum a state row in one order).
+// advance every state row through `advance_row`'s arithmetic, so they sum a state row in one order).
 inline float lane_sum(float* acc) {
   for (int64_t w = kLanes / 2; w > 0; w /= 2) {
 #pragma omp simd
     for (int64_t l = 0; l < w; ++l) acc[l] += acc[l + w];
   }
   return acc[0];
+}
+
+// One state row through one token: row = row * decay + u B, returning row . C, summed as `advance_head`
+// sums each of its rows (kLanes partial sums, then `lane_sum`).
+inline float advance_row(float* srow, int64_t n, float decay, float u, const float* bt, const float* ct) {
+  const int64_t body = n - n % kLanes;
+  float acc[kLanes] = {};
+  for (int64_t j0 = 0; j0 < body; j0 += kLanes) {
+#pragma omp simd
+    for (int64_t l = 0; l < kLanes; ++l) {
+      const float v = srow[j0 + l] * decay + u * bt[j0 + l];
+      srow[j0 + l] = v;
+      acc[l] += v * ct[j0 + l];
+    }
+  }
+  for (int64_t j = body; j < n; ++j) {
+    srow[j] = srow[j] * decay + u * bt[j];
+    acc[j - body] += srow[j] * ct[j];
+  }
+  return lane_sum(acc);
 }
 
 // One token through one head's state rows: for each of the head's `p` rows q, state[q] = state[q] * decay +
@@ -247,24 +267,16 @@ inline void advance_head(float* st, int64_t p, int64_t n, float decay, float ste
     out[q + 2] = lane_sum(a2) + x[q + 2] * d;
     out[q + 3] = lane_sum(a3) + x[q + 3] * d;
   }
-  for (; q < p; ++q) {
-    float* srow = st + q * n;
-    const float u = step * x[q];
-    float acc[kLanes] = {};
-    for (int64_t j0 = 0; j0 < body; j0 += kLanes) {
-#pragma omp simd
-      for (int64_t l = 0; l < kLanes; ++l) {
-        const float v = srow[j0 + l] * decay + u * bt[j0 + l];
-        srow[j0 + l] = v;
-        acc[l] += v * ct[j0 + l];
-      }
-    }
-    for (int64_t j = body; j < n; ++j) {
-      srow[j] = srow[j] * decay + u * bt[j];
-      acc[j - body] += srow[j] * ct[j];
-    }
-    out[q] = lane_sum(acc) + x[q] * d;
-  }
+  for (; q < p; ++q) out[q] = advance_row(st + q * n, n, decay, step * x[q], bt, ct) + x[q] * d;
+}
+
+// `advance_head` with the head's rows read one after another, front to back: the same arithmetic in the
+// same order, so the same bits. For a state read from memory once per call (a decode step): one
+// sequential stream per thread is what the hardware prefetchers follow, where four rows side by side
+// are four interleaved streams. `advance_head` suits a state that stays in cache over a segment's tokens.
+inline void advance_head_streaming(float* st, int64_t p, int64_t n, float decay, float step, const float* x,
+                                   const float* bt, const float* ct, float d, float* out) {
+  for (int64_t q = 0; q < p; ++q) out[q] = advance_row(st + q * n, n, decay, step * x[q], bt, ct) + x[q] * d;
 }
 
 // A layer's recurrent-state pool [S, H, P, N] in its storage (worker_proc.kernels.state_codec): float32,

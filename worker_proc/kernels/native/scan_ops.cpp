@@ -9,6 +9,8 @@
 namespace hyssm_cpu {
 namespace {
 
+constexpr int64_t CONV_BLOCK = 128;  // channels of one decode conv task
+
 // The conv step and the SSD state step of one token per slot (see mamba_decode below).
 template <typename T>
 at::Tensor mamba_decode_impl(const at::Tensor& xbc, const at::Tensor& dt, at::Tensor& conv_pool,
@@ -41,22 +43,35 @@ at::Tensor mamba_decode_impl(const at::Tensor& xbc, const at::Tensor& dt, at::Te
     for (int64_t h = 0; h < heads; ++h) group_of[h] = hg.data_ptr<int64_t>()[h];
   }
 
-  // 1. conv: out = silu(sum(window * w) + b) rounded to T; the window shifts in the new input
+  // 1. conv: out = silu(sum(window * w) + b) rounded to T; the window shifts in the new input. A task is
+  // CONV_BLOCK channels of one row: the taps are gathered into float32 lanes, then summed and activated
+  // as vectors.
   at::Tensor conv_out = at::empty({rows, cd}, xbc.options().dtype(at::kFloat));
   float* co_p = conv_out.data_ptr<float>();
-  at::parallel_for(0, rows * cd, 4096, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t r = i / cd, c = i % cd;
-      T* win = conv_p + (slot_p[r] * cd + c) * (k - 1);
-      const T* w = w_p + c * k;
-      const T x = xbc_p[r * xbc_rs + c];
-      float acc = 0.0f;
-      for (int64_t j = 0; j < k - 1; ++j) acc += to_f(win[j]) * to_f(w[j]);
-      acc += to_f(x) * to_f(w[k - 1]);
-      if (b_p != nullptr) acc += to_f(b_p[c]);
-      for (int64_t j = 0; j + 1 < k - 1; ++j) win[j] = win[j + 1];
-      if (k > 1) win[k - 2] = x;
-      co_p[i] = round_to<T>(silu(acc));
+  const int64_t blocks = (cd + CONV_BLOCK - 1) / CONV_BLOCK;
+  at::parallel_for(0, rows * blocks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> taps(k * CONV_BLOCK), weights(k * CONV_BLOCK);
+    for (int64_t u = begin; u < end; ++u) {
+      const int64_t r = u / blocks, c0 = (u % blocks) * CONV_BLOCK, width = std::min(CONV_BLOCK, cd - c0);
+      T* win = conv_p + (slot_p[r] * cd + c0) * (k - 1);
+      const T* xr = xbc_p + r * xbc_rs + c0;
+      for (int64_t c = 0; c < width; ++c) {
+        T* wc = win + c * (k - 1);
+        for (int64_t j = 0; j < k - 1; ++j) taps[j * CONV_BLOCK + c] = to_f(wc[j]);
+        taps[(k - 1) * CONV_BLOCK + c] = to_f(xr[c]);
+        for (int64_t j = 0; j < k; ++j) weights[j * CONV_BLOCK + c] = to_f(w_p[(c0 + c) * k + j]);
+        for (int64_t j = 0; j + 1 < k - 1; ++j) wc[j] = wc[j + 1];
+        if (k > 1) wc[k - 2] = xr[c];
+      }
+      float* out = co_p + r * cd + c0;
+      const float *tp = taps.data(), *wp = weights.data();
+#pragma omp simd
+      for (int64_t c = 0; c < width; ++c) {
+        float acc = 0.0f;
+        for (int64_t j = 0; j < k; ++j) acc += tp[j * CONV_BLOCK + c] * wp[j * CONV_BLOCK + c];
+        if (b_p != nullptr) acc += to_f(b_p[c0 + c]);
+        out[c] = round_to<T>(silu(acc));
+      }
     }
   });
 
@@ -75,7 +90,7 @@ at::Tensor mamba_decode_impl(const at::Tensor& xbc, const at::Tensor& dt, at::Te
       const float* bv = row_in + inner + g * n;
       const float* cv = row_in + inner + groups * n + g * n;
       float* st = states.load(slot_p[r], h, buf.data());
-      advance_head(st, p, n, decay, step, x, bv, cv, d_p[h], y_p + (r * heads + h) * p);
+      advance_head_streaming(st, p, n, decay, step, x, bv, cv, d_p[h], y_p + (r * heads + h) * p);
       states.store(slot_p[r], h, st);
     }
   });
