@@ -7,6 +7,11 @@ No server, no sockets: the figures are the model's own cost per step (what `/get
 reports as `scheduler.loop.worker_ms_mean` on a live server). Each batch size prefills its requests
 one by one (the first prefill's time is the cold-prompt figure), then times decode steps; medians
 over `--runs` runs of the whole sequence.
+
+On the CPU each run also measures a one-row step's floor right after its batch-1 decode steps: the
+products' weights read once by the execution plan's own read pass (`plan_timing.read_bytes_per_s`).
+The step / floor ratio is taken run by run, so that both halves meet the same minute of a machine
+whose memory bandwidth drifts.
 """
 
 from __future__ import annotations
@@ -19,8 +24,10 @@ import torch
 
 from shared.config import builtin_model_dir
 from shared.messages import ForwardBatch, ReqSlice, SamplingParams
+from worker_proc.execution_plan import instances_of
 from worker_proc.host_memory import keep_freed_memory, map_load_blocks
 from worker_proc.numerics import flush_denormals
+from worker_proc.plan_timing import read_bytes_per_s, read_tensors
 from worker_proc.runtime import ModelRunner
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -65,6 +72,15 @@ def run_batch(runner: ModelRunner, batch_size: int, prompt_len: int, steps: int,
     return prefill_s, statistics.median(times[1:] or times)
 
 
+def floor_s(runner: ModelRunner) -> float:
+    """Seconds a one-row step takes at least this minute: the products' weights (each tensor once) over
+    the rate the plan's read pass reads them at now."""
+    instances = instances_of(runner.model)
+    tensors = {id(t): t for site, w in instances for t in read_tensors(site, w)}
+    rate = read_bytes_per_s(instances)
+    return sum(t.numel() * t.element_size() for t in tensors.values()) / rate if rate > 0 else 0.0
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model-path", default=builtin_model_dir())
@@ -89,11 +105,15 @@ def main(argv: list[str] | None = None) -> None:
                          quantization=args.quantization, state_dtype=args.mamba_ssm_dtype)  # fmt: skip
     keep_freed_memory()
     results: dict[int, list[tuple[float, float]]] = {b: [] for b in batches}
+    floors: list[tuple[float, float]] = []  # (floor seconds, batch-1 step / floor) per run
     step = 0
     for _ in range(args.runs):
         for b in batches:
             results[b].append(run_batch(runner, b, args.prompt_len, args.decode_steps, step))
             step += 10_000
+            if b == 1 and runner.device.type == "cpu":
+                floor = floor_s(runner)
+                floors.append((floor, results[b][-1][1] / floor if floor > 0 else 0.0))
     mode = "deterministic" if args.deterministic else "default"
     quant = f", {args.quantization} weights" if args.quantization else ""
     print(f"{args.model_path} ({runner.dtype}{quant} on {runner.device}, {args.mamba_ssm_dtype} state, "
@@ -103,6 +123,10 @@ def main(argv: list[str] | None = None) -> None:
         prefill = statistics.median(r[0] for r in results[b]) * 1000
         decode = statistics.median(r[1] for r in results[b]) * 1000
         print(f"{b:>5} | {prefill:>14.1f} | {decode:>14.2f} | {b / decode * 1000:>8.1f}")
+    if floors:
+        print(f"one-row step floor (weights read once, measured after each run's batch-1 steps): "
+              f"{statistics.median(f for f, _ in floors) * 1000:.2f} ms; batch-1 step / floor, run by run: "
+              f"{', '.join(f'{r:.2f}' for _, r in floors)} (median {statistics.median(r for _, r in floors):.2f})")
 
 
 if __name__ == "__main__":
