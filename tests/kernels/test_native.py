@@ -192,7 +192,7 @@ def test_fused_rms_norm_equals_the_module(gen: torch.Generator, kind: str, dtype
 def test_residual_add_and_norm_in_one_pass_equal_the_add_then_the_norm(gen: torch.Generator, kind: str, dtype,
                                                                      multiplier: float) -> None:  # fmt: skip
     """The stream after the add is torch.add's to the bit (the multiplier rounded to the dtype as torch
-    rounds it); the norm of it is the fused norm's."""
+    rounds it); the norm of it is the fused norm's; a float32 `RMSNorm` keeps torch's own call."""
     cpu = torch.device("cpu")
     norm = UnitOffsetRMSNorm(96, 1e-6, dtype, cpu) if kind == "unit_offset" else RMSNorm(
         96, 1e-6, dtype, cpu, fp32_weight=kind == "rms_fp32_weight")

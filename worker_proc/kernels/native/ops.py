@@ -129,8 +129,8 @@ class NativeOps(FastOps):
         return torch.ops.hyssm_cpu.attn_prefill(q, k_pool, v_pool, kv_idx, start_pos, scale, self._attn_workspace)
 
     def rms_norm(self, norm: ResidualNorm, x: Tensor) -> Tensor:
-        """The norm in one call (a module takes eight in a reduced precision; torch's float32 `rms_norm`
-        is one call but dispatches as many ops)."""
+        """A reduced-precision model's norm in one call (its module takes eight); a float32 `RMSNorm` stays
+        torch's one call, whose sum of squares is transformers' own to the last bit."""
         if not _native_norm(norm, x):
             return super().rms_norm(norm, x)
         return torch.ops.hyssm_cpu.rms_norm(x, norm.weight, norm.eps, RMS_WEIGHTINGS.index(norm.weighting))
@@ -145,8 +145,9 @@ class NativeOps(FastOps):
 
 def _native_norm(norm: ResidualNorm, x: Tensor) -> bool:
     """`rms_norm`'s kernel holds this norm of x: [T, width] unit-stride rows in a model dtype, the weight in
-    it."""
-    return x.dim() == 2 and x.stride(-1) == 1 and x.dtype in _MODEL_DTYPES and norm.weight.dtype == x.dtype
+    it, and not a float32 `RMSNorm` (torch's call stays)."""
+    return (x.dim() == 2 and x.stride(-1) == 1 and x.dtype in _MODEL_DTYPES and norm.weight.dtype == x.dtype
+            and not (x.dtype == torch.float32 and norm.weighting == "model_dtype"))
 
 
 def _pool_args(pool: StatePool) -> tuple[Tensor, Tensor | None]:
