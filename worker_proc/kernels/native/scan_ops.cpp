@@ -44,33 +44,44 @@ at::Tensor mamba_decode_impl(const at::Tensor& xbc, const at::Tensor& dt, at::Te
   }
 
   // 1. conv: out = silu(sum(window * w) + b) rounded to T; the window shifts in the new input. A task is
-  // CONV_BLOCK channels of one row: the taps are gathered into float32 lanes, then summed and activated
-  // as vectors.
+  // CONV_BLOCK channels of every row: their weights and taps are gathered into float32 lanes, then the
+  // sums and the SiLU run as vectors (per channel, a scalar SiLU is one long chain of dependent
+  // operations, which left the conv as slow as the scan of the states).
   at::Tensor conv_out = at::empty({rows, cd}, xbc.options().dtype(at::kFloat));
   float* co_p = conv_out.data_ptr<float>();
   const int64_t blocks = (cd + CONV_BLOCK - 1) / CONV_BLOCK;
-  at::parallel_for(0, rows * blocks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> taps(k * CONV_BLOCK), weights(k * CONV_BLOCK);
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> weights(k * CONV_BLOCK), taps(k * CONV_BLOCK), bias(CONV_BLOCK, 0.0f), act(CONV_BLOCK);
     for (int64_t u = begin; u < end; ++u) {
-      const int64_t r = u / blocks, c0 = (u % blocks) * CONV_BLOCK, width = std::min(CONV_BLOCK, cd - c0);
-      T* win = conv_p + (slot_p[r] * cd + c0) * (k - 1);
-      const T* xr = xbc_p + r * xbc_rs + c0;
+      const int64_t c0 = u * CONV_BLOCK, width = std::min(CONV_BLOCK, cd - c0);
       for (int64_t c = 0; c < width; ++c) {
-        T* wc = win + c * (k - 1);
-        for (int64_t j = 0; j < k - 1; ++j) taps[j * CONV_BLOCK + c] = to_f(wc[j]);
-        taps[(k - 1) * CONV_BLOCK + c] = to_f(xr[c]);
         for (int64_t j = 0; j < k; ++j) weights[j * CONV_BLOCK + c] = to_f(w_p[(c0 + c) * k + j]);
-        for (int64_t j = 0; j + 1 < k - 1; ++j) wc[j] = wc[j + 1];
-        if (k > 1) wc[k - 2] = xr[c];
+        if (b_p != nullptr) bias[c] = to_f(b_p[c0 + c]);
       }
-      float* out = co_p + r * cd + c0;
-      const float *tp = taps.data(), *wp = weights.data();
-#pragma omp simd
-      for (int64_t c = 0; c < width; ++c) {
-        float acc = 0.0f;
-        for (int64_t j = 0; j < k; ++j) acc += tp[j * CONV_BLOCK + c] * wp[j * CONV_BLOCK + c];
-        if (b_p != nullptr) acc += to_f(b_p[c0 + c]);
-        out[c] = round_to<T>(silu(acc));
+      for (int64_t r = 0; r < rows; ++r) {
+        T* win = conv_p + (slot_p[r] * cd + c0) * (k - 1);
+        const T* xr = xbc_p + r * xbc_rs + c0;
+        for (int64_t c = 0; c < width; ++c) {
+          T* wc = win + c * (k - 1);
+          for (int64_t j = 0; j < k - 1; ++j) taps[j * CONV_BLOCK + c] = to_f(wc[j]);
+          taps[(k - 1) * CONV_BLOCK + c] = to_f(xr[c]);
+          for (int64_t j = 0; j + 1 < k - 1; ++j) wc[j] = wc[j + 1];
+          if (k > 1) wc[k - 2] = xr[c];
+        }
+        int64_t c = 0;
+        for (; c + kLanes <= width; c += kLanes) {
+          vf16 acc{};
+          for (int64_t j = 0; j < k; ++j) acc = load16(&taps[j * CONV_BLOCK + c]) * load16(&weights[j * CONV_BLOCK + c]) + acc;
+          acc = acc + load16(&bias[c]);
+          store16(&act[c], acc / (splat(1.0f) + exp16(-acc)));
+        }
+        for (; c < width; ++c) {
+          float acc = 0.0f;
+          for (int64_t j = 0; j < k; ++j) acc += taps[j * CONV_BLOCK + c] * weights[j * CONV_BLOCK + c];
+          act[c] = silu(acc + bias[c]);
+        }
+        float* out = co_p + r * cd + c0;
+        for (c = 0; c < width; ++c) out[c] = round_to<T>(act[c]);
       }
     }
   });
