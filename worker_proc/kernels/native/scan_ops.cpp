@@ -51,7 +51,7 @@ at::Tensor mamba_decode_impl(const at::Tensor& xbc, const at::Tensor& dt, at::Te
   float* co_p = conv_out.data_ptr<float>();
   const int64_t blocks = (cd + CONV_BLOCK - 1) / CONV_BLOCK;
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> weights(k * CONV_BLOCK), taps(k * CONV_BLOCK), bias(CONV_BLOCK, 0.0f), act(CONV_BLOCK);
+    std::vector<float> weights(k * CONV_BLOCK), taps(k * CONV_BLOCK), bias(CONV_BLOCK), act(CONV_BLOCK);
     for (int64_t u = begin; u < end; ++u) {
       const int64_t c0 = u * CONV_BLOCK, width = std::min(CONV_BLOCK, cd - c0);
       for (int64_t c = 0; c < width; ++c) {
@@ -71,14 +71,16 @@ at::Tensor mamba_decode_impl(const at::Tensor& xbc, const at::Tensor& dt, at::Te
         int64_t c = 0;
         for (; c + kLanes <= width; c += kLanes) {
           vf16 acc{};
-          for (int64_t j = 0; j < k; ++j) acc = load16(&taps[j * CONV_BLOCK + c]) * load16(&weights[j * CONV_BLOCK + c]) + acc;
-          acc = acc + load16(&bias[c]);
+          for (int64_t j = 0; j < k; ++j)
+            acc = load16(&taps[j * CONV_BLOCK + c]) * load16(&weights[j * CONV_BLOCK + c]) + acc;
+          if (b_p != nullptr) acc = acc + load16(&bias[c]);
           store16(&act[c], acc / (splat(1.0f) + exp16(-acc)));
         }
         for (; c < width; ++c) {
           float acc = 0.0f;
           for (int64_t j = 0; j < k; ++j) acc += taps[j * CONV_BLOCK + c] * weights[j * CONV_BLOCK + c];
-          act[c] = silu(acc + bias[c]);
+          if (b_p != nullptr) acc += bias[c];
+          act[c] = silu(acc);
         }
         float* out = co_p + r * cd + c0;
         for (c = 0; c < width; ++c) out[c] = round_to<T>(act[c]);
