@@ -27,7 +27,7 @@ from shared.messages import ForwardBatch, ReqSlice, SamplingParams
 from worker_proc.execution_plan import instances_of
 from worker_proc.host_memory import keep_freed_memory, map_load_blocks
 from worker_proc.numerics import flush_denormals
-from worker_proc.plan_timing import read_bytes_per_s, read_tensors
+from worker_proc.plan_timing import read_bytes_per_s, weight_bytes
 from worker_proc.runtime import ModelRunner
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -76,9 +76,8 @@ def floor_s(runner: ModelRunner) -> float:
     """Seconds a one-row step takes at least this minute: the products' weights (each tensor once) over
     the rate the plan's read pass reads them at now."""
     instances = instances_of(runner.model)
-    tensors = {id(t): t for site, w in instances for t in read_tensors(site, w)}
     rate = read_bytes_per_s(instances)
-    return sum(t.numel() * t.element_size() for t in tensors.values()) / rate if rate > 0 else 0.0
+    return weight_bytes(instances) / rate if rate > 0 else 0.0
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -48,7 +48,7 @@ from worker_proc.plan_timing import (
     GemmKey,
     ProductTimer,
     read_bytes_per_s,
-    read_tensors,
+    weight_bytes,
 )
 
 logger = logging.getLogger(__name__)
@@ -244,9 +244,8 @@ def measure_plan(model: nn.Module, thread_options: tuple[int, ...], ops: KernelO
         affordable = never_affordable if single_copy else copy_affordable
         plan = choose(instances, thread_options, timer, affordable, mixers)
         torch.set_num_threads(max(thread_options))
-        weight_bytes = sum(t.numel() * t.element_size()
-                           for t in {id(t): t for s, w in instances for t in read_tensors(s, w)}.values())
-        plan = dataclasses.replace(plan, weight_bytes=weight_bytes, read_bytes_per_s=read_bytes_per_s(instances))
+        plan = dataclasses.replace(plan, weight_bytes=weight_bytes(instances),
+                                   read_bytes_per_s=read_bytes_per_s(instances))
     finally:
         timer.release()
         torch.set_num_threads(before)

@@ -161,12 +161,21 @@ def read_tensors(site: GemmSite, weight: torch.Tensor) -> list[torch.Tensor]:
     return [q.data, q.scale] if q is not None else [weight]
 
 
+def weights_read(instances: list[Instance]) -> list[torch.Tensor]:
+    """Every tensor the sites' products read, each once (sites may share one)."""
+    return list({id(t): t for site, w in instances for t in read_tensors(site, w)}.values())
+
+
+def weight_bytes(instances: list[Instance]) -> int:
+    """The bytes a step that runs every product once reads from its weights."""
+    return sum(t.numel() * t.element_size() for t in weights_read(instances))
+
+
 def read_bytes_per_s(instances: list[Instance], reps: int = 3) -> float:
     """How fast this thread count reads the model's weights from memory: the fastest of `reps` passes
     summing each weight once, its bytes read as float32 whatever its dtype (a float32 sum runs at the
     memory's speed; what a one-row step can at best do)."""
-    tensors = {id(t): t for site, w in instances for t in read_tensors(site, w)}
-    words = [w.reshape(-1).view(torch.float32) for w in tensors.values()
+    words = [w.reshape(-1).view(torch.float32) for w in weights_read(instances)
              if w.is_contiguous() and (w.numel() * w.element_size()) % 4 == 0 and w.device.type == "cpu"]
     nbytes = sum(w.numel() * 4 for w in words)
     best = float("inf")
