@@ -29,6 +29,7 @@ from torch import nn
 from worker_proc.kernels.select import KernelChoice
 from worker_proc.model.gemm import (
     ACCELERATOR,
+    COPIES,
     DENSE,
     DEQUANT,
     DETERMINISTIC,
@@ -37,7 +38,6 @@ from worker_proc.model.gemm import (
     GemmMethod,
     GemmOwner,
     GemmSite,
-    pack_weight,
 )
 from worker_proc.model.layers import Linear
 from worker_proc.plan_timing import GemmKey, Instance, Measure
@@ -119,16 +119,16 @@ class ExecutionPlan:
                 torch.set_num_threads(n)
 
     def bind(self, model: nn.Module) -> None:
-        """Give every product site of `model` its rule (packing the weights of sites whose rule reads
-        a packed copy; a Linear whose rule reads only that copy drops its dense weight)."""
+        """Give every product site of `model` its rule (making the copies of its weight that the rule's
+        methods read; a Linear whose rule reads only copies drops its dense weight)."""
         for owner, site, weight in product_sites(model):
             key = GemmKey.of(site)
             rule = self.gemms.get(key)
             if rule is None:
                 raise ValueError(f"the execution plan has no rule for {key.label()} products")
             methods = tuple(METHODS[m] for m in rule.methods)
-            needs_packed = any(m.storage == "packed" for m in methods)
-            site.bind(rule.bounds, methods, pack_weight(weight) if needs_packed else None)
+            copies = {m.storage: COPIES[m.storage](weight) for m in methods if m.storage in COPIES}
+            site.bind(rule.bounds, methods, copies)
             if isinstance(owner, Linear) and "dense" not in site.storages:
                 owner.weight = nn.Parameter(weight.new_empty(0), requires_grad=False)
 
@@ -195,7 +195,10 @@ def instances_of(model: nn.Module) -> list[Instance]:
 def choose(instances: list[Instance], thread_options: tuple[int, ...], measure: Measure,
            affordable: Callable[[int], bool], mixers: Callable[[int, int], float] | None = None) -> ExecutionPlan:
     """The measured plan (see the module doc) over these sites. `mixers(rows, threads)`: the seconds of a
-    step's recurrent kernels (worker_proc.mixer_timing), added to its products' when threads are chosen."""
+    step's recurrent kernels (worker_proc.mixer_timing), added to its products' when threads are chosen.
+    Copies of weights: every layout the fastest methods read where `affordable` says the extra bytes are
+    there, else the set of layouts of dense weights that loses least among those that fit (the last
+    option, one layout each, is taken whatever it costs)."""
     counts: dict[GemmKey, int] = {}
     nbytes: dict[GemmKey, int] = {}
     kept: dict[GemmKey, int] = {}  # bytes of dense weights their owners read themselves
@@ -219,16 +222,17 @@ def choose(instances: list[Instance], thread_options: tuple[int, ...], measure: 
         threads.append(chosen)
         for key in counts:  # a bucket past the key's timed rows takes the largest bucket timed
             picks[key].append(by_threads[chosen].get(key) or (picks[key][-1] if picks[key] else {}))
-    extra = {k: _second_copy_bytes(k, [_pick(t, k.storage) for t in picks[k]], counts[k], nbytes[k], kept[k])
-             for k in counts}  # fmt: skip
-    keep_both = affordable(sum(extra.values()))
-    gemms = {}
-    for key, timed in picks.items():
-        per_bucket = _picks(timed, key.storage)
-        if extra[key] and not keep_both:
-            one_storage = key.storage == "dense" and not kept[key]
-            per_bucket = _one_storage(timed) if one_storage else [_pick(_own(t), key.storage) for t in timed]
-        gemms[key] = rule_from_buckets(per_bucket, dict(zip(ROW_BUCKETS, timed, strict=True)))
+    options = _layout_options({k: t for k, t in picks.items() if not kept[k]}, counts)  # fastest first
+    singles = [o for o in options if o is not None and len(o) == 1]
+    chosen_picks = _picks_within(picks, kept, singles[0] if singles else None)  # where no option fits
+    for layouts in options:
+        within = _picks_within(picks, kept, layouts)
+        extra = sum(_second_copy_bytes(k, p, counts[k], nbytes[k], kept[k]) for k, p in within.items())
+        if extra == 0 or affordable(extra):
+            chosen_picks = within
+            break
+    gemms = {key: rule_from_buckets(chosen_picks[key], dict(zip(ROW_BUCKETS, timed, strict=True)))
+             for key, timed in picks.items()}
     rule: list[tuple[int, int]] = []
     for bucket, n in zip(ROW_BUCKETS, threads, strict=True):
         if rule and rule[-1][1] == n:
@@ -301,9 +305,9 @@ def _picks(timed: list[dict[str, float]], storage: str = "dense") -> list[str]:
 
 
 def _reads_copy(name: str) -> bool:
-    """The method reads a second copy of the weight (oneDNN's packed layout of it)."""
+    """The method reads a second copy of the weight (one of `COPIES`, or a quantized weight's int8 copy)."""
     method = METHODS[name]
-    return method.storage == "packed" or method.reads_int8_packed
+    return method.storage in COPIES or method.reads_int8_packed
 
 
 def _own(timed: dict[str, float]) -> dict[str, float]:
@@ -311,21 +315,64 @@ def _own(timed: dict[str, float]) -> dict[str, float]:
 
 
 def _second_copy_bytes(key: GemmKey, per_bucket: list[str], count: int, nbytes: int, kept: int = 0) -> int:
-    """Bytes these picks hold beyond one copy of the key's weights: a dense weight read both as it is
-    and packed (a packed-only site drops its dense weight unless its owner reads it: `kept` bytes), or
-    a quantized weight's int8 copy (one byte per weight; the quantized values stay)."""
-    copies = {_reads_copy(m) for m in per_bucket}
+    """Bytes these picks hold beyond one copy of the key's weights: a dense weight read as it is and as
+    each of `COPIES` its methods read (a site reading only copies drops its dense weight unless its owner
+    reads it: `kept` bytes), or a quantized weight's int8 copy (one byte per weight; the values stay)."""
     if key.storage == "dense":
-        return nbytes if len(copies) > 1 else (kept if True in copies else 0)
-    return count * key.out_features * key.in_features if True in copies else 0
+        storages = {METHODS[m].storage for m in per_bucket}
+        copies = len(storages & set(COPIES))
+        if "dense" in storages:
+            return nbytes * copies
+        return nbytes * max(copies - 1, 0) + (kept if copies else 0)
+    return count * key.out_features * key.in_features if any(_reads_copy(m) for m in per_bucket) else 0
 
 
-def _one_storage(timed: list[dict[str, float]]) -> list[str]:
-    """Per bucket, the fastest method of the one storage whose choices lose least in total."""
-    options = []
-    for storage in ("dense", "packed"):
-        per_bucket = [{m: s for m, s in t.items() if METHODS[m].storage == storage} for t in timed]
-        if all(per_bucket):
-            loss = sum(min(p.values()) / min(t.values()) for p, t in zip(per_bucket, timed, strict=True))
-            options.append((loss, storage != "dense", [_pick(p) for p in per_bucket]))
-    return min(options)[2] if options else [DENSE.name] * len(timed)
+Layouts = frozenset[str] | None
+"""The storages dense weights may be read from (None: whatever the fastest methods read, a quantized
+weight's int8 copy included; a set: only those, and no quantized weight's copy nor a copy of a weight
+its owner reads itself)."""
+
+
+def _layout_options(picks: dict[GemmKey, list[dict[str, float]]], counts: dict[GemmKey, int]) -> list[Layouts]:
+    """None, then every smaller set of the dense layouts that serves every dense key's buckets: sets of more
+    layouts before sets of fewer, each size ordered by the step time it loses (`_loss`)."""
+    names = ("dense", *COPIES)
+    dense = {k: t for k, t in picks.items() if k.storage == "dense"}
+    options: list[tuple[int, float, frozenset[str]]] = []
+    for mask in range(1, 2 ** len(names) - 1):
+        layouts = frozenset(n for i, n in enumerate(names) if mask >> i & 1)
+        loss = sum(counts[k] * _loss(t, layouts) for k, t in dense.items())
+        if loss < float("inf"):
+            options.append((-len(layouts), loss, layouts))
+    return [None, *(o[2] for o in sorted(options, key=lambda o: (o[0], o[1], sorted(o[2]))))]
+
+
+def _within(timed: dict[str, float], layouts: frozenset[str]) -> dict[str, float]:
+    return {m: s for m, s in timed.items() if METHODS[m].storage in layouts}
+
+
+def _loss(timed: list[dict[str, float]], layouts: frozenset[str]) -> float:
+    """How much slower, summed over the buckets, the fastest methods reading only these layouts are than the
+    fastest of all (inf: a bucket none of them serves)."""
+    total = 0.0
+    for t in timed:
+        allowed = _within(t, layouts)
+        if t and not allowed:
+            return float("inf")
+        total += min(allowed.values()) / min(t.values()) if t else 1.0
+    return total
+
+
+def _picks_within(picks: dict[GemmKey, list[dict[str, float]]], kept: dict[GemmKey, int],
+                  layouts: Layouts) -> dict[GemmKey, list[str]]:
+    """Each key's per-bucket methods reading only `layouts` (see `Layouts`); a dense weight its owner reads
+    itself (`kept` bytes) is then read only as it is."""
+    out = {}
+    for key, timed in picks.items():
+        if layouts is None:
+            out[key] = _picks(timed, key.storage)
+        elif key.storage == "dense" and not kept[key]:
+            out[key] = _picks([_within(t, layouts) for t in timed])
+        else:
+            out[key] = [_pick(_own(t), key.storage) for t in timed]
+    return out

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from worker_proc.model.gemm import GemmMethod, GemmSite, pack_weight
+from worker_proc.model.gemm import COPIES, GemmMethod, GemmSite, TiledWeight
 from worker_proc.model.quantized import QuantizedWeight
 
 STREAM_ROWS = 8
@@ -28,7 +28,8 @@ Streamed timing of larger products favours methods that pass over a weight sever
 `gemv_seq`, eight rows a pass), which lose to a cache-blocked one (`packed`) inside a step."""
 DEFAULT_STREAM_BYTES = 256 << 20
 """Bytes streamed per round where the host does not report its last-level cache, and at most under
-`--single-weight-copy` (a packed method is timed on packed copies of every weight it streams)."""
+`--single-weight-copy` (a method reading a copy, `packed` or `tiled`, is timed on copies of every weight it
+streams)."""
 WARM_BUDGET_S = 0.05
 
 
@@ -61,7 +62,7 @@ class ProductTimer:
 
     def __init__(self, instances: list[Instance], cache_bytes: int, reps: int = 3, max_stream_bytes: int = 0) -> None:
         budget = 2 * cache_bytes if cache_bytes > 0 else DEFAULT_STREAM_BYTES
-        if max_stream_bytes > 0:  # the timing copies of a streamed method (packed ones) stay within it
+        if max_stream_bytes > 0:  # the timing copies of a streamed method (packed or tiled ones) stay within it
             budget = min(budget, max_stream_bytes)
         # in model order until the budget is streamed, then the first weight of each key not yet in it:
         # every key is timed streaming (a weight larger than the budget, the LM head's, must not leave
@@ -80,7 +81,7 @@ class ProductTimer:
         for site, weight in instances:
             self.first.setdefault(GemmKey.of(site), (site, weight))
         self.reps = reps
-        self.packed: dict[int, torch.Tensor] = {}  # id(weight) -> a packed copy made for timing
+        self.copies: dict[tuple[str, int], object] = {}  # (storage, id(weight)) -> a copy made for timing
         self.int8_packed: dict[int, QuantizedWeight] = {}  # id(quantized weight) -> with its packed copy
         self.inputs: dict[tuple[GemmKey, int], torch.Tensor] = {}
 
@@ -122,8 +123,8 @@ class ProductTimer:
             stored = q[0] if q.experts else q
             if method.reads_int8_packed:
                 stored = self._int8_packed(q)
-        elif method.storage == "packed":
-            stored = self._packed(weight)
+        elif method.storage in COPIES:
+            stored = self._copy(method.storage, weight)
         t0 = time.perf_counter()
         method.apply(x, weight, stored, None)
         return time.perf_counter() - t0
@@ -136,11 +137,11 @@ class ProductTimer:
             self.inputs[(key, rows)] = x
         return x
 
-    def _packed(self, weight: torch.Tensor) -> torch.Tensor:
-        packed = self.packed.get(id(weight))
-        if packed is None:
-            packed = self.packed[id(weight)] = pack_weight(weight)
-        return packed
+    def _copy(self, storage: str, weight: torch.Tensor) -> object:
+        copy = self.copies.get((storage, id(weight)))
+        if copy is None:
+            copy = self.copies[(storage, id(weight))] = COPIES[storage](weight)
+        return copy
 
     def _int8_packed(self, q: QuantizedWeight) -> QuantizedWeight:
         copy = self.int8_packed.get(id(q))
@@ -150,15 +151,21 @@ class ProductTimer:
 
     def release(self) -> None:
         """Free the copies made for timing."""
-        self.packed.clear()
+        self.copies.clear()
         self.int8_packed.clear()
         self.inputs.clear()
 
 
 def read_tensors(site: GemmSite, weight: torch.Tensor) -> list[torch.Tensor]:
-    """The tensors a site's products read: its quantized weight's, else the dense weight."""
+    """The tensors a site's one-row products read: its quantized weight's, the copy of the weight its one-row
+    method reads (once bound), else the dense weight."""
     q = site.quantized
-    return [q.data, q.scale] if q is not None else [weight]
+    if q is not None:
+        return [q.data, q.scale]
+    copy = site.copies.get(site.method_for(1).storage)
+    if isinstance(copy, TiledWeight):
+        return [copy.data]
+    return [copy] if isinstance(copy, torch.Tensor) else [weight]
 
 
 def weights_read(instances: list[Instance]) -> list[torch.Tensor]:
@@ -174,9 +181,10 @@ def weight_bytes(instances: list[Instance]) -> int:
 def read_bytes_per_s(instances: list[Instance], reps: int = 3) -> float:
     """How fast this thread count reads the model's weights from memory: the fastest of `reps` passes
     summing each weight once, its bytes read as float32 whatever its dtype (a float32 sum runs at the
-    memory's speed; what a one-row step can at best do)."""
+    memory's speed; what a one-row step can at best do). oneDNN's packed copies are opaque: not read."""
     words = [w.reshape(-1).view(torch.float32) for w in weights_read(instances)
-             if w.is_contiguous() and (w.numel() * w.element_size()) % 4 == 0 and w.device.type == "cpu"]
+             if w.layout == torch.strided and w.is_contiguous() and (w.numel() * w.element_size()) % 4 == 0
+             and w.device.type == "cpu"]
     nbytes = sum(w.numel() * 4 for w in words)
     best = float("inf")
     for _ in range(reps + 1):

@@ -1,5 +1,5 @@
-"""The fused few-row matrix products (`gemv`, `gemv_seq`: two orders of reading the weight) against F.linear,
-and their place among the plan's methods."""
+"""The fused few-row matrix products (`gemv`, `gemv_seq`: two orders of reading the weight; `tiled`: from the
+weight's tiled copy) against F.linear, and their place among the plan's methods."""
 
 from __future__ import annotations
 
@@ -9,54 +9,78 @@ import torch.nn.functional as F
 
 from tests.kernels.util import max_diff, rand, strided
 from worker_proc.kernels import native
-from worker_proc.model.gemm import GEMV, GEMV_SEQ, THROUGHPUT_METHODS, GemmMethod, GemmSite
+from worker_proc.model.gemm import GEMV, GEMV_SEQ, THROUGHPUT_METHODS, TILED, GemmMethod, GemmSite, tile_weight
 
 pytestmark = pytest.mark.skipif(not native.load(), reason="the fused CPU kernels cannot be built here")
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])
+def _stored(method: GemmMethod, weight: torch.Tensor) -> object:
+    """The copy of the weight the method reads besides the weight itself."""
+    return tile_weight(weight) if method is TILED else None
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 17])
 @pytest.mark.parametrize(("out_features", "in_features"), [(64, 256), (37, 100), (6, 16), (200, 48)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("method", [GEMV, GEMV_SEQ], ids=lambda m: m.name)
+@pytest.mark.parametrize("method", [GEMV, GEMV_SEQ, TILED], ids=lambda m: m.name)
 def test_gemv_equals_f_linear(rows: int, out_features: int, in_features: int, dtype: torch.dtype, bias: bool,
                               method: GemmMethod) -> None:
     gen = torch.Generator().manual_seed(rows * 1000 + out_features)
     x = strided(rand(gen, rows, in_features, dtype=dtype))  # a view with a row stride, as split projections are
     weight = rand(gen, out_features, in_features, dtype=dtype, scale=0.1)
     b = rand(gen, out_features, dtype=dtype) if bias else None
-    got, want = method.apply(x, weight, None, b), F.linear(x, weight, b)
+    got, want = method.apply(x, weight, _stored(method, weight), b), F.linear(x, weight, b)
     assert got.dtype == dtype and got.shape == want.shape and got.is_contiguous()
     # float32 sums in another order: float32's rounding over the inner width, then one rounding to bf16
     ulp = 1e-6 * in_features if dtype == torch.float32 else 2**-7
     assert max_diff(got, want) <= 2 * ulp * max(1.0, float(want.abs().max()))
 
 
-@pytest.mark.parametrize("method", [GEMV, GEMV_SEQ], ids=lambda m: m.name)
+@pytest.mark.parametrize("method", [GEMV, GEMV_SEQ, TILED], ids=lambda m: m.name)
 def test_gemv_runs_on_every_thread_count(method: GemmMethod) -> None:
     """However many threads share the weight's chunks, every output is the same to the bit (one thread
     computes each, in one order)."""
     gen = torch.Generator().manual_seed(3)
     x, weight = rand(gen, 10, 512), rand(gen, 1001, 512, scale=0.05)
-    want = F.linear(x, weight)
+    want, stored = F.linear(x, weight), _stored(method, weight)
     threads = torch.get_num_threads()
     try:
         outs = []
         for n in (1, 2, 3):
             torch.set_num_threads(n)
-            outs.append(method.apply(x, weight, None, None))
+            outs.append(method.apply(x, weight, stored, None))
             assert max_diff(outs[-1], want) <= 1e-4
         assert all(torch.equal(out, outs[0]) for out in outs)
     finally:
         torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("method", [GEMV, GEMV_SEQ], ids=lambda m: m.name)
+@pytest.mark.parametrize("method", [GEMV, GEMV_SEQ, TILED], ids=lambda m: m.name)
 def test_the_plan_measures_gemv_for_dense_float_weights_only(method: GemmMethod) -> None:
     assert method in THROUGHPUT_METHODS
     cpu = torch.device("cpu")
     assert method.supports(GemmSite(64, 64, torch.bfloat16, packable=True), cpu)
-    assert method.supports(GemmSite(64, 64, torch.float32, packable=False), cpu)
+    # a tiled copy is made once from a fixed weight: not of an expert's slice of a stack
+    assert method.supports(GemmSite(64, 64, torch.float32, packable=False), cpu) == (method is not TILED)
     assert not method.supports(GemmSite(64, 64, torch.float16, packable=True), cpu)
     assert not method.supports(GemmSite(64, 64, torch.float32, packable=True), torch.device("meta"))
     assert method.max_rows == 64  # the plan times it at decode and batched-decode buckets only
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_tiled_copy_holds_the_weight_in_blocks_of_sixteen_rows(dtype: torch.dtype) -> None:
+    """Rows past the weight's own are zero and never reach the output; a copy of another weight's shape or
+    dtype is refused, not read."""
+    gen = torch.Generator().manual_seed(5)
+    weight = rand(gen, 37, 64, dtype=dtype)
+    tiled = tile_weight(weight)
+    assert tiled.out_features == 37 and tiled.data.shape[0] == 3 and tiled.data.numel() == 3 * 16 * 64
+    assert tiled.nbytes == tiled.data.numel() * weight.element_size()
+    x = rand(gen, 4, 64, dtype=dtype)
+    assert TILED.apply(x, weight, tiled, None).shape == (4, 37)
+    with pytest.raises(RuntimeError, match="tiled weight"):
+        torch.ops.hyssm_cpu.tiled_product(x, tiled.data, 60, None)
+    other = torch.float32 if dtype == torch.bfloat16 else torch.bfloat16
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        torch.ops.hyssm_cpu.tiled_product(x.to(other), tiled.data, 37, None)

@@ -142,6 +142,29 @@ def test_rules_change_by_row_bucket_and_two_copies_need_the_memory() -> None:
     assert one.gemms[A].bounds == () and one.gemms[A].methods == ("packed",)
 
 
+def test_each_layout_of_a_weight_counts_as_a_copy() -> None:
+    """A dense weight read as it is, tiled and packed is three copies of it, one read only tiled and packed two
+    (the dense one is dropped). Where three do not fit, the two layouts that lose least are kept; where no two
+    fit, the one layout that loses least."""
+    def measure(method: GemmMethod, rows: int, threads: int) -> dict[GemmKey, float]:
+        fast = "dense" if rows == 1 else ("tiled" if rows <= 32 else "packed")
+        if method.name not in ("dense", "tiled", "packed") or method.name == "tiled" and rows > 64:
+            return {}
+        return {A: 0.5 if method.name == fast else (0.8 if method.name == "tiled" else 1.0)}
+
+    copy = A.out_features * A.in_features * 4
+    asked: list[int] = []
+    three = choose(_instances(A), (1,), measure, lambda n: asked.append(n) or True)
+    assert three.gemms[A].methods == ("dense", "tiled", "packed") and three.gemms[A].bounds == (1, 32)
+    assert asked == [2 * copy]
+    # pairs: tiled + packed lose 2x at one row; dense + packed 2x at 2-32 rows; dense + tiled 2x past 32
+    two = choose(_instances(A), (1,), measure, lambda n: n <= copy)
+    assert two.gemms[A].methods == ("tiled", "packed") and two.gemms[A].bounds == (32,)
+    # alone: tiled serves no bucket past 64 rows; packed loses 2x at 1-32 rows, dense at every bucket past 1
+    one = choose(_instances(A), (1,), measure, lambda n: False)
+    assert one.gemms[A].methods == ("packed",)
+
+
 def test_an_int4_weights_int8_copy_is_a_second_copy_that_needs_the_memory() -> None:
     """torch's 4-bit product costs one pass over the weight per row; the int8 copy's wins from 4 rows up
     when the memory for it is there, and is never made when it is not."""
@@ -175,11 +198,11 @@ def test_the_real_timer_reports_every_supported_key() -> None:
     for method in (DENSE, PACKED):
         got = timer(method, 2, 1)
         assert set(got) == {A, B} and all(s > 0 for s in got.values())
-    assert len(timer.streamed) == 3 and len(timer.packed) == 3  # a packed copy of every weight streamed
+    assert len(timer.streamed) == 3 and len(timer.copies) == 3  # a packed copy of every weight streamed
     timer.release()
     capped = ProductTimer(_instances(A, B, A), cache_bytes=1 << 20, reps=2, max_stream_bytes=1)
     assert len(capped.streamed) == 2  # past the cap, only a first weight of a shape not yet streamed
-    assert set(capped(PACKED, 2, 1)) == {A, B} and len(capped.packed) == 2
+    assert set(capped(PACKED, 2, 1)) == {A, B} and len(capped.copies) == 2
 
 
 def test_a_weight_larger_than_the_stream_budget_leaves_no_shape_untimed() -> None:
@@ -269,6 +292,7 @@ def test_a_single_weight_copy_keeps_one_layout_of_every_weight(tmp_path: Path,
     assert len(tied) == 1 and tied[0].storages == {"dense"}  # the embedding reads the dense table anyway
     for owner, site, weight in product_sites(one.model):
         assert len(site.storages) == 1, site.storages
+        assert site.storages == ({"dense"} if site.dense_kept else {"packed"})  # the layout that loses least
         if site.storages == {"packed"}:
             assert isinstance(owner, Linear) and weight.numel() == 0  # the dense weight is gone, not only unused
     one.check_integrity()

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from worker_proc.execution_plan import ExecutionPlan, GemmRule
+from worker_proc.kernels import native
 from worker_proc.model.gemm import (
     DENSE,
     MIN_GEMM_ROWS,
@@ -24,7 +25,7 @@ from worker_proc.model.gemm import (
     split_gemm,
 )
 from worker_proc.model.layers import Linear
-from worker_proc.plan_timing import GemmKey
+from worker_proc.plan_timing import GemmKey, weight_bytes
 
 G = torch.Generator().manual_seed(3)
 
@@ -108,7 +109,7 @@ def test_which_methods_apply_where() -> None:
 def test_a_site_runs_the_method_bound_for_each_row_count(monkeypatch: pytest.MonkeyPatch) -> None:
     w = torch.randn(24, 40, generator=G)
     site = GemmSite(24, 40, torch.float32, packable=True)
-    site.bind((1, 8), (SPLIT, DENSE, PACKED), pack_weight(w))
+    site.bind((1, 8), (SPLIT, DENSE, PACKED), {"packed": pack_weight(w)})
     assert [site.method_for(r).name for r in (1, 2, 8, 9, 1000)] == ["split", "dense", "dense", "packed", "packed"]
     for rows in (1, 5, 9):
         x = torch.randn(rows, 40, generator=G)
@@ -122,18 +123,27 @@ def test_a_site_runs_the_method_bound_for_each_row_count(monkeypatch: pytest.Mon
         site.bind((4,), (DENSE,))
 
 
+@pytest.mark.parametrize("copy", ["packed", "tiled"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_packed_only_linear_drops_its_dense_weight(dtype: torch.dtype) -> None:
+def test_a_packed_only_linear_drops_its_dense_weight(dtype: torch.dtype, copy: str) -> None:
+    """A Linear whose rule reads only a copy of its weight (oneDNN's packed layout, the tiled one) keeps that
+    copy alone and computes what F.linear does with the dense weight."""
+    if copy == "tiled" and not native.load():
+        pytest.skip("the fused CPU kernels cannot be built here")
     layer = Linear(40, 24, bias=True, dtype=dtype)
     with torch.no_grad():
         layer.weight.copy_(torch.randn(24, 40, generator=G))
         layer.bias.copy_(torch.randn(24, generator=G))
     dense_w, dense_b = layer.weight.detach().clone(), layer.bias.detach().clone()
     key = GemmKey(24, 40, str(dtype).removeprefix("torch."))
-    ExecutionPlan("throughput", {key: GemmRule((), ("packed",))}).bind(layer)
-    assert layer.gemm.packed is not None and layer.weight.numel() == 0
+    ExecutionPlan("throughput", {key: GemmRule((), (copy,))}).bind(layer)
+    assert set(layer.gemm.copies) == {copy} and layer.weight.numel() == 0
+    layer.gemm.check_integrity(layer.weight)
+    # a one-row step's floor counts the copy the site reads (the tiled one padded to 32 rows)
+    rows_read = 24 if copy == "packed" else 32
+    assert weight_bytes([(layer.gemm, layer.weight)]) == rows_read * 40 * dense_w.element_size()
     tol = 1e-5 if dtype == torch.float32 else 3e-2
-    for rows in (1, 3, 100):
+    for rows in (1, 3, 100) if copy == "packed" else (1, 3, 9):
         x = torch.randn(rows, 40, generator=G).to(dtype)
         want = F.linear(x.float(), dense_w.float(), dense_b.float())
         assert torch.allclose(layer(x).float(), want, rtol=tol, atol=tol * 10)

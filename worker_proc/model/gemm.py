@@ -4,9 +4,10 @@ object each product of a module goes through.
 Which method a site runs at which row count is the execution plan's decision
 (worker_proc.execution_plan binds every site once, after the weights are loaded); a site only holds
 the storages its methods read and picks the method by the input's row count. Storages: `dense` (the
-module's own [out, in] tensor, passed in on each call), `packed` (oneDNN's layout, held by the site)
-or, for a quantized site, its `QuantizedWeight` (worker_proc.model.quantized) and nothing else. A
-site that was never bound runs `DENSE` (F.linear) at every row count, a quantized one `dequant`.
+module's own [out, in] tensor, passed in on each call), the copies the site makes of it at bind
+(`COPIES`: oneDNN's `packed` layout, the `tiled` one of the batched-decode kernel) or, for a quantized
+site, its `QuantizedWeight` (worker_proc.model.quantized) and nothing else. A site that was never
+bound runs `DENSE` (F.linear) at every row count, a quantized one `dequant`.
 """
 
 from __future__ import annotations
@@ -79,6 +80,27 @@ def packed_product(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | N
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+@dataclass(frozen=True)
+class TiledWeight:
+    """A [out, in] weight in the layout of the fused batched-decode product (blocks of 16 output rows,
+    worker_proc/kernels/native/tile_ops.cpp); `out_features` is the weight's own (the blocks pad it)."""
+
+    data: torch.Tensor
+    out_features: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+
+def tile_weight(weight: torch.Tensor) -> TiledWeight:
+    return TiledWeight(torch.ops.hyssm_cpu.tile_weight(weight.detach()), weight.shape[0])
+
+
+COPIES: dict[str, Callable[[torch.Tensor], object]] = {"packed": pack_weight, "tiled": tile_weight}
+"""The storages a site makes from its dense weight when a bound method reads them (a second copy each)."""
+
+
 Kernel = Callable[[torch.Tensor, torch.Tensor, object, "torch.Tensor | None"], torch.Tensor]
 """(x, the dense weight, the site's stored copy (packed or quantized), bias) -> x @ weight.T + bias."""
 
@@ -110,6 +132,11 @@ def _packed(x: torch.Tensor, weight: torch.Tensor, stored: object, bias: torch.T
     return packed_product(x, stored, bias)
 
 
+def _tiled(x: torch.Tensor, weight: torch.Tensor, stored: object, bias: torch.Tensor | None) -> torch.Tensor:
+    assert isinstance(stored, TiledWeight), "a tiled method on a site without a tiled weight"
+    return torch.ops.hyssm_cpu.tiled_product(x, stored.data, stored.out_features, bias)
+
+
 def _gemv(x: torch.Tensor, weight: torch.Tensor, stored: object, bias: torch.Tensor | None) -> torch.Tensor:
     return torch.ops.hyssm_cpu.gemv(x, weight, bias)
 
@@ -136,8 +163,8 @@ def _dequant_padded(x: torch.Tensor, weight: torch.Tensor, stored: object, bias:
 
 @dataclass(frozen=True)
 class GemmMethod:
-    """One way to compute x @ weight.T. `storage`: which copy of the weight it reads (`dense`, `packed`,
-    or a quantized format); `batch_invariant`: each row's result does not depend on the row count;
+    """One way to compute x @ weight.T. `storage`: which copy of the weight it reads (`dense`, one of
+    `COPIES`, or a quantized format); `batch_invariant`: each row's result does not depend on the row count;
     `devices`: the device types it runs on; `per_row_scale`: it needs a quantized weight with one scale
     per output row."""
 
@@ -163,8 +190,9 @@ class GemmMethod:
             return False
         if site.shape[1] % self.in_multiple or self.native and not native.load():
             return False
-        if self.storage == "packed":
-            return site.quantized is None and site.packable and packing_supported(site.dtype, device)
+        if self.storage in COPIES:
+            return site.quantized is None and site.packable and (
+                self.storage != "packed" or packing_supported(site.dtype, device))
         if self.storage != site.storage_format:
             return False
         if self.reads_int8_packed and not (site.packable and int8_packing_supported()):
@@ -180,6 +208,10 @@ ANY_DEVICE = ("cpu", "cuda", "mps", "xpu", "meta")
 DENSE = GemmMethod("dense", "dense", _dense, devices=ANY_DEVICE)
 SPLIT = GemmMethod("split", "dense", _split, dtypes=(torch.float32,))
 PACKED = GemmMethod("packed", "packed", _packed)
+TILED = GemmMethod("tiled", "tiled", _tiled, dtypes=(torch.float32, torch.bfloat16), native=True, max_rows=64,
+                   in_multiple=2)
+"""The fused product of a batched decode step's rows from the `tiled` copy: each weight block read once
+for up to eight rows, no sum reduced across lanes."""
 GEMV = GemmMethod("gemv", "dense", _gemv, dtypes=(torch.float32, torch.bfloat16), native=True, max_rows=64)
 """The fused few-row product reading four weight rows side by side, with software prefetch."""
 GEMV_SEQ = GemmMethod("gemv_seq", "dense", _gemv_seq, dtypes=(torch.float32, torch.bfloat16), native=True,
@@ -199,9 +231,10 @@ FP8_SCALED = GemmMethod("fp8_scaled", "fp8", _quantized(fp8_scaled), devices=("c
 DEQUANT = {fmt: GemmMethod(f"dequant_{fmt}", fmt, _dequant_padded, batch_invariant=True, devices=ANY_DEVICE)
            for fmt in FORMATS}
 """Every format's reference product (the weight materialised, padded like PADDED): any device."""
-METHODS = {m.name: m for m in (DENSE, SPLIT, PACKED, GEMV, GEMV_SEQ, PADDED, W8A16, W8A8, W8A8_ONEDNN, W4A16,
+METHODS = {m.name: m for m in (DENSE, SPLIT, PACKED, TILED, GEMV, GEMV_SEQ, PADDED, W8A16, W8A8, W8A8_ONEDNN, W4A16,
                                W8A8_OVER_INT4, FP8_BF16, FP8_SCALED, *DEQUANT.values())}
-THROUGHPUT_METHODS = (DENSE, SPLIT, PACKED, GEMV, GEMV_SEQ, W8A16, W8A8, W8A8_ONEDNN, W4A16, W8A8_OVER_INT4, FP8_BF16)
+THROUGHPUT_METHODS = (DENSE, SPLIT, PACKED, TILED, GEMV, GEMV_SEQ, W8A16, W8A8, W8A8_ONEDNN, W4A16, W8A8_OVER_INT4,
+                      FP8_BF16)
 """The candidates the plan measures on the CPU outside the deterministic mode (each site is timed with
 those that `supports` it)."""
 DETERMINISTIC = {"dense": PADDED, "int8": W8A8, "int4": W4A16, "fp8": DEQUANT["fp8"]}
@@ -217,7 +250,7 @@ class GemmSite:
     slices are not. `quantizable`: worker_proc.model.quantization may replace the weight by a
     `QuantizedWeight` (`quantized`, held here; the owner drops its dense copy). After `bind`,
     `methods[i]` serves inputs of at most `bounds[i]` rows and the last method every larger input;
-    `packed` holds oneDNN's copy when a bound method reads it."""
+    `copies` holds each of `COPIES` a bound method reads (by storage)."""
 
     def __init__(self, out_features: int, in_features: int, dtype: torch.dtype, packable: bool,
                  quantizable: bool = True, dense_kept: bool = False, timed_rows: int = 0) -> None:  # fmt: skip
@@ -234,7 +267,7 @@ class GemmSite:
         self.quantized: QuantizedWeight | None = None
         self.bounds: tuple[int, ...] = ()
         self.methods: tuple[GemmMethod, ...] = (DENSE,)
-        self.packed: torch.Tensor | None = None
+        self.copies: dict[str, object] = {}
 
     @property
     def storage_format(self) -> str:
@@ -249,21 +282,24 @@ class GemmSite:
         self.bounds = ()
 
     def bind(self, bounds: tuple[int, ...], methods: tuple[GemmMethod, ...],
-             packed: torch.Tensor | None = None) -> None:
-        """Take the plan's rule for this site (and the packed weight when a method reads it)."""
+             copies: dict[str, object] | None = None) -> None:
+        """Take the plan's rule for this site (and the copies of the weight its methods read)."""
+        copies = copies or {}
         if len(methods) != len(bounds) + 1:
             raise ValueError(f"{len(methods)} methods for {len(bounds)} row bounds")
-        if any(m.storage == "packed" for m in methods) and packed is None:
-            raise ValueError("a packed method needs the packed weight")
+        missing = {m.storage for m in methods if m.storage in COPIES} - set(copies)
+        if missing:
+            raise ValueError(f"a {', '.join(sorted(missing))} method needs the {', '.join(sorted(missing))} weight")
         if any(m.reads_int8_packed for m in methods):
             assert self.quantized is not None and self.storage_format in ("int8", "int4"), \
                 "an int8 copy of a weight that is neither int8 nor int4"
             self.quantized = self.quantized.with_packed()
-        wrong = [m.name for m in methods if m.storage not in (self.storage_format, "packed")
-                 or m.storage == "packed" and self.quantized is not None]
+        wrong = [m.name for m in methods if m.storage not in (self.storage_format, *COPIES)
+                 or m.storage in COPIES and self.quantized is not None]
         if wrong:
             raise ValueError(f"{', '.join(wrong)} cannot read a {self.storage_format} weight")
-        self.bounds, self.methods, self.packed = bounds, methods, packed
+        self.bounds, self.methods = bounds, methods
+        self.copies = {s: c for s, c in copies.items() if s in self.storages}
 
     @property
     def batch_invariant(self) -> bool:
@@ -277,22 +313,25 @@ class GemmSite:
         methods = self.methods
         return methods[0] if len(methods) == 1 else methods[bisect_left(self.bounds, rows)]
 
-    def stored(self, expert: int | None = None) -> object:
+    def stored(self, method: GemmMethod, expert: int | None = None) -> object:
+        """What `method` reads besides the dense weight: the quantized weight (an expert's) or its copy."""
         if self.quantized is not None:
             return self.quantized if expert is None else self.quantized[expert]
-        return self.packed
+        return self.copies.get(method.storage)
 
     def apply(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [..., in] @ weight.T (+ bias) by the method bound for x's row count."""
         if x.dim() != 2:
             flat = self.apply(x.reshape(-1, x.shape[-1]), weight, bias)
             return flat.view(*x.shape[:-1], flat.shape[-1])
-        return self.method_for(x.shape[0]).apply(x, weight, self.stored(), bias)
+        method = self.method_for(x.shape[0])
+        return method.apply(x, weight, self.stored(method), bias)
 
     def apply_expert(self, x: torch.Tensor, stack: torch.Tensor, expert: int) -> torch.Tensor:
         """x [T, in] @ stack[expert].T, the expert's quantized matrix when the stack is quantized."""
         weight = stack if self.quantized is not None else stack[expert]
-        return self.method_for(x.shape[0]).apply(x, weight, self.stored(expert), None)
+        method = self.method_for(x.shape[0])
+        return method.apply(x, weight, self.stored(method, expert), None)
 
     def weight_bytes(self, weight: torch.Tensor) -> int:
         """Bytes one product reads (one expert's, for a stack)."""
@@ -305,7 +344,7 @@ class GemmSite:
         assert len(self.methods) == len(self.bounds) + 1 and list(self.bounds) == sorted(set(self.bounds))
         if "dense" in self.storages:
             assert tuple(weight.shape[-2:]) == self.shape, "a dense method without the dense weight"
-        assert ("packed" in self.storages) == (self.packed is not None)
+        assert set(self.copies) == self.storages & set(COPIES), "a copy without its method, or the reverse"
         if self.quantized is not None:
             assert self.storages == {self.quantized.fmt} and self.quantized.shape == self.shape
             self.quantized.check_integrity()

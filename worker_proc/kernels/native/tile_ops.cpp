@@ -1,0 +1,241 @@
+// The matrix product of a batched decode step's rows, out[M, N] = x[M, K] @ w[N, K]^T (+ bias), read from
+// a copy of the weight laid out for it (`tile_weight`; worker_proc.model.gemm `tiled`, a storage the
+// execution plan makes where its timings choose the method). Rules that hold:
+// - the copy holds the weight's rows in blocks of kBlock output rows: [ceil(N / kBlock)][K / P][kBlock][P],
+//   P consecutive input columns of one output row side by side (P = 2 for bfloat16 where the CPU multiplies
+//   bfloat16 pairs, AVX512-BF16; 1 otherwise), rows past N zero. A block is one contiguous run of memory,
+//   and one vector of it holds one input column (pair) of kBlock outputs, so an input row's element (pair)
+//   is broadcast and multiplied into kBlock sums at once: no sum is reduced across lanes at the end;
+// - the threads split the blocks into contiguous ranges of kGroup blocks (one sequential stream each); a
+//   group's kGroup * K * kBlock values are read once per call, up to kRows input rows at a time, the later
+//   row groups reading it from cache;
+// - products accumulate in float32 (bfloat16 pairs: exact products, AVX512-BF16's pair sums), each output
+//   in the order of its input columns (in kUnroll interleaved partial sums where few rows leave the
+//   arithmetic waiting on one chain), and the result is rounded once to the input's dtype.
+#include <torch/library.h>
+
+#include "cpu_common.h"
+
+namespace hyssm_cpu {
+namespace {
+
+constexpr int64_t kBlock = 16;  // output rows of one block: one float32 vector of sums
+constexpr int64_t kGroup = 3;   // blocks one pass reads side by side
+constexpr int64_t kRows = 8;    // input rows of one pass
+
+template <typename T>
+constexpr int64_t pair_width() {
+#if defined(__AVX512BF16__)
+  return std::is_same<T, c10::BFloat16>::value ? 2 : 1;
+#else
+  return 1;
+#endif
+}
+
+// Chains of dependent multiply-adds per sum: enough independent ones to keep the multipliers busy.
+template <int R>
+constexpr int unroll() {
+  return R == 1 ? 4 : (R == 2 ? 2 : 1);
+}
+
+// Stores R x V vectors of sums (output columns n0 + v * kBlock ...) into out rows of stride n.
+template <typename O, int R, int V>
+inline void store_sums(const vf16 (&sums)[R][V], const float* bias, O* out, int64_t n, int64_t n0) {
+  for (int v = 0; v < V; ++v) {
+    const int64_t c0 = n0 + v * kBlock, count = std::min<int64_t>(kBlock, n - c0);
+    if (count <= 0) continue;
+    for (int r = 0; r < R; ++r) {
+      float lanes[kBlock];
+      store16(lanes, sums[r][v]);
+      for (int64_t l = 0; l < count; ++l) out[r * n + c0 + l] = from_f<O>(lanes[l] + (bias ? bias[c0 + l] : 0.0f));
+    }
+  }
+}
+
+// One pass of R input rows (row stride k) over V blocks starting at `tile` (block stride k * kBlock).
+template <typename T, typename O, int R, int V>
+inline void pass(const T* x, int64_t k, const T* tile, const float* bias, O* out, int64_t n, int64_t n0) {
+  constexpr int U = unroll<R>();
+  const int64_t stride = k * kBlock;
+  vf16 acc[U][R][V];
+  for (int u = 0; u < U; ++u)
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < V; ++v) acc[u][r][v] = vf16{};
+  int64_t j = 0;
+  for (; j + U <= k; j += U)
+    for (int u = 0; u < U; ++u) {
+      vf16 wv[V];
+      for (int v = 0; v < V; ++v) wv[v] = load16(tile + v * stride + (j + u) * kBlock);
+      for (int r = 0; r < R; ++r) {
+        const vf16 xb = splat(to_f(x[r * k + j + u]));
+        for (int v = 0; v < V; ++v) acc[u][r][v] = xb * wv[v] + acc[u][r][v];
+      }
+    }
+  for (; j < k; ++j)
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < V; ++v)
+        acc[0][r][v] = splat(to_f(x[r * k + j])) * load16(tile + v * stride + j * kBlock) + acc[0][r][v];
+  vf16 sums[R][V];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) {
+      sums[r][v] = acc[0][r][v];
+      for (int u = 1; u < U; ++u) sums[r][v] += acc[u][r][v];
+    }
+  store_sums<O, R, V>(sums, bias, out, n, n0);
+}
+
+#if defined(__AVX512BF16__)
+// `pass` for bfloat16 rows over a block of bfloat16 pairs (k even): each instruction multiplies one pair of
+// every output's columns by the row's pair and adds both products to the output's float32 sum.
+template <int R, int V>
+inline void pass_pairs(const c10::BFloat16* x, int64_t k, const c10::BFloat16* tile, const float* bias,
+                       c10::BFloat16* out, int64_t n, int64_t n0) {
+  constexpr int U = unroll<R>();
+  const int64_t stride = k * kBlock, pairs = k / 2;
+  const int32_t* xp = reinterpret_cast<const int32_t*>(x);
+  __m512 acc[U][R][V];
+  for (int u = 0; u < U; ++u)
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < V; ++v) acc[u][r][v] = _mm512_setzero_ps();
+  auto step = [&](int u, int64_t p) {
+    __m512bh wv[V];
+    for (int v = 0; v < V; ++v) wv[v] = (__m512bh)_mm512_loadu_si512(tile + v * stride + p * 2 * kBlock);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(xp[r * pairs + p]);
+      for (int v = 0; v < V; ++v) acc[u][r][v] = _mm512_dpbf16_ps(acc[u][r][v], xb, wv[v]);
+    }
+  };
+  int64_t p = 0;
+  for (; p + U <= pairs; p += U)
+    for (int u = 0; u < U; ++u) step(u, p + u);
+  for (; p < pairs; ++p) step(0, p);
+  vf16 sums[R][V];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) {
+      __m512 s = acc[0][r][v];
+      for (int u = 1; u < U; ++u) s = _mm512_add_ps(s, acc[u][r][v]);
+      sums[r][v] = (vf16)s;
+    }
+  store_sums<c10::BFloat16, R, V>(sums, bias, out, n, n0);
+}
+#endif
+
+// R input rows over blocks [b0, b1): kGroup blocks a pass, the last ones one at a time.
+template <typename T, int R>
+void rows_over(const T* x, int64_t k, const T* tiled, const float* bias, T* out, int64_t n, int64_t b0,
+               int64_t b1) {
+  const int64_t stride = k * kBlock;
+  for (int64_t b = b0; b < b1;) {
+    const bool whole = b + kGroup <= b1;
+#if defined(__AVX512BF16__)
+    if constexpr (pair_width<T>() == 2) {
+      if (whole) pass_pairs<R, kGroup>(x, k, tiled + b * stride, bias, out, n, b * kBlock);
+      else pass_pairs<R, 1>(x, k, tiled + b * stride, bias, out, n, b * kBlock);
+      b += whole ? kGroup : 1;
+      continue;
+    }
+#endif
+    if (whole) pass<T, T, R, kGroup>(x, k, tiled + b * stride, bias, out, n, b * kBlock);
+    else pass<T, T, R, 1>(x, k, tiled + b * stride, bias, out, n, b * kBlock);
+    b += whole ? kGroup : 1;
+  }
+}
+
+template <typename T>
+void rows_group(const T* x, int64_t rows, int64_t k, const T* tiled, const float* bias, T* out, int64_t n,
+                int64_t b0, int64_t b1) {
+  switch (rows) {
+    case 1: return rows_over<T, 1>(x, k, tiled, bias, out, n, b0, b1);
+    case 2: return rows_over<T, 2>(x, k, tiled, bias, out, n, b0, b1);
+    case 3: return rows_over<T, 3>(x, k, tiled, bias, out, n, b0, b1);
+    case 4: return rows_over<T, 4>(x, k, tiled, bias, out, n, b0, b1);
+    case 5: return rows_over<T, 5>(x, k, tiled, bias, out, n, b0, b1);
+    case 6: return rows_over<T, 6>(x, k, tiled, bias, out, n, b0, b1);
+    case 7: return rows_over<T, 7>(x, k, tiled, bias, out, n, b0, b1);
+    default: return rows_over<T, 8>(x, k, tiled, bias, out, n, b0, b1);
+  }
+}
+
+template <typename T>
+void tile_into(const T* w, int64_t n, int64_t k, T* tiled) {
+  constexpr int64_t P = pair_width<T>();
+  at::parallel_for(0, n, 64, [&](int64_t r0, int64_t r1) {
+    for (int64_t row = r0; row < r1; ++row) {
+      T* block = tiled + (row / kBlock) * k * kBlock + (row % kBlock) * P;
+      for (int64_t j = 0; j < k; ++j) block[(j / P) * kBlock * P + j % P] = w[row * k + j];
+    }
+  });
+}
+
+}  // namespace
+
+// The weight [N, K] laid out for `tiled_product` (see the file's rules).
+at::Tensor tile_weight(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2, "tile_weight: a [N, K] weight expected");
+  const at::Tensor w = weight.contiguous();
+  const int64_t n = w.size(0), k = w.size(1), blocks = (n + kBlock - 1) / kBlock;
+  at::Tensor tiled;
+  AT_DISPATCH_SWITCH(w.scalar_type(), "hyssm_tile_weight",
+    AT_DISPATCH_CASE(at::kFloat, [&] {
+      tiled = at::zeros({blocks, k, kBlock}, w.options());
+      tile_into(w.data_ptr<float>(), n, k, tiled.data_ptr<float>());
+    })
+    AT_DISPATCH_CASE(at::kBFloat16, [&] {
+      constexpr int64_t P = pair_width<c10::BFloat16>();
+      TORCH_CHECK(k % P == 0, "tile_weight: a bfloat16 weight's input width must be a multiple of ", P);
+      tiled = at::zeros({blocks, k / P, kBlock, P}, w.options());
+      tile_into(w.data_ptr<c10::BFloat16>(), n, k, tiled.data_ptr<c10::BFloat16>());
+    }));
+  return tiled;
+}
+
+// x [M, K] @ weight.T (+ bias) from the weight's `tile_weight` copy; n: the weight's N.
+at::Tensor tiled_product(const at::Tensor& x_in, const at::Tensor& tiled, int64_t n,
+                         const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x_in.dim() == 2, "tiled_product: x [M, K] expected");
+  TORCH_CHECK(tiled.scalar_type() == x_in.scalar_type() && tiled.is_contiguous(),
+              "tiled_product: x and the tiled weight must share a dtype");
+  const at::Tensor x = x_in.contiguous();
+  const int64_t m = x.size(0), k = x.size(1), blocks = tiled.size(0);
+  TORCH_CHECK(tiled.numel() == blocks * k * kBlock && blocks == (n + kBlock - 1) / kBlock,
+              "tiled_product: the tiled weight is not a [", n, ", ", k, "] weight's");
+  at::Tensor bf;
+  if (bias.has_value() && bias->defined()) bf = bias->to(at::kFloat).contiguous();
+  const float* bias_ptr = bf.defined() ? bf.data_ptr<float>() : nullptr;
+  at::Tensor out = at::empty({m, n}, x.options());
+  const int64_t groups = (blocks + kGroup - 1) / kGroup;
+  AT_DISPATCH_SWITCH(x.scalar_type(), "hyssm_tiled_product",
+    AT_DISPATCH_CASE(at::kFloat, [&] {
+      TORCH_CHECK(tiled.dim() == 3, "tiled_product: a float32 tiled weight is [blocks, K, 16]");
+    })
+    AT_DISPATCH_CASE(at::kBFloat16, [&] {
+      TORCH_CHECK(tiled.dim() == 4 && tiled.size(3) == pair_width<c10::BFloat16>(),
+                  "tiled_product: the tiled weight was laid out for another CPU");
+    }));
+  AT_DISPATCH_SWITCH(x.scalar_type(), "hyssm_tiled_product",
+    AT_DISPATCH_CASE(at::kFloat, [&] {
+      at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+        for (int64_t g = g0; g < g1; ++g)
+          for (int64_t r = 0; r < m; r += kRows)
+            rows_group(x.data_ptr<float>() + r * k, std::min(kRows, m - r), k, tiled.data_ptr<float>(), bias_ptr,
+                       out.data_ptr<float>() + r * n, n, g * kGroup, std::min(blocks, (g + 1) * kGroup));
+      });
+    })
+    AT_DISPATCH_CASE(at::kBFloat16, [&] {
+      using B = c10::BFloat16;
+      at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+        for (int64_t g = g0; g < g1; ++g)
+          for (int64_t r = 0; r < m; r += kRows)
+            rows_group(x.data_ptr<B>() + r * k, std::min(kRows, m - r), k, tiled.data_ptr<B>(), bias_ptr,
+                       out.data_ptr<B>() + r * n, n, g * kGroup, std::min(blocks, (g + 1) * kGroup));
+      });
+    }));
+  return out;
+}
+
+}  // namespace hyssm_cpu
+
+TORCH_LIBRARY_IMPL(hyssm_cpu, CPU, m) {
+  m.impl("tile_weight", hyssm_cpu::tile_weight);
+  m.impl("tiled_product", hyssm_cpu::tiled_product);
+}
