@@ -120,12 +120,15 @@ class ExecutionPlan:
 
     def bind(self, model: nn.Module) -> None:
         """Give every product site of `model` its rule (making the copies of its weight that the rule's
-        methods read; a Linear whose rule reads only copies drops its dense weight)."""
+        methods read; a Linear whose rule reads only copies drops its dense weight). A site that cannot
+        hold a copy (an expert stack's, of a shape a Linear shares) takes the rule without copies."""
         for owner, site, weight in product_sites(model):
             key = GemmKey.of(site)
             rule = self.gemms.get(key)
             if rule is None:
                 raise ValueError(f"the execution plan has no rule for {key.label()} products")
+            if not site.packable and any(METHODS[m].storage in COPIES for m in rule.methods):
+                rule = _without_copies(rule)
             methods = tuple(METHODS[m] for m in rule.methods)
             copies = {m.storage: COPIES[m.storage](weight) for m in methods if m.storage in COPIES}
             site.bind(rule.bounds, methods, copies)
@@ -302,6 +305,12 @@ def _picks(timed: list[dict[str, float]], storage: str = "dense") -> list[str]:
             pick = prev
         out.append(pick)
     return out
+
+
+def _without_copies(rule: GemmRule) -> GemmRule:
+    """`rule` for a site that cannot hold a copy of its weight: per bucket the fastest method measured that
+    reads the weight as it is (`dense` where none was)."""
+    return rule_from_buckets(_picks([_own(rule.timings.get(b, {})) for b in ROW_BUCKETS]), rule.timings)
 
 
 def _reads_copy(name: str) -> bool:

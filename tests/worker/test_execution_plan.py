@@ -412,3 +412,28 @@ def test_a_new_build_of_the_fused_kernels_is_measured_again(monkeypatch: pytest.
     before = plan_cache.plan_key(model, "throughput", (1,), 2, "native")
     monkeypatch.setattr(native, "build_digest", lambda: "another-build")
     assert plan_cache.plan_key(model, "throughput", (1,), 2, "native") != before
+
+
+class _TiledFastest(_DenseThenPacked):
+    """A ProductTimer stand-in under which `tiled` is fastest at every row count it serves, `dense` beyond."""
+
+    def __call__(self, method: GemmMethod, rows: int, threads: int) -> dict[GemmKey, float]:
+        fast = "tiled" if rows <= 64 else "dense"
+        return {GemmKey.of(s): 0.5 if method.name == fast else 1.0 for s in self.sites
+                if method.supports(s, torch.device("cpu"))}
+
+
+def test_an_expert_stack_of_a_linears_shape_reads_no_copy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rule is per weight shape, and an expert stack shares a shape with a Linear: the Linear's sites read
+    the tiled copy, the stack (whose copy would hold one expert only) the best method of its own weight."""
+    from tests.worker.util import fixture_dir
+
+    monkeypatch.setattr(plan_cache, "ProductTimer", _TiledFastest)
+    r = ModelRunner(fixture_dir("rope_moe"), kv_slots=96, state_slots=4, plan_cache_dir=tmp_path, thread_options=(1,))
+    sites = [site for _, site, _ in product_sites(r.model)]
+    shared = {site.shape for site in sites if not site.packable} & {site.shape for site in sites if site.packable}
+    assert shared, "the fixture no longer has an expert stack of a Linear's shape"
+    for site in sites:
+        if site.shape in shared:
+            assert ("tiled" in site.storages) == site.packable, (site.shape, site.storages)
+    r.check_integrity()
