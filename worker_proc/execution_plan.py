@@ -120,8 +120,9 @@ class ExecutionPlan:
 
     def bind(self, model: nn.Module) -> None:
         """Give every product site of `model` its rule (making the copies of its weight that the rule's
-        methods read; a Linear whose rule reads only copies drops its dense weight). A site that cannot
-        hold a copy (an expert stack's, of a shape a Linear shares) takes the rule without copies."""
+        methods read; a Linear whose rule reads only copies drops its dense weight, and gets it back from
+        them when bound again). A site that cannot hold a copy (an expert stack's, of a shape a Linear
+        shares) takes the rule without copies."""
         for owner, site, weight in product_sites(model):
             key = GemmKey.of(site)
             rule = self.gemms.get(key)
@@ -130,6 +131,9 @@ class ExecutionPlan:
             if not site.packable and any(METHODS[m].storage in COPIES for m in rule.methods):
                 rule = _without_copies(rule)
             methods = tuple(METHODS[m] for m in rule.methods)
+            if isinstance(owner, Linear) and site.quantized is None and site.copies and weight.numel() == 0:
+                weight = site.dense_from_copies()  # bound before to copies only: the dense weight was dropped
+                owner.weight = nn.Parameter(weight, requires_grad=False)
             copies = {m.storage: COPIES[m.storage](weight) for m in methods if m.storage in COPIES}
             site.bind(rule.bounds, methods, copies)
             if isinstance(owner, Linear) and "dense" not in site.storages:

@@ -142,6 +142,10 @@ def test_a_packed_only_linear_drops_its_dense_weight(dtype: torch.dtype, copy: s
     # a one-row step's floor counts the copy the site reads (the tiled one padded to 32 rows)
     rows_read = 24 if copy == "packed" else 32
     assert weight_bytes([(layer.gemm, layer.weight)]) == rows_read * 40 * dense_w.element_size()
+    # bound again to a rule that reads the dense weight, the layer gets it back from the copy, bit for bit
+    ExecutionPlan("throughput", {key: GemmRule((), ("dense",))}).bind(layer)
+    assert torch.equal(layer.weight, dense_w) and layer.gemm.copies == {}
+    ExecutionPlan("throughput", {key: GemmRule((), (copy,))}).bind(layer)
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     for rows in (1, 3, 100) if copy == "packed" else (1, 3, 9):
         x = torch.randn(rows, 40, generator=G).to(dtype)

@@ -97,6 +97,13 @@ def tile_weight(weight: torch.Tensor) -> TiledWeight:
     return TiledWeight(torch.ops.hyssm_cpu.tile_weight(weight.detach()), weight.shape[0])
 
 
+def untile_weight(tiled: TiledWeight) -> torch.Tensor:
+    """The [out, in] weight a `TiledWeight` was made from ([blocks][in / P][16][P] read back row by row)."""
+    d = tiled.data
+    rows = d.reshape(d.shape[0], d.shape[1], 16, -1).permute(0, 2, 1, 3)
+    return rows.reshape(d.shape[0] * 16, -1)[: tiled.out_features].contiguous()
+
+
 COPIES: dict[str, Callable[[torch.Tensor], object]] = {"packed": pack_weight, "tiled": tile_weight}
 """The storages a site makes from its dense weight when a bound method reads them (a second copy each)."""
 
@@ -332,6 +339,18 @@ class GemmSite:
         weight = stack if self.quantized is not None else stack[expert]
         method = self.method_for(x.shape[0])
         return method.apply(x, weight, self.stored(method, expert), None)
+
+    def dense_from_copies(self) -> torch.Tensor:
+        """The dense weight again, from a copy the site holds (for an owner that dropped its dense weight
+        and is bound anew to a rule that reads it)."""
+        if "tiled" in self.copies:
+            tiled = self.copies["tiled"]
+            assert isinstance(tiled, TiledWeight)
+            return untile_weight(tiled)
+        packed = self.copies.get("packed")
+        if not isinstance(packed, torch.Tensor):
+            raise ValueError("the site holds no copy of its weight to restore the dense weight from")
+        return packed.to_dense()
 
     def weight_bytes(self, weight: torch.Tensor) -> int:
         """Bytes one product reads (one expert's, for a stack)."""
