@@ -91,9 +91,10 @@ _HELP = {
     "quantization": "quantize the weights at load: int8 (per-channel, W8A16 or W8A8, whichever this machine "
     "runs faster), int4 (group-wise W4A16, CPU), fp8 (e4m3, per-channel); default: as the checkpoint is stored",
     "disable_lm_head_quantization": "with --quantization, keep the LM head (and a tied embedding) in the model dtype",
-    "single_weight_copy": "CPU: the measured execution plan keeps one layout of every weight (as stored, or "
-    "oneDNN's packed one: whichever its products lose least with) instead of both where two fit in 1/16 of "
-    "host memory; less memory, slower products at some row counts",
+    "single_weight_copy": "CPU: the measured execution plan keeps one layout of every weight (as stored, "
+    "oneDNN's packed one or the tiled one: whichever its products lose least with) instead of the two or three "
+    "its fastest products read where they fit in 1/16 of host memory; less memory, slower products at some "
+    "row counts",
     "speculative_algorithm": "NGRAM: draft tokens from the request's own prompt and output (prompt lookup); "
     "NEXTN: draft them with the checkpoint's MTP layers (Qwen3-Next, Qwen3.5); either way they are verified in "
     "one step and the recurrent state is rolled back to the last accepted token (default: off)",
