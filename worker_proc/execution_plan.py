@@ -204,8 +204,8 @@ def choose(instances: list[Instance], thread_options: tuple[int, ...], measure: 
     """The measured plan (see the module doc) over these sites. `mixers(rows, threads)`: the seconds of a
     step's recurrent kernels (worker_proc.mixer_timing), added to its products' when threads are chosen.
     Copies of weights: every layout the fastest methods read where `affordable` says the extra bytes are
-    there, else the set of layouts of dense weights that loses least among those that fit (the last
-    option, one layout each, is taken whatever it costs)."""
+    there, else the set of layouts of dense weights that loses least among those that fit, and where none
+    fits the single layout that loses least."""
     counts: dict[GemmKey, int] = {}
     nbytes: dict[GemmKey, int] = {}
     kept: dict[GemmKey, int] = {}  # bytes of dense weights their owners read themselves

@@ -10,8 +10,8 @@
 //   group's kGroup * K * kBlock values are read once per call, up to kRows input rows at a time, the later
 //   row groups reading it from cache;
 // - products accumulate in float32 (bfloat16 pairs: exact products, AVX512-BF16's pair sums), each output
-//   in the order of its input columns (in kUnroll interleaved partial sums where few rows leave the
-//   arithmetic waiting on one chain), and the result is rounded once to the input's dtype.
+//   in the order of its input columns (in up to four interleaved partial sums where few rows leave the
+//   arithmetic waiting on one chain: `unroll`), and the result is rounded once to the input's dtype.
 #include <torch/library.h>
 
 #include "cpu_common.h"
@@ -156,6 +156,20 @@ void rows_group(const T* x, int64_t rows, int64_t k, const T* tiled, const float
   }
 }
 
+// Every input row over every block, the threads taking contiguous ranges of kGroup blocks.
+template <typename T>
+void product(const at::Tensor& x, const at::Tensor& tiled, const float* bias, at::Tensor& out) {
+  const int64_t m = x.size(0), k = x.size(1), n = out.size(1), blocks = tiled.size(0);
+  const T *xp = x.data_ptr<T>(), *tp = tiled.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, (blocks + kGroup - 1) / kGroup, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g)
+      for (int64_t r = 0; r < m; r += kRows)
+        rows_group(xp + r * k, std::min(kRows, m - r), k, tp, bias, op + r * n, n, g * kGroup,
+                   std::min(blocks, (g + 1) * kGroup));
+  });
+}
+
 template <typename T>
 void tile_into(const T* w, int64_t n, int64_t k, T* tiled) {
   constexpr int64_t P = pair_width<T>();
@@ -199,37 +213,16 @@ at::Tensor tiled_product(const at::Tensor& x_in, const at::Tensor& tiled, int64_
   const int64_t m = x.size(0), k = x.size(1), blocks = tiled.size(0);
   TORCH_CHECK(tiled.numel() == blocks * k * kBlock && blocks == (n + kBlock - 1) / kBlock,
               "tiled_product: the tiled weight is not a [", n, ", ", k, "] weight's");
+  const bool pairs = tiled.dim() == 4 && tiled.size(3) == 2;
+  TORCH_CHECK(pairs == (x.scalar_type() == at::kBFloat16 && pair_width<c10::BFloat16>() == 2),
+              "tiled_product: the tiled weight was laid out for another CPU");
   at::Tensor bf;
   if (bias.has_value() && bias->defined()) bf = bias->to(at::kFloat).contiguous();
   const float* bias_ptr = bf.defined() ? bf.data_ptr<float>() : nullptr;
   at::Tensor out = at::empty({m, n}, x.options());
-  const int64_t groups = (blocks + kGroup - 1) / kGroup;
   AT_DISPATCH_SWITCH(x.scalar_type(), "hyssm_tiled_product",
-    AT_DISPATCH_CASE(at::kFloat, [&] {
-      TORCH_CHECK(tiled.dim() == 3, "tiled_product: a float32 tiled weight is [blocks, K, 16]");
-    })
-    AT_DISPATCH_CASE(at::kBFloat16, [&] {
-      TORCH_CHECK(tiled.dim() == 4 && tiled.size(3) == pair_width<c10::BFloat16>(),
-                  "tiled_product: the tiled weight was laid out for another CPU");
-    }));
-  AT_DISPATCH_SWITCH(x.scalar_type(), "hyssm_tiled_product",
-    AT_DISPATCH_CASE(at::kFloat, [&] {
-      at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
-        for (int64_t g = g0; g < g1; ++g)
-          for (int64_t r = 0; r < m; r += kRows)
-            rows_group(x.data_ptr<float>() + r * k, std::min(kRows, m - r), k, tiled.data_ptr<float>(), bias_ptr,
-                       out.data_ptr<float>() + r * n, n, g * kGroup, std::min(blocks, (g + 1) * kGroup));
-      });
-    })
-    AT_DISPATCH_CASE(at::kBFloat16, [&] {
-      using B = c10::BFloat16;
-      at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
-        for (int64_t g = g0; g < g1; ++g)
-          for (int64_t r = 0; r < m; r += kRows)
-            rows_group(x.data_ptr<B>() + r * k, std::min(kRows, m - r), k, tiled.data_ptr<B>(), bias_ptr,
-                       out.data_ptr<B>() + r * n, n, g * kGroup, std::min(blocks, (g + 1) * kGroup));
-      });
-    }));
+    AT_DISPATCH_CASE(at::kFloat, [&] { product<float>(x, tiled, bias_ptr, out); })
+    AT_DISPATCH_CASE(at::kBFloat16, [&] { product<c10::BFloat16>(x, tiled, bias_ptr, out); }));
   return out;
 }
 
