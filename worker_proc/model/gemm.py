@@ -109,7 +109,8 @@ COPIES: dict[str, Callable[[torch.Tensor], object]] = {"packed": pack_weight, "t
 
 
 Kernel = Callable[[torch.Tensor, torch.Tensor, object, "torch.Tensor | None"], torch.Tensor]
-"""(x, the dense weight, the site's stored copy (packed or quantized), bias) -> x @ weight.T + bias."""
+"""(x, the dense weight, what the site stores for the method (a packed or tiled copy, a quantized weight), bias)
+-> x @ weight.T + bias."""
 
 
 def padded_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
