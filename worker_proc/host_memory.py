@@ -89,6 +89,16 @@ mixed traffic brings hundreds of distinct prefill row counts: with the defaults 
 for as long as new row counts come (benchmarks/soak.py shows it). The bound must hold every row
 bucket decode steps use (they stay hot in the LRU) and stay small enough that what an evicted entry
 frees is reused rather than fragmented; a miss costs about one more call of the same GEMM."""
+LEAN_ONEDNN_CACHE_CAPACITY = 16
+"""Entries under `--single-weight-copy`, whose host wants memory back before speed: measuring the plan
+alone leaves each cache full of primitives (each holding its JIT kernels) for row counts and methods
+serving never runs; at this bound those few go too, and what serving uses comes back at one primitive's
+creation per miss."""
+
+
+def onednn_cache_capacity(single_weight_copy: bool) -> int:
+    """The entries each oneDNN primitive cache keeps, by the worker's memory policy."""
+    return LEAN_ONEDNN_CACHE_CAPACITY if single_weight_copy else ONEDNN_CACHE_CAPACITY
 
 
 def bound_onednn_caches(capacity: int = ONEDNN_CACHE_CAPACITY) -> dict[str, str]:

@@ -236,7 +236,9 @@ def measure_plan(model: nn.Module, thread_options: tuple[int, ...], ops: KernelO
     instances = instances_of(model)
     before = torch.get_num_threads()
     cap = DEFAULT_STREAM_BYTES if single_copy else 0
-    timer = ProductTimer(instances, last_level_cache_bytes(), reps=PLAN_REPS, max_stream_bytes=cap)
+    own_only = frozenset(GemmKey.of(s) for s, _ in instances if s.dense_kept) if single_copy else frozenset()
+    timer = ProductTimer(instances, last_level_cache_bytes(), reps=PLAN_REPS, max_stream_bytes=cap,
+                         own_weights_only=own_only)
     t0 = time.perf_counter()
     logger.info("measuring the execution plan: %d product sites, threads %s", len(instances), thread_options)
     try:

@@ -58,9 +58,14 @@ Measure = Callable[[GemmMethod, int, int], dict[GemmKey, float]]
 
 
 class ProductTimer:
-    """Times methods over a model's product sites (see the module doc); a `Measure`."""
+    """Times methods over a model's product sites (see the module doc); a `Measure`.
 
-    def __init__(self, instances: list[Instance], cache_bytes: int, reps: int = 3, max_stream_bytes: int = 0) -> None:
+    `own_weights_only`: keys the plan reads only as their weights are (under `--single-weight-copy`, a
+    shape of a dense weight its owner reads itself, the tied LM head's): methods reading a copy are not
+    timed on them, so no copy of those weights is made."""
+
+    def __init__(self, instances: list[Instance], cache_bytes: int, reps: int = 3, max_stream_bytes: int = 0,
+                 own_weights_only: frozenset[GemmKey] = frozenset()) -> None:
         budget = 2 * cache_bytes if cache_bytes > 0 else DEFAULT_STREAM_BYTES
         if max_stream_bytes > 0:  # the timing copies of a streamed method (packed or tiled ones) stay within it
             budget = min(budget, max_stream_bytes)
@@ -81,6 +86,7 @@ class ProductTimer:
         for site, weight in instances:
             self.first.setdefault(GemmKey.of(site), (site, weight))
         self.reps = reps
+        self.own_weights_only = own_weights_only
         self.copies: dict[tuple[str, int], object] = {}  # (storage, id(weight)) -> a copy made for timing
         self.int8_packed: dict[int, QuantizedWeight] = {}  # id(quantized weight) -> with its packed copy
         self.inputs: dict[tuple[GemmKey, int], torch.Tensor] = {}
@@ -92,8 +98,10 @@ class ProductTimer:
         chosen = self.streamed if streaming else list(self.first.values())
         if method.max_rows and rows > method.max_rows:
             return {}
+        reads_copy = method.storage in COPIES or method.reads_int8_packed
         chosen = [(s, w) for s, w in chosen
-                  if method.supports(s, w.device) and not (s.timed_rows and rows > s.timed_rows)]
+                  if method.supports(s, w.device) and not (s.timed_rows and rows > s.timed_rows)
+                  and not (reads_copy and GemmKey.of(s) in self.own_weights_only)]
         if streaming:
             samples: dict[GemmKey, list[float]] = {}
             for rep in range(self.reps + 1):

@@ -22,7 +22,7 @@ from shared.channels import SCHEDULER_TO_WORKER, TO_LAUNCHER, WORKER_TO_SCHEDULE
 from shared.config import FaultConfig, ServerArgs
 from shared.errors import StartupError
 from shared.messages import ForwardBatch, Heartbeat, ProcReady, Shutdown, StepResult, WorkerReady
-from worker_proc.host_memory import bound_onednn_caches, keep_freed_memory, map_load_blocks
+from worker_proc.host_memory import bound_onednn_caches, keep_freed_memory, map_load_blocks, onednn_cache_capacity
 from worker_proc.numerics import flush_denormals
 from worker_proc.plan_cache import default_cache_dir
 from worker_proc.runtime import ModelRunner
@@ -121,7 +121,8 @@ def run(args: ServerArgs, rank: int) -> None:
             logger.warning("rank %d: this CPU does not flush subnormal floats to zero", rank)
         options = thread_options(args, available_cores())
         torch.set_num_threads(max(options))
-        logger.info("rank %d: oneDNN primitive caches capped: %s", rank, bound_onednn_caches())
+        capacity = onednn_cache_capacity(args.single_weight_copy)
+        logger.info("rank %d: oneDNN primitive caches capped: %s", rank, bound_onednn_caches(capacity))
     loads_mapped = device == "cpu" and map_load_blocks()
     if device.startswith("cuda"):
         torch.cuda.set_device(device)

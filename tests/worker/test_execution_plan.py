@@ -205,6 +205,19 @@ def test_the_real_timer_reports_every_supported_key() -> None:
     assert set(capped(PACKED, 2, 1)) == {A, B} and len(capped.copies) == 2
 
 
+def test_a_shape_read_only_as_it_is_gets_no_timing_copy() -> None:
+    """Under `--single-weight-copy` a shape whose dense weight its owner reads (the tied LM head's) is
+    only ever read as it is: the timer makes no copy of it (one of the head would be its whole size
+    again, twice, while the plan is measured) and still times the methods reading it as it is."""
+    from worker_proc.model.gemm import DENSE, PACKED, TILED
+
+    timer = ProductTimer(_instances(A, B), cache_bytes=1 << 20, reps=1, own_weights_only=frozenset({A}))
+    for method in (PACKED, TILED):
+        assert set(timer(method, 2, 1)) == {B}
+    assert {storage for storage, _ in timer.copies} == {"packed", "tiled"} and len(timer.copies) == 2
+    assert set(timer(DENSE, 2, 1)) == {A, B}
+
+
 def test_a_weight_larger_than_the_stream_budget_leaves_no_shape_untimed() -> None:
     """A model's LM head can alone exceed twice the last-level cache; every other shape is still
     timed at the streamed row counts (untimed, it would run `dense` there whatever is faster)."""
@@ -265,11 +278,13 @@ class _DenseThenPacked:
     two copies of a weight does)."""
 
     made: list[int] = []  # each timer's max_stream_bytes
+    own_only: list[frozenset[GemmKey]] = []  # each timer's own_weights_only
 
     def __init__(self, instances: list[tuple[GemmSite, torch.Tensor]], cache_bytes: int, reps: int = 3,
-                 max_stream_bytes: int = 0) -> None:
+                 max_stream_bytes: int = 0, own_weights_only: frozenset[GemmKey] = frozenset()) -> None:
         self.sites = [site for site, _ in instances]
         self.made.append(max_stream_bytes)
+        self.own_only.append(own_weights_only)
 
     def __call__(self, method: GemmMethod, rows: int, threads: int) -> dict[GemmKey, float]:
         fast = "dense" if rows == 1 else "packed"
@@ -290,6 +305,7 @@ def test_a_single_weight_copy_keeps_one_layout_of_every_weight(tmp_path: Path,
     assert _DenseThenPacked.made[-2:] == [0, DEFAULT_STREAM_BYTES]  # its timing copies are bounded too
     tied = [site for _, site, _ in product_sites(one.model) if site.dense_kept]
     assert len(tied) == 1 and tied[0].storages == {"dense"}  # the embedding reads the dense table anyway
+    assert _DenseThenPacked.own_only[-2:] == [frozenset(), frozenset({GemmKey.of(tied[0])})]  # no copy timed
     for owner, site, weight in product_sites(one.model):
         assert len(site.storages) == 1, site.storages
         assert site.storages == ({"dense"} if site.dense_kept else {"packed"})  # the layout that loses least

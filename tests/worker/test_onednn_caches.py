@@ -54,3 +54,12 @@ def test_a_capacity_set_in_the_environment_is_kept(monkeypatch: pytest.MonkeyPat
     monkeypatch.setenv("LRU_CACHE_CAPACITY", "7")
     monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
     assert bound_onednn_caches(64) == {"LRU_CACHE_CAPACITY": "7", "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "64"}
+
+
+def test_a_single_weight_copy_keeps_fewer_primitives() -> None:
+    """`--single-weight-copy` trades speed for memory: its caches keep fewer entries than the default, yet
+    still more than the seven product shapes of a layer stack's prefill chunk (one entry each)."""
+    from worker_proc.host_memory import ONEDNN_CACHE_CAPACITY, onednn_cache_capacity
+
+    assert onednn_cache_capacity(False) == ONEDNN_CACHE_CAPACITY
+    assert 8 <= onednn_cache_capacity(True) < ONEDNN_CACHE_CAPACITY
