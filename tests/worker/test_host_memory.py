@@ -248,3 +248,23 @@ def test_model_weights_are_built_on_huge_page_storage_with_their_initial_values(
     param = empty_param(2048, 512, dtype=torch.bfloat16, device=torch.device("cpu"))
     assert param.data_ptr() % HUGE_PAGE_BYTES == 0 and not param.requires_grad
     assert empty_param(2048, 512, dtype=torch.bfloat16, device=torch.device("meta")).is_meta
+
+
+def test_a_tiled_copy_of_a_large_weight_lies_on_huge_pages_and_holds_the_weight() -> None:
+    """The tiled copy is what a step of few rows streams instead of the dense weight: it takes the same
+    huge-page storage, and the kernel refuses a buffer that is not the layout's size."""
+    import torch
+
+    from worker_proc.host_memory import HUGE_PAGE_BYTES
+    from worker_proc.kernels import native
+    from worker_proc.model.gemm import tile_weight, untile_weight
+
+    if not native.load():
+        pytest.skip("the native kernels are not built here")
+    weight = torch.randn(1000, 1024)  # 1000 rows: the last block of 16 is padded
+    tiled = tile_weight(weight)
+    assert tiled.data.data_ptr() % HUGE_PAGE_BYTES == 0 and torch.equal(untile_weight(tiled), weight)
+    if _huge_page_mode() in ("always", "madvise"):
+        assert _mapping_kib(tiled.data.data_ptr())["AnonHugePages"] >= HUGE_PAGE_BYTES >> 10
+    with pytest.raises(RuntimeError, match="out must be a contiguous buffer"):
+        torch.ops.hyssm_cpu.tile_weight(weight, torch.empty(1000 * 1024))

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from worker_proc.host_memory import weight_tensor
 from worker_proc.kernels import native
 from worker_proc.model.quantized import (
     FORMATS,
@@ -80,6 +81,10 @@ def packed_product(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | N
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+TILE_ROWS = 16
+"""Output rows per block of a tiled copy (worker_proc/kernels/native/tile_ops.cpp's kBlock)."""
+
+
 @dataclass(frozen=True)
 class TiledWeight:
     """A [out, in] weight in the layout of the fused batched-decode product (blocks of 16 output rows,
@@ -94,14 +99,18 @@ class TiledWeight:
 
 
 def tile_weight(weight: torch.Tensor) -> TiledWeight:
-    return TiledWeight(torch.ops.hyssm_cpu.tile_weight(weight.detach()), weight.shape[0])
+    """The tiled copy, on huge pages where it is large enough (`host_memory.weight_tensor`): a step of few rows
+    streams it whole, as it would the dense weight."""
+    out, k = weight.shape
+    buffer = weight_tensor(((out + TILE_ROWS - 1) // TILE_ROWS * TILE_ROWS * k,), weight.dtype)
+    return TiledWeight(torch.ops.hyssm_cpu.tile_weight(weight.detach(), buffer), out)
 
 
 def untile_weight(tiled: TiledWeight) -> torch.Tensor:
     """The [out, in] weight a `TiledWeight` was made from ([blocks][in / P][16][P] read back row by row)."""
     d = tiled.data
-    rows = d.reshape(d.shape[0], d.shape[1], 16, -1).permute(0, 2, 1, 3)
-    return rows.reshape(d.shape[0] * 16, -1)[: tiled.out_features].contiguous()
+    rows = d.reshape(d.shape[0], d.shape[1], TILE_ROWS, -1).permute(0, 2, 1, 3)
+    return rows.reshape(d.shape[0] * TILE_ROWS, -1)[: tiled.out_features].contiguous()
 
 
 COPIES: dict[str, Callable[[torch.Tensor], object]] = {"packed": pack_weight, "tiled": tile_weight}

@@ -363,7 +363,7 @@ TORCH_LIBRARY(hyssm_cpu, m) {
   m.def("silu_mul(Tensor gu) -> Tensor");
   m.def("gemv(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("gemv_seq(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
-  m.def("tile_weight(Tensor weight) -> Tensor");
+  m.def("tile_weight(Tensor weight, Tensor? out=None) -> Tensor");
   m.def("tiled_product(Tensor x, Tensor tiled, int out_features, Tensor? bias) -> Tensor");
   m.def("attn_decode(Tensor q, Tensor k_pool, Tensor v_pool, Tensor kv_idx, Tensor lengths, float scale) -> Tensor");
   m.def("attn_prefill(Tensor q, Tensor k_pool, Tensor v_pool, Tensor kv_idx, int start, float scale, "

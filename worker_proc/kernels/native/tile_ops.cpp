@@ -183,21 +183,31 @@ void tile_into(const T* w, int64_t n, int64_t k, T* tiled) {
 
 }  // namespace
 
-// The weight [N, K] laid out for `tiled_product` (see the file's rules).
-at::Tensor tile_weight(const at::Tensor& weight) {
+// The weight [N, K] laid out for `tiled_product` (see the file's rules), written into `out` where given (a
+// contiguous buffer of the layout's element count and the weight's dtype, which the caller placed: on huge
+// pages, for a copy streamed every step) and returned as a view of it.
+at::Tensor tile_weight(const at::Tensor& weight, const c10::optional<at::Tensor>& out) {
   TORCH_CHECK(weight.dim() == 2, "tile_weight: a [N, K] weight expected");
   const at::Tensor w = weight.contiguous();
   const int64_t n = w.size(0), k = w.size(1), blocks = (n + kBlock - 1) / kBlock;
+  const bool into = out.has_value() && out->defined();
+  if (into) {
+    TORCH_CHECK(out->is_contiguous() && out->scalar_type() == w.scalar_type() && out->numel() == blocks * k * kBlock,
+                "tile_weight: out must be a contiguous buffer of ", blocks * k * kBlock, " elements of the weight's dtype");
+  }
+  const auto layout = [&](std::vector<int64_t> shape) {
+    return into ? out->view(shape).zero_() : at::zeros(shape, w.options());
+  };
   at::Tensor tiled;
   AT_DISPATCH_SWITCH(w.scalar_type(), "hyssm_tile_weight",
     AT_DISPATCH_CASE(at::kFloat, [&] {
-      tiled = at::zeros({blocks, k, kBlock}, w.options());
+      tiled = layout({blocks, k, kBlock});
       tile_into(w.data_ptr<float>(), n, k, tiled.data_ptr<float>());
     })
     AT_DISPATCH_CASE(at::kBFloat16, [&] {
       constexpr int64_t P = pair_width<c10::BFloat16>();
       TORCH_CHECK(k % P == 0, "tile_weight: a bfloat16 weight's input width must be a multiple of ", P);
-      tiled = at::zeros({blocks, k / P, kBlock, P}, w.options());
+      tiled = layout({blocks, k / P, kBlock, P});
       tile_into(w.data_ptr<c10::BFloat16>(), n, k, tiled.data_ptr<c10::BFloat16>());
     }));
   return tiled;
