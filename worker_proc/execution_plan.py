@@ -11,9 +11,11 @@ the model (`ExecutionPlan.bind`); nothing else changes how a product runs. Rules
   kernels of a step of that many rows take the least time over the whole model. `dense` is kept
   unless another method is more than `MARGIN` faster, and fewer threads unless more are more than
   `MARGIN` faster (timing noise must not buy a second weight copy or a second woken core). Second
-  copies (a dense weight also read packed, a quantized weight's int8 copy) are kept only when all of
-  them together are affordable (worker_proc.host_memory.copy_affordable); else a dense shape keeps
-  the one storage its buckets lose least with and a quantized one its own values only.
+  copies (a dense weight also read packed or tiled, a quantized weight's int8 copy) are kept only when
+  all of them together are affordable (worker_proc.host_memory.copy_affordable); else the dense shapes
+  keep the set of layouts their buckets lose least with among those that fit, a quantized one its own
+  values only, and a weight its owner also reads as stored (a tied LM head) takes the copies its fastest
+  methods read only in the room those layouts leave.
 """
 
 from __future__ import annotations
@@ -57,6 +59,9 @@ MEASURE_ROUNDS = 3
 """Every (rows, threads) figure is the fastest of this many rounds, the thread counts taking turns: the
 worker measures while its sibling processes start, and a burst of theirs must not decide a choice that is
 cached for every later start."""
+CHOICE_REVISION = 2
+"""Part of a cached plan's key: raised whenever the way `choose` turns timings into rules changes, so that a
+plan cached by an older rule is measured again rather than served (a pinned plan is read as it is)."""
 CONTENDER = 2.0
 """A round after the first times again only the methods within this factor of a key's fastest (one slower
 than twice the fastest does not win by a burst that slowed the fastest in the first round)."""
@@ -236,7 +241,8 @@ def choose(instances: list[Instance], thread_options: tuple[int, ...], measure: 
         within = _picks_within(picks, kept, layouts)
         extra = sum(_second_copy_bytes(k, p, counts[k], nbytes[k], kept[k]) for k, p in within.items())
         if extra == 0 or affordable(extra):
-            chosen_picks = within
+            chosen_picks = within if layouts is None else _kept_copies(picks, within, kept, counts, nbytes,
+                                                                       extra, affordable)
             break
     gemms = {key: rule_from_buckets(chosen_picks[key], dict(zip(ROW_BUCKETS, timed, strict=True)))
              for key, timed in picks.items()}
@@ -374,6 +380,31 @@ def _loss(timed: list[dict[str, float]], layouts: frozenset[str]) -> float:
             return float("inf")
         total += min(allowed.values()) / min(t.values()) if t else 1.0
     return total
+
+
+def _kept_copies(picks: dict[GemmKey, list[dict[str, float]]], chosen: dict[GemmKey, list[str]],
+                 kept: dict[GemmKey, int], counts: dict[GemmKey, int], nbytes: dict[GemmKey, int], extra: int,
+                 affordable: Callable[[int], bool]) -> dict[GemmKey, list[str]]:
+    """`chosen` (dense layouts restricted, `extra` bytes of copies) with the weights their owners read
+    themselves (the tied LM head's, read only as stored there) given the copies their fastest methods read,
+    all of them or one, the set that loses least among those still affordable on top of `extra`; the key
+    losing most as stored goes first. A copy of such a weight is a pure addition, so the restricted
+    layouts are chosen without it and it takes only what room they leave."""
+    out = dict(chosen)
+    owned = [k for k in picks if kept[k] and k.storage == "dense"]
+    as_stored = frozenset({"dense"})
+    for key in sorted(owned, key=lambda k: -counts[k] * _loss(picks[k], as_stored)):
+        best = (_loss(picks[key], as_stored), 0, out[key])
+        for copies in (frozenset(COPIES), *(frozenset({c}) for c in COPIES)):
+            layouts = as_stored | copies
+            per_bucket = _picks([_within(t, layouts) for t in picks[key]])
+            more = _second_copy_bytes(key, per_bucket, counts[key], nbytes[key], kept[key])
+            loss = _loss(picks[key], layouts)
+            if more and loss < best[0] and affordable(extra + more):
+                best = (loss, more, per_bucket)
+        out[key] = best[2]
+        extra += best[1]
+    return out
 
 
 def _picks_within(picks: dict[GemmKey, list[dict[str, float]]], kept: dict[GemmKey, int],

@@ -29,6 +29,7 @@ from torch import nn
 
 from shared.errors import ModelLoadError
 from worker_proc.execution_plan import (
+    CHOICE_REVISION,
     MEASURE_ROUNDS,
     ROW_BUCKETS,
     ExecutionPlan,
@@ -91,7 +92,7 @@ def plan_key(model: nn.Module, mode: str, thread_options: tuple[int, ...], cores
             "mode": mode, "methods": [m.name for m in THROUGHPUT_METHODS], "kernels": kernels,
             "native": native.build_digest() if native.load() else "",  # the fused kernels' code is timed too
             "buckets": list(ROW_BUCKETS), "rounds": MEASURE_ROUNDS, "stream_rows": STREAM_ROWS,
-            "weight_storage": WEIGHT_STORAGE,
+            "weight_storage": WEIGHT_STORAGE, "choice": CHOICE_REVISION,
             "shapes": dict(sorted(shapes.items())), "copies": "one" if single_copy else "affordable"}
 
 

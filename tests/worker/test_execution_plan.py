@@ -165,6 +165,34 @@ def test_each_layout_of_a_weight_counts_as_a_copy() -> None:
     assert one.gemms[A].methods == ("packed",)
 
 
+def test_a_weight_its_owner_reads_gets_a_copy_in_the_room_the_layouts_leave() -> None:
+    """A tied LM head keeps its dense weight for the embedding whatever the plan does, so a copy of it is a
+    pure addition: the dense layouts are chosen first, then the head takes the copy its fastest methods
+    read where that still fits (the one copy that loses least when both do not), and none where it does
+    not."""
+    head = GemmKey(128, 32, "float32")
+
+    def measure(method: GemmMethod, rows: int, threads: int) -> dict[GemmKey, float]:
+        fast = "dense" if rows == 1 else ("tiled" if rows <= 32 else "packed")
+        if method.name not in ("dense", "tiled", "packed") or method.name == "tiled" and rows > 64:
+            return {}
+        return {k: 0.5 if method.name == fast else (0.8 if method.name == "tiled" else 1.0) for k in (A, head)}
+
+    instances = _instances(A, head)
+    instances[1][0].dense_kept = True
+    copy_a, copy_head = A.out_features * A.in_features * 4, head.out_features * head.in_features * 4
+    # A's pair (tiled + packed: one copy more than its weight) leaves room for one copy of the head only
+    plan = choose(instances, (1,), measure, lambda n: n <= copy_a + copy_head)
+    assert plan.gemms[A].methods == ("tiled", "packed")
+    assert set(plan.gemms[head].methods) == {"dense", "tiled"}  # tiled loses 1.6x past 32 rows, packed 2x up to 32
+    # room for both copies of the head: it reads every layout, as where all copies fit
+    both = choose(instances, (1,), measure, lambda n: n <= copy_a + 2 * copy_head)
+    assert both.gemms[head].methods == ("dense", "tiled", "packed")
+    # no room beyond A's pair: the head is read as stored
+    bare = choose(instances, (1,), measure, lambda n: n <= copy_a)
+    assert bare.gemms[head].methods == ("dense",) and bare.gemms[A].methods == ("tiled", "packed")
+
+
 def test_an_int4_weights_int8_copy_is_a_second_copy_that_needs_the_memory() -> None:
     """torch's 4-bit product costs one pass over the weight per row; the int8 copy's wins from 4 rows up
     when the memory for it is there, and is never made when it is not."""
