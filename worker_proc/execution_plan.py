@@ -29,10 +29,10 @@ import torch
 from torch import nn
 
 from worker_proc.kernels.select import KernelChoice
+from worker_proc.method_choice import MARGIN, SWITCH_MARGIN, choose_methods, methods_by_bucket, own_methods
 from worker_proc.model.gemm import (
     ACCELERATOR,
     COPIES,
-    DENSE,
     DEQUANT,
     DETERMINISTIC,
     METHODS,
@@ -50,11 +50,6 @@ ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 """Row counts the plan measures: decode batches up to 64 rows, prefill steps up to the default chunk (512).
 A library product's cost is not linear between them (a dense bfloat16 product of 128 rows can cost what
 one of 256 does: oneDNN reorders the weight on every call), so each size a step commonly has is its own."""
-MARGIN = 0.03
-SWITCH_MARGIN = 0.05
-"""A product keeps the method of the next smaller row bucket unless another is more than this much faster,
-and a step its thread count likewise: two choices a few percent apart trade places from one timing to the
-next, and a rule that flips between them at every bucket is noise, not a measurement."""
 MEASURE_ROUNDS = 3
 """Every (rows, threads) figure is the fastest of this many rounds, the thread counts taking turns: the
 worker measures while its sibling processes start, and a burst of theirs must not decide a choice that is
@@ -219,7 +214,7 @@ def choose(instances: list[Instance], thread_options: tuple[int, ...], measure: 
         counts[key] = counts.get(key, 0) + 1
         nbytes[key] = nbytes.get(key, 0) + site.weight_bytes(weight)
         kept[key] = kept.get(key, 0) + (site.weight_bytes(weight) if site.dense_kept else 0)
-    picks: dict[GemmKey, list[dict[str, float]]] = {k: [] for k in counts}
+    timings: dict[GemmKey, list[dict[str, float]]] = {k: [] for k in counts}
     threads: list[int] = []
     for rows in ROW_BUCKETS:
         by_threads, mixer_s = _timed_rounds(measure, mixers, rows, thread_options)
@@ -230,22 +225,13 @@ def choose(instances: list[Instance], thread_options: tuple[int, ...], measure: 
         best = min(thread_options, key=lambda t: (totals[t], t))
         chosen = min((t for t in thread_options if totals[t] <= totals[best] * (1 + MARGIN)), default=best)
         if threads and totals[threads[-1]] <= totals[best] * (1 + SWITCH_MARGIN):
-            chosen = threads[-1]  # as a product keeps its method (`_picks`)
+            chosen = threads[-1]  # as a product keeps its method (`method_choice.methods_by_bucket`)
         threads.append(chosen)
         for key in counts:  # a bucket past the key's timed rows takes the largest bucket timed
-            picks[key].append(by_threads[chosen].get(key) or (picks[key][-1] if picks[key] else {}))
-    options = _layout_options({k: t for k, t in picks.items() if not kept[k]}, counts)  # fastest first
-    singles = [o for o in options if o is not None and len(o) == 1]
-    chosen_picks = _picks_within(picks, kept, singles[0] if singles else None)  # where no option fits
-    for layouts in options:
-        within = _picks_within(picks, kept, layouts)
-        extra = sum(_second_copy_bytes(k, p, counts[k], nbytes[k], kept[k]) for k, p in within.items())
-        if extra == 0 or affordable(extra):
-            chosen_picks = within if layouts is None else _kept_copies(picks, within, kept, counts, nbytes,
-                                                                       extra, affordable)
-            break
-    gemms = {key: rule_from_buckets(chosen_picks[key], dict(zip(ROW_BUCKETS, timed, strict=True)))
-             for key, timed in picks.items()}
+            timings[key].append(by_threads[chosen].get(key) or (timings[key][-1] if timings[key] else {}))
+    methods = choose_methods(timings, counts, nbytes, kept, affordable)
+    gemms = {key: rule_from_buckets(methods[key], dict(zip(ROW_BUCKETS, timed, strict=True)))
+             for key, timed in timings.items()}
     rule: list[tuple[int, int]] = []
     for bucket, n in zip(ROW_BUCKETS, threads, strict=True):
         if rule and rule[-1][1] == n:
@@ -293,130 +279,8 @@ def _timed(measure: Measure, rows: int, threads: int, only: set[str] | None = No
     return out
 
 
-def _pick(timed: dict[str, float], storage: str = "dense") -> str:
-    """The fastest method, `dense` unless another beats it by more than MARGIN (nothing measured: the
-    storage's reference product)."""
-    if not timed:
-        return DENSE.name if storage == "dense" else DEQUANT[storage].name
-    best = min(timed, key=lambda m: timed[m])
-    if DENSE.name in timed and timed[DENSE.name] <= timed[best] * (1 + MARGIN):
-        return DENSE.name
-    return best
-
-
-def _picks(timed: list[dict[str, float]], storage: str = "dense") -> list[str]:
-    """`_pick` of each bucket in turn, a bucket keeping the previous bucket's method while that is within
-    SWITCH_MARGIN of its fastest."""
-    out: list[str] = []
-    for t in timed:
-        pick = _pick(t, storage)
-        prev = out[-1] if out else None
-        if prev is not None and pick != DENSE.name and prev in t and t[prev] <= min(t.values()) * (1 + SWITCH_MARGIN):
-            pick = prev
-        out.append(pick)
-    return out
-
-
 def _without_copies(rule: GemmRule) -> GemmRule:
     """`rule` for a site that cannot hold a copy of its weight: per bucket the fastest method measured that
     reads the weight as it is (`dense` where none was)."""
-    return rule_from_buckets(_picks([_own(rule.timings.get(b, {})) for b in ROW_BUCKETS]), rule.timings)
-
-
-def _reads_copy(name: str) -> bool:
-    """The method reads a second copy of the weight (one of `COPIES`, or a quantized weight's int8 copy)."""
-    method = METHODS[name]
-    return method.storage in COPIES or method.reads_int8_packed
-
-
-def _own(timed: dict[str, float]) -> dict[str, float]:
-    return {m: s for m, s in timed.items() if not _reads_copy(m)}
-
-
-def _second_copy_bytes(key: GemmKey, per_bucket: list[str], count: int, nbytes: int, kept: int = 0) -> int:
-    """Bytes these picks hold beyond one copy of the key's weights: a dense weight read as it is and as
-    each of `COPIES` its methods read (a site reading only copies drops its dense weight unless its owner
-    reads it: `kept` bytes), or a quantized weight's int8 copy (one byte per weight; the values stay)."""
-    if key.storage == "dense":
-        storages = {METHODS[m].storage for m in per_bucket}
-        copies = len(storages & set(COPIES))
-        if "dense" in storages:
-            return nbytes * copies
-        return nbytes * max(copies - 1, 0) + (kept if copies else 0)
-    return count * key.out_features * key.in_features if any(_reads_copy(m) for m in per_bucket) else 0
-
-
-Layouts = frozenset[str] | None
-"""The storages dense weights may be read from (None: whatever the fastest methods read, a quantized
-weight's int8 copy included; a set: only those, and no quantized weight's copy nor a copy of a weight
-its owner reads itself)."""
-
-
-def _layout_options(picks: dict[GemmKey, list[dict[str, float]]], counts: dict[GemmKey, int]) -> list[Layouts]:
-    """None, then every smaller set of the dense layouts that serves every dense key's buckets: sets of more
-    layouts before sets of fewer, each size ordered by the step time it loses (`_loss`)."""
-    names = ("dense", *COPIES)
-    dense = {k: t for k, t in picks.items() if k.storage == "dense"}
-    options: list[tuple[int, float, frozenset[str]]] = []
-    for mask in range(1, 2 ** len(names) - 1):
-        layouts = frozenset(n for i, n in enumerate(names) if mask >> i & 1)
-        loss = sum(counts[k] * _loss(t, layouts) for k, t in dense.items())
-        if loss < float("inf"):
-            options.append((-len(layouts), loss, layouts))
-    return [None, *(o[2] for o in sorted(options, key=lambda o: (o[0], o[1], sorted(o[2]))))]
-
-
-def _within(timed: dict[str, float], layouts: frozenset[str]) -> dict[str, float]:
-    return {m: s for m, s in timed.items() if METHODS[m].storage in layouts}
-
-
-def _loss(timed: list[dict[str, float]], layouts: frozenset[str]) -> float:
-    """How much slower, summed over the buckets, the fastest methods reading only these layouts are than the
-    fastest of all (inf: a bucket none of them serves)."""
-    total = 0.0
-    for t in timed:
-        allowed = _within(t, layouts)
-        if t and not allowed:
-            return float("inf")
-        total += min(allowed.values()) / min(t.values()) if t else 1.0
-    return total
-
-
-def _kept_copies(picks: dict[GemmKey, list[dict[str, float]]], chosen: dict[GemmKey, list[str]],
-                 kept: dict[GemmKey, int], counts: dict[GemmKey, int], nbytes: dict[GemmKey, int], extra: int,
-                 affordable: Callable[[int], bool]) -> dict[GemmKey, list[str]]:
-    """`chosen` (dense layouts restricted, `extra` bytes of copies) with the weights their owners read
-    themselves (the tied LM head's, read only as stored there) given the copies their fastest methods read,
-    all of them or one, the set that loses least among those still affordable on top of `extra`; the key
-    losing most as stored goes first. A copy of such a weight is a pure addition, so the restricted
-    layouts are chosen without it and it takes only what room they leave."""
-    out = dict(chosen)
-    owned = [k for k in picks if kept[k] and k.storage == "dense"]
-    as_stored = frozenset({"dense"})
-    for key in sorted(owned, key=lambda k: -counts[k] * _loss(picks[k], as_stored)):
-        best = (_loss(picks[key], as_stored), 0, out[key])
-        for copies in (frozenset(COPIES), *(frozenset({c}) for c in COPIES)):
-            layouts = as_stored | copies
-            per_bucket = _picks([_within(t, layouts) for t in picks[key]])
-            more = _second_copy_bytes(key, per_bucket, counts[key], nbytes[key], kept[key])
-            loss = _loss(picks[key], layouts)
-            if more and loss < best[0] and affordable(extra + more):
-                best = (loss, more, per_bucket)
-        out[key] = best[2]
-        extra += best[1]
-    return out
-
-
-def _picks_within(picks: dict[GemmKey, list[dict[str, float]]], kept: dict[GemmKey, int],
-                  layouts: Layouts) -> dict[GemmKey, list[str]]:
-    """Each key's per-bucket methods reading only `layouts` (see `Layouts`); a dense weight its owner reads
-    itself (`kept` bytes) is then read only as it is."""
-    out = {}
-    for key, timed in picks.items():
-        if layouts is None:
-            out[key] = _picks(timed, key.storage)
-        elif key.storage == "dense" and not kept[key]:
-            out[key] = _picks([_within(t, layouts) for t in timed])
-        else:
-            out[key] = [_pick(_own(t), key.storage) for t in timed]
-    return out
+    per_bucket = methods_by_bucket([own_methods(rule.timings.get(b, {})) for b in ROW_BUCKETS])
+    return rule_from_buckets(per_bucket, rule.timings)
