@@ -91,7 +91,9 @@ def test_partition_mid_generation(hosts: HostPair) -> None:
     then [DONE], or a 503 JSON body) within the watchdog, node 0 exits non-zero (its watchdog),
     node 1 exits non-zero (its ranks' collectives time out and node 0 is silent), and no process
     is left in either namespace."""
-    node0, node1 = start_nodes(hosts, ["--watchdog-timeout", str(WATCHDOG_S)])
+    # the fixed plan of the deterministic mode: two ranks on one host measuring their plans at once each
+    # see the other as contention and measure again, which can outlast the start-up wait
+    node0, node1 = start_nodes(hosts, [*DETERMINISTIC, "--watchdog-timeout", str(WATCHDOG_S)])
     try:
         started = threading.Semaphore(0)
         clients = [LongRequest(node0.url, stream=i % 2 == 0, started=started) for i in range(8)]
