@@ -172,7 +172,7 @@ def plan_for(model: nn.Module, device: torch.device, *, deterministic: bool, thr
             return read_plan(path, f"cached {path}")
         except (OSError, ValueError) as e:
             logger.warning("ignoring the cached execution plan %s (%s): measuring again", path, e)
-    plan, quiet = measure_quietly(model, options, ops, single_copy)
+    plan, quiet = measure_quietly(model, options, ops, single_copy, cores)
     if path is not None and not quiet:
         logger.warning("the execution plan was measured while other processes kept the CPU busy: it is not "
                        "saved, and the next start measures again")
@@ -202,6 +202,15 @@ hold a slower step on every later start."""
 MEASURE_ATTEMPTS = 3
 
 
+def contended(others_cores: float, thread_options: tuple[int, ...], cores: int) -> bool:
+    """Whether other processes' average load (`others_cores`, in cores) during a measurement took from the
+    cores this rank measures on: load up to the cores past its largest thread count (another rank's share,
+    on a node that runs several ranks measuring at once) takes none of them; past that, CONTENDED_CORES is
+    the noise allowed. `cores`: the cores the rank may run on (0: unknown, then all load counts)."""
+    spare = max(0, cores - max(thread_options, default=1)) if cores > 0 else 0
+    return others_cores > spare + CONTENDED_CORES
+
+
 def cpu_busy_seconds() -> tuple[float, float]:
     """(seconds every CPU of the machine spent busy, including time the hypervisor took; seconds this
     process ran), both since boot; (0, 0) where /proc/stat cannot be read."""
@@ -216,16 +225,16 @@ def cpu_busy_seconds() -> tuple[float, float]:
 
 
 def measure_quietly(model: nn.Module, thread_options: tuple[int, ...], ops: KernelOps | None = None,
-                    single_copy: bool = False) -> tuple[ExecutionPlan, bool]:
-    """`measure_plan`, again while other processes kept more than CONTENDED_CORES busy during it (at most
-    MEASURE_ATTEMPTS times); the flag says whether the last measurement was quiet."""
+                    single_copy: bool = False, cores: int = 0) -> tuple[ExecutionPlan, bool]:
+    """`measure_plan`, again while other processes' load was `contended` (at most MEASURE_ATTEMPTS times);
+    the flag says whether the last measurement was quiet."""
     for attempt in range(1, MEASURE_ATTEMPTS + 1):
         busy0, own0 = cpu_busy_seconds()
         t0 = time.perf_counter()
         plan = measure_plan(model, thread_options, ops, single_copy)
         busy1, own1 = cpu_busy_seconds()
         others = max(0.0, (busy1 - busy0) - (own1 - own0)) / max(time.perf_counter() - t0, 1e-9)
-        if others <= CONTENDED_CORES:
+        if not contended(others, thread_options, cores):
             return plan, True
         logger.info("other processes kept %.2f cores busy while the plan was measured (attempt %d of %d)",
                     others, attempt, MEASURE_ATTEMPTS)

@@ -264,6 +264,16 @@ def _quiet_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(plan_cache, "cpu_busy_seconds", lambda: (0.0, 0.0))
 
 
+def test_a_sibling_ranks_load_past_this_ranks_share_is_no_contention() -> None:
+    """Two ranks of a 4-core node measure their plans at once on 2 threads each: the other rank keeping its
+    2 cores busy takes none of this rank's, so the plan is kept; the same load against a rank measuring on
+    every core, or on 3 of 4, is contention. Noise under a fifth of a core is never contention."""
+    assert not plan_cache.contended(2.0, (1, 2), cores=4)
+    assert plan_cache.contended(2.0, (1, 4), cores=4) and plan_cache.contended(2.0, (1, 3), cores=4)
+    assert not plan_cache.contended(0.1, (1, 4), cores=4) and plan_cache.contended(0.3, (1, 4), cores=4)
+    assert plan_cache.contended(1.0, (1,), cores=0)  # cores unknown: all load counts
+
+
 def test_a_plan_measured_while_other_processes_ran_is_measured_again_and_never_saved(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     measured: list[int] = []
