@@ -65,14 +65,8 @@ def methods_by_bucket(timed: list[dict[str, float]], storage: str = "dense") -> 
     return out
 
 
-def reads_copy(name: str) -> bool:
-    """The method reads a second copy of the weight (one of `COPIES`, or a quantized weight's int8 copy)."""
-    method = METHODS[name]
-    return method.storage in COPIES or method.reads_int8_packed
-
-
 def own_methods(timed: dict[str, float]) -> dict[str, float]:
-    return {m: s for m, s in timed.items() if not reads_copy(m)}
+    return {m: s for m, s in timed.items() if not METHODS[m].reads_copy}
 
 
 def second_copy_bytes(key: GemmKey, per_bucket: list[str], count: int, nbytes: int, kept: int = 0) -> int:
@@ -85,7 +79,7 @@ def second_copy_bytes(key: GemmKey, per_bucket: list[str], count: int, nbytes: i
         if "dense" in storages:
             return nbytes * copies
         return nbytes * max(copies - 1, 0) + (kept if copies else 0)
-    return count * key.out_features * key.in_features if any(reads_copy(m) for m in per_bucket) else 0
+    return count * key.out_features * key.in_features if any(METHODS[m].reads_copy for m in per_bucket) else 0
 
 
 Layouts = frozenset[str] | None

@@ -196,7 +196,8 @@ PLAN_REPS = 2
 
 CONTENDED_CORES = 0.2
 """Other processes (the server's own siblings starting, another tenant) busy on this much of a core on
-average while the plan is measured make its figures untrustworthy: a product on two threads waits for a
+average beyond the cores outside the rank's share (`contended`) while the plan is measured make its
+figures untrustworthy: a product on two threads waits for a
 preempted one, so fewer threads look faster than they are, and a plan cached from such a start would
 hold a slower step on every later start."""
 MEASURE_ATTEMPTS = 3

@@ -98,10 +98,9 @@ class ProductTimer:
         chosen = self.streamed if streaming else list(self.first.values())
         if method.max_rows and rows > method.max_rows:
             return {}
-        reads_copy = method.storage in COPIES or method.reads_int8_packed
         chosen = [(s, w) for s, w in chosen
                   if method.supports(s, w.device) and not (s.timed_rows and rows > s.timed_rows)
-                  and not (reads_copy and GemmKey.of(s) in self.own_weights_only)]
+                  and not (method.reads_copy and GemmKey.of(s) in self.own_weights_only)]
         if streaming:
             samples: dict[GemmKey, list[float]] = {}
             for rep in range(self.reps + 1):

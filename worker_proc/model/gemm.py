@@ -202,6 +202,11 @@ class GemmMethod:
     max_rows: int = 0
     """The most rows it is offered for (0: any): a few-row product is not timed against prefill steps."""
 
+    @property
+    def reads_copy(self) -> bool:
+        """It reads a second copy of the weight (one of `COPIES`, or a quantized weight's int8 copy)."""
+        return self.storage in COPIES or self.reads_int8_packed
+
     def supports(self, site: GemmSite, device: torch.device) -> bool:
         if device.type not in self.devices or self.dtypes and site.dtype not in self.dtypes:
             return False
