@@ -79,6 +79,7 @@ class ServerArgs:
     cpu_threads: int = 0  # torch threads per worker rank on CPU; 0 = measured per step size within the share
     execution_plan: str = ""  # a plan file to run instead of measuring one (worker_proc/plan_cache.py)
     single_weight_copy: bool = False  # the measured plan keeps one layout of every weight (less memory)
+    enforce_eager: bool = False  # every step runs the model's Python; no recorded decode step is replayed
     execution_plan_cache: str = ""  # where measured plans are kept; "" = $XDG_CACHE_HOME/hyssm; "none" = nowhere
     random_seed: int = 0
     log_level: str = "info"

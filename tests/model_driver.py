@@ -19,7 +19,7 @@ def _run_logits(runner: ModelRunner, batch: ForwardBatch, all_rows: bool) -> tup
     try:
         sb = runner.build_batch(list(batch.reqs), batch.step, all_rows)
         runner.apply_state_ops(batch)
-        logits = runner.model.forward_step(sb, runner.pools, runner.ops) if batch.reqs else torch.zeros(0)
+        logits = runner.forward(sb) if batch.reqs else torch.zeros(0)
     except BaseException:
         runner.kv_mirror.clear()
         raise

@@ -147,6 +147,7 @@ def run(args: ServerArgs, rank: int) -> None:
         thread_options=options,
         execution_plan=args.execution_plan,
         single_weight_copy=args.single_weight_copy,
+        enforce_eager=args.enforce_eager,
         quantization=args.quantization,
         quantize_lm_head=not args.disable_lm_head_quantization,
         speculative_algorithm=args.speculative_algorithm,

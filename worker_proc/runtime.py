@@ -26,7 +26,7 @@ from shared.heap import release_free_heap
 from shared.messages import ForwardBatch, ReqSlice, StepResult
 from shared.model_info import ModelInfo
 from worker_proc import speculative
-from worker_proc.execution_plan import product_sites
+from worker_proc.execution_plan import ExecutionPlan, product_sites
 from worker_proc.grammar import GrammarRuntime
 from worker_proc.kernels.select import choose_kernels
 from worker_proc.loader import checkpoint_quantization, load_model
@@ -46,6 +46,7 @@ from worker_proc.pools import (
 from worker_proc.prequant_config import check_requested
 from worker_proc.quantization import QuantScheme, quantize_model
 from worker_proc.sampling import SampleRequest, greedy_params, sample, top_logprobs
+from worker_proc.step_replay import StepReplays
 from worker_proc.threads import available_cores
 
 logger = logging.getLogger(__name__)
@@ -83,6 +84,7 @@ class ModelRunner:
         quantization: str = "",
         quantize_lm_head: bool = True,
         speculative_algorithm: str = "",
+        enforce_eager: bool = False,
     ) -> None:
         self.model_info = ModelInfo.from_dir(model_dir)
         self.device = torch.device(device)
@@ -143,6 +145,8 @@ class ModelRunner:
                     sb.state_slot, sb.kv_token)
         self.drafter = MtpDrafter(self.model, kv) if with_mtp else None
         self.ops = kernel_choice.build()
+        # decode steps replay their recorded calls where the rules of worker_proc.step_replay allow
+        self.replays = StepReplays(not enforce_eager and tp_size == 1 and kernel_choice.ops == "native")
         self.kv_mirror = KVSlotMirror()  # slot lists of the last batch run (ReqSlice.kv_reuse)
         self.grammars = GrammarRuntime(model_dir, self.model_info.vocab_size, self.model_info.eos_token_ids)
 
@@ -165,7 +169,7 @@ class ModelRunner:
                 speculative.back_up(self.pools, reqs)
                 hidden = None
                 if self.drafter is None:
-                    logits = self.model.forward_step(sb, self.pools, self.ops, want_logits=sampler)
+                    logits = self.forward(sb, want_logits=sampler)
                 else:  # the MTP layers read the final-normed hidden state of every row
                     h = self.model.run_layers(sb, self.pools, self.ops)
                     final_norm = self.model.model.norm
@@ -187,6 +191,18 @@ class ModelRunner:
             **sampled,
             elapsed_s=time.perf_counter() - t0,
         )
+
+    def forward(self, sb: StepBatch, want_logits: bool = True) -> torch.Tensor:
+        """The model's forward over `sb` (float32 logits of its logit rows), replayed where a program of
+        worker_proc.step_replay may run it."""
+        return self.replays.forward(sb, want_logits,
+                                    lambda: self.model.forward_step(sb, self.pools, self.ops, want_logits=want_logits))
+
+    def bind_plan(self, plan: ExecutionPlan) -> None:
+        """Bind `plan` to the model (the one place a runner's model is bound): the recorded steps, which
+        hold the weights as bound before, are dropped."""
+        plan.bind(self.model)
+        self.replays.clear()
 
     def _after_sampling(self, sb: StepBatch, reqs: list[ReqSlice], sampled: dict[str, Any],
                         hidden: torch.Tensor | None) -> None:  # fmt: skip

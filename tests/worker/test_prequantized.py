@@ -125,7 +125,7 @@ def test_the_checkpoint_gives_transformers_dequantized_model(name: str, checkpoi
     r.check_integrity()
     measured = _prompt_logits(r, prompt)
     measured_methods = {id(site): site.methods for _, site, _ in product_sites(r.model)}
-    fixed_plan(r.model, REFERENCE).bind(r.model)
+    r.bind_plan(fixed_plan(r.model, REFERENCE))
     got = _prompt_logits(r, prompt)
     err = float((got - ck["logits"]).abs().max())
     assert err <= TOL, f"{name}: logits {err:.2e} from transformers'"
@@ -148,7 +148,7 @@ def _rank_logits(rank: int, size: int, group: Any, jobs: list[tuple[str, str, li
     for name, path, prompt in jobs:
         r = ModelRunner(path, dtype="float32", kv_slots=len(prompt) + N_NEW + 2, state_slots=4, tp_rank=rank,
                         tp_size=size, tp_group=group)
-        fixed_plan(r.model, REFERENCE).bind(r.model)
+        r.bind_plan(fixed_plan(r.model, REFERENCE))
         out[name] = (_prompt_logits(r, prompt).numpy(), _greedy(r, prompt))
     return out
 

@@ -40,7 +40,7 @@ def _plan_and_reference(r: ModelRunner, prompt: list[int], fmt: str) -> tuple[to
     assert {m.storage for _, site, _ in product_sites(r.model) for m in site.methods} <= allowed
     got = _prompt_logits(r, prompt)
     r.check_integrity()
-    fixed_plan(r.model, REFERENCE).bind(r.model)
+    r.bind_plan(fixed_plan(r.model, REFERENCE))
     return got, _prompt_logits(r, prompt)
 
 

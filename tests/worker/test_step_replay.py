@@ -1,0 +1,126 @@
+"""Replayed decode steps (worker_proc.step_replay): for every family a replayed step gives the logits and
+leaves the state of the step run as written, bitwise; a recording whose Python reads tensor values or
+decides differently from one step to the next is never replayed; a program repeats its calls on new
+inputs (registers, fixed tensors, lists, numbers)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shared.messages import ReqSlice
+from tests.model_driver import forward_logits
+from tests.worker.util import ALL_FIXTURES, GDN_FIXTURES, batch, req, runner
+from worker_proc.kernels import native
+from worker_proc.runtime import ModelRunner
+from worker_proc.step_replay import Recorder, StepReplays, _Program
+
+pytestmark = pytest.mark.skipif(not native.load(), reason="no native kernels on this machine")
+
+DECODE_STEPS = 6
+# routing reads the router's choices into Python, the Gated DeltaNet step its state slots
+AS_WRITTEN = {"rope_moe", "nemotron_h_moe", *GDN_FIXTURES}
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 300, (n,), generator=g).tolist()
+
+
+def _decode(r: ModelRunner, rows: int) -> list[dict[str, torch.Tensor]]:
+    """`rows` requests prefilled, then decoded together for DECODE_STEPS steps: each step's logits."""
+    prompts = [_prompt(i, 70 + 3 * i) for i in range(rows)]
+    kv = [list(range(1 + 100 * i, 1 + 100 * i + len(p) + DECODE_STEPS)) for i, p in enumerate(prompts)]
+    for i, p in enumerate(prompts):
+        forward_logits(r, batch(i, [req(f"r{i}", p, 0, kv[i][: len(p)], i + 1)], clears=[i + 1]))
+    out = []
+    for s in range(DECODE_STEPS):
+        slices: list[ReqSlice] = []
+        for i, p in enumerate(prompts):
+            n = len(p) + s
+            slices.append(req(f"r{i}", [(7 * n + i) % 250 + 3], n, kv[i][: n + 1], i + 1))
+        out.append(forward_logits(r, batch(10 + s, slices)))
+    return out
+
+
+@pytest.mark.parametrize("name", [*ALL_FIXTURES, *GDN_FIXTURES])
+def test_replayed_decode_equals_eager(name: str) -> None:
+    eager = runner(name, kv_slots=400, enforce_eager=True)
+    replayed = runner(name, kv_slots=400)
+    assert not eager.replays.enabled and replayed.replays.enabled
+    for rows in (1, 3):
+        want, got = _decode(eager, rows), _decode(replayed, rows)
+        for step, (w, g) in enumerate(zip(want, got, strict=True)):
+            for rid in w:
+                assert torch.equal(g[rid], w[rid]), (rows, step, rid)
+    for pool, t in eager.pools.states.items():
+        assert torch.equal(replayed.pools.states[pool], t), pool
+    for a, b in zip(eager.pools.k + eager.pools.v, replayed.pools.k + replayed.pools.v, strict=True):
+        assert torch.equal(a, b)
+    # two decode batch sizes, each recorded twice and replayed from then on
+    assert replayed.replays.replayed == (0 if name in AS_WRITTEN else 2 * (DECODE_STEPS - 2))
+    refusals = replayed.replays.refusals()
+    assert (len(refusals) == 2) == (name in AS_WRITTEN), refusals
+
+
+def test_rebinding_the_plan_drops_the_programs() -> None:
+    r = runner("nope_groups2", kv_slots=400)
+    _decode(r, 1)
+    assert r.replays.programs() == 1
+    r.bind_plan(r.plan)
+    assert r.replays.programs() == 0
+
+
+def _record(fn, inputs: list[torch.Tensor]) -> Recorder:  # type: ignore[no-untyped-def]
+    recorder = Recorder(inputs)
+    with torch.inference_mode(), recorder:
+        recorder.result = fn(*inputs)  # type: ignore[attr-defined]
+    return recorder
+
+
+def _program(recorder: Recorder, inputs: int) -> _Program:
+    out = recorder.register_of(recorder.result)  # type: ignore[attr-defined]
+    assert out is not None and not recorder.refusal
+    return _Program.build(recorder.calls, out, inputs)
+
+
+def test_program_repeats_its_calls_on_new_inputs() -> None:
+    weight = torch.randn(5, 4)
+    rows = torch.tensor([2, 0])
+
+    def fn(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        a, b = (x * 2.5 + 1).split([2, 2], dim=-1)  # wrapped numbers, a list return
+        y = torch.cat([a, weight[:, :2], b], dim=0)  # registers and a fixed tensor in one list
+        z = y[idx] if idx.numel() else y  # an index list
+        return torch.nn.functional.linear(z.to(torch.float64).float(), weight[:, :2].contiguous()).sum(-1)
+
+    x0, i0 = torch.randn(3, 4), torch.tensor([1, 4, 0])
+    program = _program(_record(fn, [x0, i0]), 2)
+    for _ in range(3):
+        x, i = torch.randn(3, 4), torch.randint(0, 8, (3,))
+        assert torch.equal(program.run([x, i]), fn(x, i))
+    assert rows.sum() == 2  # the closure's tensors were not touched
+
+
+def test_reading_values_into_python_refuses() -> None:
+    for fn in (lambda x: x * int(x[0]), lambda x: x + x.tolist()[0], lambda x: x * 2 if bool(x.sum() > 0) else x,
+               lambda x: x + torch.tensor([1.0])):
+        assert _record(fn, [torch.ones(3)]).refusal
+
+
+def test_calls_that_differ_between_two_steps_refuse() -> None:
+    replays = StepReplays(enabled=True)
+    calls = iter(range(10))
+
+    class _Batch:  # the fields replay_key reads
+        def __init__(self) -> None:
+            from worker_proc.model.batch import DecodeGroup, StepBatch
+
+            t = torch.tensor([1])
+            self.sb = StepBatch(t, t, t, (), (DecodeGroup(t, t, torch.zeros(1, 4 + next(calls), dtype=torch.int64),
+                                                         t),), t, ("a",))  # fmt: skip
+
+    first, second = _Batch().sb, _Batch().sb
+    replays.forward(first, True, lambda: first.input_ids * 2.0)
+    replays.forward(second, True, lambda: second.input_ids * 3.0)  # another constant: another call
+    assert replays.programs() == 0 and len(replays.refusals()) == 1
