@@ -8,9 +8,10 @@ Owns the recorded programs of one runner (`StepReplays`). Rules that hold:
 - a program is keyed by what the forward's Python decides from (`replay_key`): the batch's tensors'
   shapes and dtypes (the decode group's KV index width aside, which grows every step) and whether
   logits are wanted. The batch's tensors are the program's inputs; every other tensor the forward
-  reads (weights, pools, cached constants) is held by the program as the object it was;
-- a key's first step is recorded, its second recorded again; the program is built only when both
-  recordings made the same calls with the same arguments and the same fixed tensors. A recording
+  reads (weights, pools, cached constants) is held by the program as the object it was. So the
+  forward's Python may decide from those shapes but not from the KV index width or any value;
+- a key's steps are recorded until two in a row made the same calls with the same arguments and the
+  same fixed tensors (at most `RECORDINGS`); then the program is built from them. A recording
   that reads a tensor's values into Python (`item`, `tolist`, a tensor made from Python data) or a
   call that returns anything but tensors refuses the key: its steps run as written from then on;
 - the programs hold the model's weights as bound: `clear()` when the model is bound again.
@@ -30,6 +31,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from worker_proc.model.batch import StepBatch
 
 logger = logging.getLogger(__name__)
+
+RECORDINGS = 3
+"""Recordings of one batch shape before it is refused: its first step may also fill lazily made constants
+(a float32 copy of a weight the kernels read), so a second and third may agree where the first did not."""
 
 MAX_PROGRAMS = 64
 """Programs kept (the least recently run goes first): one per batch size a server decodes at."""
@@ -213,6 +218,17 @@ def replay_key(sb: StepBatch, want_logits: bool) -> tuple | None:
     return (want_logits, *shapes[:6], (kv[0][0], kv[1]), shapes[7])
 
 
+def _difference(first: list[EncodedCall], second: list[EncodedCall]) -> str:
+    """Where two recordings of one batch shape part ("" where they agree)."""
+    for i, (a, b) in enumerate(zip(first, second, strict=False)):
+        if not a.same_as(b):
+            return (f"two steps of the batch made different calls (call {i}: {a.name}.{a.overload} "
+                    f"{a.ints}{a.floats}, then {b.name}.{b.overload} {b.ints}{b.floats})")
+    if len(first) != len(second):
+        return f"two steps of the batch made {len(first)} and {len(second)} calls"
+    return ""
+
+
 @dataclass
 class _Pending:
     """A key's first recording, kept until the second is compared with it."""
@@ -220,6 +236,7 @@ class _Pending:
     calls: list[EncodedCall]
     output: int
     held: list[object]
+    recordings: int = 1
 
 
 @dataclass
@@ -245,6 +262,7 @@ class StepReplays:
     def __init__(self, enabled: bool) -> None:
         self.enabled = enabled
         self._programs: OrderedDict[tuple, _Pending | _Program | str] = OrderedDict()  # a str: the refusal
+        self._told: set[str] = set()  # refusals logged (once each, not once per batch shape)
         self.replayed = 0
 
     def clear(self) -> None:
@@ -280,11 +298,17 @@ class StepReplays:
         output = recorder.register_of(out)
         refusal = recorder.refusal or ("" if output is not None else "the logits are not a call's result")
         if not refusal and entry is not None:
-            same = (len(entry.calls) == len(recorder.calls) and entry.output == output
-                    and all(a.same_as(b) for a, b in zip(entry.calls, recorder.calls, strict=True)))  # fmt: skip
-            refusal = "" if same else "two steps of the batch made different calls"
+            refusal = _difference(entry.calls, recorder.calls) or (
+                "" if entry.output == output else "two steps of the batch returned different tensors")
+            if refusal and entry.recordings < RECORDINGS - 1:  # the next step may agree with this one
+                assert output is not None
+                self._store(key, _Pending(recorder.calls, output, recorder.held, entry.recordings + 1))
+                return
         if refusal:
-            logger.info("decode steps of %d rows run as written: %s", key[1][0][0], refusal)
+            if refusal not in self._told:
+                self._told.add(refusal)
+                logger.info("decode steps of %d rows run as written (and others for the same reason): %s",
+                            key[1][0][0], refusal)
             self._store(key, refusal)
             return
         assert output is not None
@@ -292,7 +316,7 @@ class StepReplays:
             self._store(key, _Pending(recorder.calls, output, recorder.held))
             return
         self._store(key, _Program.build(recorder.calls, output, len(recorder.inputs)))
-        logger.info("decode steps of %d rows replay %d recorded calls", key[1][0][0], len(recorder.calls))
+        logger.debug("decode steps of %d rows replay %d recorded calls", key[1][0][0], len(recorder.calls))
 
     def _store(self, key: tuple, entry: _Pending | _Program | str) -> None:
         self._programs[key] = entry

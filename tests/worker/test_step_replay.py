@@ -12,8 +12,9 @@ from shared.messages import ReqSlice
 from tests.model_driver import forward_logits
 from tests.worker.util import ALL_FIXTURES, GDN_FIXTURES, batch, req, runner
 from worker_proc.kernels import native
+from worker_proc.model.batch import DecodeGroup, StepBatch
 from worker_proc.runtime import ModelRunner
-from worker_proc.step_replay import Recorder, StepReplays, _Program
+from worker_proc.step_replay import RECORDINGS, Recorder, StepReplays, _Program
 
 pytestmark = pytest.mark.skipif(not native.load(), reason="no native kernels on this machine")
 
@@ -108,19 +109,47 @@ def test_reading_values_into_python_refuses() -> None:
         assert _record(fn, [torch.ones(3)]).refusal
 
 
-def test_calls_that_differ_between_two_steps_refuse() -> None:
+def _decode_batch(width: int) -> StepBatch:
+    """A one-row decode batch whose KV index is `width` wide (the fields replay_key reads)."""
+    t = torch.tensor([1])
+    group = DecodeGroup(t, t, torch.zeros(1, width, dtype=torch.int64), t)
+    return StepBatch(t, t, t, (), (group,), t, ("a",))
+
+
+def test_calls_that_differ_from_step_to_step_refuse() -> None:
     replays = StepReplays(enabled=True)
-    calls = iter(range(10))
-
-    class _Batch:  # the fields replay_key reads
-        def __init__(self) -> None:
-            from worker_proc.model.batch import DecodeGroup, StepBatch
-
-            t = torch.tensor([1])
-            self.sb = StepBatch(t, t, t, (), (DecodeGroup(t, t, torch.zeros(1, 4 + next(calls), dtype=torch.int64),
-                                                         t),), t, ("a",))  # fmt: skip
-
-    first, second = _Batch().sb, _Batch().sb
-    replays.forward(first, True, lambda: first.input_ids * 2.0)
-    replays.forward(second, True, lambda: second.input_ids * 3.0)  # another constant: another call
+    for step in range(RECORDINGS):
+        sb = _decode_batch(4 + step)
+        replays.forward(sb, True, lambda sb=sb, step=step: sb.input_ids * float(step))  # another constant each step
     assert replays.programs() == 0 and len(replays.refusals()) == 1
+    assert "different calls" in replays.refusals()[0]
+
+
+def test_a_first_step_that_fills_a_cache_is_recorded_again() -> None:
+    replays = StepReplays(enabled=True)
+    weight = torch.randn(3)
+    cache: dict[str, torch.Tensor] = {}
+
+    def forward(sb: StepBatch) -> torch.Tensor:
+        if "w" not in cache:
+            cache["w"] = weight.double()  # a lazily made constant: a call the first step alone makes
+        return sb.input_ids * cache["w"]
+
+    outs = []
+    for step in range(6):
+        sb = _decode_batch(4 + step)
+        sb.input_ids.fill_(step)
+        outs.append(replays.forward(sb, True, lambda sb=sb: forward(sb)))
+    assert replays.programs() == 1 and replays.replayed == 3
+    for step, out in enumerate(outs):
+        assert torch.equal(out, step * weight.double())
+
+
+def test_a_call_encoded_wrong_is_refused_by_the_program() -> None:
+    program = torch.classes.hyssm_cpu.OpProgram(1)
+    with pytest.raises(RuntimeError, match="takes 3 arguments, 1 given"):
+        program.add("aten::add", "Tensor", [2], [0], [], [], [], [1])
+    with pytest.raises(RuntimeError, match="before it is set"):
+        program.add("aten::neg", "", [2], [5], [], [], [], [1])
+    with pytest.raises(RuntimeError, match="1 inputs expected"):
+        program.run([], [0])
