@@ -305,18 +305,26 @@ class StepReplays:
                 self._store(key, _Pending(recorder.calls, output, recorder.held, entry.recordings + 1))
                 return
         if refusal:
-            if refusal not in self._told:
-                self._told.add(refusal)
-                logger.info("decode steps of %d rows run as written (and others for the same reason): %s",
-                            key[1][0][0], refusal)
-            self._store(key, refusal)
+            self._refuse(key, refusal)
             return
         assert output is not None
         if entry is None:
             self._store(key, _Pending(recorder.calls, output, recorder.held))
             return
-        self._store(key, _Program.build(recorder.calls, output, len(recorder.inputs)))
+        try:
+            program = _Program.build(recorder.calls, output, len(recorder.inputs))
+        except RuntimeError as exc:  # a call the program cannot encode: refused before any step depends on it
+            self._refuse(key, str(exc).splitlines()[0])
+            return
+        self._store(key, program)
         logger.debug("decode steps of %d rows replay %d recorded calls", key[1][0][0], len(recorder.calls))
+
+    def _refuse(self, key: tuple, refusal: str) -> None:
+        if refusal not in self._told:
+            self._told.add(refusal)
+            logger.info("decode steps of %d rows run as written (and others for the same reason): %s", key[1][0][0],
+                        refusal)
+        self._store(key, refusal)
 
     def _store(self, key: tuple, entry: _Pending | _Program | str) -> None:
         self._programs[key] = entry

@@ -153,3 +153,15 @@ def test_a_call_encoded_wrong_is_refused_by_the_program() -> None:
         program.add("aten::neg", "", [2], [5], [], [], [], [1])
     with pytest.raises(RuntimeError, match="1 inputs expected"):
         program.run([], [0])
+    with pytest.raises(RuntimeError, match="argument other is str, the schema takes Tensor"):
+        program.add("aten::mul", "Tensor", [1, 9], [], [], ["x"], [torch.ones(1)], [1])
+
+
+def test_a_list_takes_the_type_the_schema_names() -> None:
+    """oneDNN's packed product takes `Scalar?[] scalars`: an empty list recorded as ints is built as that type."""
+    from worker_proc.model.gemm import pack_weight, packed_product
+
+    packed = pack_weight(torch.randn(24, 16))
+    program = _program(_record(lambda x: packed_product(x, packed, None), [torch.randn(3, 16)]), 1)
+    x = torch.randn(3, 16)
+    assert torch.equal(program.run([x]), packed_product(x, packed, None))

@@ -139,6 +139,27 @@ c10::IValue decode(int64_t kind, Reader& in, int64_t arg, std::vector<std::array
   }
 }
 
+// A list decoded as ints, floats or bools, as the list type the schema names (e.g. Scalar?[]: an empty list
+// has no element type of its own).
+c10::IValue as_schema_list(c10::IValue value, const c10::TypePtr& type) {
+  if (!value.isIntList() && !value.isDoubleList() && !value.isBoolList()) return value;
+  const c10::TypePtr* inner = &type;
+  c10::TypePtr unwrapped;
+  if (const auto* opt = type->castRaw<c10::OptionalType>()) {
+    unwrapped = opt->getElementType();
+    inner = &unwrapped;
+  }
+  const auto* list_type = (*inner)->castRaw<c10::ListType>();
+  if (list_type == nullptr) return value;
+  const c10::TypePtr& element = list_type->getElementType();
+  const auto kind = element->kind();
+  if (kind == c10::TypeKind::IntType || kind == c10::TypeKind::FloatType || kind == c10::TypeKind::BoolType)
+    return value;
+  c10::impl::GenericList out(element);
+  for (const c10::IValue& v : value.toListRef()) out.push_back(v);
+  return out;
+}
+
 void set_register(c10::IValue& value, int64_t element, const at::Tensor& t) {
   if (element < 0) {
     value = t;
@@ -164,7 +185,14 @@ class OpProgram : public torch::CustomClassHolder {
                 op.schema().arguments().size(), " arguments, ", kinds.size(), " given");
     Call call{op, {}, {}, outs};
     Reader in(ints, floats, strs, tensors);
-    for (size_t a = 0; a < kinds.size(); ++a) call.args.push_back(decode(kinds[a], in, a, call.registers));
+    const auto& arguments = op.schema().arguments();
+    for (size_t a = 0; a < kinds.size(); ++a) {
+      c10::IValue v = as_schema_list(decode(kinds[a], in, a, call.registers), arguments[a].type());
+      const bool placeholder = v.isTensor() && !v.toTensor().defined();  // a register: a tensor when run
+      TORCH_CHECK(placeholder || v.type()->isSubtypeOf(*arguments[a].type()), "OpProgram: ", name, ": argument ",
+                  arguments[a].name(), " is ", v.type()->str(), ", the schema takes ", arguments[a].type()->str());
+      call.args.push_back(std::move(v));
+    }
     TORCH_CHECK(in.done(), "OpProgram: ", name, ": values left over after its arguments");
     for (const auto& r : call.registers)
       TORCH_CHECK(r[2] >= 0 && r[2] < registers_, "OpProgram: ", name, " reads register ", r[2], " before it is set");
