@@ -233,9 +233,8 @@ def _difference(first: list[EncodedCall], second: list[EncodedCall]) -> str:
 class _Pending:
     """A key's first recording, kept until the second is compared with it."""
 
-    calls: list[EncodedCall]
+    calls: list[EncodedCall]  # their fixed tensors only: the step's own tensors went with its recorder
     output: int
-    held: list[object]
     recordings: int = 1
 
 
@@ -302,14 +301,14 @@ class StepReplays:
                 "" if entry.output == output else "two steps of the batch returned different tensors")
             if refusal and entry.recordings < RECORDINGS - 1:  # the next step may agree with this one
                 assert output is not None
-                self._store(key, _Pending(recorder.calls, output, recorder.held, entry.recordings + 1))
+                self._store(key, _Pending(recorder.calls, output, entry.recordings + 1))
                 return
         if refusal:
             self._refuse(key, refusal)
             return
         assert output is not None
         if entry is None:
-            self._store(key, _Pending(recorder.calls, output, recorder.held))
+            self._store(key, _Pending(recorder.calls, output))
             return
         try:
             program = _Program.build(recorder.calls, output, len(recorder.inputs))

@@ -165,3 +165,16 @@ def test_a_list_takes_the_type_the_schema_names() -> None:
     program = _program(_record(lambda x: packed_product(x, packed, None), [torch.randn(3, 16)]), 1)
     x = torch.randn(3, 16)
     assert torch.equal(program.run([x]), packed_product(x, packed, None))
+
+
+def test_a_run_keeps_no_tensor_of_its_own() -> None:
+    """A register put into a list argument (torch.cat's) is not held by the program after the run."""
+    import weakref
+
+    program = _program(_record(lambda x: torch.cat([x, x + 1]).sum(0), [torch.randn(2, 3)]), 1)
+    x = torch.randn(2, 3)
+    seen = weakref.ref(x)
+    out = program.run([x])
+    assert torch.equal(out, torch.cat([x, x + 1]).sum(0))
+    del x
+    assert seen() is None

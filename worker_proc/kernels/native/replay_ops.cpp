@@ -160,15 +160,19 @@ c10::IValue as_schema_list(c10::IValue value, const c10::TypePtr& type) {
   return out;
 }
 
+// Puts register tensor `t` into a call's argument; a list is copied first, so that the recorded list keeps
+// its placeholders and holds no tensor of a run past that run.
 void set_register(c10::IValue& value, int64_t element, const at::Tensor& t) {
   if (element < 0) {
     value = t;
   } else if (value.isTensorList()) {
-    auto list = value.toTensorList();
+    c10::List<at::Tensor> list = value.toTensorList().copy();
     list.set(element, t);
+    value = list;
   } else {
-    auto list = value.toOptionalTensorList();
+    c10::List<c10::optional<at::Tensor>> list = value.toOptionalTensorList().copy();
     list.set(element, c10::optional<at::Tensor>(t));
+    value = list;
   }
 }
 
