@@ -96,7 +96,7 @@ _HELP = {
     "its fastest products read where they fit in 1/16 of host memory; less memory, slower products at some "
     "row counts",
     "enforce_eager": "run every step's forward through the model's Python, as vLLM's flag does; by default a "
-    "CPU decode step of a batch shape seen twice replays the calls it recorded in one native call "
+    "CPU decode step replays, in one native call, the calls its batch shape made in two steps that agreed "
     "(worker_proc/step_replay.py; TP size 1, native kernels)",
     "speculative_algorithm": "NGRAM: draft tokens from the request's own prompt and output (prompt lookup); "
     "NEXTN: draft them with the checkpoint's MTP layers (Qwen3-Next, Qwen3.5); either way they are verified in "
