@@ -260,6 +260,9 @@ class StepReplays:
 
     def __init__(self, enabled: bool) -> None:
         self.enabled = enabled
+        if enabled:  # a dispatch mode's first call imports torch._dynamo (seconds): at start, not in a served step
+            with Recorder(()):
+                torch.empty(0)
         self._programs: OrderedDict[tuple, _Pending | _Program | str] = OrderedDict()  # a str: the refusal
         self._told: set[str] = set()  # refusals logged (once each, not once per batch shape)
         self.replayed = 0

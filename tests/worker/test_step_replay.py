@@ -178,3 +178,14 @@ def test_a_run_keeps_no_tensor_of_its_own() -> None:
     assert torch.equal(out, torch.cat([x, x + 1]).sum(0))
     del x
     assert seen() is None
+
+
+def test_the_dispatch_mode_is_ready_before_the_first_step() -> None:
+    """Its first use imports torch._dynamo (seconds): an enabled StepReplays pays it when made, at start."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from worker_proc.step_replay import StepReplays; before = 'torch._dynamo' in sys.modules; "
+            "StepReplays(True); print(before, 'torch._dynamo' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.split() == ["False", "True"]
