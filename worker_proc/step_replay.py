@@ -1,4 +1,4 @@
-"""Which decode steps run as one native call: a step's forward recorded once as the sequence of dispatcher
+"""Which decode steps run as one native call: a step's forward recorded as the sequence of dispatcher
 calls it makes, then replayed by `torch.classes.hyssm_cpu.OpProgram` (worker_proc/kernels/native/replay_ops.cpp)
 without the Python that chose those calls.
 
@@ -231,7 +231,7 @@ def _difference(first: list[EncodedCall], second: list[EncodedCall]) -> str:
 
 @dataclass
 class _Pending:
-    """A key's first recording, kept until the second is compared with it."""
+    """A key's latest recording (its `recordings`-th), kept until the next step's is compared with it."""
 
     calls: list[EncodedCall]  # their fixed tensors only: the step's own tensors went with its recorder
     output: int
