@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from tests.kernels.util import max_diff, pool
-from worker_proc.kernels import ReferenceOps, select_ops
+from worker_proc.kernels import ReferenceOps, native, select_ops
+from worker_proc.kernels import state_codec as codec
 from worker_proc.kernels.gated_delta import gated_delta_chunked, gated_delta_naive, gated_delta_step, l2_normalize
 from worker_proc.kernels.gdn_ops import FastGdn, FlaGdn, ReferenceGdn, gdn_choice, make_gdn
 
@@ -95,10 +96,50 @@ def test_fast_decode_updates_the_pool_rows_in_place_like_the_reference() -> None
     assert torch.equal(states[[0, 2, 3, 5]], before[[0, 2, 3, 5]])  # rows not given stay bitwise
 
 
+@pytest.mark.skipif(not native.load(), reason="the fused CPU kernels cannot be built here")
+@pytest.mark.parametrize("storage", ["float32", "bfloat16", "int8"])
+@pytest.mark.parametrize("v_dtype", [torch.float32, torch.bfloat16])
+def test_native_decode_equals_the_pure_torch_step_in_every_pool_storage(storage: str, v_dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(7)
+    fast, fused = make_gdn("fast"), make_gdn("native")
+    assert type(fused).__name__ == "NativeGdn"
+    states = pool(gen, 6, H, DK, DV)
+
+    def stored() -> codec.StatePool:
+        if storage == "int8":
+            return codec.QuantizedPool(*codec.quantize(states))
+        return states.to(getattr(torch, storage)).clone()
+
+    want, got = stored(), stored()
+    q, k, v, g, beta = _inputs(gen, 3)
+    slots = torch.tensor([4, 1, 6])
+    v = v.to(v_dtype)
+    o_want = fast.step(q, k, v, g, beta, 0.25, want, slots)
+    o_got = fused.step(q, k, v, g, beta, 0.25, got, slots)
+    assert o_got.dtype == torch.float32 and max_diff(o_got, o_want) <= 1e-5
+    after_want, after_got = codec.load(want, torch.arange(7)), codec.load(got, torch.arange(7))
+    step = 0.0 if storage != "int8" else float(got.scale.max()) * 1.01  # an int8 value may round the other way
+    assert max_diff(after_got, after_want) <= max(1e-5, step)
+    untouched = [0, 2, 3, 5]  # slot 0 (padding) and the rows not given stay bitwise
+    assert torch.equal(after_got[untouched], codec.load(stored(), torch.arange(7))[untouched])
+
+
+@pytest.mark.skipif(not native.load(), reason="the fused CPU kernels cannot be built here")
+def test_native_decode_names_bad_input() -> None:
+    gen = torch.Generator().manual_seed(8)
+    q, k, v, g, beta = _inputs(gen, 2)
+    with pytest.raises(RuntimeError, match="not \\[S, heads, key dim, value dim\\]"):
+        torch.ops.hyssm_cpu.gdn_decode(q, k, v, g, beta, 0.25, pool(gen, 3, H, DK + 1, DV), None,
+                                       torch.tensor([1, 2]))
+    with pytest.raises(RuntimeError, match="one per row"):
+        torch.ops.hyssm_cpu.gdn_decode(q, k, v, g, beta, 0.25, pool(gen, 3, H, DK, DV), None, torch.tensor([1]))
+
+
 def test_cpu_selects_the_pure_torch_backends() -> None:
     assert gdn_choice("cpu") == "reference" and gdn_choice("cpu", fast=True) == "fast"
     assert isinstance(make_gdn("reference"), ReferenceGdn) and isinstance(make_gdn("fast"), FastGdn)
     assert isinstance(select_ops("cpu", "auto").gdn, FastGdn) and isinstance(select_ops("cpu", "fast").gdn, FastGdn)
+    assert select_ops("cpu", "auto").gdn.name == ("native" if native.load() else "fast")
     assert type(select_ops("cpu", "reference").gdn) is ReferenceGdn
     assert type(select_ops("cpu", "auto", deterministic=True).gdn) is ReferenceGdn
 
@@ -122,11 +163,11 @@ def test_fla_matches_the_reference_on_cuda() -> None:
         q, k, v, g, beta = _inputs(gen, length, device="cuda")
         pools = [pool(gen, 3, H, DK, DV).cuda() for _ in range(2)]
         pools[1].copy_(pools[0])
-        o_fla = fla.prefill(q, k, v, g, beta, DK**-0.5, pools[0], 2)
-        o_ref = ref.prefill(q, k, v, g, beta, DK**-0.5, pools[1], 2)
+        o_fla = fla.chunked(q, k, v, g, beta, DK**-0.5, pools[0], 2)
+        o_ref = ref.chunked(q, k, v, g, beta, DK**-0.5, pools[1], 2)
         assert max_diff(o_fla, o_ref) <= TOL and max_diff(pools[0], pools[1]) <= TOL
     q, k, v, g, beta = _inputs(gen, 2, device="cuda")
     slots = torch.tensor([3, 1], device="cuda")
-    o_fla = fla.decode(q, k, v, g, beta, 0.25, pools[0], slots)
-    o_ref = ref.decode(q, k, v, g, beta, 0.25, pools[1], slots)
+    o_fla = fla.step(q, k, v, g, beta, 0.25, pools[0], slots)
+    o_ref = ref.step(q, k, v, g, beta, 0.25, pools[1], slots)
     assert max_diff(o_fla, o_ref) <= TOL and max_diff(pools[0], pools[1]) <= TOL

@@ -117,7 +117,12 @@ def gdn_choice(device: torch.device | str, fast: bool = False) -> str:
 
 
 def make_gdn(name: str) -> ReferenceGdn | FlaGdn:
-    """The backend `gdn_choice` named."""
+    """The backend `gdn_choice` named, or `native` (`FastGdn` with the fused CPU decode step, the native
+    kernel set's choice)."""
+    if name == "native":
+        from worker_proc.kernels.native.ops import NativeGdn  # the fused kernels: only when they are chosen
+
+        return NativeGdn()
     return {"reference": ReferenceGdn, "fast": FastGdn, "fla": FlaGdn}[name]()
 
 

@@ -11,10 +11,10 @@ a CUDA device (or the Triton interpreter, TRITON_INTERPRET=1, set before the ker
 CUDA without triton under `auto` falls back to the reference with a warning. `reference` is batch
 invariant exactly in the deterministic mode. Importing this module never imports triton. The gated
 delta rule (Gated DeltaNet layers) runs flash-linear-attention's kernels on CUDA when `fla` imports,
-else the pure-torch ones (`gdn_ops.gdn_choice`), under every choice. Prefill segments: the reference
-and Triton sets give every segment its own computation (one varlen call on Triton); `fast` pads
-Mamba's conv and scan segments into one batched call where `segments.batchable` says it pays
-(padded attention and gated-delta prefill were slower on CPU than one call per segment).
+its fused CPU decode step under `native`, else the pure-torch ones (`gdn_ops.gdn_choice`). Prefill
+segments: the reference and Triton sets give every segment its own computation (one varlen call on
+Triton); `fast` pads Mamba's conv and scan segments into one batched call where `segments.batchable`
+says it pays (padded attention and gated-delta prefill were slower on CPU than one call per segment).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ KERNEL_CHOICES = ("auto", "reference", "fast", "native", "triton")
 @dataclass(frozen=True)
 class KernelChoice:
     """The kernel set (`ops`: reference | fast | native | triton), whether it is batch invariant, and the gated
-    delta backend (`gdn`: reference | fast | fla; empty for a model without Gated DeltaNet layers, whose
+    delta backend (`gdn`: reference | fast | native | fla; empty for a model without Gated DeltaNet layers, whose
     ops then hold the pure-torch one unused); `fallback`: why a weaker set runs, if one does."""
 
     ops: str
@@ -106,7 +106,7 @@ def choose_kernels(device: torch.device | str, choice: str = "auto", determinist
         if dev.type != "cpu":
             raise ValueError(f"--kernels native runs on the CPU, not on {dev}")
         if native.load():
-            return KernelChoice("native", False, gdn(dev, fast=True))
+            return KernelChoice("native", False, "native" if has_gdn else "")
         if choice == "native":
             raise ValueError(f"--kernels native: the fused CPU kernels could not be built ({native.load_error()})")
         return KernelChoice("fast", False, gdn(dev, fast=True),

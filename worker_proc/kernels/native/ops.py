@@ -1,7 +1,8 @@
 """`NativeOps`: `FastOps` with a Mamba layer's decode step (conv + scan), its prefill conv and scan over
 every segment, its gated norm, the residual norms, the gated MLP activation, decode attention and prefill
 attention in the fused CPU kernels of `scan_ops.cpp`, `norm_ops.cpp`, `attn_ops.cpp` and
-`prefill_attn_ops.cpp` (one call each per layer instead of tens of dispatched ops).
+`prefill_attn_ops.cpp` (one call each per layer instead of tens of dispatched ops); `NativeGdn`, the gated
+delta rule's decode step in `gdn_ops.cpp`.
 
 Same interface and mathematics as `FastOps` (checked against `ReferenceOps` by the kernel tests);
 not batch invariant. The recurrent state is read and written in its storage (float32, bfloat16 or int8,
@@ -17,6 +18,7 @@ from torch import Tensor
 
 from worker_proc.host_memory import zeros
 from worker_proc.kernels.fast import FastOps
+from worker_proc.kernels.gdn_ops import FastGdn
 from worker_proc.kernels.interface import RMS_WEIGHTINGS, GateNorm, ResidualNorm, Spans, SsdParams
 from worker_proc.kernels.state_codec import QuantizedPool, StatePool
 
@@ -141,6 +143,21 @@ class NativeOps(FastOps):
             return super().add_rms_norm(norm, h, y, multiplier)
         return torch.ops.hyssm_cpu.add_rms_norm(h, y, multiplier, norm.weight, norm.eps,
                                                 RMS_WEIGHTINGS.index(norm.weighting))
+
+
+class NativeGdn(FastGdn):
+    """`FastGdn` whose decode step is one call of `gdn_ops.cpp` for every row: the slots are read from their
+    tensor in the kernel, not into Python, so a decode step that holds Gated DeltaNet layers can be
+    replayed (worker_proc.step_replay). Rows whose q, k, g or beta are not float32, or whose v is not in a
+    model dtype, take `FastGdn.step`."""
+
+    name = "native"
+
+    def step(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
+             state_pool: StatePool, slots: Tensor) -> Tensor:  # fmt: skip
+        if not (q.dtype == k.dtype == g.dtype == beta.dtype == torch.float32 and v.dtype in _MODEL_DTYPES):
+            return super().step(q, k, v, g, beta, scale, state_pool, slots)
+        return torch.ops.hyssm_cpu.gdn_decode(q, k, v, g, beta, scale, *_pool_args(state_pool), slots)
 
 
 def _native_norm(norm: ResidualNorm, x: Tensor) -> bool:
