@@ -10,17 +10,26 @@ import torch
 
 from shared.messages import ReqSlice
 from tests.model_driver import forward_logits
-from tests.worker.util import ALL_FIXTURES, GDN_FIXTURES, batch, req, runner
+from tests.worker.util import ALL_FIXTURES, GDN_FIXTURES, batch, max_diff, req, runner
+from worker_proc.execution_plan import fixed_plan, product_sites
 from worker_proc.kernels import native
 from worker_proc.model.batch import DecodeGroup, StepBatch
+from worker_proc.model.gemm import DENSE, GEMV_SEQ
 from worker_proc.runtime import ModelRunner
 from worker_proc.step_replay import RECORDINGS, Recorder, StepReplays, _Program
 
 pytestmark = pytest.mark.skipif(not native.load(), reason="no native kernels on this machine")
 
 DECODE_STEPS = 6
-# routing reads the router's choices into Python
-AS_WRITTEN = {"rope_moe", "nemotron_h_moe", "qwen3_next_moe", "qwen3_5_moe"}
+# routed experts: replayed where every expert product gathers (GemmSite.gathers: the plan's method for
+# the step's rows is a native few-row product), else grouped by expert, which reads the choices into Python
+MOE_FIXTURES = ("rope_moe", "nemotron_h_moe", "qwen3_next_moe", "qwen3_5_moe")
+
+
+def _gathers(r: ModelRunner, rows: int) -> bool:
+    sites = [site for _, site, _ in product_sites(r.model) if not site.packable and site.quantizable]
+    assert sites
+    return all(site.gathers(rows) for site in sites)
 
 
 def _prompt(seed: int, n: int) -> list[int]:
@@ -59,9 +68,29 @@ def test_replayed_decode_equals_eager(name: str) -> None:
     for a, b in zip(eager.pools.k + eager.pools.v, replayed.pools.k + replayed.pools.v, strict=True):
         assert torch.equal(a, b)
     # two decode batch sizes, each recorded twice and replayed from then on
-    assert replayed.replays.replayed == (0 if name in AS_WRITTEN else 2 * (DECODE_STEPS - 2))
+    as_written = [] if name not in MOE_FIXTURES else [rows for rows in (1, 3) if not _gathers(replayed, rows)]
+    assert replayed.replays.replayed == (2 - len(as_written)) * (DECODE_STEPS - 2)
     refusals = replayed.replays.refusals()
-    assert (len(refusals) == 2) == (name in AS_WRITTEN), refusals
+    assert len(refusals) == len(as_written), refusals
+
+
+@pytest.mark.parametrize("name", MOE_FIXTURES)
+def test_routed_experts_replay_where_their_products_gather(name: str) -> None:
+    """On a plan binding the native one-row product everywhere, every expert product gathers: a MoE decode
+    step is replayed, bitwise the step as written, and within rounding of the same step grouped by expert."""
+    runners = [runner(name, kv_slots=400, enforce_eager=eager) for eager in (True, False)]
+    for r in runners:
+        r.bind_plan(fixed_plan(r.model, {"dense": GEMV_SEQ}))
+        assert _gathers(r, 1) and _gathers(r, 3)
+    grouped = runner(name, kv_slots=400, enforce_eager=True)
+    grouped.bind_plan(fixed_plan(grouped.model, {"dense": DENSE}))
+    assert not _gathers(grouped, 1)
+    for rows in (1, 3):
+        want, got, near = (_decode(r, rows) for r in (runners[0], runners[1], grouped))
+        for w, g, n in zip(want, got, near, strict=True):
+            for rid in w:
+                assert torch.equal(g[rid], w[rid]) and max_diff(g[rid], n[rid]) <= 2e-3, rid
+    assert runners[1].replays.replayed == 2 * (DECODE_STEPS - 2) and not runners[1].replays.refusals()
 
 
 def test_rebinding_the_plan_drops_the_programs() -> None:
@@ -99,6 +128,18 @@ def test_program_repeats_its_calls_on_new_inputs() -> None:
     for _ in range(3):
         x, i = torch.randn(3, 4), torch.randint(0, 8, (3,))
         assert torch.equal(program.run([x, i]), fn(x, i))
+
+
+def test_a_bool_passed_as_a_scalar_replays() -> None:
+    """Routing masks (`scatter_(..., True)`): the schema's Scalar takes a bool, which is no number type."""
+
+    def fn(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        keep = torch.zeros(x.shape, dtype=torch.bool).scatter_(1, idx, True)
+        return x.masked_fill(~keep, float("-inf")).softmax(-1)
+
+    program = _program(_record(fn, [torch.randn(2, 5), torch.tensor([[0, 3], [4, 1]])]), 2)
+    x, i = torch.randn(2, 5), torch.tensor([[2, 1], [0, 4]])
+    assert torch.equal(program.run([x, i]), fn(x, i))
 
 
 def test_reading_values_into_python_refuses() -> None:

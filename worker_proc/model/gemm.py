@@ -355,6 +355,20 @@ class GemmSite:
         method = self.method_for(x.shape[0])
         return method.apply(x, weight, self.stored(method, expert), None)
 
+    def gathers(self, rows: int) -> bool:
+        """Whether an expert stack's products for `rows` routed tokens run as one `apply_gathered` call: the
+        stack is held dense and the plan bound a native few-row product (`gemv`, `gemv_seq`) at that row
+        count, which the gathered kernel runs over each chosen expert's rows (no expert list read into
+        Python, so the step can be replayed)."""
+        return self.quantized is None and self.method_for(rows) in (GEMV, GEMV_SEQ)
+
+    def apply_gathered(self, x: torch.Tensor, stack: torch.Tensor, idx: torch.Tensor, per_choice: bool) -> torch.Tensor:
+        """For every routing choice c = (t, j) of idx [T, k]: x's row (x[t], or x[c] when `per_choice`) @
+        stack[idx[t, j]].T, as [T * k, out] in choice order; each chosen expert read once for its rows, in
+        the order of the method bound for T rows. Only where `gathers(T)`."""
+        sequential = self.method_for(idx.shape[0]) is GEMV_SEQ
+        return torch.ops.hyssm_cpu.expert_product(x, stack, idx, per_choice, sequential)
+
     def dense_from_copies(self) -> torch.Tensor:
         """The dense weight again, from a copy the site holds (for an owner that dropped its dense weight
         and is bound anew to a rule that reads it)."""

@@ -271,9 +271,13 @@ class SparseMoE(nn.Module, GemmOwner):
         logits = self.router.layer(x).float()
         top_logits, top_idx = logits.topk(self.top_k, dim=-1)  # [T, k]
         top_w = top_logits.softmax(dim=-1).to(x.dtype)
-        out = torch.zeros_like(x)
         w_in = self.input_linear.weight
         w_out = self.output_linear.weight
+        if self.gemm_in.gathers(x.shape[0]) and self.gemm_out.gathers(x.shape[0]):
+            gate, up = self.gemm_in.apply_gathered(x, w_in, top_idx, per_choice=False).chunk(2, dim=-1)
+            h = self.gemm_out.apply_gathered(F.silu(gate) * up, w_out, top_idx, per_choice=True)
+            return (h.view(*top_idx.shape, -1) * top_w[..., None]).sum(1)
+        out = torch.zeros_like(x)
         for expert, sel, tokens in expert_groups(top_idx, self.num_experts):
             gate, up = self.gemm_in.apply_expert(x[tokens], w_in, expert).chunk(2, dim=-1)
             h = self.gemm_out.apply_expert(F.silu(gate) * up, w_out, expert)

@@ -92,12 +92,17 @@ class SigmoidMoE(nn.Module, GemmOwner):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         idx, weights = self.route(x)
         latent = x if self.fc1_latent_proj is None else self.fc1_latent_proj(x)
-        acc = torch.zeros(latent.shape, dtype=torch.float32, device=x.device)
-        for expert, sel, tokens in expert_groups(idx, self.cfg.moe.num_experts):
-            h = torch.relu(self.up_gemm.apply_expert(latent[tokens], self.experts.up_proj, expert)).square()
-            h = self.down_gemm.apply_expert(h, self.experts.down_proj, expert)
-            acc.index_add_(0, tokens, h * weights.flatten()[sel][:, None])
-        out = acc.to(x.dtype)
+        if self.up_gemm.gathers(x.shape[0]) and self.down_gemm.gathers(x.shape[0]):
+            h = torch.relu(self.up_gemm.apply_gathered(latent, self.experts.up_proj, idx, per_choice=False)).square()
+            h = self.down_gemm.apply_gathered(h, self.experts.down_proj, idx, per_choice=True)
+            out = (h.view(*idx.shape, -1) * weights[..., None]).sum(1).to(x.dtype)
+        else:
+            acc = torch.zeros(latent.shape, dtype=torch.float32, device=x.device)
+            for expert, sel, tokens in expert_groups(idx, self.cfg.moe.num_experts):
+                h = torch.relu(self.up_gemm.apply_expert(latent[tokens], self.experts.up_proj, expert)).square()
+                h = self.down_gemm.apply_expert(h, self.experts.down_proj, expert)
+                acc.index_add_(0, tokens, h * weights.flatten()[sel][:, None])
+            out = acc.to(x.dtype)
         if self.fc2_latent_proj is not None:
             out = self.fc2_latent_proj(out)
         return out if self.shared_experts is None else out + self.shared_experts(x)

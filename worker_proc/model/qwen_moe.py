@@ -79,6 +79,21 @@ class SharedGateMoE(nn.Module, GemmOwner):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         idx, weights = self.route(x)
+        e = self.experts
+        if all(g.gathers(x.shape[0]) for g in (self.gate_proj_gemm, self.up_proj_gemm, self.down_gemm)):
+            h = silu(self.gate_proj_gemm.apply_gathered(x, e.gate_proj, idx, per_choice=False))
+            h = h * self.up_proj_gemm.apply_gathered(x, e.up_proj, idx, per_choice=False)
+            h = self.down_gemm.apply_gathered(h, e.down_proj, idx, per_choice=True)
+            out = (h.view(*idx.shape, -1) * weights[..., None]).sum(1)
+        else:
+            out = self._grouped(x, idx, weights)
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            gate = torch.sigmoid(self._shared_gate_logit(x).double()).to(x.dtype)
+            out = out + gate * self.shared_expert(x)
+        return out
+
+    def _grouped(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The routed experts' sum, one product per chosen expert over the tokens that chose it."""
         out = torch.zeros_like(x)
         e = self.experts
         for expert, sel, tokens in expert_groups(idx, self.cfg.moe.num_experts):
@@ -88,9 +103,6 @@ class SharedGateMoE(nn.Module, GemmOwner):
             h = self.down_gemm.apply_expert(h * self.up_proj_gemm.apply_expert(xs, e.up_proj, expert), e.down_proj,
                                             expert)
             out.index_add_(0, tokens, h * weights.flatten()[sel][:, None])
-        if self.shared_expert is not None and self.shared_expert_gate is not None:
-            gate = torch.sigmoid(self._shared_gate_logit(x).double()).to(x.dtype)
-            out = out + gate * self.shared_expert(x)
         return out
 
     def shard_spec(self, sub: str) -> ShardSpec | None:

@@ -257,6 +257,87 @@ at::Tensor few_row_product(const at::Tensor& x, const at::Tensor& weight, const 
   return out;
 }
 
+// The products of routed rows with the experts they chose: out[c] = rows[c] @ stack[idx[c]]^T for every
+// choice c of idx [T, k] (c = t * k + j), where rows[c] is x[t] (x [T, K]) or, `per_choice`, x[c]
+// (x [T * k, K]). The choices are grouped by expert in a stable order (the grouped torch path's order);
+// each chosen expert's matrix is read once, as `few_row_product` reads a weight, for all its rows, and
+// the threads split every chosen matrix's rows.
+at::Tensor expert_product(const at::Tensor& x, const at::Tensor& stack, const at::Tensor& idx, bool per_choice,
+                          bool sequential) {
+  TORCH_CHECK(x.dim() == 2 && stack.dim() == 3 && idx.dim() == 2 && x.size(1) == stack.size(2),
+              "expert_product: x [T, K], stack [E, N, K] and idx [T, k] expected");
+  TORCH_CHECK(stack.stride(2) == 1 && stack.stride(1) == stack.size(2), "expert_product: each expert must be contiguous");
+  TORCH_CHECK(x.scalar_type() == stack.scalar_type(), "expert_product: x and the stack must share a dtype");
+  TORCH_CHECK(idx.scalar_type() == at::kLong, "expert_product: idx must be int64");
+  const int64_t choices = idx.numel(), k = x.size(1), n = stack.size(1), experts = stack.size(0);
+  TORCH_CHECK(x.size(0) == (per_choice ? choices : idx.size(0)), "expert_product: ", x.size(0), " rows for ",
+              idx.size(0), " tokens choosing ", idx.size(1), " experts each");
+  const at::Tensor ic = idx.contiguous();
+  const int64_t* chosen = ic.data_ptr<int64_t>();
+  std::vector<int64_t> count(experts + 1, 0), order(choices);
+  for (int64_t c = 0; c < choices; ++c) {
+    TORCH_CHECK(chosen[c] >= 0 && chosen[c] < experts, "expert_product: expert ", chosen[c], " of ", experts);
+    ++count[chosen[c] + 1];
+  }
+  for (int64_t e = 0; e < experts; ++e) count[e + 1] += count[e];  // count[e]: where expert e's choices start
+  {
+    std::vector<int64_t> next(count.begin(), count.end() - 1);
+    for (int64_t c = 0; c < choices; ++c) order[next[chosen[c]]++] = c;
+  }
+#if defined(__AVX512BF16__)
+  const bool pairs = x.scalar_type() == at::kBFloat16;
+#else
+  const bool pairs = false;
+#endif
+  const int64_t per_row = per_choice ? 1 : idx.size(1);
+  at::Tensor src = at::empty({choices}, ic.options());
+  for (int64_t i = 0; i < choices; ++i) src.data_ptr<int64_t>()[i] = order[i] / per_row;
+  const at::Tensor xs = (pairs ? x : x.to(at::kFloat)).index_select(0, src).contiguous();  // rows in expert order
+  at::Tensor sorted = at::empty({choices, n}, x.options().memory_format(at::MemoryFormat::Contiguous));
+  // tasks: (expert, block of WEIGHT_ROWS * 16 weight rows) over the chosen experts
+  const int64_t span = WEIGHT_ROWS * 16, blocks = (n + span - 1) / span;
+  std::vector<int64_t> used;
+  for (int64_t e = 0; e < experts; ++e)
+    if (count[e + 1] > count[e]) used.push_back(e);
+  const int64_t tasks = static_cast<int64_t>(used.size()) * blocks;
+  AT_DISPATCH_SWITCH(stack.scalar_type(), "hyssm_expert_product",
+    AT_DISPATCH_CASE(at::kFloat, [&] {
+      at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
+        for (int64_t t = t0; t < t1; ++t) {
+          const int64_t e = used[t / blocks], lo = (t % blocks) * span, hi = std::min(n, lo + span);
+          const float* w = stack.data_ptr<float>() + e * stack.stride(0);
+          for (int64_t r = count[e]; r < count[e + 1]; r += ROWS)
+            gemv_group(sequential, xs.data_ptr<float>() + r * k, std::min(ROWS, count[e + 1] - r), k, w, nullptr,
+                       sorted.data_ptr<float>() + r * n, n, lo, hi);
+        }
+      });
+    })
+    AT_DISPATCH_CASE(at::kBFloat16, [&] {
+      at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
+        for (int64_t t = t0; t < t1; ++t) {
+          const int64_t e = used[t / blocks], lo = (t % blocks) * span, hi = std::min(n, lo + span);
+          const c10::BFloat16* w = stack.data_ptr<c10::BFloat16>() + e * stack.stride(0);
+          c10::BFloat16* o = sorted.data_ptr<c10::BFloat16>();
+          for (int64_t r = count[e]; r < count[e + 1]; r += ROWS) {
+            const int64_t take = std::min(ROWS, count[e + 1] - r);
+#if defined(__AVX512BF16__)
+            if (pairs) {
+              gemv_group(sequential, xs.data_ptr<c10::BFloat16>() + r * k, take, k, w, nullptr, o + r * n, n, lo, hi);
+              continue;
+            }
+#endif
+            gemv_group(sequential, xs.data_ptr<float>() + r * k, take, k, w, nullptr, o + r * n, n, lo, hi);
+          }
+        }
+      });
+    }));
+  at::Tensor out = at::empty_like(sorted);
+  at::Tensor dest = at::empty({choices}, ic.options());
+  for (int64_t i = 0; i < choices; ++i) dest.data_ptr<int64_t>()[i] = order[i];
+  out.index_copy_(0, dest, sorted);
+  return out;
+}
+
 }  // namespace
 
 at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
@@ -269,7 +350,12 @@ at::Tensor gemv_seq(const at::Tensor& x, const at::Tensor& weight, const c10::op
 
 }  // namespace hyssm_cpu
 
+TORCH_LIBRARY_FRAGMENT(hyssm_cpu, m) {
+  m.def("expert_product(Tensor x, Tensor stack, Tensor idx, bool per_choice, bool sequential) -> Tensor");
+}
+
 TORCH_LIBRARY_IMPL(hyssm_cpu, CPU, m) {
+  m.impl("expert_product", hyssm_cpu::expert_product);
   m.impl("gemv", hyssm_cpu::gemv);
   m.impl("gemv_seq", hyssm_cpu::gemv_seq);
 }

@@ -160,6 +160,13 @@ c10::IValue as_schema_list(c10::IValue value, const c10::TypePtr& type) {
   return out;
 }
 
+// Whether an argument of `type` is a Scalar or Scalar? (which a bool is passed as, though bool is not a number
+// type of the schema's).
+bool takes_scalar(const c10::TypePtr& type) {
+  if (const auto* opt = type->castRaw<c10::OptionalType>()) return opt->getElementType()->kind() == c10::TypeKind::NumberType;
+  return type->kind() == c10::TypeKind::NumberType;
+}
+
 // Puts register tensor `t` into a call's argument; a list is copied first, so that the recorded list keeps
 // its placeholders and holds no tensor of a run past that run.
 void set_register(c10::IValue& value, int64_t element, const at::Tensor& t) {
@@ -193,7 +200,8 @@ class OpProgram : public torch::CustomClassHolder {
     for (size_t a = 0; a < kinds.size(); ++a) {
       c10::IValue v = as_schema_list(decode(kinds[a], in, a, call.registers), arguments[a].type());
       const bool placeholder = v.isTensor() && !v.toTensor().defined();  // a register: a tensor when run
-      TORCH_CHECK(placeholder || v.type()->isSubtypeOf(*arguments[a].type()), "OpProgram: ", name, ": argument ",
+      const bool bool_scalar = v.isBool() && takes_scalar(arguments[a].type());  // the kernel reads it as a Scalar
+      TORCH_CHECK(placeholder || bool_scalar || v.type()->isSubtypeOf(*arguments[a].type()), "OpProgram: ", name, ": argument ",
                   arguments[a].name(), " is ", v.type()->str(), ", the schema takes ", arguments[a].type()->str());
       call.args.push_back(std::move(v));
     }
