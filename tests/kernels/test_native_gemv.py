@@ -1,5 +1,6 @@
 """The fused few-row matrix products (`gemv`, `gemv_seq`: two orders of reading the weight; `tiled`: from the
-weight's tiled copy) against F.linear, and their place among the plan's methods."""
+weight's tiled copy; `gemv_int8`: an int8 weight with its row scales) against F.linear, `gemv_w8a8` against
+`w8a8` to the bit, and their place among the plan's methods."""
 
 from __future__ import annotations
 
@@ -9,7 +10,19 @@ import torch.nn.functional as F
 
 from tests.kernels.util import max_diff, rand, strided
 from worker_proc.kernels import native
-from worker_proc.model.gemm import GEMV, GEMV_SEQ, THROUGHPUT_METHODS, TILED, GemmMethod, GemmSite, tile_weight
+from worker_proc.model.gemm import (
+    GEMV,
+    GEMV_INT8,
+    GEMV_SEQ,
+    GEMV_W8A8,
+    THROUGHPUT_METHODS,
+    TILED,
+    W8A8,
+    GemmMethod,
+    GemmSite,
+    tile_weight,
+)
+from worker_proc.model.quantized import quantize_int8
 
 pytestmark = pytest.mark.skipif(not native.load(), reason="the fused CPU kernels cannot be built here")
 
@@ -84,3 +97,49 @@ def test_a_tiled_copy_holds_the_weight_in_blocks_of_sixteen_rows(dtype: torch.dt
     other = torch.float32 if dtype == torch.bfloat16 else torch.bfloat16
     with pytest.raises(RuntimeError, match="share a dtype"):
         torch.ops.hyssm_cpu.tiled_product(x.to(other), tiled.data, 37, None)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 11])
+@pytest.mark.parametrize(("out_features", "in_features"), [(64, 256), (37, 100), (200, 48)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_int8_gemv_equals_the_dequantized_product(rows: int, out_features: int, in_features: int,
+                                                  dtype: torch.dtype, bias: bool) -> None:  # fmt: skip
+    gen = torch.Generator().manual_seed(rows * 100 + in_features)
+    q = quantize_int8(rand(gen, out_features, in_features, scale=0.1))
+    x = strided(rand(gen, rows, in_features, dtype=dtype))
+    b = rand(gen, out_features, dtype=dtype) if bias else None
+    got = GEMV_INT8.apply(x, torch.empty(0), q, b)
+    want = F.linear(x.float(), q.data.float() * q.scale[:, None], None if b is None else b.float())
+    assert got.dtype == dtype and got.shape == want.shape
+    ulp = 1e-6 * in_features if dtype == torch.float32 else 2**-7
+    assert max_diff(got, want) <= 2 * ulp * max(1.0, float(want.abs().max()))
+
+
+def test_the_plan_measures_int8_gemv_for_int8_weights_only() -> None:
+    cpu = torch.device("cpu")
+    assert GEMV_INT8 in THROUGHPUT_METHODS and GEMV_INT8.max_rows == 64
+    site = GemmSite(64, 64, torch.bfloat16, packable=True)
+    assert not GEMV_INT8.supports(site, cpu)
+    site.quantize(quantize_int8(torch.randn(64, 64)))
+    assert GEMV_INT8.supports(site, cpu) and not GEMV_SEQ.supports(site, cpu)
+    stack = GemmSite(64, 64, torch.bfloat16, packable=False)  # an expert stack's
+    stack.quantize(quantize_int8(torch.randn(3, 64, 64)))
+    assert GEMV_INT8.supports(stack, cpu)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 8, 9, 17])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("in_features", [256, 100])
+def test_w8a8_gemv_is_w8a8_to_the_bit(rows: int, dtype: torch.dtype, in_features: int) -> None:
+    """Exact integer sums and the same row quantization: the fused kernel's product is `w8a8`'s, whatever the
+    row count (so it is batch invariant as w8a8 is), a zero row included."""
+    gen = torch.Generator().manual_seed(rows * 10 + in_features)
+    q = quantize_int8(rand(gen, 70, in_features, scale=0.1))
+    x = strided(rand(gen, rows, in_features, dtype=dtype))
+    x[0] = 0
+    b = rand(gen, 70, dtype=dtype)
+    got = GEMV_W8A8.apply(x, torch.empty(0), q, b)
+    assert got.dtype == dtype and torch.equal(got, W8A8.apply(x, torch.empty(0), q, b))
+    assert torch.equal(GEMV_W8A8.apply(x[1:2], torch.empty(0), q, b), got[1:2])
+    assert GEMV_W8A8.batch_invariant and GEMV_W8A8 in THROUGHPUT_METHODS

@@ -27,6 +27,8 @@ from worker_proc.model.quantized import (
     QuantizedWeight,
     fp8_bf16,
     fp8_scaled,
+    gemv_int8,
+    gemv_w8a8,
     int8_packing_supported,
     w4a16,
     w8a8,
@@ -240,6 +242,14 @@ GEMV_SEQ = GemmMethod("gemv_seq", "dense", _gemv_seq, dtypes=(torch.float32, tor
                       max_rows=64)
 """The same product reading one weight row after another, front to back, without software prefetch: which
 of the two streams a weight faster is the machine's memory system's to say, so the plan times both."""
+GEMV_INT8 = GemmMethod("gemv_int8", "int8", _quantized(gemv_int8), dtypes=(torch.float32, torch.bfloat16), native=True,
+                       max_rows=64)
+"""`gemv_seq`'s product over an int8 weight (its per-row scale applied to each finished dot product): a few-row
+product streams half a bfloat16 weight's bytes."""
+GEMV_W8A8 = GemmMethod("gemv_w8a8", "int8", _quantized(gemv_w8a8), batch_invariant=True, native=True, max_rows=64,
+                       dtypes=(torch.float32, torch.bfloat16))
+"""`w8a8` to the bit (exact integer sums), one weight row read once for up to eight rows: where the CPU multiplies
+byte pairs (AVX512-VNNI) a few-row product streams the int8 weight instead of widening it."""
 PADDED = GemmMethod("padded", "dense", _padded, batch_invariant=True)
 W8A16 = GemmMethod("w8a16", "int8", _quantized(w8a16), in_multiple=16)
 W8A8 = GemmMethod("w8a8", "int8", _quantized(w8a8), batch_invariant=True, devices=("cpu", "cuda"))
@@ -253,10 +263,10 @@ FP8_SCALED = GemmMethod("fp8_scaled", "fp8", _quantized(fp8_scaled), devices=("c
 DEQUANT = {fmt: GemmMethod(f"dequant_{fmt}", fmt, _dequant_padded, batch_invariant=True, devices=ANY_DEVICE)
            for fmt in FORMATS}
 """Every format's reference product (the weight materialised, padded like PADDED): any device."""
-METHODS = {m.name: m for m in (DENSE, SPLIT, PACKED, TILED, GEMV, GEMV_SEQ, PADDED, W8A16, W8A8, W8A8_ONEDNN, W4A16,
-                               W8A8_OVER_INT4, FP8_BF16, FP8_SCALED, *DEQUANT.values())}
-THROUGHPUT_METHODS = (DENSE, SPLIT, PACKED, TILED, GEMV, GEMV_SEQ, W8A16, W8A8, W8A8_ONEDNN, W4A16, W8A8_OVER_INT4,
-                      FP8_BF16)
+METHODS = {m.name: m for m in (DENSE, SPLIT, PACKED, TILED, GEMV, GEMV_SEQ, GEMV_INT8, GEMV_W8A8, PADDED, W8A16, W8A8,
+                               W8A8_ONEDNN, W4A16, W8A8_OVER_INT4, FP8_BF16, FP8_SCALED, *DEQUANT.values())}
+THROUGHPUT_METHODS = (DENSE, SPLIT, PACKED, TILED, GEMV, GEMV_SEQ, GEMV_INT8, GEMV_W8A8, W8A16, W8A8, W8A8_ONEDNN,
+                      W4A16, W8A8_OVER_INT4, FP8_BF16)
 """The candidates the plan measures on the CPU outside the deterministic mode (each site is timed with
 those that `supports` it)."""
 DETERMINISTIC = {"dense": PADDED, "int8": W8A8, "int4": W4A16, "fp8": DEQUANT["fp8"]}
@@ -357,17 +367,21 @@ class GemmSite:
 
     def gathers(self, rows: int) -> bool:
         """Whether an expert stack's products for `rows` routed tokens run as one `apply_gathered` call: the
-        stack is held dense and the plan bound a native few-row product (`gemv`, `gemv_seq`) at that row
+        plan bound a native few-row product (`gemv`, `gemv_seq`; `gemv_int8`, `gemv_w8a8` for an int8 stack) at that row
         count, which the gathered kernel runs over each chosen expert's rows (no expert list read into
         Python, so the step can be replayed)."""
-        return self.quantized is None and self.method_for(rows) in (GEMV, GEMV_SEQ)
+        return self.method_for(rows) in (GEMV, GEMV_SEQ, GEMV_INT8, GEMV_W8A8)
 
     def apply_gathered(self, x: torch.Tensor, stack: torch.Tensor, idx: torch.Tensor, per_choice: bool) -> torch.Tensor:
         """For every routing choice c = (t, j) of idx [T, k]: x's row (x[t], or x[c] when `per_choice`) @
-        stack[idx[t, j]].T, as [T * k, out] in choice order; each chosen expert read once for its rows, in
-        the order of the method bound for T rows. Only where `gathers(T)`."""
-        sequential = self.method_for(idx.shape[0]) is GEMV_SEQ
-        return torch.ops.hyssm_cpu.expert_product(x, stack, idx, per_choice, sequential)
+        stack[idx[t, j]].T, as [T * k, out] in choice order; each chosen expert (its int8 matrix and scales
+        when the stack is quantized) read once for its rows, in the order of the method bound for T rows.
+        Only where `gathers(T)`."""
+        method = self.method_for(idx.shape[0])
+        if self.quantized is not None:
+            q = self.quantized
+            return torch.ops.hyssm_cpu.expert_product(x, q.data, q.scale, idx, per_choice, True)
+        return torch.ops.hyssm_cpu.expert_product(x, stack, None, idx, per_choice, method is GEMV_SEQ)
 
     def dense_from_copies(self) -> torch.Tensor:
         """The dense weight again, from a copy the site holds (for an owner that dropped its dense weight

@@ -25,9 +25,10 @@ reads them exactly); `fp8_bf16` is a bfloat16 product over the held values, scal
 after it; `w8a8_onednn` is `w8a8` through oneDNN's int8 product over a packed copy of the weight (the
 copy costs one more byte per weight), and `w8a8_over_int4` the same over an int8 copy of a 4-bit weight
 (torch's 4-bit kernel takes each row of x as a separate pass over the weight, oneDNN's int8 one does
-not); `fp8_scaled` quantizes rows of x to e4m3 and runs
-`torch._scaled_mm`; `dequant` (any format, any device) materialises the weight in x's dtype first:
-the reference every other product is tested against.
+not); `fp8_scaled` quantizes rows of x to e4m3 and runs `torch._scaled_mm`; `gemv_int8` and `gemv_w8a8`
+are the fused few-row kernels over an int8 weight (the first with float32 activations, the second `w8a8`'s
+arithmetic); `dequant` (any format, any device) materialises the weight in x's dtype first: the reference
+every other product is tested against.
 """
 
 from __future__ import annotations
@@ -227,20 +228,41 @@ CUDA_FP8_ROW_MULTIPLE = 16
 """torch._scaled_mm on CUDA takes a row count that is a multiple of 16."""
 
 
+def gemv_int8(x: torch.Tensor, q: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """An int8 weight streamed by the fused few-row product (worker_proc/kernels/native/gemv_ops.cpp): each
+    weight row read once for up to eight rows of x, its int8 values widened to float32 in registers, the dot
+    product in float32 times the row's scale; the result in x's dtype."""
+    return torch.ops.hyssm_cpu.gemv_int8(x, q.data, q.scale, bias)
+
+
 def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
     return x if x.shape[0] >= rows else torch.cat([x, x.new_zeros(rows - x.shape[0], x.shape[1])])
 
 
-def w8a8(x: torch.Tensor, q: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    rows = x.shape[0]
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x's rows as int8 with a float32 scale each [M, 1] (symmetric, max |row| / 127; a zero row's scale 1): the
+    activations of the w8a8 products."""
     xf = x.float()
     xs = xf.abs().amax(-1, keepdim=True) / INT8_MAX
     xs = torch.where(xs > 0, xs, torch.ones_like(xs))
-    xq = torch.round(xf / xs).to(torch.int8)
+    return torch.round(xf / xs).to(torch.int8), xs
+
+
+def w8a8(x: torch.Tensor, q: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    rows = x.shape[0]
+    xq, xs = quantize_rows(x)
     if x.is_cuda:
         xq = _pad_rows(xq, CUDA_INT_MM_MIN_ROWS)
     acc = torch._int_mm(xq, q.data.t())[:rows]
     return _bias((acc.float() * (xs * q.scale)).to(x.dtype), bias)
+
+
+def gemv_w8a8(x: torch.Tensor, q: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """`w8a8`'s arithmetic, to the bit, in the fused few-row kernel (worker_proc/kernels/native/w8a8_ops.cpp:
+    x's rows quantized as `quantize_rows` does, exact int32 sums, 64 byte pairs an instruction where the CPU
+    has AVX512-VNNI, each weight row read once for up to eight rows). x float32 or bfloat16, unit-stride rows."""
+    rows = x if x.stride(-1) == 1 else x.contiguous()
+    return _bias(torch.ops.hyssm_cpu.gemv_w8a8(rows, q.data, q.scale).to(x.dtype), bias)
 
 
 def int8_packing_supported() -> bool:
@@ -253,10 +275,7 @@ def w8a8_onednn(x: torch.Tensor, q: QuantizedWeight, bias: torch.Tensor | None) 
     product (so the per-tensor activation scale oneDNN takes is 1) and multiplied by it after."""
     copy = q.packed
     assert copy is not None, "w8a8_onednn needs the packed copy (QuantizedWeight.with_packed)"
-    xf = x.float()
-    xs = xf.abs().amax(-1, keepdim=True) / INT8_MAX
-    xs = torch.where(xs > 0, xs, torch.ones_like(xs))
-    xq = torch.round(xf / xs).to(torch.int8)
+    xq, xs = quantize_rows(x)
     out = torch.ops.onednn.qlinear_pointwise(xq, 1.0, 0, copy.weight, copy.scale, copy.zero, None, 1.0, 0,
                                              torch.float32, "none", [], "")  # fmt: skip
     return _bias((out * xs).to(x.dtype), bias)

@@ -19,6 +19,7 @@
 #include <cmath>
 #include <cstring>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -136,6 +137,22 @@ inline vf16 load16(const c10::Half* p) {
   for (int l = 0; l < 16; ++l) wide[l] = to_f(p[l]);
   return load16(wide);
 #endif
+}
+
+// 16 consecutive int8 values (a quantized weight's) as float32 lanes, exactly.
+typedef int8_t vi8x16 __attribute__((vector_size(16)));
+inline vf16 load16(const int8_t* p) {
+#if defined(__AVX512F__)
+  return (vf16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#else
+  vi8x16 raw;
+  std::memcpy(&raw, p, sizeof(raw));
+  return __builtin_convertvector(raw, vf16);
+#endif
+}
+template <typename T, std::enable_if_t<std::is_same_v<T, int8_t>, int> = 0>  // not a candidate for other types
+inline float to_f(T v) {
+  return static_cast<float>(v);
 }
 
 // The sum of the 16 lanes (AVX-512: the compiler's reduction; elsewhere halving, in one fixed order).
