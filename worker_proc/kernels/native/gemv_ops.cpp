@@ -11,7 +11,10 @@
 // - the input rows are converted to float32 once per call (bfloat16 rows against a bfloat16 weight stay
 //   bfloat16 where the CPU multiplies bfloat16 pairs into float32: AVX512-BF16, exact products, and the
 //   weight is read without widening each element), products accumulate in float32, and the result is
-//   rounded once to the input's dtype (F.linear's arithmetic, in another summation order).
+//   rounded once to the input's dtype (F.linear's arithmetic, in another summation order);
+// - `gemv_int8` reads an int8 weight in `gemv_seq`'s order, widened to float32 in registers, each finished
+//   dot product times its row's scale; `expert_product` runs these products over the experts that routed
+//   rows chose (row kernels: gemv_rows.h).
 #include <torch/library.h>
 
 #include "gemv_rows.h"
