@@ -14,7 +14,7 @@ from tests.worker.util import ALL_FIXTURES, GDN_FIXTURES, batch, max_diff, req, 
 from worker_proc.execution_plan import fixed_plan, product_sites
 from worker_proc.kernels import native
 from worker_proc.model.batch import DecodeGroup, StepBatch
-from worker_proc.model.gemm import DENSE, GEMV_SEQ
+from worker_proc.model.gemm import DENSE, DEQUANT, GEMV_INT8, GEMV_SEQ, GEMV_W8A8, GemmMethod
 from worker_proc.runtime import ModelRunner
 from worker_proc.step_replay import RECORDINGS, Recorder, StepReplays, _Program
 
@@ -91,6 +91,26 @@ def test_routed_experts_replay_where_their_products_gather(name: str) -> None:
             for rid in w:
                 assert torch.equal(g[rid], w[rid]) and max_diff(g[rid], n[rid]) <= 2e-3, rid
     assert runners[1].replays.replayed == 2 * (DECODE_STEPS - 2) and not runners[1].replays.refusals()
+
+
+def test_int8_experts_gather_and_replay() -> None:
+    """An int8 expert stack gathers where the plan binds a fused int8 product (its int8 matrices read with their
+    row scales): replayed, bitwise the step as written, and within float32 rounding of the same weights
+    dequantized and grouped by expert."""
+    def quantized(eager: bool, methods: dict[str, GemmMethod]) -> ModelRunner:
+        r = runner("rope_moe", kv_slots=400, enforce_eager=eager, quantization="int8")
+        r.bind_plan(fixed_plan(r.model, methods))
+        return r
+
+    gathered = [quantized(eager, {"dense": GEMV_SEQ, "int8": GEMV_INT8}) for eager in (True, False)]
+    grouped = quantized(True, {"dense": DENSE, "int8": DEQUANT["int8"]})
+    assert _gathers(gathered[1], 1) and not _gathers(grouped, 1)
+    want, got, near = (_decode(r, 1) for r in (gathered[0], gathered[1], grouped))
+    for w, g, n in zip(want, got, near, strict=True):
+        assert torch.equal(g["r0"], w["r0"]) and max_diff(g["r0"], n["r0"]) <= 2e-3
+    assert gathered[1].replays.replayed == DECODE_STEPS - 2 and not gathered[1].replays.refusals()
+    grouped.bind_plan(fixed_plan(grouped.model, {"dense": DENSE, "int8": GEMV_W8A8}))
+    assert _gathers(grouped, 1)
 
 
 def test_rebinding_the_plan_drops_the_programs() -> None:
