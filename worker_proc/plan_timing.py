@@ -8,7 +8,8 @@ at least one weight of every shape. A
 product of more than `STREAM_ROWS` rows reuses each weight row many times and is timed on one weight
 per shape, warm. Each figure is the fastest of `reps` rounds after one untimed round (which also
 creates oneDNN's primitives and faults in the inputs' pages): interference only ever adds time. A
-warm product stops repeating once its rounds took `WARM_BUDGET_S`.
+warm product stops repeating once its rounds took `WARM_BUDGET_S`; a method `HOPELESS` times slower than
+the fastest seen at a key stops being timed there after its first warm product.
 """
 
 from __future__ import annotations
@@ -31,6 +32,11 @@ DEFAULT_STREAM_BYTES = 256 << 20
 `--single-weight-copy` (a method reading a copy, `packed` or `tiled`, is timed on copies of every weight it
 streams)."""
 WARM_BUDGET_S = 0.05
+HOPELESS = 8.0
+"""A method whose warm product of a key takes this many times the fastest one this timer has seen for that key,
+row count and thread count is timed no further there (its figure is that product's): it cannot win, and one
+pathologically slow at few rows (oneDNN's int8 product on some CPUs: 0.8 s for a 100352x768 weight at one row)
+would otherwise hold a worker's start past its timeout."""
 
 
 @dataclass(frozen=True)
@@ -90,6 +96,7 @@ class ProductTimer:
         self.copies: dict[tuple[str, int], object] = {}  # (storage, id(weight)) -> a copy made for timing
         self.int8_packed: dict[int, QuantizedWeight] = {}  # id(quantized weight) -> with its packed copy
         self.inputs: dict[tuple[GemmKey, int], torch.Tensor] = {}
+        self.fastest: dict[tuple[GemmKey, int, int], float] = {}  # (key, rows, threads) -> seconds per product
 
     def __call__(self, method: GemmMethod, rows: int, threads: int) -> dict[GemmKey, float]:
         if torch.get_num_threads() != threads:
@@ -101,26 +108,45 @@ class ProductTimer:
         chosen = [(s, w) for s, w in chosen
                   if method.supports(s, w.device) and not (s.timed_rows and rows > s.timed_rows)
                   and not (method.reads_copy and GemmKey.of(s) in self.own_weights_only)]
-        if streaming:
-            samples: dict[GemmKey, list[float]] = {}
-            for rep in range(self.reps + 1):
-                spent: dict[GemmKey, list[float]] = {}
-                for site, weight in chosen:
-                    key = GemmKey.of(site)
-                    spent.setdefault(key, []).append(self._once(method, key, rows, site, weight))
-                if rep:
-                    for key, times in spent.items():
-                        samples.setdefault(key, []).append(sum(times) / len(times))
-            return {key: min(times) for key, times in samples.items()}
-        out = {}
-        for site, weight in chosen:
+        out = self._streamed(method, rows, threads, chosen) if streaming else {}
+        for site, weight in [] if streaming else chosen:
             key = GemmKey.of(site)
             self._once(method, key, rows, site, weight)
             times = [self._once(method, key, rows, site, weight)]
-            while len(times) < self.reps and sum(times) < WARM_BUDGET_S:
+            while len(times) < self.reps and sum(times) < WARM_BUDGET_S and not self._hopeless(key, rows, threads,
+                                                                                                  times[0]):
                 times.append(self._once(method, key, rows, site, weight))
             out[key] = min(times)
+        for key, seconds in out.items():
+            self.fastest[(key, rows, threads)] = min(seconds, self.fastest.get((key, rows, threads), seconds))
         return out
+
+    def _streamed(self, method: GemmMethod, rows: int, threads: int, chosen: list[Instance]) -> dict[GemmKey, float]:
+        """Per key, the fastest of `reps` rounds over its streamed weights (seconds per product), after an
+        untimed one; a key's first product is a warm-up, and a later one `_hopeless` ends its timing."""
+        samples: dict[GemmKey, list[float]] = {}
+        given_up: dict[GemmKey, float] = {}
+        calls: dict[GemmKey, int] = {}
+        for rep in range(self.reps + 1):
+            spent: dict[GemmKey, list[float]] = {}
+            for site, weight in chosen:
+                key = GemmKey.of(site)
+                if key in given_up:
+                    continue
+                seconds = self._once(method, key, rows, site, weight)
+                calls[key] = calls.get(key, 0) + 1
+                spent.setdefault(key, []).append(seconds)
+                if calls[key] > 1 and self._hopeless(key, rows, threads, seconds):
+                    given_up[key] = seconds
+            if rep:
+                for key, times in spent.items():
+                    if key not in given_up:
+                        samples.setdefault(key, []).append(sum(times) / len(times))
+        return {key: min(times) for key, times in samples.items()} | given_up
+
+    def _hopeless(self, key: GemmKey, rows: int, threads: int, seconds: float) -> bool:
+        best = self.fastest.get((key, rows, threads))
+        return best is not None and seconds > HOPELESS * best
 
     def _once(self, method: GemmMethod, key: GemmKey, rows: int, site: GemmSite, weight: torch.Tensor) -> float:
         x = self._input(key, rows, site)

@@ -6,6 +6,7 @@ runner runs each step on the plan's threads."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,7 @@ from worker_proc.execution_plan import ROW_BUCKETS, choose, instances_of, produc
 from worker_proc.kernels.select import KernelChoice
 from worker_proc.model.gemm import GemmMethod, GemmSite
 from worker_proc.model.layers import Linear
-from worker_proc.plan_timing import DEFAULT_STREAM_BYTES, GemmKey, ProductTimer
+from worker_proc.plan_timing import DEFAULT_STREAM_BYTES, HOPELESS, GemmKey, ProductTimer
 from worker_proc.runtime import ModelRunner
 from worker_proc.threads import thread_options
 
@@ -217,6 +218,29 @@ def test_an_int4_weights_int8_copy_is_a_second_copy_that_needs_the_memory() -> N
     assert asked == [64 * 32]  # one byte per weight
     one = choose([(site, torch.empty(0))], (1,), measure, lambda n: False)
     assert one.gemms[key].methods == ("w4a16",)
+
+
+def test_a_hopeless_method_is_timed_no_further() -> None:
+    """A method many times slower than the fastest timed at a key (oneDNN's int8 product of a few rows on some
+    CPUs) gets one warm product there, streamed or warm, and is reported slower; a fast one is timed in full."""
+    calls: dict[str, int] = {"fast": 0, "slow": 0}
+
+    def product(name: str, busy_s: float) -> GemmMethod:
+        def run(x: torch.Tensor, w: torch.Tensor, stored: object, bias: torch.Tensor | None) -> torch.Tensor:
+            calls[name] += 1
+            end = time.perf_counter() + busy_s
+            while time.perf_counter() < end:  # a slow kernel: real time spent computing
+                out = x @ w.T
+            return out if busy_s else x @ w.T
+        return GemmMethod(name, "dense", run)
+
+    fast, slow = product("fast", 0.0), product("slow", 0.005)
+    # streamed (2 rows): the three weights of A in an untimed and two timed rounds; warm (64): A's first weight
+    for rows, fast_calls in ((2, 9), (64, 3)):
+        timer = ProductTimer(_instances(A, A, A), cache_bytes=1 << 20, reps=2)
+        calls.update(fast=0, slow=0)
+        quick, late = timer(fast, rows, 1), timer(slow, rows, 1)
+        assert calls["fast"] == fast_calls and calls["slow"] == 2 and late[A] > HOPELESS * quick[A]
 
 
 def test_the_real_timer_reports_every_supported_key() -> None:
