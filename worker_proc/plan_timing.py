@@ -9,7 +9,8 @@ product of more than `STREAM_ROWS` rows reuses each weight row many times and is
 per shape, warm. Each figure is the fastest of `reps` rounds after one untimed round (which also
 creates oneDNN's primitives and faults in the inputs' pages): interference only ever adds time. A
 warm product stops repeating once its rounds took `WARM_BUDGET_S`; a method `HOPELESS` times slower than
-the fastest seen at a key stops being timed there after its first warm product.
+the fastest seen at a key stops being timed there after its first warm product (or its untimed one, warm), and
+one `HOPELESS` squared slower is not timed at that key's larger row counts.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ HOPELESS = 8.0
 """A method whose warm product of a key takes this many times the fastest one this timer has seen for that key,
 row count and thread count is timed no further there (its figure is that product's): it cannot win, and one
 pathologically slow at few rows (oneDNN's int8 product on some CPUs: 0.8 s for a 100352x768 weight at one row)
-would otherwise hold a worker's start past its timeout."""
+would otherwise hold a worker's start past its timeout. One slower than `HOPELESS` squared at a key is not timed
+there at larger row counts either (with each doubling of the rows its rivals' time at most doubles)."""
 
 
 @dataclass(frozen=True)
@@ -97,6 +99,7 @@ class ProductTimer:
         self.int8_packed: dict[int, QuantizedWeight] = {}  # id(quantized weight) -> with its packed copy
         self.inputs: dict[tuple[GemmKey, int], torch.Tensor] = {}
         self.fastest: dict[tuple[GemmKey, int, int], float] = {}  # (key, rows, threads) -> seconds per product
+        self.beaten: set[tuple[str, GemmKey, int]] = set()  # (method, key, threads) timed no more at larger rows
 
     def __call__(self, method: GemmMethod, rows: int, threads: int) -> dict[GemmKey, float]:
         if torch.get_num_threads() != threads:
@@ -107,18 +110,15 @@ class ProductTimer:
             return {}
         chosen = [(s, w) for s, w in chosen
                   if method.supports(s, w.device) and not (s.timed_rows and rows > s.timed_rows)
-                  and not (method.reads_copy and GemmKey.of(s) in self.own_weights_only)]
+                  and not (method.reads_copy and GemmKey.of(s) in self.own_weights_only)
+                  and (method.name, GemmKey.of(s), threads) not in self.beaten]
         out = self._streamed(method, rows, threads, chosen) if streaming else {}
         for site, weight in [] if streaming else chosen:
-            key = GemmKey.of(site)
-            self._once(method, key, rows, site, weight)
-            times = [self._once(method, key, rows, site, weight)]
-            while len(times) < self.reps and sum(times) < WARM_BUDGET_S and not self._hopeless(key, rows, threads,
-                                                                                                  times[0]):
-                times.append(self._once(method, key, rows, site, weight))
-            out[key] = min(times)
+            out[GemmKey.of(site)] = self._warm(method, rows, threads, site, weight)
         for key, seconds in out.items():
-            self.fastest[(key, rows, threads)] = min(seconds, self.fastest.get((key, rows, threads), seconds))
+            best = self.fastest[(key, rows, threads)] = min(seconds, self.fastest.get((key, rows, threads), seconds))
+            if seconds > HOPELESS * HOPELESS * best:
+                self.beaten.add((method.name, key, threads))
         return out
 
     def _streamed(self, method: GemmMethod, rows: int, threads: int, chosen: list[Instance]) -> dict[GemmKey, float]:
@@ -143,6 +143,20 @@ class ProductTimer:
                     if key not in given_up:
                         samples.setdefault(key, []).append(sum(times) / len(times))
         return {key: min(times) for key, times in samples.items()} | given_up
+
+    def _warm(self, method: GemmMethod, rows: int, threads: int, site: GemmSite, weight: torch.Tensor) -> float:
+        """The fastest of up to `reps` products of one weight after an untimed one (which creates oneDNN's
+        primitives), fewer once they took `WARM_BUDGET_S`; none after a `_hopeless` one."""
+        key = GemmKey.of(site)
+        untimed = self._once(method, key, rows, site, weight)
+        if self._hopeless(key, rows, threads, untimed):
+            return untimed
+        times = [self._once(method, key, rows, site, weight)]
+        if self._hopeless(key, rows, threads, times[0]):
+            return times[0]
+        while len(times) < self.reps and sum(times) < WARM_BUDGET_S:
+            times.append(self._once(method, key, rows, site, weight))
+        return min(times)
 
     def _hopeless(self, key: GemmKey, rows: int, threads: int, seconds: float) -> bool:
         best = self.fastest.get((key, rows, threads))

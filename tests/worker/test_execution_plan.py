@@ -222,7 +222,9 @@ def test_an_int4_weights_int8_copy_is_a_second_copy_that_needs_the_memory() -> N
 
 def test_a_hopeless_method_is_timed_no_further() -> None:
     """A method many times slower than the fastest timed at a key (oneDNN's int8 product of a few rows on some
-    CPUs) gets one warm product there, streamed or warm, and is reported slower; a fast one is timed in full."""
+    CPUs) stops after its first product past the untimed one (streamed) or after the untimed one (warm), and is
+    reported slower; a fast one is timed in full. Slower by more than HOPELESS squared, it is not timed at that
+    key's larger row counts."""
     calls: dict[str, int] = {"fast": 0, "slow": 0}
 
     def product(name: str, busy_s: float) -> GemmMethod:
@@ -236,11 +238,14 @@ def test_a_hopeless_method_is_timed_no_further() -> None:
 
     fast, slow = product("fast", 0.0), product("slow", 0.005)
     # streamed (2 rows): the three weights of A in an untimed and two timed rounds; warm (64): A's first weight
-    for rows, fast_calls in ((2, 9), (64, 3)):
+    for rows, fast_calls, slow_calls in ((2, 9, 2), (64, 3, 1)):
         timer = ProductTimer(_instances(A, A, A), cache_bytes=1 << 20, reps=2)
         calls.update(fast=0, slow=0)
         quick, late = timer(fast, rows, 1), timer(slow, rows, 1)
-        assert calls["fast"] == fast_calls and calls["slow"] == 2 and late[A] > HOPELESS * quick[A]
+        assert calls["fast"] == fast_calls and calls["slow"] == slow_calls and late[A] > HOPELESS * quick[A]
+        assert late[A] > HOPELESS * HOPELESS * quick[A]  # a 5 ms product against a few microseconds
+        assert timer(slow, 2 * rows, 1) == {} and calls["slow"] == slow_calls
+        assert A in timer(slow, 2 * rows, 2)  # another thread count is timed on its own
 
 
 def test_the_real_timer_reports_every_supported_key() -> None:
