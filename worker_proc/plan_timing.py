@@ -36,8 +36,8 @@ WARM_BUDGET_S = 0.05
 HOPELESS = 8.0
 """A method whose warm product of a key takes this many times the fastest one this timer has seen for that key,
 row count and thread count is timed no further there (its figure is that product's): it cannot win, and one
-pathologically slow at few rows (oneDNN's int8 product on some CPUs: 0.8 s for a 100352x768 weight at one row)
-would otherwise hold a worker's start past its timeout. One slower than `HOPELESS` squared at a key is not timed
+pathologically slow (oneDNN's int8 product on some CPUs, at every row count) would otherwise hold a worker's
+start past its timeout. One slower than `HOPELESS` squared at a key is not timed
 there at larger row counts either (with each doubling of the rows its rivals' time at most doubles)."""
 
 
