@@ -101,7 +101,7 @@ def test_fast_decode_updates_the_pool_rows_in_place_like_the_reference() -> None
 @pytest.mark.parametrize("v_dtype", [torch.float32, torch.bfloat16])
 def test_native_decode_equals_the_pure_torch_step_in_every_pool_storage(storage: str, v_dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(7)
-    fast, fused = make_gdn("fast"), make_gdn("native")
+    fast, fused = make_gdn("fast"), select_ops("cpu", "native").gdn
     assert type(fused).__name__ == "NativeGdn"
     states = pool(gen, 6, H, DK, DV)
 

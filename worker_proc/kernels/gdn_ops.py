@@ -117,12 +117,8 @@ def gdn_choice(device: torch.device | str, fast: bool = False) -> str:
 
 
 def make_gdn(name: str) -> ReferenceGdn | FlaGdn:
-    """The backend `gdn_choice` named, or `native` (`FastGdn` with the fused CPU decode step, the native
-    kernel set's choice)."""
-    if name == "native":
-        from worker_proc.kernels.native.ops import NativeGdn  # the fused kernels: only when they are chosen
-
-        return NativeGdn()
+    """The backend `gdn_choice` named (the native kernel set's own, `NativeGdn`, is made by
+    `KernelChoice.build`)."""
     return {"reference": ReferenceGdn, "fast": FastGdn, "fla": FlaGdn}[name]()
 
 

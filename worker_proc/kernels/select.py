@@ -73,13 +73,13 @@ class KernelChoice:
         return f"kernels: {self.ops} ({mode}; {self.prefill_rule()}; {verify}){gdn}{extra}"
 
     def build(self) -> KernelOps:
+        if self.ops == "native":
+            from worker_proc.kernels.native.ops import NativeGdn, NativeOps
+
+            return NativeOps(gdn=NativeGdn() if self.gdn == "native" else make_gdn(self.gdn or "reference"))
         gdn = make_gdn(self.gdn or "reference")
         if self.ops == "fast":
             return FastOps(gdn=gdn)
-        if self.ops == "native":
-            from worker_proc.kernels.native.ops import NativeOps
-
-            return NativeOps(gdn=gdn)
         if self.ops == "triton":
             from worker_proc.kernels.triton_ops import TritonOps  # imports triton: only when Triton is chosen
 
