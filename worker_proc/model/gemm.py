@@ -367,21 +367,21 @@ class GemmSite:
 
     def gathers(self, rows: int) -> bool:
         """Whether an expert stack's products for `rows` routed tokens run as one `apply_gathered` call: the
-        plan bound a native few-row product (`gemv`, `gemv_seq`; `gemv_int8`, `gemv_w8a8` for an int8 stack) at that row
-        count, which the gathered kernel runs over each chosen expert's rows (no expert list read into
-        Python, so the step can be replayed)."""
+        plan bound a native few-row product at that row count (`gemv`, `gemv_seq`; for an int8 stack `gemv_int8`
+        or `gemv_w8a8`), so streaming each chosen expert is what pays there (no expert list read into Python,
+        so the step can be replayed)."""
         return self.method_for(rows) in (GEMV, GEMV_SEQ, GEMV_INT8, GEMV_W8A8)
 
     def apply_gathered(self, x: torch.Tensor, stack: torch.Tensor, idx: torch.Tensor, per_choice: bool) -> torch.Tensor:
         """For every routing choice c = (t, j) of idx [T, k]: x's row (x[t], or x[c] when `per_choice`) @
-        stack[idx[t, j]].T, as [T * k, out] in choice order; each chosen expert (its int8 matrix and scales
-        when the stack is quantized) read once for its rows, in the order of the method bound for T rows.
-        Only where `gathers(T)`."""
-        method = self.method_for(idx.shape[0])
+        stack[idx[t, j]].T, as [T * k, out] in choice order; each chosen expert read once for its rows, in
+        the order of the method bound for T rows. An int8 stack is read with its row scales on float32
+        activations (`gemv_int8`'s arithmetic, whichever int8 product is bound). Only where `gathers(T)`."""
         if self.quantized is not None:
             q = self.quantized
             return torch.ops.hyssm_cpu.expert_product(x, q.data, q.scale, idx, per_choice, True)
-        return torch.ops.hyssm_cpu.expert_product(x, stack, None, idx, per_choice, method is GEMV_SEQ)
+        sequential = self.method_for(idx.shape[0]) is GEMV_SEQ
+        return torch.ops.hyssm_cpu.expert_product(x, stack, None, idx, per_choice, sequential)
 
     def dense_from_copies(self) -> torch.Tensor:
         """The dense weight again, from a copy the site holds (for an owner that dropped its dense weight
