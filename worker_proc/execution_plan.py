@@ -128,8 +128,8 @@ class ExecutionPlan:
             rule = self.gemms.get(key)
             if rule is None:
                 raise ValueError(f"the execution plan has no rule for {key.label()} products")
-            if not site.packable and any(METHODS[m].storage in COPIES for m in rule.methods):
-                rule = _without_copies(rule)
+            if not site.packable and any(METHODS[m].reads_copy for m in rule.methods):
+                rule = _without_copies(rule, key.storage)
             methods = tuple(METHODS[m] for m in rule.methods)
             if isinstance(owner, Linear) and site.quantized is None and site.copies and weight.numel() == 0:
                 weight = site.dense_from_copies()  # bound before to copies only: the dense weight was dropped
@@ -279,8 +279,9 @@ def _timed(measure: Measure, rows: int, threads: int, only: set[str] | None = No
     return out
 
 
-def _without_copies(rule: GemmRule) -> GemmRule:
-    """`rule` for a site that cannot hold a copy of its weight: per bucket the fastest method measured that
-    reads the weight as it is (`dense` where none was)."""
-    per_bucket = methods_by_bucket([own_methods(rule.timings.get(b, {})) for b in ROW_BUCKETS])
+def _without_copies(rule: GemmRule, storage: str) -> GemmRule:
+    """`rule` for a site that cannot hold a copy of its weight (an expert stack, a quantized one's included): per
+    bucket the fastest method measured that reads the weight as it is (the storage's reference product where
+    none was)."""
+    per_bucket = methods_by_bucket([own_methods(rule.timings.get(b, {})) for b in ROW_BUCKETS], storage)
     return rule_from_buckets(per_bucket, rule.timings)

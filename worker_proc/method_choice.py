@@ -79,7 +79,8 @@ def second_copy_bytes(key: GemmKey, per_bucket: list[str], count: int, nbytes: i
         if "dense" in storages:
             return nbytes * copies
         return nbytes * max(copies - 1, 0) + (kept if copies else 0)
-    return count * key.out_features * key.in_features if any(METHODS[m].reads_copy for m in per_bucket) else 0
+    kinds = {METHODS[m].int8_copy for m in per_bucket} - {""}
+    return count * key.out_features * key.in_features * len(kinds)
 
 
 Layouts = frozenset[str] | None

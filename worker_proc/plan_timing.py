@@ -96,7 +96,7 @@ class ProductTimer:
         self.reps = reps
         self.own_weights_only = own_weights_only
         self.copies: dict[tuple[str, int], object] = {}  # (storage, id(weight)) -> a copy made for timing
-        self.int8_packed: dict[int, QuantizedWeight] = {}  # id(quantized weight) -> with its packed copy
+        self.int8_copies: dict[tuple[str, int], QuantizedWeight] = {}  # (kind, id(quantized weight)) -> with it
         self.inputs: dict[tuple[GemmKey, int], torch.Tensor] = {}
         self.fastest: dict[tuple[GemmKey, int, int], float] = {}  # (key, rows, threads) -> seconds per product
         self.beaten: set[tuple[str, GemmKey, int]] = set()  # (method, key, threads) timed no more at larger rows
@@ -168,8 +168,8 @@ class ProductTimer:
         stored: object = None
         if q is not None:
             stored = q[0] if q.experts else q
-            if method.reads_int8_packed:
-                stored = self._int8_packed(q)
+            if method.int8_copy:
+                stored = self._int8_copy(method.int8_copy, q)
         elif method.storage in COPIES:
             stored = self._copy(method.storage, weight)
         t0 = time.perf_counter()
@@ -190,16 +190,16 @@ class ProductTimer:
             copy = self.copies[(storage, id(weight))] = COPIES[storage](weight)
         return copy
 
-    def _int8_packed(self, q: QuantizedWeight) -> QuantizedWeight:
-        copy = self.int8_packed.get(id(q))
+    def _int8_copy(self, kind: str, q: QuantizedWeight) -> QuantizedWeight:
+        copy = self.int8_copies.get((kind, id(q)))
         if copy is None:
-            copy = self.int8_packed[id(q)] = q.with_packed()
+            copy = self.int8_copies[(kind, id(q))] = q.with_copy(kind)
         return copy
 
     def release(self) -> None:
         """Free the copies made for timing."""
         self.copies.clear()
-        self.int8_packed.clear()
+        self.int8_copies.clear()
         self.inputs.clear()
 
 
@@ -208,7 +208,8 @@ def read_tensors(site: GemmSite, weight: torch.Tensor) -> list[torch.Tensor]:
     method reads (once bound), else the dense weight."""
     q = site.quantized
     if q is not None:
-        return [q.data, q.scale]
+        tiles = q.tiled if site.method_for(1).int8_copy == "tiled" else None
+        return [tiles.data, tiles.row_sums, tiles.scale] if tiles is not None else [q.data, q.scale]
     copy = site.copies.get(site.method_for(1).storage)
     if isinstance(copy, TiledWeight):
         return [copy.data]

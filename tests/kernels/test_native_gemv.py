@@ -1,6 +1,6 @@
 """The fused few-row matrix products (`gemv`, `gemv_seq`: two orders of reading the weight; `tiled`: from the
-weight's tiled copy; `gemv_int8`: an int8 weight with its row scales) against F.linear, `gemv_w8a8` against
-`w8a8` to the bit, and their place among the plan's methods."""
+weight's tiled copy; `gemv_int8`: an int8 weight with its row scales) against F.linear, `gemv_w8a8` and
+`tiled_w8a8` (an int8 weight's tiled copy) against `w8a8` to the bit, and their place among the plan's methods."""
 
 from __future__ import annotations
 
@@ -17,12 +17,14 @@ from worker_proc.model.gemm import (
     GEMV_W8A8,
     THROUGHPUT_METHODS,
     TILED,
+    TILED_OVER_INT4,
+    TILED_W8A8,
     W8A8,
     GemmMethod,
     GemmSite,
     tile_weight,
 )
-from worker_proc.model.quantized import quantize_int8
+from worker_proc.model.quantized import INT8_TILE_ROWS, quantize_int4, quantize_int8, tile_int8
 
 pytestmark = pytest.mark.skipif(not native.load(), reason="the fused CPU kernels cannot be built here")
 
@@ -131,15 +133,59 @@ def test_the_plan_measures_int8_gemv_for_int8_weights_only() -> None:
 @pytest.mark.parametrize("rows", [1, 2, 8, 9, 17])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("in_features", [256, 100])
-def test_w8a8_gemv_is_w8a8_to_the_bit(rows: int, dtype: torch.dtype, in_features: int) -> None:
-    """Exact integer sums and the same row quantization: the fused kernel's product is `w8a8`'s, whatever the
-    row count (so it is batch invariant as w8a8 is), a zero row included."""
+@pytest.mark.parametrize("method", [GEMV_W8A8, TILED_W8A8], ids=lambda m: m.name)
+def test_w8a8_gemv_is_w8a8_to_the_bit(rows: int, dtype: torch.dtype, in_features: int, method: GemmMethod) -> None:
+    """Exact integer sums and the same row quantization: the fused kernels' product is `w8a8`'s, whatever the
+    row count (so it is batch invariant as w8a8 is), a zero row included; 70 outputs leave the tiled copy's last
+    block part empty."""
     gen = torch.Generator().manual_seed(rows * 10 + in_features)
     q = quantize_int8(rand(gen, 70, in_features, scale=0.1))
+    if method.int8_copy:
+        q = q.with_copy(method.int8_copy)
     x = strided(rand(gen, rows, in_features, dtype=dtype))
     x[0] = 0
     b = rand(gen, 70, dtype=dtype)
-    got = GEMV_W8A8.apply(x, torch.empty(0), q, b)
+    got = method.apply(x, torch.empty(0), q, b)
     assert got.dtype == dtype and torch.equal(got, W8A8.apply(x, torch.empty(0), q, b))
-    assert torch.equal(GEMV_W8A8.apply(x[1:2], torch.empty(0), q, b), got[1:2])
-    assert GEMV_W8A8.batch_invariant and GEMV_W8A8 in THROUGHPUT_METHODS
+    assert torch.equal(method.apply(x[1:2], torch.empty(0), q, b), got[1:2])
+    assert method.batch_invariant and method in THROUGHPUT_METHODS
+
+
+def test_an_int8_tiled_copy_holds_blocks_of_sixteen_rows_four_columns_side_by_side() -> None:
+    gen = torch.Generator().manual_seed(3)
+    q = quantize_int8(rand(gen, 37, 12))
+    tiles = tile_int8(q.data, q.scale)
+    assert tuple(tiles.data.shape) == (3, 3, INT8_TILE_ROWS, 4) and tiles.data.dtype == torch.int8
+    assert torch.equal(tiles.data[1, 2, 5], q.data[16 + 5, 8:12])  # block 1, columns 8-11, its row 5
+    assert torch.equal(tiles.data[2, :, 5:], torch.zeros(3, 11, 4, dtype=torch.int8))  # rows past 37
+    assert torch.equal(tiles.row_sums[:37], q.data.sum(1, dtype=torch.int32)) and not tiles.row_sums[37:].any()
+    assert q.with_copy("tiled").nbytes == q.nbytes + tiles.data.numel() + 4 * 48
+
+
+def test_the_tiled_w8a8_kernel_names_what_is_wrong() -> None:
+    q = quantize_int8(torch.randn(32, 64)).with_copy("tiled")
+    t = q.tiled
+    with pytest.raises(RuntimeError, match="tiled as"):
+        torch.ops.hyssm_cpu.tiled_w8a8(torch.randn(2, 60), t.data, t.row_sums, t.scale)
+    with pytest.raises(RuntimeError, match="row sum"):
+        torch.ops.hyssm_cpu.tiled_w8a8(torch.randn(2, 64), t.data, t.row_sums[:16], t.scale)
+    with pytest.raises(RuntimeError, match="scale"):
+        torch.ops.hyssm_cpu.tiled_w8a8(torch.randn(2, 64), t.data, t.row_sums, t.scale.double())
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        torch.ops.hyssm_cpu.tiled_w8a8(torch.randn(2, 64).half(), t.data, t.row_sums, t.scale)
+
+
+def test_the_plan_offers_the_tiled_int8_products_to_single_int8_and_int4_matrices() -> None:
+    cpu = torch.device("cpu")
+    single = GemmSite(64, 64, torch.bfloat16, packable=True)
+    single.quantize(quantize_int8(torch.randn(64, 64)))
+    assert TILED_W8A8.supports(single, cpu) and not TILED_OVER_INT4.supports(single, cpu)
+    stack = GemmSite(64, 64, torch.bfloat16, packable=False)
+    stack.quantize(quantize_int8(torch.randn(3, 64, 64)))
+    assert not TILED_W8A8.supports(stack, cpu)  # an expert stack has no second copy
+    four = GemmSite(64, 64, torch.bfloat16, packable=True)
+    four.quantize(quantize_int4(torch.randn(64, 64), 32))
+    assert TILED_OVER_INT4.supports(four, cpu) and not TILED_W8A8.supports(four, cpu)
+    four.bind((), (TILED_OVER_INT4,))
+    assert four.quantized is not None and four.quantized.tiled is not None and four.quantized.packed is None
+    four.check_integrity(torch.empty(0))

@@ -520,3 +520,57 @@ def test_an_expert_stack_of_a_linears_shape_reads_no_copy(tmp_path: Path, monkey
         if site.shape in shared:
             assert ("tiled" in site.storages) == site.packable, (site.shape, site.storages)
     r.check_integrity()
+
+
+class _TiledInt8Fastest(_DenseThenPacked):
+    """A ProductTimer stand-in under which the tiled int8 product is fastest at every row count."""
+
+    def __call__(self, method: GemmMethod, rows: int, threads: int) -> dict[GemmKey, float]:
+        return {GemmKey.of(s): 0.5 if method.name == "tiled_w8a8" else 1.0 for s in self.sites
+                if method.supports(s, torch.device("cpu"))}
+
+
+def test_a_quantized_expert_stack_of_a_linears_shape_reads_no_int8_copy(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """An int8 Linear's rule may read a tiled int8 copy; an int8 expert stack of its shape cannot hold one and
+    takes the best method over its own values."""
+    from tests.worker.util import fixture_dir
+    from worker_proc.kernels import native
+
+    if not native.load():
+        pytest.skip("the fused CPU kernels cannot be built here")
+    monkeypatch.setattr(plan_cache, "ProductTimer", _TiledInt8Fastest)
+    r = ModelRunner(fixture_dir("rope_moe"), kv_slots=96, state_slots=4, plan_cache_dir=tmp_path, thread_options=(1,),
+                    quantization="int8")
+    sites = [site for _, site, _ in product_sites(r.model) if site.quantized is not None]
+    shared = {site.shape for site in sites if not site.packable} & {site.shape for site in sites if site.packable}
+    assert shared, "the fixture no longer has an int8 expert stack of an int8 Linear's shape"
+    for site in sites:
+        q = site.quantized
+        assert q is not None and (q.tiled is not None) == site.packable, site.shape
+        assert all(bool(m.int8_copy) == site.packable for m in site.methods), (site.shape, site.methods)
+    r.check_integrity()
+
+
+def test_each_int8_copy_of_a_quantized_weight_counts() -> None:
+    """A quantized weight read through oneDNN's packed int8 copy at some rows and the tiled one at others holds
+    both: two more bytes per weight."""
+    from worker_proc.quantization import quantize_weight
+
+    site = GemmSite(64, 32, torch.float32, True)
+    site.quantize(quantize_weight(torch.randn(64, 32), "int4"))
+    key = GemmKey.of(site)
+    asked: list[int] = []
+
+    def measure(method: GemmMethod, rows: int, threads: int) -> dict[GemmKey, float]:
+        speed = {"w4a16": 1.0 * rows, "w8a8_over_int4": 0.5 * rows if rows <= 8 else 99.0,
+                 "tiled_over_int4": 2.0 + 0.1 * rows}.get(method.name)
+        return {} if speed is None else {key: speed}
+
+    def affordable(nbytes: int) -> bool:
+        asked.append(nbytes)
+        return True
+
+    plan = choose([(site, torch.empty(0))], (1,), measure, affordable)
+    assert plan.gemms[key].methods == ("w8a8_over_int4", "tiled_over_int4")
+    assert asked == [2 * 64 * 32]

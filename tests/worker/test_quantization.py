@@ -13,12 +13,15 @@ import torch.nn.functional as F
 from shared.config import builtin_model_dir
 from shared.errors import ModelLoadError
 from worker_proc.execution_plan import product_sites
+from worker_proc.kernels import native
 from worker_proc.loader import load_model
 from worker_proc.model.gemm import (
     DEQUANT,
     FP8_BF16,
     FP8_SCALED,
     METHODS,
+    TILED_OVER_INT4,
+    TILED_W8A8,
     W4A16,
     W8A8,
     W8A8_ONEDNN,
@@ -61,8 +64,9 @@ def test_int4_groups_round_to_half_a_step() -> None:
 
 
 def test_an_int4_weights_int8_copy_is_within_half_an_int8_step_of_its_values() -> None:
-    """The copy `w8a8_over_int4` reads: the 4-bit values (read with bfloat16 scales), per row in int8."""
-    q = quantize_weight(_weight(), "int4").with_packed()
+    """The copies `w8a8_over_int4` and `tiled_over_int4` read: the 4-bit values (read with bfloat16 scales), per
+    row in int8, the same values in both layouts."""
+    q = quantize_weight(_weight(), "int4").with_copy("packed")
     assert q.packed is not None and q.nbytes == q.data.numel() + 2 * q.scale.numel() + 96 * 128
     values = q.dequantize(torch.bfloat16).float()
     step = values.abs().amax(1) / 127
@@ -71,8 +75,15 @@ def test_an_int4_weights_int8_copy_is_within_half_an_int8_step_of_its_values() -
     copy = W8A8_OVER_INT4.apply(x, torch.empty(0), q, None).t()
     assert ((copy - values).abs() <= step[:, None] / 2 + 1e-7).all()
     assert torch.equal(copy[3], torch.zeros(128))
+    if native.load():
+        both = q.with_copy("tiled")
+        assert both.packed is q.packed and both.nbytes == q.nbytes + 96 * 128 + 4 * 96
+        tiled = TILED_OVER_INT4.apply(x, torch.empty(0), both, None).t()
+        assert torch.allclose(tiled, copy, rtol=1e-6, atol=1e-9)  # the same values; oneDNN scales in another order
     with pytest.raises(ValueError, match="int8 or int4"):
-        quantize_weight(_weight(), "fp8").with_packed()
+        quantize_weight(_weight(), "fp8").with_copy("packed")
+    with pytest.raises(ValueError, match="no int8 copy named 'dense'"):
+        q.with_copy("dense")
 
 
 def test_int4_falls_back_to_int8_where_its_layout_cannot_hold_the_weight() -> None:
@@ -92,15 +103,18 @@ def test_fp8_keeps_three_mantissa_bits() -> None:
 
 
 @pytest.mark.parametrize("fmt,method,tol", [("int8", W8A16, 1e-2), ("int8", W8A8, 2e-2), ("int8", W8A8_ONEDNN, 2e-2),
-                                            ("int4", W4A16, 1e-2), ("int4", W8A8_OVER_INT4, 2e-2),
+                                            ("int8", TILED_W8A8, 2e-2), ("int4", W4A16, 1e-2),
+                                            ("int4", W8A8_OVER_INT4, 2e-2), ("int4", TILED_OVER_INT4, 2e-2),
                                             ("fp8", FP8_BF16, 1e-2)])
 @pytest.mark.parametrize("rows", [1, 5, 64])
 def test_each_product_matches_its_format_reference(fmt: str, method, tol: float, rows: int) -> None:
     w = _weight()
     q = quantize_weight(w, fmt)
-    if method.reads_int8_packed:
-        q = q.with_packed()
-    if method is W8A8_ONEDNN:
+    if method.int8_copy:
+        q = q.with_copy(method.int8_copy)
+    if method.native and not native.load():
+        pytest.skip("the fused CPU kernels cannot be built here")
+    if method in (W8A8_ONEDNN, TILED_W8A8):
         x0 = torch.randn(3, 128, generator=G)  # the same exact int32 product, another kernel and epilogue
         assert torch.allclose(method.apply(x0, w, q, None), W8A8.apply(x0, w, q, None), rtol=1e-6, atol=1e-7)
     bias = torch.randn(96, generator=G)
@@ -117,9 +131,11 @@ def test_each_product_matches_its_format_reference(fmt: str, method, tol: float,
                          ids=lambda m: m.name)
 def test_methods_claimed_batch_invariant_are(method) -> None:
     w = _weight()
+    if method.native and not native.load():
+        pytest.skip("the fused CPU kernels cannot be built here")
     stored = quantize_weight(w, method.storage) if method.storage in ("int8", "int4", "fp8") else None
-    if method.reads_int8_packed:
-        stored = stored.with_packed()
+    if method.int8_copy:
+        stored = stored.with_copy(method.int8_copy)
     x = torch.randn(40, 128, generator=G)
     full = method.apply(x, w, stored, None)
     for rows in (1, 2, 3, 7, 16, 17, 39):

@@ -23,9 +23,10 @@ TRAINED_REL_TOL = 0.15
 reference, relative to the largest logit: the products round their activations to bfloat16 or, in
 w8a8, to per-row int8; the reference does not (by this measure a bfloat16 copy of the model lies a
 few percent from the float32 one)."""
-FIXTURE_MIN_COSINE = 0.75
+FIXTURE_MIN_COSINE = 0.6
 """The fixtures are random: rounding differences grow through their layers and flip MoE routing, so
-they are held to the direction of each logit row (a wrong scale or layout gives ~0)."""
+they are held to the direction of each logit row (a wrong scale or layout gives ~0). An int4 product over
+the int8 copy rounds three times (4-bit values, their int8 copy, int8 activations): 0.72 on `rope_moe`."""
 
 
 def _prompt_logits(r: ModelRunner, prompt: list[int]) -> torch.Tensor:

@@ -30,6 +30,7 @@ from worker_proc.model.quantized import (
     gemv_int8,
     gemv_w8a8,
     int8_packing_supported,
+    tiled_w8a8,
     w4a16,
     w8a8,
     w8a8_onednn,
@@ -194,9 +195,9 @@ class GemmMethod:
     devices: tuple[str, ...] = ("cpu",)
     dtypes: tuple[torch.dtype, ...] = ()
     per_row_scale: bool = False
-    reads_int8_packed: bool = False
-    """It reads the quantized weight's oneDNN int8 copy (single matrices only; the plan makes the copy at
-    bind: one more byte per weight)."""
+    int8_copy: str = ""
+    """The quantized weight's int8 copy it reads (one of quantized.INT8_COPIES; single matrices only; the
+    site makes the copy at bind: one more byte per weight), "" for none."""
     in_multiple: int = 1
     """The input width must be a multiple of this (torch's int8-weight CPU kernel reads 16 at a time)."""
     native: bool = False
@@ -207,7 +208,7 @@ class GemmMethod:
     @property
     def reads_copy(self) -> bool:
         """It reads a second copy of the weight (one of `COPIES`, or a quantized weight's int8 copy)."""
-        return self.storage in COPIES or self.reads_int8_packed
+        return self.storage in COPIES or bool(self.int8_copy)
 
     def supports(self, site: GemmSite, device: torch.device) -> bool:
         if device.type not in self.devices or self.dtypes and site.dtype not in self.dtypes:
@@ -219,7 +220,7 @@ class GemmMethod:
                 self.storage != "packed" or packing_supported(site.dtype, device))
         if self.storage != site.storage_format:
             return False
-        if self.reads_int8_packed and not (site.packable and int8_packing_supported()):
+        if self.int8_copy and not (site.packable and (self.int8_copy != "packed" or int8_packing_supported())):
             return False
         return not (self.per_row_scale and site.quantized is not None and site.quantized.group)
 
@@ -253,20 +254,29 @@ byte pairs (AVX512-VNNI) a few-row product streams the int8 weight instead of wi
 PADDED = GemmMethod("padded", "dense", _padded, batch_invariant=True)
 W8A16 = GemmMethod("w8a16", "int8", _quantized(w8a16), in_multiple=16)
 W8A8 = GemmMethod("w8a8", "int8", _quantized(w8a8), batch_invariant=True, devices=("cpu", "cuda"))
-W8A8_ONEDNN = GemmMethod("w8a8_onednn", "int8", _quantized(w8a8_onednn), batch_invariant=True,
-                         reads_int8_packed=True)
+W8A8_ONEDNN = GemmMethod("w8a8_onednn", "int8", _quantized(w8a8_onednn), batch_invariant=True, int8_copy="packed")
+TILED_W8A8 = GemmMethod("tiled_w8a8", "int8", _quantized(tiled_w8a8), batch_invariant=True, native=True,
+                        dtypes=(torch.float32, torch.bfloat16), in_multiple=4, int8_copy="tiled")
+"""`w8a8` to the bit over the tiled int8 copy: a batched decode step's rows multiplied into 16 outputs at once,
+64 byte pairs an instruction where the CPU has AVX512-VNNI (no sum reduced across lanes, as `tiled`)."""
 W4A16 = GemmMethod("w4a16", "int4", _quantized(w4a16), batch_invariant=True)
 W8A8_OVER_INT4 = GemmMethod("w8a8_over_int4", "int4", _quantized(w8a8_onednn), batch_invariant=True,
-                            reads_int8_packed=True)
+                            int8_copy="packed")
+TILED_OVER_INT4 = GemmMethod("tiled_over_int4", "int4", _quantized(tiled_w8a8), batch_invariant=True, native=True,
+                             dtypes=(torch.float32, torch.bfloat16), in_multiple=4, int8_copy="tiled")
+"""`tiled_w8a8` over an int8 copy of a 4-bit matrix (its values quantized per row, as `w8a8_over_int4`'s): where
+oneDNN's int8 product is slow or missing, the product of more rows than torch's 4-bit kernel serves well (one
+pass over the weight per row)."""
 FP8_BF16 = GemmMethod("fp8_bf16", "fp8", _quantized(fp8_bf16), per_row_scale=True)
 FP8_SCALED = GemmMethod("fp8_scaled", "fp8", _quantized(fp8_scaled), devices=("cuda",), per_row_scale=True)
 DEQUANT = {fmt: GemmMethod(f"dequant_{fmt}", fmt, _dequant_padded, batch_invariant=True, devices=ANY_DEVICE)
            for fmt in FORMATS}
 """Every format's reference product (the weight materialised, padded like PADDED): any device."""
 METHODS = {m.name: m for m in (DENSE, SPLIT, PACKED, TILED, GEMV, GEMV_SEQ, GEMV_INT8, GEMV_W8A8, PADDED, W8A16, W8A8,
-                               W8A8_ONEDNN, W4A16, W8A8_OVER_INT4, FP8_BF16, FP8_SCALED, *DEQUANT.values())}
+                               W8A8_ONEDNN, TILED_W8A8, W4A16, W8A8_OVER_INT4, TILED_OVER_INT4, FP8_BF16, FP8_SCALED,
+                               *DEQUANT.values())}
 THROUGHPUT_METHODS = (DENSE, SPLIT, PACKED, TILED, GEMV, GEMV_SEQ, GEMV_INT8, GEMV_W8A8, W8A16, W8A8, W8A8_ONEDNN,
-                      W4A16, W8A8_OVER_INT4, FP8_BF16)
+                      TILED_W8A8, W4A16, W8A8_OVER_INT4, TILED_OVER_INT4, FP8_BF16)
 """The candidates the plan measures on the CPU outside the deterministic mode (each site is timed with
 those that `supports` it)."""
 DETERMINISTIC = {"dense": PADDED, "int8": W8A8, "int4": W4A16, "fp8": DEQUANT["fp8"]}
@@ -322,10 +332,10 @@ class GemmSite:
         missing = {m.storage for m in methods if m.storage in COPIES} - set(copies)
         if missing:
             raise ValueError(f"a {', '.join(sorted(missing))} method needs the {', '.join(sorted(missing))} weight")
-        if any(m.reads_int8_packed for m in methods):
+        for kind in sorted({m.int8_copy for m in methods} - {""}):
             assert self.quantized is not None and self.storage_format in ("int8", "int4"), \
                 "an int8 copy of a weight that is neither int8 nor int4"
-            self.quantized = self.quantized.with_packed()
+            self.quantized = self.quantized.with_copy(kind)
         wrong = [m.name for m in methods if m.storage not in (self.storage_format, *COPIES)
                  or m.storage in COPIES and self.quantized is not None]
         if wrong:

@@ -27,8 +27,9 @@ copy costs one more byte per weight), and `w8a8_over_int4` the same over an int8
 (torch's 4-bit kernel takes each row of x as a separate pass over the weight, oneDNN's int8 one does
 not); `fp8_scaled` quantizes rows of x to e4m3 and runs `torch._scaled_mm`; `gemv_int8` and `gemv_w8a8`
 are the fused few-row kernels over an int8 weight (the first with float32 activations, the second `w8a8`'s
-arithmetic); `dequant` (any format, any device) materialises the weight in x's dtype first: the reference
-every other product is tested against.
+arithmetic); `tiled_w8a8` is `w8a8`'s arithmetic over a tiled int8 copy (`Int8Tiles`, one more byte per
+weight: an int8 matrix's values or an int4 matrix's as the packed copy holds them); `dequant` (any format,
+any device) materialises the weight in x's dtype first: the reference every other product is tested against.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from worker_proc.host_memory import weight_tensor
 
 FORMATS = ("int8", "int4", "fp8")
 INT8_MAX = 127.0
@@ -69,6 +72,44 @@ def pack_int8(data: torch.Tensor, scale: torch.Tensor) -> Int8Copy:
     return Int8Copy(packed, zero, scale.float().contiguous())
 
 
+INT8_TILE_ROWS = 16
+"""Output rows per block of a tiled int8 copy (worker_proc/kernels/native/w8a8_ops.cpp's kBlock)."""
+INT8_TILE_COLUMNS = 4
+"""Input columns of one output row side by side in a tiled int8 block (the kernel's kQuad)."""
+
+
+@dataclass(frozen=True, eq=False)
+class Int8Tiles:
+    """An int8 matrix [out, in] in the layout of the fused batched-decode product `tiled_w8a8`
+    (worker_proc/kernels/native/w8a8_ops.cpp): `data` [ceil(out / 16), in / 4, 16, 4] (blocks of 16 output
+    rows, four input columns of a row side by side, rows past `out` zero), `row_sums` int32 [ceil(out / 16) * 16]
+    (each row's sum of values), `scale` float32 [out]: w = value * scale per output row."""
+
+    data: torch.Tensor
+    row_sums: torch.Tensor
+    scale: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() + self.row_sums.numel() * 4
+
+
+def tile_int8(data: torch.Tensor, scale: torch.Tensor) -> Int8Tiles:
+    """The tiled copy of an int8 matrix `data` [out, in] (in a multiple of 4) with row scales `scale` [out], on
+    huge pages where it is large enough (a step of few rows streams it whole)."""
+    out, inp = data.shape
+    blocks = -(-out // INT8_TILE_ROWS)
+    rows = F.pad(data, (0, 0, 0, blocks * INT8_TILE_ROWS - out))
+    buffer = weight_tensor((blocks, inp // INT8_TILE_COLUMNS, INT8_TILE_ROWS, INT8_TILE_COLUMNS), torch.int8)
+    buffer.copy_(rows.view(blocks, INT8_TILE_ROWS, inp // INT8_TILE_COLUMNS, INT8_TILE_COLUMNS).transpose(1, 2))
+    return Int8Tiles(buffer, rows.sum(1, dtype=torch.int32), scale.float().contiguous())
+
+
+INT8_COPIES = ("packed", "tiled")
+"""The second copies an int8 or int4 matrix may hold for a product that reads them (`QuantizedWeight.with_copy`):
+oneDNN's packed int8 layout, the tiled one of `tiled_w8a8`."""
+
+
 @dataclass(frozen=True, eq=False)
 class QuantizedWeight:
     """One quantized weight or expert stack (see the module doc for each format's fields)."""
@@ -80,7 +121,9 @@ class QuantizedWeight:
     group: int = 0  # int4: inputs per group; fp8: block side (0: one scale per row)
     packed: Int8Copy | None = None
     """int8 / int4 single matrices: the weight in oneDNN's packed int8 layout, made when the execution
-    plan binds a product that reads it (`with_packed`)."""
+    plan binds a product that reads it (`with_copy`)."""
+    tiled: Int8Tiles | None = None
+    """int8 / int4 single matrices: the weight in the tiled int8 layout, likewise."""
     scale_bf16: torch.Tensor | None = dataclasses.field(default=None, compare=False)
     """int8 / int4: `scale` in bfloat16, what the bfloat16-activation products take (made once, here)."""
 
@@ -95,23 +138,30 @@ class QuantizedWeight:
 
     @property
     def nbytes(self) -> int:
-        extra = self.packed.nbytes if self.packed is not None else 0
+        extra = sum(c.nbytes for c in (self.packed, self.tiled) if c is not None)
         return self.data.numel() * self.data.element_size() + self.scale.numel() * self.scale.element_size() + extra
 
-    def with_packed(self) -> QuantizedWeight:
-        """This matrix with oneDNN's packed int8 copy (`w8a8_onednn` and `w8a8_over_int4` read it): an
-        int8 matrix's own values, or an int4 matrix's dequantized values (read with bfloat16 scales)
-        quantized per row to int8: each value moves by at most half an int8 step of its row."""
+    def with_copy(self, kind: str) -> QuantizedWeight:
+        """This matrix with its int8 copy `kind` (one of `INT8_COPIES`) made: an int8 matrix's own values, or an
+        int4 matrix's dequantized values (read with bfloat16 scales) quantized per row to int8: each value moves
+        by at most half an int8 step of its row."""
+        if kind not in INT8_COPIES:
+            raise ValueError(f"no int8 copy named {kind!r} (known: {', '.join(INT8_COPIES)})")
         if self.fmt not in ("int8", "int4") or self.experts:
-            raise ValueError("only a single int8 or int4 matrix has a packed int8 copy")
-        if self.packed is not None:
+            raise ValueError("only a single int8 or int4 matrix has an int8 copy")
+        if getattr(self, kind) is not None:
             return self
+        data, scale = self._int8_values()
+        copy = pack_int8(data, scale) if kind == "packed" else tile_int8(data, scale)
+        return dataclasses.replace(self, **{kind: copy})
+
+    def _int8_values(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.fmt == "int8":
-            return dataclasses.replace(self, packed=pack_int8(self.data, self.scale))
+            return self.data, self.scale
         eye = torch.eye(self.shape[1], dtype=torch.bfloat16, device=self.data.device)
         values = torch._weight_int4pack_mm_for_cpu(eye, self.data, self.group, self.scale_bf16).t().contiguous()
         row = quantize_int8(values)
-        return dataclasses.replace(self, packed=pack_int8(row.data, row.scale))
+        return row.data, row.scale
 
     def __getitem__(self, expert: int) -> QuantizedWeight:
         """One matrix of a stack (views; nothing is copied)."""
@@ -265,6 +315,16 @@ def gemv_w8a8(x: torch.Tensor, q: QuantizedWeight, bias: torch.Tensor | None) ->
     return _bias(torch.ops.hyssm_cpu.gemv_w8a8(rows, q.data, q.scale).to(x.dtype), bias)
 
 
+def tiled_w8a8(x: torch.Tensor, q: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """`w8a8`'s arithmetic, to the bit, over the matrix's tiled int8 copy (`with_copy("tiled")`; an int4 matrix's
+    copy holds its values quantized per row to int8) in the fused batched-decode kernel: each block of 16 weight
+    rows read once for up to eight rows of x, no sum reduced across lanes."""
+    copy = q.tiled
+    assert copy is not None, "tiled_w8a8 needs the tiled copy (QuantizedWeight.with_copy)"
+    rows = x if x.stride(-1) == 1 else x.contiguous()
+    return _bias(torch.ops.hyssm_cpu.tiled_w8a8(rows, copy.data, copy.row_sums, copy.scale).to(x.dtype), bias)
+
+
 def int8_packing_supported() -> bool:
     """oneDNN's int8 product (the x86 quantized-linear path) is in this build of torch."""
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_pointwise")
@@ -274,7 +334,7 @@ def w8a8_onednn(x: torch.Tensor, q: QuantizedWeight, bias: torch.Tensor | None) 
     """`w8a8` through oneDNN's packed int8 product: each row of x is divided by its own scale before the
     product (so the per-tensor activation scale oneDNN takes is 1) and multiplied by it after."""
     copy = q.packed
-    assert copy is not None, "w8a8_onednn needs the packed copy (QuantizedWeight.with_packed)"
+    assert copy is not None, "w8a8_onednn needs the packed copy (QuantizedWeight.with_copy)"
     xq, xs = quantize_rows(x)
     out = torch.ops.onednn.qlinear_pointwise(xq, 1.0, 0, copy.weight, copy.scale, copy.zero, None, 1.0, 0,
                                              torch.float32, "none", [], "")  # fmt: skip

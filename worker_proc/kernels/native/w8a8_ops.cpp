@@ -6,8 +6,14 @@
 //   order, the thread count or the instructions: AVX512-VNNI multiplies 64 byte pairs per instruction
 //   (xq + 128 as unsigned bytes, the weight's 128 * row sum taken off after), other CPUs run the same sums
 //   in plain integer arithmetic;
-// - the threads split the weight's rows into contiguous ranges, each row read once for up to ROWS rows of
-//   x, front to back (one stream per thread, as `gemv_seq`).
+// - `gemv_w8a8`: the threads split the weight's rows into contiguous ranges, each row read once for up to
+//   ROWS rows of x, front to back (one stream per thread, as `gemv_seq`);
+// - `tiled_w8a8` reads a copy of the weight laid out in blocks of kBlock output rows,
+//   [ceil(N / kBlock)][K / 4][kBlock][4] (four consecutive input columns of one output row side by side, rows
+//   past N zero), with each output row's sum of values (int32, [ceil(N / kBlock) * kBlock]): one vector holds
+//   four input columns of kBlock outputs, so a row of x's four bytes are broadcast and multiplied into kBlock
+//   sums at once and no sum is reduced across lanes; the threads split the blocks into contiguous ranges of
+//   kGroup blocks, a group read once per call for up to ROWS rows at a time, the later rows from cache.
 #include <torch/library.h>
 
 #include "cpu_common.h"
@@ -66,18 +72,151 @@ void group(const int8_t* xq, const float* xs, int64_t rows, int64_t k, const int
   }
 }
 
+constexpr int64_t kBlock = 16;  // output rows of one tiled block: one vector of int32 sums
+constexpr int64_t kGroup = 3;   // blocks one pass reads side by side
+constexpr int64_t kQuad = 4;    // input columns of one output row side by side in a tiled block
+
+// Chains of dependent multiply-adds per sum: enough independent ones to keep the multipliers busy.
+template <int R>
+constexpr int unroll() {
+  return R == 1 ? 4 : (R == 2 ? 2 : 1);
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// The lanes of a block's first `count` outputs (all of them unless the weight ends inside the block).
+inline __mmask16 live_lanes(int64_t count) {
+  return count >= kBlock ? __mmask16(0xffff) : __mmask16((1u << count) - 1);
+}
+#endif
+
+// One pass of R rows of x (as bytes xb: xq + 128 where the CPU multiplies unsigned by signed bytes, else xq;
+// row stride k) over V blocks starting at `tile` (block stride k * kBlock).
+template <int R, int V>
+inline void tiled_pass(const int8_t* xb, const float* xs, int64_t k, const int8_t* tile, const int32_t* wsum,
+                       const float* scale, float* out, int64_t n, int64_t n0) {
+  const int64_t stride = k * kBlock, quads = k / kQuad;
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  constexpr int U = unroll<R>();
+  const int32_t* xp = reinterpret_cast<const int32_t*>(xb);
+  __m512i acc[U][R][V];
+  for (int u = 0; u < U; ++u)
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < V; ++v) acc[u][r][v] = _mm512_setzero_si512();
+  auto step = [&](int u, int64_t p) {
+    __m512i wv[V];
+    for (int v = 0; v < V; ++v) wv[v] = _mm512_loadu_si512(tile + v * stride + p * kQuad * kBlock);
+    for (int r = 0; r < R; ++r) {
+      const __m512i xv = _mm512_set1_epi32(xp[r * quads + p]);
+      for (int v = 0; v < V; ++v) acc[u][r][v] = _mm512_dpbusd_epi32(acc[u][r][v], xv, wv[v]);
+    }
+  };
+  int64_t p = 0;
+  for (; p + U <= quads; p += U)
+    for (int u = 0; u < U; ++u) step(u, p + u);
+  for (; p < quads; ++p) step(0, p);
+  for (int v = 0; v < V; ++v) {  // out = float(sum - 128 * wsum) * (xs[r] * scale), straight from the registers
+    const int64_t c0 = n0 + v * kBlock;
+    if (c0 >= n) continue;
+    const __mmask16 live = live_lanes(n - c0);
+    const __m512i off = _mm512_slli_epi32(_mm512_loadu_si512(wsum + c0), 7);
+    const __m512 sc = _mm512_maskz_loadu_ps(live, scale + c0);
+    for (int r = 0; r < R; ++r) {
+      __m512i sum = acc[0][r][v];
+      for (int u = 1; u < U; ++u) sum = _mm512_add_epi32(sum, acc[u][r][v]);
+      const __m512 value = _mm512_cvtepi32_ps(_mm512_sub_epi32(sum, off));
+      _mm512_mask_storeu_ps(out + r * n + c0, live, _mm512_mul_ps(value, _mm512_mul_ps(_mm512_set1_ps(xs[r]), sc)));
+    }
+  }
+#else
+  int32_t sums[R][V][kBlock] = {};
+  for (int64_t p = 0; p < quads; ++p)
+    for (int v = 0; v < V; ++v) {
+      const int8_t* w = tile + v * stride + p * kQuad * kBlock;
+      for (int r = 0; r < R; ++r)
+        for (int64_t l = 0; l < kBlock; ++l)
+          for (int64_t i = 0; i < kQuad; ++i)
+            sums[r][v][l] += static_cast<int32_t>(xb[r * k + p * kQuad + i]) * static_cast<int32_t>(w[l * kQuad + i]);
+    }
+  for (int v = 0; v < V; ++v) {
+    const int64_t c0 = n0 + v * kBlock, count = std::min<int64_t>(kBlock, n - c0);
+    for (int r = 0; r < R; ++r)
+      for (int64_t l = 0; l < count; ++l)
+        out[r * n + c0 + l] = static_cast<float>(sums[r][v][l]) * (xs[r] * scale[c0 + l]);
+  }
+#endif
+}
+
+// R rows of x over blocks [b0, b1): kGroup blocks a pass, the last ones one at a time.
+template <int R>
+void tiled_rows(const int8_t* xb, const float* xs, int64_t k, const int8_t* tiled, const int32_t* wsum,
+                const float* scale, float* out, int64_t n, int64_t b0, int64_t b1) {
+  const int64_t stride = k * kBlock;
+  for (int64_t b = b0; b < b1;) {
+    if (b + kGroup <= b1) {
+      tiled_pass<R, kGroup>(xb, xs, k, tiled + b * stride, wsum, scale, out, n, b * kBlock);
+      b += kGroup;
+    } else {
+      tiled_pass<R, 1>(xb, xs, k, tiled + b * stride, wsum, scale, out, n, b * kBlock);
+      b += 1;
+    }
+  }
+}
+
+void tiled_group(const int8_t* xb, const float* xs, int64_t rows, int64_t k, const int8_t* tiled,
+                 const int32_t* wsum, const float* scale, float* out, int64_t n, int64_t b0, int64_t b1) {
+  switch (rows) {
+    case 1: return tiled_rows<1>(xb, xs, k, tiled, wsum, scale, out, n, b0, b1);
+    case 2: return tiled_rows<2>(xb, xs, k, tiled, wsum, scale, out, n, b0, b1);
+    case 3: return tiled_rows<3>(xb, xs, k, tiled, wsum, scale, out, n, b0, b1);
+    case 4: return tiled_rows<4>(xb, xs, k, tiled, wsum, scale, out, n, b0, b1);
+    case 5: return tiled_rows<5>(xb, xs, k, tiled, wsum, scale, out, n, b0, b1);
+    case 6: return tiled_rows<6>(xb, xs, k, tiled, wsum, scale, out, n, b0, b1);
+    case 7: return tiled_rows<7>(xb, xs, k, tiled, wsum, scale, out, n, b0, b1);
+    default: return tiled_rows<8>(xb, xs, k, tiled, wsum, scale, out, n, b0, b1);
+  }
+}
+
 // x's rows as int8 with a float32 scale each, as `quantize_rows` makes them (to the bit: max |row| / 127, 1 for a
 // zero row; each value divided by it and rounded half to even).
 template <typename T>
 void quantize_rows(const T* x, int64_t rows, int64_t k, int64_t stride, int8_t* xq, float* xs) {
   for (int64_t r = 0; r < rows; ++r) {
     const T* row = x + r * stride;
+    int8_t* q = xq + r * k;
     float amax = 0.0f;
-    for (int64_t j = 0; j < k; ++j) amax = std::max(amax, std::abs(to_f(row[j])));
+    int64_t j = 0;
+#if defined(__AVX512F__)
+    __m512 most = _mm512_setzero_ps();
+    for (; j + 16 <= k; j += 16) most = _mm512_max_ps(most, _mm512_abs_ps((__m512)load16(row + j)));
+    amax = _mm512_reduce_max_ps(most);
+#endif
+    for (; j < k; ++j) amax = std::max(amax, std::abs(to_f(row[j])));
     float s = amax / 127.0f;
     s = s > 0.0f ? s : 1.0f;
     xs[r] = s;
-    for (int64_t j = 0; j < k; ++j) xq[r * k + j] = static_cast<int8_t>(std::nearbyint(to_f(row[j]) / s));
+    j = 0;
+#if defined(__AVX512F__)
+    const __m512 sv = _mm512_set1_ps(s);
+    for (; j + 16 <= k; j += 16) {  // an exact division, rounded half to even: nearbyint's value
+      const __m512 v = _mm512_roundscale_ps(_mm512_div_ps((__m512)load16(row + j), sv),
+                                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + j), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(v)));
+    }
+#endif
+    for (; j < k; ++j) q[j] = static_cast<int8_t>(std::nearbyint(to_f(row[j]) / s));
+  }
+}
+
+// x's rows quantized (`quantize_rows`) into xq [M * K] and xs [M].
+void quantized_rows(const at::Tensor& x, const char* op, std::vector<int8_t>& xq, std::vector<float>& xs) {
+  const int64_t m = x.size(0), k = x.size(1);
+  xq.resize(m * k);
+  xs.resize(m);
+  if (x.scalar_type() == at::kFloat) {
+    quantize_rows(x.data_ptr<float>(), m, k, x.stride(0), xq.data(), xs.data());
+  } else {
+    TORCH_CHECK(x.scalar_type() == at::kBFloat16, op, ": x must be float32 or bfloat16");
+    quantize_rows(x.data_ptr<c10::BFloat16>(), m, k, x.stride(0), xq.data(), xs.data());
   }
 }
 
@@ -89,14 +228,9 @@ at::Tensor gemv_w8a8(const at::Tensor& x, const at::Tensor& data, const at::Tens
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == data.size(0),
               "gemv_w8a8: one float32 scale per weight row expected");
   const int64_t m = x.size(0), k = x.size(1), n = data.size(0);
-  std::vector<int8_t> xq(m * k);
-  std::vector<float> xs(m);
-  if (x.scalar_type() == at::kFloat) {
-    quantize_rows(x.data_ptr<float>(), m, k, x.stride(0), xq.data(), xs.data());
-  } else {
-    TORCH_CHECK(x.scalar_type() == at::kBFloat16, "gemv_w8a8: x must be float32 or bfloat16");
-    quantize_rows(x.data_ptr<c10::BFloat16>(), m, k, x.stride(0), xq.data(), xs.data());
-  }
+  std::vector<int8_t> xq;
+  std::vector<float> xs;
+  quantized_rows(x, "gemv_w8a8", xq, xs);
   at::Tensor out = at::empty({m, n}, x.options().dtype(at::kFloat));
   const int8_t* w = data.data_ptr<int8_t>();
   const float* s_p = scale.data_ptr<float>();
@@ -108,9 +242,49 @@ at::Tensor gemv_w8a8(const at::Tensor& x, const at::Tensor& data, const at::Tens
   return out;
 }
 
+// x [M, K] float32 or bfloat16 (unit-stride rows); tiled: an int8 weight [N, K] in the tiled layout, [blocks,
+// K / 4, kBlock, 4]; row_sums int32 [blocks * kBlock]; scale [N] float32. Returns [M, N] float32, `gemv_w8a8`'s
+// values to the bit.
+at::Tensor tiled_w8a8(const at::Tensor& x, const at::Tensor& tiled, const at::Tensor& row_sums,
+                      const at::Tensor& scale) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && tiled.dim() == 4 && tiled.scalar_type() == at::kChar &&
+                  tiled.is_contiguous() && tiled.size(2) == kBlock && tiled.size(3) == kQuad &&
+                  tiled.size(1) * kQuad == x.size(1),
+              "tiled_w8a8: x [M, K] and an int8 weight tiled as [blocks, K / 4, 16, 4] expected");
+  const int64_t m = x.size(0), k = x.size(1), n = scale.numel(), blocks = tiled.size(0);
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && blocks == (n + kBlock - 1) / kBlock,
+              "tiled_w8a8: one float32 scale per weight row expected");
+  TORCH_CHECK(row_sums.scalar_type() == at::kInt && row_sums.is_contiguous() && row_sums.numel() == blocks * kBlock,
+              "tiled_w8a8: one int32 row sum per tiled row expected");
+  std::vector<int8_t> xq;
+  std::vector<float> xs;
+  quantized_rows(x, "tiled_w8a8", xq, xs);
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  for (int8_t& v : xq) v = static_cast<int8_t>(static_cast<uint8_t>(v) ^ 0x80);  // xq + 128, as unsigned bytes
+#endif
+  at::Tensor out = at::empty({m, n}, x.options().dtype(at::kFloat));
+  const int8_t* t = tiled.data_ptr<int8_t>();
+  const int32_t* ws = row_sums.data_ptr<int32_t>();
+  const float* s_p = scale.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, (blocks + kGroup - 1) / kGroup, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g)
+      for (int64_t r = 0; r < m; r += ROWS)
+        tiled_group(xq.data() + r * k, xs.data() + r, std::min(ROWS, m - r), k, t, ws, s_p, o + r * n, n,
+                    g * kGroup, std::min(blocks, (g + 1) * kGroup));
+  });
+  return out;
+}
+
 }  // namespace
 }  // namespace hyssm_cpu
 
-TORCH_LIBRARY_FRAGMENT(hyssm_cpu, m) { m.def("gemv_w8a8(Tensor x, Tensor data, Tensor scale) -> Tensor"); }
+TORCH_LIBRARY_FRAGMENT(hyssm_cpu, m) {
+  m.def("gemv_w8a8(Tensor x, Tensor data, Tensor scale) -> Tensor");
+  m.def("tiled_w8a8(Tensor x, Tensor tiled, Tensor row_sums, Tensor scale) -> Tensor");
+}
 
-TORCH_LIBRARY_IMPL(hyssm_cpu, CPU, m) { m.impl("gemv_w8a8", hyssm_cpu::gemv_w8a8); }
+TORCH_LIBRARY_IMPL(hyssm_cpu, CPU, m) {
+  m.impl("gemv_w8a8", hyssm_cpu::gemv_w8a8);
+  m.impl("tiled_w8a8", hyssm_cpu::tiled_w8a8);
+}
