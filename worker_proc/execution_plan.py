@@ -30,7 +30,8 @@ from torch import nn
 
 from worker_proc.kernels.select import KernelChoice
 from worker_proc.method_choice import MARGIN, SWITCH_MARGIN, choose_methods, methods_by_bucket, own_methods
-from worker_proc.model.gemm import (
+from worker_proc.model.gemm import GemmOwner, GemmSite
+from worker_proc.model.gemm_methods import (
     ACCELERATOR,
     COPIES,
     DEQUANT,
@@ -38,8 +39,6 @@ from worker_proc.model.gemm import (
     METHODS,
     THROUGHPUT_METHODS,
     GemmMethod,
-    GemmOwner,
-    GemmSite,
 )
 from worker_proc.model.layers import Linear
 from worker_proc.plan_timing import GemmKey, Instance, Measure

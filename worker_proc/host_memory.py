@@ -83,7 +83,7 @@ def keep_freed_memory() -> bool:
 ONEDNN_CACHE_VARS = ("LRU_CACHE_CAPACITY", "ONEDNN_PRIMITIVE_CACHE_CAPACITY")
 """The two caches of oneDNN primitives a CPU worker fills: PyTorch's ideep LRU and oneDNN's own."""
 ONEDNN_CACHE_CAPACITY = 128
-"""Entries each cache keeps (both default to 1024). A packed GEMM (worker_proc/model/gemm.py) creates
+"""Entries each cache keeps (both default to 1024). A packed GEMM (worker_proc/model/gemm_methods.py) creates
 one primitive per weight shape and row count, of a size that does not depend on the weight's, and
 mixed traffic brings hundreds of distinct prefill row counts: with the defaults a worker's heap grows
 for as long as new row counts come (benchmarks/soak.py shows it). The bound must hold every row

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from worker_proc.model.gemm import COPIES, DENSE, DEQUANT, METHODS
+from worker_proc.model.gemm_methods import COPIES, DENSE, DEQUANT, METHODS
 from worker_proc.plan_timing import GemmKey
 
 MARGIN = 0.03

@@ -42,7 +42,7 @@ from worker_proc.execution_plan import (
 from worker_proc.host_memory import WEIGHT_STORAGE, copy_affordable, last_level_cache_bytes
 from worker_proc.kernels import KernelOps, native
 from worker_proc.mixer_timing import MixerTimer
-from worker_proc.model.gemm import THROUGHPUT_METHODS
+from worker_proc.model.gemm_methods import THROUGHPUT_METHODS
 from worker_proc.plan_timing import (
     DEFAULT_STREAM_BYTES,
     STREAM_ROWS,

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from worker_proc.model.gemm import COPIES, GemmMethod, GemmSite, TiledWeight
+from worker_proc.model.gemm import GemmSite
+from worker_proc.model.gemm_methods import COPIES, GemmMethod, TiledWeight
 from worker_proc.model.quantized import QuantizedWeight
 
 STREAM_ROWS = 8

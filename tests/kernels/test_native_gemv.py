@@ -10,7 +10,8 @@ import torch.nn.functional as F
 
 from tests.kernels.util import max_diff, rand, strided
 from worker_proc.kernels import native
-from worker_proc.model.gemm import (
+from worker_proc.model.gemm import GemmSite
+from worker_proc.model.gemm_methods import (
     GEMV,
     GEMV_INT8,
     GEMV_SEQ,
@@ -21,7 +22,6 @@ from worker_proc.model.gemm import (
     TILED_W8A8,
     W8A8,
     GemmMethod,
-    GemmSite,
     tile_weight,
 )
 from worker_proc.model.quantized import INT8_TILE_ROWS, quantize_int4, quantize_int8, tile_int8

@@ -18,7 +18,8 @@ from shared.messages import ForwardBatch, ReqSlice, SamplingParams
 from worker_proc import plan_cache
 from worker_proc.execution_plan import ROW_BUCKETS, choose, instances_of, product_sites
 from worker_proc.kernels.select import KernelChoice
-from worker_proc.model.gemm import GemmMethod, GemmSite
+from worker_proc.model.gemm import GemmSite
+from worker_proc.model.gemm_methods import GemmMethod
 from worker_proc.model.layers import Linear
 from worker_proc.plan_timing import DEFAULT_STREAM_BYTES, HOPELESS, GemmKey, ProductTimer
 from worker_proc.runtime import ModelRunner
@@ -249,7 +250,7 @@ def test_a_hopeless_method_is_timed_no_further() -> None:
 
 
 def test_the_real_timer_reports_every_supported_key() -> None:
-    from worker_proc.model.gemm import DENSE, PACKED
+    from worker_proc.model.gemm_methods import DENSE, PACKED
 
     timer = ProductTimer(_instances(A, B, A), cache_bytes=1 << 20, reps=2)
     for method in (DENSE, PACKED):
@@ -266,7 +267,7 @@ def test_a_shape_read_only_as_it_is_gets_no_timing_copy() -> None:
     """Under `--single-weight-copy` a shape whose dense weight its owner reads (the tied LM head's) is
     only ever read as it is: the timer makes no copy of it (one of the head would be its whole size
     again, twice, while the plan is measured) and still times the methods reading it as it is."""
-    from worker_proc.model.gemm import DENSE, PACKED, TILED
+    from worker_proc.model.gemm_methods import DENSE, PACKED, TILED
 
     timer = ProductTimer(_instances(A, B), cache_bytes=1 << 20, reps=1, own_weights_only=frozenset({A}))
     for method in (PACKED, TILED):
@@ -278,7 +279,7 @@ def test_a_shape_read_only_as_it_is_gets_no_timing_copy() -> None:
 def test_a_weight_larger_than_the_stream_budget_leaves_no_shape_untimed() -> None:
     """A model's LM head can alone exceed twice the last-level cache; every other shape is still
     timed at the streamed row counts (untimed, it would run `dense` there whatever is faster)."""
-    from worker_proc.model.gemm import DENSE
+    from worker_proc.model.gemm_methods import DENSE
 
     head = GemmKey(4096, 64, "float32")
     timer = ProductTimer(_instances(head, A, B, A, B), cache_bytes=(4096 * 64 * 4) // 4, reps=1)

@@ -257,7 +257,7 @@ def test_a_tiled_copy_of_a_large_weight_lies_on_huge_pages_and_holds_the_weight(
 
     from worker_proc.host_memory import HUGE_PAGE_BYTES
     from worker_proc.kernels import native
-    from worker_proc.model.gemm import tile_weight, untile_weight
+    from worker_proc.model.gemm_methods import tile_weight, untile_weight
 
     if not native.load():
         pytest.skip("the native kernels are not built here")

@@ -1,4 +1,4 @@
-"""The product methods (`worker_proc.model.gemm`): split, packed and padded give F.linear's results (to
+"""The product methods (`worker_proc.model.gemm_methods`): split, packed and padded give F.linear's results (to
 fp32 rounding; padded exactly as F.linear over the padded rows) for every row count, thread count and
 output width; a site dispatches by row count to the method bound for it; a Linear whose plan reads only
 the packed copy drops its dense weight."""
@@ -11,14 +11,14 @@ import torch.nn.functional as F
 
 from worker_proc.execution_plan import ExecutionPlan, GemmRule
 from worker_proc.kernels import native
-from worker_proc.model.gemm import (
+from worker_proc.model.gemm import GemmSite
+from worker_proc.model.gemm_methods import (
     DENSE,
     MIN_GEMM_ROWS,
     PACKED,
     PACKED_ROW_STEP,
     PADDED,
     SPLIT,
-    GemmSite,
     gemm_parts,
     pack_weight,
     packing_supported,
@@ -56,7 +56,7 @@ def test_every_method_matches_f_linear(threads: int, rows: int, out_features: in
 def test_packed_products_run_on_few_distinct_row_counts(monkeypatch: pytest.MonkeyPatch) -> None:
     """oneDNN compiles and caches a primitive per row count: above PACKED_ROW_STEP rows the packed method
     pads to a multiple of it, and each real row's result is that of F.linear."""
-    from worker_proc.model import gemm
+    from worker_proc.model import gemm_methods as gemm
 
     seen: list[int] = []
     real = gemm.packed_product

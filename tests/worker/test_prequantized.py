@@ -24,7 +24,7 @@ from tests.tp.harness import run_ranks
 from tests.worker.test_quantized_models import REFERENCE
 from tests.worker.util import batch, reference, req
 from worker_proc.execution_plan import fixed_plan, product_sites
-from worker_proc.model.gemm import DEQUANT
+from worker_proc.model.gemm_methods import DEQUANT
 from worker_proc.runtime import ModelRunner
 
 transformers = pytest.importorskip("transformers")

@@ -15,7 +15,8 @@ from shared.errors import ModelLoadError
 from worker_proc.execution_plan import product_sites
 from worker_proc.kernels import native
 from worker_proc.loader import load_model
-from worker_proc.model.gemm import (
+from worker_proc.model.gemm import GemmSite
+from worker_proc.model.gemm_methods import (
     DEQUANT,
     FP8_BF16,
     FP8_SCALED,
@@ -27,7 +28,6 @@ from worker_proc.model.gemm import (
     W8A8_ONEDNN,
     W8A8_OVER_INT4,
     W8A16,
-    GemmSite,
 )
 from worker_proc.model.quantized import QuantizedWeight, int4_group
 from worker_proc.quantization import QuantScheme, quantize_model, quantize_weight

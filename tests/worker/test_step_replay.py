@@ -14,7 +14,7 @@ from tests.worker.util import ALL_FIXTURES, GDN_FIXTURES, batch, max_diff, req, 
 from worker_proc.execution_plan import fixed_plan, product_sites
 from worker_proc.kernels import native
 from worker_proc.model.batch import DecodeGroup, StepBatch
-from worker_proc.model.gemm import DENSE, DEQUANT, GEMV_INT8, GEMV_SEQ, GEMV_W8A8, GemmMethod
+from worker_proc.model.gemm_methods import DENSE, DEQUANT, GEMV_INT8, GEMV_SEQ, GEMV_W8A8, GemmMethod
 from worker_proc.runtime import ModelRunner
 from worker_proc.step_replay import RECORDINGS, Recorder, StepReplays, _Program
 
@@ -218,7 +218,7 @@ def test_a_call_encoded_wrong_is_refused_by_the_program() -> None:
 
 def test_a_list_takes_the_type_the_schema_names() -> None:
     """oneDNN's packed product takes `Scalar?[] scalars`: an empty list recorded as ints is built as that type."""
-    from worker_proc.model.gemm import pack_weight, packed_product
+    from worker_proc.model.gemm_methods import pack_weight, packed_product
 
     packed = pack_weight(torch.randn(24, 16))
     program = _program(_record(lambda x: packed_product(x, packed, None), [torch.randn(3, 16)]), 1)
