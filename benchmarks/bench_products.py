@@ -2,15 +2,15 @@
 at several row counts, each product reading its weight from memory.
 
     python benchmarks/bench_products.py [--shapes 4096x768,768x2048,100352x768] [--storage int8]
-        [--dtype bfloat16] [--rows 1,8,32,128] [--threads 2] [--stream-mb 300] [--runs 5]
+        [--dtype bfloat16] [--rows 1,8,32,128] [--threads 2] [--stream-mb 300] [--runs 5] [--methods A,B]
 
 A shape gets as many copies of its weight (random, quantized to `--storage` where that is a quantized
 format) as fill `--stream-mb`, more than a CPU's last-level cache, and one timed round multiplies the same
 input by each copy in turn: what a decode step, which reads every weight once, sees. Per method and row
 count the table shows the fastest of `--runs` rounds after an untimed one (us per product) and the weight
 bytes it read per second. The methods are those of `THROUGHPUT_METHODS` that `supports` such a site
-(worker_proc.model.gemm_methods), their copies (a packed or tiled copy, an int8 copy of a quantized weight)
-made as the plan's bind makes them. No server, no model.
+(worker_proc.model.gemm_methods; `--methods` keeps the named ones), their copies (a packed or tiled copy,
+an int8 copy of a quantized weight) made as the plan's bind makes them. No server, no model.
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def time_method(method: GemmMethod, copies: list[tuple[GemmSite, torch.Tensor]],
 
 
 def run(shapes: list[tuple[int, int]], storage: str, dtype: torch.dtype, rows: list[int], stream_bytes: int,
-        runs: int) -> list[tuple[str, str, int, float, float]]:
+        runs: int, only: frozenset[str] = frozenset()) -> list[tuple[str, str, int, float, float]]:
     """(shape label, method, rows, us per product, GB/s of weight read) for every supported method."""
     gen = torch.Generator().manual_seed(0)
     out = []
@@ -84,7 +84,8 @@ def run(shapes: list[tuple[int, int]], storage: str, dtype: torch.dtype, rows: l
         first = _copy(shape, dtype, storage, gen)
         per_copy = first[0].weight_bytes(first[1])
         copies = [first] + [_copy(shape, dtype, storage, gen) for _ in range(max(1, stream_bytes // per_copy) - 1)]
-        methods = [m for m in THROUGHPUT_METHODS if m.supports(first[0], torch.device("cpu"))]
+        methods = [m for m in THROUGHPUT_METHODS if m.supports(first[0], torch.device("cpu"))
+                   and (not only or m.name in only)]
         for r in rows:
             for m in methods:
                 if m.max_rows and r > m.max_rows:
@@ -103,6 +104,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--stream-mb", type=int, default=300, help="weight bytes one round reads per shape")
     ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--methods", default="", help="only these methods, comma-separated (default: every one)")
     args = ap.parse_args(argv)
     try:
         shapes = parse_shapes(args.shapes)
@@ -111,9 +113,13 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(str(exc))
     if any(r < 1 for r in rows) or args.runs < 1 or args.stream_mb < 1 or args.threads < 1:
         ap.error("--rows, --runs, --stream-mb and --threads take positive numbers")
+    only = frozenset(m for m in args.methods.split(",") if m)
+    unknown = sorted(only - {m.name for m in THROUGHPUT_METHODS})
+    if unknown:
+        ap.error(f"no method named {', '.join(unknown)} (known: {', '.join(m.name for m in THROUGHPUT_METHODS)})")
     flush_denormals()
     torch.set_num_threads(args.threads)
-    table = run(shapes, args.storage, getattr(torch, args.dtype), rows, args.stream_mb * 2**20, args.runs)
+    table = run(shapes, args.storage, getattr(torch, args.dtype), rows, args.stream_mb * 2**20, args.runs, only)
     print(f"{args.storage} weights, {args.dtype} activations, {args.threads} threads, fastest of {args.runs} rounds")
     print("shape | method | rows | us per product | weight GB/s")
     for label, name, r, us, gbs in table:

@@ -28,7 +28,16 @@ def test_the_table_has_every_supported_method_at_every_row_count(capsys: pytest.
     assert all(float(row[3]) > 0 and float(row[4]) > 0 for row in rows)
 
 
-def test_a_malformed_shape_is_named(capsys: pytest.CaptureFixture[str]) -> None:
+def test_methods_can_be_named(capsys: pytest.CaptureFixture[str]) -> None:
+    bench_products.main(["--shapes", "64x64", "--storage", "int8", "--rows", "2", "--threads", "1", "--stream-mb", "1",
+                         "--runs", "1", "--methods", "w8a8,w8a16"])
+    rows = [[cell.strip() for cell in line.split("|")] for line in capsys.readouterr().out.splitlines()[2:]]
+    assert sorted(row[1] for row in rows) == ["w8a16", "w8a8"]
+
+
+@pytest.mark.parametrize(("argv", "named"), [(["--shapes", "64by64"], "'64by64'"),
+                                             (["--methods", "w8a8,fastest"], "no method named fastest")])
+def test_bad_arguments_are_named(capsys: pytest.CaptureFixture[str], argv: list[str], named: str) -> None:
     with pytest.raises(SystemExit) as exc:
-        bench_products.main(["--shapes", "64by64"])
-    assert exc.value.code == 2 and "'64by64'" in capsys.readouterr().err
+        bench_products.main(argv)
+    assert exc.value.code == 2 and named in capsys.readouterr().err
