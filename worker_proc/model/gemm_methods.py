@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -35,8 +35,18 @@ from worker_proc.model.quantized import (
     w8a16,
 )
 
-if TYPE_CHECKING:
-    from worker_proc.model.gemm import GemmSite
+
+class SiteTraits(Protocol):
+    """What decides whether a method serves a product site (worker_proc.model.gemm.GemmSite has these)."""
+
+    shape: tuple[int, int]
+    dtype: torch.dtype
+    packable: bool
+    quantized: QuantizedWeight | None
+
+    @property
+    def storage_format(self) -> str: ...
+
 
 MIN_GEMM_ROWS = 16
 """Row count below which CPU BLAS switches to kernels whose rounding depends on the row count;
@@ -211,7 +221,7 @@ class GemmMethod:
         """It reads a second copy of the weight (one of `COPIES`, or a quantized weight's int8 copy)."""
         return self.storage in COPIES or bool(self.int8_copy)
 
-    def supports(self, site: GemmSite, device: torch.device) -> bool:
+    def supports(self, site: SiteTraits, device: torch.device) -> bool:
         if device.type not in self.devices or self.dtypes and site.dtype not in self.dtypes:
             return False
         if site.shape[1] % self.in_multiple or self.native and not native.load():
