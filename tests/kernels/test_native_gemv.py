@@ -151,6 +151,22 @@ def test_w8a8_gemv_is_w8a8_to_the_bit(rows: int, dtype: torch.dtype, in_features
     assert method.batch_invariant and method in THROUGHPUT_METHODS
 
 
+def test_the_tiled_int8_product_is_the_same_on_every_thread_count() -> None:
+    """Blocks split over one to three threads (1001 outputs: a partial last block, ranges of unequal length),
+    rows in passes of eight and a remainder: every output is `w8a8`'s, to the bit."""
+    gen = torch.Generator().manual_seed(4)
+    q = quantize_int8(rand(gen, 1001, 512, scale=0.05)).with_copy("tiled")
+    x = rand(gen, 11, 512, dtype=torch.bfloat16)
+    want = W8A8.apply(x, torch.empty(0), q, None)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            assert torch.equal(TILED_W8A8.apply(x, torch.empty(0), q, None), want), n
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_an_int8_tiled_copy_holds_blocks_of_sixteen_rows_four_columns_side_by_side() -> None:
     gen = torch.Generator().manual_seed(3)
     q = quantize_int8(rand(gen, 37, 12))
