@@ -105,6 +105,13 @@ typedef float vf16 __attribute__((vector_size(64)));
 typedef uint16_t vu16x16 __attribute__((vector_size(32)));
 typedef uint32_t vu32x16 __attribute__((vector_size(64)));
 
+// Independent chains of multiply-adds a fused product keeps per sum when it multiplies R rows at once (the
+// tiled kernels): enough to keep the multipliers busy while each chain waits on its last add.
+template <int R>
+constexpr int unroll() {
+  return R == 1 ? 4 : (R == 2 ? 2 : 1);
+}
+
 // v in every lane (a broadcast; `vf16{} + v` would also add 0.0 to v first, which the compiler may not
 // drop: -0.0 + 0.0 is +0.0)
 inline vf16 splat(float v) { return vf16{v, v, v, v, v, v, v, v, v, v, v, v, v, v, v, v}; }

@@ -32,12 +32,6 @@ constexpr int64_t pair_width() {
 #endif
 }
 
-// Chains of dependent multiply-adds per sum: enough independent ones to keep the multipliers busy.
-template <int R>
-constexpr int unroll() {
-  return R == 1 ? 4 : (R == 2 ? 2 : 1);
-}
-
 // Stores R x V vectors of sums (output columns n0 + v * kBlock ...) into out rows of stride n.
 template <typename O, int R, int V>
 inline void store_sums(const vf16 (&sums)[R][V], const float* bias, O* out, int64_t n, int64_t n0) {

@@ -76,12 +76,6 @@ constexpr int64_t kBlock = 16;  // output rows of one tiled block: one vector of
 constexpr int64_t kGroup = 3;   // blocks one pass reads side by side
 constexpr int64_t kQuad = 4;    // input columns of one output row side by side in a tiled block
 
-// Chains of dependent multiply-adds per sum: enough independent ones to keep the multipliers busy.
-template <int R>
-constexpr int unroll() {
-  return R == 1 ? 4 : (R == 2 ? 2 : 1);
-}
-
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 // The lanes of a block's first `count` outputs (all of them unless the weight ends inside the block).
 inline __mmask16 live_lanes(int64_t count) {
