@@ -96,12 +96,13 @@ def main(argv: list[str] | None = None) -> None:
                     help="weights quantized at load, as the server's --quantization")
     args = ap.parse_args(argv)
     flush_denormals()  # as a worker process does, before its first parallel region
-    map_load_blocks()
+    mapped = map_load_blocks()
     torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batches.split(",")]
     runner = ModelRunner(args.model_path, device=args.device, dtype=args.dtype, kv_slots=max(batches) * SLOT_STRIDE,
                          state_slots=max(batches), deterministic=args.deterministic,
-                         quantization=args.quantization, state_dtype=args.mamba_ssm_dtype)  # fmt: skip
+                         quantization=args.quantization, state_dtype=args.mamba_ssm_dtype,
+                         load_blocks_mapped=mapped)  # fmt: skip
     keep_freed_memory()
     results: dict[int, list[tuple[float, float]]] = {b: [] for b in batches}
     floors: list[tuple[float, float]] = []  # (floor seconds, batch-1 step / floor) per run

@@ -19,17 +19,28 @@ whole when freed. Loaded into the heap instead, they left holes of hundreds of M
 by `release_free_heap`, yet inside the heap): the steps' temporaries then landed in a different hole
 from one step to the next, and each hole they touched became resident again, so the worker's
 memory grew by the holes' size over a long prompt instead of by its temporaries' peak.
+
+The execution plan is measured during the load, but what it measures is the steps' speed: the calls
+that time one product run under the steps' policy (`steps_policy_within_load`), an untimed one first,
+and the load's policy comes back after them. Their freed temporaries stay in the heap, so the timer
+returns its free pages (`shared.heap.release_free_heap`) before it makes a copy of a weight, which must
+be a mapping like every large block of the load. Timed under the load's policy, every
+temporary above 64 KiB was a fresh mapping faulted in on each call, which no step pays: a product with
+large temporaries (an int8 product quantizing its rows in Python) was timed at several times its
+serving cost and lost rules it wins when serving.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
 import math
 import mmap
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -46,6 +57,8 @@ SPARE_COPY_FRACTION = 1 / 16
 
 LOAD_MMAP_THRESHOLD_BYTES = 64 << 10
 """Blocks above this size are their own mapping while the model loads (`map_load_blocks`)."""
+LOAD_TRIM_THRESHOLD_BYTES = 128 << 10
+"""glibc's default trim threshold, which the load keeps."""
 HUGE_PAGE_BYTES = 2 << 20
 """The transparent huge page of x86-64 (and of arm64 with 4 KiB base pages)."""
 WEIGHT_STORAGE = "2 MiB-aligned mappings advised MADV_HUGEPAGE"
@@ -53,7 +66,9 @@ WEIGHT_STORAGE = "2 MiB-aligned mappings advised MADV_HUGEPAGE"
 depends on the pages it lies on."""
 
 
+@functools.cache
 def _mallopt() -> Callable[[int, int], int] | None:
+    """glibc's `mallopt`, looked up once (finding the C library runs `ldconfig`)."""
     try:
         mallopt = ctypes.CDLL(ctypes.util.find_library("c")).mallopt
     except (OSError, AttributeError, TypeError):
@@ -68,7 +83,9 @@ def map_load_blocks() -> bool:
     module doc), until `keep_freed_memory` applies the steps' policy. Returns False, changing nothing,
     where the C library is not glibc or refuses the setting."""
     mallopt = _mallopt()
-    return mallopt is not None and bool(mallopt(M_MMAP_THRESHOLD, LOAD_MMAP_THRESHOLD_BYTES))
+    if mallopt is None or not mallopt(M_MMAP_THRESHOLD, LOAD_MMAP_THRESHOLD_BYTES):
+        return False
+    return bool(mallopt(M_TRIM_THRESHOLD, LOAD_TRIM_THRESHOLD_BYTES))
 
 
 def keep_freed_memory() -> bool:
@@ -78,6 +95,27 @@ def keep_freed_memory() -> bool:
     if mallopt is None or not mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES):
         return False
     return bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))
+
+
+@contextmanager
+def steps_policy_within_load(load_blocks_mapped: bool) -> Iterator[None]:
+    """The steps' policy for the block, then the load's again (see the module doc), for a process whose
+    load runs under `map_load_blocks` (`load_blocks_mapped`: it returned True); otherwise, and where the
+    C library is not glibc, the block runs under whatever policy the process has. Which policy is in
+    effect cannot be read back from glibc, so the caller says. The block's first uses of a temporary
+    still fault its pages in: time after untimed calls. What the block freed stays in the heap, where
+    a block the load makes next may land (`release_free_heap` first where it must be a mapping)."""
+    mallopt = _mallopt() if load_blocks_mapped else None
+    if mallopt is None:
+        yield
+        return
+    mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
+    mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES)
+    try:
+        yield
+    finally:
+        mallopt(M_MMAP_THRESHOLD, LOAD_MMAP_THRESHOLD_BYTES)
+        mallopt(M_TRIM_THRESHOLD, LOAD_TRIM_THRESHOLD_BYTES)
 
 
 ONEDNN_CACHE_VARS = ("LRU_CACHE_CAPACITY", "ONEDNN_PRIMITIVE_CACHE_CAPACITY")

@@ -7,7 +7,9 @@ the time of one step's Mamba kernels to that of its products (worker_proc.execut
 for r <= `DECODE_ROWS` rows, r requests decoding one token each (`mamba_decode`); above, one prefill
 segment of r tokens (`conv_prefill_many` and `ssd_prefill_many`); one layer on scratch pools of the
 layer's own shapes and the kernel set's own ops, times the model's Mamba layers. Each figure is the
-fastest of `reps` rounds after an untimed one. Gated DeltaNet and attention kernels are not timed.
+fastest of `reps` rounds after an untimed one, under the steps' allocator policy where the process
+loads under the load's (`load_blocks_mapped`, as `plan_timing.ProductTimer`). Gated DeltaNet and
+attention kernels are not timed.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import time
 import torch
 from torch import nn
 
+from worker_proc.host_memory import steps_policy_within_load
 from worker_proc.kernels import KernelOps
 from worker_proc.model.mamba import MambaMixer
 
@@ -27,12 +30,13 @@ DECODE_ROWS = 8
 class MixerTimer:
     """(rows, threads) -> seconds of one step's Mamba kernels over the whole model (0 without Mamba layers)."""
 
-    def __init__(self, model: nn.Module, ops: KernelOps, reps: int = 3) -> None:
+    def __init__(self, model: nn.Module, ops: KernelOps, reps: int = 3, load_blocks_mapped: bool = False) -> None:
         mixers = [m for m in model.modules() if isinstance(m, MambaMixer)]
         self.layer = mixers[0] if mixers else None
         self.layers = len(mixers)
         self.ops = ops
         self.reps = reps
+        self.load_blocks_mapped = load_blocks_mapped
 
     def __call__(self, rows: int, threads: int) -> float:
         if self.layer is None:
@@ -41,12 +45,13 @@ class MixerTimer:
         torch.set_num_threads(threads)
         try:
             run = self._decode(rows) if rows <= DECODE_ROWS else self._prefill(rows)
-            run()
             best = float("inf")
-            for _ in range(self.reps):
-                t0 = time.perf_counter()
+            with steps_policy_within_load(self.load_blocks_mapped):
                 run()
-                best = min(best, time.perf_counter() - t0)
+                for _ in range(self.reps):
+                    t0 = time.perf_counter()
+                    run()
+                    best = min(best, time.perf_counter() - t0)
         finally:
             torch.set_num_threads(before)
         return best * self.layers

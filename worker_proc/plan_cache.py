@@ -5,11 +5,11 @@ A measured plan is stored under the cache directory keyed by everything its timi
 (`plan_key`: the CPU model and its instruction sets, the cores the rank may use, the thread options,
 torch's version, the mode, the candidate methods, the kernel set timed with them and the source of the
 fused CPU kernels (a new build of them is timed again), the row buckets and rounds measured, the model's
-product shapes, whether second weight copies may be kept, the pages the weights lie on); a restart with
-the same key reads it instead of measuring. `--execution-plan FILE` pins a plan: it is used as it is
-(measured elsewhere, edited by hand) and refused at start-up when it lacks a rule for one of the model's
-shapes. Writes are atomic (a rank reads a whole file or none), so ranks measuring the same key at once
-only race to the same content.
+product shapes, whether second weight copies may be kept, the pages the weights lie on, the allocator
+policy the products were timed under); a restart with the same key reads it instead of measuring.
+`--execution-plan FILE` pins a plan: it is used as it is (measured elsewhere, edited by hand) and
+refused at start-up when it lacks a rule for one of the model's shapes. Writes are atomic (a rank
+reads a whole file or none), so ranks measuring the same key at once only race to the same content.
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ def cpu_identity() -> dict[str, object]:
 
 
 def plan_key(model: nn.Module, mode: str, thread_options: tuple[int, ...], cores: int,
-             kernels: str = "", single_copy: bool = False) -> dict[str, object]:
+             kernels: str = "", single_copy: bool = False, load_blocks_mapped: bool = False) -> dict[str, object]:
     shapes: dict[str, int] = {}
     for site, _ in instances_of(model):
         label = GemmKey.of(site).label() + (" (dense kept)" if site.dense_kept else "")  # the copies rule reads it
@@ -93,7 +93,8 @@ def plan_key(model: nn.Module, mode: str, thread_options: tuple[int, ...], cores
             "native": native.build_digest() if native.load() else "",  # the fused kernels' code is timed too
             "buckets": list(ROW_BUCKETS), "rounds": MEASURE_ROUNDS, "stream_rows": STREAM_ROWS,
             "weight_storage": WEIGHT_STORAGE, "choice": CHOICE_REVISION,
-            "shapes": dict(sorted(shapes.items())), "copies": "one" if single_copy else "affordable"}
+            "shapes": dict(sorted(shapes.items())), "copies": "one" if single_copy else "affordable",
+            "timing_heap": "steps' policy" if load_blocks_mapped else "the process's policy"}
 
 
 def key_digest(key: dict[str, object]) -> str:
@@ -146,11 +147,14 @@ def read_plan(path: Path, source: str) -> ExecutionPlan:
 
 def plan_for(model: nn.Module, device: torch.device, *, deterministic: bool, thread_options: tuple[int, ...],
              cores: int, pinned: str = "", cache_dir: Path | None = None,
-             ops: KernelOps | None = None, single_copy: bool = False) -> ExecutionPlan:
+             ops: KernelOps | None = None, single_copy: bool = False,
+             load_blocks_mapped: bool = False) -> ExecutionPlan:
     """The rank's plan (see the module doc). `thread_options`: the thread counts a step may run on
     (empty: torch's setting is left alone and products are timed on it); `cache_dir` None: no cache; `ops`:
     the kernel set whose recurrent kernels are timed with the products (None: products only);
-    `single_copy`: a measured plan keeps no second copy of any weight, affordable or not."""
+    `single_copy`: a measured plan keeps no second copy of any weight, affordable or not;
+    `load_blocks_mapped`: the process loads under `host_memory.map_load_blocks`' policy, and the plan
+    is timed under the steps' (`plan_timing.ProductTimer`)."""
     if device.type != "cpu":
         return accelerator_plan(model)
     if deterministic:
@@ -165,14 +169,15 @@ def plan_for(model: nn.Module, device: torch.device, *, deterministic: bool, thr
             raise ModelLoadError(f"--execution-plan {pinned} has no rule for {', '.join(sorted(missing))}")
         return plan
     options = thread_options or (torch.get_num_threads(),)
-    key = plan_key(model, "throughput", options, cores, ops.name if ops is not None else "", single_copy)
+    key = plan_key(model, "throughput", options, cores, ops.name if ops is not None else "", single_copy,
+                   load_blocks_mapped)
     path = cache_dir / f"plan-{key_digest(key)}.json" if cache_dir is not None else None
     if path is not None and path.exists():
         try:
             return read_plan(path, f"cached {path}")
         except (OSError, ValueError) as e:
             logger.warning("ignoring the cached execution plan %s (%s): measuring again", path, e)
-    plan, quiet = measure_quietly(model, options, ops, single_copy, cores)
+    plan, quiet = measure_quietly(model, options, ops, single_copy, cores, load_blocks_mapped)
     if path is not None and not quiet:
         logger.warning("the execution plan was measured while other processes kept the CPU busy: it is not "
                        "saved, and the next start measures again")
@@ -226,13 +231,14 @@ def cpu_busy_seconds() -> tuple[float, float]:
 
 
 def measure_quietly(model: nn.Module, thread_options: tuple[int, ...], ops: KernelOps | None = None,
-                    single_copy: bool = False, cores: int = 0) -> tuple[ExecutionPlan, bool]:
+                    single_copy: bool = False, cores: int = 0,
+                    load_blocks_mapped: bool = False) -> tuple[ExecutionPlan, bool]:
     """`measure_plan`, again while other processes' load was `contended` (at most MEASURE_ATTEMPTS times);
     the flag says whether the last measurement was quiet."""
     for attempt in range(1, MEASURE_ATTEMPTS + 1):
         busy0, own0 = cpu_busy_seconds()
         t0 = time.perf_counter()
-        plan = measure_plan(model, thread_options, ops, single_copy)
+        plan = measure_plan(model, thread_options, ops, single_copy, load_blocks_mapped)
         busy1, own1 = cpu_busy_seconds()
         others = max(0.0, (busy1 - busy0) - (own1 - own0)) / max(time.perf_counter() - t0, 1e-9)
         if not contended(others, thread_options, cores):
@@ -243,17 +249,20 @@ def measure_quietly(model: nn.Module, thread_options: tuple[int, ...], ops: Kern
 
 
 def measure_plan(model: nn.Module, thread_options: tuple[int, ...], ops: KernelOps | None = None,
-                 single_copy: bool = False) -> ExecutionPlan:
+                 single_copy: bool = False, load_blocks_mapped: bool = False) -> ExecutionPlan:
+    """Time the model's products (and recurrent kernels, given `ops`) and choose. `load_blocks_mapped`:
+    the process runs under the load's allocator policy, each timing under the steps' (`ProductTimer`)."""
     instances = instances_of(model)
     before = torch.get_num_threads()
     cap = DEFAULT_STREAM_BYTES if single_copy else 0
     own_only = frozenset(GemmKey.of(s) for s, _ in instances if s.dense_kept) if single_copy else frozenset()
     timer = ProductTimer(instances, last_level_cache_bytes(), reps=PLAN_REPS, max_stream_bytes=cap,
-                         own_weights_only=own_only)
+                         own_weights_only=own_only, load_blocks_mapped=load_blocks_mapped)
     t0 = time.perf_counter()
     logger.info("measuring the execution plan: %d product sites, threads %s", len(instances), thread_options)
     try:
-        mixers = MixerTimer(model, ops) if ops is not None and len(thread_options) > 1 else None
+        timed = ops is not None and len(thread_options) > 1
+        mixers = MixerTimer(model, ops, load_blocks_mapped=load_blocks_mapped) if timed and ops is not None else None
         affordable = never_affordable if single_copy else copy_affordable
         plan = choose(instances, thread_options, timer, affordable, mixers)
         torch.set_num_threads(max(thread_options))

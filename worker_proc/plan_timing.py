@@ -7,7 +7,9 @@ through (all of them when the model is smaller; then they stay cached, as they d
 at least one weight of every shape. A
 product of more than `STREAM_ROWS` rows reuses each weight row many times and is timed on one weight
 per shape, warm. Each figure is the fastest of `reps` rounds after one untimed round (which also
-creates oneDNN's primitives and faults in the inputs' pages): interference only ever adds time. A
+creates oneDNN's primitives and faults in the inputs' and temporaries' pages): interference only ever
+adds time. In a worker, whose load runs under the load's allocator policy, a product's calls run under
+the steps' (`host_memory.steps_policy_within_load`), the copies it reads made before them. A
 warm product stops repeating once its rounds took `WARM_BUDGET_S`; a method `HOPELESS` times slower than
 the fastest seen at a key stops being timed there after its first warm product (or its untimed one, warm), and
 one `HOPELESS` squared slower is not timed at that key's larger row counts.
@@ -21,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from shared.heap import release_free_heap
+from worker_proc.host_memory import steps_policy_within_load
 from worker_proc.model.gemm import GemmSite
 from worker_proc.model.gemm_methods import COPIES, GemmMethod, TiledWeight
 from worker_proc.model.quantized import QuantizedWeight
@@ -62,6 +66,8 @@ class GemmKey:
 
 
 Instance = tuple[GemmSite, torch.Tensor]
+Operands = tuple[torch.Tensor, torch.Tensor, object]
+"""A product's input rows, its dense weight and what its method reads stored."""
 Measure = Callable[[GemmMethod, int, int], dict[GemmKey, float]]
 """(method, rows, threads) -> seconds per product for every key the method supports."""
 
@@ -71,10 +77,13 @@ class ProductTimer:
 
     `own_weights_only`: keys the plan reads only as their weights are (under `--single-weight-copy`, a
     shape of a dense weight its owner reads itself, the tied LM head's): methods reading a copy are not
-    timed on them, so no copy of those weights is made."""
+    timed on them, so no copy of those weights is made.
+    `load_blocks_mapped`: the process times under the load's allocator policy, and each product runs
+    under the steps' (`host_memory.steps_policy_within_load`): its temporaries are then reused from one
+    call to the next, as a step's are, instead of faulted in on each."""
 
     def __init__(self, instances: list[Instance], cache_bytes: int, reps: int = 3, max_stream_bytes: int = 0,
-                 own_weights_only: frozenset[GemmKey] = frozenset()) -> None:
+                 own_weights_only: frozenset[GemmKey] = frozenset(), load_blocks_mapped: bool = False) -> None:
         budget = 2 * cache_bytes if cache_bytes > 0 else DEFAULT_STREAM_BYTES
         if max_stream_bytes > 0:  # the timing copies of a streamed method (packed or tiled ones) stay within it
             budget = min(budget, max_stream_bytes)
@@ -96,6 +105,7 @@ class ProductTimer:
             self.first.setdefault(GemmKey.of(site), (site, weight))
         self.reps = reps
         self.own_weights_only = own_weights_only
+        self.load_blocks_mapped = load_blocks_mapped
         self.copies: dict[tuple[str, int], object] = {}  # (storage, id(weight)) -> a copy made for timing
         self.int8_copies: dict[tuple[str, int], QuantizedWeight] = {}  # (kind, id(quantized weight)) -> with it
         self.inputs: dict[tuple[GemmKey, int], torch.Tensor] = {}
@@ -103,6 +113,7 @@ class ProductTimer:
         self.beaten: set[tuple[str, GemmKey, int]] = set()  # (method, key, threads) timed no more at larger rows
 
     def __call__(self, method: GemmMethod, rows: int, threads: int) -> dict[GemmKey, float]:
+        """Seconds per product of `method` at `rows` rows on `threads` threads, per key it is timed on."""
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
         streaming = rows <= STREAM_ROWS
@@ -128,43 +139,48 @@ class ProductTimer:
         samples: dict[GemmKey, list[float]] = {}
         given_up: dict[GemmKey, float] = {}
         calls: dict[GemmKey, int] = {}
-        for rep in range(self.reps + 1):
-            spent: dict[GemmKey, list[float]] = {}
-            for site, weight in chosen:
-                key = GemmKey.of(site)
-                if key in given_up:
-                    continue
-                seconds = self._once(method, key, rows, site, weight)
-                calls[key] = calls.get(key, 0) + 1
-                spent.setdefault(key, []).append(seconds)
-                if calls[key] > 1 and self._hopeless(key, rows, threads, seconds):
-                    given_up[key] = seconds
-            if rep:
-                for key, times in spent.items():
-                    if key not in given_up:
-                        samples.setdefault(key, []).append(sum(times) / len(times))
+        operands = [(GemmKey.of(site), self._operands(method, rows, site, weight)) for site, weight in chosen]
+        with steps_policy_within_load(self.load_blocks_mapped):
+            for rep in range(self.reps + 1):
+                spent: dict[GemmKey, list[float]] = {}
+                for key, args in operands:
+                    if key in given_up:
+                        continue
+                    seconds = self._time(method, args)
+                    calls[key] = calls.get(key, 0) + 1
+                    spent.setdefault(key, []).append(seconds)
+                    if calls[key] > 1 and self._hopeless(key, rows, threads, seconds):
+                        given_up[key] = seconds
+                if rep:
+                    for key, times in spent.items():
+                        if key not in given_up:
+                            samples.setdefault(key, []).append(sum(times) / len(times))
         return {key: min(times) for key, times in samples.items()} | given_up
 
     def _warm(self, method: GemmMethod, rows: int, threads: int, site: GemmSite, weight: torch.Tensor) -> float:
         """The fastest of up to `reps` products of one weight after an untimed one (which creates oneDNN's
         primitives), fewer once they took `WARM_BUDGET_S`; none after a `_hopeless` one."""
         key = GemmKey.of(site)
-        untimed = self._once(method, key, rows, site, weight)
-        if self._hopeless(key, rows, threads, untimed):
-            return untimed
-        times = [self._once(method, key, rows, site, weight)]
-        if self._hopeless(key, rows, threads, times[0]):
-            return times[0]
-        while len(times) < self.reps and sum(times) < WARM_BUDGET_S:
-            times.append(self._once(method, key, rows, site, weight))
+        args = self._operands(method, rows, site, weight)
+        with steps_policy_within_load(self.load_blocks_mapped):
+            untimed = self._time(method, args)
+            if self._hopeless(key, rows, threads, untimed):
+                return untimed
+            times = [self._time(method, args)]
+            if self._hopeless(key, rows, threads, times[0]):
+                return times[0]
+            while len(times) < self.reps and sum(times) < WARM_BUDGET_S:
+                times.append(self._time(method, args))
         return min(times)
 
     def _hopeless(self, key: GemmKey, rows: int, threads: int, seconds: float) -> bool:
         best = self.fastest.get((key, rows, threads))
         return best is not None and seconds > HOPELESS * best
 
-    def _once(self, method: GemmMethod, key: GemmKey, rows: int, site: GemmSite, weight: torch.Tensor) -> float:
-        x = self._input(key, rows, site)
+    def _operands(self, method: GemmMethod, rows: int, site: GemmSite, weight: torch.Tensor) -> Operands:
+        """What one product of `method` reads at `rows` rows: its input, the weight and what it reads stored
+        (a copy made now, under the load's policy, and kept until `release`)."""
+        x = self._input(GemmKey.of(site), rows, site)
         q = site.quantized
         stored: object = None
         if q is not None:
@@ -173,8 +189,12 @@ class ProductTimer:
                 stored = self._int8_copy(method.int8_copy, q)
         elif method.storage in COPIES:
             stored = self._copy(method.storage, weight)
+        return x, weight, stored
+
+    @staticmethod
+    def _time(method: GemmMethod, args: Operands) -> float:
         t0 = time.perf_counter()
-        method.apply(x, weight, stored, None)
+        method.apply(*args, None)
         return time.perf_counter() - t0
 
     def _input(self, key: GemmKey, rows: int, site: GemmSite) -> torch.Tensor:
@@ -188,20 +208,29 @@ class ProductTimer:
     def _copy(self, storage: str, weight: torch.Tensor) -> object:
         copy = self.copies.get((storage, id(weight)))
         if copy is None:
+            self._return_free_heap()
             copy = self.copies[(storage, id(weight))] = COPIES[storage](weight)
         return copy
 
     def _int8_copy(self, kind: str, q: QuantizedWeight) -> QuantizedWeight:
         copy = self.int8_copies.get((kind, id(q)))
         if copy is None:
+            self._return_free_heap()
             copy = self.int8_copies[(kind, id(q))] = q.with_copy(kind)
         return copy
 
+    def _return_free_heap(self) -> None:
+        """Where products were timed under the steps' policy, their freed temporaries stay in the heap: its
+        free pages go back, so that the blocks the load makes next (a copy) are mappings again."""
+        if self.load_blocks_mapped:
+            release_free_heap()
+
     def release(self) -> None:
-        """Free the copies made for timing."""
+        """Free the copies made for timing (and the heap's free pages: see `_return_free_heap`)."""
         self.copies.clear()
         self.int8_copies.clear()
         self.inputs.clear()
+        self._return_free_heap()
 
 
 def read_tensors(site: GemmSite, weight: torch.Tensor) -> list[torch.Tensor]:

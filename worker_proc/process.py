@@ -152,6 +152,7 @@ def run(args: ServerArgs, rank: int) -> None:
         quantize_lm_head=not args.disable_lm_head_quantization,
         speculative_algorithm=args.speculative_algorithm,
         plan_cache_dir=plan_cache_dir(args),
+        load_blocks_mapped=loads_mapped,
     )
     if keep_freed_memory():
         logger.info("rank %d: the load's blocks were their own mappings (%s); freed host memory of the steps "

@@ -56,7 +56,9 @@ class ModelRunner:
     """One rank's model runtime. Attributes read by the worker process: `kv_capacity`,
     `state_capacity` (usable slots, padding slot 0 excluded), `model_info`, `device`, `dtype`.
     `state_dtype` (`--mamba-ssm-dtype`) is how the state pools store the recurrent states; the
-    capacities planned from the memory budget count its bytes per slot."""
+    capacities planned from the memory budget count its bytes per slot. `load_blocks_mapped`: the
+    process loads under `host_memory.map_load_blocks`' policy (the worker's), so the execution plan
+    times its products under the steps' policy around each (`plan_cache.plan_for`)."""
 
     def __init__(
         self,
@@ -85,6 +87,7 @@ class ModelRunner:
         quantize_lm_head: bool = True,
         speculative_algorithm: str = "",
         enforce_eager: bool = False,
+        load_blocks_mapped: bool = False,
     ) -> None:
         self.model_info = ModelInfo.from_dir(model_dir)
         self.device = torch.device(device)
@@ -110,7 +113,8 @@ class ModelRunner:
         self.plan = dataclasses.replace(
             plan_for(self.model, self.device, deterministic=deterministic, thread_options=thread_options,
                      cores=available_cores(), pinned=execution_plan, cache_dir=plan_cache_dir,
-                     ops=kernel_choice.build(), single_copy=single_weight_copy),
+                     ops=kernel_choice.build(), single_copy=single_weight_copy,
+                     load_blocks_mapped=load_blocks_mapped),
             kernels=kernel_choice,
         )
         self.plan.bind(self.model)

@@ -328,7 +328,7 @@ def test_the_cache_round_trips_and_a_new_key_measures_again(tmp_path: Path, monk
     measured: list[tuple[int, ...]] = []
     real = plan_cache.measure_plan
     monkeypatch.setattr(plan_cache, "measure_plan",
-                        lambda m, t, ops, single: (measured.append(t), real(m, t, ops, single))[1])
+                        lambda m, t, *rest: (measured.append(t), real(m, t, *rest))[1])
     first = _runner(tmp_path, thread_options=(1,))
     assert measured == [(1,)] and "saved to" in first.plan.source
     again = _runner(tmp_path, thread_options=(1,))
@@ -349,7 +349,8 @@ class _DenseThenPacked:
     own_only: list[frozenset[GemmKey]] = []  # each timer's own_weights_only
 
     def __init__(self, instances: list[tuple[GemmSite, torch.Tensor]], cache_bytes: int, reps: int = 3,
-                 max_stream_bytes: int = 0, own_weights_only: frozenset[GemmKey] = frozenset()) -> None:
+                 max_stream_bytes: int = 0, own_weights_only: frozenset[GemmKey] = frozenset(),
+                 load_blocks_mapped: bool = False) -> None:
         self.sites = [site for site, _ in instances]
         self.made.append(max_stream_bytes)
         self.own_only.append(own_weights_only)
@@ -496,6 +497,15 @@ def test_a_new_build_of_the_fused_kernels_is_measured_again(monkeypatch: pytest.
     before = plan_cache.plan_key(model, "throughput", (1,), 2, "native")
     monkeypatch.setattr(native, "build_digest", lambda: "another-build")
     assert plan_cache.plan_key(model, "throughput", (1,), 2, "native") != before
+
+
+def test_a_plan_timed_under_another_allocator_policy_is_measured_again() -> None:
+    """A worker times its products under the steps' allocator policy (`load_blocks_mapped`); a plan timed
+    under a process's own policy (where temporaries may be fresh mappings on every call) does not stand for
+    it."""
+    model = ModelRunner(builtin_model_dir(), kv_slots=64, state_slots=2, plan_cache_dir=None, thread_options=(1,)).model
+    own = plan_cache.plan_key(model, "throughput", (1,), 2, "native")
+    assert plan_cache.plan_key(model, "throughput", (1,), 2, "native", load_blocks_mapped=True) != own
 
 
 class _TiledFastest(_DenseThenPacked):

@@ -268,3 +268,62 @@ def test_a_tiled_copy_of_a_large_weight_lies_on_huge_pages_and_holds_the_weight(
         assert _mapping_kib(tiled.data.data_ptr())["AnonHugePages"] >= HUGE_PAGE_BYTES >> 10
     with pytest.raises(RuntimeError, match="out must be a contiguous buffer"):
         torch.ops.hyssm_cpu.tile_weight(weight, torch.empty(1000 * 1024))
+
+
+
+# a worker's load: the load's policy on, then the plan times a product with megabytes of temporaries
+# (128 rows of a 4096x768 float32 weight: a 2 MiB output, alone above the load's 64 KiB threshold);
+# prints the page faults of each call of four timings (an untimed call and three timed each), then
+# those of five 16 MiB tensors made and freed after the timer is released (under the load's policy each
+# is a fresh mapping, larger than any block the timings freed), and whether the policy applied
+TIMER_PROBE = """
+import resource, sys, torch
+from worker_proc.host_memory import map_load_blocks
+from worker_proc.model.gemm import GemmSite
+from worker_proc.model.gemm_methods import GemmMethod
+from worker_proc.plan_timing import ProductTimer
+def faults():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+calls = []
+def product(x, weight, stored, bias):
+    before = faults()
+    out = torch.nn.functional.linear(x, weight)
+    calls.append(faults() - before)
+    return out
+applied = map_load_blocks()
+torch.set_num_threads(1)
+timer = ProductTimer([(GemmSite(4096, 768, torch.float32, True), torch.randn(4096, 768))], cache_bytes=1 << 20,
+                     reps=3, load_blocks_mapped=sys.argv[1] == "steps")
+method = GemmMethod("probe", "dense", product)
+for _ in range(4):
+    timer(method, 128, 1)
+timer.release()
+before = faults()
+for _ in range(5):
+    torch.ones(1024, 4096).sum()
+print(",".join(map(str, calls)), faults() - before, applied)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc tuning is Linux-only")
+def test_the_plan_times_products_under_the_steps_policy_and_gives_the_load_its_own_back() -> None:
+    """Under the load's policy a timed product's temporaries are fresh mappings faulted in on every call,
+    which no step pays (steps run under `keep_freed_memory`): the timer runs a product's calls under the
+    steps' policy, so that they reuse the pages of the first ones, and once it is released the load's
+    blocks are their own mappings again."""
+
+    def probe(mode: str) -> tuple[list[int], int]:
+        out = subprocess.run([sys.executable, "-c", TIMER_PROBE, mode], capture_output=True, text=True,
+                             timeout=120, check=True)  # fmt: skip
+        calls, after, applied = out.stdout.split()
+        assert applied == "True"
+        return [int(c) for c in calls.split(",")], int(after)
+
+    pages = 128 * 4096 * 4 // os.sysconf("SC_PAGE_SIZE")  # of one product's output
+    load_calls, _ = probe("load")
+    assert len(load_calls) == 16 and min(load_calls) > pages // 2, load_calls  # the probe can tell
+    steps_calls, after = probe("steps")
+    # the timer keeps a timing's fastest call: once the heap has settled (the first timing), one without faults
+    timed = [min(steps_calls[i + 1 : i + 4]) for i in range(4, 16, 4)]
+    assert len(steps_calls) == 16 and max(timed) < pages // 20, (steps_calls, load_calls)
+    assert after > 5 * 8 * pages // 2, after  # 16 MiB each: fresh mappings, the load's policy is back
