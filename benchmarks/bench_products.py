@@ -57,7 +57,7 @@ def _copy(shape: tuple[int, int], dtype: torch.dtype, storage: str,
 def _stored(method: GemmMethod, site: GemmSite, weight: torch.Tensor) -> object:
     """What the method reads besides the dense weight, made as the plan's bind makes it."""
     if site.quantized is not None:
-        return site.quantized.with_copy(method.int8_copy) if method.int8_copy else site.quantized
+        return site.quantized.with_copy(method.quantized_copy) if method.quantized_copy else site.quantized
     return COPIES[method.storage](weight) if method.storage in COPIES else None
 
 

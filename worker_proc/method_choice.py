@@ -10,9 +10,11 @@ takes copies only in the room the other weights' layouts leave.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 from worker_proc.model.gemm_methods import COPIES, DENSE, DEQUANT, METHODS
+from worker_proc.model.quantized import COPY_BYTES_PER_WEIGHT
 from worker_proc.plan_timing import GemmKey
 
 MARGIN = 0.03
@@ -72,15 +74,16 @@ def own_methods(timed: dict[str, float]) -> dict[str, float]:
 def second_copy_bytes(key: GemmKey, per_bucket: list[str], count: int, nbytes: int, kept: int = 0) -> int:
     """Bytes these methods hold beyond one copy of the key's weights: a dense weight read as it is and as
     each of `COPIES` its methods read (a site reading only copies drops its dense weight unless its owner
-    reads it: `kept` bytes), or a quantized weight's int8 copy (one byte per weight; the values stay)."""
+    reads it: `kept` bytes), or a quantized weight's copies (`COPY_BYTES_PER_WEIGHT` each; the values stay)."""
     if key.storage == "dense":
         storages = {METHODS[m].storage for m in per_bucket}
         copies = len(storages & set(COPIES))
         if "dense" in storages:
             return nbytes * copies
         return nbytes * max(copies - 1, 0) + (kept if copies else 0)
-    kinds = {METHODS[m].int8_copy for m in per_bucket} - {""}
-    return count * key.out_features * key.in_features * len(kinds)
+    kinds = {METHODS[m].quantized_copy for m in per_bucket} - {""}
+    per_weight = sum(COPY_BYTES_PER_WEIGHT[kind] for kind in kinds)
+    return math.ceil(count * key.out_features * key.in_features * per_weight)
 
 
 Layouts = frozenset[str] | None

@@ -107,7 +107,7 @@ class ProductTimer:
         self.own_weights_only = own_weights_only
         self.load_blocks_mapped = load_blocks_mapped
         self.copies: dict[tuple[str, int], object] = {}  # (storage, id(weight)) -> a copy made for timing
-        self.int8_copies: dict[tuple[str, int], QuantizedWeight] = {}  # (kind, id(quantized weight)) -> with it
+        self.quantized_copies: dict[tuple[str, int], QuantizedWeight] = {}  # (kind, id(quantized weight)) -> with it
         self.inputs: dict[tuple[GemmKey, int], torch.Tensor] = {}
         self.fastest: dict[tuple[GemmKey, int, int], float] = {}  # (key, rows, threads) -> seconds per product
         self.beaten: set[tuple[str, GemmKey, int]] = set()  # (method, key, threads) timed no more at larger rows
@@ -185,8 +185,8 @@ class ProductTimer:
         stored: object = None
         if q is not None:
             stored = q[0] if q.experts else q
-            if method.int8_copy:
-                stored = self._int8_copy(method.int8_copy, q)
+            if method.quantized_copy:
+                stored = self._quantized_copy(method.quantized_copy, q)
         elif method.storage in COPIES:
             stored = self._copy(method.storage, weight)
         return x, weight, stored
@@ -212,11 +212,11 @@ class ProductTimer:
             copy = self.copies[(storage, id(weight))] = COPIES[storage](weight)
         return copy
 
-    def _int8_copy(self, kind: str, q: QuantizedWeight) -> QuantizedWeight:
-        copy = self.int8_copies.get((kind, id(q)))
+    def _quantized_copy(self, kind: str, q: QuantizedWeight) -> QuantizedWeight:
+        copy = self.quantized_copies.get((kind, id(q)))
         if copy is None:
             self._return_free_heap()
-            copy = self.int8_copies[(kind, id(q))] = q.with_copy(kind)
+            copy = self.quantized_copies[(kind, id(q))] = q.with_copy(kind)
         return copy
 
     def _return_free_heap(self) -> None:
@@ -228,7 +228,7 @@ class ProductTimer:
     def release(self) -> None:
         """Free the copies made for timing (and the heap's free pages: see `_return_free_heap`)."""
         self.copies.clear()
-        self.int8_copies.clear()
+        self.quantized_copies.clear()
         self.inputs.clear()
         self._return_free_heap()
 
@@ -238,7 +238,10 @@ def read_tensors(site: GemmSite, weight: torch.Tensor) -> list[torch.Tensor]:
     method reads (once bound), else the dense weight."""
     q = site.quantized
     if q is not None:
-        tiles = q.tiled if site.method_for(1).int8_copy == "tiled" else None
+        kind = site.method_for(1).quantized_copy
+        if kind == "tiled4" and q.tiled4 is not None:
+            return [q.tiled4.data, q.tiled4.scales]
+        tiles = q.tiled if kind == "tiled" else None
         return [tiles.data, tiles.row_sums, tiles.scale] if tiles is not None else [q.data, q.scale]
     copy = site.copies.get(site.method_for(1).storage)
     if isinstance(copy, TiledWeight):

@@ -140,8 +140,8 @@ def test_w8a8_gemv_is_w8a8_to_the_bit(rows: int, dtype: torch.dtype, in_features
     block part empty."""
     gen = torch.Generator().manual_seed(rows * 10 + in_features)
     q = quantize_int8(rand(gen, 70, in_features, scale=0.1))
-    if method.int8_copy:
-        q = q.with_copy(method.int8_copy)
+    if method.quantized_copy:
+        q = q.with_copy(method.quantized_copy)
     x = strided(rand(gen, rows, in_features, dtype=dtype))
     x[0] = 0
     b = rand(gen, 70, dtype=dtype)

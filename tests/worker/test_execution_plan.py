@@ -559,7 +559,7 @@ def test_a_quantized_expert_stack_of_a_linears_shape_reads_no_int8_copy(tmp_path
     for site in sites:
         q = site.quantized
         assert q is not None and (q.tiled is not None) == site.packable, site.shape
-        assert all(bool(m.int8_copy) == site.packable for m in site.methods), (site.shape, site.methods)
+        assert all(bool(m.quantized_copy) == site.packable for m in site.methods), (site.shape, site.methods)
     r.check_integrity()
 
 

@@ -22,6 +22,7 @@ from worker_proc.model.gemm_methods import (
     FP8_SCALED,
     METHODS,
     TILED_OVER_INT4,
+    TILED_W4A8,
     TILED_W8A8,
     W4A16,
     W8A8,
@@ -29,7 +30,7 @@ from worker_proc.model.gemm_methods import (
     W8A8_OVER_INT4,
     W8A16,
 )
-from worker_proc.model.quantized import QuantizedWeight, int4_group
+from worker_proc.model.quantized import QuantizedWeight, int4_dequantized, int4_group, int4_values
 from worker_proc.quantization import QuantScheme, quantize_model, quantize_weight
 
 G = torch.Generator().manual_seed(11)
@@ -68,7 +69,8 @@ def test_an_int4_weights_int8_copy_is_within_half_an_int8_step_of_its_values() -
     row in int8, the same values in both layouts."""
     q = quantize_weight(_weight(), "int4").with_copy("packed")
     assert q.packed is not None and q.nbytes == q.data.numel() + 2 * q.scale.numel() + 96 * 128
-    values = q.dequantize(torch.bfloat16).float()
+    values = int4_dequantized(int4_values(q), q.scale_bf16)  # (q - 8) s + z in float32, s and z in bfloat16
+    assert torch.allclose(values.bfloat16().float(), q.dequantize(torch.bfloat16).float())
     step = values.abs().amax(1) / 127
     assert torch.allclose(q.packed.scale, step, rtol=1e-6)
     x = torch.eye(128)  # the int8 product of the identity reads the copy back exactly (a row scale of 1)
@@ -82,7 +84,7 @@ def test_an_int4_weights_int8_copy_is_within_half_an_int8_step_of_its_values() -
         assert torch.allclose(tiled, copy, rtol=1e-6, atol=1e-9)  # the same values; oneDNN scales in another order
     with pytest.raises(ValueError, match="int8 or int4"):
         quantize_weight(_weight(), "fp8").with_copy("packed")
-    with pytest.raises(ValueError, match="no int8 copy named 'dense'"):
+    with pytest.raises(ValueError, match="no quantized copy named 'dense'"):
         q.with_copy("dense")
 
 
@@ -105,13 +107,14 @@ def test_fp8_keeps_three_mantissa_bits() -> None:
 @pytest.mark.parametrize("fmt,method,tol", [("int8", W8A16, 1e-2), ("int8", W8A8, 2e-2), ("int8", W8A8_ONEDNN, 2e-2),
                                             ("int8", TILED_W8A8, 2e-2), ("int4", W4A16, 1e-2),
                                             ("int4", W8A8_OVER_INT4, 2e-2), ("int4", TILED_OVER_INT4, 2e-2),
+                                            ("int4", TILED_W4A8, 2e-2),
                                             ("fp8", FP8_BF16, 1e-2)])
 @pytest.mark.parametrize("rows", [1, 5, 64])
 def test_each_product_matches_its_format_reference(fmt: str, method, tol: float, rows: int) -> None:
     w = _weight()
     q = quantize_weight(w, fmt)
-    if method.int8_copy:
-        q = q.with_copy(method.int8_copy)
+    if method.quantized_copy:
+        q = q.with_copy(method.quantized_copy)
     if method.native and not native.load():
         pytest.skip("the fused CPU kernels cannot be built here")
     if method in (W8A8_ONEDNN, TILED_W8A8):
@@ -134,8 +137,8 @@ def test_methods_claimed_batch_invariant_are(method) -> None:
     if method.native and not native.load():
         pytest.skip("the fused CPU kernels cannot be built here")
     stored = quantize_weight(w, method.storage) if method.storage in ("int8", "int4", "fp8") else None
-    if method.int8_copy:
-        stored = stored.with_copy(method.int8_copy)
+    if method.quantized_copy:
+        stored = stored.with_copy(method.quantized_copy)
     x = torch.randn(40, 128, generator=G)
     full = method.apply(x, w, stored, None)
     for rows in (1, 2, 3, 7, 16, 17, 39):

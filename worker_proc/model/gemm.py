@@ -80,9 +80,9 @@ class GemmSite:
         missing = {m.storage for m in methods if m.storage in COPIES} - set(copies)
         if missing:
             raise ValueError(f"a {', '.join(sorted(missing))} method needs the {', '.join(sorted(missing))} weight")
-        for kind in sorted({m.int8_copy for m in methods} - {""}):
+        for kind in sorted({m.quantized_copy for m in methods} - {""}):
             assert self.quantized is not None and self.storage_format in ("int8", "int4"), \
-                "an int8 copy of a weight that is neither int8 nor int4"
+                "a quantized copy of a weight that is neither int8 nor int4"
             self.quantized = self.quantized.with_copy(kind)
         wrong = [m.name for m in methods if m.storage not in (self.storage_format, *COPIES)
                  or m.storage in COPIES and self.quantized is not None]

@@ -22,12 +22,14 @@ from worker_proc.host_memory import weight_tensor
 from worker_proc.kernels import native
 from worker_proc.model.quantized import (
     FORMATS,
+    INT4_CHUNK,
     QuantizedWeight,
     fp8_bf16,
     fp8_scaled,
     gemv_int8,
     gemv_w8a8,
     int8_packing_supported,
+    tiled_w4a8,
     tiled_w8a8,
     w4a16,
     w8a8,
@@ -206,9 +208,9 @@ class GemmMethod:
     devices: tuple[str, ...] = ("cpu",)
     dtypes: tuple[torch.dtype, ...] = ()
     per_row_scale: bool = False
-    int8_copy: str = ""
-    """The quantized weight's int8 copy it reads (one of quantized.INT8_COPIES; single matrices only; the
-    site makes the copy at bind: one more byte per weight), "" for none."""
+    quantized_copy: str = ""
+    """The quantized weight's copy it reads (one of quantized.QUANTIZED_COPIES; single matrices only; the
+    site makes the copy at bind: quantized.COPY_BYTES_PER_WEIGHT more), "" for none."""
     in_multiple: int = 1
     """The input width must be a multiple of this (torch's int8-weight CPU kernel reads 16 at a time)."""
     native: bool = False
@@ -218,8 +220,8 @@ class GemmMethod:
 
     @property
     def reads_copy(self) -> bool:
-        """It reads a second copy of the weight (one of `COPIES`, or a quantized weight's int8 copy)."""
-        return self.storage in COPIES or bool(self.int8_copy)
+        """It reads a second copy of the weight (one of `COPIES`, or one of a quantized weight's)."""
+        return self.storage in COPIES or bool(self.quantized_copy)
 
     def supports(self, site: SiteTraits, device: torch.device) -> bool:
         if device.type not in self.devices or self.dtypes and site.dtype not in self.dtypes:
@@ -231,7 +233,8 @@ class GemmMethod:
                 self.storage != "packed" or packing_supported(site.dtype, device))
         if self.storage != site.storage_format:
             return False
-        if self.int8_copy and not (site.packable and (self.int8_copy != "packed" or int8_packing_supported())):
+        copy = self.quantized_copy
+        if copy and not (site.packable and (copy != "packed" or int8_packing_supported())):
             return False
         return not (self.per_row_scale and site.quantized is not None and site.quantized.group)
 
@@ -265,16 +268,18 @@ byte pairs (AVX512-VNNI) a few-row product streams the int8 weight instead of wi
 PADDED = GemmMethod("padded", "dense", _padded, batch_invariant=True)
 W8A16 = GemmMethod("w8a16", "int8", _quantized(w8a16), in_multiple=16)
 W8A8 = GemmMethod("w8a8", "int8", _quantized(w8a8), batch_invariant=True, devices=("cpu", "cuda"))
-W8A8_ONEDNN = GemmMethod("w8a8_onednn", "int8", _quantized(w8a8_onednn), batch_invariant=True, int8_copy="packed")
+W8A8_ONEDNN = GemmMethod("w8a8_onednn", "int8", _quantized(w8a8_onednn), batch_invariant=True, quantized_copy="packed")
 TILED_W8A8 = GemmMethod("tiled_w8a8", "int8", _quantized(tiled_w8a8), batch_invariant=True, native=True,
-                        dtypes=(torch.float32, torch.bfloat16), in_multiple=4, int8_copy="tiled")
+                        dtypes=(torch.float32, torch.bfloat16), in_multiple=4, quantized_copy="tiled")
 """`w8a8` to the bit over the tiled int8 copy: a batched decode step's rows multiplied into 16 outputs at once,
 64 byte pairs an instruction where the CPU has AVX512-VNNI (no sum reduced across lanes, as `tiled`)."""
 W4A16 = GemmMethod("w4a16", "int4", _quantized(w4a16), batch_invariant=True)
 W8A8_OVER_INT4 = GemmMethod("w8a8_over_int4", "int4", _quantized(w8a8_onednn), batch_invariant=True,
-                            int8_copy="packed")
+                            quantized_copy="packed")
 TILED_OVER_INT4 = GemmMethod("tiled_over_int4", "int4", _quantized(tiled_w8a8), batch_invariant=True, native=True,
-                             dtypes=(torch.float32, torch.bfloat16), in_multiple=4, int8_copy="tiled")
+                             dtypes=(torch.float32, torch.bfloat16), in_multiple=4, quantized_copy="tiled")
+TILED_W4A8 = GemmMethod("tiled_w4a8", "int4", _quantized(tiled_w4a8), batch_invariant=True, native=True,
+                        dtypes=(torch.float32, torch.bfloat16), in_multiple=INT4_CHUNK, quantized_copy="tiled4")
 """`tiled_w8a8` over an int8 copy of a 4-bit matrix (its values quantized per row, as `w8a8_over_int4`'s): where
 oneDNN's int8 product is slow or missing, the product of more rows than torch's 4-bit kernel serves well (one
 pass over the weight per row)."""
@@ -284,10 +289,10 @@ DEQUANT = {fmt: GemmMethod(f"dequant_{fmt}", fmt, _dequant_padded, batch_invaria
            for fmt in FORMATS}
 """Every format's reference product (the weight materialised, padded like PADDED): any device."""
 METHODS = {m.name: m for m in (DENSE, SPLIT, PACKED, TILED, GEMV, GEMV_SEQ, GEMV_INT8, GEMV_W8A8, PADDED, W8A16, W8A8,
-                               W8A8_ONEDNN, TILED_W8A8, W4A16, W8A8_OVER_INT4, TILED_OVER_INT4, FP8_BF16, FP8_SCALED,
-                               *DEQUANT.values())}
+                               W8A8_ONEDNN, TILED_W8A8, W4A16, W8A8_OVER_INT4, TILED_OVER_INT4, TILED_W4A8, FP8_BF16,
+                               FP8_SCALED, *DEQUANT.values())}
 THROUGHPUT_METHODS = (DENSE, SPLIT, PACKED, TILED, GEMV, GEMV_SEQ, GEMV_INT8, GEMV_W8A8, W8A16, W8A8, W8A8_ONEDNN,
-                      TILED_W8A8, W4A16, W8A8_OVER_INT4, TILED_OVER_INT4, FP8_BF16)
+                      TILED_W8A8, W4A16, W8A8_OVER_INT4, TILED_OVER_INT4, TILED_W4A8, FP8_BF16)
 """The candidates the plan measures on the CPU outside the deterministic mode (each site is timed with
 those that `supports` it)."""
 DETERMINISTIC = {"dense": PADDED, "int8": W8A8, "int4": W4A16, "fp8": DEQUANT["fp8"]}

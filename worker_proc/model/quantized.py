@@ -105,9 +105,62 @@ def tile_int8(data: torch.Tensor, scale: torch.Tensor) -> Int8Tiles:
     return Int8Tiles(buffer, rows.sum(1, dtype=torch.int32), scale.float().contiguous())
 
 
-INT8_COPIES = ("packed", "tiled")
-"""The second copies an int8 or int4 matrix may hold for a product that reads them (`QuantizedWeight.with_copy`):
-oneDNN's packed int8 layout, the tiled one of `tiled_w8a8`."""
+INT4_CHUNK = 8
+"""Inputs of one output row in a 64-byte vector of a tiled 4-bit block (w4a8_ops.cpp's kChunk)."""
+
+
+@dataclass(frozen=True, eq=False)
+class Int4Tiles:
+    """A 4-bit matrix [out, in] in the layout of `tiled_w4a8` (worker_proc/kernels/native/w4a8_ops.cpp): `data`
+    uint8 [ceil(out / 16), in / 8, 16, 4] (blocks of 16 output rows; byte i of a row in chunk c holds inputs
+    8c + i in its low nibble and 8c + 4 + i in its high one; rows past `out_features` zero), `scales` bfloat16
+    [ceil(out / 16), in / group, 2, 16] (per block and group, the 16 rows' s, then their z: w = (q - 8) s + z)."""
+
+    data: torch.Tensor
+    scales: torch.Tensor
+    out_features: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() + self.scales.numel() * 2
+
+
+def unpack_int4(data: torch.Tensor, out: int, inp: int) -> torch.Tensor:
+    """The values q [out, in] (uint8, 0-15) of a matrix in torch's CPU 4-bit layout: blocks of 64 output rows, each
+    input's 32 bytes holding rows j (low nibble) and j + 32 (high) of its block, then the last out % 64 rows
+    with each input's bytes holding rows 2j and 2j + 1. `int4_values` checks the reading against torch's kernel."""
+    flat = data.reshape(-1)
+    full = out // 64 * 64
+    q = torch.empty(out, inp, dtype=torch.uint8, device=data.device)
+    if full:
+        blocks = flat[: full * inp // 2].view(out // 64, inp, 32)
+        q[:full] = torch.cat([blocks & 15, blocks >> 4], dim=2).permute(0, 2, 1).reshape(full, inp)
+    if out > full:
+        tail = flat[full * inp // 2 :].view(inp, (out - full) // 2)
+        q[full:] = torch.stack([tail & 15, tail >> 4], dim=2).reshape(inp, out - full).t()
+    return q
+
+
+def tile_int4(values: torch.Tensor, scale_bf16: torch.Tensor) -> Int4Tiles:
+    """The tiled 4-bit copy of values q [out, in] (uint8, 0-15; in a multiple of 8) with their (s, z) per group
+    `scale_bf16` [in / group, out, 2], on huge pages where it is large enough (a step of few rows streams it)."""
+    out, inp = values.shape
+    blocks = -(-out // INT8_TILE_ROWS)
+    q = F.pad(values, (0, 0, 0, blocks * INT8_TILE_ROWS - out)).view(blocks, INT8_TILE_ROWS, inp // INT4_CHUNK, 2, 4)
+    data = weight_tensor((blocks, inp // INT4_CHUNK, INT8_TILE_ROWS, 4), torch.uint8)
+    data.copy_((q[:, :, :, 0] | (q[:, :, :, 1] << 4)).transpose(1, 2))
+    groups = scale_bf16.shape[0]
+    padded = F.pad(scale_bf16, (0, 0, 0, blocks * INT8_TILE_ROWS - out))
+    scales = padded.view(groups, blocks, INT8_TILE_ROWS, 2).permute(1, 0, 3, 2).contiguous()
+    return Int4Tiles(data, scales, out)
+
+
+QUANTIZED_COPIES = ("packed", "tiled", "tiled4")
+"""The second copies a quantized matrix may hold for a product that reads them (`QuantizedWeight.with_copy`):
+an int8 or int4 matrix's int8 values in oneDNN's packed layout or the tiled one of `tiled_w8a8`; an int4
+matrix's own values in the tiled layout of `tiled_w4a8`."""
+COPY_BYTES_PER_WEIGHT = {"packed": 1.0, "tiled": 1.0, "tiled4": 0.5 + 4 / INT4_GROUPS[0]}
+"""What each copy holds per weight: a byte, or four bits and (at the smallest group) a bfloat16 s and z per group."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -124,6 +177,8 @@ class QuantizedWeight:
     plan binds a product that reads it (`with_copy`)."""
     tiled: Int8Tiles | None = None
     """int8 / int4 single matrices: the weight in the tiled int8 layout, likewise."""
+    tiled4: Int4Tiles | None = None
+    """int4 single matrices: the weight in the tiled 4-bit layout, likewise."""
     scale_bf16: torch.Tensor | None = dataclasses.field(default=None, compare=False)
     """int8 / int4: `scale` in bfloat16, what the bfloat16-activation products take (made once, here)."""
 
@@ -138,19 +193,24 @@ class QuantizedWeight:
 
     @property
     def nbytes(self) -> int:
-        extra = sum(c.nbytes for c in (self.packed, self.tiled) if c is not None)
+        extra = sum(c.nbytes for c in (self.packed, self.tiled, self.tiled4) if c is not None)
         return self.data.numel() * self.data.element_size() + self.scale.numel() * self.scale.element_size() + extra
 
     def with_copy(self, kind: str) -> QuantizedWeight:
-        """This matrix with its int8 copy `kind` (one of `INT8_COPIES`) made: an int8 matrix's own values, or an
-        int4 matrix's dequantized values (read with bfloat16 scales) quantized per row to int8: each value moves
-        by at most half an int8 step of its row."""
-        if kind not in INT8_COPIES:
-            raise ValueError(f"no int8 copy named {kind!r} (known: {', '.join(INT8_COPIES)})")
+        """This matrix with its copy `kind` (one of `QUANTIZED_COPIES`) made. An int8 copy holds an int8 matrix's own
+        values, or an int4 matrix's dequantized values (read with bfloat16 scales) quantized per row to int8 (each
+        value moves by at most half an int8 step of its row); the tiled 4-bit copy an int4 matrix's own values."""
+        if kind not in QUANTIZED_COPIES:
+            raise ValueError(f"no quantized copy named {kind!r} (known: {', '.join(QUANTIZED_COPIES)})")
         if self.fmt not in ("int8", "int4") or self.experts:
-            raise ValueError("only a single int8 or int4 matrix has an int8 copy")
+            raise ValueError("only a single int8 or int4 matrix has a copy")
+        if kind == "tiled4" and self.fmt != "int4":
+            raise ValueError("only an int4 matrix has a tiled 4-bit copy")
         if getattr(self, kind) is not None:
             return self
+        if kind == "tiled4":
+            assert self.scale_bf16 is not None
+            return dataclasses.replace(self, tiled4=tile_int4(int4_values(self), self.scale_bf16))
         data, scale = self._int8_values()
         copy = pack_int8(data, scale) if kind == "packed" else tile_int8(data, scale)
         return dataclasses.replace(self, **{kind: copy})
@@ -158,9 +218,7 @@ class QuantizedWeight:
     def _int8_values(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.fmt == "int8":
             return self.data, self.scale
-        eye = torch.eye(self.shape[1], dtype=torch.bfloat16, device=self.data.device)
-        values = torch._weight_int4pack_mm_for_cpu(eye, self.data, self.group, self.scale_bf16).t().contiguous()
-        row = quantize_int8(values)
+        row = quantize_int8(int4_dequantized(int4_values(self), self.scale_bf16))
         return row.data, row.scale
 
     def __getitem__(self, expert: int) -> QuantizedWeight:
@@ -214,6 +272,27 @@ def int4_group(in_features: int, out_features: int) -> int:
 def row_amax(w: torch.Tensor) -> torch.Tensor:
     """max |w| of each row of w [..., out, in] (float32)."""
     return w.float().abs().amax(-1)
+
+
+def int4_dequantized(values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """w = (q - 8) s + z in float32 for values q [out, in] and their (s, z) per group `scale` [in / group, out, 2]."""
+    group = values.shape[1] // scale.shape[0]
+    s, z = (scale[..., i].t().float().repeat_interleave(group, dim=1) for i in (0, 1))
+    return (values.float() - 8.0) * s + z
+
+
+def int4_values(q: QuantizedWeight) -> torch.Tensor:
+    """The 4-bit values [out, in] (uint8, 0-15) of a single int4 matrix (`unpack_int4`), checked against torch's own
+    4-bit kernel on two rows of x: a torch whose layout differs fails here, not in a wrong product later."""
+    values = unpack_int4(q.data, *q.shape)
+    assert q.scale_bf16 is not None
+    x = torch.randn(2, q.shape[1], generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    expected = torch._weight_int4pack_mm_for_cpu(x, q.data, q.group, q.scale_bf16).float()
+    read = x.float() @ int4_dequantized(values, q.scale_bf16).t()
+    if not torch.allclose(read, expected, rtol=0.02, atol=0.02 * float(expected.abs().max())):
+        raise RuntimeError(f"torch {torch.__version__}'s CPU 4-bit layout is not the one worker_proc.model.quantized "
+                           "reads (unpack_int4)")
+    return values
 
 
 def quantize_int8(w: torch.Tensor, amax: torch.Tensor | None = None) -> QuantizedWeight:
@@ -325,6 +404,17 @@ def tiled_w8a8(x: torch.Tensor, q: QuantizedWeight, bias: torch.Tensor | None) -
     return _bias(torch.ops.hyssm_cpu.tiled_w8a8(rows, copy.data, copy.row_sums, copy.scale).to(x.dtype), bias)
 
 
+def tiled_w4a8(x: torch.Tensor, q: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """Rows of x quantized to int8 (as `w8a8`) times the 4-bit values in int32 per group, each group's sum scaled
+    by its s and offset by its z in float32 (w4a8_ops.cpp), over the matrix's tiled 4-bit copy
+    (`with_copy("tiled4")`): half the bytes of the int8 copies, each block of 16 rows read once for up to eight
+    rows of x. Each row's result depends on that row only."""
+    copy = q.tiled4
+    assert copy is not None, "tiled_w4a8 needs the tiled 4-bit copy (QuantizedWeight.with_copy)"
+    rows = x if x.stride(-1) == 1 else x.contiguous()
+    return _bias(torch.ops.hyssm_cpu.tiled_w4a8(rows, copy.data, copy.scales, copy.out_features).to(x.dtype), bias)
+
+
 def int8_packing_supported() -> bool:
     """oneDNN's int8 product (the x86 quantized-linear path) is in this build of torch."""
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_pointwise")
@@ -342,8 +432,9 @@ def w8a8_onednn(x: torch.Tensor, q: QuantizedWeight, bias: torch.Tensor | None) 
 
 
 def w4a16(x: torch.Tensor, q: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    # float32 activations take torch's scalar 4-bit path, many times slower than the bfloat16 one
-    out = torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), q.data, q.group, q.scale_bf16)
+    # float32 activations take torch's scalar 4-bit path, many times slower than the bfloat16 one; the kernel
+    # refuses rows that are not contiguous (a bfloat16 view of a wider tensor)
+    out = torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16).contiguous(), q.data, q.group, q.scale_bf16)
     return _bias(out.to(x.dtype), bias)
 
 
