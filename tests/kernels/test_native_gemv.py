@@ -24,7 +24,8 @@ from worker_proc.model.gemm_methods import (
     GemmMethod,
     tile_weight,
 )
-from worker_proc.model.quantized import INT8_TILE_ROWS, quantize_int4, quantize_int8, tile_int8
+from worker_proc.model.quantized import quantize_int4, quantize_int8
+from worker_proc.model.quantized_layouts import INT8_TILE_ROWS, tile_int8
 
 pytestmark = pytest.mark.skipif(not native.load(), reason="the fused CPU kernels cannot be built here")
 

@@ -20,9 +20,8 @@ from worker_proc.model.quantized import (
     quantize_int4,
     quantize_int8,
     quantize_rows,
-    tile_int4,
-    unpack_int4,
 )
+from worker_proc.model.quantized_layouts import tile_int4, unpack_int4
 from worker_proc.plan_timing import GemmKey
 
 pytestmark = pytest.mark.skipif(not native.load(), reason="the fused CPU kernels cannot be built here")

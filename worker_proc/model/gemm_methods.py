@@ -22,7 +22,6 @@ from worker_proc.host_memory import weight_tensor
 from worker_proc.kernels import native
 from worker_proc.model.quantized import (
     FORMATS,
-    INT4_CHUNK,
     QuantizedWeight,
     fp8_bf16,
     fp8_scaled,
@@ -36,6 +35,7 @@ from worker_proc.model.quantized import (
     w8a8_onednn,
     w8a16,
 )
+from worker_proc.model.quantized_layouts import INT4_CHUNK
 
 
 class SiteTraits(Protocol):
