@@ -6,6 +6,8 @@ serves a tied embedding from the quantized rows, and its plan runs only its form
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -15,6 +17,7 @@ from shared.errors import ModelLoadError
 from worker_proc.execution_plan import product_sites
 from worker_proc.kernels import native
 from worker_proc.loader import load_model
+from worker_proc.model import quantized
 from worker_proc.model.gemm import GemmSite
 from worker_proc.model.gemm_methods import (
     DEQUANT,
@@ -86,6 +89,23 @@ def test_an_int4_weights_int8_copy_is_within_half_an_int8_step_of_its_values() -
         quantize_weight(_weight(), "fp8").with_copy("packed")
     with pytest.raises(ValueError, match="no quantized copy named 'dense'"):
         q.with_copy("dense")
+
+
+def test_an_int4_weights_copies_are_made_a_slice_of_rows_at_a_time_with_the_same_values(
+        monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """A large LM head's float32 values whole would be gigabytes: they are made `DEQUANT_ROWS` rows at a time
+    (three slices here, the last one short), with the values and the layout check of the whole matrix."""
+    q = quantize_weight(_weight(), "int4")
+    whole = q.with_copy("packed").packed
+    monkeypatch.setattr(quantized, "DEQUANT_ROWS", 40)
+    sliced = q.with_copy("packed").packed
+    assert whole is not None and sliced is not None and torch.equal(sliced.scale, whole.scale)
+    x = torch.eye(128)
+    assert torch.equal(W8A8_OVER_INT4.apply(x, torch.empty(0), dataclasses.replace(q, packed=sliced), None),
+                       W8A8_OVER_INT4.apply(x, torch.empty(0), dataclasses.replace(q, packed=whole), None))
+    monkeypatch.setattr(quantized, "unpack_int4", lambda data, out, inp: torch.zeros(out, inp, dtype=torch.uint8))
+    with pytest.raises(RuntimeError, match="4-bit layout"):
+        q.with_copy("tiled")
 
 
 def test_int4_falls_back_to_int8_where_its_layout_cannot_hold_the_weight() -> None:

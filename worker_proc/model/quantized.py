@@ -122,8 +122,14 @@ class QuantizedWeight:
     def _int8_values(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.fmt == "int8":
             return self.data, self.scale
-        row = quantize_int8(int4_dequantized(int4_values(self), self.scale_bf16))
-        return row.data, row.scale
+        values, scale = int4_values(self), self.scale_bf16
+        assert scale is not None
+        data = torch.empty(self.shape, dtype=torch.int8)
+        row_scale = torch.empty(self.shape[0])
+        for r0 in range(0, self.shape[0], DEQUANT_ROWS):
+            rows = quantize_int8(int4_dequantized(values[r0 : r0 + DEQUANT_ROWS], scale[:, r0 : r0 + DEQUANT_ROWS]))
+            data[r0 : r0 + DEQUANT_ROWS], row_scale[r0 : r0 + DEQUANT_ROWS] = rows.data, rows.scale
+        return data, row_scale
 
     def __getitem__(self, expert: int) -> QuantizedWeight:
         """One matrix of a stack (views; nothing is copied)."""
@@ -178,6 +184,11 @@ def row_amax(w: torch.Tensor) -> torch.Tensor:
     return w.float().abs().amax(-1)
 
 
+DEQUANT_ROWS = 4096
+"""Rows of a 4-bit matrix dequantized at a time for its int8 copy and its layout check (a large LM head's float32
+values whole would be gigabytes)."""
+
+
 def int4_dequantized(values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """w = (q - 8) s + z in float32 for values q [out, in] and their (s, z) per group `scale` [in / group, out, 2]."""
     group = values.shape[1] // scale.shape[0]
@@ -192,7 +203,9 @@ def int4_values(q: QuantizedWeight) -> torch.Tensor:
     assert q.scale_bf16 is not None
     x = torch.randn(2, q.shape[1], generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     expected = torch._weight_int4pack_mm_for_cpu(x, q.data, q.group, q.scale_bf16).float()
-    read = x.float() @ int4_dequantized(values, q.scale_bf16).t()
+    scale, rows = q.scale_bf16, DEQUANT_ROWS
+    read = torch.cat([x.float() @ int4_dequantized(values[r0 : r0 + rows], scale[:, r0 : r0 + rows]).t()
+                      for r0 in range(0, q.shape[0], rows)], dim=1)
     if not torch.allclose(read, expected, rtol=0.02, atol=0.02 * float(expected.abs().max())):
         raise RuntimeError(f"torch {torch.__version__}'s CPU 4-bit layout is not the one worker_proc.model.quantized "
                            "reads (unpack_int4)")
