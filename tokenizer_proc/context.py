@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -26,6 +27,11 @@ R = TypeVar("R")
 
 # Bodies larger than this are tokenised in a worker thread so the event loop keeps streaming.
 THREAD_TOKENIZE_BYTES = 64 * 1024
+MATCHING_THREADS = 4  # requests whose stop_regex searches run at once (each bounded by its budget)
+
+
+def _matching_pool() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(MATCHING_THREADS, thread_name_prefix="stop-regex")
 
 
 @dataclass
@@ -39,6 +45,9 @@ class AppContext:
     metrics: HttpMetrics = field(default_factory=HttpMetrics)
     latency: LatencyStats = field(default_factory=LatencyStats)
     responses: ResponseStore = field(default_factory=lambda: ResponseStore(ServerArgs.max_stored_responses))
+    # the threads that detokenize requests with stop_regex patterns: their searches (GIL released)
+    # never hold the event loop, and they do not queue behind large bodies' tokenization
+    matching: ThreadPoolExecutor = field(default_factory=_matching_pool)
 
     async def prepare(
         self, fn: Callable[[B, TextTokenizer, Limits], R], body: B, size: int, threaded: bool = False

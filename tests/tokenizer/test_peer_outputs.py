@@ -4,6 +4,8 @@ stop_regex (whole, streamed, /generate, and the matcher itself)."""
 
 from __future__ import annotations
 
+import json
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -14,7 +16,7 @@ import pytest
 from shared.messages import GenerateReq, TokenOut
 from tests.tokenizer.conftest import EOS, FakeBackend, text_plan
 from tests.tokenizer.test_app import serve, sse_events
-from tokenizer_proc.requests.stop_regex import StopRegexMatcher
+from tokenizer_proc.requests.stop_regex import StopRegexBudgetExceeded, StopRegexMatcher
 
 COMP, CHAT = "/v1/completions", "/v1/chat/completions"
 MSGS = [{"role": "user", "content": "hi"}]
@@ -198,6 +200,35 @@ def test_stop_regex_matcher_holds_possible_matches() -> None:
     assert m.push("Hi") == "Hi" and m.push(" x") == " x" and m.push("y!") == "" and m.matched == r"(?<=x)y"
     m = StopRegexMatcher([r"[.!?]\s*$"])
     assert m.push("Hi") == "Hi" and m.push(".") == "" and m.matched == r"[.!?]\s*$"
+
+
+def test_stop_regex_searches_share_one_budget_per_request() -> None:
+    """Every search of a request draws on one budget: a pattern that backtracks without end ends the
+    request within it, however many tokens each search was cheap enough for."""
+    m = StopRegexMatcher(["(.*a){12}Q"], budget_s=0.2)
+    start = time.perf_counter()
+    with pytest.raises(StopRegexBudgetExceeded, match="stop_regex"):
+        for _ in range(5000):
+            m.push("a bat ")
+    assert time.perf_counter() - start < 1.0
+    assert m.spent_s == pytest.approx(0.2)
+    m.check_integrity()
+    with pytest.raises(StopRegexBudgetExceeded):  # spent: every later search is refused at once
+        m.push("a")
+    cheap = StopRegexMatcher(["xyz"], budget_s=0.2)
+    assert "".join(cheap.push("a bat ") for _ in range(1000)) == "a bat " * 1000
+    assert 0 < cheap.spent_s < 0.2
+
+
+def test_a_stop_regex_over_budget_is_a_400_naming_it(args, tok) -> None:
+    backend = FakeBackend(plan=lambda req: [[ord(c) for c in "a bat "]] * 400 + [[EOS]])
+    whole, streamed = _run(args, tok, backend, [
+        (COMP, {"prompt": "a", "max_tokens": 60, "stop_regex": "(.*a){12}Q"}),
+        (COMP, {"prompt": "a", "max_tokens": 60, "stop_regex": "(.*a){12}Q", "stream": True}),
+    ])
+    assert whole.status_code == 400 and whole.json()["error"]["param"] == "stop_regex", whole.text
+    frames = [ln[6:] for ln in streamed.text.splitlines() if ln.startswith("data: ")]
+    assert frames[-1] == "[DONE]" and json.loads(frames[-2])["error"]["code"] == 400, frames[-2:]
 
 
 def test_stop_string_and_regex_together(args, tok) -> None:

@@ -9,7 +9,9 @@ Two rules hold for every piece of text returned by `IncrementalDetokenizer.push`
 
 Per-token work is O(new bytes x stop strings), independent of the text produced so far: the
 byte-level path decodes through an incremental UTF-8 decoder over a per-token byte table; other
-tokenizers go through `tokenizers.decoders.DecodeStream`, which keeps a bounded window.
+tokenizers go through `tokenizers.decoders.DecodeStream`, which keeps a bounded window. stop_regex
+patterns are the exception: their searches cover the held text and are bounded by a time budget
+per request instead (`searches`; stop_regex.py).
 """
 
 from __future__ import annotations
@@ -151,6 +153,12 @@ class IncrementalDetokenizer:
         self._finished = False
 
     @property
+    def searches(self) -> bool:
+        """Whether push and finish search stop_regex patterns: each call may then take up to what is left
+        of the patterns' time budget (stop_regex.py), so callers on an event loop run it in a thread."""
+        return self._regexes is not None
+
+    @property
     def matched_stop(self) -> str | None:
         """The stop string, or the stop_regex pattern, that ended the output, if one did."""
         if self._regexes is not None and self._regexes.matched is not None:
@@ -158,7 +166,8 @@ class IncrementalDetokenizer:
         return self._stops.matched
 
     def push(self, token_ids: Sequence[int]) -> str:
-        """Text made safe by these tokens. After a stop match, always ""."""
+        """Text made safe by these tokens. After a stop match, always "". Raises StopRegexBudgetExceeded
+        when the stop_regex searches pass their budget."""
         if self._finished or self.matched_stop is not None:
             return ""
         if self._regexes is None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -73,6 +74,8 @@ class Serving(Protocol):
     def admission(self) -> Admission: ...
     @property
     def latency(self) -> LatencyStats: ...
+    @property
+    def matching(self) -> Executor: ...
 
 
 EventsFn = Callable[[AsyncGenerator[tuple[int, Piece], None]], AsyncGenerator[bytes, None]]
@@ -113,7 +116,7 @@ def finish_error(finish: Finish | None, abort_is_error: bool) -> ApiError | None
     if finish is None:
         return None
     if finish.reason == "rejected":
-        return ApiError(400, finish.message or "the request can never run on this server")
+        return ApiError(400, finish.message or "the request can never run on this server", finish.param)
     if finish.reason == "error" or (abort_is_error and finish.reason == "abort"):
         return unavailable(finish.message or f"the request ended with {finish.reason}")
     return None
@@ -231,7 +234,7 @@ async def respond(
         raise
     iters = []
     for r, h in zip(reqs, holds, strict=True):
-        pieces: AsyncIterator[Piece] = generate(ctx.backend, ctx.tok, r, ctx.in_flight, h)
+        pieces: AsyncIterator[Piece] = generate(ctx.backend, ctx.tok, r, ctx.in_flight, h, ctx.matching)
         if (gate := gates.get(r.prompt_index)) is not None:
             pieces = opens(pieces, gate) if r.save_prompt_state else after(pieces, gate)
         iters.append(ctx.latency.timed(pieces))

@@ -12,11 +12,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from shared.messages import GenerateReq, SchedulerInfo, TokenOut
 from tokenizer_proc.http.errors import bad_request
+from tokenizer_proc.requests.detokenizer import IncrementalDetokenizer
+from tokenizer_proc.requests.stop_regex import StopRegexBudgetExceeded
 from tokenizer_proc.requests.tokenizer import TextTokenizer
 from tokenizer_proc.requests.validation import PreparedRequest
 
@@ -58,6 +61,7 @@ class Finish:
     reason: str
     matched: int | str | None = None
     message: str | None = None
+    param: str | None = None  # with "rejected": the request field at fault, when one is
 
 
 @dataclass
@@ -165,10 +169,13 @@ def precheck(backend: Backend, req: PreparedRequest, in_flight: InFlight) -> Res
 
 
 async def generate(
-    backend: Backend, tok: TextTokenizer, req: PreparedRequest, in_flight: InFlight, hold: Reservation
+    backend: Backend, tok: TextTokenizer, req: PreparedRequest, in_flight: InFlight, hold: Reservation,
+    offload: Executor | None = None,
 ) -> AsyncGenerator[Piece, None]:
     """Run one request that passed `precheck` (`hold` reserves its rid); the last Piece has
-    `finish` set. Before the first Piece it may raise BackendUnavailable (from `submit`)."""
+    `finish` set. Before the first Piece it may raise BackendUnavailable (from `submit`). A request
+    with stop_regex patterns detokenizes in `offload` (a thread pool; None: the loop's default), so its
+    searches never hold the event loop; searches that pass their budget end it "rejected" (a 400)."""
     detok = tok.detokenizer(req.stops, req.skip_special_tokens, req.stop_regexes)
     msg = GenerateReq(rid=req.rid, input_ids=req.input_ids, sampling=req.sampling, priority=req.priority,
                       save_prompt_state=req.save_prompt_state)
@@ -178,18 +185,12 @@ async def generate(
             async for out in outs:
                 completion += len(out.token_ids)
                 cached = max(cached, out.cached_tokens)
-                text = detok.push(out.token_ids)
-                finish: Finish | None = None
-                if detok.matched_stop is not None:
-                    finish = Finish("stop", matched=detok.matched_stop)
-                    if not out.finished:
-                        backend.abort(req.rid, "stop string matched")
-                elif out.finished:
-                    text += detok.finish()
-                    # a stop string can only be decided at the end (a longer one starting earlier
-                    # might still have completed): it wins over the scheduler's reason
-                    stop = detok.matched_stop
-                    finish = Finish("stop", matched=stop) if stop is not None else _finish_of(out)
+                try:
+                    text, finish = await _detokenized(detok, out, offload)
+                except StopRegexBudgetExceeded as e:
+                    text, finish = "", Finish("rejected", message=str(e), param="stop_regex")
+                if finish is not None and not out.finished:
+                    backend.abort(req.rid, "stop string matched" if finish.reason == "stop" else finish.reason)
                 logprobs = _aligned_logprobs(out) if req.sampling.logprobs else None
                 done = finish is not None
                 yield Piece(text, list(out.token_ids), logprobs, len(req.input_ids), completion, cached, finish,
@@ -198,12 +199,36 @@ async def generate(
                 if done:
                     return
         done = True
-        yield Piece(detok.finish(), [], None, len(req.input_ids), completion, cached,
+        rest = "" if detok.searches else detok.finish()  # the request failed: no stop_regex search is worth it
+        yield Piece(rest, [], None, len(req.input_ids), completion, cached,
                     Finish("error", message="the scheduler ended the request without a final output"))
     finally:
         in_flight.release(hold)
         if not done:
             backend.abort(req.rid, "client disconnected")
+
+
+async def _detokenized(
+    detok: IncrementalDetokenizer, out: TokenOut, offload: Executor | None
+) -> tuple[str, Finish | None]:
+    """(the text `out` makes safe, how the request finished if it did), in `offload` when the
+    detokenizer searches stop_regex patterns."""
+    if detok.searches:
+        return await asyncio.get_running_loop().run_in_executor(offload, _detokenize, detok, out)
+    return _detokenize(detok, out)
+
+
+def _detokenize(detok: IncrementalDetokenizer, out: TokenOut) -> tuple[str, Finish | None]:
+    text = detok.push(out.token_ids)
+    if detok.matched_stop is not None:
+        return text, Finish("stop", matched=detok.matched_stop)
+    if not out.finished:
+        return text, None
+    text += detok.finish()
+    # a stop string can only be decided at the end (a longer one starting earlier might still have
+    # completed): it wins over the scheduler's reason
+    stop = detok.matched_stop
+    return text, Finish("stop", matched=stop) if stop is not None else _finish_of(out)
 
 
 def _aligned_logprobs(out: TokenOut) -> list[float | None]:

@@ -10,11 +10,18 @@ Rules (the stop-string rules of detokenizer.py, with patterns instead of strings
 Patterns use Python's regex syntax (the `regex` module, a superset of `re`); they are compiled once
 per pattern (LRU) and checked here before a request is queued (`check_stop_regexes`: a 400 naming
 the field for a pattern that does not compile, is too long, or matches the empty text).
+
+Cost rule: a pattern may backtrack without end (nested repetition such as `(.*a){12}Q`), and every token
+searches the held text again, so one request's searches together get a time budget
+(`STOP_REGEX_BUDGET_S` of search time, counted over the whole output); a search that would pass it
+raises `StopRegexBudgetExceeded` (the request then ends as a 400 naming `stop_regex`). Searches
+release the GIL (`concurrent=True`), so a matcher run in a worker thread never holds the event loop.
 """
 
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Sequence
 
 import regex
@@ -23,7 +30,17 @@ from tokenizer_proc.http.errors import bad_request
 
 MAX_STOP_REGEXES = 16
 MAX_STOP_REGEX_CHARS = 1024
-_TIMEOUT_S = 1.0  # a pattern whose search takes longer than this on one output is an error
+STOP_REGEX_BUDGET_S = 2.0
+"""Search time one request's stop_regex patterns may take over its whole output."""
+
+
+class StopRegexBudgetExceeded(Exception):
+    """The patterns' searches took the request's whole budget; the message says so to the client."""
+
+    def __init__(self, budget_s: float) -> None:
+        super().__init__(f"stop_regex: matching the patterns against the output took more than the {budget_s:g} s "
+                         "a request may take; simplify the pattern (nested repetition such as (.*a){12} "
+                         "backtracks without end)")
 
 
 @functools.lru_cache(maxsize=256)
@@ -58,15 +75,32 @@ class StopRegexMatcher:
     completing. A search covers `_text[_sent:]` with the whole text as context (anchors and
     lookbehinds see what was released)."""
 
-    def __init__(self, patterns: Sequence[str]):
+    def __init__(self, patterns: Sequence[str], budget_s: float = STOP_REGEX_BUDGET_S):
         self.patterns = tuple(patterns)
         self._compiled = [_compiled(p) for p in self.patterns]
         self._text = ""
         self._sent = 0
         self.matched: str | None = None
+        self.budget_s = budget_s
+        self.spent_s = 0.0  # search time so far; never more than budget_s without raising
+
+    def _search(self, pat: regex.Pattern[str], partial: bool) -> regex.Match[str] | None:
+        """`pat` searched in the held text within what is left of the budget (StopRegexBudgetExceeded past it)."""
+        left = self.budget_s - self.spent_s
+        if left <= 0:
+            raise StopRegexBudgetExceeded(self.budget_s)
+        start = time.perf_counter()
+        try:
+            return pat.search(self._text, self._sent, partial=partial, timeout=left, concurrent=True)
+        except TimeoutError as e:
+            self.spent_s = self.budget_s
+            raise StopRegexBudgetExceeded(self.budget_s) from e
+        finally:
+            self.spent_s = min(self.budget_s, self.spent_s + time.perf_counter() - start)
 
     def push(self, text: str) -> str:
-        """The text that is now safe to send; sets `matched` when a pattern matched."""
+        """The text that is now safe to send; sets `matched` when a pattern matched. Raises
+        StopRegexBudgetExceeded when the searches pass the budget (the text pushed is then lost)."""
         if self.matched is not None:
             return ""
         self._text += text
@@ -77,7 +111,7 @@ class StopRegexMatcher:
             return self._release(at, final=True)
         hold = len(self._text)
         for pat in self._compiled:
-            m = pat.search(self._text, self._sent, partial=True, timeout=_TIMEOUT_S)
+            m = self._search(pat, partial=True)
             if m is not None and m.partial:
                 hold = min(hold, m.start())
         return self._release(hold)
@@ -87,7 +121,7 @@ class StopRegexMatcher:
         -1 if none. Sets `matched`."""
         best, best_at = None, -1
         for p, pat in zip(self.patterns, self._compiled, strict=True):
-            m = pat.search(self._text, self._sent, timeout=_TIMEOUT_S)
+            m = self._search(pat, partial=False)
             if m is not None and (best_at < 0 or m.start() < best_at):
                 best, best_at = p, m.start()
         self.matched = best
@@ -109,4 +143,5 @@ class StopRegexMatcher:
 
     def check_integrity(self) -> None:
         assert 0 <= self._sent <= len(self._text)
+        assert 0.0 <= self.spent_s <= self.budget_s
         assert self.matched is None or self._sent == len(self._text), "text held after a match"

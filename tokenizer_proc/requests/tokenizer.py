@@ -4,6 +4,10 @@ Loaded once per tokenizer process from the model directory (`tokenizer.json`, op
 `tokenizer_config.json` / `chat_template.jinja`) and immutable afterwards, so every request
 handler may share it. Vocabulary bounds for validation come from the model (`ModelInfo`), since
 a checkpoint's embedding may be larger than the tokenizer's vocabulary.
+
+GIL rule: `Tokenizer.encode` holds the GIL for its whole run (seconds for a few megabytes of text), so
+a text longer than `GIL_FREE_ENCODE_CHARS` is encoded through `encode_batch_fast`, which releases it:
+encoding in a worker thread then never holds the event loop. Both give the same ids.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ from tokenizer_proc.requests.chat_template import ChatTemplate, select_template
 from tokenizer_proc.requests.detokenizer import ByteTableStream, DecodeStreamAdapter, IncrementalDetokenizer
 
 logger = logging.getLogger(__name__)
+
+GIL_FREE_ENCODE_CHARS = 16 * 1024
 
 
 def _token_content(value: Any) -> str | None:
@@ -154,6 +160,8 @@ class TextTokenizer:
         return tuple(t for t in self.eos_token_ids if t not in self.model_eos_ids)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if len(text) > GIL_FREE_ENCODE_CHARS:
+            return self.tokenizer.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def render_chat(
