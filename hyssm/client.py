@@ -4,7 +4,9 @@ Owner: `hyssm.Engine`, one `Client` per engine. It speaks the server's own API (
 /v1/chat/completions, ...), so every request is validated, scheduled and answered exactly as over
 HTTP. Error rules (what a caller of the engine sees):
 - a 4xx answer is a `RequestError` carrying the server's message and field;
-- a 503 answer, an error event in a stream, or a broken connection is `EngineDeadError` naming the
+- an error event in a stream is what its `code` says (a 4xx there: the request's own fault, found
+  while it ran, such as an output constraint no token can continue);
+- a 503 answer, a 5xx error event, or a broken connection is `EngineDeadError` naming the
   failure once the processes report one (waited for briefly: the tokenizer may learn of a death
   first), else `EngineError` with the server's message; a 503 with Retry-After (the server at
   capacity, or draining) is that EngineError at once;
@@ -84,7 +86,8 @@ class Client:
                         return
                     obj = json.loads(data)
                     if isinstance(obj, dict) and "error" in obj and set(obj) == {"error"}:
-                        self.failed(503, obj["error"])
+                        code = obj["error"].get("code")
+                        self.failed(code if isinstance(code, int) and 400 <= code < 600 else 503, obj["error"])
                     yield obj
         except httpx.TransportError as e:
             self.transport_failed(e)

@@ -184,7 +184,7 @@ def validate(req: GenerateReq, duplicate: bool, context_length: int, kv_capacity
 
 def token_out(r: Req, new: list[int], reason: FinishReason | None, matched: int | None = None,
               logprobs: list[float] | None = None, error: str | None = None,
-              top: list[list[tuple[int, float]]] | None = None) -> TokenOut:  # fmt: skip
+              top: list[list[tuple[int, float]]] | None = None, rejected: bool = False) -> TokenOut:  # fmt: skip
     """The reply for `r` carrying `new` tokens; final when `reason` is set. The first reply with a
     token carries the request's queue time and the prompt logprobs it asked for."""
     first_tokens = bool(new) and r.num_output == len(new)
@@ -192,7 +192,7 @@ def token_out(r: Req, new: list[int], reason: FinishReason | None, matched: int 
     return TokenOut(
         rid=r.rid, token_ids=new, finished=reason is not None, finish_reason=reason, matched_stop_token=matched,
         prompt_tokens=r.prompt_len, cached_tokens=r.cached_tokens, completion_tokens=r.num_output,
-        logprobs=logprobs, error=error, top_logprobs=top,
+        logprobs=logprobs, error=error, rejected=rejected, top_logprobs=top,
         prompt_logprobs=list(r.prompt_lps) if first else None,
         prompt_top_logprobs=list(r.prompt_tops) if first and r.sampling.prompt_logprobs > 0 else None,
         prompt_ranks=list(r.prompt_ranks) if first else None, queue_s=r.queue_s if first_tokens else -1.0,

@@ -316,6 +316,8 @@ class Scheduler:
         tok = result.next_tokens.get(r.rid)
         if tok is None:
             return self._finish(r, "error", error=f"worker returned no token for step {result.step}")
+        if r.rid in result.grammar_rejected:  # no token could follow under the constraint: nothing more is output
+            return self._finish(r, "error", error=result.grammar_errors.get(r.rid), rejected=True)
         new = [*e.drafts, tok]  # the accepted drafts (never a stop token: the worker ends the run there)
         r.tokens.extend(new)
         self.metrics.inc("hyssm_generated_tokens_total", len(new))
@@ -348,8 +350,9 @@ class Scheduler:
 
     def _finish(self, r: Req, reason: FinishReason, new: list[int] | None = None, matched: int | None = None,
                 logprobs: list[float] | None = None, error: str | None = None,
-                top: list[list[tuple[int, float]]] | None = None) -> TokenOut:  # fmt: skip
-        """Finish `r` (never while its slice is in flight): give back or donate what it holds."""
+                top: list[list[tuple[int, float]]] | None = None, rejected: bool = False) -> TokenOut:  # fmt: skip
+        """Finish `r` (never while its slice is in flight): give back or donate what it holds.
+        `rejected`: an "error" that is the request's own fault (TokenOut.rejected)."""
         self.transition(r, ReqStatus.FINISHED, donate=reason != "error")
         self.speculation.forget(r.rid)
         if r.sampling.grammar is not None:
@@ -358,7 +361,8 @@ class Scheduler:
             self.reqs[r.rid] = reusing
             self.waiting.push(reusing)
         self.metrics.inc("hyssm_requests_finished_total", reason=reason)
-        return token_out(r, new or [], reason, matched=matched, logprobs=logprobs, error=error, top=top)
+        return token_out(r, new or [], reason, matched=matched, logprobs=logprobs, error=error, top=top,
+                         rejected=rejected)
 
     # ------------------------------------------------------------------ the one status change
     def start(self, r: Req) -> None:

@@ -127,7 +127,8 @@ class TokenOut(msgspec.Struct, kw_only=True, array_like=True):
     logprobs: list[float] | None = None
     error: str | None = None
     # with finish_reason "error": the request itself can never run on this server (it was rejected
-    # before running; `error` names the limit), so the client is told 400, not 503
+    # before running; `error` names the limit) or its constraint left it no token to sample
+    # (StepResult.grammar_rejected; `error` names the problem), so the client is told 400, not 503
     rejected: bool = False
     # with SamplingParams.top_logprobs: (token id, logprob) alternatives of each token of token_ids
     top_logprobs: list[list[tuple[int, float]]] | None = None
@@ -341,6 +342,9 @@ class StepResult(msgspec.Struct, tag=True, kw_only=True):
     prompt_ranks: dict[str, list[int]] = {}  # the rank of each of those tokens in its distribution
     grammar_done: list[str] = []  # requests whose grammar is complete with this step's token
     grammar_errors: dict[str, str] = {}  # requests whose grammar could not go on (they end with an error)
+    # of grammar_errors: those whose constraint itself left no token they may sample (no text satisfies
+    # it, or it is complete while min_tokens blocks the stop tokens): the client's fault, ended as rejected
+    grammar_rejected: list[str] = []
     refused: list[str] = []
     # per verify slice (ReqSlice.drafts > 0): how many of its drafts were accepted; its next_tokens
     # entry is the token sampled after the last accepted one

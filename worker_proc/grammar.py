@@ -1,12 +1,17 @@
 """Structured output on worker rank 0: grammar compilation, token masks, matcher state (xgrammar).
 
-Who holds what: the tokenizer process validates a request's `GrammarSpec` (tokenizer_proc/
+Who holds what: the tokenizer process validates a request's `GrammarSpec` (tokenizer_proc/requests/
 structured.py) before it is queued; rank 0, which samples, holds the compiled grammars (one
 compilation per distinct spec, kept in an LRU) and one matcher per constrained request, keyed by rid.
 Each step, before sampling, every constrained row's logits get its matcher's token mask (tokens that
 cannot continue the grammar are -inf; after the grammar is complete only the stop tokens remain);
 after sampling, the matcher accepts the chosen token. A matcher whose grammar is then terminated is
 reported in `StepResult.grammar_done` (the scheduler finishes the request with "stop") and dropped.
+A token the matcher refuses ends the request with an error (`StepResult.grammar_errors`). When the
+constraint itself left the request no token to sample (its mask allowed none, or only stop tokens
+while min_tokens blocks them: a language emptied only after some output, or min_tokens beyond what
+it allows) it is the client's fault, named in `StepResult.grammar_rejected` (a 400); a refused token
+the mask allowed is an internal failure (a 503). The diagnosis runs only on a refusal.
 
 Sync rule: a matcher is valid for (rid, spec) after exactly `output_len` accepted tokens. A slice
 whose matcher is missing (evicted, a new request reusing the rid, a step that failed) or out of step
@@ -58,6 +63,10 @@ def vocab_of(model_dir: str, vocab_size: int) -> tuple[list[str], str, bool]:
     if "ByteFallback" in kinds:
         return encoded, "BYTE_FALLBACK", "Metaspace" in kinds or "Strip" in kinds
     return encoded, "RAW", False
+
+
+def _tokens(n: int) -> str:
+    return f"{n} token{'' if n == 1 else 's'}"
 
 
 @dataclass
@@ -199,9 +208,14 @@ class GrammarRuntime:
         for rid in rids:
             self._matchers.pop(rid, None)
 
-    def accept(self, reqs: Sequence[SampleRequest], tokens: Sequence[int], errors: dict[str, str]) -> list[str]:
+    def accept(self, reqs: Sequence[SampleRequest], tokens: Sequence[int], errors: dict[str, str],
+               rejected: set[str]) -> list[str]:
         """Advance every constrained request's matcher by its emitted tokens (a verify slice's in order,
-        one entry each); the rids whose grammar is now terminated (their matchers are dropped)."""
+        one entry each); the rids whose grammar is now terminated (their matchers are dropped). A token
+        the matcher refuses puts the rid in `errors`, and in `rejected` too when the constraint itself
+        left the request no token to sample (`dead_end`: the client's fault, not the server's); so does
+        a stop token that min_tokens masked, which is drawn only from a row that allowed nothing (a model
+        whose stop token is id 0: argmax over a row of -inf)."""
         done = []
         for r, tok in zip(reqs, tokens, strict=True):
             if r.params.grammar is None or r.rid in errors:
@@ -210,11 +224,48 @@ class GrammarRuntime:
             if m is None and self._start(r) is None:
                 continue  # the grammar waits for `after` (which this token may complete)
             if m is None or not m.matcher.accept_token(tok):
-                errors[r.rid] = f"structured output failed: sampled token {tok} does not match the grammar"
+                if m is not None and (problem := self.dead_end(r, m.matcher)) is not None:
+                    errors[r.rid] = problem
+                    rejected.add(r.rid)
+                else:
+                    errors[r.rid] = f"structured output failed: sampled token {tok} does not match the grammar"
                 self._matchers.pop(r.rid, None)
                 continue
             m.accepted += 1
             if m.matcher.is_terminated():
-                done.append(r.rid)
                 del self._matchers[r.rid]
+                if tok in self._min_tokens_blocked(r):  # a stop min_tokens masked: the row had no token left
+                    errors[r.rid] = self._min_tokens_problem(r)
+                    rejected.add(r.rid)
+                else:
+                    done.append(r.rid)
         return done
+
+    def dead_end(self, r: SampleRequest, matcher: Any) -> str | None:
+        """Why `r` had no token it may sample where `matcher` stands (None: its mask allowed some, so a
+        refused token there is an internal failure). Either the constraint allows no token at all, or
+        only the stop tokens, which min_tokens still blocks. Only called after a refused token (the
+        matcher has not moved), so the hot path pays nothing."""
+        bitmask = self._xgr.allocate_token_bitmask(1, self.vocab_size)
+        matcher.fill_next_token_bitmask(bitmask)
+        shifts = torch.arange(32, dtype=bitmask.dtype)
+        allowed = ((bitmask[0, :, None] >> shifts) & 1).flatten()[: self.vocab_size].bool()
+        if not bool(allowed.any()):
+            return (f"structured output: no token can continue the output under the constraint after "
+                    f"{_tokens(r.output_len)} (no text satisfies it)")
+        blocked = [t for t in self._min_tokens_blocked(r) if 0 <= t < self.vocab_size]
+        if blocked and int(allowed.sum()) == int(allowed[blocked].sum()):
+            return self._min_tokens_problem(r)
+        return None
+
+    @staticmethod
+    def _min_tokens_problem(r: SampleRequest) -> str:
+        n = r.output_len
+        return f"min_tokens {r.params.min_tokens} cannot be met: the constraint is complete after {_tokens(n)}"
+
+    def _min_tokens_blocked(self, r: SampleRequest) -> set[int]:
+        """The stop tokens min_tokens masks for `r` at its position (worker_proc/logit_processing.py)."""
+        p = r.params
+        if r.output_len >= p.min_tokens:
+            return set()
+        return set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_ids))

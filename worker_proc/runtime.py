@@ -287,8 +287,9 @@ class ModelRunner:
             starts = {first: r.drafts for r, first in verify}
             if constrain is not None or errors:
                 made = speculative.emitted(sreqs, tokens, starts, out.get("accepted", {}))
-                out["grammar_done"] = self.grammars.accept(*made, errors)
-                out["grammar_errors"] = errors
+                rejected: set[str] = set()
+                out["grammar_done"] = self.grammars.accept(*made, errors, rejected)
+                out["grammar_errors"], out["grammar_rejected"] = errors, sorted(rejected)
             out.update(self._token_logprobs(rows, sreqs, lps, starts, out.get("accepted", {})))
         if prompt:
             out["prompt_logprobs"], out["prompt_top_logprobs"], out["prompt_ranks"] = self._prompt_logprobs(logits,

@@ -163,6 +163,17 @@ def test_errors_name_the_problem(engine: hyssm.Engine) -> None:
     assert e.value.status == 400 and e.value.param == "sampling_params.temperature"
     with pytest.raises(hyssm.RequestError, match="regex"):
         engine.generate("x", {"regex": "a("})
+    unmeetable = {"regex": "ab", "min_tokens": 5, "max_new_tokens": 8}  # found while it runs
+    with pytest.raises(hyssm.RequestError, match="min_tokens 5 cannot be met") as e:
+        engine.generate("x", unmeetable)
+    assert e.value.status == 400
+
+    async def streamed() -> None:
+        async for _ in await engine.async_generate("x", unmeetable, stream=True):
+            pass
+
+    with pytest.raises(hyssm.RequestError, match="min_tokens 5 cannot be met"):
+        asyncio.run(streamed())
     with pytest.raises(TypeError, match="'max_length'"):
         engine.generate("x", {"max_length": 3})
     with pytest.raises(ValueError, match="exactly one of prompt and input_ids"):

@@ -278,3 +278,34 @@ def test_a_finished_grammar_request_is_named_to_the_workers() -> None:
         batches.append(batch)
     named = [b.ended for b in batches if b is not None]
     assert sum(named, []) == ["g"] and named[0] == []
+
+
+def test_a_grammar_that_left_no_token_ends_as_the_clients_fault() -> None:
+    """StepResult.grammar_rejected (the constraint left no token to sample) finishes the request as
+    rejected, with the worker's message and none of that step's tokens; a grammar error that is not
+    named there stays an internal error (with its tokens, as before)."""
+    from shared.messages import GrammarSpec
+
+    sched, worker = make()
+    spec = GrammarSpec(kind="regex", source="[a-z]+")
+    sched.add_request(greq("dead", [1, 2, 3], 8, grammar=spec))
+    sched.add_request(greq("broken", [4, 5, 6], 8, grammar=spec))
+    sched.add_request(greq("fine", [7, 8], 8, grammar=spec))
+    while not all(r.num_output for r in sched.reqs.values()):
+        round_(sched, worker)
+    batch = sched.schedule()
+    assert batch is not None
+    result = worker.step(batch)
+    result.grammar_errors = {"dead": "min_tokens 5 cannot be met: the constraint is complete after 2 tokens",
+                             "broken": "structured output failed: sampled token 0 does not match the grammar"}
+    result.grammar_rejected = ["dead"]
+    outs = {o.rid: o for o in sched.apply_result(result)}
+    dead, broken = outs["dead"], outs["broken"]
+    assert dead.finished and dead.finish_reason == "error" and dead.rejected and dead.token_ids == []
+    assert dead.error == "min_tokens 5 cannot be met: the constraint is complete after 2 tokens"
+    assert broken.finished and broken.finish_reason == "error" and not broken.rejected
+    assert broken.token_ids == [result.next_tokens["broken"]] and "does not match" in (broken.error or "")
+    assert not outs["fine"].finished and set(sched.reqs) == {"fine"}
+    sched.check_integrity()
+    nxt = sched.schedule()
+    assert nxt is not None and sorted(nxt.ended) == ["broken", "dead"]

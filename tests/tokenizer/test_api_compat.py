@@ -67,6 +67,15 @@ def test_unknown_and_harmless_fields_are_accepted_and_logged(args, backend, tok,
     ("/generate", {"text": "a", "sampling_params": {"json_schema": "[1"}}, "sampling_params.json_schema", "JSON"),
     ("/generate", {"text": "a", "sampling_params": {"regex": "a", "ebnf": "root ::= \"a\""}},
      "sampling_params.ebnf", "one of"),
+    # constraints no text satisfies: empty from the start, or after the text they force
+    (COMP, {"prompt": "a", "guided_regex": r"[^\s\S]"}, "guided_regex", "regex is not usable: no text satisfies it"),
+    (CHAT, {"messages": MSGS, "structured_outputs": {"regex": r"ab[^\s\S]"}}, "structured_outputs.regex",
+     "no text satisfies it (nothing can follow 'ab')"),
+    (CHAT, {"messages": MSGS, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"s": {"type": "string", "pattern": r"[^\s\S]"}}, "required": ["s"]}}}},
+     "response_format.json_schema.schema", "no text satisfies it (nothing can follow '{\"s\": \"')"),
+    ("/generate", {"text": "a", "sampling_params": {"ebnf": 'root ::= r\nr ::= r "a"'}}, "sampling_params.ebnf",
+     "no text satisfies it"),
 ])
 def test_fields_that_change_results_are_400_naming_them(args, backend, tok, path, body, param, text) -> None:
     async def check(c: httpx.AsyncClient) -> None:
@@ -76,6 +85,24 @@ def test_fields_that_change_results_are_400_naming_them(args, backend, tok, path
 
     serve(args, backend, tok, check)
     assert backend.submitted == []
+
+
+@pytest.mark.parametrize("body", [
+    {"guided_regex": "é+|日本|😀"},  # several bytes per character
+    {"guided_regex": ""},  # only the empty text
+    {"guided_regex": "[^a-z]+"},
+    {"regex": r"(a|b)[^\s\S]"},  # empty, but only after a choice: found at run time, not here
+    {"guided_grammar": 'root ::= "a" root'},  # forced on and on: the check stops following it
+    {"guided_json": {"type": "object", "properties": {"s": {"type": "string", "pattern": r"[^\s\S]"}}}},  # optional
+    {"response_format": {"type": "json_object"}},
+])
+def test_constraints_some_text_may_satisfy_are_accepted(args, backend, tok, body) -> None:
+    async def check(c: httpx.AsyncClient) -> None:
+        r = await c.post(COMP, json={"prompt": "a", "max_tokens": 2, **body})
+        assert r.status_code == 200, r.text
+
+    serve(args, backend, tok, check)
+    assert len(backend.submitted) == 1 and backend.submitted[0].sampling.grammar is not None
 
 
 def test_model_names(args, backend, tok) -> None:

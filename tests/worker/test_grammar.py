@@ -53,7 +53,7 @@ def test_masks_follow_the_grammar_and_completion_is_reported(runtime: GrammarRun
     for want, tok in zip(steps, [ord("a"), ord("b"), ord("7"), EOS], strict=True):
         r = _req("g", REGEX, out)
         assert _allowed(runtime, r) == want
-        done = runtime.accept([r], [tok], {})
+        done = runtime.accept([r], [tok], {}, set())
         out.append(tok)
         assert done == (["g"] if tok == EOS else [])
 
@@ -82,7 +82,7 @@ def test_sampling_under_a_schema_gives_valid_json(runtime: GrammarRuntime) -> No
         errors: dict[str, str] = {}
         apply = runtime.constrain([r], errors)
         toks, _ = sample(torch.randn(1, runtime.vocab_size, generator=gen), [r], constrain=apply)
-        done = runtime.accept([r], toks, errors)
+        done = runtime.accept([r], toks, errors, set())
         assert not errors
         out.append(toks[0])
         if done:
@@ -107,7 +107,7 @@ def test_a_grammar_after_reasoning_waits_for_its_end(runtime: GrammarRuntime) ->
     for tok in [ord(c) for c in "zz<"] + list(end[1:]):
         r = _req("think", spec, out)
         assert runtime.constrain([r], {}) is None  # free text while thinking
-        assert runtime.accept([r], [tok], {}) == []
+        assert runtime.accept([r], [tok], {}, set()) == []
         out.append(tok)
     assert _allowed(runtime, _req("think", spec, out)) == {ord("a")}
     assert _allowed(runtime, _req("late-think", spec, out + [ord("a")])) == {ord("b")}  # rebuilt past `after`
@@ -138,7 +138,7 @@ def test_a_verify_slice_is_masked_position_by_position(runtime: GrammarRuntime) 
     # a plain request beside a verify slice keeps its own row
     both = _masks(runtime, [_req("p", REGEX, [a]), *_verify(REGEX, [a], [b, ord("3")], rid="w")])
     assert both == [{b}, {b}, digits, {EOS}]
-    assert runtime.accept(_verify(REGEX, [], [a, b]), [a, b, ord("5")], {}) == []  # the emitted tokens
+    assert runtime.accept(_verify(REGEX, [], [a, b]), [a, b, ord("5")], {}, set()) == []  # the emitted tokens
     assert runtime._matchers["v"].accepted == 3
     assert _allowed(runtime, _req("v", REGEX, [a, b, ord("5")])) == {EOS}
 

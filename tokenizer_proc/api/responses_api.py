@@ -12,7 +12,8 @@ response.output_item.added,
 response.content_part.added, response.output_text.delta (one per piece of text), .output_text.done,
 .content_part.done, .output_item.done, then per call .output_item.added,
 .function_call_arguments.delta / .done, .output_item.done, and last response.completed (or
-response.incomplete; response.failed with `error` when the request failed). With `store` (the
+response.incomplete; response.failed with `error` when the request failed: its code is "invalid_prompt"
+where the non-streamed answer is a 4xx, the request's own fault, else "server_error"). With `store` (the
 default) the response is kept in the app's ResponseStore once it is complete.
 """
 
@@ -75,7 +76,8 @@ class _Response:
             "tools": [_tool_echo(t) for t in b.tools or []],
             "text": {"format": _fmt_dict(fmt) if fmt is not None else {"type": "text"}},
             "truncation": b.truncation, "store": b.store, "metadata": b.metadata or {}, "user": b.user,
-            "error": None if error is None else {"code": "server_error", "message": error.message},
+            "error": None if error is None else {"code": "server_error" if error.status >= 500 else "invalid_prompt",
+                                                 "message": error.message},
             "incomplete_details": None, "usage": None,
         }
         if last is not None:

@@ -111,7 +111,7 @@ class Accumulated:
 
 
 def finish_error(finish: Finish | None, abort_is_error: bool) -> ApiError | None:
-    """The error a finish is on an API: "rejected" (the request can never run) is a 400,
+    """The error a finish is on an API: "rejected" (the client's fault, TokenOut.rejected) is a 400,
     "error" a 503, and "abort" a 503 only where the API has no abort finish (`abort_is_error`)."""
     if finish is None:
         return None

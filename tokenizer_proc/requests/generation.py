@@ -56,7 +56,8 @@ class Backend(Protocol):
 @dataclass
 class Finish:
     """Why a request ended. reason: "stop" | "length" | "abort" | "error" | "rejected" (the
-    scheduler refused the request as one that can never run: the client's fault, a 400)."""
+    scheduler refused the request as one that can never run, or its output constraint left no token
+    to sample: the client's fault, a 400)."""
 
     reason: str
     matched: int | str | None = None

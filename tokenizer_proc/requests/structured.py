@@ -1,4 +1,4 @@
-"""Structured output requests: from the body's fields to one validated `GrammarSpec`.
+r"""Structured output requests: from the body's fields to one validated `GrammarSpec`.
 
 Accepted forms (at most one per request, else a 400 naming the second):
 - OpenAI `response_format`: `{"type": "text"}` (no constraint), `{"type": "json_object"}` (any JSON
@@ -11,11 +11,15 @@ Accepted forms (at most one per request, else a 400 naming the second):
 - SGLang's top-level `regex` and `ebnf` on the OpenAI endpoints;
 - SGLang `sampling_params.json_schema` (JSON text), `regex`, `ebnf` on /generate.
 Rule: a spec is parsed by xgrammar here, before the request is queued, so a malformed or
-unsupported schema, regex or grammar is a 400 naming the field and the problem; worker rank 0
-compiles it (worker_proc/grammar.py). JSON output is compact (no free whitespace between tokens),
-so small models cannot wander off into whitespace. Validation is memoised per spec (LRU).
-xgrammar (and with it torch) is imported on the first structured request, in a worker thread
-(`needs_grammar` tells the caller to prepare the request there).
+unsupported schema, regex or grammar is a 400 naming the field and the problem. So is a spec no
+text satisfies, as far as a cheap check sees (`_dead_after`): compiled against a 257-token byte
+vocabulary, a mask that allows neither a byte nor the end, at the start or after the text the spec
+forces (`[^\s\S]`, an EBNF rule with no string, a schema whose required string has an impossible
+pattern). A spec that empties only after a choice is found at run time (worker_proc/grammar.py:
+the request ends as rejected, a 400 too). Worker rank 0 compiles the spec. JSON output is compact
+(no free whitespace between tokens), so small models cannot wander off into whitespace. Validation
+is memoised per spec (LRU). xgrammar (and with it torch) is imported on the first structured
+request, in a worker thread (`needs_grammar` tells the caller to prepare the request there).
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ MAX_VALIDATED = 512
 MAX_SPEC_CHARS = 256 * 1024
 MAX_SCHEMA_DEPTH = 128  # JSON nesting of a schema (64 levels of nested objects: xgrammar compiles that in ~0.05 s)
 _XGR_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")
+PROBE_STOP = 256  # the stop token of the validation vocabulary (`_probe_compiler`)
+PROBE_FORCED_BYTES = 256  # how far a spec's forced prefix is followed to find an empty language
 
 
 
@@ -56,21 +62,61 @@ def _message(e: Exception) -> str:
     return _XGR_PREFIX.sub("", text)
 
 
+@functools.cache
+def _probe_compiler() -> Any:
+    """An xgrammar compiler over PROBE_VOCAB: token b is the byte b, token 256 the stop token. Any
+    text is a sequence of these tokens, so a grammar's masks over them say what text it allows."""
+    import xgrammar
+
+    info = xgrammar.TokenizerInfo([bytes([b]) for b in range(256)] + [b"</s>"], xgrammar.VocabType.RAW,
+                                  stop_token_ids=[PROBE_STOP])
+    return xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+
+
+def _dead_after(grammar: Any) -> str | None:
+    """The text after which `grammar` allows nothing more, not even its end (None: no such text was
+    found). Walks the forced prefix only: while exactly one byte may come next it is taken, up to
+    PROBE_FORCED_BYTES; the first mask that allows nothing proves the language empty. About a
+    millisecond for a typical schema (compiling against the 257-token vocabulary included)."""
+    import xgrammar
+
+    matcher = xgrammar.GrammarMatcher(_probe_compiler().compile_grammar(grammar))
+    bitmask = xgrammar.allocate_token_bitmask(1, PROBE_STOP + 1)
+    forced = bytearray()
+    for _ in range(PROBE_FORCED_BYTES + 1):
+        matcher.fill_next_token_bitmask(bitmask)
+        words = [w & 0xFFFFFFFF for w in bitmask[0].tolist()]
+        allowed = sum(w.bit_count() for w in words)
+        if allowed == 0:
+            return forced.decode("utf-8", "replace")
+        if allowed > 1:
+            return None
+        tok = next(32 * i + w.bit_length() - 1 for i, w in enumerate(words) if w)
+        if tok == PROBE_STOP or not matcher.accept_token(tok):
+            return None
+        forced.append(tok)
+    return None
+
+
 @functools.lru_cache(maxsize=MAX_VALIDATED)
 def _problem(spec: GrammarSpec) -> str | None:
-    """Why xgrammar cannot use `spec` (None: it can). A pure function of the spec, memoised."""
+    """Why xgrammar cannot use `spec` (None: it can): it does not parse, or no text satisfies it
+    (`_dead_after`). A pure function of the spec, memoised."""
     import xgrammar
 
     try:
         if spec.kind in ("json_schema", "json_object"):
-            xgrammar.Grammar.from_json_schema(spec.source, strict_mode=spec.strict, any_whitespace=False)
+            grammar = xgrammar.Grammar.from_json_schema(spec.source, strict_mode=spec.strict, any_whitespace=False)
         elif spec.kind == "regex":
-            xgrammar.Grammar.from_regex(spec.source)
+            grammar = xgrammar.Grammar.from_regex(spec.source)
         else:
-            xgrammar.Grammar.from_ebnf(spec.source)
+            grammar = xgrammar.Grammar.from_ebnf(spec.source)
+        dead = _dead_after(grammar)
     except (RuntimeError, ValueError, TypeError) as e:
         return _message(e)
-    return None
+    if dead is None:
+        return None
+    return "no text satisfies it" + (f" (nothing can follow {dead!r})" if dead else "")
 
 
 def validate(spec: GrammarSpec, param: str) -> GrammarSpec:
