@@ -38,7 +38,7 @@ class AppContext:
     admission: Admission = field(default_factory=lambda: Admission.from_args(ServerArgs()))  # create_app: from args
     metrics: HttpMetrics = field(default_factory=HttpMetrics)
     latency: LatencyStats = field(default_factory=LatencyStats)
-    responses: ResponseStore = field(default_factory=lambda: ResponseStore(ServerArgs.max_stored_responses))
+    responses: ResponseStore = field(default_factory=lambda: ResponseStore.from_args(ServerArgs()))
 
     async def prepare(
         self, fn: Callable[[B, TextTokenizer, Limits], R], body: B, size: int, threaded: bool = False

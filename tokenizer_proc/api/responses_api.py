@@ -15,7 +15,7 @@ response.output_text.delta (one per piece of text), .output_text.done, .content_
 .output_item.done, then per call .output_item.added, .function_call_arguments.delta / .done,
 .output_item.done, and last response.completed (or response.incomplete; response.failed with `error`
 when the request failed). With `store` (the default) the response is kept in the app's ResponseStore
-once it is complete.
+once it is complete (within its bounds in count and bytes: requests/response_store.py).
 """
 
 from __future__ import annotations
@@ -249,8 +249,10 @@ def _tool_echo(tool: dict[str, Any]) -> dict[str, Any]:
 def _stored(ctx: AppContext, rid: str, param: str) -> Any:
     entry = ctx.responses.get(rid)
     if entry is None:
-        raise ApiError(404, f"no stored response with id {rid!r} (responses are kept in memory, the "
-                       f"{ctx.args.max_stored_responses} most recent)", param, err_type="not_found_error")  # fmt: skip
+        store = ctx.responses
+        raise ApiError(404, f"no stored response with id {rid!r} (responses are kept in memory: at most the "
+                       f"{store.capacity} most recently used, and at most {store.max_bytes} bytes of them as JSON)",
+                       param, err_type="not_found_error")  # fmt: skip
     return entry
 
 
