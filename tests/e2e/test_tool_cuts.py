@@ -2,7 +2,8 @@
 under tool_choice "required" writes calls `f(a)` until max_tokens, so the output is cut inside a call.
 Chat completions answer finish_reason "length" (never "tool_calls"), the complete calls first and the
 cut call last with its arguments so far (not JSON), streamed the same; the Responses API answers an
-"incomplete" response whose cut call is a function_call item with status "incomplete", streamed too."""
+"incomplete" response whose cut call is a function_call item with status "incomplete", streamed too, and
+which a follow-up response continues."""
 
 from __future__ import annotations
 
@@ -86,3 +87,6 @@ def test_responses_a_call_cut_by_max_output_tokens_is_incomplete(client: openai.
     done = [e.item for e in events if e.type == "response.output_item.done"]
     assert [i.status for i in done] == [i.status for i in r.output]
     assert client.responses.retrieve(r.id).output[-1].status == "incomplete"
+    follow = client.responses.create(model=MODEL, input="Go on.", previous_response_id=r.id, tools=kw["tools"],
+                                     max_output_tokens=2)  # fmt: skip
+    assert follow.usage.input_tokens > r.usage.input_tokens  # the cut call is part of the conversation
