@@ -85,6 +85,9 @@ _HELP = {
     "this flag such a request is a 400 naming the field, as vLLM does",
     "max_stored_responses": "Responses API objects kept in memory for previous_response_id and GET "
     "/v1/responses/{id}; the least recently used is dropped first (default: 1024)",
+    "max_stored_responses_bytes": "the stored Responses API objects' size in all (each measured as its JSON); "
+    "the least recently used are dropped until it holds, and one larger by itself is not stored (default: "
+    "268435456, 256 MiB)",
     "http_read_timeout": "seconds from a request's first byte until its head and body are in (default: 30)",
     "dp_size": "data-parallel engine replicas on this node, each a scheduler with its own --tp-size ranks, "
     "behind the one HTTP server (requests are routed by cached prefix, then load: tokenizer_proc/replicas/routing.py)",

@@ -116,6 +116,7 @@ class ServerArgs:
     # HTTP connections (tokenizer process)
     max_connections: int = 4096  # open connections; more are answered 503 and closed
     max_stored_responses: int = 1024  # Responses API objects kept for previous_response_id (least recent dropped)
+    max_stored_responses_bytes: int = 256 * 1024 * 1024  # and their size in all (requests/response_store.py)
     http_read_timeout: float = 30.0  # seconds from a request's first byte until its body is in
     http_keep_alive_timeout: float = 30.0  # seconds a connection may sit idle between requests
     # backpressure and shutdown (tokenizer process: tokenizer_proc/admission.py)
@@ -140,6 +141,7 @@ class ServerArgs:
             "--max-body-bytes": self.max_body_bytes,
             "--max-connections": self.max_connections,
             "--max-stored-responses": self.max_stored_responses,
+            "--max-stored-responses-bytes": self.max_stored_responses_bytes,
         }
         for flag, value in positive.items():
             if value <= 0:

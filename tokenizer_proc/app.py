@@ -259,7 +259,7 @@ def create_app(args: ServerArgs, backend: Backend, tokenizer: TextTokenizer | No
     info = ModelInfo.from_dir(model_dir)
     tok = tokenizer or TextTokenizer.from_dir(model_dir, info, chat=ChatConventions.from_args(args))
     ctx = AppContext(args, backend, tok, Limits.from_args(args, info.max_position_embeddings, info.vocab_size),
-                     responses=ResponseStore(args.max_stored_responses), admission=Admission.from_args(args))
+                     responses=ResponseStore.from_args(args), admission=Admission.from_args(args))
     routes = [
         Route("/generate", generate_endpoint, methods=["POST"]),
         Route("/v1/completions", completions_endpoint, methods=["POST"]),

@@ -44,7 +44,7 @@ class AppContext:
     admission: Admission = field(default_factory=lambda: Admission.from_args(ServerArgs()))  # create_app: from args
     metrics: HttpMetrics = field(default_factory=HttpMetrics)
     latency: LatencyStats = field(default_factory=LatencyStats)
-    responses: ResponseStore = field(default_factory=lambda: ResponseStore(ServerArgs.max_stored_responses))
+    responses: ResponseStore = field(default_factory=lambda: ResponseStore.from_args(ServerArgs()))
     # the threads that detokenize requests with stop_regex patterns: their searches (GIL released)
     # never hold the event loop, and they do not queue behind large bodies' tokenization
     matching: ThreadPoolExecutor = field(default_factory=_matching_pool)

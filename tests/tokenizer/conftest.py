@@ -54,9 +54,10 @@ def args(model_dir: str) -> ServerArgs:
     return ServerArgs(model_path=model_dir, max_new_tokens_limit=64, max_body_bytes=8192)
 
 
-def text_plan(text: str, per_out: int = 1) -> Callable[[GenerateReq], list[list[int]]]:
-    """Outputs the UTF-8 bytes of `text` (cycled), `per_out` tokens per TokenOut."""
-    data = text.encode()
+def text_plan(text: str, per_out: int = 1, stop: bool = False) -> Callable[[GenerateReq], list[list[int]]]:
+    """Outputs the UTF-8 bytes of `text` (cycled), `per_out` tokens per TokenOut; `stop`: then EOS (the
+    output ends by itself, given max_tokens over the length of `text`)."""
+    data = [*text.encode(), *([EOS] if stop else [])]
 
     def plan(req: GenerateReq) -> list[list[int]]:
         ids = [data[i % len(data)] for i in range(req.sampling.max_new_tokens)]

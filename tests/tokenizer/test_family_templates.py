@@ -113,10 +113,10 @@ def test_http_a_reply_in_the_template_format_is_a_tool_call(tmp_path, template: 
     args = ServerArgs(model_path=model_dir, max_new_tokens_limit=256, tool_call_parser=parser,
                       reasoning_parser=reasoning)  # fmt: skip
     text = FORMATS[template]
-    backend = FakeBackend(plan=text_plan(text, per_out=4))
+    backend = FakeBackend(plan=text_plan(text, per_out=4, stop=True))
 
     async def check(c: httpx.AsyncClient) -> None:
-        body = {"messages": _conversation([])[:2], "tools": TOOLS, "max_tokens": len(text.encode())}
+        body = {"messages": _conversation([])[:2], "tools": TOOLS, "max_tokens": len(text.encode()) + 1}
         r = (await c.post("/v1/chat/completions", json=body)).json()
         choice = r["choices"][0]
         assert choice["finish_reason"] == "tool_calls", r

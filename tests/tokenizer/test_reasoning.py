@@ -111,15 +111,15 @@ def test_http_reasoning_content_whole_and_streamed(model_dir: str) -> None:
 def test_http_tool_calls_and_grammar_come_after_the_reasoning(tmp_path) -> None:
     model_dir = write_model_dir(str(tmp_path / "long"), context=2048)  # the template's tools block is long
     tok = _tok(model_dir, "qwen3.jinja", "qwen3")
-    args = ServerArgs(model_path=model_dir, max_new_tokens_limit=128, reasoning_parser="qwen3")
+    args = ServerArgs(model_path=model_dir, max_new_tokens_limit=160, reasoning_parser="qwen3")
     call = '<tool_call>\n{"name": "weather", "arguments": {"city": "Rome"}}\n</tool_call>'
     text = "<think>\nA city: <tool_call> is how I call.\n</think>\n\n" + call
-    backend = FakeBackend(plan=text_plan(text, per_out=5))
+    backend = FakeBackend(plan=text_plan(text, per_out=5, stop=True))
     weather = {"type": "function", "function": {"name": "weather", "parameters": {
         "type": "object", "properties": {"city": {"type": "string"}}}}}  # fmt: skip
 
     async def check(c: httpx.AsyncClient) -> None:
-        body = {"messages": MSGS, "tools": [weather], "max_tokens": len(text.encode())}
+        body = {"messages": MSGS, "tools": [weather], "max_tokens": len(text.encode()) + 1}
         r = (await c.post(CHAT, json=body)).json()
         assert "choices" in r, r
         ch = r["choices"][0]

@@ -1,7 +1,8 @@
 """Tool-call formats (--tool-call-parser): each family's format read whole and streamed in pieces of any
 size to the same calls (the streamed argument fragments adding up to the whole answer's arguments),
-qwen3_coder values typed by their schema, a parser reading only its own format, and the calls of a
-`required` array cut short kept."""
+qwen3_coder values typed by their schema, a parser reading only its own format, the calls of a
+`required` array cut short kept, and an output cut by the token limit (`cut`): its complete calls kept,
+the call it was cut in read with the arguments written so far, whole and streamed alike."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from tokenizer_proc.requests.tool_parsers import CallStream, param_types, parse_calls
+from tokenizer_proc.requests.tool_parsers import CallStream, param_types, parse_calls, read_calls
 
 TOOLS = [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object", "properties": {
     "city": {"type": "string"}, "days": {"type": "integer"}, "units": {"type": "object"}}}}},
@@ -30,13 +31,13 @@ CALLS = {
 }  # fmt: skip
 
 
-def _stream(stream: CallStream, text: str, step: int) -> tuple[str, list[dict[str, Any]]]:
+def _stream(stream: CallStream, text: str, step: int, cut: bool = False) -> tuple[str, list[dict[str, Any]]]:
     content, calls = "", []
     deltas: list[dict[str, Any]] = []
     for i in range(0, len(text), step):
         c, d = stream.feed(text[i : i + step])
         content, deltas = content + c, deltas + d
-    c, d = stream.finish()
+    c, d = stream.finish(cut)
     content, deltas = content + c, deltas + d
     for d in deltas:
         if "id" in d:
@@ -88,3 +89,44 @@ def test_required_array_cut_short_keeps_its_complete_calls() -> None:
     stream.feed(text)
     stream.finish()
     assert [c["function"]["name"] for c in stream.calls()] == ["clock"]
+
+
+CUT = {  # (parser, mode, output cut by the token limit, content, complete calls, the cut call)
+    "required, in the second call": ("auto", "required", '[{"name": "clock", "arguments": {}}, {"name": "weather",'
+                                     ' "arguments": {"city": "Par', None, [("clock", "{}")],
+                                     ("weather", '{"city": "Par')),
+    "required, before the arguments": ("auto", "required", '[{"name": "weather", "arguments": {"days": 3}}, '
+                                       '{"name": "clock",', None, [("weather", '{"days": 3}')], ("clock", "")),
+    "required, in the first name": ("auto", "required", '[{"name": "wea', '[{"name": "wea', [], None),
+    "hermes, in the second call": ("hermes", "auto", HERMES[: HERMES.index("{}")], "Let me look.",
+                                   [("weather", '{"city": "Paris", "units": {"t": ["C"]}}')], ("clock", "")),
+    "hermes, in a nested value": ("hermes", "auto", HERMES[: HERMES.index('"C"')], "Let me look.", [],
+                                  ("weather", '{"city": "Paris", "units": {"t": [')),
+    "granite, in the list": ("granite", "auto", CALLS["granite"][0][:-4], None, [("clock", "{}")],
+                             ("weather", '{"days":')),
+    "qwen3_coder, in a parameter": ("qwen3_coder", "auto", CODER[: CODER.index("3\n</parameter>")], None, [],
+                                    ("weather", '{"city": "2049"')),
+    "named": ("auto", "named", '{"city": "Rome", "days": 1', None, [], ("weather", '{"city": "Rome", "days": 1')),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(CUT))
+def test_an_output_cut_by_the_token_limit_reports_the_call_it_was_cut_in(case: str) -> None:
+    parser, mode, text, content, complete, last = CUT[case]
+    want = [*complete, *([last] if last else [])]
+    if mode == "auto":
+        got_content, calls, cut_call = read_calls(parser, text, TYPES, cut=True)
+        assert got_content == content
+        assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == complete
+        got_last = (cut_call["function"]["name"], cut_call["function"]["arguments"]) if cut_call else None
+        assert got_last == last and (cut_call is None or cut_call["id"].startswith("call_"))
+        assert read_calls(parser, text, TYPES)[2] is None  # an output that ended by itself: no cut call
+    for step in (1, 4, len(text)):
+        stream = CallStream(parser, mode, TYPES, name="weather")
+        s_content, s_calls = _stream(stream, text, step, cut=True)
+        assert [(c["name"], c["arguments"]) for c in s_calls] == want, step
+        assert [(c["function"]["name"], c["function"]["arguments"]) for c in stream.calls()] == complete
+        cut_call = stream.cut_call()
+        assert (cut_call["function"]["name"], cut_call["function"]["arguments"]) == last if last else cut_call is None
+        if mode == "auto" or not want:
+            assert (s_content.strip() or None) == content

@@ -1,6 +1,8 @@
 """Tool calling: parsing of each family's call format, the streamed hold-back of a call, the
 tool_choice plans and their grammars, templates given tools and tool_calls, and the HTTP shapes
-(message.tool_calls, finish_reason, streamed tool-call deltas) over a fake backend."""
+(message.tool_calls, finish_reason, streamed tool-call deltas) over a fake backend, also for an output
+cut by the token limit (finish_reason "length", the cut call last; in the Responses API an "incomplete"
+function_call item)."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import pytest
 
 from shared.config import ServerArgs
 from tests.tokenizer.conftest import FakeBackend, text_plan, write_model_dir
-from tests.tokenizer.test_app import serve
+from tests.tokenizer.test_app import serve, sse_events
 from tokenizer_proc.requests.schemas import ChatBody
 from tokenizer_proc.requests.tool_parsers import parse_calls
 from tokenizer_proc.requests.tools import ToolPlan, parse_output, plan_tools, tool_stream
@@ -71,12 +73,12 @@ def test_plans_and_their_grammars() -> None:
         jsonschema.validate([{"name": "noop", "arguments": {}}] * 2, schema)
     named = plan_tools(_body(tools=[WEATHER, NOOP], tool_choice={"type": "function", "function": {"name": "weather"}}))
     assert named.mode == "named" and json.loads(named.grammar.source) == WEATHER["function"]["parameters"]
-    content, calls = parse_output(named, '{"city": "Rome"}')
+    content, calls, _ = parse_output(named, '{"city": "Rome"}')
     assert content is None and calls[0]["function"] == {"name": "weather", "arguments": '{"city": "Rome"}'}
-    content, calls = parse_output(req, '[{"name": "noop", "arguments": {}}]')
+    content, calls, _ = parse_output(req, '[{"name": "noop", "arguments": {}}]')
     assert content is None and calls[0]["function"]["name"] == "noop"
-    assert parse_output(req, '[{"name": "noop", "argu') == ('[{"name": "noop", "argu', [])  # cut by length
-    content, calls = parse_output(req, '[{"name": "noop", "arguments": {}}, {"name": "weather", "argu')
+    assert parse_output(req, '[{"name": "noop", "argu') == ('[{"name": "noop", "argu', [], None)
+    content, calls, _ = parse_output(req, '[{"name": "noop", "arguments": {}}, {"name": "weather", "argu')
     assert content is None and [c["function"]["name"] for c in calls] == ["noop"]  # the complete call is kept
 
 
@@ -105,8 +107,8 @@ def long_args(tmp_path) -> ServerArgs:
 
 
 def test_http_auto_calls_whole_and_streamed(long_args, tok) -> None:
-    backend = FakeBackend(plan=text_plan("ok " + CALL, per_out=4))
-    n = len(("ok " + CALL).encode())
+    backend = FakeBackend(plan=text_plan("ok " + CALL, per_out=4, stop=True))
+    n = len(("ok " + CALL).encode()) + 1
 
     async def check(c: httpx.AsyncClient) -> None:
         body = {"messages": MSGS, "tools": [WEATHER], "max_tokens": n}
@@ -129,7 +131,7 @@ def test_http_auto_calls_whole_and_streamed(long_args, tok) -> None:
         assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
         r = (await c.post(CHAT, json={**body, "tool_choice": "none"})).json()
         assert r["choices"][0]["message"]["content"].startswith("ok <tool_call>")
-        assert "tool_calls" not in r["choices"][0]["message"] and r["choices"][0]["finish_reason"] == "length"
+        assert "tool_calls" not in r["choices"][0]["message"] and r["choices"][0]["finish_reason"] == "stop"
 
     serve(long_args, backend, tok, check)
     assert all(s.sampling.grammar is None for s in backend.submitted)
@@ -148,3 +150,72 @@ def test_http_named_choice_is_constrained(long_args, tok) -> None:
     serve(long_args, backend, tok, check)
     (sub,) = backend.submitted
     assert sub.sampling.grammar is not None and sub.sampling.grammar.kind == "json_schema"
+
+
+def _streamed_calls(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The calls a streamed chat answer adds up to (OpenAI's deltas: id and name first, then fragments)."""
+    calls: list[dict[str, Any]] = []
+    for e in events:
+        for part in (e["choices"][0]["delta"].get("tool_calls") or []) if e["choices"] else []:
+            if part["index"] == len(calls):
+                calls.append({"id": part["id"], "type": "function", "function": {**part["function"]}})
+            else:
+                calls[part["index"]]["function"]["arguments"] += part["function"]["arguments"]
+    return calls
+
+
+CUT = {  # tool_choice: (an output cut by max_tokens, its complete calls and cut call as (name, arguments))
+    "auto": ('<tool_call>{"name": "noop", "arguments": {}}</tool_call>\n<tool_call>{"name": "weather", '
+             '"arguments": {"city": "Ro', [("noop", "{}"), ("weather", '{"city": "Ro')]),
+    "required": ('[{"name": "noop", "arguments": {}}, {"name": "weather", "arguments": {"ci',
+                 [("noop", "{}"), ("weather", '{"ci')]),
+    "named": ('{"city": "Pa', [("weather", '{"city": "Pa')]),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("choice", list(CUT))
+def test_http_a_call_cut_by_max_tokens_finishes_with_length(long_args, tok, choice: str) -> None:
+    text, want = CUT[choice]
+    backend = FakeBackend(plan=text_plan(text, per_out=3))
+    tool_choice = {"type": "function", "function": {"name": "weather"}} if choice == "named" else choice
+
+    async def check(c: httpx.AsyncClient) -> None:
+        body = {"messages": MSGS, "tools": [NOOP, WEATHER], "max_tokens": len(text.encode()),
+                "tool_choice": tool_choice}
+        (ch,) = (await c.post(CHAT, json=body)).json()["choices"]
+        assert ch["finish_reason"] == "length" and ch["message"]["content"] is None
+        calls = ch["message"]["tool_calls"]
+        assert [(t["function"]["name"], t["function"]["arguments"]) for t in calls] == want
+        assert all(t["id"].startswith("call_") for t in calls)
+        events = sse_events((await c.post(CHAT, json={**body, "stream": True})).text)
+        assert [e["choices"][0]["finish_reason"] for e in events if e["choices"]][-1] == "length"
+        streamed = _streamed_calls(events)
+        assert [(t["function"]["name"], t["function"]["arguments"]) for t in streamed] == want
+        assert "".join(e["choices"][0]["delta"].get("content") or "" for e in events) == ""
+
+    serve(long_args, backend, tok, check)
+
+
+def test_http_responses_a_call_cut_by_max_output_tokens_is_incomplete(long_args, tok) -> None:
+    text, want = CUT["required"]
+    backend = FakeBackend(plan=text_plan(text, per_out=3))
+    tools = [{"type": "function", **t["function"]} for t in (NOOP, WEATHER)]
+
+    async def check(c: httpx.AsyncClient) -> None:
+        body = {"input": "hi", "tools": tools, "tool_choice": "required", "max_output_tokens": len(text.encode())}
+        r = (await c.post("/v1/responses", json=body)).json()
+        assert r["status"] == "incomplete" and r["incomplete_details"] == {"reason": "max_output_tokens"}
+        items = [(i["type"], i["name"], i["arguments"], i["status"]) for i in r["output"]]
+        assert items == [("function_call", "noop", "{}", "completed"),
+                         ("function_call", "weather", '{"ci', "incomplete")]  # fmt: skip
+        events = sse_events((await c.post("/v1/responses", json={**body, "stream": True})).text)
+        done = [e["item"] for e in events if e["type"] == "response.output_item.done"]
+        assert [(i["type"], i["name"], i["arguments"], i["status"]) for i in done] == items
+        assert "".join(e["delta"] for e in events if e["type"] == "response.function_call_arguments.delta") \
+            == "{}" + '{"ci'  # fmt: skip
+        assert events[-1]["type"] == "response.incomplete"
+        assert [i["status"] for i in events[-1]["response"]["output"]] == ["completed", "incomplete"]
+        stored = (await c.get(f"/v1/responses/{r['id']}")).json()
+        assert [i["status"] for i in stored["output"]] == ["completed", "incomplete"]
+
+    serve(long_args, backend, tok, check)

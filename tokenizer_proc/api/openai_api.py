@@ -4,10 +4,11 @@ A response has one choice per prepared request (`n` per prompt, indexed prompt_i
 Streaming chunks carry INCREMENTAL text (OpenAI semantics) of one choice each: completions
 `choices[0].text` (with echo the first chunk of a choice starts with the prompt), chat
 `choices[0].delta.content` (the first chunk of each choice carries `delta.role`). A choice's last
-chunk has `finish_reason` "stop" or "length"; with `stream_options.include_usage` a final chunk
-with empty `choices` carries `usage` (each prompt counted once) after every choice finished; then
-`data: [DONE]`. A request naming another model is a 404. `usage` includes
-`prompt_tokens_details.cached_tokens` (prefix-cache hits). A request that fails or is aborted
+chunk has `finish_reason` "stop" or "length" ("tool_calls" for a chat output that made calls and
+ended by itself; one cut by the token limit stays "length": requests/tools.py); with
+`stream_options.include_usage` a final chunk with empty `choices` carries `usage` (each prompt counted
+once) after every choice finished; then `data: [DONE]`. A request naming another model is a 404.
+`usage` includes `prompt_tokens_details.cached_tokens` (prefix-cache hits). A request that fails or is aborted
 by the server is HTTP 503 (non-streaming) or an error event before `[DONE]` (streaming). vLLM's
 extra answer fields (token ids, prompt logprobs, continuous usage) are placed by openai_extras.py.
 """
@@ -93,17 +94,17 @@ class _Format:
         first = not self.started[pos]
         self.started[pos] = True
         c: dict[str, Any] = {"index": req.index}
-        called = False
+        called, cut = False, finish is not None and finish.reason == "length"
         if self.chat and chunk:
             delta: dict[str, Any] = {"role": "assistant"} if first else {}
             stream = self.streams[pos]
-            delta.update(stream.feed(text, finish is not None))
+            delta.update(stream.feed(text, finish is not None, cut))
             if first and "content" not in delta:
                 delta["content"] = ""
             called = finish is not None and stream.called
             c["delta"] = delta
         elif self.chat:
-            c["message"] = message(req, text)
+            c["message"] = message(req, text, cut)
             called = "tool_calls" in c["message"]
         else:
             text = "" if req.echo_only else text
@@ -112,7 +113,7 @@ class _Format:
         c.update(_finish_fields(finish))
         if req.echo_only and finish is not None and finish.reason in ("stop", "length"):
             c["finish_reason"], c["matched_stop"] = "length", None
-        if called:
+        if called and finish is not None and finish.reason == "stop":  # a cut output stays "length" (tools.py)
             c["finish_reason"] = "tool_calls"
         c.update(choice_fields(self.ctx.tok, req, acc, first, self.chat))
         return c

@@ -5,16 +5,18 @@ and answered as a `response` object: `output` holds, with --reasoning-parser, a 
 `reasoning_text` part) when the output reasoned, then one `message` item (an `output_text` part) when
 there is text, or when there is nothing else, then one `function_call` item per tool call; `status`
 is "completed", or "incomplete" with `incomplete_details.reason` "max_output_tokens" when the output
-was cut by `max_output_tokens`. Streamed, the events are OpenAI's, each with its `sequence_number`:
-response.created, response.in_progress, then for the reasoning response.output_item.added,
-response.reasoning_text.delta (as it comes), .reasoning_text.done, .output_item.done, for the message
-response.output_item.added,
-response.content_part.added, response.output_text.delta (one per piece of text), .output_text.done,
-.content_part.done, .output_item.done, then per call .output_item.added,
-.function_call_arguments.delta / .done, .output_item.done, and last response.completed (or
-response.incomplete; response.failed with `error` when the request failed: its code is "invalid_prompt"
-where the non-streamed answer is a 4xx, the request's own fault, else "server_error"). With `store` (the
-default) the response is kept in the app's ResponseStore once it is complete.
+was cut by `max_output_tokens`. A call the output was cut in (requests/tools.py) is a last
+`function_call` item with status "incomplete" and the arguments written so far, as OpenAI gives it
+(streamed too), and is part of the stored conversation. Streamed, the events are OpenAI's, each with
+its `sequence_number`: response.created, response.in_progress, then for the reasoning
+response.output_item.added, response.reasoning_text.delta (as it comes), .reasoning_text.done,
+.output_item.done, for the message response.output_item.added, response.content_part.added,
+response.output_text.delta (one per piece of text), .output_text.done, .content_part.done,
+.output_item.done, then per call .output_item.added, .function_call_arguments.delta / .done,
+.output_item.done, and last response.completed (or response.incomplete; response.failed with `error`
+when the request failed: its code is "invalid_prompt" where the non-streamed answer is a 4xx, the
+request's own fault, else "server_error"). With `store` (the default) the response is kept in the
+app's ResponseStore once it is complete (within its bounds in count and bytes: requests/response_store.py).
 """
 
 from __future__ import annotations
@@ -98,15 +100,18 @@ class _Response:
         return {"type": "message", "id": self.message_id, "status": status, "role": "assistant", "content": content}
 
     @staticmethod
-    def call_item(call: dict[str, Any], arguments: str | None = None) -> dict[str, Any]:
+    def call_item(call: dict[str, Any], status: str = "completed") -> dict[str, Any]:
+        """A call's `function_call` item; "in_progress" has no arguments yet, "incomplete" is a call the
+        output was cut in."""
         fn = call["function"]
         return {"type": "function_call", "id": "fc_" + call["id"].removeprefix("call_"), "call_id": call["id"],
-                "name": fn["name"], "arguments": fn["arguments"] if arguments is None else arguments,
-                "status": "completed" if arguments is None else "in_progress"}  # fmt: skip
+                "name": fn["name"], "arguments": "" if status == "in_progress" else fn["arguments"],
+                "status": status}  # fmt: skip
 
-    def output(self, content: str | None, calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        items = [self.message(content or "")] if content or not calls else []
-        return items + [self.call_item(c) for c in calls]
+    def output(self, content: str | None, calls: list[dict[str, Any]],
+               cut: dict[str, Any] | None) -> list[dict[str, Any]]:  # fmt: skip
+        items = [self.message(content or "")] if content or not (calls or cut) else []
+        return items + [self.call_item(c) for c in calls] + ([self.call_item(cut, "incomplete")] if cut else [])
 
     def done(self, output: list[dict[str, Any]], content: str | None, calls: list[dict[str, Any]],
              last: Piece | None) -> dict[str, Any]:  # fmt: skip
@@ -129,12 +134,13 @@ class _Response:
     def whole(self, accs: list[Accumulated]) -> dict[str, Any]:
         acc = accs[0]
         reasoning, text = split_reasoning(self.req.reasoning, "".join(acc.text))
-        plan = self.req.tool_plan
-        content, calls = parse_output(plan, text) if plan is not None else (text, [])
+        plan, finish = self.req.tool_plan, acc.last.finish if acc.last is not None else None
+        cut = finish is not None and finish.reason == "length"
+        content, calls, last = parse_output(plan, text, cut) if plan is not None else (text, [], None)
         self.reasoning_text = reasoning or ""
         thought = [self.reasoning_item(reasoning)] if reasoning else []
-        answer = self.output(content, calls) if content or calls or not thought else []
-        return self.done(thought + answer, content, calls, acc.last)
+        answer = self.output(content, calls, last) if content or calls or last or not thought else []
+        return self.done(thought + answer, content, calls + [last] if last else calls, acc.last)
 
     # ------------------------------------------------------------------ stream
     def event(self, kind: str, **fields: Any) -> bytes:
@@ -163,13 +169,14 @@ class _Response:
                     yield frame
                 text = stream.feed(text)[0] if stream is not None else text
                 calls: list[dict[str, Any]] = []
+                last: dict[str, Any] | None = None  # the call a cut output ends in
                 if piece.finish is not None and stream is not None:
-                    rest, _ = stream.finish()
-                    text, calls = text + rest, stream.calls()
+                    rest, _ = stream.finish(piece.finish.reason == "length")
+                    text, calls, last = text + rest, stream.calls(), stream.cut_call()
                 where = {"item_id": self.message_id, "output_index": len(output), "content_index": 0}
                 # an answer with nothing at all still has its (empty) message, as the whole answer has;
                 # one that only reasoned has only its reasoning item
-                if not opened and (text or (piece.finish is not None and not calls and not output)):
+                if not opened and (text or (piece.finish is not None and not calls and not last and not output)):
                     opened = True
                     for frame in self._open_message(len(output)):
                         yield frame
@@ -185,11 +192,12 @@ class _Response:
                     yield self.event("response.content_part.done", **where, part=item["content"][0])
                     yield self.event("response.output_item.done", output_index=len(output), item=item)
                     output.append(item)
-                for call in calls:
-                    for frame in self._call_events(call, len(output)):
+                for call in calls + [last] if last else calls:
+                    status = "incomplete" if call is last else "completed"
+                    for frame in self._call_events(call, len(output), status):
                         yield frame
-                    output.append(self.call_item(call))
-                obj = self.done(output, content or None, calls, piece)
+                    output.append(self.call_item(call, status))
+                obj = self.done(output, content or None, calls + [last] if last else calls, piece)
                 yield self.event("response.completed" if obj["status"] == "completed" else "response.incomplete",
                                  response=obj)  # fmt: skip
 
@@ -219,11 +227,11 @@ class _Response:
                 self.event("response.content_part.added", item_id=self.message_id, output_index=index,
                            content_index=0, part=part)]  # fmt: skip
 
-    def _call_events(self, call: dict[str, Any], index: int) -> list[bytes]:
-        item = self.call_item(call)
+    def _call_events(self, call: dict[str, Any], index: int, status: str) -> list[bytes]:
+        item = self.call_item(call, status)
         args = call["function"]["arguments"]
         return [
-            self.event("response.output_item.added", output_index=index, item=self.call_item(call, "")),
+            self.event("response.output_item.added", output_index=index, item=self.call_item(call, "in_progress")),
             self.event("response.function_call_arguments.delta", item_id=item["id"], output_index=index, delta=args),
             self.event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
                        arguments=args, name=item["name"]),
@@ -243,8 +251,10 @@ def _tool_echo(tool: dict[str, Any]) -> dict[str, Any]:
 def _stored(ctx: AppContext, rid: str, param: str) -> Any:
     entry = ctx.responses.get(rid)
     if entry is None:
-        raise ApiError(404, f"no stored response with id {rid!r} (responses are kept in memory, the "
-                       f"{ctx.args.max_stored_responses} most recent)", param, err_type="not_found_error")  # fmt: skip
+        store = ctx.responses
+        raise ApiError(404, f"no stored response with id {rid!r} (responses are kept in memory: at most the "
+                       f"{store.capacity} most recently used, and at most {store.max_bytes} bytes of them as JSON)",
+                       param, err_type="not_found_error")  # fmt: skip
     return entry
 
 

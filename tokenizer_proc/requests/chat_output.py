@@ -12,13 +12,14 @@ from tokenizer_proc.requests.tools import parse_output, tool_stream
 from tokenizer_proc.requests.validation import PreparedRequest
 
 
-def message(req: PreparedRequest, text: str) -> dict[str, Any]:
-    """`choices[i].message` of a whole chat output."""
+def message(req: PreparedRequest, text: str, cut: bool = False) -> dict[str, Any]:
+    """`choices[i].message` of a whole chat output (`cut`: by the token limit; tools.py)."""
     reasoning, rest = split_reasoning(req.reasoning, text)
     content: str | None = rest
     calls: list[dict[str, Any]] = []
     if req.tool_plan is not None:
-        content, calls = parse_output(req.tool_plan, rest)
+        content, calls, last = parse_output(req.tool_plan, rest, cut)
+        calls = calls + [last] if last is not None else calls
     if req.reasoning is not None and reasoning is not None and not content:
         content = None  # all of it was reasoning
     out: dict[str, Any] = {"role": "assistant", "content": content}
@@ -31,7 +32,7 @@ def message(req: PreparedRequest, text: str) -> dict[str, Any]:
 
 class ChoiceStream:
     """One streamed chat choice: `feed` gives the delta fields of a new piece of text (reasoning_content,
-    content, tool_calls; only those with something new), `finished` whether it has made calls."""
+    content, tool_calls; only those with something new), `called` whether it has made complete calls."""
 
     def __init__(self, req: PreparedRequest) -> None:
         self.reasoning = ReasoningStream(req.reasoning) if req.reasoning is not None else None
@@ -41,7 +42,8 @@ class ChoiceStream:
     def called(self) -> bool:
         return self.tools is not None and any(entry[3] for entry in self.tools.sent)
 
-    def feed(self, text: str, last: bool) -> dict[str, Any]:
+    def feed(self, text: str, last: bool, cut: bool = False) -> dict[str, Any]:
+        """`last`: the output ends with this piece; `cut`: by the token limit."""
         thought = ""
         if self.reasoning is not None:
             thought, text = self.reasoning.feed(text)
@@ -52,7 +54,7 @@ class ChoiceStream:
         if self.tools is not None:
             text, calls = self.tools.feed(text)
             if last:
-                rest, more_calls = self.tools.finish()
+                rest, more_calls = self.tools.finish(cut)
                 text, calls = text + rest, calls + more_calls
         out: dict[str, Any] = {}
         if thought and self.reasoning is not None and self.reasoning.plan.include:

@@ -14,6 +14,12 @@ the name is complete (with the arguments so far), then its arguments follow as f
 JSON text as it grows (held back where what follows could still be the end of the call); XML calls
 send their arguments in one fragment when the call is complete. The fragments of a call add up to its
 `arguments`, as in the whole answer.
+
+An output cut by the token limit (`cut`): its complete calls are read as usual, and the call it was cut
+in, once its name is complete, is read too, as `CallStream.cut_call` / the third item of `read_calls`:
+its `arguments` are the JSON text written so far (`{"a": 70`, or "" before any), an XML call's the JSON
+object of its complete parameters left open (`{"city": "Paris"`); it never counts among the complete
+calls. A call cut before its name is complete is not read (as in any output: no call at all is content).
 """
 
 from __future__ import annotations
@@ -55,8 +61,9 @@ def _skip(text: str, i: int, chars: str = " \t\r\n,[") -> int:
     return i
 
 
-def json_calls(text: str) -> list[Partial]:
-    """The calls of a JSON object or list of objects `{"name", "arguments"}`, the last one maybe partial."""
+def json_calls(text: str, whole: bool = False) -> list[Partial]:
+    """The calls of a JSON object or list of objects `{"name", "arguments"}`, the last one maybe partial
+    (`whole`: `text` ends there, so a partial call's string arguments count as written so far)."""
     out: list[Partial] = []
     i = _skip(text, 0)
     while i < len(text) and text[i] == "{":
@@ -66,7 +73,7 @@ def json_calls(text: str) -> list[Partial]:
             name = _NAME.search(text, i)
             args = _ARGS.search(text, i)
             value = text[args.end():] if args else ""
-            stable = "" if value.startswith('"') else _value_prefix(value)  # a string value is sent when whole
+            stable = "" if value.startswith('"') and not whole else _value_prefix(value)  # strings: sent whole
             out.append(Partial(name.group(1) if name else None, stable, False))
             return out
         if not isinstance(obj, dict):
@@ -104,12 +111,18 @@ def _value_prefix(text: str) -> str:
     return text.rstrip()
 
 
-def _xml_call(text: str, done: bool, types: dict[str, dict[str, str]]) -> Partial:
+def _xml_call(text: str, done: bool, types: dict[str, dict[str, str]], cut: bool = False) -> Partial:
+    """An XML call; one not `done` has no arguments yet, unless `cut`: then its complete parameters'
+    JSON object, left open."""
     fn = _FUNCTION.search(text)
     name = fn.group(1).strip() if fn else None
-    if not done or name is None:
+    if name is None or not (done or cut):
         return Partial(name, "", False)
-    kinds = types.get(name, {})
+    args = json.dumps(_xml_args(text, types.get(name, {})))
+    return Partial(name, args if done else args[:-1], done)
+
+
+def _xml_args(text: str, kinds: dict[str, str]) -> dict[str, Any]:
     args: dict[str, Any] = {}
     for key, value in _PARAM.findall(text):
         key = key.strip()
@@ -120,11 +133,13 @@ def _xml_call(text: str, done: bool, types: dict[str, dict[str, str]]) -> Partia
             args[key] = json.loads(value)
         except json.JSONDecodeError:
             args[key] = value
-    return Partial(name, json.dumps(args), True)
+    return args
 
 
-def scan(text: str, tags: tuple[str, ...], types: dict[str, dict[str, str]], final: bool) -> list[Partial]:
-    """The calls in `text`, which starts at the first call tag (`final`: the output is complete)."""
+def scan(text: str, tags: tuple[str, ...], types: dict[str, dict[str, str]], final: bool,
+         cut: bool = False) -> list[Partial]:  # fmt: skip
+    """The calls in `text`, which starts at the first call tag (`final`: the output is complete; `cut`:
+    it was cut by the token limit, and the call it ends in is kept if it has a name)."""
     out: list[Partial] = []
     at = 0
     while at < len(text):
@@ -134,13 +149,14 @@ def scan(text: str, tags: tuple[str, ...], types: dict[str, dict[str, str]], fin
         start, end_tag = at + len(tag), END_TAGS[tag]
         close = text.find(end_tag, start) if end_tag else -1
         block = text[start:close] if close >= 0 else text[start:]
-        done = close >= 0 or final
+        done, cut_here = close >= 0 or final, cut and close < 0
         if block.lstrip().startswith("<function="):  # complete only once closed, even in a final output
-            out.append(_xml_call(block, close >= 0 or "</function>" in block, types))
+            call = _xml_call(block, close >= 0 or "</function>" in block, types, cut=cut_here)
+            out.extend([call] if call.name is not None or not cut_here else [])
         else:
-            calls = json_calls(block)
+            calls = json_calls(block, whole=cut_here)
             if done:
-                calls = [c for c in calls if c.done]
+                calls = [c for c in calls if c.done or (cut_here and c.name is not None)]
             out.extend(calls)
         if close < 0:
             break
@@ -162,25 +178,31 @@ def _first_tag(text: str, tags: tuple[str, ...]) -> int:
     return min((i for i in (text.find(t) for t in tags) if i >= 0), default=-1)
 
 
-def _as_calls(partials: list[Partial]) -> list[dict[str, Any]] | None:
-    if not partials or any(not p.done or not p.name for p in partials):
-        return None
-    return [{"id": call_id(), "type": "function", "function": {"name": p.name, "arguments": p.args}}
-            for p in partials]  # fmt: skip
+def _as_call(p: Partial) -> dict[str, Any]:
+    return {"id": call_id(), "type": "function", "function": {"name": p.name, "arguments": p.args}}
 
 
 def parse_calls(parser: str, text: str, types: dict[str, dict[str, str]]) -> tuple[str | None, list[dict[str, Any]]]:
     """(content outside the calls or None, calls) of a whole `auto` output; no calls when none parses."""
+    content, calls, _ = read_calls(parser, text, types)
+    return content, calls
+
+
+def read_calls(parser: str, text: str, types: dict[str, dict[str, str]],
+               cut: bool = False) -> tuple[str | None, list[dict[str, Any]], dict[str, Any] | None]:  # fmt: skip
+    """(content outside the calls or None, complete calls, the call a `cut` output ends in or None) of a
+    whole `auto` output; all of it is content when a call does not parse, or there is none."""
     tags = TAGS[parser]
     at = _first_tag(text, tags)
     if at < 0:
-        return text, []
-    calls = _as_calls(scan(text[at:], tags, types, final=True))
-    if calls is None:
-        return text, []
-    tail = _tail(text[at:], tags)
+        return text, [], None
+    partials = scan(text[at:], tags, types, final=True, cut=cut)
+    last = partials.pop() if cut and partials and not partials[-1].done else None
+    if not (partials or last) or any(not p.done or not p.name for p in partials):
+        return text, [], None
+    tail = "" if last is not None else _tail(text[at:], tags)  # before a cut call: only blanks
     content = (text[:at] + tail).strip()
-    return content or None, calls
+    return content or None, [_as_call(p) for p in partials], _as_call(last) if last is not None else None
 
 
 def _tail(region: str, tags: tuple[str, ...]) -> str:
@@ -201,6 +223,7 @@ class CallStream:
     held: str = ""
     region: str | None = None  # the text from the first call on
     sent: list[list[Any]] = field(default_factory=list)  # per call: [id, name, arguments text sent, complete]
+    cut_index: int | None = None  # the call a cut output ends in (finish)
 
     def __post_init__(self) -> None:
         if self.mode in ("named", "required"):
@@ -221,32 +244,34 @@ class CallStream:
         self.region += text
         return "", self._deltas(self._partials(final=False))
 
-    def finish(self) -> tuple[str, list[dict[str, Any]]]:
-        """(the rest of the content, the last deltas) once the output is complete."""
+    def finish(self, cut: bool = False) -> tuple[str, list[dict[str, Any]]]:
+        """(the rest of the content, the last deltas) once the output is complete (`cut`: by the token
+        limit; the call it ends in then gets the rest of its arguments so far, see `cut_call`)."""
         if self.region is None:
             rest, self.held = self.held, ""
             return rest, []
-        partials = [p for p in self._partials(final=True) if p.done and p.name]
+        partials = [p for p in self._partials(final=True, cut=cut) if p.name and (p.done or cut)]
         if not partials and not self.sent:
             return self.region, []
-        tail = _tail(self.region, TAGS[self.parser]) if self.mode == "auto" else ""
+        if cut and partials and not partials[-1].done:
+            self.cut_index = len(partials) - 1
+        tail = _tail(self.region, TAGS[self.parser]) if self.mode == "auto" and self.cut_index is None else ""
         return tail.strip(), self._deltas(partials)
 
-    def _partials(self, final: bool) -> list[Partial]:
+    def _partials(self, final: bool, cut: bool = False) -> list[Partial]:
         assert self.region is not None
         if self.mode == "named":
             text = self.region
-            done = final
-            if done:
+            if final:
                 try:
                     json.loads(text)
                 except json.JSONDecodeError:
-                    return []
-            return [Partial(self.name, text.strip() if done else _value_prefix(text.lstrip()), done)]
+                    return [Partial(self.name, text.strip(), False)] if cut else []
+            return [Partial(self.name, text.strip() if final else _value_prefix(text.lstrip()), final)]
         if self.mode == "required":
-            calls = json_calls(self.region)
-            return [c for c in calls if c.done] if final else calls
-        return scan(self.region, TAGS[self.parser], self.types, final)
+            calls = json_calls(self.region, whole=cut)
+            return [c for c in calls if c.done or (cut and c.name is not None)] if final else calls
+        return scan(self.region, TAGS[self.parser], self.types, final, cut)
 
     def _deltas(self, partials: list[Partial]) -> list[dict[str, Any]]:
         out = []
@@ -272,3 +297,10 @@ class CallStream:
         """The complete calls sent, as OpenAI tool_calls."""
         return [{"id": cid, "type": "function", "function": {"name": name, "arguments": args}}
                 for cid, name, args, done in self.sent if done]  # fmt: skip
+
+    def cut_call(self) -> dict[str, Any] | None:
+        """The call the output was cut in (`finish(cut=True)`), as sent: its arguments are incomplete."""
+        if self.cut_index is None:
+            return None
+        cid, name, args, _ = self.sent[self.cut_index]
+        return {"id": cid, "type": "function", "function": {"name": name, "arguments": args}}

@@ -9,24 +9,31 @@ the output becomes OpenAI `tool_calls`.
   qwen3_coder, granite, nemotron; "auto" = any of them). `required`: the output is constrained by
   grammar to a JSON array of calls `{"name", "arguments"}` (one element when parallel_tool_calls is
   false), each validating against its function's parameters; a named function: constrained to its
-  arguments. An output cut short (max_tokens) still gives the calls it completed.
+  arguments.
 - A response with calls has `message.tool_calls` (`content` holds any text outside the calls, else
-  null) and finish_reason "tool_calls". Streamed, content is sent as it comes until a call may start;
-  each call's delta with its id and name comes once the name is complete, then its arguments as
-  fragments (`CallStream`).
+  null) and finish_reason "tool_calls" when the output ended by itself. Streamed, content is sent as it
+  comes until a call may start; each call's delta with its id and name comes once the name is complete,
+  then its arguments as fragments (`CallStream`).
+- An output cut by the token limit (max_tokens, the context) has finish_reason "length", never
+  "tool_calls" (as OpenAI and vLLM report it), under every tool_choice. Its complete calls are kept, and
+  the call it was cut in is reported as OpenAI reports it: last in `tool_calls`, with its id, name and
+  the arguments written so far, which do not parse as JSON (`{"a": 70`; "" when cut before them;
+  tool_parsers.py). A call cut before its name is complete is not a call. Streamed, the cut call's deltas
+  add up to the same arguments (what was held back comes with the last chunk), so streamed and whole
+  answers agree. The Responses API gives the cut call as a `function_call` item with status "incomplete".
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 from shared.messages import GrammarSpec
 from tokenizer_proc.http.errors import bad_request
 from tokenizer_proc.requests.schemas import ChatBody
 from tokenizer_proc.requests.structured import json_schema_spec
-from tokenizer_proc.requests.tool_parsers import CallStream, param_types, parse_calls
+from tokenizer_proc.requests.tool_parsers import CallStream, param_types, read_calls
 
 
 @dataclass(frozen=True)
@@ -97,15 +104,24 @@ def template_message_calls(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def parse_output(plan: ToolPlan, text: str) -> tuple[str | None, list[dict[str, Any]]]:
-    """(content, tool calls) of a whole output under `plan`."""
+class ToolOutput(NamedTuple):
+    """A whole output read under a plan: `content` (text outside the calls, or None), the complete
+    `calls`, and `cut_call`, the call an output cut by the token limit ends in (module doc), or None."""
+
+    content: str | None
+    calls: list[dict[str, Any]]
+    cut_call: dict[str, Any] | None = None
+
+
+def parse_output(plan: ToolPlan, text: str, cut: bool = False) -> ToolOutput:
+    """The content and calls of a whole output under `plan` (`cut`: it was cut by the token limit)."""
     if plan.mode == "auto":
-        return parse_calls(plan.parser, text, plan.types)
+        return ToolOutput(*read_calls(plan.parser, text, plan.types, cut))
     stream = tool_stream(plan)
     stream.feed(text)
-    stream.finish()
-    calls = stream.calls()
-    return (None, calls) if calls else (text, [])
+    stream.finish(cut)
+    calls, last = stream.calls(), stream.cut_call()
+    return ToolOutput(None, calls, last) if calls or last else ToolOutput(text, [])
 
 
 def tool_stream(plan: ToolPlan) -> CallStream:
