@@ -15,6 +15,7 @@ Rules:
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import msgspec
@@ -29,30 +30,42 @@ def unrecognized(param: str) -> ApiError:
     return bad_request(f"Unrecognized request argument supplied: {param}", param)
 
 
-def _structs(t: mi.Type) -> tuple[mi.StructType | None, mi.StructType | None]:
-    """(the Struct a JSON object of this field decodes as, the Struct of each item of an array)."""
-    options = t.types if isinstance(t, mi.UnionType) else (t,)
-    one = next((o for o in options if isinstance(o, mi.StructType)), None)
-    each = next((o.item_type for o in options
-                 if isinstance(o, mi.ListType) and isinstance(o.item_type, mi.StructType)), None)  # fmt: skip
-    return one, each
+# per declared field: (the Struct a JSON object there decodes as, the Struct of each item of an array)
+_Nested = dict[str, tuple[type | None, type | None]]
 
 
-def _walk(raw: msgspec.Raw, info: mi.StructType, path: str) -> str | None:
-    """The path of the first undeclared key in the object `raw` (decoded already as `info.cls`)."""
-    if getattr(info.cls, "open_keys", False):
+@functools.cache
+def _plan(cls: type) -> _Nested | None:
+    """The declared fields of Struct `cls` and the Structs nested in them; None for an `open_keys`
+    Struct. Built once per type (msgspec's type inspection takes milliseconds)."""
+    if getattr(cls, "open_keys", False):
+        return None
+    info = mi.type_info(cls)
+    assert isinstance(info, mi.StructType)
+    out: _Nested = {}
+    for field in info.fields:
+        options = field.type.types if isinstance(field.type, mi.UnionType) else (field.type,)
+        one = next((o.cls for o in options if isinstance(o, mi.StructType)), None)
+        each = next((o.item_type.cls for o in options
+                     if isinstance(o, mi.ListType) and isinstance(o.item_type, mi.StructType)), None)  # fmt: skip
+        out[field.encode_name] = (one, each)
+    return out
+
+
+def _walk(raw: msgspec.Raw, cls: type, path: str) -> str | None:
+    """The path of the first undeclared key in the object `raw` (decoded already as `cls`)."""
+    plan = _plan(cls)
+    if plan is None:
         return None
     try:
         obj = msgspec.json.decode(raw, type=_RawObject)
     except (msgspec.ValidationError, msgspec.DecodeError):
         return None
-    fields = {f.encode_name: f for f in info.fields}
     for key, value in obj.items():
         name = f"{path}.{key}" if path else key
-        field = fields.get(key)
-        if field is None:
+        if key not in plan:
             return name
-        one, each = _structs(field.type)
+        one, each = plan[key]
         first = bytes(value).lstrip()[:1]
         if first == b"{" and one is not None:
             found = _walk(value, one, name)
@@ -65,13 +78,13 @@ def _walk(raw: msgspec.Raw, info: mi.StructType, path: str) -> str | None:
     return None
 
 
-def _walk_list(raw: msgspec.Raw, info: mi.StructType, path: str) -> str | None:
+def _walk_list(raw: msgspec.Raw, cls: type, path: str) -> str | None:
     try:
         items = msgspec.json.decode(raw, type=list[msgspec.Raw])
     except (msgspec.ValidationError, msgspec.DecodeError):
         return None
     for i, item in enumerate(items):
-        if bytes(item).lstrip()[:1] == b"{" and (found := _walk(item, info, f"{path}[{i}]")) is not None:
+        if bytes(item).lstrip()[:1] == b"{" and (found := _walk(item, cls, f"{path}[{i}]")) is not None:
             return found
     return None
 
@@ -79,9 +92,7 @@ def _walk_list(raw: msgspec.Raw, info: mi.StructType, path: str) -> str | None:
 def first_unknown(data: bytes, body_type: type[Any]) -> str | None:
     """The path of the first field of `data` (a JSON object already decoded as `body_type`) that
     `body_type` does not declare; None when every field is declared."""
-    info = mi.type_info(body_type)
-    assert isinstance(info, mi.StructType)
-    return _walk(msgspec.Raw(data), info, "")
+    return _walk(msgspec.Raw(data), body_type, "")
 
 
 def check_known(data: bytes, body_type: type[Any]) -> None:
