@@ -6,8 +6,9 @@ requests are, with `tools`, `chat_template_kwargs`, `documents`, `add_generation
 `continue_final_message`, then encoded without special tokens unless `add_special_tokens`) ->
 `{"tokens", "count", "max_model_len"}` (plus `token_strs`, the vocabulary strings of the tokens, with
 `return_token_strs`); a list of prompts gives lists. /detokenize
-`{"tokens": [ids]}` -> `{"prompt": text, "text": text}` (vLLM's and SGLang's key). Ids outside the
-vocabulary and a model name this server does not serve are 4xx.
+`{"tokens": [ids]}` -> `{"prompt": text, "text": text}` (vLLM's and SGLang's key), special tokens left
+out with SGLang's `skip_special_tokens`. Ids outside the vocabulary, a model name this server does not
+serve and vLLM's multimodal options (`mm_processor_kwargs`, `media_io_kwargs`) are 4xx.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from tokenizer_proc.context import get_ctx
 from tokenizer_proc.http.errors import bad_request
 from tokenizer_proc.http.plumbing import json_response, read_body
 from tokenizer_proc.requests.chat_template import ChatTemplateError
+from tokenizer_proc.requests.compat import refuse_unless_neutral
 from tokenizer_proc.requests.peer_fields import generation_prompt, request_template, template_extra
 from tokenizer_proc.requests.prepare import chat_messages
 from tokenizer_proc.requests.schemas import ChatBody, DetokenizeBody, TokenizeBody
@@ -29,11 +31,14 @@ from tokenizer_proc.requests.tokenizer import TextTokenizer
 from tokenizer_proc.requests.tools import plan_tools
 from tokenizer_proc.requests.validation import check_token_ids, decode_body
 
+_MULTIMODAL = {name: "this server serves text models only" for name in ("mm_processor_kwargs", "media_io_kwargs")}
+
 
 async def tokenize_endpoint(request: Request) -> Response:
     ctx = get_ctx(request)
     body = decode_body(await read_body(request, ctx.args.max_body_bytes), TokenizeBody)
     check_model(ctx, body.model)
+    refuse_unless_neutral(body, _MULTIMODAL)
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("give exactly one of prompt or messages", "prompt")
     if body.messages is not None:
@@ -91,5 +96,5 @@ async def detokenize_endpoint(request: Request) -> Response:
     body = decode_body(await read_body(request, ctx.args.max_body_bytes), DetokenizeBody)
     check_model(ctx, body.model)
     ids = check_token_ids(body.tokens, ctx.limits.vocab_size, "tokens")
-    text = ctx.tok.decode(ids)
+    text = ctx.tok.decode(ids, skip_special_tokens=body.skip_special_tokens)
     return json_response({"prompt": text, "text": text})

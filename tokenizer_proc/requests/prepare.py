@@ -20,7 +20,12 @@ import msgspec
 from shared.messages import GrammarSpec, ThinkingBudget
 from tokenizer_proc.http.errors import bad_request
 from tokenizer_proc.requests.chat_template import ChatTemplateError
-from tokenizer_proc.requests.compat import check_chat_fields, check_completion_fields, check_generate_fields
+from tokenizer_proc.requests.compat import (
+    check_chat_fields,
+    check_completion_fields,
+    check_generate_fields,
+    sampling_seed,
+)
 from tokenizer_proc.requests.peer_fields import (
     answer_options,
     check_messages,
@@ -71,8 +76,8 @@ def prepare_generate(body: GenerateBody, tok: TextTokenizer, limits: Limits) -> 
             "logprob_start_len")
     fields = SamplingFields(
         sp.max_new_tokens, sp.temperature, sp.top_p, sp.top_k, sp.min_p, sp.stop, sp.stop_token_ids,
-        sp.ignore_eos, sp.seed, prefix="sampling_params.", frequency_penalty=sp.frequency_penalty,
-        presence_penalty=sp.presence_penalty, repetition_penalty=sp.repetition_penalty,
+        sp.ignore_eos, sampling_seed(sp), prefix="sampling_params.", frequency_penalty=sp.frequency_penalty,
+        presence_penalty=sp.presence_penalty, repetition_penalty=sp.repetition_penalty, logit_bias=sp.logit_bias,
         min_tokens=sp.min_new_tokens, min_tokens_name="min_new_tokens",
         top_logprobs=body.top_logprobs_num if body.return_logprob else 0, top_logprobs_name="top_logprobs_num",
         prompt_logprobs=body.top_logprobs_num if body.return_logprob and body.logprob_start_len >= 0 else -1,

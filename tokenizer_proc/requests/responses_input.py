@@ -9,9 +9,14 @@ Rules:
   tool call) and `function_call_output` items (the tool message answering `call_id`);
 - `tools` are function tools (flat: name, description, parameters, strict); `tool_choice` none / auto
   / required or {"type": "function", "name": ...}; `text.format` json_object / json_schema is the chat
-  `response_format`; `max_output_tokens` is max_tokens;
+  `response_format`; `max_output_tokens` is max_tokens; the vLLM / SGLang sampling extensions their
+  Responses requests accept (top_k, min_p, seed, repetition_penalty, frequency_penalty,
+  presence_penalty, stop, logit_bias, ignore_eos, skip_special_tokens, structured_outputs,
+  chat_template_kwargs, priority) are the chat request's;
 - anything a chat request here cannot compute is a 400 naming it: other item, part and tool types
-  (images, files, built-in tools), `background`, `truncation: auto`, `include`, `conversation`.
+  (images, files, built-in tools), `background`, `truncation: auto`, `include`, and the fields of
+  `OUT_OF_SCOPE` (`conversation`, `prompt`, `top_logprobs`, ...) unless neutral (compat.py);
+  `metadata` has OpenAI's limits (compat.py).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from __future__ import annotations
 from typing import Any
 
 from tokenizer_proc.http.errors import bad_request
+from tokenizer_proc.requests.compat import check_metadata, refuse_unless_neutral
 from tokenizer_proc.requests.schemas import (
     ChatBody,
     ChatMessage,
@@ -37,12 +43,33 @@ ROLES = ("system", "developer", "user", "assistant")
 TEXT_PARTS = ("input_text", "output_text", "text")
 
 
+# OpenAI / vLLM / SGLang Responses fields a chat request here cannot compute, with what each would need
+OUT_OF_SCOPE = {
+    "conversation": "no stored conversations: send the conversation, or previous_response_id",
+    "prompt": "no stored prompt templates: send instructions and input",
+    "top_logprobs": "responses carry no logprobs (use /v1/chat/completions)",
+    "max_tool_calls": "it limits built-in tool calls, which there are not",
+    "access_programs": "no OpenAI access programs", "background_options": "no background responses",
+    "context_management": "no server-side compaction", "image": "no image generation",
+    "moderation": "no moderation model",
+    "include_stop_str_in_output": "a matched stop string is always cut from the output",
+    "mm_processor_kwargs": "this server serves text models only",
+    "cache_salt": "the prefix cache is shared by every request",
+    "extra_key": "the prefix cache is shared by every request",
+    "enable_response_messages": "responses carry output items only",
+    "previous_input_messages": "use previous_response_id", "previous_response": "use previous_response_id",
+    "vllm_xargs": "no extensions read them", "ngram_corpus_id": "no n-gram speculation corpora",
+}  # fmt: skip
+
+
 def check_supported(body: ResponsesBody) -> None:
     require(not body.background, "background responses are not supported (the request runs while you wait)",
             "background")
     require(body.truncation == "disabled", "truncation 'auto' is not supported: a conversation longer than the "
             "context is a 400", "truncation")
     require(not body.include, f"include {body.include!r} is not supported", "include")
+    refuse_unless_neutral(body, OUT_OF_SCOPE)
+    check_metadata(body.metadata)
 
 
 def _text(content: Any, param: str) -> str:
@@ -143,7 +170,10 @@ def chat_body(body: ResponsesBody, messages: list[ChatMessage]) -> ChatBody:
     return ChatBody(
         model=body.model, messages=messages, max_tokens=body.max_output_tokens, temperature=body.temperature,
         top_p=body.top_p, top_k=body.top_k, min_p=body.min_p, seed=body.seed,
-        repetition_penalty=body.repetition_penalty, stop=body.stop, stream=body.stream,
+        repetition_penalty=body.repetition_penalty, frequency_penalty=body.frequency_penalty,
+        presence_penalty=body.presence_penalty, logit_bias=body.logit_bias, ignore_eos=body.ignore_eos,
+        skip_special_tokens=body.skip_special_tokens, structured_outputs=body.structured_outputs,
+        chat_template_kwargs=body.chat_template_kwargs, priority=body.priority, stop=body.stop, stream=body.stream,
         stream_options=StreamOptions(include_usage=True) if body.stream else None, tools=_tools(body),
         tool_choice=_tool_choice(body), parallel_tool_calls=body.parallel_tool_calls,
         response_format=_response_format(body),

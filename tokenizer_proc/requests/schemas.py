@@ -6,22 +6,32 @@ Fields are the SGLang native (`/generate`) and OpenAI (`/v1/...`) names; the SGL
 extensions (top_k, min_p, ignore_eos, stop_token_ids, skip_special_tokens, repetition_penalty,
 min_tokens, chat_template_kwargs) are accepted on the OpenAI endpoints too.
 
-Unknown fields are ignored (as vLLM and SGLang do); `fields.py` names them in the log. Fields that
-change nothing here (metadata, store, service_tier, user, reasoning_effort, prediction, modalities
-"text", request_id, session_id, rid, spaces_between_special_tokens) are declared so they are
-type-checked and then ignored; vLLM / SGLang fields out of scope are declared so that any value but
-their neutral one is a 400 naming them (compat.py).
+Every field a route reads is declared here or in its base (schemas_peer.py); any other field is a
+400 naming it (fields.py: OpenAI's "Unrecognized request argument supplied"), where vLLM and SGLang
+would ignore it. Fields that change nothing here (metadata, store, service_tier, user,
+reasoning_effort, prediction, modalities "text", request_id, session_id, rid,
+spaces_between_special_tokens, ...) are declared so they are type-checked and then ignored; OpenAI /
+vLLM / SGLang fields out of scope are declared so that any value but their neutral one is a 400
+naming them (compat.py). Chat messages and tool definitions are content (`open_keys`): keys beyond
+their declared ones are not refused.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Any, ClassVar, Literal
 
 import msgspec
 
-# Every integer of a body is a signed 64-bit value, checked while decoding: a wider one is a 400
-# naming its field (it could not be encoded for the scheduler, and no field means anything there).
-Int = Annotated[int, msgspec.Meta(ge=-(1 << 63), le=(1 << 63) - 1)]
+from tokenizer_proc.requests.schemas_peer import (
+    GeneratePeerFields,
+    Int,
+    OpenAIPeerFields,
+    ResponsesPeerFields,
+)
+
+# Every integer of a body is a signed 64-bit value (`Int`, schemas_peer.py), checked while decoding: a
+# wider one is a 400 naming its field (it could not be encoded for the scheduler, and no field means
+# anything there).
 
 # A prompt as OpenAI allows it: text, token ids, or a batch of either (each prompt of a batch is
 # an independent request).
@@ -53,9 +63,17 @@ class NativeSamplingParams(_Body):
     regex: str | None = None
     ebnf: str | None = None
     stop_regex: StopT | None = None
+    logit_bias: dict[str, float] | None = None
+    sampling_seed: Int | None = None  # SGLang's name of seed
+    spaces_between_special_tokens: bool = True  # fast tokenizers never put spaces between special tokens
+    stream_interval: Int | None = None  # tokens per streamed chunk: the stream's chunking is this server's
+    # SGLang fields out of scope: a true / non-null value is a 400 (compat.py)
+    no_stop_trim: bool = False
+    structural_tag: Any = None
+    custom_params: Any = None
 
 
-class GenerateBody(_Body):
+class GenerateBody(GeneratePeerFields):
     """POST /generate (SGLang native)."""
 
     text: str | list[str] | None = None  # a list: a batch, one answer each (native_batch.py)
@@ -82,6 +100,7 @@ class GenerateBody(_Body):
 class StreamOptions(_Body):
     include_usage: bool | None = None  # None: only with continuous_usage_stats (vLLM's default is true)
     continuous_usage_stats: bool = False
+    include_obfuscation: bool | None = None  # OpenAI's stream padding: accepted, never added here
 
 
 class StructuredOutputs(_Body):
@@ -101,7 +120,7 @@ class StructuredOutputs(_Body):
     disable_additional_properties: bool = False
 
 
-class _OpenAIBody(_Body):
+class _OpenAIBody(OpenAIPeerFields):
     model: str | None = None
     max_tokens: Int | None = None
     temperature: float | None = None
@@ -149,27 +168,7 @@ class _OpenAIBody(_Body):
     priority: Int = 0
     spaces_between_special_tokens: bool = True  # fast tokenizers never put spaces between special tokens
     request_id: str | None = None  # identifiers: accepted and ignored
-    session_id: str | None = None
     rid: str | None = None
-    # vLLM / SGLang fields out of scope: anything but their neutral value is a 400 naming them (compat.py)
-    use_beam_search: Any = None
-    length_penalty: Any = None
-    early_stopping: Any = None
-    include_stop_str_in_output: Any = None
-    allowed_token_ids: Any = None
-    bad_words: Any = None
-    logits_processors: Any = None
-    logprob_token_ids: Any = None
-    return_tokens_as_token_ids: Any = None
-    cache_salt: Any = None
-    kv_transfer_params: Any = None
-    vllm_xargs: Any = None
-    repetition_detection: Any = None
-    watermarking: Any = None
-    guided_whitespace_pattern: Any = None
-    lora_path: Any = None
-    custom_logit_processor: Any = None
-    custom_params: Any = None
 
 
 class CompletionBody(_OpenAIBody):
@@ -182,6 +181,8 @@ class CompletionBody(_OpenAIBody):
     best_of: Int | None = None
     add_special_tokens: bool = True
     prompt_embeds: Any = None  # out of scope: a 400 (compat.py)
+    json_schema: Any = None  # SGLang's; out of scope here: use response_format (compat.py)
+    thinking_token_budget: Any = None  # vLLM's, for reasoning models' completions: out of scope
 
 
 class TextPart(_Body):
@@ -201,6 +202,9 @@ class ToolCall(_Body):
 
 
 class ChatMessage(_Body):
+    """One chat message: content, so keys beyond these are not refused (fields.py) but unused."""
+
+    open_keys: ClassVar[bool] = True
     role: str  # system, developer, user, assistant, tool, or a custom role the template renders
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -217,6 +221,9 @@ class FunctionDef(_Body):
 
 
 class ToolDef(_Body):
+    """A chat tool: keys beyond these are not refused (fields.py) but unused."""
+
+    open_keys: ClassVar[bool] = True
     function: FunctionDef
     type: Literal["function"] = "function"
 
@@ -253,6 +260,14 @@ class ChatBody(_OpenAIBody):
     include_reasoning: bool = True  # vLLM: false drops reasoning_content from the answer (reasoning.py)
     thinking_token_budget: Int | None = None  # vLLM: the reasoning is ended after this many tokens
     chat_template: str | None = None  # vLLM: the request's own template, with --trust-request-chat-template
+    # SGLang chat fields out of scope: a non-neutral value is a 400 (compat.py)
+    return_prompt_token_ids: Any = None
+    return_meta_info: Any = None
+    task: Any = None
+    input_ids: Any = None
+    max_dynamic_patch: Any = None
+    min_dynamic_patch: Any = None
+    use_audio_in_video: Any = None
 
 
 class TokenizeBody(_Body):
@@ -270,6 +285,8 @@ class TokenizeBody(_Body):
     documents: list[dict[str, Any]] | None = None
     return_token_strs: bool = False
     chat_template: str | None = None
+    mm_processor_kwargs: Any = None  # vLLM's; out of scope: a non-empty value is a 400
+    media_io_kwargs: Any = None
 
 
 class DetokenizeBody(_Body):
@@ -277,6 +294,7 @@ class DetokenizeBody(_Body):
 
     tokens: list[Int]
     model: str | None = None
+    skip_special_tokens: bool = False  # SGLang's: special tokens left out of the text
 
 
 class ResponseFormat(_Body):
@@ -294,9 +312,15 @@ class ResponseText(_Body):
     verbosity: str | None = None  # a hint for OpenAI's own models: ignored
 
 
-class ResponsesBody(_Body):
+class ResponsesStreamOptions(_Body):
+    include_obfuscation: bool | None = None  # OpenAI's stream padding: accepted, never added here
+
+
+class ResponsesBody(ResponsesPeerFields):
     """POST /v1/responses (the OpenAI Responses API). `input` items and `tools` are checked item by
-    item where they are turned into chat messages (responses_input.py), naming the item at fault."""
+    item where they are turned into chat messages (responses_input.py), naming the item at fault.
+    The vLLM / SGLang sampling extensions their Responses requests accept are passed to the chat
+    request that computes the response."""
 
     model: str | None = None
     input: str | list[dict[str, Any]] | None = None
@@ -326,3 +350,13 @@ class ResponsesBody(_Body):
     service_tier: str | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
+    stream_options: ResponsesStreamOptions | None = None
+    # vLLM / SGLang extensions, as on chat
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputs | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    priority: Int = 0

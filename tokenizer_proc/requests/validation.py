@@ -1,4 +1,5 @@
-"""From a request body to a `PreparedRequest`: typed decoding, range checks, tokenisation, limits.
+"""From a request body to a `PreparedRequest`: typed decoding (undeclared fields refused), range checks,
+tokenisation, limits.
 
 Every failure is an `ApiError` (400 naming the field) raised before anything reaches the
 scheduler: a request longer than the context never leaves this process.
@@ -17,7 +18,7 @@ import msgspec
 from shared.config import ServerArgs
 from shared.messages import GrammarSpec, SamplingParams
 from tokenizer_proc.http.errors import ApiError, bad_request
-from tokenizer_proc.requests.fields import warn_unknown
+from tokenizer_proc.requests.fields import check_known
 from tokenizer_proc.requests.tokenizer import TextTokenizer
 
 T = TypeVar("T")
@@ -100,7 +101,8 @@ class SamplingFields:
 
 
 def decode_body(data: bytes, body_type: type[T]) -> T:
-    """Typed JSON decoding; the error message names the field (msgspec's path)."""
+    """Typed JSON decoding; the error message names the field (msgspec's path). A field the body does
+    not declare is a 400 naming it (fields.py)."""
     if not data.strip():
         raise bad_request("request body is empty; expected a JSON object")
     try:
@@ -111,7 +113,7 @@ def decode_body(data: bytes, body_type: type[T]) -> T:
         raise bad_request(f"request body is not valid JSON: {e}") from e
     except RecursionError as e:  # msgspec decodes nested arrays and objects recursively
         raise too_deep("the request body") from e
-    warn_unknown(data, body_type)
+    check_known(data, body_type)
     return body
 
 
