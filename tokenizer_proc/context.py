@@ -9,7 +9,7 @@ import asyncio
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from starlette.requests import Request
 
@@ -20,7 +20,7 @@ from tokenizer_proc.requests.generation import Backend, InFlight
 from tokenizer_proc.requests.latency import LatencyStats
 from tokenizer_proc.requests.response_store import ResponseStore
 from tokenizer_proc.requests.tokenizer import TextTokenizer
-from tokenizer_proc.requests.validation import Limits
+from tokenizer_proc.requests.validation import Limits, decode_body
 
 B = TypeVar("B")
 R = TypeVar("R")
@@ -54,9 +54,18 @@ class AppContext:
     ) -> R:
         """fn(body, ...), in a worker thread for large bodies and when `threaded` (work that may
         block: grammar validation)."""
+        return await self.offload(size, fn, body, self.tok, self.limits, threaded=threaded)
+
+    async def offload(self, size: int, fn: Callable[..., R], *args: Any, threaded: bool = False) -> R:
+        """fn(*args), in a worker thread when it reads a body of more than THREAD_TOKENIZE_BYTES
+        (`size`) or when `threaded`: decoding, checking and tokenizing megabytes would hold the loop."""
         if size > THREAD_TOKENIZE_BYTES or threaded:
-            return await asyncio.to_thread(fn, body, self.tok, self.limits)
-        return fn(body, self.tok, self.limits)
+            return await asyncio.to_thread(fn, *args)
+        return fn(*args)
+
+    async def decode(self, data: bytes, body_type: type[B]) -> B:
+        """`data` decoded and checked as `body_type` (validation.decode_body), off the loop when large."""
+        return await self.offload(len(data), decode_body, data, body_type)
 
     def check_integrity(self) -> None:
         self.in_flight.check_integrity()

@@ -26,7 +26,7 @@ from tokenizer_proc.requests.generation import Piece
 from tokenizer_proc.requests.prepare import prepare_generate
 from tokenizer_proc.requests.schemas import GenerateBody
 from tokenizer_proc.requests.structured import needs_grammar
-from tokenizer_proc.requests.validation import PreparedRequest, decode_body
+from tokenizer_proc.requests.validation import PreparedRequest
 
 
 def is_batch(body: GenerateBody) -> bool:
@@ -52,7 +52,7 @@ async def generate_endpoint(request: Request) -> Response:
     ctx = get_ctx(request)
     started = time.monotonic()
     data = await read_body(request, ctx.args.max_body_bytes)
-    body = decode_body(data, GenerateBody)
+    body = await ctx.decode(data, GenerateBody)
     if is_batch(body):  # several answers: native_batch.py
         reqs = await ctx.prepare(prepare_batch, body, len(data), needs_grammar(body))
         return await respond_batch(ctx, reqs, request, started)

@@ -38,7 +38,7 @@ from tokenizer_proc.requests.generation import Finish, Piece
 from tokenizer_proc.requests.prepare import prepare_chat, prepare_completion
 from tokenizer_proc.requests.schemas import ChatBody, CompletionBody
 from tokenizer_proc.requests.structured import needs_grammar
-from tokenizer_proc.requests.validation import PreparedRequest, decode_body
+from tokenizer_proc.requests.validation import PreparedRequest
 
 
 def openai_error(finish: Finish | None) -> ApiError | None:
@@ -195,7 +195,7 @@ def check_model(ctx: AppContext, model: str | None) -> None:
 async def _serve(request: Request, chat: bool) -> Response:
     ctx = get_ctx(request)
     data = await read_body(request, ctx.args.max_body_bytes)
-    body: ChatBody | CompletionBody = decode_body(data, ChatBody if chat else CompletionBody)
+    body: ChatBody | CompletionBody = await ctx.decode(data, ChatBody if chat else CompletionBody)
     check_model(ctx, body.model)
     prepare = prepare_chat if chat else prepare_completion
     reqs = await ctx.prepare(prepare, body, len(data), needs_grammar(body))  # type: ignore[arg-type]

@@ -42,7 +42,7 @@ from tokenizer_proc.requests.responses_input import chat_body, check_supported, 
 from tokenizer_proc.requests.schemas import ChatMessage, FunctionCall, ResponsesBody, ToolCall
 from tokenizer_proc.requests.structured import needs_grammar
 from tokenizer_proc.requests.tools import parse_output, tool_stream
-from tokenizer_proc.requests.validation import PreparedRequest, decode_body
+from tokenizer_proc.requests.validation import PreparedRequest
 
 
 def _item_id(prefix: str) -> str:
@@ -261,12 +261,12 @@ def _stored(ctx: AppContext, rid: str, param: str) -> Any:
 async def responses_endpoint(request: Request) -> Response:
     ctx = get_ctx(request)
     data = await read_body(request, ctx.args.max_body_bytes)
-    body = decode_body(data, ResponsesBody)
+    body = await ctx.decode(data, ResponsesBody)
     check_model(ctx, body.model)
     check_supported(body)
     history = list(_stored(ctx, body.previous_response_id, "previous_response_id").conversation) \
         if body.previous_response_id else []  # fmt: skip
-    own = input_messages(body)
+    own = await ctx.offload(len(data), input_messages, body)
     chat = chat_body(body, history + own)
     reqs = await ctx.prepare(prepare_chat, chat, len(data), needs_grammar(chat))
     carried = own[1:] if body.instructions else own  # instructions are not carried over

@@ -29,24 +29,20 @@ from tokenizer_proc.requests.prepare import chat_messages
 from tokenizer_proc.requests.schemas import ChatBody, DetokenizeBody, TokenizeBody
 from tokenizer_proc.requests.tokenizer import TextTokenizer
 from tokenizer_proc.requests.tools import plan_tools
-from tokenizer_proc.requests.validation import check_token_ids, decode_body
+from tokenizer_proc.requests.validation import check_token_ids
 
 _MULTIMODAL = {name: "this server serves text models only" for name in ("mm_processor_kwargs", "media_io_kwargs")}
 
 
 async def tokenize_endpoint(request: Request) -> Response:
     ctx = get_ctx(request)
-    body = decode_body(await read_body(request, ctx.args.max_body_bytes), TokenizeBody)
+    data = await read_body(request, ctx.args.max_body_bytes)
+    body = await ctx.decode(data, TokenizeBody)
     check_model(ctx, body.model)
     refuse_unless_neutral(body, _MULTIMODAL)
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("give exactly one of prompt or messages", "prompt")
-    if body.messages is not None:
-        token_lists = [_chat_tokens(ctx.tok, body)]
-    else:
-        prompts = [body.prompt] if isinstance(body.prompt, str) else list(body.prompt or [])
-        special = body.add_special_tokens is not False
-        token_lists = [ctx.tok.encode(p, add_special_tokens=special) for p in prompts]
+    token_lists = await ctx.offload(len(data), _token_lists, ctx.tok, body)
 
     def one(ids: list[int]) -> dict[str, Any]:
         out: dict[str, Any] = {"tokens": ids, "count": len(ids), "max_model_len": ctx.limits.context_length}
@@ -59,6 +55,15 @@ async def tokenize_endpoint(request: Request) -> Response:
         return json_response({"tokens": [x["tokens"] for x in lists], "count": [x["count"] for x in lists],
                               "max_model_len": ctx.limits.context_length})
     return json_response(one(token_lists[0]))
+
+
+def _token_lists(tok: TextTokenizer, body: TokenizeBody) -> list[list[int]]:
+    """The ids of each prompt of `body`, or of its messages (one list)."""
+    if body.messages is not None:
+        return [_chat_tokens(tok, body)]
+    prompts = [body.prompt] if isinstance(body.prompt, str) else list(body.prompt or [])
+    special = body.add_special_tokens is not False
+    return [tok.encode(p, add_special_tokens=special) for p in prompts]
 
 
 def _chat_tokens(tok: TextTokenizer, body: TokenizeBody) -> list[int]:
@@ -93,8 +98,9 @@ async def tokenizer_info_endpoint(request: Request) -> Response:
 
 async def detokenize_endpoint(request: Request) -> Response:
     ctx = get_ctx(request)
-    body = decode_body(await read_body(request, ctx.args.max_body_bytes), DetokenizeBody)
+    data = await read_body(request, ctx.args.max_body_bytes)
+    body = await ctx.decode(data, DetokenizeBody)
     check_model(ctx, body.model)
     ids = check_token_ids(body.tokens, ctx.limits.vocab_size, "tokens")
-    text = ctx.tok.decode(ids, skip_special_tokens=body.skip_special_tokens)
+    text = await ctx.offload(len(data), ctx.tok.decode, ids, body.skip_special_tokens)
     return json_response({"prompt": text, "text": text})
