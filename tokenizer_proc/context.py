@@ -6,6 +6,9 @@ One `AppContext` per app (created by `create_app`, stored at `app.state.ctx`); n
 from __future__ import annotations
 
 import asyncio
+import os
+import sys
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -30,8 +33,16 @@ THREAD_TOKENIZE_BYTES = 64 * 1024
 MATCHING_THREADS = 4  # requests whose stop_regex searches run at once (each bounded by its budget)
 
 
+def _lowest_priority() -> None:
+    """The calling thread runs at the lowest CPU priority (Linux schedules threads as tasks, each with
+    its own nice value): a request's stop_regex searches never take a core from the model's steps or
+    the event loop."""
+    if sys.platform == "linux":
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+
+
 def _matching_pool() -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(MATCHING_THREADS, thread_name_prefix="stop-regex")
+    return ThreadPoolExecutor(MATCHING_THREADS, thread_name_prefix="stop-regex", initializer=_lowest_priority)
 
 
 @dataclass
@@ -45,8 +56,8 @@ class AppContext:
     metrics: HttpMetrics = field(default_factory=HttpMetrics)
     latency: LatencyStats = field(default_factory=LatencyStats)
     responses: ResponseStore = field(default_factory=lambda: ResponseStore.from_args(ServerArgs()))
-    # the threads that detokenize requests with stop_regex patterns: their searches (GIL released)
-    # never hold the event loop, and they do not queue behind large bodies' tokenization
+    # the threads that detokenize requests with stop_regex patterns: their searches (GIL released, at
+    # the lowest CPU priority) never hold the event loop, and they do not queue behind large bodies' tokenization
     matching: ThreadPoolExecutor = field(default_factory=_matching_pool)
 
     async def prepare(

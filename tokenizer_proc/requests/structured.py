@@ -64,7 +64,7 @@ def _message(e: Exception) -> str:
 
 @functools.cache
 def _probe_compiler() -> Any:
-    """An xgrammar compiler over PROBE_VOCAB: token b is the byte b, token 256 the stop token. Any
+    """An xgrammar compiler over 257 tokens: token b is the byte b, token 256 (PROBE_STOP) the stop token. Any
     text is a sequence of these tokens, so a grammar's masks over them say what text it allows."""
     import xgrammar
 
