@@ -60,9 +60,9 @@ class DirectoryStore:
         try:
             os.makedirs(self.folder, exist_ok=True)
             self._write_namespace_file()
+            self._scan(max(1, scan_log_every))
         except OSError as e:
             raise StoreError(f"state store folder {self.folder}: {e}") from e
-        self._scan(max(1, scan_log_every))
 
     @property
     def capacity_bytes(self) -> int:
@@ -85,6 +85,8 @@ class DirectoryStore:
         fd = ef.write_temp(tmp, data, memoryview(b""), memoryview(b""))
         try:
             os.rename(tmp, target)
+        except FileNotFoundError:
+            logger.info("state store: %s not written (its temporary file was removed)", target)
         finally:
             os.close(fd)
 

@@ -2,8 +2,9 @@
 
 Rules for every backend:
 - Keys are 64 lowercase hex characters (`keys.check_key`); any other key is a ValueError.
-- `get` never returns bad data: a missing, damaged or foreign entry is None. `contains` is a hint that
-  `get` may still answer None (another process may remove an entry at any time); `get` is the authority.
+- `get` never returns bad data: a missing, damaged or foreign entry is None. It raises StoreError only
+  when the store itself cannot be read (an I/O error). `contains` is a hint: `get` may still answer
+  None (another process may remove an entry at any time); `get` is the authority.
 - `put` stores the entry or raises `StoreError`, which means the store is unreachable or cannot be
   written: the caller degrades to memory-only. An entry larger than the whole capacity is not stored
   and not an error (`put` leaves no entry under its key; `contains` is then False); eviction of

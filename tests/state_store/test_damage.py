@@ -165,3 +165,16 @@ def test_a_full_disk_is_a_store_error_and_leaves_no_temporary_file(call: str, tm
     assert not store.contains(key(5)) and store.get(key(5)) is None and key(5) not in store.keys()
     assert store.get(key(0)) == StoredEntry(b"meta", PAYLOAD)
     still_works(store, key(5))
+
+
+def test_an_unreadable_store_is_a_store_error_on_get(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = filled(tmp_path)
+
+    def failing(fd: int) -> os.stat_result:
+        raise OSError(errno.EIO, "simulated")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "fstat", failing)
+        with pytest.raises(StoreError):
+            store.get(key(1))
+    assert store.get(key(1)) == StoredEntry(b"meta", PAYLOAD)  # an I/O error is not damage: nothing removed
