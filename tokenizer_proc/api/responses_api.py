@@ -267,7 +267,7 @@ async def responses_endpoint(request: Request) -> Response:
     history = list(_stored(ctx, body.previous_response_id, "previous_response_id").conversation) \
         if body.previous_response_id else []  # fmt: skip
     own = await ctx.offload(len(data), input_messages, body)
-    chat = chat_body(body, history + own)
+    chat = await ctx.offload(len(data), chat_body, body, history + own)
     reqs = await ctx.prepare(prepare_chat, chat, len(data), needs_grammar(chat))
     carried = own[1:] if body.instructions else own  # instructions are not carried over
     resp = _Response(ctx, body, reqs[0], history + carried)
