@@ -66,7 +66,7 @@ def _walk(raw: msgspec.Raw, cls: type, path: str) -> str | None:
         if key not in plan:
             return name
         one, each = plan[key]
-        first = bytes(value).lstrip()[:1]
+        first = bytes(memoryview(value)[:1])  # a Raw value starts at its first character: no copy of it
         if first == b"{" and one is not None:
             found = _walk(value, one, name)
         elif first == b"[" and each is not None:
@@ -84,7 +84,7 @@ def _walk_list(raw: msgspec.Raw, cls: type, path: str) -> str | None:
     except (msgspec.ValidationError, msgspec.DecodeError):
         return None
     for i, item in enumerate(items):
-        if bytes(item).lstrip()[:1] == b"{" and (found := _walk(item, cls, f"{path}[{i}]")) is not None:
+        if bytes(memoryview(item)[:1]) == b"{" and (found := _walk(item, cls, f"{path}[{i}]")) is not None:
             return found
     return None
 
