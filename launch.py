@@ -63,6 +63,14 @@ _HELP = {
                "reference, fast, native, triton",
     "disable_prompt_checkpoint": "do not save each prompt's final Mamba state in the cache (a later request that "
     "extends or repeats the prompt then recomputes it)",
+    "state_cache_dir": "a folder for the state store under the prefix cache: prefixes evicted from memory, or left by "
+    "an earlier run or another server sharing the folder, are loaded from it instead of prefilled (default: none)",
+    "state_cache_size_gb": "GiB this server keeps in --state-cache-dir at most (least recently used entries go first)",
+    "hicache_write_policy": "write_through: a prefix's blocks and state are stored as soon as its prefill computed "
+    "them (they survive a crash); write_back: when the cache evicts them, and everything at a graceful shutdown",
+    "state_cache_block_tokens": "tokens per stored block: a prefix is stored and found in whole blocks, and a stored "
+    "state resumes at a block's end",
+    "state_cache_write_queue_mb": "MiB of writes that may wait for the store; a write beyond it is dropped (counted)",
     "cpu_threads": "torch threads per worker rank on CPU (0 = the execution plan measures, per step size, one "
     "thread against the rank's share of the node's cores)",
     "execution_plan": "run this execution plan file (a measured plan the log names, possibly edited) instead of "

@@ -36,6 +36,7 @@ from scheduler_proc.radix_cache import PeekResult
 from scheduler_proc.request import Req, WaitingQueue
 from scheduler_proc.resources import ReqResources
 from scheduler_proc.retry import RetryPolicy
+from scheduler_proc.store_tier import LoadTicket, StoredPrefix
 from shared.errors import StateCowAllocError
 
 logger = logging.getLogger(__name__)
@@ -140,6 +141,19 @@ class PrefillAdder:
         self.granted.append(grant)
         return AddResult.CONTINUE, grant
 
+    def take(self, kv: int, states: int) -> bool:
+        """Reserve what a load from the state store fills (no running slot, no prefill tokens); False,
+        with `refusal_reason` set and nothing reserved, when the budget cannot."""
+        if kv > self.rem_kv:
+            self.refusal_reason = "kv"
+            return False
+        if states > self.rem_states:
+            self.refusal_reason = "mamba_state"
+            return False
+        self.rem_kv -= kv
+        self.rem_states -= states
+        return True
+
     def rollback(self, grant: Grant) -> None:
         """Undo a grant whose admission failed after the budget check (e.g. StateCowAllocError)."""
         self.granted.remove(grant)
@@ -162,6 +176,7 @@ class Running(Protocol):
     @property
     def new_token_ratio(self) -> float: ...
     def start(self, r: Req) -> None: ...
+    def start_load(self, r: Req, ticket: LoadTicket) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -223,6 +238,12 @@ class Admission:
         res = self.res
         while (r := self.waiting.peek()) is not None:
             peek = res.peek(r)
+            if (found := res.find_stored(r, peek)) is not None:
+                reason = self._start_load(view, b, adder, r, peek, found)
+                if reason:
+                    self.record_refusal(r, reason)
+                    return
+                continue
             self.metrics.inc("hyssm_admission_attempts_total")
             if r.refusals:
                 self.metrics.inc("hyssm_admission_retries_total")
@@ -249,6 +270,23 @@ class Admission:
             if r.queue_s < 0:  # the first admission ends its wait (not one after a retraction)
                 r.queue_s = time.monotonic() - r.arrived
             b.add(r, grant.chunk, prefill=True, admitted=True)
+
+    def _start_load(self, view: Running, b: BatchBuilder, adder: PrefillAdder, r: Req, peek: PeekResult,
+                    found: StoredPrefix) -> str:  # fmt: skip
+        """Start loading `r`'s stored prefix (the request leaves the queue until the load's result);
+        "" or the refusal reason, with nothing reserved or taken."""
+        kv, states = found.end - found.start + peek.lock_cost_kv, int(self.limits.needs_state)
+        if not adder.take(kv, states):
+            return adder.refusal_reason
+        ticket = self.res.start_load(r, peek, found)
+        if isinstance(ticket, str):
+            adder.rem_kv += kv
+            adder.rem_states += states
+            return ticket
+        b.add_load(ticket, self.res.store_load_message(ticket, found))
+        view.start_load(r, ticket)
+        self.metrics.inc("hyssm_state_store_loads_total", result="started")
+        return ""
 
     def _chunk_cap(self, r: Req, peek: PeekResult) -> int:
         """The first chunk ends at the first split point (O(1): asked on every retry)."""

@@ -8,10 +8,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from scheduler_proc.request import Req
-from shared.messages import CopyOp, ForwardBatch, ReqSlice
+from shared.messages import CopyOp, ForwardBatch, ReqSlice, StoreLoad, StoreWrite
 
 if TYPE_CHECKING:
     from scheduler_proc.radix_node import TreeNode
+    from scheduler_proc.store_tier import LoadTicket
 
 
 @dataclass(slots=True)
@@ -32,6 +33,7 @@ class InFlight:
     entries: list[SliceEntry]
     by_rid: dict[str, SliceEntry]
     ckpt_nodes: list[tuple[TreeNode, int]]  # (node, slot) of each checkpoint this step's copies fill
+    loads: list[LoadTicket] = field(default_factory=list)  # the state store loads this step runs
 
 
 @dataclass
@@ -47,6 +49,17 @@ class BatchBuilder:
     cow_copies: list[CopyOp] = field(default_factory=list)
     clears: list[int] = field(default_factory=list)
     ckpt_nodes: list[tuple[TreeNode, int]] = field(default_factory=list)
+    loads: list[LoadTicket] = field(default_factory=list)
+    load_messages: list[StoreLoad] = field(default_factory=list)
+    store_writes: list[StoreWrite] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not (self.entries or self.loads or self.store_writes)
+
+    def add_load(self, ticket: LoadTicket, message: StoreLoad) -> None:
+        self.loads.append(ticket)
+        self.load_messages.append(message)
 
     def add(self, req: Req, n: int, prefill: bool, admitted: bool = False) -> None:
         start = req.computed
@@ -82,7 +95,8 @@ class BatchBuilder:
                 )
             )
         batch = ForwardBatch(
-            step=self.step, reqs=reqs, copies=self.ckpt_copies + self.cow_copies, clears=list(self.clears)
+            step=self.step, reqs=reqs, copies=self.ckpt_copies + self.cow_copies, clears=list(self.clears),
+            store_writes=list(self.store_writes), store_loads=list(self.load_messages),
         )
         by_rid = {e.req.rid: e for e in self.entries}
-        return batch, InFlight(self.step, list(self.entries), by_rid, list(self.ckpt_nodes))
+        return batch, InFlight(self.step, list(self.entries), by_rid, list(self.ckpt_nodes), list(self.loads))

@@ -27,6 +27,8 @@ class SchedulerState(Protocol):
     @property
     def in_flight(self) -> InFlight | None: ...
     @property
+    def loading(self) -> Mapping[str, Req]: ...
+    @property
     def max_running(self) -> int: ...
     @property
     def metrics(self) -> SchedulerMetrics: ...
@@ -67,6 +69,14 @@ def check_scheduler(s: SchedulerState) -> None:
         if r.backup_slot is not None:
             assert r.backup_slot not in st_owner, f"backup slot {r.backup_slot}: {r.rid} and {st_owner[r.backup_slot]}"
             st_owner[r.backup_slot] = r.rid
+    for r in s.loading.values():
+        assert r.load is not None
+        for slot in r.load.kv_slots:
+            assert slot not in kv_owner, f"kv slot {slot} loading for {r.rid} and owned by {kv_owner[slot]}"
+            kv_owner[slot] = r.rid
+        if (slot := r.load.state_slot) is not None:
+            assert slot not in st_owner, f"state slot {slot} loading for {r.rid} and owned by {st_owner[slot]}"
+            st_owner[slot] = r.rid
     _check_cover(res.kv_alloc, kv_owner, "kv slot")
     _check_cover(res.state_alloc, st_owner, "state slot")
     _check_locks(s)
@@ -82,9 +92,14 @@ def _check_cover(alloc: Any, owner: dict[int, str], kind: str) -> None:
 
 
 def _check_requests(s: SchedulerState) -> None:
-    assert len(s.waiting) + len(s.running) == len(s.reqs), (
-        f"{len(s.waiting)} waiting + {len(s.running)} running != {len(s.reqs)} requests"
+    assert len(s.waiting) + len(s.running) + len(s.loading) == len(s.reqs), (
+        f"{len(s.waiting)} waiting + {len(s.running)} running + {len(s.loading)} loading != {len(s.reqs)} requests"
     )
+    loads = {t.rid for t in s.in_flight.loads} if s.in_flight is not None else set()
+    for rid, r in s.loading.items():
+        assert r.status is ReqStatus.LOADING and s.reqs.get(rid) is r and r.load is not None, f"{r} loading"
+        assert not r.kv_slots and r.node is None and r.state_slot is None, f"loading {r} holds a request's slots"
+        assert rid in loads, f"{r} is loading but its load is not in flight"
     for r in s.waiting.items():
         assert r.status is ReqStatus.WAITING and s.reqs.get(r.rid) is r, f"{r} queued but not waiting"
         assert not r.kv_slots and r.node is None and r.state_slot is None and r.cow_node is None, (
@@ -111,6 +126,7 @@ def _check_requests(s: SchedulerState) -> None:
 def _check_locks(s: SchedulerState) -> None:
     cache = s.res.cache
     holds = Counter(id(r.node) for r in s.running.values() if r.node is not cache.root)
+    holds.update(id(r.load.node) for r in s.loading.values() if r.load is not None and r.load.node is not cache.root)
     state_holds = Counter(id(r.cow_node) for r in s.running.values() if r.cow_node is not None)
     for node in cache.nodes():
         direct = cache.direct_kv_holds(node)

@@ -32,6 +32,9 @@ _COUNTERS: dict[str, str] = {
     "hyssm_spec_verify_steps_total": "Slices that verified drafted tokens (--speculative-algorithm).",
     "hyssm_spec_draft_tokens_total": "Drafted tokens verified.",
     "hyssm_spec_accepted_tokens_total": "Drafted tokens accepted (tokens per verify step = 1 + accepted / steps).",
+    "hyssm_state_store_loads_total": "Loads of stored prefixes from the state store: started, loaded, or failed "
+    "(an entry missing or damaged: the prefix was computed).",
+    "hyssm_state_store_loaded_tokens_total": "Prompt tokens whose KV and state were loaded from the state store.",
 }
 
 # label and the values every exposition shows (as zeros before the first event)
@@ -43,6 +46,7 @@ _LABELS: dict[str, tuple[str, tuple[str, ...]]] = {
     "hyssm_checkpoints_total": ("result", ("saved", "skipped")),
     "hyssm_retractions_total": ("cause", ("kv", "priority")),
     "hyssm_requests_finished_total": ("reason", ("stop", "length", "abort", "error")),
+    "hyssm_state_store_loads_total": ("result", ("started", "loaded", "failed")),
 }
 
 

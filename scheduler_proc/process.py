@@ -7,6 +7,7 @@ and the watchdog on the workers' reply. Everything about requests, slots and the
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -17,6 +18,7 @@ import msgspec
 import zmq
 
 from scheduler_proc.scheduler import Scheduler
+from scheduler_proc.store_tier import StoreTier
 from shared.channels import (
     SCHEDULER_TO_TOKENIZER,
     SCHEDULER_TO_WORKER,
@@ -49,6 +51,7 @@ from shared.messages import (
 )
 from shared.model_info import ModelInfo
 from shared.proc import STOP_SIGNAL
+from shared.state_store import DirectoryProbe, StoreNamespace
 
 logger = logging.getLogger(__name__)
 
@@ -125,8 +128,9 @@ class SchedulerLoop:
         self._sent_at = 0.0  # perf_counter() when the in-flight batch left
         self._result_at: float | None = None  # perf_counter() when a StepResult was applied this round
 
-    def wait_for_workers(self) -> dict[str, int]:
-        """Collect WorkerReady from every rank; capacities are the minimum across ranks."""
+    def wait_for_workers(self) -> tuple[dict[str, int], str]:
+        """Collect WorkerReady from every rank; capacities are the minimum across ranks. Also rank 0's
+        state store namespace ("" without a store)."""
         ready: dict[int, WorkerReady] = {}
         deadline = time.monotonic() + self.args.startup_timeout
         while len(ready) < self.args.tp_size:
@@ -143,12 +147,13 @@ class SchedulerLoop:
                 ready[msg.rank] = msg
         kv = min(r.kv_slots for r in ready.values())
         mamba = min(r.state_slots for r in ready.values())
-        return {"kv_capacity": kv, "state_capacity": mamba}
+        return {"kv_capacity": kv, "state_capacity": mamba}, ready[0].store_namespace
 
     def start(self) -> None:
-        caps = self.wait_for_workers()
+        caps, namespace = self.wait_for_workers()
         model = ModelInfo.from_dir(self.args.resolved_model_path)
-        self.sched = Scheduler(self.args, model, caps["kv_capacity"], caps["state_capacity"])
+        store = open_store_tier(self.args, model, namespace) if namespace else None
+        self.sched = Scheduler(self.args, model, caps["kv_capacity"], caps["state_capacity"], store=store)
         logger.info("scheduler ready: %s", caps)
         tx = Sender(self.ctx, TO_LAUNCHER, self.args)
         tx.send(ProcReady(name=self.args.proc_name("scheduler"), info=caps))
@@ -272,6 +277,15 @@ class SchedulerLoop:
                 self._send_outs(self.sched.fail_all(reason))
             except Exception:  # noqa: BLE001 - we are already failing
                 logger.exception("could not send final errors")
+
+
+def open_store_tier(args: ServerArgs, model: ModelInfo, namespace_json: str) -> StoreTier:
+    """The scheduler's view of the state store whose namespace rank 0 reported: block keys in its
+    chain namespace, lookups in rank 0's folder."""
+    namespace = StoreNamespace(**json.loads(namespace_json))
+    probe = DirectoryProbe(args.state_cache_dir, namespace)
+    return StoreTier(namespace, probe.contains, args.state_cache_block_tokens, model.has_attention,
+                     model.has_recurrent_state, args.hicache_write_policy == "write_back")
 
 
 class StopRequested(BaseException):

@@ -6,7 +6,9 @@ than appending calls `forget_sent` (resources.py). While
 WAITING it holds no slot and no lock (retraction and rollbacks give everything back first); while
 RUNNING it owns kv_slots[tree_len:], its state_slot, one KV lock on `node` (whose path supplies
 kv_slots[:tree_len]), until the batch that copies it is applied, one state lock on `cow_node`, and
-while a verify step of its drafts is in flight, the state slot lent for it (`backup_slot`).
+while a verify step of its drafts is in flight, the state slot lent for it (`backup_slot`); while
+LOADING (a stored prefix is loading for it) it holds only its `load` ticket, which owns one KV lock on
+the ticket's node and the slots the load fills.
 """
 
 from __future__ import annotations
@@ -22,10 +24,12 @@ from shared.messages import FinishReason, GenerateReq, SamplingParams, TokenOut
 if TYPE_CHECKING:
     from scheduler_proc.radix_cache import PeekResult
     from scheduler_proc.radix_node import TreeNode
+    from scheduler_proc.store_tier import BlockKeys, LoadTicket
 
 
 class ReqStatus(Enum):
     WAITING = "waiting"
+    LOADING = "loading"  # out of the queue while a stored prefix loads (ReqResources.start_load)
     RUNNING = "running"
     FINISHED = "finished"
 
@@ -36,7 +40,7 @@ class Req:
         "kv_slots", "tree_len", "node", "state_slot", "computed", "cow_node", "splits",
         "pending_ckpt", "cached_tokens", "admitted", "abort_reason", "peek", "queue_token",
         "retracted_at", "refusals", "sent_kv", "sent_step", "prompt_lps", "prompt_tops", "prompt_ranks",
-        "save_prompt_state", "backup_slot", "arrived", "queue_s",
+        "save_prompt_state", "backup_slot", "arrived", "queue_s", "store_keys", "store_checked", "load",
     )  # fmt: skip
 
     def __init__(self, rid: str, input_ids: list[int], sampling: SamplingParams, priority: int, seq: int) -> None:
@@ -74,6 +78,9 @@ class Req:
         self.backup_slot: int | None = None  # state slot lent for the in-flight verify step (drafting.py)
         self.arrived = time.monotonic()  # when the scheduler received it
         self.queue_s = -1.0  # seconds from arrival to its first admission into a batch (-1: not yet)
+        self.store_keys: BlockKeys | None = None  # its block keys in the state store, as far as computed
+        self.store_checked = False  # the state store was asked for its prefix since it last started waiting
+        self.load: LoadTicket | None = None  # while LOADING: the load it waits for (owns its slots)
 
     def mark_sent(self, step: int, n_slots: int) -> None:
         """Batch `step` ran this request with kv_slots[:n_slots]: the workers hold those slots."""

@@ -15,7 +15,8 @@ from scheduler_proc.batch import BatchBuilder, SliceEntry
 from scheduler_proc.radix_cache import CowMatch, HybridRadixCache, PeekResult
 from scheduler_proc.radix_node import TreeNode
 from scheduler_proc.request import Req
-from shared.messages import CopyOp
+from scheduler_proc.store_tier import BlockKeys, LoadTicket, StoredPrefix, StoreTier
+from shared.messages import CopyOp, StoreLoad
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +42,7 @@ def clamp_max_running(wanted: int, state_capacity: int, track_states: bool) -> i
 class ReqResources:
     def __init__(
         self, kv_capacity: int, state_capacity: int, track_states: bool, cache_enabled: bool, ckpt_interval: int,
-        prompt_checkpoint: bool = True,
+        prompt_checkpoint: bool = True, store: StoreTier | None = None,
     ) -> None:
         self.kv_alloc = KVAllocator(kv_capacity)
         self.state_alloc = StateSlotAllocator(state_capacity if track_states else 0)
@@ -50,6 +51,7 @@ class ReqResources:
         self.cache_enabled = cache_enabled
         self.ckpt_interval = ckpt_interval if (track_states and cache_enabled) else 0
         self.prompt_checkpoint = prompt_checkpoint
+        self.store = store if cache_enabled else None
 
     # ------------------------------------------------------------------ capacity
     def available_kv(self) -> int:
@@ -98,9 +100,19 @@ class ReqResources:
         if self.ckpt_interval:
             first = (start // self.ckpt_interval + 1) * self.ckpt_interval
             points.update(range(first, end, self.ckpt_interval))
+        if (stored := self._store_split(req)) is not None and start < stored < end:
+            points.add(stored)
         if self.prompt_checkpoint:
             points.add(end)
         return sorted(points)
+
+    def _store_split(self, req: Req) -> int | None:
+        """With a state store: the last block end before the prompt's last token, where the state a
+        later request loads is taken (None without a store, or when the prompt has no full block)."""
+        if self.store is None:
+            return None
+        b = self.store.block
+        return (req.prompt_len - 1) // b * b or None
 
     def first_split(self, req: Req, peek: PeekResult) -> int | None:
         """The first planned split inside the prompt (None when there is none) in O(1): admission asks every round,
@@ -116,6 +128,9 @@ class ReqResources:
             periodic = (start // self.ckpt_interval + 1) * self.ckpt_interval
             if periodic < end and (first is None or periodic < first):
                 first = periodic
+        stored = self._store_split(req)
+        if stored is not None and start < stored < end and (first is None or stored < first):
+            first = stored
         return first
 
     def start(self, req: Req, peek: PeekResult, chunk: int, b: BatchBuilder) -> str:
@@ -224,6 +239,7 @@ class ReqResources:
         request's prefix then comes from the tree. Returns "saved", "skipped" (no slot) or "exists"."""
         req.pending_ckpt = False
         assert req.state_slot is not None and req.node is not None
+        self.store_prefix(req, req.state_slot)
         slot = self.cache.alloc_state()
         if slot is None:
             return "skipped"
@@ -236,12 +252,23 @@ class ReqResources:
             b.ckpt_nodes.append((node, slot))
         return "saved" if taken else "exists"
 
+    def store_prefix(self, req: Req, state_slot: int | None) -> None:
+        """Write-through: queue the store writes of the request's computed prefix (its blocks, and the
+        state in `state_slot` when `computed` is a block's end); read before this round's batch runs."""
+        if self.store is None or self.store.write_back:
+            return
+        if req.store_keys is None:
+            req.store_keys = BlockKeys()
+        self.store.write(req.store_keys, req.tokens, req.kv_slots, req.computed, state_slot)
+
     def cache_prompt(self, req: Req) -> None:
         """The prefill is complete: share its KV through the tree (a tombstone path, its state keeps
         advancing in the request's slot), so requests arriving while it decodes find the branch point."""
         if self.cache_enabled and req.computed > req.tree_len:
             node = self.cache.insert(req.tokens, req.computed, req.kv_slots, req.tree_len, None)
             self._move_prefix(req, node)
+            if not self.track_states:  # every block end resumes: store the prompt's blocks
+                self.store_prefix(req, None)
 
     def _move_prefix(self, req: Req, node: TreeNode) -> None:
         assert req.node is not None
@@ -277,6 +304,7 @@ class ReqResources:
         self._return_backup(req)
         req.kv_slots, req.tree_len, req.node, req.state_slot = [], 0, None, None
         req.computed, req.splits, req.pending_ckpt, req.peek = 0, [], False, None
+        req.store_checked = False
         req.forget_sent()
 
     def end_kept_progress(self, req: Req) -> None:
@@ -284,6 +312,53 @@ class ReqResources:
         loses its eviction head start, which ends where it was retracted."""
         if req.retracted_at >= 0 and self.cache_enabled:
             self.cache.unkeep(req.tokens, req.retracted_at)
+
+    # ------------------------------------------------------------------ loads from the state store
+    def find_stored(self, req: Req, peek: PeekResult) -> StoredPrefix | None:
+        """The deepest stored prefix of the request past its memory match (asked once per wait)."""
+        if self.store is None or req.store_checked or not self.uses_cache(req):
+            return None
+        req.store_checked = True
+        if req.store_keys is None:
+            req.store_keys = BlockKeys()
+        return self.store.lookup(req.store_keys, req.tokens, peek.prefix_len, len(req.tokens) - 1)
+
+    def start_load(self, req: Req, peek: PeekResult, found: StoredPrefix) -> LoadTicket | str:
+        """Lock the memory match and take the slots the load fills; the ticket, or the refusal reason
+        ("kv", "mamba_state") with everything undone."""
+        assert self.store is not None and peek.epoch == self.cache.epoch and found.start == peek.prefix_len
+        cache = self.cache
+        cache.lock(peek.node)
+        state = None
+        if self.track_states:
+            state = cache.alloc_state()
+            if state is None:
+                cache.unlock(peek.node)
+                return "mamba_state"
+        kv = cache.alloc_kv(found.end - found.start)
+        if kv is None:
+            if state is not None:
+                self.state_alloc.free(state)
+            cache.unlock(peek.node)
+            return "kv"
+        return LoadTicket(self.store.next_load_id(), req.rid, peek.node, found.start, found.end, kv, state)
+
+    def store_load_message(self, ticket: LoadTicket, found: StoredPrefix) -> StoreLoad:
+        assert self.store is not None
+        return self.store.load_message(ticket, found)
+
+    def finish_load(self, req: Req, ticket: LoadTicket, loaded: bool) -> None:
+        """The load's result: its prefix joins the tree (the slots pass to it), or its slots are freed."""
+        cache = self.cache
+        if loaded:
+            prefix = cache.path_kv(ticket.node)
+            cache.insert(req.tokens, ticket.end, prefix + ticket.kv_slots, ticket.start, ticket.state_slot)
+        else:
+            self.kv_alloc.free_many(ticket.kv_slots)
+            if ticket.state_slot is not None:
+                self.state_alloc.free(ticket.state_slot)
+        cache.unlock(ticket.node)
+        req.peek = None
 
     # ------------------------------------------------------------------ the cache as a whole
     def drop_checkpoints(self, ckpt_nodes: list[tuple[TreeNode, int]]) -> None:

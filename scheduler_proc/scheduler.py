@@ -25,6 +25,7 @@ from scheduler_proc.radix_cache import HybridRadixCache
 from scheduler_proc.request import Req, ReqStatus, WaitingQueue, token_out, validate
 from scheduler_proc.resources import ReqResources, clamp_max_running
 from scheduler_proc.retry import RetryPolicy
+from scheduler_proc.store_tier import LoadTicket, StoreTier
 from shared.config import ServerArgs
 from shared.messages import FinishReason, ForwardBatch, GenerateReq, SchedulerInfo, StepResult, TokenOut
 from shared.model_info import ModelInfo
@@ -54,6 +55,7 @@ class Scheduler:
         kv_capacity: int,
         state_capacity: int,
         tuning: SchedulerTuning | None = None,
+        store: StoreTier | None = None,
     ) -> None:
         self.args = args
         self.model = model
@@ -62,7 +64,7 @@ class Scheduler:
         self.track_states = model.has_recurrent_state
         self.res = ReqResources(
             kv_capacity, state_capacity, self.track_states, not args.disable_radix_cache,
-            args.mamba_checkpoint_interval, not args.disable_prompt_checkpoint,
+            args.mamba_checkpoint_interval, not args.disable_prompt_checkpoint, store,
         )  # fmt: skip
         self.metrics = SchedulerMetrics()
         self.retry = RetryPolicy.for_config(args, model)
@@ -74,6 +76,7 @@ class Scheduler:
         # request it made room for and be re-admitted in its place, round after round
         self.waiting = WaitingQueue(args.schedule_policy == "priority" or args.enable_priority_preemption)
         self.running: dict[str, Req] = {}
+        self.loading: dict[str, Req] = {}  # requests whose stored prefix is loading (in the batch in flight)
         self.running_version = 0  # changes exactly when the running set does (in `transition`)
         self.new_token_ratio = self.tuning.init_ratio
         limits = AdmissionLimits(args.max_prefill_tokens, args.chunked_prefill_size, self.max_running,
@@ -91,7 +94,7 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.running) or len(self.waiting) > 0
+        return bool(self.running) or bool(self.loading) or len(self.waiting) > 0
 
     # ------------------------------------------------------------------ requests in and out
     def add_request(self, req: GenerateReq) -> list[TokenOut]:
@@ -125,7 +128,7 @@ class Scheduler:
         r = self.reqs.get(rid)
         if r is None:
             return []
-        if self.in_flight is not None and rid in self.in_flight.by_rid:
+        if self.in_flight is not None and (rid in self.in_flight.by_rid or r.status is ReqStatus.LOADING):
             r.abort_reason = reason or "aborted"  # finished when its StepResult is applied
             return []
         return [self._finish(r, "abort")]
@@ -136,6 +139,10 @@ class Scheduler:
         self.in_flight = None
         outs = [token_out(r, [], "error", error=reason) for r in self._reuse.values()]
         self._reuse.clear()
+        for r in list(self.loading.values()):
+            assert r.load is not None
+            self.res.finish_load(r, r.load, False)
+            r.load = None
         outs += [self._finish(r, "error", error=reason) for r in list(self.reqs.values())]
         self.res.flush()
         return outs
@@ -162,8 +169,11 @@ class Scheduler:
         self.admission.admit(self, b, prefill_used)
         self.speculation.attach(b)
         self.new_token_ratio = max(self.tuning.min_ratio, self.new_token_ratio - self.tuning.decay)
+        if self.res.store is not None:
+            b.store_writes = self.res.store.take_writes()
         if not b.entries:
             assert not b.ckpt_copies and not b.cow_copies, "state ops without a request to run them"
+        if b.empty:
             return None
         batch, self.in_flight = b.build()
         batch.ended, self._ended = self._ended, []
@@ -234,10 +244,10 @@ class Scheduler:
         if fl is None or result.step != fl.step:
             raise ValueError(f"StepResult for step {result.step}, in flight: {fl.step if fl else None}")
         self.in_flight = None
+        outs = self._apply_loads(fl, set(result.store_failed), bool(result.error))
         if result.error:
-            return self._fail_step(fl, f"worker step {result.step} failed: {result.error}")
+            return outs + self._fail_step(fl, f"worker step {result.step} failed: {result.error}")
         refused = set(result.refused)
-        outs: list[TokenOut] = []
         for e in fl.entries:
             r = e.req
             if r.rid in refused:
@@ -260,6 +270,29 @@ class Scheduler:
                 self.speculation.take_guesses(e, result.drafts)
         self.speculation.observe(fl.entries, refused, result.elapsed_s)
         return outs
+
+    def _apply_loads(self, fl: InFlight, failed: set[int], step_failed: bool) -> list[TokenOut]:
+        """The step's loads from the state store: each prefix joins the tree or (failed) is computed;
+        the request waits again (its stored prefix is looked up once per wait), or ends if aborted."""
+        outs: list[TokenOut] = []
+        for ticket in fl.loads:
+            r = self.loading[ticket.rid]
+            ok = not step_failed and ticket.load_id not in failed
+            self.res.finish_load(r, ticket, ok)
+            r.load = None
+            self.metrics.inc("hyssm_state_store_loads_total", result="loaded" if ok else "failed")
+            if ok:
+                self.metrics.inc("hyssm_state_store_loaded_tokens_total", ticket.end - ticket.start)
+            if r.abort_reason is not None:
+                outs.append(self._finish(r, "abort"))
+            else:
+                self.transition(r, ReqStatus.WAITING)
+        return outs
+
+    def start_load(self, r: Req, ticket: LoadTicket) -> None:
+        """The queue head waits for a load from the state store (admission's door into LOADING)."""
+        r.load = ticket
+        self.transition(r, ReqStatus.LOADING)
 
     def _settle_drafts(self, e: SliceEntry, result: StepResult) -> None:
         accepted = result.accepted.get(e.req.rid, 0)
@@ -370,26 +403,36 @@ class Scheduler:
         self.transition(r, ReqStatus.RUNNING)
 
     def transition(self, r: Req, to: ReqStatus, donate: bool = False, keep: bool = False) -> None:
-        """Move `r` from its status to `to` (WAITING <-> RUNNING, either -> FINISHED), never while
-        its slice is in flight. Leaving RUNNING gives back everything it holds (`donate`: its
-        computed KV and state move into the cache; `keep`: as a retracted request's progress,
-        evicted last); entering RUNNING takes nothing (ReqResources.start took its slots); a
-        WAITING request finishing ends its kept progress. FINISHED leaves the request table.
+        """Move `r` from its status to `to` (WAITING <-> RUNNING, WAITING <-> LOADING, any -> FINISHED),
+        never while its slice or its load is in flight. Leaving RUNNING gives back everything it holds
+        (`donate`: its computed KV and state move into the cache; `keep`: as a retracted request's
+        progress, evicted last); entering RUNNING or LOADING takes nothing (ReqResources.start and
+        start_load took the slots); a load's ticket is settled before the request leaves LOADING
+        (`_apply_loads`); a WAITING or LOADING request finishing ends its kept progress. FINISHED
+        leaves the request table.
         `running_version` changes exactly when the running set does."""
         frm = r.status
         assert frm is not to and frm is not ReqStatus.FINISHED, f"{r}: {frm.value} -> {to.value}"
-        if to is ReqStatus.RUNNING and self.waiting.peek() is not r:
+        assert (frm is ReqStatus.LOADING) <= (to is not ReqStatus.RUNNING), f"{r}: loading -> running"
+        assert r.load is None or to is ReqStatus.LOADING, f"{r} leaves {frm.value} holding a load"
+        if to in (ReqStatus.RUNNING, ReqStatus.LOADING) and self.waiting.peek() is not r:
             raise AssertionError(f"admitting {r}, but the queue head is {self.waiting.peek()}")
         if frm is ReqStatus.RUNNING:
             self.res.release(r, donate=donate, keep=keep)
             del self.running[r.rid]
-        elif to is ReqStatus.RUNNING:
+        elif frm is ReqStatus.LOADING:
+            del self.loading[r.rid]
+            if to is ReqStatus.FINISHED:
+                self.res.end_kept_progress(r)
+        elif to in (ReqStatus.RUNNING, ReqStatus.LOADING):
             self.waiting.pop()
         else:
             self.waiting.remove(r)
             self.res.end_kept_progress(r)
         if to is ReqStatus.RUNNING:
             self.running[r.rid] = r
+        elif to is ReqStatus.LOADING:
+            self.loading[r.rid] = r
         elif to is ReqStatus.WAITING:
             self.waiting.push(r)
         else:

@@ -103,6 +103,12 @@ class ServerArgs:
     speculative_ngram_min_match_window_size: int = 1
     speculative_ngram_max_match_window_size: int = 12
     disable_prompt_checkpoint: bool = False  # no state checkpoint at the end of each prompt
+    # the state store under the radix cache (docs/architecture.md, "State store")
+    state_cache_dir: str = ""  # a folder (any shared filesystem too) for stored prefixes; "" = no store
+    state_cache_size_gb: float = 16.0  # what one server keeps in it at most
+    hicache_write_policy: Literal["write_through", "write_back"] = "write_through"  # SGLang's flag
+    state_cache_block_tokens: int = 64  # tokens per stored block; a stored state resumes at a block's end
+    state_cache_write_queue_mb: int = 512  # writes waiting for the store; a write past it is dropped
     # chat (tokenizer process)
     chat_template: str = ""  # a template file, or the name of one of the checkpoint's named templates
     tool_call_parser: Literal["auto", "hermes", "qwen25", "granite", "nemotron", "qwen3_coder"] = "auto"
@@ -142,6 +148,8 @@ class ServerArgs:
             "--max-connections": self.max_connections,
             "--max-stored-responses": self.max_stored_responses,
             "--max-stored-responses-bytes": self.max_stored_responses_bytes,
+            "--state-cache-block-tokens": self.state_cache_block_tokens,
+            "--state-cache-write-queue-mb": self.state_cache_write_queue_mb,
         }
         for flag, value in positive.items():
             if value <= 0:
@@ -197,6 +205,8 @@ class ServerArgs:
             raise ConfigError(
                 f"--mamba-ssm-dtype must be {'|'.join(get_args(StateDtype))}, got {self.mamba_ssm_dtype!r}"
             )
+        if self.state_cache_size_gb <= 0:
+            raise ConfigError(f"--state-cache-size-gb must be positive, got {self.state_cache_size_gb}")
         if self.log_level.lower() not in ("debug", "info", "warning", "error", "critical"):
             raise ConfigError(f"--log-level must be debug|info|warning|error|critical, got {self.log_level}")
 

@@ -294,6 +294,35 @@ class ReqSlice(msgspec.Struct, kw_only=True, array_like=True):
     draft_next: int = 0
 
 
+class StoreWrite(msgspec.Struct, kw_only=True, array_like=True):
+    """Store a prefix's blocks and the state after them (docs/architecture.md, "State store"). Read
+    from the slots as they are when the batch arrives, before any of its copies, clears, loads or its
+    forward pass: block `kv_keys[i]` is the KV of `kv_slots[i * B:(i + 1) * B]` (B =
+    --state-cache-block-tokens); `state_key` (when set) names the recurrent state in `state_slot`,
+    the state after the last of those tokens."""
+
+    kv_keys: list[str]
+    kv_slots: list[int]
+    state_key: str = ""
+    state_slot: int = 0
+
+
+class StoreLoad(msgspec.Struct, kw_only=True, array_like=True):
+    """Load stored blocks (and the state after the last) into free slots, after the batch's copies and
+    clears and before its forward pass. The blocks `kv_keys` cover positions [first, end) of a prefix;
+    their first `skip` tokens are not written (the cache holds them), `kv_slots` takes every other
+    position in order. `state_key` / `state_slot`: the state at `end`. A load that fails on any rank
+    (an entry missing, damaged, or of another shape) is in StepResult.store_failed: its slots hold
+    nothing and the prefix is computed instead."""
+
+    load_id: int
+    kv_keys: list[str]
+    skip: int
+    kv_slots: list[int]
+    state_key: str = ""
+    state_slot: int = 0
+
+
 class ForwardBatch(msgspec.Struct, tag=True, kw_only=True):
     step: int
     reqs: list[ReqSlice]
@@ -302,6 +331,8 @@ class ForwardBatch(msgspec.Struct, tag=True, kw_only=True):
     # requests ended since the previous batch for which rank 0 holds state of its own (a grammar
     # matcher): it is dropped before this batch runs (a rid in `reqs` too is a new request reusing it)
     ended: list[str] = []
+    store_writes: list[StoreWrite] = []
+    store_loads: list[StoreLoad] = []
 
 
 class Shutdown(msgspec.Struct, tag=True, kw_only=True):
@@ -323,6 +354,26 @@ class WorkerReady(msgspec.Struct, tag=True, kw_only=True):
     state_slots: int  # usable state slots (slot 0, padding, not counted)
     device: str
     dtype: str
+    # the canonical JSON of the rank's state store namespace (shared/state_store/keys.py) when the
+    # server has a state store, else ""; rank 0's names the block keys the scheduler computes
+    store_namespace: str = ""
+
+
+class StoreStats(msgspec.Struct, kw_only=True):
+    """Rank 0's state store counters since start (cumulative) and its size now."""
+
+    entries_written: int = 0
+    bytes_written: int = 0
+    entries_read: int = 0
+    bytes_read: int = 0
+    write_drops: int = 0  # writes dropped: the writer's queue was full
+    write_errors: int = 0  # writes the store refused (unreachable, disk full)
+    read_errors: int = 0  # entries that could not be read back (missing, damaged, store unreachable)
+    write_seconds: list[float] = []  # each write's time (queue wait excluded) since the previous StepResult
+    load_seconds: list[float] = []  # each load's time since the previous StepResult
+    size_bytes: int = 0
+    capacity_bytes: int = 0
+    degraded: bool = False  # the store failed its last write: the server runs on memory alone until one works
 
 
 class StepResult(msgspec.Struct, tag=True, kw_only=True):
@@ -353,6 +404,8 @@ class StepResult(msgspec.Struct, tag=True, kw_only=True):
     drafts: dict[str, list[int]] = {}
     error: str | None = None
     elapsed_s: float = 0.0
+    store_failed: list[int] = []  # StoreLoad.load_id of every load that failed on some rank
+    store: StoreStats | None = None  # rank 0's state store, when the server has one
 
 
 ToSchedulerFromWorker = WorkerReady | StepResult

@@ -22,10 +22,12 @@ from shared.channels import SCHEDULER_TO_WORKER, TO_LAUNCHER, WORKER_TO_SCHEDULE
 from shared.config import FaultConfig, ServerArgs
 from shared.errors import StartupError
 from shared.messages import ForwardBatch, Heartbeat, ProcReady, Shutdown, StepResult, WorkerReady
+from shared.state_store import StoreError
 from worker_proc.host_memory import bound_onednn_caches, keep_freed_memory, map_load_blocks, onednn_cache_capacity
 from worker_proc.numerics import flush_denormals
 from worker_proc.plan_cache import default_cache_dir
 from worker_proc.runtime import ModelRunner
+from worker_proc.state_tier import StoreTier, namespace_json, store_namespace
 from worker_proc.threads import available_cores, thread_options
 
 logger = logging.getLogger(__name__)
@@ -112,6 +114,30 @@ def agree_refusals(
     return frozenset(rid for rid, m in zip(rids, mask.tolist(), strict=True) if m)
 
 
+def agree_failed_loads(batch: ForwardBatch, local: set[int], group: object | None,
+                       device: torch.device | str = "cpu") -> list[int]:
+    """A store load failed on every rank if it failed on any (the prefix is then computed on all)."""
+    ids = [load.load_id for load in batch.store_loads]
+    if group is None or not ids:
+        return sorted(local)
+    mask = torch.tensor([1 if i in local else 0 for i in ids], dtype=torch.int32, device=device)
+    dist.all_reduce(mask, op=dist.ReduceOp.MAX, group=group)
+    return sorted(i for i, m in zip(ids, mask.tolist(), strict=True) if m)
+
+
+def open_store(args: ServerArgs, runner: ModelRunner, rank: int) -> tuple[StoreTier | None, str]:
+    """This rank's state store (--state-cache-dir) and its namespace's canonical JSON; (None, "") without one."""
+    if not args.state_cache_dir:
+        return None, ""
+    numerics = runner.plan.kernels.ops + ("+deterministic" if args.enable_deterministic_inference else "")
+    namespace = store_namespace(args, runner.dtype, numerics, rank)
+    try:
+        tier = StoreTier.open(args, namespace, runner.pools)
+    except StoreError as e:
+        raise StartupError(f"rank {rank}: --state-cache-dir {args.state_cache_dir}: {e}") from e
+    return tier, namespace_json(namespace)
+
+
 def run(args: ServerArgs, rank: int) -> None:
     """Process entry for one rank: load, report ready, serve batches until Shutdown or killed."""
     device = resolve_device(args, rank)
@@ -158,6 +184,7 @@ def run(args: ServerArgs, rank: int) -> None:
         logger.info("rank %d: the load's blocks were their own mappings (%s); freed host memory of the steps "
                     "stays in the heap (no page faults on each step's temporaries)", rank,
                     "freed whole" if loads_mapped else "not applied")
+    tier, namespace = open_store(args, runner, rank)
     ctx = zmq.Context()
     rx: Receiver = Receiver(ctx, SCHEDULER_TO_WORKER, args, rank)
     tx: Sender = Sender(ctx, WORKER_TO_SCHEDULER, args)
@@ -167,6 +194,7 @@ def run(args: ServerArgs, rank: int) -> None:
         state_slots=runner.state_capacity,
         device=device,
         dtype=str(args.dtype),
+        store_namespace=namespace,
     )
     tx.send(ready, int(args.startup_timeout * 1000))
     to_launcher: Sender = Sender(ctx, TO_LAUNCHER, args)
@@ -174,7 +202,11 @@ def run(args: ServerArgs, rank: int) -> None:
     to_launcher.close(linger_ms=2000)
     logger.info("rank %d ready on %s: kv=%d mamba=%d", rank, device, runner.kv_capacity, runner.state_capacity)
     faults = FaultInjector(args.faults, rank, args.proc_name("worker", rank))
-    serve(runner, rx, tx if rank == 0 else None, faults, group, args)
+    try:
+        serve(runner, rx, tx if rank == 0 else None, faults, group, args, tier)
+    finally:
+        if tier is not None:
+            tier.close(args.graceful_shutdown_timeout)
 
 
 def serve(
@@ -184,6 +216,7 @@ def serve(
     faults: FaultInjector,
     group: object | None,
     args: ServerArgs,
+    tier: StoreTier | None = None,
 ) -> None:
     """The step loop. `tx` is None on ranks other than 0 (only rank 0 replies). The scheduler
     sends something at least every second; silence past the watchdog timeout (the start-up
@@ -208,10 +241,15 @@ def serve(
         try:
             faults.before_step(msg.step)
             refused = agree_refusals(msg, faults.refusals(msg), group, runner.device)
+            failed = tier.serve(msg) if tier is not None else set()
+            failed_loads = agree_failed_loads(msg, failed, group, runner.device)
             result = runner.step(msg, refused)
+            result.store_failed = failed_loads
         except Exception as e:  # the step failed: its requests get an error, serving goes on
             logger.exception("step %d failed", msg.step)
             result = StepResult(step=msg.step, error=f"{type(e).__name__}: {e}")
+        if tier is not None and tx is not None:
+            result.store = tier.take_stats()
         result.elapsed_s = time.perf_counter() - t0
         if tx is not None:
             tx.send(result)

@@ -282,3 +282,15 @@ class DirectoryStore:
                 check_key(key)
                 actual = os.stat(self.path(key)).st_size
                 assert actual == size, f"{key}: file of {actual} bytes, indexed as {size}"
+
+
+class DirectoryProbe:
+    """Whether an entry of a namespace's folder exists, without an index (the scheduler's lookups; the
+    worker's `DirectoryStore` of the same namespace owns the entries). A hint, as `contains` is."""
+
+    def __init__(self, root: str | os.PathLike[str], namespace: StoreNamespace) -> None:
+        self.folder = os.path.join(os.fspath(root), namespace.digest)
+
+    def contains(self, key: str) -> bool:
+        check_key(key)
+        return os.path.exists(os.path.join(self.folder, key[:2], key))

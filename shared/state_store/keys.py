@@ -11,7 +11,8 @@ Rules:
   blake2b-256(person=BLOCK_PERSON, data=parent key bytes + each token id as an unsigned 32-bit
   little-endian int). A block's key so names the namespace and every token from the sequence's start
   to the block's end: equal keys mean equal prefixes in the same namespace.
-- `chain_keys` keys only full blocks; a partial last block has no key.
+- `chain_keys` keys only full blocks; a partial last block has no key. The state after a block is
+  stored under `state_key(block key)` = blake2b-256(person=STATE_PERSON, data=block key bytes).
 """
 
 from __future__ import annotations
@@ -25,11 +26,12 @@ import struct
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 KEY_BYTES = 32
 TOKEN_FORMAT = "I"  # unsigned 32-bit, little-endian: every vocabulary fits
 ROOT_PERSON = b"hyssm.root"
 BLOCK_PERSON = b"hyssm.block"
+STATE_PERSON = b"hyssm.state"
 _KEY_RE = re.compile(r"[0-9a-f]{64}")
 
 
@@ -39,8 +41,10 @@ def canonical_json(value: Any) -> bytes:
 
 
 def config_fingerprint(config: Mapping[str, Any]) -> str:
-    """sha256 (hex) of a model config's canonical JSON (config.json's dict): equal configs, equal prints."""
-    return hashlib.sha256(canonical_json(dict(config))).hexdigest()
+    """sha256 (hex) of a model config's canonical JSON (config.json's dict): equal configs, equal prints.
+    Infinities and NaNs (a config's `time_step_limit`) are written as JSON5 literals here."""
+    text = json.dumps(dict(config), sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=True)
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def is_key(key: object) -> bool:
@@ -66,10 +70,11 @@ class StoreNamespace:
     tp_size: int
     tp_rank: int
     adapter_id: str = ""  # "" for none
+    numerics: str = ""  # which kernels computed the states ("" for unspecified), e.g. "native+deterministic"
     format_version: int = FORMAT_VERSION
 
     def __post_init__(self) -> None:
-        for name in ("model_config", "weights", "dtype", "quantization", "state_dtype", "adapter_id"):
+        for name in ("model_config", "weights", "dtype", "quantization", "state_dtype", "adapter_id", "numerics"):
             if not isinstance(getattr(self, name), str):
                 raise TypeError(f"StoreNamespace.{name} must be a str")
         for name in ("model_config", "weights", "dtype", "state_dtype"):
@@ -83,6 +88,12 @@ class StoreNamespace:
             raise ValueError(f"StoreNamespace: tp_rank {self.tp_rank} outside tp_size {self.tp_size}")
         if self.format_version < 1:
             raise ValueError("StoreNamespace.format_version must be >= 1")
+
+    def chain(self) -> StoreNamespace:
+        """The namespace the block keys are computed in: this one at rank 0. Every rank of a TP group
+        names a block by the same key (the scheduler computes it once); the rank's own namespace
+        (its digest) picks where its slice of the entry lives."""
+        return dataclasses.replace(self, tp_rank=0)
 
     def fields(self) -> dict[str, str | int]:
         return dataclasses.asdict(self)
@@ -112,6 +123,11 @@ def root_key(namespace: StoreNamespace) -> str:
 def block_key(parent_key: str, tokens: Sequence[int]) -> str:
     """The key of the block `tokens` that follows the block keyed `parent_key` (or the root key)."""
     return _hash(BLOCK_PERSON, bytes.fromhex(check_key(parent_key)) + _pack(tokens))
+
+
+def state_key(block: str) -> str:
+    """The key of the recurrent state after the block keyed `block` (the state that resumes there)."""
+    return _hash(STATE_PERSON, bytes.fromhex(check_key(block)))
 
 
 def chain_keys(namespace: StoreNamespace, tokens: Sequence[int], block_size: int) -> list[str]:

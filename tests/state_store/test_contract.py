@@ -130,5 +130,9 @@ def test_one_thread_puts_while_another_gets(backend: tuple[Factory, int]) -> Non
                 seen += 1
     thread.join()
     assert not errors and seen
-    assert store.keys() == [key(n) for n in range(192, 200)]
+    # a get counts as use, so an entry the reader got while the writer evicted it may outlive a later
+    # put: the store is full, holds the last put, and every entry it holds reads back whole
+    kept = store.keys()
+    assert len(kept) == 8 and key(199) in kept
+    assert all(store.get(k) is not None for k in kept)
     store.check_integrity()

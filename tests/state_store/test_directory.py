@@ -13,6 +13,7 @@ import pytest
 
 from shared.state_store import DirectoryStore, StoredEntry, StoreError
 from shared.state_store.entry_file import HEADER_SIZE, TMP_PREFIX
+from shared.state_store.keys import FORMAT_VERSION
 from tests.state_store.common import key, namespace
 
 ENTRY = HEADER_SIZE + 100
@@ -133,4 +134,4 @@ def test_an_unusable_root_is_a_store_error(tmp_path: Path) -> None:
 
 def test_a_namespace_of_another_format_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError):
-        DirectoryStore(tmp_path, ENTRY, namespace(format_version=2))
+        DirectoryStore(tmp_path, ENTRY, namespace(format_version=FORMAT_VERSION + 1))

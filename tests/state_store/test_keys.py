@@ -14,7 +14,8 @@ from tests.state_store.common import NAMESPACE_FIELDS, PYTHON, ROOT, namespace, 
 
 TOKENS = list(range(1000, 1040))
 CHANGES = dict(model_config="d" * 64, weights="rev-2", dtype="float16", quantization="fp8", state_dtype="bfloat16",
-               tp_size=4, tp_rank=1, adapter_id="lora-a", format_version=FORMAT_VERSION + 1)
+               tp_size=4, tp_rank=1, adapter_id="lora-a", numerics="reference",
+               format_version=FORMAT_VERSION + 1)
 
 
 def test_every_field_is_covered_by_a_change() -> None:
