@@ -52,10 +52,11 @@ class BatchBuilder:
     loads: list[LoadTicket] = field(default_factory=list)
     load_messages: list[StoreLoad] = field(default_factory=list)
     store_writes: list[StoreWrite] = field(default_factory=list)
+    store_clear: bool = False
 
     @property
     def empty(self) -> bool:
-        return not (self.entries or self.loads or self.store_writes)
+        return not (self.entries or self.loads or self.store_writes or self.store_clear)
 
     def add_load(self, ticket: LoadTicket, message: StoreLoad) -> None:
         self.loads.append(ticket)
@@ -96,7 +97,7 @@ class BatchBuilder:
             )
         batch = ForwardBatch(
             step=self.step, reqs=reqs, copies=self.ckpt_copies + self.cow_copies, clears=list(self.clears),
-            store_writes=list(self.store_writes), store_loads=list(self.load_messages),
+            store_writes=list(self.store_writes), store_loads=list(self.load_messages), store_clear=self.store_clear,
         )
         by_rid = {e.req.rid: e for e in self.entries}
         return batch, InFlight(self.step, list(self.entries), by_rid, list(self.ckpt_nodes), list(self.loads))

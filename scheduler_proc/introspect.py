@@ -14,7 +14,7 @@ from scheduler_proc.request import Req, ReqStatus, WaitingQueue
 from scheduler_proc.resources import ReqResources
 from scheduler_proc.retry import RetryPolicy
 from shared.config import ServerArgs
-from shared.messages import SchedulerInfo, ServerState
+from shared.messages import MetricRecord, SchedulerInfo, ServerState, StoreStats
 
 
 class SchedulerState(Protocol):
@@ -30,6 +30,8 @@ class SchedulerState(Protocol):
     def loading(self) -> Mapping[str, Req]: ...
     @property
     def max_running(self) -> int: ...
+    @property
+    def store_stats(self) -> StoreStats | None: ...
     @property
     def metrics(self) -> SchedulerMetrics: ...
     @property
@@ -171,6 +173,7 @@ def server_info(s: SchedulerState) -> SchedulerInfo:
         radix_cache=not s.args.disable_radix_cache,
         schedule_policy=s.args.schedule_policy,
         context_length=s.context_length,
+        state_store=s.store_stats,
     )
     gauges = [
         ("hyssm_kv_slots", "KV token slots by state.", {"state": "free"}, res.kv_alloc.num_free),
@@ -190,4 +193,28 @@ def server_info(s: SchedulerState) -> SchedulerInfo:
         ("hyssm_cache_locked_nodes", "Radix-cache nodes locked by running requests.", {}, cache.num_locked_nodes),
         ("hyssm_new_token_ratio", "Share of max_new_tokens reserved for running requests.", {}, s.new_token_ratio),
     ]
-    return SchedulerInfo(server=server, metrics=m.records(gauges))
+    return SchedulerInfo(server=server, metrics=m.records(gauges) + store_records(s.store_stats))
+
+
+def store_records(st: StoreStats | None) -> list[MetricRecord]:
+    """The state store's counters and size (rank 0's, as of the last step) as metric records."""
+    if st is None:
+        return []
+    def rec(name: str, kind: str, text: str, value: float, **labels: str) -> MetricRecord:
+        return MetricRecord(name=name, type=kind, help=text, labels=labels, value=value)  # type: ignore[arg-type]
+    by_op = "State store {} by operation (write: stored by the writer; read: loaded back)."
+    return [
+        rec("hyssm_state_store_bytes_total", "counter", by_op.format("payload bytes"), st.bytes_written, op="write"),
+        rec("hyssm_state_store_bytes_total", "counter", by_op.format("payload bytes"), st.bytes_read, op="read"),
+        rec("hyssm_state_store_entries_total", "counter", by_op.format("entries"), st.entries_written, op="write"),
+        rec("hyssm_state_store_entries_total", "counter", by_op.format("entries"), st.entries_read, op="read"),
+        rec("hyssm_state_store_errors_total", "counter", "State store writes the store refused and entries that "
+            "could not be read back (missing, damaged, store unreachable).", st.write_errors, op="write"),
+        rec("hyssm_state_store_errors_total", "counter", "", st.read_errors, op="read"),
+        rec("hyssm_state_store_write_drops_total", "counter", "State store writes dropped because the writer's "
+            "queue (--state-cache-write-queue-mb) was full.", st.write_drops),
+        rec("hyssm_state_store_size_bytes", "gauge", "Bytes this server keeps in the state store.", st.size_bytes),
+        rec("hyssm_state_store_capacity_bytes", "gauge", "--state-cache-size-gb in bytes.", st.capacity_bytes),
+        rec("hyssm_state_store_degraded", "gauge", "1 while the state store fails writes (memory-only serving).",
+            int(st.degraded)),
+    ]

@@ -35,6 +35,9 @@ _COUNTERS: dict[str, str] = {
     "hyssm_state_store_loads_total": "Loads of stored prefixes from the state store: started, loaded, or failed "
     "(an entry missing or damaged: the prefix was computed).",
     "hyssm_state_store_loaded_tokens_total": "Prompt tokens whose KV and state were loaded from the state store.",
+    "hyssm_cache_hits_total": "Requests that started from a cached prefix, by the tier it came from (memory: the "
+    "radix cache's pools; store: loaded from the state store first).",
+    "hyssm_cache_hit_tokens_total": "Prompt tokens served from a cache tier at admission, by tier.",
 }
 
 # label and the values every exposition shows (as zeros before the first event)
@@ -47,12 +50,24 @@ _LABELS: dict[str, tuple[str, tuple[str, ...]]] = {
     "hyssm_retractions_total": ("cause", ("kv", "priority")),
     "hyssm_requests_finished_total": ("reason", ("stop", "length", "abort", "error")),
     "hyssm_state_store_loads_total": ("result", ("started", "loaded", "failed")),
+    "hyssm_cache_hits_total": ("tier", ("memory", "store")),
+    "hyssm_cache_hit_tokens_total": ("tier", ("memory", "store")),
 }
+
+
+_HISTOGRAMS: dict[str, str] = {
+    "hyssm_state_store_load_seconds": "Time a worker took to load a stored prefix (read, check, copy into the pools).",
+    "hyssm_state_store_write_seconds": "Time the worker's writer took to store one entry (queue wait excluded).",
+}
+HISTOGRAM_BOUNDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
 class SchedulerMetrics:
     def __init__(self) -> None:
         self.counts: Counter[tuple[str, tuple[tuple[str, str], ...]]] = Counter()
+        # per histogram: the count of observations <= each bound, then of all of them; their sum
+        self.histograms: dict[str, list[int]] = {name: [0] * (len(HISTOGRAM_BOUNDS) + 1) for name in _HISTOGRAMS}
+        self.histogram_sums: dict[str, float] = dict.fromkeys(_HISTOGRAMS, 0.0)
         for name in _COUNTERS:
             label, values = _LABELS.get(name, ("", ()))
             if not label:
@@ -63,6 +78,14 @@ class SchedulerMetrics:
     def inc(self, name: str, value: int = 1, **labels: str) -> None:
         assert name in _COUNTERS, name
         self.counts[(name, tuple(sorted(labels.items())))] += value
+
+    def observe(self, name: str, value: float) -> None:
+        counts = self.histograms[name]
+        for i, bound in enumerate(HISTOGRAM_BOUNDS):
+            if value <= bound:
+                counts[i] += 1
+        counts[-1] += 1
+        self.histogram_sums[name] += value
 
     def get(self, name: str, **labels: str) -> int:
         return self.counts[(name, tuple(sorted(labels.items())))]
@@ -75,4 +98,10 @@ class SchedulerMetrics:
         ]
         for name, help_text, labels, value in gauges:
             out.append(MetricRecord(name=name, type="gauge", help=help_text, labels=labels, value=float(value)))
+        for name, counts in self.histograms.items():
+            les = [*(str(b) for b in HISTOGRAM_BOUNDS), "+Inf"]
+            out += [MetricRecord(name=name, type="histogram", help=_HISTOGRAMS[name], labels={"le": le}, value=n)
+                    for le, n in zip(les, counts, strict=True)]
+            out.append(MetricRecord(name=name, type="histogram", help=_HISTOGRAMS[name], labels={"le": "sum"},
+                                    value=self.histogram_sums[name]))
         return out

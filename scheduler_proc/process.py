@@ -127,6 +127,8 @@ class SchedulerLoop:
         self.stats = LoopStats()
         self._sent_at = 0.0  # perf_counter() when the in-flight batch left
         self._result_at: float | None = None  # perf_counter() when a StepResult was applied this round
+        self._store_clear_waiters: list[int] = []  # flushes with include_store not yet sent to the workers
+        self._store_clearing: list[int] = []  # those whose batch (store_clear) is in flight
 
     def wait_for_workers(self) -> tuple[dict[str, int], str]:
         """Collect WorkerReady from every rank; capacities are the minimum across ranks. Also rank 0's
@@ -210,6 +212,8 @@ class SchedulerLoop:
             self.stats.on_turnaround(self._sent_at - self._result_at)
         self.in_flight = batch
         self.in_flight_since = self.last_sent = time.monotonic()
+        if batch.store_clear:
+            self._store_clearing, self._store_clear_waiters = self._store_clear_waiters, []
 
     def _heartbeat(self) -> None:
         now = time.monotonic()
@@ -231,7 +235,10 @@ class SchedulerLoop:
             elif isinstance(msg, GetInfoReq):
                 self.to_tok.send(InfoResp(req_id=msg.req_id, info=self._info()))
             elif isinstance(msg, FlushCacheReq):
-                ok = self.in_flight is None and self.sched.flush_cache()
+                ok = self.in_flight is None and self.sched.flush_cache(msg.include_store)
+                if ok and msg.include_store and self.sched.res.store is not None:
+                    self._store_clear_waiters.append(msg.req_id)  # answered when the workers emptied it
+                    continue
                 text = "" if ok else "cannot flush the cache while requests are running"
                 self.to_tok.send(FlushCacheResp(req_id=msg.req_id, ok=ok, message=text))
         return outs
@@ -250,6 +257,10 @@ class SchedulerLoop:
             self._result_at = time.perf_counter()
             self.stats.on_result(self._result_at - self._sent_at, msg.elapsed_s)
             outs.extend(self.sched.apply_result(msg))
+            for req_id in self._store_clearing:
+                text = f"the state store was not emptied: {msg.error}" if msg.error else "cache and state store flushed"
+                self.to_tok.send(FlushCacheResp(req_id=req_id, ok=not msg.error, message=text))
+            self._store_clearing = []
         return outs
 
     def _check_watchdog(self) -> None:

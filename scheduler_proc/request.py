@@ -41,6 +41,7 @@ class Req:
         "pending_ckpt", "cached_tokens", "admitted", "abort_reason", "peek", "queue_token",
         "retracted_at", "refusals", "sent_kv", "sent_step", "prompt_lps", "prompt_tops", "prompt_ranks",
         "save_prompt_state", "backup_slot", "arrived", "queue_s", "store_keys", "store_checked", "load",
+        "loaded_tokens",
     )  # fmt: skip
 
     def __init__(self, rid: str, input_ids: list[int], sampling: SamplingParams, priority: int, seq: int) -> None:
@@ -81,6 +82,7 @@ class Req:
         self.store_keys: BlockKeys | None = None  # its block keys in the state store, as far as computed
         self.store_checked = False  # the state store was asked for its prefix since it last started waiting
         self.load: LoadTicket | None = None  # while LOADING: the load it waits for (owns its slots)
+        self.loaded_tokens = 0  # prompt tokens the state store served it (before its first admission)
 
     def mark_sent(self, step: int, n_slots: int) -> None:
         """Batch `step` ran this request with kv_slots[:n_slots]: the workers hold those slots."""

@@ -341,7 +341,8 @@ class ReqResources:
                 self.state_alloc.free(state)
             cache.unlock(peek.node)
             return "kv"
-        return LoadTicket(self.store.next_load_id(), req.rid, peek.node, found.start, found.end, kv, state)
+        keys = [*found.kv_keys, *([found.state_key] if found.state_key else [])]
+        return LoadTicket(self.store.next_load_id(), req.rid, peek.node, found.start, found.end, kv, state, keys)
 
     def store_load_message(self, ticket: LoadTicket, found: StoredPrefix) -> StoreLoad:
         assert self.store is not None
@@ -357,6 +358,8 @@ class ReqResources:
             self.kv_alloc.free_many(ticket.kv_slots)
             if ticket.state_slot is not None:
                 self.state_alloc.free(ticket.state_slot)
+            if self.store is not None:
+                self.store.forget(ticket.keys)
         cache.unlock(ticket.node)
         req.peek = None
 

@@ -27,7 +27,7 @@ from scheduler_proc.resources import ReqResources, clamp_max_running
 from scheduler_proc.retry import RetryPolicy
 from scheduler_proc.store_tier import LoadTicket, StoreTier
 from shared.config import ServerArgs
-from shared.messages import FinishReason, ForwardBatch, GenerateReq, SchedulerInfo, StepResult, TokenOut
+from shared.messages import FinishReason, ForwardBatch, GenerateReq, SchedulerInfo, StepResult, StoreStats, TokenOut
 from shared.model_info import ModelInfo
 
 logger = logging.getLogger(__name__)
@@ -77,6 +77,7 @@ class Scheduler:
         self.waiting = WaitingQueue(args.schedule_policy == "priority" or args.enable_priority_preemption)
         self.running: dict[str, Req] = {}
         self.loading: dict[str, Req] = {}  # requests whose stored prefix is loading (in the batch in flight)
+        self.store_stats: StoreStats | None = None  # rank 0's state store counters, as of the last StepResult
         self.running_version = 0  # changes exactly when the running set does (in `transition`)
         self.new_token_ratio = self.tuning.init_ratio
         limits = AdmissionLimits(args.max_prefill_tokens, args.chunked_prefill_size, self.max_running,
@@ -147,10 +148,14 @@ class Scheduler:
         self.res.flush()
         return outs
 
-    def flush_cache(self) -> bool:
-        if self.running or self.in_flight is not None:
+    def flush_cache(self, include_store: bool = False) -> bool:
+        """Empty the memory cache (and with `include_store` the state store, by the next batch);
+        False while requests run or load."""
+        if self.running or self.loading or self.in_flight is not None:
             return False
         self.res.flush()
+        if include_store and self.res.store is not None:
+            self.res.store.clear()
         return True
 
     # ------------------------------------------------------------------ one round
@@ -169,8 +174,9 @@ class Scheduler:
         self.admission.admit(self, b, prefill_used)
         self.speculation.attach(b)
         self.new_token_ratio = max(self.tuning.min_ratio, self.new_token_ratio - self.tuning.decay)
-        if self.res.store is not None:
-            b.store_writes = self.res.store.take_writes()
+        if (store := self.res.store) is not None:
+            b.store_writes = store.take_writes()
+            b.store_clear, store.clear_pending = store.clear_pending, False
         if not b.entries:
             assert not b.ckpt_copies and not b.cow_copies, "state ops without a request to run them"
         if b.empty:
@@ -244,6 +250,12 @@ class Scheduler:
         if fl is None or result.step != fl.step:
             raise ValueError(f"StepResult for step {result.step}, in flight: {fl.step if fl else None}")
         self.in_flight = None
+        if result.store is not None:
+            self.store_stats = result.store
+            for seconds in result.store.load_seconds:
+                self.metrics.observe("hyssm_state_store_load_seconds", seconds)
+            for seconds in result.store.write_seconds:
+                self.metrics.observe("hyssm_state_store_write_seconds", seconds)
         outs = self._apply_loads(fl, set(result.store_failed), bool(result.error))
         if result.error:
             return outs + self._fail_step(fl, f"worker step {result.step} failed: {result.error}")
@@ -283,6 +295,7 @@ class Scheduler:
             self.metrics.inc("hyssm_state_store_loads_total", result="loaded" if ok else "failed")
             if ok:
                 self.metrics.inc("hyssm_state_store_loaded_tokens_total", ticket.end - ticket.start)
+                r.loaded_tokens += ticket.end - ticket.start
             if r.abort_reason is not None:
                 outs.append(self._finish(r, "abort"))
             else:
@@ -340,6 +353,11 @@ class Scheduler:
             m.inc("hyssm_prefix_cache_queried_tokens_total", len(r.tokens))
             m.inc("hyssm_prefix_cache_hit_tokens_total", e.start, kind="state")
             m.inc("hyssm_prefix_cache_hit_tokens_total", max(0, kv_len - e.start), kind="kv_only")
+            from_store = min(r.loaded_tokens, e.start)
+            if e.start:
+                m.inc("hyssm_cache_hits_total", tier="store" if from_store else "memory")
+            m.inc("hyssm_cache_hit_tokens_total", from_store, tier="store")
+            m.inc("hyssm_cache_hit_tokens_total", e.start - from_store, tier="memory")
 
     def _emit(self, r: Req, e: SliceEntry, result: StepResult) -> TokenOut | None:
         if r.abort_reason is not None:

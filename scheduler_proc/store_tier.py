@@ -57,6 +57,7 @@ class LoadTicket:
     end: int
     kv_slots: list[int]
     state_slot: int | None
+    keys: list[str]  # the entries it reads (forgotten as written when it fails)
 
 
 class BlockKeys:
@@ -89,6 +90,7 @@ class StoreTier:
         self.write_back = write_back
         self.written: OrderedDict[str, None] = OrderedDict()
         self.pending: list[StoreWrite] = []
+        self.clear_pending = False  # the next batch empties the store
         self._ids = itertools.count(1)
 
     def next_load_id(self) -> int:
@@ -119,6 +121,9 @@ class StoreTier:
         return None
 
     def _present(self, key: str) -> bool:
+        """Sent for writing (the workers read a queued entry as a stored one), or in the store."""
+        if key in self.written:
+            return True
         try:
             return self.contains(key)
         except OSError as e:
@@ -170,6 +175,12 @@ class StoreTier:
         """These keys were found missing: a later write may store them again."""
         for key in keys:
             self.written.pop(key, None)
+
+    def clear(self) -> None:
+        """Empty the store with the next batch: nothing queued is written, every block may be again."""
+        self.clear_pending = True
+        self.pending.clear()
+        self.written.clear()
 
     def take_writes(self) -> list[StoreWrite]:
         out, self.pending = self.pending, []

@@ -102,6 +102,7 @@ class AbortReq(msgspec.Struct, tag=True, kw_only=True):
 
 class FlushCacheReq(msgspec.Struct, tag=True, kw_only=True):
     req_id: int
+    include_store: bool = False  # empty the state store too (POST /flush_cache?include_store=true)
 
 
 class GetInfoReq(msgspec.Struct, tag=True, kw_only=True):
@@ -155,13 +156,32 @@ MetricName = Annotated[str, msgspec.Meta(pattern=r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")]
 
 class MetricRecord(msgspec.Struct, frozen=True, kw_only=True):
     """One Prometheus sample for GET /metrics. Several records may share a name (a family) with
-    different labels; a counter's name ends in `_total`."""
+    different labels; a counter's name ends in `_total`. A histogram is one record per bucket (label
+    `le`: the bucket's upper bound, "+Inf" last; value: the cumulative count) and one with label
+    `le` = "sum" (the sum of the observations); like counters, they add up across replicas."""
 
     name: MetricName
-    type: Literal["counter", "gauge"]
+    type: Literal["counter", "gauge", "histogram"]
     help: str
     labels: dict[str, str]
     value: int | float
+
+
+class StoreStats(msgspec.Struct, kw_only=True):
+    """Rank 0's state store counters since start (cumulative) and its size now."""
+
+    entries_written: int = 0
+    bytes_written: int = 0
+    entries_read: int = 0
+    bytes_read: int = 0
+    write_drops: int = 0  # writes dropped: the writer's queue was full
+    write_errors: int = 0  # writes the store refused (unreachable, disk full)
+    read_errors: int = 0  # entries that could not be read back (missing, damaged, store unreachable)
+    write_seconds: list[float] = []  # each write's time (queue wait excluded) since the previous StepResult
+    load_seconds: list[float] = []  # each load's time since the previous StepResult
+    size_bytes: int = 0
+    capacity_bytes: int = 0
+    degraded: bool = False  # the store failed its last write: the server runs on memory alone until one works
 
 
 class ServerState(msgspec.Struct, frozen=True, kw_only=True):
@@ -197,6 +217,7 @@ class ServerState(msgspec.Struct, frozen=True, kw_only=True):
     radix_cache: bool = True
     schedule_policy: str = ""
     context_length: int = 0
+    state_store: StoreStats | None = None  # rank 0's state store (--state-cache-dir), None without one
 
 
 class LoopInfo(msgspec.Struct, frozen=True, kw_only=True):
@@ -333,6 +354,7 @@ class ForwardBatch(msgspec.Struct, tag=True, kw_only=True):
     ended: list[str] = []
     store_writes: list[StoreWrite] = []
     store_loads: list[StoreLoad] = []
+    store_clear: bool = False  # empty the state store (after this batch's writes were queued: they go too)
 
 
 class Shutdown(msgspec.Struct, tag=True, kw_only=True):
@@ -357,23 +379,6 @@ class WorkerReady(msgspec.Struct, tag=True, kw_only=True):
     # the canonical JSON of the rank's state store namespace (shared/state_store/keys.py) when the
     # server has a state store, else ""; rank 0's names the block keys the scheduler computes
     store_namespace: str = ""
-
-
-class StoreStats(msgspec.Struct, kw_only=True):
-    """Rank 0's state store counters since start (cumulative) and its size now."""
-
-    entries_written: int = 0
-    bytes_written: int = 0
-    entries_read: int = 0
-    bytes_read: int = 0
-    write_drops: int = 0  # writes dropped: the writer's queue was full
-    write_errors: int = 0  # writes the store refused (unreachable, disk full)
-    read_errors: int = 0  # entries that could not be read back (missing, damaged, store unreachable)
-    write_seconds: list[float] = []  # each write's time (queue wait excluded) since the previous StepResult
-    load_seconds: list[float] = []  # each load's time since the previous StepResult
-    size_bytes: int = 0
-    capacity_bytes: int = 0
-    degraded: bool = False  # the store failed its last write: the server runs on memory alone until one works
 
 
 class StepResult(msgspec.Struct, tag=True, kw_only=True):

@@ -128,8 +128,11 @@ async def model_info(request: Request) -> Response:
 async def flush_cache(request: Request) -> Response:
     ctx = get_ctx(request)
     await request.app.state.health.settle()  # this server's own /health probe is not a running request to refuse for
+    flag = request.query_params.get("include_store", "false").lower()
+    if flag not in ("true", "false", "1", "0"):
+        raise ApiError(400, f"include_store must be true or false, got {flag!r}", param="include_store")
     try:
-        ok, message = await ctx.backend.flush_cache()
+        ok, message = await ctx.backend.flush_cache(include_store=flag in ("true", "1"))
     except (BackendUnavailable, TimeoutError) as e:
         raise unavailable(f"the scheduler did not answer: {e}") from e
     if not ok:

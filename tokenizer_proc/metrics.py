@@ -14,7 +14,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from shared.messages import MetricRecord
@@ -94,7 +94,11 @@ class SchedulerCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         families: dict[str, Metric] = {}
         label_names: dict[str, list[str]] = {}
+        histograms: dict[str, list[MetricRecord]] = {}
         for rec in self._records:
+            if rec.type == "histogram":
+                histograms.setdefault(rec.name, []).append(rec)
+                continue
             fam = families.get(rec.name)
             if fam is None:
                 label_names[rec.name] = sorted(rec.labels)
@@ -102,6 +106,11 @@ class SchedulerCollector(Collector):
                 fam = families[rec.name] = cls(rec.name, rec.help or rec.name, labels=label_names[rec.name])
             fam.add_metric([rec.labels.get(k, "") for k in label_names[rec.name]], float(rec.value))
         yield from families.values()
+        for name, recs in histograms.items():
+            buckets = [(r.labels["le"], float(r.value)) for r in recs if r.labels.get("le") != "sum"]
+            total = sum(float(r.value) for r in recs if r.labels.get("le") == "sum")
+            buckets.sort(key=lambda b: float(b[0]))
+            yield HistogramMetricFamily(name, recs[0].help or name, buckets=buckets, sum_value=total)
 
 
 class _Families(Collector):

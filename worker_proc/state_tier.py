@@ -120,6 +120,7 @@ class StoreWriter:
         self.limit = limit_bytes
         self.stats = stats
         self._pending = 0
+        self._queued: dict[str, tuple[bytes, torch.Tensor]] = {}
         self._lock = threading.Lock()
         self.lock = self._lock  # guards `stats`, which the loads of the step's thread update too
         self._queue: queue.Queue[_Job | None] = queue.Queue()
@@ -133,8 +134,16 @@ class StoreWriter:
                 self.stats.write_drops += len(job.entries)
                 return False
             self._pending += job.nbytes
+            for key, meta, payload in job.entries:
+                self._queued[key] = (meta, payload)
         self._queue.put(job)
         return True
+
+    def queued(self, key: str) -> tuple[bytes, torch.Tensor] | None:
+        """An entry waiting to be written (a load reads it from here: what is queued is already stored
+        as far as the scheduler knows)."""
+        with self._lock:
+            return self._queued.get(key)
 
     def flush(self, timeout: float) -> bool:
         """Wait until every queued write is done (a graceful shutdown); False on timeout."""
@@ -158,6 +167,9 @@ class StoreWriter:
         while (job := self._queue.get()) is not None:
             for key, meta, payload in job.entries:
                 self._put(key, meta, payload)
+                with self._lock:
+                    if (queued := self._queued.get(key)) is not None and queued[1] is payload:
+                        del self._queued[key]
             with self._lock:
                 self._pending -= job.nbytes
                 self._idle.notify_all()
@@ -218,7 +230,15 @@ class StoreTier:
         the ids of the loads that failed on this rank."""
         for w in batch.store_writes:
             self._write(w)
+        if batch.store_clear:
+            self.clear()
         return {load.load_id for load in batch.store_loads if not self._load(load)}
+
+    def clear(self) -> None:
+        """Empty the store: the queued writes finish first, then every entry of this namespace goes."""
+        self.writer.flush(600.0)
+        removed = self.store.clear()
+        logger.info("state store emptied: %d entries removed", removed)
 
     def _write(self, w: StoreWrite) -> None:
         b, lay, entries = self.block, self.layout, []
@@ -236,6 +256,10 @@ class StoreTier:
             self.writer.submit(_Job(entries, sum(p.numel() for _, _, p in entries)))
 
     def _read(self, key: str, meta: bytes, nbytes: int) -> torch.Tensor | None:
+        if (queued := self.writer.queued(key)) is not None:
+            queued_meta, payload = queued
+            if queued_meta == meta and payload.numel() == nbytes:
+                return payload
         try:
             entry = self.store.get(key)
         except StoreError as e:

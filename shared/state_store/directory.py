@@ -273,6 +273,23 @@ class DirectoryStore:
         with self._lock:
             return list(self._index)
 
+    def clear(self) -> int:
+        """Remove every entry of this namespace's folder (indexed or written by another instance) and
+        every temporary file whose writer is gone; returns the entries removed."""
+        removed = 0
+        with self._lock:
+            self._index.clear()
+            self._size = 0
+            try:
+                for entry in self._scan_files():
+                    if entry.name.startswith(ef.TMP_PREFIX):
+                        ef.remove_abandoned_temp(entry.path)
+                    elif is_key(entry.name) and ef.remove_quietly(entry.path):
+                        removed += 1
+            except OSError as e:
+                raise StoreError(f"state store: cannot empty {self.folder}: {e}") from e
+        return removed
+
     def check_integrity(self) -> None:
         """The index adds up, fits the capacity, and names files of the sizes it counts."""
         with self._lock:

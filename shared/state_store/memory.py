@@ -84,6 +84,13 @@ class MemoryStore:
         with self._lock:
             return list(self._entries)
 
+    def clear(self) -> int:
+        with self._lock:
+            removed = len(self._entries)
+            self._entries.clear()
+            self._size = 0
+            return removed
+
     def check_integrity(self) -> None:
         with self._lock:
             total = sum(self._bytes(e) for e in self._entries.values())

@@ -10,7 +10,8 @@ Rules for every backend:
   and not an error (`put` leaves no entry under its key; `contains` is then False); eviction of
   least-recently used entries (put and got count as use, `contains` does not) makes room for the rest.
 - Overwriting a key replaces its entry. `keys()` lists what the instance holds, least recently used
-  first; `size_bytes <= capacity_bytes` whenever no call is in flight.
+  first; `size_bytes <= capacity_bytes` whenever no call is in flight. `clear()` removes every entry
+  of the store (its namespace's, whoever wrote them) and returns how many.
 - Backends are thread-safe: one thread may put while another gets.
 """
 
@@ -57,5 +58,7 @@ class StateStore(Protocol):
     def delete(self, key: str) -> bool: ...
 
     def keys(self) -> list[str]: ...
+
+    def clear(self) -> int: ...
 
     def check_integrity(self) -> None: ...

@@ -136,3 +136,27 @@ def test_one_thread_puts_while_another_gets(backend: tuple[Factory, int]) -> Non
     assert len(kept) == 8 and key(199) in kept
     assert all(store.get(k) is not None for k in kept)
     store.check_integrity()
+
+
+def test_clear_removes_every_entry(backend: tuple[Factory, int]) -> None:
+    store = stores_for(backend, 4)
+    for n in range(3):
+        store.put(key(n), payload(n))
+    assert store.clear() == 3
+    assert store.keys() == [] and store.size_bytes == 0
+    assert all(store.get(key(n)) is None and not store.contains(key(n)) for n in range(3))
+    store.put(key(9), payload(9))
+    assert store.get(key(9)) is not None
+    store.check_integrity()
+
+
+def test_directory_clear_removes_what_another_instance_wrote(tmp_path: Path) -> None:
+    capacity = 4 * (PAYLOAD + HEADER_SIZE)
+    a, b = DirectoryStore(tmp_path, capacity, namespace()), DirectoryStore(tmp_path, capacity, namespace())
+    a.put(key(1), payload(1))
+    b.put(key(2), payload(2))
+    other = DirectoryStore(tmp_path, capacity, namespace(tp_rank=1))
+    other.put(key(3), payload(3))
+    assert a.clear() == 2
+    assert b.get(key(2)) is None and a.get(key(1)) is None
+    assert other.get(key(3)) is not None  # another namespace's folder is never touched

@@ -140,7 +140,7 @@ class FakeBackend:
             raise BackendUnavailable("fake scheduler is down")
         return self.info_doc
 
-    async def flush_cache(self) -> tuple[bool, str]:
+    async def flush_cache(self, include_store: bool = False) -> tuple[bool, str]:
         return self.flush_result
 
     def check_integrity(self) -> None:

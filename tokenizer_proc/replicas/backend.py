@@ -66,7 +66,7 @@ def merge_metrics(live: Sequence[list[MetricRecord]], gone: Sequence[list[Metric
     n: Counter[tuple[str, tuple[tuple[str, str], ...]]] = Counter()
     for records, counters_only in [(r, False) for r in live] + [(r, True) for r in gone]:
         for rec in records:
-            if counters_only and rec.type != "counter":
+            if counters_only and rec.type == "gauge":
                 continue
             key = (rec.name, tuple(sorted(rec.labels.items())))
             first.setdefault(key, rec)
@@ -157,11 +157,12 @@ class ReplicatedBackend:
                 w.cancel()
             await asyncio.gather(*waits, return_exceptions=True)
 
-    async def _each_live(self, what: str) -> dict[int, Any]:
+    async def _each_live(self, what: str, include_store: bool = False) -> dict[int, Any]:
         live = self.live()
         if not live:
             raise BackendUnavailable("no replica is available")
-        coros = [self.clients[d].info() if what == "info" else self.clients[d].flush_cache() for d in live]
+        coros = [self.clients[d].info() if what == "info" else self.clients[d].flush_cache(include_store)
+                 for d in live]
         results = await asyncio.gather(*coros, return_exceptions=True)
         answers = {}
         for d, res in zip(live, results, strict=True):
@@ -218,8 +219,8 @@ class ReplicatedBackend:
             })
         return out
 
-    async def flush_cache(self) -> tuple[bool, str]:
-        answers: dict[int, tuple[bool, str]] = await self._each_live("flush")
+    async def flush_cache(self, include_store: bool = False) -> tuple[bool, str]:
+        answers: dict[int, tuple[bool, str]] = await self._each_live("flush", include_store)
         for d, (ok, _) in answers.items():
             if ok:
                 self.router.forget(d)

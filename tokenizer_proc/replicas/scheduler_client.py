@@ -118,7 +118,7 @@ class SchedulerClient:
             self.abort(rid, reason)
         return len(rids)
 
-    async def _control(self, make: type[GetInfoReq] | type[FlushCacheReq]) -> Any:
+    async def _control(self, make: type[GetInfoReq] | type[FlushCacheReq], **fields: Any) -> Any:
         if self._dead is not None:
             raise BackendUnavailable(self._dead)
         self._next_req_id += 1
@@ -126,7 +126,7 @@ class SchedulerClient:
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._pending[req_id] = fut
         try:
-            self._send(make(req_id=req_id))
+            self._send(make(req_id=req_id, **fields))
             return await asyncio.wait_for(fut, self._timeout)
         except asyncio.TimeoutError as e:
             raise TimeoutError(f"no answer from the scheduler within {self._timeout} s") from e
@@ -142,8 +142,8 @@ class SchedulerClient:
         resp: InfoResp = await self._control(GetInfoReq)
         return resp.info
 
-    async def flush_cache(self) -> tuple[bool, str]:
-        resp: FlushCacheResp = await self._control(FlushCacheReq)
+    async def flush_cache(self, include_store: bool = False) -> tuple[bool, str]:
+        resp: FlushCacheResp = await self._control(FlushCacheReq, include_store=include_store)
         return resp.ok, resp.message
 
     async def _read_loop(self) -> None:

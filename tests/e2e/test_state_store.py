@@ -1,0 +1,185 @@
+"""The persistent state store (issue 57) through real launch.py processes: prompts served after a
+restart on a filled `--state-cache-dir` load their stored prefixes and still produce, bit for bit,
+the greedy tokens and logprobs of an uninterrupted server without a store.
+
+Per case (the built-in Mamba2 hybrid with float32 and int8 states, a Gated DeltaNet hybrid, TP=2,
+NGRAM speculative decoding), with --enable-deterministic-inference and 32-token blocks:
+- a reference server without a store runs every prompt once;
+- run 1 (store on, fresh folder) serves the prompts that fill the store, and stops;
+- run 2 (same folder) serves prompts that load what run 1 stored: two prompts sharing a stored prefix
+  with different tails, a prompt extending a stored one, and the boundary rule (a stored prompt of
+  k*B + 1 tokens loads k*B; one of exactly k*B tokens loads (k-1)*B, never a state that contains
+  its last token);
+- run 3 (same folder) finds the extension run 2 wrote.
+Every output equals the reference; cached_tokens covers the stored prefix; loads are counted."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import httpx
+import pytest
+
+from tests.e2e.server import DETERMINISTIC, Server, running_server
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+
+BLOCK = 32
+NEW = 8  # greedy tokens per request
+
+
+def store_args(folder: object) -> list[str]:
+    return ["--state-cache-dir", str(folder), "--state-cache-block-tokens", str(BLOCK)]
+
+
+def stored_end(prompt_len: int) -> int:
+    """Where write-through stores a prompt's state: the last block end before its last token."""
+    return (prompt_len - 1) // BLOCK * BLOCK
+
+
+def generate(client: httpx.Client, ids: list[int], n: int = NEW) -> dict:
+    body = {"input_ids": ids, "return_logprob": True,
+            "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}}  # fmt: skip
+    r = client.post("/generate", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def answers(server: Server, prompts: list[list[int]], n: int = NEW) -> list[dict]:
+    with server.client() as client:
+        return [generate(client, p, n) for p in prompts]
+
+
+def outcome(res: dict) -> tuple[list[int], list[float]]:
+    """What must be equal bit for bit: the greedy tokens and their logprobs (the built-in model's greedy
+    choices barely depend on its recurrent states; its logprobs do)."""
+    return res["output_ids"], [row[0] for row in res["meta_info"]["output_token_logprobs"]]
+
+
+@dataclass
+class Prompts:
+    """Run 1 fills the store with `fill`; run 2 sends `restart` (each with the prefix it must have loaded
+    or hit at least); run 3 sends `extended` after run 2 stored it."""
+
+    fill: list[list[int]]
+    restart: list[tuple[str, list[int], int]]
+    extended: list[int]
+    every: list[list[int]] = field(default_factory=list)
+
+
+def make_prompts(seed: int, vocab_low: int = 3) -> Prompts:
+    rng = random.Random(seed)
+
+    def toks(n: int) -> list[int]:
+        return [rng.randrange(vocab_low, 256) for _ in range(n)]
+
+    shared = toks(200)  # stored to 192
+    x = toks(5 * BLOCK + 1)  # k*B + 1: its state at k*B is stored, the last token computed
+    y = toks(5 * BLOCK)  # exactly k*B: stored to (k-1)*B (and the state after it, at k*B, at its end)
+    extended = shared + toks(100)  # 300 tokens, extends the stored 200 (stored to 288 by run 2)
+    restart = [
+        ("x = kB+1: loads kB", x, stored_end(len(x))),
+        # the state at kB now in memory (and in the store) contains this prompt's last token: not used
+        ("x[:kB]", x[:-1], 0),
+        ("y + 1 token: loads the state stored at y's end", y + toks(1), len(y)),
+        ("y = kB: loads (k-1)B", y, stored_end(len(y))),
+        ("shared + tail 1", shared + toks(30), stored_end(len(shared))),
+        ("shared + tail 2", shared + toks(45), stored_end(len(shared))),
+        ("extends shared", extended, stored_end(len(shared))),
+    ]
+    p = Prompts(fill=[shared, x, y], restart=restart, extended=extended)
+    p.every = [*p.fill, *(q for _, q, _ in restart)]
+    return p
+
+
+RUN2_METRICS = ("hyssm_state_store_loaded_tokens_total", "hyssm_spec_verify_steps_total")
+
+
+@dataclass
+class Restarts:
+    servers: dict[str, Server]  # run1, run2, run3 (stopped): their logs
+    run2: dict[str, float]  # run 2's metrics: RUN2_METRICS and loads_total by result
+
+
+def check_restart_exactness(base: list[str], tmp_path, prompts: Prompts, label: str,
+                            ids_like_no_store: bool = True) -> Restarts:  # fmt: skip
+    """Reference, fill, restart, second restart as the module doc says, and an uninterrupted server with
+    a store of its own that serves the fill and restart prompts in the same order: it cuts each prefill
+    where the restarted one does (its memory hits end where run 2's loads end), so its tokens and
+    logprobs are run 2's bit for bit. The reference without a store cuts prefills elsewhere (no split
+    at the stored block end): its greedy tokens must be equal (`ids_like_no_store`; not promised with
+    rounded int8 or bfloat16 states), its logprobs need not be."""
+    folder = tmp_path / "store"
+    restart_prompts = [p for _, p, _ in prompts.restart]
+    with running_server(base) as ref_server:
+        ref = {tuple(p): outcome(r)[0] for p, r in zip(prompts.every, answers(ref_server, prompts.every), strict=True)}
+    with running_server([*base, *store_args(tmp_path / "uninterrupted")]) as plain:
+        want_fill = [outcome(r) for r in answers(plain, prompts.fill)]
+        want = answers(plain, restart_prompts)
+
+    with running_server([*base, *store_args(folder)]) as run1:
+        got_fill = [outcome(r) for r in answers(run1, prompts.fill)]
+        assert run1.metric("hyssm_state_store_loads_total", result="started") == 0
+    assert got_fill == want_fill, (label, "run 1")
+
+    with running_server([*base, *store_args(folder)]) as run2:
+        results = answers(run2, restart_prompts)
+        metrics = {name: run2.metric(name) for name in RUN2_METRICS}
+        for result in ("started", "loaded", "failed"):
+            metrics[result] = run2.metric("hyssm_state_store_loads_total", result=result)
+    for (what, p, at_least), res, plain_res in zip(prompts.restart, results, want, strict=True):
+        if ids_like_no_store:
+            assert res["output_ids"] == ref[tuple(p)], (label, "run 2 vs no store", what)
+        assert outcome(res) == outcome(plain_res), (label, "run 2 vs uninterrupted", what)
+        assert res["meta_info"]["cached_tokens"] >= at_least, (label, what, res["meta_info"])
+        assert res["meta_info"]["cached_tokens"] <= len(p) - 1, (label, what, res["meta_info"])
+        assert res["meta_info"]["cached_tokens"] == plain_res["meta_info"]["cached_tokens"], (label, what)
+    # x, y + 1, y and shared + tail 1 can only have come from the store (the other tails hit memory)
+    loaded, failed, loaded_tokens = metrics["loaded"], metrics["failed"], metrics[RUN2_METRICS[0]]
+    assert loaded >= 4, (label, metrics, run2.output[-3000:])
+    assert failed == 0, (label, metrics, run2.output[-3000:])
+    assert metrics["started"] == loaded + failed, (label, metrics)
+    assert loaded_tokens >= 5 * BLOCK + 5 * BLOCK + 4 * BLOCK + stored_end(200), (label, metrics)
+
+    with running_server([*base, *store_args(folder)]) as run3:
+        (res,) = answers(run3, [prompts.extended])
+        assert run3.metric("hyssm_state_store_loads_total", result="loaded") >= 1
+    # run 2 cut the extension at the stored prefix and at its own last block end; run 3 loads the latter
+    extended_in_run2 = results[restart_prompts.index(prompts.extended)]
+    assert outcome(res) == outcome(extended_in_run2), (label, "run 3 vs run 2")
+    if ids_like_no_store:
+        assert res["output_ids"] == ref[tuple(prompts.extended)], (label, "run 3 vs no store")
+    assert res["meta_info"]["cached_tokens"] >= stored_end(len(prompts.extended)), (label, res["meta_info"])
+    return Restarts({"run1": run1, "run2": run2, "run3": run3}, metrics)
+
+
+@pytest.mark.parametrize("state_dtype", ["float32", "int8"])
+def test_mamba2_hybrid_restart_equals_the_reference(tmp_path, state_dtype: str) -> None:
+    base = ["--mamba-ssm-dtype", state_dtype, *DETERMINISTIC]
+    out = check_restart_exactness(base, tmp_path, make_prompts(57), state_dtype)
+    assert out.run2["started"] == out.run2["loaded"]
+
+
+def test_gated_deltanet_hybrid_restart_equals_the_reference(tmp_path) -> None:
+    from tests.e2e.test_families import model_dir
+
+    path = model_dir(tmp_path, "qwen3_5_dense")
+    base = ["--model-path", path, "--dtype", "float32", *DETERMINISTIC]
+    check_restart_exactness(base, tmp_path, make_prompts(58), "qwen3_5_dense")
+
+
+def test_tp2_restart_equals_the_reference(tmp_path) -> None:
+    """Each rank stores its own slice under its own namespace folder; both load it back."""
+    base = ["--tp-size", "2", "--max-running-requests", "8", *DETERMINISTIC]
+    check_restart_exactness(base, tmp_path, make_prompts(59), "tp2")
+    folders = [p for p in (tmp_path / "store").iterdir() if p.is_dir()]
+    assert len(folders) == 2, folders  # one namespace per rank
+
+
+def test_speculative_decoding_restart_equals_the_reference(tmp_path) -> None:
+    """NGRAM drafts (the minimum match window is one token: random prompts draft too) verified on
+    prefixes loaded from the store; the outputs are still the reference's."""
+    base = ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "4", *DETERMINISTIC]
+    out = check_restart_exactness(base, tmp_path, make_prompts(60), "ngram")
+    assert out.run2["hyssm_spec_verify_steps_total"] > 0
