@@ -292,6 +292,8 @@ class ReqResources:
             req.cow_node = None
         n = req.computed
         if donate and self.cache_enabled and req.node is not None and n > 0:
+            if not self.track_states:  # every block end resumes: store what it computed (output too)
+                self.store_prefix(req, None)
             own_extra = req.kv_slots[n:]
             cache.insert(req.tokens, n, req.kv_slots, req.tree_len, req.state_slot, keep)
             self.kv_alloc.free_many(own_extra)

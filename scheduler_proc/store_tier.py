@@ -133,7 +133,7 @@ class StoreTier:
     def load_message(self, ticket: LoadTicket, found: StoredPrefix) -> StoreLoad:
         skip = found.start - found.first_block * self.block
         return StoreLoad(load_id=ticket.load_id, kv_keys=found.kv_keys, skip=skip,
-                         kv_slots=ticket.kv_slots if self.has_kv else [], state_key=found.state_key,
+                         kv_slots=ticket.kv_slots, state_key=found.state_key,
                          state_slot=ticket.state_slot or 0)  # fmt: skip
 
     # ------------------------------------------------------------------ writes

@@ -332,7 +332,9 @@ class StoreLoad(msgspec.Struct, kw_only=True, array_like=True):
     """Load stored blocks (and the state after the last) into free slots, after the batch's copies and
     clears and before its forward pass. The blocks `kv_keys` cover positions [first, end) of a prefix;
     their first `skip` tokens are not written (the cache holds them), `kv_slots` takes every other
-    position in order. `state_key` / `state_slot`: the state at `end`. A load that fails on any rank
+    position in order (a model without attention stores no KV: no blocks, and the slots are only the
+    scheduler's bookkeeping of positions [end - len(kv_slots), end)).
+    `state_key` / `state_slot`: the state at `end`. A load that fails on any rank
     (an entry missing, damaged, or of another shape) is in StepResult.store_failed: its slots hold
     nothing and the prefix is computed instead."""
 
