@@ -391,6 +391,15 @@ class Launcher:
         except ChannelTimeout:
             pass
 
+    def _grace(self, name: str) -> float:
+        """Seconds a stopping child gets before SIGKILL: the tokenizer its drain and close; a worker
+        with a state store its queued writes (--graceful-shutdown-timeout); any other 3 s."""
+        if name == "tokenizer":
+            return self.args.graceful_shutdown_timeout + _TOKENIZER_CLOSE_S
+        if name.startswith("worker") and self.args.state_cache_dir:
+            return self.args.graceful_shutdown_timeout
+        return 3.0
+
     def _stop(self, names: list[str]) -> None:
         """Stop `names` in order (tokenizer with SIGTERM, others with STOP_SIGNAL); SIGKILL what is
         still alive after its grace period: the tokenizer's is its drain (--graceful-shutdown-timeout)
@@ -402,7 +411,7 @@ class Launcher:
                     proc.terminate()
                 elif proc.pid is not None:
                     os.kill(proc.pid, STOP_SIGNAL)
-                proc.join(self.args.graceful_shutdown_timeout + _TOKENIZER_CLOSE_S if name == "tokenizer" else 3.0)
+                proc.join(self._grace(name))
         for name in names:
             if self.procs[name].is_alive():
                 self.procs[name].kill()

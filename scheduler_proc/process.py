@@ -281,6 +281,16 @@ class SchedulerLoop:
         step = self.in_flight.step if self.in_flight is not None else -1
         return msgspec.structs.replace(self.sched.info(), in_flight_step=step, loop=self.stats.info())
 
+    def write_back(self) -> None:
+        """Under --hicache-write-policy write_back: send the workers every cached prefix to store before
+        they are told to shut down (they finish their queued writes then)."""
+        if self.sched is None or self.in_flight is not None:
+            return
+        batch = self.sched.write_back_batch()
+        if batch is not None:
+            logger.info("write-back: storing %d cached prefixes", len(batch.store_writes))
+            self._dispatch(batch)
+
     def fail_everything(self, reason: str) -> None:
         """Best effort on the way down: one final error per unfinished request."""
         if self.sched is not None:
@@ -319,6 +329,7 @@ def run(args: ServerArgs) -> None:
     except StopRequested:
         logger.info("stopping: telling every worker rank to shut down")
         loop.fail_everything("server shutting down")
+        loop.write_back()
         for tx in loop.to_workers:
             try:
                 tx.send(Shutdown(reason="scheduler stopped"), 1000)

@@ -81,6 +81,9 @@ class HybridRadixCache:
         self.states_total = 0
         self.states_evictable = 0
         self.num_locked_nodes = 0
+        # called with a node whose state (or, without states, whose KV) eviction is about to drop,
+        # while its slots still hold it (the state store's write-back)
+        self.on_evict: Callable[[TreeNode], None] | None = None
         live = self._nodes.values
         self._kv_lru = LruHeap(lambda n: not n.children and n.kv_lock == 0, self._alive, live)
         self._state_lru = LruHeap(lambda n: n.state is not None and n.state_lock == 0, self._alive, live)
@@ -130,6 +133,13 @@ class HybridRadixCache:
             self.unlock(node)
             raise StateCowAllocError(f"no state slot for a copy-on-write of node {node.nid}")
         return CowMatch(node, node.end, self.path_kv(node), node.state, dst)
+
+    def path_tokens(self, node: TreeNode) -> list[int]:
+        parts: list[list[int]] = []
+        while node is not self.root:
+            parts.append(node.key)
+            node = node.parent  # type: ignore[assignment]
+        return [t for part in reversed(parts) for t in part]
 
     def path_kv(self, node: TreeNode) -> list[int]:
         parts: list[list[int]] = []
@@ -319,11 +329,15 @@ class HybridRadixCache:
         return freed
 
     def _evict_leaf(self, node: TreeNode) -> int:
+        if self.on_evict is not None:
+            self.on_evict(node)
         freed = len(node.kv)
         self._delete_leaf(node)
         return freed
 
     def _evict_state(self, node: TreeNode) -> int:
+        if self.on_evict is not None:
+            self.on_evict(node)
         if not node.children and node.kv_lock == 0:
             self._delete_leaf(node)
         else:

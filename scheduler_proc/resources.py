@@ -52,6 +52,8 @@ class ReqResources:
         self.ckpt_interval = ckpt_interval if (track_states and cache_enabled) else 0
         self.prompt_checkpoint = prompt_checkpoint
         self.store = store if cache_enabled else None
+        if self.store is not None and self.store.write_back:
+            self.cache.on_evict = self._write_back
 
     # ------------------------------------------------------------------ capacity
     def available_kv(self) -> int:
@@ -260,6 +262,22 @@ class ReqResources:
         if req.store_keys is None:
             req.store_keys = BlockKeys()
         self.store.write(req.store_keys, req.tokens, req.kv_slots, req.computed, state_slot)
+
+    def _write_back(self, node: TreeNode) -> None:
+        """Write-back: the node leaves the memory cache; store its blocks and, at a block's end, its
+        state (the slots still hold them when this round's batch arrives at the workers)."""
+        assert self.store is not None
+        if self.track_states and node.state is None:
+            return
+        cache = self.cache
+        self.store.write(BlockKeys(), cache.path_tokens(node), cache.path_kv(node), node.end, node.state)
+
+    def write_back_everything(self) -> None:
+        """A graceful shutdown under write-back: queue every cached prefix's blocks and state."""
+        if self.store is not None and self.store.write_back:
+            for node in self.cache.nodes():
+                if node.state is not None or (not self.track_states and not node.children):
+                    self._write_back(node)
 
     def cache_prompt(self, req: Req) -> None:
         """The prefill is complete: share its KV through the tree (a tombstone path, its state keeps

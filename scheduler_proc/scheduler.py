@@ -148,6 +148,20 @@ class Scheduler:
         self.res.flush()
         return outs
 
+    def write_back_batch(self) -> ForwardBatch | None:
+        """At a graceful shutdown under write-back: one batch that only writes every cached prefix
+        (None with a batch in flight, or nothing to write)."""
+        if self.in_flight is not None or self.res.store is None:
+            return None
+        self.res.write_back_everything()
+        b = BatchBuilder(self._step + 1)
+        b.store_writes = self.res.store.take_writes()
+        if b.empty:
+            return None
+        batch, self.in_flight = b.build()
+        self._step += 1
+        return batch
+
     def flush_cache(self, include_store: bool = False) -> bool:
         """Empty the memory cache (and with `include_store` the state store, by the next batch);
         False while requests run or load."""

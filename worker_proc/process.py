@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import signal
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -22,6 +23,7 @@ from shared.channels import SCHEDULER_TO_WORKER, TO_LAUNCHER, WORKER_TO_SCHEDULE
 from shared.config import FaultConfig, ServerArgs
 from shared.errors import StartupError
 from shared.messages import ForwardBatch, Heartbeat, ProcReady, Shutdown, StepResult, WorkerReady
+from shared.proc import STOP_SIGNAL
 from shared.state_store import StoreError
 from worker_proc.host_memory import bound_onednn_caches, keep_freed_memory, map_load_blocks, onednn_cache_capacity
 from worker_proc.numerics import flush_denormals
@@ -138,6 +140,14 @@ def open_store(args: ServerArgs, runner: ModelRunner, rank: int) -> tuple[StoreT
     return tier, namespace_json(namespace)
 
 
+class WorkerStop(BaseException):
+    """STOP_SIGNAL from launch.py: leave the step loop; queued state store writes are finished first."""
+
+
+def _raise_stop(signum: int, _frame: object) -> None:
+    raise WorkerStop(signal.Signals(signum).name)
+
+
 def run(args: ServerArgs, rank: int) -> None:
     """Process entry for one rank: load, report ready, serve batches until Shutdown or killed."""
     device = resolve_device(args, rank)
@@ -202,8 +212,11 @@ def run(args: ServerArgs, rank: int) -> None:
     to_launcher.close(linger_ms=2000)
     logger.info("rank %d ready on %s: kv=%d mamba=%d", rank, device, runner.kv_capacity, runner.state_capacity)
     faults = FaultInjector(args.faults, rank, args.proc_name("worker", rank))
+    signal.signal(STOP_SIGNAL, _raise_stop)
     try:
         serve(runner, rx, tx if rank == 0 else None, faults, group, args, tier)
+    except WorkerStop:
+        logger.info("rank %d stopping", rank)
     finally:
         if tier is not None:
             tier.close(args.graceful_shutdown_timeout)

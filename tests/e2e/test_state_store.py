@@ -140,10 +140,10 @@ def check_restart_exactness(base: list[str], tmp_path, prompts: Prompts, label: 
         assert res["meta_info"]["cached_tokens"] <= len(p) - 1, (label, what, res["meta_info"])
     # x, y + 1, y and shared[:192] + tail 1 can only have come from the store (the others hit memory)
     loaded, failed, loaded_tokens = metrics["loaded"], metrics["failed"], metrics[RUN2_METRICS[0]]
-    assert loaded >= 4, (label, metrics, run2.output[-3000:])
+    assert loaded == 4, (label, metrics, run2.output[-3000:])
     assert failed == 0, (label, metrics, run2.output[-3000:])
     assert metrics["started"] == loaded + failed, (label, metrics)
-    assert loaded_tokens >= 5 * BLOCK + 5 * BLOCK + 4 * BLOCK + stored_end(200), (label, metrics)
+    assert loaded_tokens == 5 * BLOCK + 5 * BLOCK + 4 * BLOCK + stored_end(200), (label, metrics)
 
     with running_server([*base, *store_args(folder)]) as run3:
         (res,) = answers(run3, [prompts.extended])

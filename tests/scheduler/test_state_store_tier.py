@@ -71,11 +71,12 @@ class StoringWorker(FakeWorker):
         return True
 
 
-def make(store: dict[str, Any], model: ModelInfo = HYBRID, kv: int = 256, states: int = 8,
+def make(store: dict[str, Any], model: ModelInfo = HYBRID, kv: int = 256, states: int = 8, write_back: bool = False,
          **args: Any) -> tuple[Scheduler, StoringWorker]:  # fmt: skip
     args.setdefault("chunked_prefill_size", 16)
     args.setdefault("max_prefill_tokens", 64)
-    tier = StoreTier(NAMESPACE, store.__contains__, BLOCK, model.has_attention, model.has_recurrent_state, False)
+    tier = StoreTier(NAMESPACE, store.__contains__, BLOCK, model.has_attention, model.has_recurrent_state,
+                     write_back)
     states = states if model.has_recurrent_state else 0
     sched = Scheduler(ServerArgs(**args), model, kv, states, store=tier)
     return sched, StoringWorker(store, kv, states, vocab=model.vocab_size)
@@ -197,3 +198,23 @@ def test_a_write_is_sent_even_when_nothing_else_runs() -> None:
     sched, worker = make(store, ATTENTION_ONLY)
     harness.run(sched, worker, {0: [greq("a", prompt(17), 1)]})
     assert len(store) == 4
+
+
+@pytest.mark.parametrize("model", [HYBRID, ATTENTION_ONLY], ids=["hybrid", "attention"])
+def test_write_back_stores_what_eviction_drops_and_everything_at_shutdown(model: ModelInfo) -> None:
+    store: dict[str, Any] = {}
+    prompts = {f"r{i}": prompt(22, seed=20 + i) for i in range(6)}
+    sched, worker = make(store, model, kv=64, states=4, write_back=True, max_running_requests=1)
+    harness.run(sched, worker, {i: [greq(rid, q, 2)] for i, (rid, q) in enumerate(prompts.items())})
+    evicted = dict(store)
+    assert evicted, "eviction under write-back stored nothing"
+    batch = sched.write_back_batch()
+    assert batch is not None and batch.store_writes and not batch.reqs
+    sched.apply_result(worker.step(batch))
+    sched.check_integrity()
+    assert len(store) > len(evicted)
+    sched, worker = make(store, model)
+    log = harness.run(sched, worker, {0: [greq(f"again-{rid}", q, 2) for rid, q in prompts.items()]})
+    for rid, q in prompts.items():
+        assert log.tokens[f"again-{rid}"] == reference(q, 2, model), rid
+    assert sched.metrics.get("hyssm_state_store_loads_total", result="loaded") == len(prompts)
