@@ -212,13 +212,15 @@ def run(args: ServerArgs, rank: int) -> None:
     to_launcher.close(linger_ms=2000)
     logger.info("rank %d ready on %s: kv=%d mamba=%d", rank, device, runner.kv_capacity, runner.state_capacity)
     faults = FaultInjector(args.faults, rank, args.proc_name("worker", rank))
-    signal.signal(STOP_SIGNAL, _raise_stop)
+    if tier is not None:  # a stop lets the queued writes finish
+        signal.signal(STOP_SIGNAL, _raise_stop)
     try:
         serve(runner, rx, tx if rank == 0 else None, faults, group, args, tier)
     except WorkerStop:
         logger.info("rank %d stopping", rank)
     finally:
         if tier is not None:
+            signal.signal(STOP_SIGNAL, signal.SIG_IGN)  # launch.py waits for the queued writes
             tier.close(args.graceful_shutdown_timeout)
 
 
