@@ -33,7 +33,6 @@ class InFlight:
     entries: list[SliceEntry]
     by_rid: dict[str, SliceEntry]
     ckpt_nodes: list[tuple[TreeNode, int]]  # (node, slot) of each checkpoint this step's copies fill
-    loads: list[LoadTicket] = field(default_factory=list)  # the state store loads this step runs
 
 
 @dataclass
@@ -53,10 +52,11 @@ class BatchBuilder:
     load_messages: list[StoreLoad] = field(default_factory=list)
     store_writes: list[StoreWrite] = field(default_factory=list)
     store_clear: bool = False
+    poll: bool = False  # loads are pending: a batch goes out even with nothing else in it
 
     @property
     def empty(self) -> bool:
-        return not (self.entries or self.loads or self.store_writes or self.store_clear)
+        return not (self.entries or self.loads or self.store_writes or self.store_clear or self.poll)
 
     def add_load(self, ticket: LoadTicket, message: StoreLoad) -> None:
         self.loads.append(ticket)
@@ -100,4 +100,4 @@ class BatchBuilder:
             store_writes=list(self.store_writes), store_loads=list(self.load_messages), store_clear=self.store_clear,
         )
         by_rid = {e.req.rid: e for e in self.entries}
-        return batch, InFlight(self.step, list(self.entries), by_rid, list(self.ckpt_nodes), list(self.loads))
+        return batch, InFlight(self.step, list(self.entries), by_rid, list(self.ckpt_nodes))

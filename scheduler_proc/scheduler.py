@@ -129,8 +129,8 @@ class Scheduler:
         r = self.reqs.get(rid)
         if r is None:
             return []
-        if self.in_flight is not None and (rid in self.in_flight.by_rid or r.status is ReqStatus.LOADING):
-            r.abort_reason = reason or "aborted"  # finished when its StepResult is applied
+        if r.status is ReqStatus.LOADING or (self.in_flight is not None and rid in self.in_flight.by_rid):
+            r.abort_reason = reason or "aborted"  # finished when its StepResult (or its load's) is applied
             return []
         return [self._finish(r, "abort")]
 
@@ -191,6 +191,7 @@ class Scheduler:
         if (store := self.res.store) is not None:
             b.store_writes = store.take_writes()
             b.store_clear, store.clear_pending = store.clear_pending, False
+            b.poll = bool(self.loading)
         if not b.entries:
             assert not b.ckpt_copies and not b.cow_copies, "state ops without a request to run them"
         if b.empty:
@@ -270,7 +271,7 @@ class Scheduler:
                 self.metrics.observe("hyssm_state_store_load_seconds", seconds)
             for seconds in result.store.write_seconds:
                 self.metrics.observe("hyssm_state_store_write_seconds", seconds)
-        outs = self._apply_loads(fl, set(result.store_failed), bool(result.error))
+        outs = self._apply_loads(set(result.store_done), set(result.store_failed), bool(result.error))
         if result.error:
             return outs + self._fail_step(fl, f"worker step {result.step} failed: {result.error}")
         refused = set(result.refused)
@@ -297,13 +298,17 @@ class Scheduler:
         self.speculation.observe(fl.entries, refused, result.elapsed_s)
         return outs
 
-    def _apply_loads(self, fl: InFlight, failed: set[int], step_failed: bool) -> list[TokenOut]:
-        """The step's loads from the state store: each prefix joins the tree or (failed) is computed;
-        the request waits again (its stored prefix is looked up once per wait), or ends if aborted."""
+    def _apply_loads(self, done: set[int], failed: set[int], step_failed: bool) -> list[TokenOut]:
+        """The loads from the state store the step settled (all of them when it failed: the workers
+        drop theirs): each prefix joins the tree or (failed) is computed; the request waits again (its
+        stored prefix is looked up once per wait), or ends if it was aborted meanwhile."""
         outs: list[TokenOut] = []
-        for ticket in fl.loads:
-            r = self.loading[ticket.rid]
-            ok = not step_failed and ticket.load_id not in failed
+        for r in list(self.loading.values()):
+            ticket = r.load
+            assert ticket is not None
+            if not step_failed and ticket.load_id not in done and ticket.load_id not in failed:
+                continue
+            ok = not step_failed and ticket.load_id in done
             self.res.finish_load(r, ticket, ok)
             r.load = None
             self.metrics.inc("hyssm_state_store_loads_total", result="loaded" if ok else "failed")

@@ -329,14 +329,16 @@ class StoreWrite(msgspec.Struct, kw_only=True, array_like=True):
 
 
 class StoreLoad(msgspec.Struct, kw_only=True, array_like=True):
-    """Load stored blocks (and the state after the last) into free slots, after the batch's copies and
-    clears and before its forward pass. The blocks `kv_keys` cover positions [first, end) of a prefix;
+    """Load stored blocks (and the state after the last) into free slots: the entries are read in the
+    background, and the slots written before the forward pass of the step whose StepResult reports the
+    load done (StepResult.store_done). The blocks `kv_keys` cover positions [first, end) of a prefix;
     their first `skip` tokens are not written (the cache holds them), `kv_slots` takes every other
     position in order (a model without attention stores no KV: no blocks, and the slots are only the
     scheduler's bookkeeping of positions [end - len(kv_slots), end)).
     `state_key` / `state_slot`: the state at `end`. A load that fails on any rank
     (an entry missing, damaged, or of another shape) is in StepResult.store_failed: its slots hold
-    nothing and the prefix is computed instead."""
+    nothing and the prefix is computed instead. A batch without requests waits up to 50 ms for a
+    pending load (the scheduler sends one to poll while loads are pending and nothing else runs)."""
 
     load_id: int
     kv_keys: list[str]
@@ -411,7 +413,10 @@ class StepResult(msgspec.Struct, tag=True, kw_only=True):
     drafts: dict[str, list[int]] = {}
     error: str | None = None
     elapsed_s: float = 0.0
-    store_failed: list[int] = []  # StoreLoad.load_id of every load that failed on some rank
+    # StoreLoad.load_id of the loads this step settled: done (the slots hold the prefix) or failed on some
+    # rank (the slots hold nothing); a load in neither is still being read (its slots stay the ticket's)
+    store_done: list[int] = []
+    store_failed: list[int] = []
     store: StoreStats | None = None  # rank 0's state store, when the server has one
 
 

@@ -29,6 +29,7 @@ from worker_proc.host_memory import bound_onednn_caches, keep_freed_memory, map_
 from worker_proc.numerics import flush_denormals
 from worker_proc.plan_cache import default_cache_dir
 from worker_proc.runtime import ModelRunner
+from worker_proc.state_loader import FAILED, READ, READING
 from worker_proc.state_tier import StoreTier, namespace_json, store_namespace
 from worker_proc.threads import available_cores, thread_options
 
@@ -116,15 +117,30 @@ def agree_refusals(
     return frozenset(rid for rid, m in zip(rids, mask.tolist(), strict=True) if m)
 
 
-def agree_failed_loads(batch: ForwardBatch, local: set[int], group: object | None,
-                       device: torch.device | str = "cpu") -> list[int]:
-    """A store load failed on every rank if it failed on any (the prefix is then computed on all)."""
-    ids = [load.load_id for load in batch.store_loads]
-    if group is None or not ids:
-        return sorted(local)
-    mask = torch.tensor([1 if i in local else 0 for i in ids], dtype=torch.int32, device=device)
+def agree_load_states(states: list[int], group: object | None, device: torch.device | str = "cpu") -> list[int]:
+    """Per pending store load, what every rank agrees on: read only when every rank read it, failed
+    when a rank failed it and every rank is done with it (all-reduce MAX of (still reading, failed))."""
+    if group is None or not states:
+        return states
+    pairs = [(int(s == READING), int(s == FAILED)) for s in states]
+    mask = torch.tensor(pairs, dtype=torch.int32, device=device)
     dist.all_reduce(mask, op=dist.ReduceOp.MAX, group=group)
-    return sorted(i for i, m in zip(ids, mask.tolist(), strict=True) if m)
+    return [READING if reading else FAILED if failed else READ for reading, failed in mask.tolist()]
+
+
+LOAD_WAIT_S = 0.05
+"""A batch with no request to run (the scheduler polls its loads) waits this long at most for a load."""
+
+
+def serve_store(tier: StoreTier | None, batch: ForwardBatch, group: object | None,
+                device: torch.device | str) -> tuple[list[int], list[int]]:
+    """The batch's store work before its step: writes and new loads, then the pending loads every
+    rank has read are applied. Returns the ids of the loads (done, failed) this step settled."""
+    if tier is None:
+        return [], []
+    tier.serve(batch)
+    states = tier.loader.states(wait_s=0.0 if batch.reqs else LOAD_WAIT_S)
+    return tier.loader.settle(agree_load_states(states, group, device))
 
 
 def open_store(args: ServerArgs, runner: ModelRunner, rank: int) -> tuple[StoreTier | None, str]:
@@ -256,13 +272,14 @@ def serve(
         try:
             faults.before_step(msg.step)
             refused = agree_refusals(msg, faults.refusals(msg), group, runner.device)
-            failed = tier.serve(msg) if tier is not None else set()
-            failed_loads = agree_failed_loads(msg, failed, group, runner.device)
+            done, failed = serve_store(tier, msg, group, runner.device)
             result = runner.step(msg, refused)
-            result.store_failed = failed_loads
+            result.store_done, result.store_failed = done, failed
         except Exception as e:  # the step failed: its requests get an error, serving goes on
             logger.exception("step %d failed", msg.step)
             result = StepResult(step=msg.step, error=f"{type(e).__name__}: {e}")
+            if tier is not None:
+                tier.loader.drop()
         if tier is not None and tx is not None:
             result.store = tier.take_stats()
         result.elapsed_s = time.perf_counter() - t0

@@ -12,8 +12,9 @@ Rules:
   dropped and counted, never waited for. A store error is counted and logged once per outage; the
   next write that works ends the outage. No store error ever fails a step.
 - A load reads every entry it names and checks its meta (kind, tensor shapes and dtypes of this
-  rank's pools) before it writes any slot; an entry that is missing, damaged or of another layout
-  fails the load as a whole (the scheduler then computes the prefix).
+  rank's pools) on the loader's thread before any slot is written (`state_loader.py`); an entry that
+  is missing, damaged or of another layout fails the load as a whole (the scheduler then computes
+  the prefix).
 """
 
 from __future__ import annotations
@@ -21,19 +22,18 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import queue
-import threading
-import time
 from dataclasses import dataclass
 
 import torch
 
 from shared.config import ServerArgs
-from shared.messages import ForwardBatch, StoreLoad, StoreStats, StoreWrite
+from shared.messages import ForwardBatch, StoreStats, StoreWrite
 from shared.model_info import read_config_json
 from shared.state_store import DirectoryStore, StateStore, StoreError, StoreNamespace, config_fingerprint
 from shared.state_store.keys import canonical_json
 from worker_proc.pools import StatePools
+from worker_proc.state_loader import LoadLayout, StoreLoader
+from worker_proc.state_writer import StoreWriter, WriteJob, flat_bytes
 from worker_proc.weight_files import weight_files
 
 logger = logging.getLogger(__name__)
@@ -100,111 +100,6 @@ class EntryLayout:
         return EntryLayout(kv_meta, kv_bytes, canonical_json({"kind": "state", "tensors": tensors}), state_bytes)
 
 
-def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().reshape(-1).view(torch.uint8)
-
-
-@dataclass
-class _Job:
-    """One write's bytes, copied out of the pools: [(key, meta, payload)]."""
-
-    entries: list[tuple[str, bytes, torch.Tensor]]
-    nbytes: int
-
-
-class StoreWriter:
-    """The background thread that puts entries into the store, behind a queue bounded in bytes."""
-
-    def __init__(self, store: StateStore, limit_bytes: int, stats: StoreStats) -> None:
-        self.store = store
-        self.limit = limit_bytes
-        self.stats = stats
-        self._pending = 0
-        self._queued: dict[str, tuple[bytes, torch.Tensor]] = {}
-        self._lock = threading.Lock()
-        self.lock = self._lock  # guards `stats`, which the loads of the step's thread update too
-        self._queue: queue.Queue[_Job | None] = queue.Queue()
-        self._idle = threading.Condition(self._lock)
-        self._thread = threading.Thread(target=self._run, name="state-store-writer", daemon=True)
-        self._thread.start()
-
-    def submit(self, job: _Job) -> bool:
-        with self._lock:
-            if self._pending + job.nbytes > self.limit:
-                self.stats.write_drops += len(job.entries)
-                return False
-            self._pending += job.nbytes
-            for key, meta, payload in job.entries:
-                self._queued[key] = (meta, payload)
-        self._queue.put(job)
-        return True
-
-    def queued(self, key: str) -> tuple[bytes, torch.Tensor] | None:
-        """An entry waiting to be written (a load reads it from here: what is queued is already stored
-        as far as the scheduler knows)."""
-        with self._lock:
-            return self._queued.get(key)
-
-    def flush(self, timeout: float) -> bool:
-        """Wait until every queued write is done (a graceful shutdown); False on timeout."""
-        deadline = time.monotonic() + timeout
-        with self._lock:
-            while self._pending:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._idle.wait(left)
-        return True
-
-    def close(self) -> None:
-        self._queue.put(None)
-
-    def _run(self) -> None:
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)  # the steps come first
-        except (AttributeError, OSError):
-            pass
-        while (job := self._queue.get()) is not None:
-            for key, meta, payload in job.entries:
-                self._put(key, meta, payload)
-                with self._lock:
-                    if (queued := self._queued.get(key)) is not None and queued[1] is payload:
-                        del self._queued[key]
-            with self._lock:
-                self._pending -= job.nbytes
-                self._idle.notify_all()
-
-    def _put(self, key: str, meta: bytes, payload: torch.Tensor) -> None:
-        t0 = time.perf_counter()
-        try:
-            self.store.put(key, memoryview(payload.numpy()), meta)
-        except StoreError as e:
-            with self._lock:
-                self.stats.write_errors += 1
-                was_degraded, self.stats.degraded = self.stats.degraded, True
-            if not was_degraded:
-                logger.warning("state store write failed, serving from memory alone until it works again: %s", e)
-            return
-        with self._lock:
-            was_degraded, self.stats.degraded = self.stats.degraded, False
-            self.stats.entries_written += 1
-            self.stats.bytes_written += payload.numel()
-            self.stats.write_seconds.append(time.perf_counter() - t0)
-        if was_degraded:
-            logger.warning("state store writable again")
-
-    def take_stats(self, size_bytes: int) -> StoreStats:
-        """The counters now; the write and load times since the last call move into the copy."""
-        with self._lock:
-            s = self.stats
-            s.size_bytes = size_bytes
-            out = StoreStats(**{f: getattr(s, f) for f in s.__struct_fields__})
-            out.write_seconds, out.load_seconds = list(s.write_seconds), list(s.load_seconds)
-            s.write_seconds.clear()
-            s.load_seconds.clear()
-            return out
-
-
 class StoreTier:
     """One rank's store, its writer and its entry layout (see the module rules)."""
 
@@ -216,6 +111,9 @@ class StoreTier:
         self.has_kv = pools.k.shape[0] > 0
         self.stats = StoreStats(capacity_bytes=store.capacity_bytes, size_bytes=store.size_bytes)
         self.writer = StoreWriter(store, queue_bytes, self.stats)
+        lay = self.layout
+        self.loader = StoreLoader(pools, LoadLayout(lay.kv_meta, lay.kv_bytes, lay.state_meta, lay.state_bytes, block),
+                                  self._read, self._loaded)
 
     @staticmethod
     def open(args: ServerArgs, namespace: StoreNamespace, pools: StatePools) -> StoreTier:
@@ -225,14 +123,19 @@ class StoreTier:
         return StoreTier(store, pools, args.state_cache_block_tokens, args.state_cache_write_queue_mb << 20)
 
     # ------------------------------------------------------------------ one batch
-    def serve(self, batch: ForwardBatch) -> set[int]:
-        """The batch's writes (copied out now, written in the background), then its loads; returns
-        the ids of the loads that failed on this rank."""
+    def serve(self, batch: ForwardBatch) -> None:
+        """The batch's writes (copied out now, written in the background), its clear, then its new
+        loads (read in the background: `loader.states` / `loader.settle` each step)."""
         for w in batch.store_writes:
             self._write(w)
         if batch.store_clear:
             self.clear()
-        return {load.load_id for load in batch.store_loads if not self._load(load)}
+        for load in batch.store_loads:
+            self.loader.submit(load)
+
+    def _loaded(self, seconds: float) -> None:
+        with self.writer.lock:
+            self.stats.load_seconds.append(seconds)
 
     def clear(self) -> None:
         """Empty the store: the queued writes finish first, then every entry of this namespace goes."""
@@ -248,12 +151,12 @@ class StoreTier:
             slots = torch.tensor(w.kv_slots, dtype=torch.long, device=self.pools.k.device)
             kv = torch.stack((self.pools.k[:, slots], self.pools.v[:, slots])).cpu()
             for i, key in enumerate(w.kv_keys):
-                entries.append((key, lay.kv_meta, _flat_bytes(kv[:, :, i * b:(i + 1) * b])))
+                entries.append((key, lay.kv_meta, flat_bytes(kv[:, :, i * b:(i + 1) * b])))
         if w.state_key:
-            parts = [_flat_bytes(t[:, w.state_slot].cpu()) for t in self.pools.states.values()]
+            parts = [flat_bytes(t[:, w.state_slot].cpu()) for t in self.pools.states.values()]
             entries.append((w.state_key, lay.state_meta, torch.cat(parts)))
         if entries:
-            self.writer.submit(_Job(entries, sum(p.numel() for _, _, p in entries)))
+            self.writer.submit(WriteJob(entries, sum(p.numel() for _, _, p in entries)))
 
     def _read(self, key: str, meta: bytes, nbytes: int) -> torch.Tensor | None:
         if (queued := self.writer.queued(key)) is not None:
@@ -277,46 +180,12 @@ class StoreTier:
             return None
         return torch.frombuffer(bytearray(entry.payload), dtype=torch.uint8)
 
-    def _load(self, load: StoreLoad) -> bool:
-        t0 = time.perf_counter()
-        lay, pools = self.layout, self.pools
-        blocks: list[torch.Tensor] = []
-        if self.has_kv:
-            for key in load.kv_keys:
-                data = self._read(key, lay.kv_meta, lay.kv_bytes)
-                if data is None:
-                    return False
-                blocks.append(data)
-        state = None
-        if load.state_key:
-            state = self._read(load.state_key, lay.state_meta, lay.state_bytes)
-            if state is None:
-                return False
-        if blocks:
-            k = pools.k
-            shape = (2, k.shape[0], self.block, *k.shape[2:])
-            kv = torch.cat([blk.view(k.dtype).view(shape) for blk in blocks], dim=2)[:, :, load.skip:]
-            if kv.shape[2] != len(load.kv_slots):
-                raise ValueError(f"store load {load.load_id}: {kv.shape[2]} positions for {len(load.kv_slots)} slots")
-            slots = torch.tensor(load.kv_slots, dtype=torch.long, device=k.device)
-            k.index_copy_(1, slots, kv[0].to(k.device))
-            pools.v.index_copy_(1, slots, kv[1].to(k.device))
-        if state is not None:
-            offset = 0
-            for t in pools.states.values():
-                n = t[:, 0].numel() * t.element_size()
-                part = state[offset:offset + n].view(t.dtype).view(t[:, 0].shape)
-                t[:, load.state_slot].copy_(part.to(t.device))
-                offset += n
-        with self.writer.lock:
-            self.stats.load_seconds.append(time.perf_counter() - t0)
-        return True
-
     def take_stats(self) -> StoreStats:
         return self.writer.take_stats(self.store.size_bytes)
 
     def close(self, timeout: float) -> None:
         """Finish the queued writes (up to `timeout` seconds), then stop the writer."""
+        self.loader.close()
         if not self.writer.flush(timeout):
             logger.warning("state store: writes still queued after %.0f s are lost", timeout)
         self.writer.close()

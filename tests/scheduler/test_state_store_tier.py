@@ -37,6 +37,8 @@ class StoringWorker(FakeWorker):
         self.store = store
         self.fail_keys: set[str] = set()  # reads of these keys fail (a damaged entry)
         self.loads = 0
+        self.read_steps = 0  # steps a load takes to read before it is settled (a slow store)
+        self.reading: dict[int, tuple[Any, int]] = {}
 
     def step(self, batch: ForwardBatch, refused: frozenset[str] = frozenset()) -> StepResult:
         for w in batch.store_writes:
@@ -46,9 +48,18 @@ class StoringWorker(FakeWorker):
                 self.store[w.state_key] = self.state[w.state_slot]
         if batch.store_clear:
             self.store.clear()
-        failed = [load.load_id for load in batch.store_loads if not self._load(load)]
+        for load in batch.store_loads:
+            self.reading[load.load_id] = (load, self.read_steps)
+        settled = {}
+        for load_id, (load, left) in list(self.reading.items()):
+            if left > 0:
+                self.reading[load_id] = (load, left - 1)
+                continue
+            del self.reading[load_id]
+            settled[load_id] = self._load(load)
         result = super().step(batch, refused)
-        result.store_failed = failed
+        result.store_done = [i for i, ok in settled.items() if ok]
+        result.store_failed = [i for i, ok in settled.items() if not ok]
         return result
 
     def _load(self, load: Any) -> bool:
@@ -218,3 +229,43 @@ def test_write_back_stores_what_eviction_drops_and_everything_at_shutdown(model:
     for rid, q in prompts.items():
         assert log.tokens[f"again-{rid}"] == reference(q, 2, model), rid
     assert sched.metrics.get("hyssm_state_store_loads_total", result="loaded") == len(prompts)
+
+
+def test_a_slow_load_lets_running_requests_decode_and_polls_when_nothing_else_runs() -> None:
+    store: dict[str, Any] = {}
+    p, other = prompt(40), prompt(9, seed=4)
+    sched, worker = make(store)
+    harness.run(sched, worker, {0: [greq("a", p, 2)]})
+    sched, worker = make(store)
+    worker.read_steps = 5
+    log = harness.run(sched, worker, {0: [greq("decoding", other, 12)], 2: [greq("b", p, 4)]}, keep_batches=True)
+    assert log.tokens["b"] == reference(p, 4) and log.finals["b"].cached_tokens == 36
+    assert log.tokens["decoding"] == reference(other, 12)
+    loads = [i for i, b in enumerate(log.batches) if b.store_loads]
+    assert len(loads) == 1
+    # while the load was read the other request decoded, one token a step
+    pending = log.batches[loads[0]:loads[0] + 5]
+    assert all(any(s.rid == "decoding" for s in b.reqs) for b in pending)
+
+
+def test_an_abort_of_a_slow_load_waits_for_it_to_settle() -> None:
+    store: dict[str, Any] = {}
+    p = prompt(40)
+    sched, worker = make(store)
+    harness.run(sched, worker, {0: [greq("a", p, 2)]})
+    sched, worker = make(store)
+    worker.read_steps = 3
+    sched.add_request(greq("b", p, 4))
+    outs: list[Any] = []
+    for rnd in range(10):
+        batch = sched.schedule()
+        sched.check_integrity()
+        if batch is None:
+            break
+        assert not batch.reqs  # polls: nothing else runs
+        if rnd == 1:
+            assert sched.abort("b") == []
+        outs += sched.apply_result(worker.step(batch))
+        sched.check_integrity()
+    assert [(o.rid, o.finish_reason) for o in outs] == [("b", "abort")]
+    assert not sched.has_work and not worker.reading
