@@ -1,17 +1,22 @@
 """The persistent state store (issue 57) through real launch.py processes: prompts served after a
-restart on a filled `--state-cache-dir` load their stored prefixes and still produce, bit for bit,
-the greedy tokens and logprobs of an uninterrupted server without a store.
+restart on a filled `--state-cache-dir` load their stored prefixes and produce the greedy tokens of a
+server without a store, and, bit for bit, the tokens and logprobs of an uninterrupted server.
 
 Per case (the built-in Mamba2 hybrid with float32 and int8 states, a Gated DeltaNet hybrid, TP=2,
 NGRAM speculative decoding), with --enable-deterministic-inference and 32-token blocks:
-- a reference server without a store runs every prompt once;
-- run 1 (store on, fresh folder) serves the prompts that fill the store, and stops;
-- run 2 (same folder) serves prompts that load what run 1 stored: two prompts sharing a stored prefix
-  with different tails, a prompt extending a stored one, and the boundary rule (a stored prompt of
-  k*B + 1 tokens loads k*B; one of exactly k*B tokens loads (k-1)*B, never a state that contains
-  its last token);
-- run 3 (same folder) finds the extension run 2 wrote.
-Every output equals the reference; cached_tokens covers the stored prefix; loads are counted."""
+- a reference server without a store runs every prompt once (greedy tokens);
+- an uninterrupted server with a store of its own serves the fill prompts and then the restart
+  prompts: its memory hits end where the restarted server's loads end, so it cuts every prefill where
+  run 2 does and its logprobs are run 2's bit for bit (the server without a store cuts elsewhere: with
+  a store a prefill is also cut at the prompt's last block end, and a different cut changes the last
+  bits of a logprob even in the deterministic mode; greedy tokens stay equal);
+- run 1 (store on, fresh folder) serves the fill prompts, and stops;
+- run 2 (same folder) serves prompts that load what run 1 stored: the boundary rule (a stored prompt
+  of k*B + 1 tokens loads k*B; the same prompt less its last token finds no state it may use; one of
+  exactly k*B tokens loads (k-1)*B; that one plus a token loads the state stored at its end), two
+  prompts sharing a stored prefix with different tails, and a prompt extending a stored one;
+- run 3 (same folder) loads the extension run 2 wrote, to its last block end.
+cached_tokens covers the stored prefix and never the last prompt token; loads are counted."""
 
 from __future__ import annotations
 
@@ -104,14 +109,8 @@ class Restarts:
     run2: dict[str, float]  # run 2's metrics: RUN2_METRICS and loads_total by result
 
 
-def check_restart_exactness(base: list[str], tmp_path, prompts: Prompts, label: str,
-                            ids_like_no_store: bool = True) -> Restarts:  # fmt: skip
-    """Reference, fill, restart, second restart as the module doc says, and an uninterrupted server with
-    a store of its own that serves the fill and restart prompts in the same order: it cuts each prefill
-    where the restarted one does (its memory hits end where run 2's loads end), so its tokens and
-    logprobs are run 2's bit for bit. The reference without a store cuts prefills elsewhere (no split
-    at the stored block end): its greedy tokens must be equal (`ids_like_no_store`; not promised with
-    rounded int8 or bfloat16 states), its logprobs need not be."""
+def check_restart_exactness(base: list[str], tmp_path, prompts: Prompts, label: str) -> Restarts:
+    """The reference, the uninterrupted server, runs 1, 2 and 3 of the module doc, on `base` flags."""
     folder = tmp_path / "store"
     restart_prompts = [p for _, p, _, _ in prompts.restart]
     with running_server(base) as ref_server:
@@ -131,8 +130,7 @@ def check_restart_exactness(base: list[str], tmp_path, prompts: Prompts, label: 
         for result in ("started", "loaded", "failed"):
             metrics[result] = run2.metric("hyssm_state_store_loads_total", result=result)
     for (what, p, at_least, same_cuts), res, plain_res in zip(prompts.restart, results, want, strict=True):
-        if ids_like_no_store:
-            assert res["output_ids"] == ref[tuple(p)], (label, "run 2 vs no store", what)
+        assert res["output_ids"] == ref[tuple(p)], (label, "run 2 vs no store", what)
         if same_cuts:
             assert outcome(res) == outcome(plain_res), (label, "run 2 vs uninterrupted", what)
             assert res["meta_info"]["cached_tokens"] == plain_res["meta_info"]["cached_tokens"], (label, what)
@@ -151,8 +149,7 @@ def check_restart_exactness(base: list[str], tmp_path, prompts: Prompts, label: 
     # run 2 cut the extension at the stored prefix and at its own last block end; run 3 loads the latter
     extended_in_run2 = results[restart_prompts.index(prompts.extended)]
     assert outcome(res) == outcome(extended_in_run2), (label, "run 3 vs run 2")
-    if ids_like_no_store:
-        assert res["output_ids"] == ref[tuple(prompts.extended)], (label, "run 3 vs no store")
+    assert res["output_ids"] == ref[tuple(prompts.extended)], (label, "run 3 vs no store")
     assert res["meta_info"]["cached_tokens"] >= stored_end(len(prompts.extended)), (label, res["meta_info"])
     return Restarts({"run1": run1, "run2": run2, "run3": run3}, metrics)
 
