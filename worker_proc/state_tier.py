@@ -33,7 +33,7 @@ from shared.state_store import DirectoryStore, StateStore, StoreError, StoreName
 from shared.state_store.keys import canonical_json
 from worker_proc.pools import StatePools
 from worker_proc.state_loader import LoadLayout, StoreLoader
-from worker_proc.state_writer import StoreWriter, WriteJob, flat_bytes
+from worker_proc.state_writer import StoreWriter, WriteJob, byte_size, flat_bytes
 from worker_proc.weight_files import weight_files
 
 logger = logging.getLogger(__name__)
@@ -148,15 +148,19 @@ class StoreTier:
         if len(w.kv_slots) != b * len(w.kv_keys):
             raise ValueError(f"a store write of {len(w.kv_keys)} blocks names {len(w.kv_slots)} KV slots")
         if w.kv_keys and self.has_kv:
-            slots = torch.tensor(w.kv_slots, dtype=torch.long, device=self.pools.k.device)
-            kv = torch.stack((self.pools.k[:, slots], self.pools.v[:, slots])).cpu()
+            k = self.pools.k
+            slots = torch.tensor(w.kv_slots, dtype=torch.long, device=k.device)
+            kv = torch.empty((2, k.shape[0], len(w.kv_slots), *k.shape[2:]), dtype=k.dtype, device=k.device)
+            torch.index_select(k, 1, slots, out=kv[0])
+            torch.index_select(self.pools.v, 1, slots, out=kv[1])
+            kv = kv.cpu()  # one copy out of the pools; each block made contiguous on the writer's thread
             for i, key in enumerate(w.kv_keys):
-                entries.append((key, lay.kv_meta, flat_bytes(kv[:, :, i * b:(i + 1) * b])))
+                entries.append((key, lay.kv_meta, kv[:, :, i * b:(i + 1) * b]))
         if w.state_key:
             parts = [flat_bytes(t[:, w.state_slot].cpu()) for t in self.pools.states.values()]
             entries.append((w.state_key, lay.state_meta, torch.cat(parts)))
         if entries:
-            self.writer.submit(WriteJob(entries, sum(p.numel() for _, _, p in entries)))
+            self.writer.submit(WriteJob(entries, sum(byte_size(p) for _, _, p in entries)))
 
     def _read(self, key: str, meta: bytes, nbytes: int) -> torch.Tensor | None:
         if (queued := self.writer.queued(key)) is not None:

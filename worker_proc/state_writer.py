@@ -25,12 +25,18 @@ logger = logging.getLogger(__name__)
 
 
 def flat_bytes(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of `t` in row-major order, one uint8 tensor (a copy only when `t` is not contiguous)."""
     return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def byte_size(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 @dataclass
 class WriteJob:
-    """One write's bytes, copied out of the pools: [(key, meta, payload)]."""
+    """One write's entries, copied out of the pools: [(key, meta, payload)]; a payload may be a view of
+    that copy (a block of a gathered prefix), made contiguous bytes by the writer thread."""
 
     entries: list[tuple[str, bytes, torch.Tensor]]
     nbytes: int
@@ -64,10 +70,11 @@ class StoreWriter:
         return True
 
     def queued(self, key: str) -> tuple[bytes, torch.Tensor] | None:
-        """An entry waiting to be written (a load reads it from here: what is queued is already stored
-        as far as the scheduler knows)."""
+        """An entry waiting to be written, as (meta, its bytes) (a load reads it from here: what is
+        queued is already stored as far as the scheduler knows)."""
         with self._lock:
-            return self._queued.get(key)
+            queued = self._queued.get(key)
+        return None if queued is None else (queued[0], flat_bytes(queued[1]))
 
     def flush(self, timeout: float) -> bool:
         """Wait until every queued write is done (a graceful shutdown); False on timeout."""
@@ -101,7 +108,7 @@ class StoreWriter:
     def _put(self, key: str, meta: bytes, payload: torch.Tensor) -> None:
         t0 = time.perf_counter()
         try:
-            self.store.put(key, memoryview(payload.numpy()), meta)
+            self.store.put(key, memoryview(flat_bytes(payload).numpy()), meta)
         except StoreError as e:
             with self._lock:
                 self.stats.write_errors += 1
@@ -112,7 +119,7 @@ class StoreWriter:
         with self._lock:
             was_degraded, self.stats.degraded = self.stats.degraded, False
             self.stats.entries_written += 1
-            self.stats.bytes_written += payload.numel()
+            self.stats.bytes_written += byte_size(payload)
             self.stats.write_seconds.append(time.perf_counter() - t0)
         if was_degraded:
             logger.warning("state store writable again")
