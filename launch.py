@@ -65,7 +65,13 @@ _HELP = {
     "extends or repeats the prompt then recomputes it)",
     "state_cache_dir": "a folder for the state store under the prefix cache: prefixes evicted from memory, or left by "
     "an earlier run or another server sharing the folder, are loaded from it instead of prefilled (default: none)",
-    "state_cache_size_gb": "GiB this server keeps in --state-cache-dir at most (least recently used entries go first)",
+    "hicache_storage_backend": "where the state store lives: file (--state-cache-dir) or mooncake (a Mooncake Store: "
+    "give its master with --hicache-storage-backend-extra-config)",
+    "hicache_storage_backend_extra_config": "JSON for the backend; mooncake: "
+    "{\"master_server_address\": \"HOST:PORT\"} and optionally local_hostname (an address other hosts reach), "
+    "protocol (tcp), local_buffer_size (bytes, more than the largest entry), global_segment_size (bytes this server "
+    "lends the store; 0: a standalone mooncake_client holds it)",
+    "state_cache_size_gb": "GiB this server keeps in the state store at most (least recently used entries go first)",
     "hicache_write_policy": "write_through: a prefix's blocks and state are stored as soon as its prefill computed "
     "them (they survive a crash); write_back: when the cache evicts them, and everything at a graceful shutdown",
     "state_cache_block_tokens": "tokens per stored block: a prefix is stored and found in whole blocks, and a stored "
@@ -396,7 +402,7 @@ class Launcher:
         with a state store its queued writes (--graceful-shutdown-timeout); any other 3 s."""
         if name == "tokenizer":
             return self.args.graceful_shutdown_timeout + _TOKENIZER_CLOSE_S
-        if name.startswith("worker") and self.args.state_cache_dir:
+        if name.startswith("worker") and self.args.state_store_enabled:
             return self.args.graceful_shutdown_timeout
         return 3.0
 

@@ -51,7 +51,8 @@ from shared.messages import (
 )
 from shared.model_info import ModelInfo
 from shared.proc import STOP_SIGNAL
-from shared.state_store import DirectoryProbe, StoreNamespace
+from shared.state_store import StoreError, StoreNamespace
+from shared.state_store.backends import open_probe
 
 logger = logging.getLogger(__name__)
 
@@ -304,8 +305,11 @@ def open_store_tier(args: ServerArgs, model: ModelInfo, namespace_json: str) -> 
     """The scheduler's view of the state store whose namespace rank 0 reported: block keys in its
     chain namespace, lookups in rank 0's folder."""
     namespace = StoreNamespace(**json.loads(namespace_json))
-    probe = DirectoryProbe(args.state_cache_dir, namespace)
-    return StoreTier(namespace, probe.contains, args.state_cache_block_tokens, model.has_attention,
+    try:
+        contains = open_probe(args, namespace)
+    except StoreError as e:
+        raise StartupError(f"state store ({args.hicache_storage_backend}): {e}") from e
+    return StoreTier(namespace, contains, args.state_cache_block_tokens, model.has_attention,
                      model.has_recurrent_state, args.hicache_write_policy == "write_back")
 
 

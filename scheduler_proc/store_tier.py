@@ -121,14 +121,9 @@ class StoreTier:
         return None
 
     def _present(self, key: str) -> bool:
-        """Sent for writing (the workers read a queued entry as a stored one), or in the store."""
-        if key in self.written:
-            return True
-        try:
-            return self.contains(key)
-        except OSError as e:
-            logger.warning("state store lookup failed: %s", e)
-            return False
+        """Sent for writing (the workers read a queued entry as a stored one), or in the store (the
+        probe never raises: False when it cannot tell)."""
+        return key in self.written or self.contains(key)
 
     def load_message(self, ticket: LoadTicket, found: StoredPrefix) -> StoreLoad:
         skip = found.start - found.first_block * self.block

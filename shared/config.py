@@ -8,6 +8,7 @@ reads its defaults from the field defaults here so there is one source of truth.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from dataclasses import dataclass, field
 from typing import Literal, get_args
@@ -105,6 +106,8 @@ class ServerArgs:
     disable_prompt_checkpoint: bool = False  # no state checkpoint at the end of each prompt
     # the state store under the radix cache (docs/architecture.md, "State store")
     state_cache_dir: str = ""  # a folder (any shared filesystem too) for stored prefixes; "" = no store
+    hicache_storage_backend: Literal["file", "mooncake"] = "file"  # SGLang's flag; file = --state-cache-dir
+    hicache_storage_backend_extra_config: str = ""  # SGLang's flag: JSON; mooncake: {"master_server_address": ...}
     state_cache_size_gb: float = 16.0  # what one server keeps in it at most
     hicache_write_policy: Literal["write_through", "write_back"] = "write_through"  # SGLang's flag
     state_cache_block_tokens: int = 64  # tokens per stored block; a stored state resumes at a block's end
@@ -207,10 +210,37 @@ class ServerArgs:
             )
         if self.state_cache_size_gb <= 0:
             raise ConfigError(f"--state-cache-size-gb must be positive, got {self.state_cache_size_gb}")
+        self.store_extra_config()  # raises ConfigError on a bad value
         if self.log_level.lower() not in ("debug", "info", "warning", "error", "critical"):
             raise ConfigError(f"--log-level must be debug|info|warning|error|critical, got {self.log_level}")
 
     # ---- derived values -------------------------------------------------------------------
+    @property
+    def state_store_enabled(self) -> bool:
+        return bool(self.state_cache_dir) or self.hicache_storage_backend == "mooncake"
+
+    def store_extra_config(self) -> dict[str, str | int]:
+        """--hicache-storage-backend-extra-config as a dict, checked for the backend (ConfigError)."""
+        text = self.hicache_storage_backend_extra_config
+        try:
+            extra = json.loads(text) if text else {}
+        except ValueError as e:
+            raise ConfigError(f"--hicache-storage-backend-extra-config is not JSON: {e}") from None
+        if not isinstance(extra, dict):
+            raise ConfigError("--hicache-storage-backend-extra-config must be a JSON object")
+        allowed = MOONCAKE_EXTRA_KEYS if self.hicache_storage_backend == "mooncake" else {}
+        for name, value in extra.items():
+            if name not in allowed:
+                known = ", ".join(sorted(allowed)) or "none"
+                raise ConfigError(f"--hicache-storage-backend-extra-config: unknown key {name!r} for the "
+                                  f"{self.hicache_storage_backend} backend (known: {known})")
+            if not isinstance(value, allowed[name]) or isinstance(value, bool):
+                raise ConfigError(f"--hicache-storage-backend-extra-config: {name} must be a {allowed[name].__name__}")
+        if self.hicache_storage_backend == "mooncake" and not extra.get("master_server_address"):
+            raise ConfigError("--hicache-storage-backend mooncake needs --hicache-storage-backend-extra-config "
+                              "'{\"master_server_address\": \"HOST:PORT\"}'")
+        return extra
+
     @property
     def resolved_model_path(self) -> str:
         return builtin_model_dir() if self.model_path == BUILTIN_MODEL else self.model_path
@@ -247,6 +277,11 @@ class ServerArgs:
     @staticmethod
     def from_bytes(data: bytes) -> ServerArgs:
         return msgspec.msgpack.decode(data, type=ServerArgs)
+
+
+MOONCAKE_EXTRA_KEYS: dict[str, type] = {"master_server_address": str, "local_hostname": str, "protocol": str,
+                                         "global_segment_size": int, "local_buffer_size": int}
+"""What --hicache-storage-backend-extra-config may set for Mooncake (shared/state_store/mooncake.py)."""
 
 
 def _valid_host_port(value: str) -> bool:

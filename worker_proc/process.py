@@ -145,14 +145,15 @@ def serve_store(tier: StoreTier | None, batch: ForwardBatch, group: object | Non
 
 def open_store(args: ServerArgs, runner: ModelRunner, rank: int) -> tuple[StoreTier | None, str]:
     """This rank's state store (--state-cache-dir) and its namespace's canonical JSON; (None, "") without one."""
-    if not args.state_cache_dir:
+    if not args.state_store_enabled:
         return None, ""
     numerics = runner.plan.kernels.ops + ("+deterministic" if args.enable_deterministic_inference else "")
     namespace = store_namespace(args, runner.dtype, numerics, rank)
     try:
         tier = StoreTier.open(args, namespace, runner.pools)
     except StoreError as e:
-        raise StartupError(f"rank {rank}: --state-cache-dir {args.state_cache_dir}: {e}") from e
+        where = args.state_cache_dir or args.hicache_storage_backend_extra_config
+        raise StartupError(f"rank {rank}: state store ({args.hicache_storage_backend}, {where}): {e}") from e
     return tier, namespace_json(namespace)
 
 

@@ -29,7 +29,8 @@ import torch
 from shared.config import ServerArgs
 from shared.messages import ForwardBatch, StoreStats, StoreWrite
 from shared.model_info import read_config_json
-from shared.state_store import DirectoryStore, StateStore, StoreError, StoreNamespace, config_fingerprint
+from shared.state_store import StateStore, StoreError, StoreNamespace, config_fingerprint
+from shared.state_store.backends import open_store
 from shared.state_store.keys import canonical_json
 from worker_proc.pools import StatePools
 from worker_proc.state_loader import LoadLayout, StoreLoader
@@ -117,9 +118,9 @@ class StoreTier:
 
     @staticmethod
     def open(args: ServerArgs, namespace: StoreNamespace, pools: StatePools) -> StoreTier:
-        store = DirectoryStore(args.state_cache_dir, int(args.state_cache_size_gb * (1 << 30)), namespace)
-        logger.info("state store %s: %d entries, %.1f of %.1f GiB", store.folder, len(store.keys()),
-                    store.size_bytes / 2**30, store.capacity_bytes / 2**30)
+        store = open_store(args, namespace)
+        logger.info("state store (%s): %d entries, %.1f of %.1f GiB", args.hicache_storage_backend,
+                    len(store.keys()), store.size_bytes / 2**30, store.capacity_bytes / 2**30)
         return StoreTier(store, pools, args.state_cache_block_tokens, args.state_cache_write_queue_mb << 20)
 
     # ------------------------------------------------------------------ one batch

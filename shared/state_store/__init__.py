@@ -1,7 +1,8 @@
 """The persistent state store: content-addressed entries (a prefix block's KV pages and recurrent-state
 checkpoint, serialized by the caller) that any process can read back and that survive restarts and
 crashes. Pure Python, no torch. The worker writes and loads entries (worker_proc/state_tier.py), the
-scheduler decides which (scheduler_proc/store_tier.py)."""
+scheduler decides which (scheduler_proc/store_tier.py). Backends: a directory, and Mooncake Store
+(`mooncake.py`, imported only when used); `backends.py` picks one from the flags."""
 
 from shared.state_store.directory import DirectoryProbe, DirectoryStore
 from shared.state_store.keys import FORMAT_VERSION, StoreNamespace, block_key, chain_keys, config_fingerprint, root_key
