@@ -240,7 +240,8 @@ class Admission:
             peek = res.peek(r)
             if (found := res.find_stored(r, peek)) is not None:
                 reason = self._start_load(view, b, adder, r, peek, found)
-                if reason:
+                if reason:  # an ordinary refusal: the load is tried again, unless nothing runs to free room
+                    r.store_checked = not view.running
                     self.record_refusal(r, reason)
                     return
                 continue

@@ -269,3 +269,15 @@ def test_an_abort_of_a_slow_load_waits_for_it_to_settle() -> None:
         sched.check_integrity()
     assert [(o.rid, o.finish_reason) for o in outs] == [("b", "abort")]
     assert not sched.has_work and not worker.reading
+
+
+def test_a_load_refused_for_room_is_tried_again_once_room_comes_back() -> None:
+    store: dict[str, Any] = {}
+    p = prompt(40)
+    sched, worker = make(store)
+    harness.run(sched, worker, {0: [greq("a", p, 2)]})
+    sched, worker = make(store, kv=56)
+    log = harness.run(sched, worker, {0: [greq("busy", prompt(8, seed=5), 30)], 1: [greq("b", p, 4)]})
+    assert sched.metrics.get("hyssm_admission_refusals_total", reason="kv") >= 1
+    assert sched.metrics.get("hyssm_state_store_loads_total", result="loaded") == 1
+    assert log.tokens["b"] == reference(p, 4) and log.finals["b"].cached_tokens == 36
