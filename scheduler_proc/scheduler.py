@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from dataclasses import dataclass
 
 from scheduler_proc.admission import Admission, AdmissionLimits, PrefillAdder, reserve
@@ -31,6 +32,9 @@ from shared.messages import FinishReason, ForwardBatch, GenerateReq, SchedulerIn
 from shared.model_info import ModelInfo
 
 logger = logging.getLogger(__name__)
+
+WRITE_POLL_S = 0.1
+"""While only the store's writes are queued, a batch asks for its counters at most this often."""
 
 
 @dataclass(frozen=True)
@@ -78,6 +82,7 @@ class Scheduler:
         self.running: dict[str, Req] = {}
         self.loading: dict[str, Req] = {}  # requests whose stored prefix is loading (in the batch in flight)
         self.store_stats: StoreStats | None = None  # rank 0's state store counters, as of the last StepResult
+        self._write_polled = 0.0  # monotonic time of the last batch sent to poll the store
         self.running_version = 0  # changes exactly when the running set does (in `transition`)
         self.new_token_ratio = self.tuning.init_ratio
         limits = AdmissionLimits(args.max_prefill_tokens, args.chunked_prefill_size, self.max_running,
@@ -191,7 +196,13 @@ class Scheduler:
         if (store := self.res.store) is not None:
             b.store_writes = store.take_writes()
             b.store_clear, store.clear_pending = store.clear_pending, False
-            b.poll = bool(self.loading)
+            # loads pending, or writes queued (asked every WRITE_POLL_S): a batch even with nothing else,
+            # so that loads settle and the store's counters arrive while nothing runs
+            now = time.monotonic()
+            writing = self.store_stats is not None and self.store_stats.queued_bytes > 0
+            b.poll = bool(self.loading) or (writing and now - self._write_polled >= WRITE_POLL_S)
+            if b.poll:
+                self._write_polled = now
         if not b.entries:
             assert not b.ckpt_copies and not b.cow_copies, "state ops without a request to run them"
         if b.empty:

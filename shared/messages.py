@@ -175,6 +175,7 @@ class StoreStats(msgspec.Struct, kw_only=True):
     entries_read: int = 0
     bytes_read: int = 0
     write_drops: int = 0  # writes dropped: the writer's queue was full
+    queued_bytes: int = 0  # bytes waiting in the writer's queue now (the scheduler polls while there are)
     write_errors: int = 0  # writes the store refused (unreachable, disk full)
     read_errors: int = 0  # entries that could not be read back (missing, damaged, store unreachable)
     write_seconds: list[float] = []  # each write's time (queue wait excluded) since the previous StepResult

@@ -129,6 +129,7 @@ class StoreWriter:
         with self._lock:
             s = self.stats
             s.size_bytes = size_bytes
+            s.queued_bytes = self._pending
             out = StoreStats(**{f: getattr(s, f) for f in s.__struct_fields__})
             out.write_seconds, out.load_seconds = list(s.write_seconds), list(s.load_seconds)
             s.write_seconds.clear()
