@@ -93,7 +93,7 @@ class EntryLayout:
     def of(pools: StatePools, block: int) -> EntryLayout:
         k = pools.k
         kv_shape = [2, k.shape[0], block, *k.shape[2:]]
-        kv_bytes = 2 * k.shape[0] * block * k[0, 0].numel() * k.element_size()
+        kv_bytes = 2 * block * k[:, :1].numel() * k.element_size()  # 0 without attention layers
         tensors = [[name, list(t.shape[:1]) + list(t.shape[2:]), str(t.dtype).removeprefix("torch.")]
                    for name, t in pools.states.items()]
         state_bytes = sum(t[:, 0].numel() * t.element_size() for t in pools.states.values())

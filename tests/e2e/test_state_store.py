@@ -2,8 +2,9 @@
 restart on a filled `--state-cache-dir` load their stored prefixes and produce the greedy tokens of a
 server without a store, and, bit for bit, the tokens and logprobs of an uninterrupted server.
 
-Per case (the built-in Mamba2 hybrid with float32 and int8 states, a Gated DeltaNet hybrid, TP=2,
-NGRAM speculative decoding), with --enable-deterministic-inference and 32-token blocks:
+Per case (the built-in Mamba2 hybrid with float32 and int8 states, with write-back instead of
+write-through, a Gated DeltaNet hybrid, the attention-free Mamba2 fixture, TP=2, NGRAM speculative
+decoding), with --enable-deterministic-inference and 32-token blocks:
 - a reference server without a store runs every prompt once (greedy tokens);
 - an uninterrupted server with a store of its own serves the fill prompts and then the restart
   prompts: its memory hits end where the restarted server's loads end, so it cuts every prefill where
@@ -15,18 +16,22 @@ NGRAM speculative decoding), with --enable-deterministic-inference and 32-token 
   of k*B + 1 tokens loads k*B; the same prompt less its last token finds no state it may use; one of
   exactly k*B tokens loads (k-1)*B; that one plus a token loads the state stored at its end), two
   prompts sharing a stored prefix with different tails, and a prompt extending a stored one;
-- run 3 (same folder) loads the extension run 2 wrote, to its last block end.
+- then the extension run 2 stored is loaded back to its last block end: in run 2 after /flush_cache
+  emptied the memory tier, and (float32) by a run 3 on the same folder.
+The Gated DeltaNet case asks a subset (its deterministic steps are slow). Last, every restart prompt
+twice at once on small pools: concurrent loads of one prefix, and no slot lost.
 cached_tokens covers the stored prefix and never the last prompt token; loads are counted."""
 
 from __future__ import annotations
 
+import asyncio
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import httpx
 import pytest
 
-from tests.e2e.server import DETERMINISTIC, Server, running_server
+from tests.e2e.server import DETERMINISTIC, Server, generate_concurrently, running_server
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -52,6 +57,8 @@ def generate(client: httpx.Client, ids: list[int], n: int = NEW) -> dict:
 
 
 def answers(server: Server, prompts: list[list[int]], n: int = NEW) -> list[dict]:
+    # wait_ready also returns when launch.py's output ended before its exit was seen: say why it did
+    assert "hyssm: serving" in server.output, server.output[-4000:]
     with server.client() as client:
         return [generate(client, p, n) for p in prompts]
 
@@ -62,103 +69,178 @@ def outcome(res: dict) -> tuple[list[int], list[float]]:
     return res["output_ids"], [row[0] for row in res["meta_info"]["output_token_logprobs"]]
 
 
+@dataclass(frozen=True)
+class Ask:
+    """One prompt of run 2: what it checks, the tokens cached for it at least (from the store or from
+    memory), the tokens it loads from the store (0: none; run 2's loads add up to these), and whether the
+    uninterrupted server cuts its prefill at the same positions (its memory hits end where run 2's loads do)."""
+
+    name: str
+    prompt: list[int]
+    cached_at_least: int
+    from_store: int
+    same_cuts: bool = True
+
+
 @dataclass
 class Prompts:
-    """Run 1 fills the store with `fill`; run 2 sends `restart` (each with the prefix it must have loaded
-    or hit at least); run 3 sends `extended` after run 2 stored it."""
+    """Run 1 fills the store with `fill`; run 2 sends `restart` in order; `extended` (the last of them)
+    is loaded to its last block end after run 2 stored it."""
 
     fill: list[list[int]]
-    restart: list[tuple[str, list[int], int, bool]]  # (what, prompt, cached at least, same cuts as uninterrupted)
+    restart: list[Ask]
     extended: list[int]
-    every: list[list[int]] = field(default_factory=list)
+
+    @property
+    def restart_prompts(self) -> list[list[int]]:
+        return [a.prompt for a in self.restart]
+
+    @property
+    def every(self) -> list[list[int]]:
+        return [*self.fill, *self.restart_prompts]
 
 
-def make_prompts(seed: int, vocab_low: int = 3) -> Prompts:
+SHARED = 200  # stored to 192
+K = 5  # the boundary prompts: x of K*B + 1 tokens, y of K*B
+
+
+def make_prompts(seed: int, only: tuple[str, ...] = ()) -> Prompts:
+    """The prompts of the module doc (`only`: those run 2 asks, by name, in order)."""
     rng = random.Random(seed)
 
     def toks(n: int) -> list[int]:
-        return [rng.randrange(vocab_low, 256) for _ in range(n)]
+        return [rng.randrange(6, 256) for _ in range(n)]
 
-    shared = toks(200)  # stored to 192
-    x = toks(5 * BLOCK + 1)  # k*B + 1: its state at k*B is stored, the last token computed
-    y = toks(5 * BLOCK)  # exactly k*B: stored to (k-1)*B (and the state after it, at k*B, at its end)
-    extended = shared + toks(100)  # 300 tokens, extends the stored 200 (stored to 288 by run 2)
+    # distinct first tokens: prompts sharing only their first token would leave a branch-point state
+    # there in the uninterrupted server's tree, which run 2's tree (filled by loads) has not
+    shared = [3, *toks(SHARED - 1)]
+    x = [4, *toks(K * BLOCK)]  # K*B + 1: its state at K*B is stored, its last token computed
+    y = [5, *toks(K * BLOCK - 1)]  # K*B: stored to (K-1)*B, and (its prompt-end checkpoint) its state at K*B
+    tails = toks(30), toks(45)
+    for tail in tails:  # branching right at 192, not later
+        tail[0] = tail[0] + 1 if tail[0] == shared[stored_end(SHARED)] else tail[0]
+    extended = shared + toks(100)  # 300 tokens: extends the stored 200; run 2 stores it to 288
+    base = stored_end(SHARED)
     restart = [
-        ("x = kB+1: loads kB", x, stored_end(len(x)), True),
-        # the state at kB now in memory (and in the store) contains this prompt's last token: not used
-        ("x[:kB]", x[:-1], 0, True),
-        ("y + 1 token: loads the state stored at y's end", y + toks(1), len(y), True),
-        ("y = kB: loads (k-1)B", y, stored_end(len(y)), True),
-        # two tails branching at shared's stored block end (the uninterrupted server hits its state there)
-        ("shared[:192] + tail 1", shared[:192] + toks(30), stored_end(len(shared)), True),
-        ("shared[:192] + tail 2", shared[:192] + toks(45), stored_end(len(shared)), True),
-        # the uninterrupted server resumes from shared's prompt-end state at 200, not a block end
-        ("extends shared", extended, stored_end(len(shared)), False),
+        Ask("x = kB+1: loads kB", x, K * BLOCK, K * BLOCK),
+        # the state at K*B now in memory (and in the store) contains this prompt's last token: not used
+        Ask("x[:kB]: no state it may use", x[:-1], 0, 0),
+        Ask("y + 1 token: loads the state stored at y's end", y + toks(1), K * BLOCK, K * BLOCK),
+        Ask("y = kB: loads (k-1)B", y, (K - 1) * BLOCK, (K - 1) * BLOCK),
+        # two tails branching at shared's stored block end: the first loads, the second hits the tree
+        Ask("shared[:192] + tail 1", shared[:base] + tails[0], base, base),
+        Ask("shared[:192] + tail 2", shared[:base] + tails[1], base, 0),
+        # hits the tree at 192; the uninterrupted server resumes from shared's prompt-end state at 200
+        Ask("extends shared", extended, base, 0, same_cuts=False),
     ]
-    p = Prompts(fill=[shared, x, y], restart=restart, extended=extended)
-    p.every = [*p.fill, *(q for _, q, _, _ in restart)]
-    return p
-
-
-RUN2_METRICS = ("hyssm_state_store_loaded_tokens_total", "hyssm_spec_verify_steps_total")
+    if only:
+        restart = [a for a in restart if a.name.split(":")[0] in only]
+    return Prompts(fill=[shared, x, y], restart=restart, extended=extended)
 
 
 @dataclass
 class Restarts:
-    servers: dict[str, Server]  # run1, run2, run3 (stopped): their logs
-    run2: dict[str, float]  # run 2's metrics: RUN2_METRICS and loads_total by result
+    servers: dict[str, Server]  # the stopped servers of run 1 and run 2 (and run 3): their logs
+    run2: dict[str, float]  # run 2's loads by result and the metrics named in the call
 
 
-def check_restart_exactness(base: list[str], tmp_path, prompts: Prompts, label: str) -> Restarts:
-    """The reference, the uninterrupted server, runs 1, 2 and 3 of the module doc, on `base` flags."""
+def load_counts(server: Server) -> dict[str, float]:
+    return {r: server.metric("hyssm_state_store_loads_total", result=r) for r in ("started", "loaded", "failed")}
+
+
+def flush_memory(server: Server) -> None:
+    """Empty the memory tier (the store keeps its entries)."""
+    with server.client() as client:
+        r = client.post("/flush_cache")
+    assert r.status_code == 200, r.text
+
+
+def check_restart_exactness(base: list[str], tmp_path, prompts: Prompts, label: str,
+                            ref: dict[tuple[int, ...], list[int]] | None = None, run3: bool = False,
+                            metrics: tuple[str, ...] = ()) -> Restarts:  # fmt: skip
+    """The reference (`ref`: the greedy tokens of every prompt from a server without a store, computed
+    here when None), the uninterrupted server, runs 1 and 2 of the module doc, on `base` flags. Then the
+    extension run 2 stored is loaded back: after the memory tier is flushed in run 2 and, with `run3`,
+    by a third server on the same folder."""
     folder = tmp_path / "store"
-    restart_prompts = [p for _, p, _, _ in prompts.restart]
-    with running_server(base) as ref_server:
-        ref = {tuple(p): outcome(r)[0] for p, r in zip(prompts.every, answers(ref_server, prompts.every), strict=True)}
+    if ref is None:
+        ref = reference_ids(base, prompts.every)
     with running_server([*base, *store_args(tmp_path / "uninterrupted")]) as plain:
         want_fill = [outcome(r) for r in answers(plain, prompts.fill)]
-        want = answers(plain, restart_prompts)
+        want = answers(plain, prompts.restart_prompts)
 
     with running_server([*base, *store_args(folder)]) as run1:
         got_fill = [outcome(r) for r in answers(run1, prompts.fill)]
-        assert run1.metric("hyssm_state_store_loads_total", result="started") == 0
+        assert load_counts(run1)["started"] == 0
     assert got_fill == want_fill, (label, "run 1")
 
     with running_server([*base, *store_args(folder)]) as run2:
-        results = answers(run2, restart_prompts)
-        metrics = {name: run2.metric(name) for name in RUN2_METRICS}
-        for result in ("started", "loaded", "failed"):
-            metrics[result] = run2.metric("hyssm_state_store_loads_total", result=result)
-    for (what, p, at_least, same_cuts), res, plain_res in zip(prompts.restart, results, want, strict=True):
-        assert res["output_ids"] == ref[tuple(p)], (label, "run 2 vs no store", what)
-        if same_cuts:
-            assert outcome(res) == outcome(plain_res), (label, "run 2 vs uninterrupted", what)
-            assert res["meta_info"]["cached_tokens"] == plain_res["meta_info"]["cached_tokens"], (label, what)
-        assert res["meta_info"]["cached_tokens"] >= at_least, (label, what, res["meta_info"])
-        assert res["meta_info"]["cached_tokens"] <= len(p) - 1, (label, what, res["meta_info"])
-    # x, y + 1, y and shared[:192] + tail 1 can only have come from the store (the others hit memory)
-    loaded, failed, loaded_tokens = metrics["loaded"], metrics["failed"], metrics[RUN2_METRICS[0]]
-    assert loaded == 4, (label, metrics, run2.output[-3000:])
-    assert failed == 0, (label, metrics, run2.output[-3000:])
-    assert metrics["started"] == loaded + failed, (label, metrics)
-    assert loaded_tokens == 5 * BLOCK + 5 * BLOCK + 4 * BLOCK + stored_end(200), (label, metrics)
+        results = answers(run2, prompts.restart_prompts)
+        counts = {**load_counts(run2), **{name: run2.metric(name) for name in metrics}}
+        loaded_tokens = run2.metric("hyssm_state_store_loaded_tokens_total")
+        flush_memory(run2)
+        (again,) = answers(run2, [prompts.extended])
+        counts_after_flush = load_counts(run2)
+    for ask, res, plain_res in zip(prompts.restart, results, want, strict=True):
+        what = (label, ask.name, res["meta_info"])
+        assert res["output_ids"] == ref[tuple(ask.prompt)], (*what, "run 2 vs no store")
+        if ask.same_cuts:
+            assert outcome(res) == outcome(plain_res), (*what, "run 2 vs uninterrupted")
+            assert res["meta_info"]["cached_tokens"] == plain_res["meta_info"]["cached_tokens"], what
+        assert ask.cached_at_least <= res["meta_info"]["cached_tokens"] <= len(ask.prompt) - 1, what
+    loads = [a.from_store for a in prompts.restart if a.from_store]
+    assert counts["loaded"] == len(loads) and counts["failed"] == 0, (label, counts, run2.output[-3000:])
+    assert counts["started"] == counts["loaded"], (label, counts)
+    assert loaded_tokens == sum(loads), (label, loaded_tokens, loads)
 
-    with running_server([*base, *store_args(folder)]) as run3:
-        (res,) = answers(run3, [prompts.extended])
-        assert run3.metric("hyssm_state_store_loads_total", result="loaded") >= 1
-    # run 2 cut the extension at the stored prefix and at its own last block end; run 3 loads the latter
-    extended_in_run2 = results[restart_prompts.index(prompts.extended)]
-    assert outcome(res) == outcome(extended_in_run2), (label, "run 3 vs run 2")
-    assert res["output_ids"] == ref[tuple(prompts.extended)], (label, "run 3 vs no store")
-    assert res["meta_info"]["cached_tokens"] >= stored_end(len(prompts.extended)), (label, res["meta_info"])
-    return Restarts({"run1": run1, "run2": run2, "run3": run3}, metrics)
+    # run 2 cut the extension at 192 and at its own last block end, 288, where a load of it ends
+    extended_in_run2 = results[prompts.restart_prompts.index(prompts.extended)]
+    assert counts_after_flush["loaded"] == counts["loaded"] + 1, (label, counts_after_flush)
+    assert again["meta_info"]["cached_tokens"] == stored_end(len(prompts.extended)), (label, again["meta_info"])
+    assert outcome(again) == outcome(extended_in_run2), (label, "after the flush vs run 2")
+    servers = {"run1": run1, "run2": run2}
+    if run3:
+        with running_server([*base, *store_args(folder)]) as server:
+            (res,) = answers(server, [prompts.extended])
+            assert load_counts(server) == {"started": 1, "loaded": 1, "failed": 0}
+        assert res["meta_info"]["cached_tokens"] == stored_end(len(prompts.extended)), (label, res["meta_info"])
+        assert outcome(res) == outcome(extended_in_run2), (label, "run 3 vs run 2")
+        servers["run3"] = server
+    return Restarts(servers, counts)
 
 
-@pytest.mark.parametrize("state_dtype", ["float32", "int8"])
-def test_mamba2_hybrid_restart_equals_the_reference(tmp_path, state_dtype: str) -> None:
-    base = ["--mamba-ssm-dtype", state_dtype, *DETERMINISTIC]
-    out = check_restart_exactness(base, tmp_path, make_prompts(57), state_dtype)
-    assert out.run2["started"] == out.run2["loaded"]
+def reference_ids(base: list[str], prompts: list[list[int]]) -> dict[tuple[int, ...], list[int]]:
+    with running_server(base) as server:
+        return {tuple(p): r["output_ids"] for p, r in zip(prompts, answers(server, prompts), strict=True)}
+
+
+@pytest.fixture(scope="module")
+def builtin_ref() -> tuple[Prompts, dict[tuple[int, ...], list[int]]]:
+    """The built-in model's prompts and their greedy tokens without a store (float32 states; the
+    deterministic mode makes tokens independent of the TP size and of drafting)."""
+    prompts = make_prompts(57)
+    return prompts, reference_ids(DETERMINISTIC, prompts.every)
+
+
+def test_mamba2_hybrid_restart_equals_the_reference(tmp_path, builtin_ref) -> None:
+    prompts, ref = builtin_ref
+    out = check_restart_exactness(DETERMINISTIC, tmp_path, prompts, "float32", ref=ref, run3=True)
+    assert out.run2["loaded"] == 4
+
+
+def test_write_back_restart_equals_the_reference(tmp_path, builtin_ref) -> None:
+    """--hicache-write-policy write_back: nothing is written while the prefixes stay in memory; a graceful
+    stop (and the flush of the memory tier) writes them, and the restarts load them as above."""
+    prompts, ref = builtin_ref
+    base = ["--hicache-write-policy", "write_back", *DETERMINISTIC]
+    out = check_restart_exactness(base, tmp_path, prompts, "write_back", ref=ref, run3=True)
+    assert out.run2["loaded"] == 4
+
+
+def test_int8_states_restart_equals_the_reference(tmp_path) -> None:
+    """int8 states are rounded where a prefill is cut: the uninterrupted server cuts where run 2 does."""
+    base = ["--mamba-ssm-dtype", "int8", *DETERMINISTIC]
+    check_restart_exactness(base, tmp_path, make_prompts(58), "int8")
 
 
 def test_gated_deltanet_hybrid_restart_equals_the_reference(tmp_path) -> None:
@@ -166,20 +248,60 @@ def test_gated_deltanet_hybrid_restart_equals_the_reference(tmp_path) -> None:
 
     path = model_dir(tmp_path, "qwen3_5_dense")
     base = ["--model-path", path, "--dtype", "float32", *DETERMINISTIC]
-    check_restart_exactness(base, tmp_path, make_prompts(58), "qwen3_5_dense")
+    prompts = make_prompts(59, only=("x = kB+1", "x[", "shared[", "extends shared"))  # its steps are slow
+    check_restart_exactness(base, tmp_path, prompts, "qwen3_5_dense")
 
 
-def test_tp2_restart_equals_the_reference(tmp_path) -> None:
+def test_attention_free_mamba2_restart_equals_the_reference(tmp_path) -> None:
+    """No attention layer: the store holds states only (no KV blocks), the token slots are bookkeeping."""
+    from tests.e2e.test_families import model_dir
+
+    path = model_dir(tmp_path, "mamba2")
+    base = ["--model-path", path, "--dtype", "float32", *DETERMINISTIC]
+    out = check_restart_exactness(base, tmp_path, make_prompts(64), "mamba2")
+    assert out.run2["loaded"] == 4
+    (ns,) = [p for p in (tmp_path / "store").iterdir() if p.is_dir()]
+    assert len([f for sub in ns.iterdir() if sub.is_dir() for f in sub.iterdir()]) > 0
+
+
+def test_tp2_restart_equals_the_reference(tmp_path, builtin_ref) -> None:
     """Each rank stores its own slice under its own namespace folder; both load it back."""
+    prompts, ref = builtin_ref
     base = ["--tp-size", "2", "--max-running-requests", "8", *DETERMINISTIC]
-    check_restart_exactness(base, tmp_path, make_prompts(59), "tp2")
+    check_restart_exactness(base, tmp_path, prompts, "tp2", ref=ref)
     folders = [p for p in (tmp_path / "store").iterdir() if p.is_dir()]
     assert len(folders) == 2, folders  # one namespace per rank
 
 
-def test_speculative_decoding_restart_equals_the_reference(tmp_path) -> None:
+def test_speculative_decoding_restart_equals_the_reference(tmp_path, builtin_ref) -> None:
     """NGRAM drafts (the minimum match window is one token: random prompts draft too) verified on
     prefixes loaded from the store; the outputs are still the reference's."""
+    prompts, ref = builtin_ref
     base = ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "4", *DETERMINISTIC]
-    out = check_restart_exactness(base, tmp_path, make_prompts(60), "ngram")
+    out = check_restart_exactness(base, tmp_path, prompts, "ngram", ref=ref, metrics=("hyssm_spec_verify_steps_total",))
     assert out.run2["hyssm_spec_verify_steps_total"] > 0
+
+
+def test_concurrent_loads_of_one_prefix_under_tight_pools(tmp_path, builtin_ref) -> None:
+    """After a restart every restart prompt arrives twice at once on small pools: requests wait for loads
+    of the same stored prefix, loads compete with running requests for slots (refusals, retries), and
+    every answer is still the reference's; when all is done no slot is held or lost and no node locked."""
+    prompts, ref = builtin_ref
+    restart = prompts.restart_prompts
+    folder = tmp_path / "store"
+    with running_server([*DETERMINISTIC, *store_args(folder)]) as server:
+        answers(server, prompts.fill)
+    tight = ["--max-total-tokens", "700", "--max-mamba-cache-size", "6", "--max-running-requests", "4"]
+    with running_server([*DETERMINISTIC, *tight, *store_args(folder)]) as server:
+        got = asyncio.run(generate_concurrently(server, restart + restart, NEW))
+        loads = load_counts(server)
+        with server.client() as client:
+            sched = client.get("/get_server_info").json()["scheduler"]["server"]
+    want = [ref[tuple(p)] for p in restart]
+    assert got == want + want
+    assert loads["loaded"] >= 4 and loads["failed"] == 0, (loads, server.output[-3000:])
+    assert loads["started"] == loads["loaded"], loads
+    assert sched["kv_used_by_requests"] == 0 and sched["state_used_by_requests"] == 0, sched
+    assert sched["num_locked_nodes"] == 0, sched
+    assert sched["kv_free"] + sched["kv_cached"] == sched["kv_capacity"], sched
+    assert sched["state_free"] + sched["state_cached"] == sched["state_capacity"], sched
