@@ -40,7 +40,10 @@ Writer drain: a 64-token prompt streams ``--decode-tokens`` tokens; once it has 
 token prompt (default: the longest L) is sent (1 new token); its prefill runs beside the decode and, with the
 store, its entries are then written in the background while the decode goes on. Inter-token latencies of the
 stream (serving_metrics.itls_from_chunks): p50 / p99 of all of them, of those after the long prompt was sent,
-and of those after it was answered (the writer's drain); the long prefill's seconds. A server without and one
+of those after it was answered, of those while its entries were written (until they are all in the folder, polled
+every 20 ms) and of those after; the long prefill's and the writes' seconds. The writer's cost is the store
+server's "while written" against its own "after" (one server, one process: instances of the same server differ
+by more than 10 % in decode speed on a shared machine). A server without and one
 with the store, both up, each warmed up with one such case, then ``--repeats`` cases alternating between them
 (the store's entries on disk before the next case). Medians; store / no store.
 """
@@ -57,7 +60,7 @@ import shlex
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import httpx
@@ -251,11 +254,13 @@ def alternate(labels: list[str], k: int) -> list[str]:
 # ---------------------------------------------------------------- 7: decode latency while the writer drains
 
 
-def drain_once(server: StoreServer, decode_ids: list[int], long_ids: list[int], cfg: Config) -> dict[str, float]:
+def drain_once(server: StoreServer, decode_ids: list[int], long_ids: list[int], cfg: Config,
+               written: Callable[[], bool] | None) -> dict[str, float]:  # fmt: skip
     run = decode_beside_prefill(server.url, decode_ids, cfg.decode_tokens, long_ids, STREAMED_BEFORE_PREFILL,
-                                cfg.request_timeout_s)  # fmt: skip
-    res, sent, answered = asyncio.run(run)
-    out = {"prefill_s": answered - sent, **itl_windows(res.chunks, sent, answered)}
+                                cfg.request_timeout_s, written)  # fmt: skip
+    res, sent, answered, stored = asyncio.run(run)
+    out = {"prefill_s": answered - sent, "write_s": stored - answered,
+           **itl_windows(res.chunks, sent, answered, stored)}
     if out["drain_tokens"] < 16:
         logger.warning("%s: only %d tokens streamed after the long prompt was answered: raise --decode-tokens",
                        server.name, out["drain_tokens"])  # fmt: skip
@@ -277,7 +282,9 @@ def drain_part(b: Bench) -> dict[str, list[dict[str, float]]]:
             server, folder = servers[label]
             logger.info("%s: %s", server.name, f"case {k}/{len(cases)}" if k else "warm-up")
             before = store_files(str(folder))[0] if folder else 0
-            res = drain_once(server, decode_ids, long_ids, cfg)
+            want = before + expected_entries(len(long_ids), cfg.block_tokens, b.has_attention)
+            written = (lambda f=str(folder), w=want: store_files(f) == (w, 0)) if folder else None
+            res = drain_once(server, decode_ids, long_ids, cfg, written)
             if folder:  # this case's writes are done before the next run starts
                 b.wait_written(folder, before, [len(decode_ids), len(long_ids)])
             if k:

@@ -24,7 +24,8 @@ LABELS = {
     "store_other_replica": "store hit, other server on the folder",
 }
 DRAIN_WINDOWS = (("all", "whole stream"), ("contended", "after the long prompt was sent"),
-                 ("drain", "after it was answered (writer draining)"))  # fmt: skip
+                 ("drain", "after it was answered"), ("writing", "while its entries were written"),
+                 ("written", "after its entries were on disk"))  # fmt: skip
 
 
 def median(values: Sequence[float]) -> float:
@@ -42,13 +43,18 @@ def _fmt(v: object, digits: int = 1) -> str:
     return f"{v:.{digits}f}" if abs(v) < 1000 else f"{v:.0f}"
 
 
-def itl_windows(chunks: Sequence[tuple[float, int]], sent: float, answered: float) -> dict[str, float]:
+def itl_windows(chunks: Sequence[tuple[float, int]], sent: float, answered: float,
+                stored: float | None = None) -> dict[str, float]:  # fmt: skip
     """Token count, p50 and p99 (ms) of the inter-token latencies (serving_metrics.itls_from_chunks) of every
-    gap ("all"), of the gaps ending after `sent` ("contended") and of those starting after `answered` ("drain")."""
+    gap ("all"), of the gaps ending after `sent` ("contended"), of those starting after `answered` ("drain"),
+    of those between `answered` and `stored` (the writer draining: "writing") and of those after ("written")."""
+    stored = answered if stored is None else stored
     marks = [(t, n) for t, n in chunks if n > 0]
     gaps = [(t0, t1, (t1 - t0) / n1) for (t0, _), (t1, n1) in zip(marks, marks[1:], strict=False) for _ in range(n1)]
     windows = {"all": gaps, "contended": [g for g in gaps if g[1] > sent],
-               "drain": [g for g in gaps if g[0] >= answered]}  # fmt: skip
+               "drain": [g for g in gaps if g[0] >= answered],
+               "writing": [g for g in gaps if g[0] >= answered and g[1] <= stored],
+               "written": [g for g in gaps if g[0] >= stored]}  # fmt: skip
     out = {f"{w}_tokens": float(len(v)) for w, v in windows.items()}
     for w, v in windows.items():
         ms = [g[2] * 1000.0 for g in v]
@@ -140,8 +146,8 @@ def working_set_table(ws: Mapping[str, object], ratios: Mapping[str, float]) -> 
 
 
 def drain_table(summary: Mapping[str, Mapping[str, float]]) -> list[str]:
-    lines = ["| server | window | ITL tokens | ITL p50 ms | ITL p99 ms | long prefill s |",
-             "|---|---|---:|---:|---:|---:|"]  # fmt: skip
+    lines = ["| server | window | ITL tokens | ITL p50 ms | ITL p99 ms | long prefill s | its writes s |",
+             "|---|---|---:|---:|---:|---:|---:|"]  # fmt: skip
     for label in ("no_store", "store", "ratio"):
         r = summary.get(label)
         if r is None:
@@ -151,7 +157,8 @@ def drain_table(summary: Mapping[str, Mapping[str, float]]) -> list[str]:
             tokens = "" if label == "ratio" else _fmt(r[f"{w}_tokens"], 0)
             digits = 3 if label == "ratio" else 1
             lines.append(f"| {name} | {text} | {tokens} | {_fmt(r[f'{w}_p50_ms'], digits)} "
-                         f"| {_fmt(r[f'{w}_p99_ms'], digits)} | {_fmt(r['prefill_s'], 2)} |")  # fmt: skip
+                         f"| {_fmt(r[f'{w}_p99_ms'], digits)} | {_fmt(r['prefill_s'], 2)} "
+                         f"| {_fmt(r.get('write_s', math.nan), 2)} |")  # fmt: skip
     return lines
 
 

@@ -28,6 +28,7 @@ import random
 import re
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -171,9 +172,10 @@ async def _stream(client: httpx.AsyncClient, ids: list[int], n: int, res: Reques
 
 
 async def decode_beside_prefill(url: str, decode_ids: list[int], decode_tokens: int, long_ids: list[int],
-                                streamed_before: int, timeout_s: float,
-                                ) -> tuple[RequestResult, float, float]:  # fmt: skip
-    """(the stream, when the long prompt was sent, when it was answered); see the module doc."""
+                                streamed_before: int, timeout_s: float, written: Callable[[], bool] | None = None,
+                                ) -> tuple[RequestResult, float, float, float]:  # fmt: skip
+    """(the stream, when the long prompt was sent, when it was answered, when its entries were stored:
+    `written` polled every 20 ms from the answer on while the stream runs; the answer without it)."""
     async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(timeout_s, connect=30.0)) as client:
         res, going = RequestResult(prompt_tokens=len(decode_ids)), asyncio.Event()
         task = asyncio.create_task(_stream(client, decode_ids, decode_tokens, res, going, streamed_before))
@@ -182,11 +184,14 @@ async def decode_beside_prefill(url: str, decode_ids: list[int], decode_tokens: 
             task.result()  # raises what the stream raised
         sent = time.perf_counter()
         resp = await client.post("/generate", json=_body(long_ids, 1))
-        answered = time.perf_counter()
+        answered = stored = time.perf_counter()
+        while written is not None and not task.done() and not await asyncio.to_thread(written):
+            await asyncio.sleep(0.02)  # polling the store folder while the decode streams
+        stored = time.perf_counter() if written is not None else answered
         await task
     if resp.status_code != 200:
         raise PeerError(f"the long prompt answered {resp.status_code}: {resp.text[:300]}")
-    return res, sent, answered
+    return res, sent, answered, stored
 
 
 def counters_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
