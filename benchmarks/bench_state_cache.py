@@ -254,6 +254,11 @@ def alternate(labels: list[str], k: int) -> list[str]:
 # ---------------------------------------------------------------- 7: decode latency while the writer drains
 
 
+def written_all(folder: str, want: int) -> bool:
+    entries, temps = store_files(folder)
+    return entries >= want and temps == 0
+
+
 def drain_once(server: StoreServer, decode_ids: list[int], long_ids: list[int], cfg: Config,
                written: Callable[[], bool] | None) -> dict[str, float]:  # fmt: skip
     run = decode_beside_prefill(server.url, decode_ids, cfg.decode_tokens, long_ids, STREAMED_BEFORE_PREFILL,
@@ -283,7 +288,7 @@ def drain_part(b: Bench) -> dict[str, list[dict[str, float]]]:
             logger.info("%s: %s", server.name, f"case {k}/{len(cases)}" if k else "warm-up")
             before = store_files(str(folder))[0] if folder else 0
             want = before + expected_entries(len(long_ids), cfg.block_tokens, b.has_attention)
-            written = (lambda f=str(folder), w=want: store_files(f) == (w, 0)) if folder else None
+            written = (lambda f=str(folder), w=want: written_all(f, w)) if folder else None
             res = drain_once(server, decode_ids, long_ids, cfg, written)
             if folder:  # this case's writes are done before the next run starts
                 b.wait_written(folder, before, [len(decode_ids), len(long_ids)])

@@ -99,6 +99,9 @@ def summarize_drain(drain: Mapping[str, Sequence[Mapping[str, float]]]) -> dict[
     out = {label: {k: median([r[k] for r in runs]) for k in runs[0]} for label, runs in drain.items() if runs}
     if "store" in out and "no_store" in out:
         out["ratio"] = {k: ratio(out["store"][k], out["no_store"][k]) for k in out["store"]}
+    if "store" in out:  # the writer's cost within one server: while it writes against after
+        st = out["store"]
+        out["writer_cost"] = {q: ratio(st[f"writing_{q}_ms"], st[f"written_{q}_ms"]) for q in ("p50", "p99")}
     return out
 
 
@@ -159,6 +162,10 @@ def drain_table(summary: Mapping[str, Mapping[str, float]]) -> list[str]:
             lines.append(f"| {name} | {text} | {tokens} | {_fmt(r[f'{w}_p50_ms'], digits)} "
                          f"| {_fmt(r[f'{w}_p99_ms'], digits)} | {_fmt(r['prefill_s'], 2)} "
                          f"| {_fmt(r.get('write_s', math.nan), 2)} |")  # fmt: skip
+    cost = summary.get("writer_cost")
+    if cost is not None:
+        lines += ["", f"The writer's cost within the store server (ITL while its entries were written / after): "
+                      f"p50 {_fmt(cost['p50'], 3)}, p99 {_fmt(cost['p99'], 3)}"]
     return lines
 
 
