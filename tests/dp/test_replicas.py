@@ -14,7 +14,7 @@ import pytest
 import launch
 from shared.channels import SCHEDULER_TO_TOKENIZER, SCHEDULER_TO_WORKER, TO_LAUNCHER, TOKENIZER_TO_SCHEDULER
 from shared.config import ConfigError, ServerArgs
-from shared.messages import MetricRecord, SchedulerInfo, ServerState
+from shared.messages import MetricRecord, SchedulerInfo, ServerState, StoreStats
 from shared.replicas import ReplicaSet, dist_addrs, node_processes
 from tests.tokenizer.conftest import FakeBackend
 from tokenizer_proc import create_app
@@ -98,6 +98,15 @@ def test_merge_sums_counts_and_recomputes_rates() -> None:
     gone = [[_rec("hyssm_x_total", "counter", 10, kind="state"), _rec("hyssm_num_running_reqs", "gauge", 7)]]
     merged = {(r.name, tuple(r.labels.items())): r.value for r in merge_metrics(live, gone)}
     assert merged == {("hyssm_x_total", (("kind", "state"),)): 17, ("hyssm_num_running_reqs", ()): 3}
+
+
+def test_merge_adds_up_the_state_stores() -> None:
+    a = ServerState(state_store=StoreStats(entries_written=3, bytes_read=10, size_bytes=5, load_seconds=[0.1]))
+    b = ServerState(state_store=StoreStats(entries_written=4, degraded=True, load_seconds=[0.2]))
+    merged = merge_states([a, b, ServerState()]).state_store
+    assert merged is not None and (merged.entries_written, merged.bytes_read, merged.size_bytes) == (7, 10, 5)
+    assert merged.degraded and merged.load_seconds == [0.1, 0.2]
+    assert merge_states([ServerState(), ServerState()]).state_store is None
 
 
 @dataclass

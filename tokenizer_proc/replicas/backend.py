@@ -24,7 +24,7 @@ from typing import Any
 
 import msgspec
 
-from shared.messages import GenerateReq, MetricRecord, SchedulerInfo, ServerState, TokenOut
+from shared.messages import GenerateReq, MetricRecord, SchedulerInfo, ServerState, StoreStats, TokenOut
 from tokenizer_proc.replicas.routing import CacheAwareRouter, Reason
 from tokenizer_proc.replicas.scheduler_client import SchedulerClient
 from tokenizer_proc.requests.generation import BackendUnavailable
@@ -37,13 +37,33 @@ _MEAN_GAUGES = frozenset({"hyssm_new_token_ratio"})
 _REASONS: tuple[Reason, ...] = ("cache", "load", "balance")
 
 
+def merge_store_stats(stats: Sequence[StoreStats]) -> StoreStats | None:
+    """The replicas' state store counters as one: numbers summed, latencies joined, degraded if any
+    replica's is (None when no replica has a store)."""
+    if not stats:
+        return None
+    merged: dict[str, Any] = {}
+    for name in StoreStats.__struct_fields__:
+        values = [getattr(s, name) for s in stats]
+        if isinstance(values[0], bool):
+            merged[name] = any(values)
+        elif isinstance(values[0], list):
+            merged[name] = [x for v in values for x in v]
+        else:
+            merged[name] = sum(values)
+    return StoreStats(**merged)
+
+
 def merge_states(states: Sequence[ServerState]) -> ServerState:
     """One ServerState for several replicas: counts summed, hit rates recomputed from the summed
-    tokens, `batch_is_full` if any replica's is, new_token_ratio averaged, config fields the first's."""
+    tokens, `batch_is_full` if any replica's is, new_token_ratio averaged, config fields the first's,
+    the state stores' counters summed (`merge_store_stats`)."""
     merged: dict[str, Any] = {}
     for name in ServerState.__struct_fields__:
         values = [getattr(s, name) for s in states]
-        if name in _SAME_FIELDS:
+        if name == "state_store":
+            merged[name] = merge_store_stats([v for v in values if v is not None])
+        elif name in _SAME_FIELDS:
             merged[name] = values[0]
         elif name in _MEAN_FIELDS:
             merged[name] = sum(values) / len(values)
