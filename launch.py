@@ -71,6 +71,9 @@ _HELP = {
     "{\"master_server_address\": \"HOST:PORT\"} and optionally local_hostname (an address other hosts reach), "
     "protocol (tcp), local_buffer_size (bytes, more than the largest entry), global_segment_size (bytes this server "
     "lends the store; 0: a standalone mooncake_client holds it)",
+    "hicache_size": "GiB of host memory in front of the state store (SGLang's flag): entries are written through it "
+    "and read from it first, so a prefix evicted from GPU pools comes back without the disk or the network (on CPU "
+    "the pools are host memory already; default 0: none)",
     "state_cache_size_gb": "GiB this server keeps in the state store at most (least recently used entries go first)",
     "hicache_write_policy": "write_through: a prefix's blocks and state are stored as soon as its prefill computed "
     "them (they survive a crash); write_back: when the cache evicts them, and everything at a graceful shutdown",

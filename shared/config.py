@@ -109,6 +109,7 @@ class ServerArgs:
     hicache_storage_backend: Literal["file", "mooncake"] = "file"  # SGLang's flag; file = --state-cache-dir
     hicache_storage_backend_extra_config: str = ""  # SGLang's flag: JSON; mooncake: {"master_server_address": ...}
     state_cache_size_gb: float = 16.0  # what one server keeps in it at most
+    hicache_size: float = 0.0  # SGLang's flag: GiB of host memory in front of the store (0: none; for CUDA pools)
     hicache_write_policy: Literal["write_through", "write_back"] = "write_through"  # SGLang's flag
     state_cache_block_tokens: int = 64  # tokens per stored block; a stored state resumes at a block's end
     state_cache_write_queue_mb: int = 512  # writes waiting for the store; a write past it is dropped
@@ -211,6 +212,8 @@ class ServerArgs:
         if self.state_cache_size_gb <= 0:
             raise ConfigError(f"--state-cache-size-gb must be positive, got {self.state_cache_size_gb}")
         self.store_extra_config()  # raises ConfigError on a bad value
+        if self.hicache_size < 0:
+            raise ConfigError(f"--hicache-size must be >= 0, got {self.hicache_size}")
         if self.log_level.lower() not in ("debug", "info", "warning", "error", "critical"):
             raise ConfigError(f"--log-level must be debug|info|warning|error|critical, got {self.log_level}")
 

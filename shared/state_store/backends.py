@@ -14,7 +14,9 @@ from collections.abc import Callable
 from shared.config import ServerArgs
 from shared.state_store.directory import DirectoryProbe, DirectoryStore
 from shared.state_store.keys import StoreNamespace
+from shared.state_store.memory import MemoryStore
 from shared.state_store.store import StateStore
+from shared.state_store.tiered import TieredStore
 
 logger = logging.getLogger(__name__)
 
@@ -28,7 +30,15 @@ def capacity_bytes(args: ServerArgs) -> int:
 
 
 def open_store(args: ServerArgs, namespace: StoreNamespace) -> StateStore:
-    """This rank's store; raises StoreError when it cannot be opened."""
+    """This rank's store, behind `--hicache-size` GiB of host memory when given (`TieredStore`); raises
+    StoreError when it cannot be opened."""
+    back = _open_back(args, namespace)
+    if args.hicache_size > 0:
+        return TieredStore(MemoryStore(int(args.hicache_size * (1 << 30))), back)
+    return back
+
+
+def _open_back(args: ServerArgs, namespace: StoreNamespace) -> StateStore:
     if args.hicache_storage_backend == "mooncake":
         from shared.state_store.mooncake import MooncakeStore
 

@@ -13,6 +13,7 @@ import torch
 from shared.messages import ForwardBatch, StoreLoad, StoreWrite
 from shared.state_store import DirectoryStore, MemoryStore, StoreNamespace
 from shared.state_store.store import Buffer
+from shared.state_store.tiered import TieredStore
 from tests.worker.util import fixture_dir
 from worker_proc.loader import load_config
 from worker_proc.pools import StatePools
@@ -52,9 +53,14 @@ def settle_all(tier: StoreTier) -> tuple[list[int], list[int]]:
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("state_dtype", ["float32", "int8"])
-def test_a_load_puts_back_what_a_write_copied_out(tmp_path: Path, device: str, state_dtype: str) -> None:
+@pytest.mark.parametrize("host_tier", [False, True], ids=["directory", "host-memory+directory"])
+def test_a_load_puts_back_what_a_write_copied_out(tmp_path: Path, device: str, state_dtype: str,
+                                                  host_tier: bool) -> None:  # fmt: skip
+    """On CUDA the pools are device memory: a write copies to the host, a load back to the device; with
+    --hicache-size the host-memory tier answers the load (the directory holds it too)."""
     p = pools(device, state_dtype)
-    tier = StoreTier(DirectoryStore(tmp_path, 1 << 30, NAMESPACE), p, BLOCK, 1 << 30)
+    store = DirectoryStore(tmp_path, 1 << 30, NAMESPACE)
+    tier = StoreTier(TieredStore(MemoryStore(1 << 30), store) if host_tier else store, p, BLOCK, 1 << 30)
     src = list(range(1, 13))  # three blocks
     tier.serve(ForwardBatch(step=1, reqs=[], store_writes=[StoreWrite(kv_keys=KEYS[:3], kv_slots=src,
                                                                        state_key=STATE_KEY, state_slot=2)]))
