@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import random
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -14,22 +13,12 @@ import pytest
 
 from tests.e2e.server import DETERMINISTIC, Server
 from tests.e2e.test_state_store_shared import body, wait_for_writes
-from tests.tp.netns import HostPair, enter, skip_unless_netns_possible
+from tests.tp.netns import HostPair, enter
+from tests.tp.test_tp_netns import hosts  # noqa: F401 - the fixture: two namespaces joined by a veth pair
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
 BLOCK = 32
-
-
-@pytest.fixture
-def hosts() -> Iterator[HostPair]:
-    skip_unless_netns_possible()
-    pair = HostPair()
-    pair.create()
-    try:
-        yield pair
-    finally:
-        pair.close()
 
 
 def generate_in(ns: str, server: Server, prompt: list[int]) -> dict:
@@ -49,7 +38,7 @@ def metric_in(ns: str, server: Server, name: str, **labels: str) -> float:
         return pool.submit(server.metric, name, **labels).result()
 
 
-def test_a_prefix_prefilled_on_one_host_is_loaded_on_the_other(hosts: HostPair, tmp_path: Path) -> None:
+def test_a_prefix_prefilled_on_one_host_is_loaded_on_the_other(hosts: HostPair, tmp_path: Path) -> None:  # noqa: F811
     rng = random.Random(3)
     prompt = [rng.randrange(256) for _ in range(BLOCK * 5 + 7)]
     stored = (len(prompt) - 1) // BLOCK * BLOCK
