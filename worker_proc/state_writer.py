@@ -1,8 +1,9 @@
 """The state store's writer thread: what a rank copied out of its pools, put into the store in the
 background behind a queue bounded in bytes (--state-cache-write-queue-mb).
 
-Owns the queued entries until they are written (a load reads a queued entry from here) and the rank's
-`StoreStats`, which the step's thread updates too under `lock`. Rules: a job that does not fit the
+The thread runs only on a core the steps leave idle (`idle_only`). Owns the queued entries until they
+are written (a load reads a queued entry from here) and the rank's `StoreStats`, which the step's
+thread updates too under `lock`. Rules: a job that does not fit the
 queue is dropped and counted, never waited for; a store error is counted and logged once per outage,
 and the next write that works ends it.
 """
@@ -40,6 +41,19 @@ class WriteJob:
 
     entries: list[tuple[str, bytes, torch.Tensor]]
     nbytes: int
+
+
+def idle_only() -> None:
+    """Run the calling thread only on a core nothing else wants (Linux SCHED_IDLE), else at nice 19: a
+    write competing with a step's thread team holds the whole team at its barrier."""
+    tid = threading.get_native_id()
+    try:
+        os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError):
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, 19)
+        except (AttributeError, OSError):
+            pass
 
 
 class StoreWriter:
@@ -91,10 +105,7 @@ class StoreWriter:
         self._queue.put(None)
 
     def _run(self) -> None:
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)  # the steps come first
-        except (AttributeError, OSError):
-            pass
+        idle_only()
         while (job := self._queue.get()) is not None:
             for key, meta, payload in job.entries:
                 self._put(key, meta, payload)
