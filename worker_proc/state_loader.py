@@ -25,6 +25,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from shared.messages import StoreLoad
@@ -132,8 +133,10 @@ class StoreLoader:
                     return None
                 blocks.append(data)
             k = self.pools.k
-            shape = (2, k.shape[0], lay.block, *k.shape[2:])
-            kv = torch.cat([blk.view(k.dtype).view(shape) for blk in blocks], dim=2)[:, :, load.skip:]
+            # joined by numpy on this thread alone (a torch op here would start an OpenMP team of its own)
+            shape = (2, k.shape[0], lay.block, *k.shape[2:-1], k.shape[-1] * k.element_size())
+            joined = np.concatenate([blk.numpy().reshape(shape) for blk in blocks], axis=2)
+            kv = torch.from_numpy(joined).view(k.dtype)[:, :, load.skip:]
             if kv.shape[2] != len(load.kv_slots):
                 logger.error("store load %d: %d positions for %d slots", load.load_id, kv.shape[2], len(load.kv_slots))
                 return None

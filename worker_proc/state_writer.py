@@ -17,6 +17,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from shared.messages import StoreStats
@@ -26,8 +27,12 @@ logger = logging.getLogger(__name__)
 
 
 def flat_bytes(t: torch.Tensor) -> torch.Tensor:
-    """The bytes of `t` in row-major order, one uint8 tensor (a copy only when `t` is not contiguous)."""
-    return t.contiguous().reshape(-1).view(torch.uint8)
+    """The bytes of (CPU) `t` in row-major order, one uint8 tensor. A copy only when `t` is not contiguous,
+    made by numpy on the calling thread alone: a torch copy on the writer's thread would start an OpenMP
+    thread team of its own beside the steps' one."""
+    if t.is_contiguous():
+        return t.reshape(-1).view(torch.uint8)
+    return torch.from_numpy(np.ascontiguousarray(t.view(torch.uint8).numpy())).reshape(-1)
 
 
 def byte_size(t: torch.Tensor) -> int:
