@@ -43,8 +43,13 @@ def _lines(ax) -> dict[str, list[tuple[float, float]]]:  # noqa: ANN001
     return {line.get_label(): [tuple(map(float, xy)) for xy in line.get_xydata()] for line in ax.get_lines()}
 
 
-def _expected(points: list[dict], key: str, stat: str | None) -> list[tuple[float, float]]:
-    return [(float(p["load"]), float(p[key] if stat is None else p[key][stat])) for p in points]
+def _expected(points: list[dict], key: str, stat: str | None) -> list[float]:
+    """The plotted (x, y) pairs of `key`, flattened to x0, y0, x1, y1, ... (pytest.approx compares flat lists)."""
+    return [v for p in points for v in (float(p["load"]), float(p[key] if stat is None else p[key][stat]))]
+
+
+def _flat(xy: list[tuple[float, float]]) -> list[float]:
+    return [v for pair in xy for v in pair]
 
 
 def test_concurrency_sweep_of_two_targets_plots_the_json(server: FakeServer, tmp_path: Path) -> None:
@@ -64,11 +69,11 @@ def test_concurrency_sweep_of_two_targets_plots_the_json(server: FakeServer, tmp
     tps, ttft, itl = fig.axes
     for t in doc["targets"]:
         pts, label = t["points"], t["label"]
-        assert _lines(tps)[label] == pytest.approx(_expected(pts, "output_token_throughput", None))
-        assert _lines(ttft)[f"{label} p50"] == pytest.approx(_expected(pts, "ttft_ms", "median"))
-        assert _lines(ttft)[f"{label} p99"] == pytest.approx(_expected(pts, "ttft_ms", "p99"))
-        assert _lines(itl)[f"{label} p50"] == pytest.approx(_expected(pts, "itl_ms", "median"))
-        assert _lines(itl)[f"{label} p99"] == pytest.approx(_expected(pts, "itl_ms", "p99"))
+        assert _flat(_lines(tps)[label]) == pytest.approx(_expected(pts, "output_token_throughput", None))
+        assert _flat(_lines(ttft)[f"{label} p50"]) == pytest.approx(_expected(pts, "ttft_ms", "median"))
+        assert _flat(_lines(ttft)[f"{label} p99"]) == pytest.approx(_expected(pts, "ttft_ms", "p99"))
+        assert _flat(_lines(itl)[f"{label} p50"]) == pytest.approx(_expected(pts, "itl_ms", "median"))
+        assert _flat(_lines(itl)[f"{label} p99"]) == pytest.approx(_expected(pts, "itl_ms", "p99"))
     assert len(tps.get_lines()) == 2 and len(ttft.get_lines()) == 4 and len(itl.get_lines()) == 4
 
     # the PNG on disk is this figure: drawn again from the JSON, it decodes to the same pixels
@@ -89,7 +94,7 @@ def test_rate_sweep_of_the_configured_server(server: FakeServer, tmp_path: Path)
     assert [p["completed"] for p in target["points"]] == [6, 6]
     tps = plot_sweep(doc).axes[0]
     assert tps.get_xlabel().startswith("request rate")
-    assert _lines(tps)["openai"] == pytest.approx(_expected(target["points"], "output_token_throughput", None))
+    assert _flat(_lines(tps)["openai"]) == pytest.approx(_expected(target["points"], "output_token_throughput", None))
 
 
 @pytest.mark.parametrize("flags", [
