@@ -37,19 +37,22 @@ def cpu_native_16bit(name: str) -> bool:
 
 
 def resolve_dtype(name: str, device: torch.device, cfg: HybridConfig, native: bool | None = None) -> torch.dtype:
-    """"auto" = the checkpoint's torch_dtype on CUDA, float32 on CPU. A 16-bit dtype on a CPU without
-    native arithmetic for it computes in float32 instead (logged): it would only be slower.
-    `native` overrides the CPU probe (tests)."""
+    """"auto" = the checkpoint's torch_dtype, as vLLM and SGLang serve it. A 16-bit dtype on a CPU without
+    native arithmetic for it (auto's or asked for) computes in float32 instead, the log saying why: torch would
+    emulate its matmuls through float32 conversions, only slower. `native` overrides the CPU probe (tests)."""
+    asked = name
     if name == "auto":
-        name = cfg.torch_dtype if device.type == "cuda" else "float32"
+        name = cfg.torch_dtype if cfg.torch_dtype in DTYPES else "float32"
     if name not in DTYPES:
         raise ModelLoadError(f"unsupported dtype {name!r} (use one of {', '.join(DTYPES)} or auto)")
     if device.type == "cpu" and name in ("bfloat16", "float16"):
         if not (cpu_native_16bit(name) if native is None else native):
-            logger.warning("dtype %s requested, but this CPU has no %s instructions: its matmuls would be "
-                           "emulated and slower than float32, so the model computes in float32", name, name)
+            logger.warning("dtype %s (%s): this CPU has no %s instructions, so its matmuls would be emulated and "
+                           "slower than float32; the model computes in float32", name,
+                           "the checkpoint's" if asked == "auto" else "asked for", name)
             return torch.float32
-        logger.info("dtype %s: this CPU multiplies it natively (half the weight traffic of float32)", name)
+        logger.info("dtype %s (%s): this CPU multiplies it natively (half the weight traffic of float32)", name,
+                    "the checkpoint's" if asked == "auto" else "asked for")
     return DTYPES[name]
 
 

@@ -157,12 +157,26 @@ def test_half_precision_load(dtype: str, monkeypatch: pytest.MonkeyPatch) -> Non
     r.check_integrity()
 
 
-def test_bf16_checkpoint_auto_dtype_on_cpu_is_float32(ckpt: str) -> None:
+def test_auto_dtype_serves_the_checkpoints_dtype_where_the_cpu_multiplies_it(
+    ckpt: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from worker_proc import loader
+
     _edit_weights(ckpt, lambda t: t.update({k: v.to(torch.bfloat16) for k, v in t.items()}))
     edit_config(ckpt, torch_dtype="bfloat16")
-    model = load_model(ckpt)  # auto -> float32 on CPU
-    assert model.dtype == torch.float32
-    assert load_model(ckpt, dtype="bfloat16").dtype == torch.bfloat16
+    monkeypatch.setattr(loader, "cpu_native_16bit", lambda name: True)
+    with caplog.at_level("INFO", logger="worker_proc.loader"):
+        assert load_model(ckpt).dtype == torch.bfloat16
+    assert "the checkpoint's" in caplog.text and "natively" in caplog.text
+    monkeypatch.setattr(loader, "cpu_native_16bit", lambda name: False)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="worker_proc.loader"):
+        assert load_model(ckpt).dtype == torch.float32
+    assert "the checkpoint's" in caplog.text and "computes in float32" in caplog.text
+    assert load_model(ckpt, dtype="float32").dtype == torch.float32
+    edit_config(ckpt, torch_dtype="float32")
+    monkeypatch.setattr(loader, "cpu_native_16bit", lambda name: True)
+    assert load_model(ckpt).dtype == torch.float32
 
 
 def test_16bit_on_a_cpu_without_native_support_computes_in_float32(
@@ -180,6 +194,7 @@ def test_16bit_on_a_cpu_without_native_support_computes_in_float32(
     cfg = loader.load_config(fixture_dir(NAME))
     assert loader.resolve_dtype("bfloat16", torch.device("cuda"), cfg, native=False) == torch.bfloat16
     assert loader.resolve_dtype("auto", torch.device("cpu"), cfg, native=False) == torch.float32
+    assert loader.resolve_dtype("auto", torch.device("cuda"), cfg, native=False) == loader.DTYPES[cfg.torch_dtype]
 
 
 def _mapped_kib(path: str) -> int:
