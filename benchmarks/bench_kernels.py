@@ -137,7 +137,7 @@ def _fixture_logits(fixture: Path, device: torch.device, ops: object) -> torch.T
 
     from shared.messages import ForwardBatch, ReqSlice, SamplingParams
     from tests.model_driver import forward_all_logits, forward_logits
-    from worker_proc.runtime import ModelRunner
+    from worker_proc.runtime.runner import ModelRunner
 
     ref = load_file(str(fixture / "reference.safetensors"))
     prompt, gen = ref["prompt"].tolist(), ref["gen_tokens"].tolist()
@@ -162,7 +162,7 @@ def model_parity(device: torch.device, tol: float = 1e-4) -> bool:
     from safetensors.torch import load_file
 
     from worker_proc.kernels import ReferenceOps
-    from worker_proc.kernels.triton_ops import TritonOps
+    from worker_proc.kernels.triton.ops import TritonOps
 
     ok = True
     fixtures = Path(__file__).resolve().parent.parent / "tests" / "fixtures"

@@ -17,11 +17,11 @@ import torch
 
 from worker_proc.kernels import ReferenceOps
 from worker_proc.kernels.interface import SsdParams
-from worker_proc.kernels.triton_attention import attn_prefill_varlen
-from worker_proc.kernels.triton_conv import conv_prefill_varlen
-from worker_proc.kernels.triton_ops import TritonOps
-from worker_proc.kernels.triton_plan import plan_chunks
-from worker_proc.kernels.triton_ssd import ssd_scan_varlen
+from worker_proc.kernels.triton.attention import attn_prefill_varlen
+from worker_proc.kernels.triton.chunk_plan import plan_chunks
+from worker_proc.kernels.triton.conv import conv_prefill_varlen
+from worker_proc.kernels.triton.ops import TritonOps
+from worker_proc.kernels.triton.ssd import ssd_scan_varlen
 
 NO_LIMIT = (0.0, float("inf"))
 # the reference is timed in its batched form (batch_invariant=False: one padded decode attention)

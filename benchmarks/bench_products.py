@@ -9,7 +9,7 @@ format) as fill `--stream-mb`, more than a CPU's last-level cache, and one timed
 input by each copy in turn: what a decode step, which reads every weight once, sees. Per method and row
 count the table shows the fastest of `--runs` rounds after an untimed one (us per product) and the weight
 bytes it read per second. The methods are those of `THROUGHPUT_METHODS` that `supports` such a site
-(worker_proc.model.gemm_methods; `--methods` keeps the named ones), their copies (a packed or tiled copy,
+(worker_proc.linear.methods; `--methods` keeps the named ones), their copies (a packed or tiled copy,
 an int8 copy of a quantized weight) made as the plan's bind makes them. No server, no model.
 """
 
@@ -25,10 +25,10 @@ import torch
 if __package__ in (None, ""):  # run as a file: make the repo importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from worker_proc.model.gemm import GemmSite
-from worker_proc.model.gemm_methods import COPIES, THROUGHPUT_METHODS, GemmMethod
-from worker_proc.numerics import flush_denormals
-from worker_proc.quantization import quantize_weight
+from worker_proc.host.numerics import flush_denormals
+from worker_proc.linear.methods import COPIES, THROUGHPUT_METHODS, GemmMethod
+from worker_proc.linear.site import GemmSite
+from worker_proc.quant.quantize import quantize_weight
 
 STORAGES = ("dense", "int8", "int4", "fp8")
 

@@ -29,8 +29,8 @@ import torch
 
 from shared.config import builtin_model_dir
 from shared.messages import ReqSlice, SamplingParams
-from worker_proc.numerics import flush_denormals
-from worker_proc.runtime import ModelRunner
+from worker_proc.host.numerics import flush_denormals
+from worker_proc.runtime.runner import ModelRunner
 
 HELD_OUT = Path(__file__).resolve().parent / "data" / "heldout.txt"
 GREEDY = SamplingParams(temperature=0.0)

@@ -25,9 +25,9 @@ import torch
 from shared.config import builtin_model_dir
 from shared.messages import ReqSlice, SamplingParams
 from shared.model_info import ModelInfo
-from worker_proc.numerics import flush_denormals
-from worker_proc.pools import StatePools, slot_bytes
-from worker_proc.runtime import ModelRunner
+from worker_proc.host.numerics import flush_denormals
+from worker_proc.runtime.runner import ModelRunner
+from worker_proc.state.pools import StatePools, slot_bytes
 
 GREEDY = SamplingParams(temperature=0.0)
 DEFAULT_PROMPT = (

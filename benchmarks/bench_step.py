@@ -24,11 +24,11 @@ import torch
 
 from shared.config import builtin_model_dir
 from shared.messages import ForwardBatch, ReqSlice, SamplingParams
-from worker_proc.execution_plan import instances_of
-from worker_proc.host_memory import keep_freed_memory, map_load_blocks
-from worker_proc.numerics import flush_denormals
-from worker_proc.plan_timing import read_bytes_per_s, weight_bytes
-from worker_proc.runtime import ModelRunner
+from worker_proc.host.memory import keep_freed_memory, map_load_blocks
+from worker_proc.host.numerics import flush_denormals
+from worker_proc.plan.execution_plan import instances_of
+from worker_proc.plan.product_timer import read_bytes_per_s, weight_bytes
+from worker_proc.runtime.runner import ModelRunner
 
 GREEDY = SamplingParams(temperature=0.0)
 SLOT_STRIDE = 4096  # KV slots reserved per request

@@ -187,7 +187,7 @@ for mod in ("triton", "fla", "mamba_ssm", "causal_conv1d", "pytest_timeout"):
     except Exception as exc:
         print(f"{mod}: not importable ({type(exc).__name__}: {str(exc)[:200]})")
 try:
-    from worker_proc.kernels.select import select_ops
+    from worker_proc.plan.kernel_set import select_ops
 
     ops = select_ops("cuda")
     print("select_ops(cuda):", type(ops).__name__, "gdn backend:", type(ops.gdn).__name__)

@@ -140,8 +140,8 @@ def write(out_dir: str, shape: str, num_layers: int = 0, seed: int = 0) -> str:
 def bench_decode(model_dir: str, batch: int = 8, prompt: int = 64, steps: int = 16) -> float:
     """Decode tokens/s of `batch` requests after a `prompt`-token prefill each (greedy, fp32)."""
     from shared.messages import ForwardBatch, ReqSlice, SamplingParams
-    from worker_proc.numerics import flush_denormals
-    from worker_proc.runtime import ModelRunner
+    from worker_proc.host.numerics import flush_denormals
+    from worker_proc.runtime.runner import ModelRunner
 
     flush_denormals()  # as a worker process does
     total = prompt + steps + 1

@@ -8,7 +8,7 @@
   library starts);
 - a sample: VmRSS, RssAnon, RssFile, RssShmem (MiB, from /proc/PID/status; VmRSS is their sum) and
   the number of entries of /proc/PID/fd. A process that exits while it is read is left out of that
-  sample. The worker's state pools are private anonymous mappings (worker_proc.host_memory.zeros), so
+  sample. The worker's state pools are private anonymous mappings (worker_proc.host.memory.zeros), so
   their touched pages count under RssAnon with its heap, and mapped libraries under RssFile.
 """
 

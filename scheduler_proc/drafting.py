@@ -173,7 +173,7 @@ class DraftingGain:
 def can_draft(r: Req) -> bool:
     """Requests whose sampling takes drafts: not those with a grammar that waits for a reasoning end or
     a thinking budget. A grammar from the first token is checked in the verify step
-    (worker_proc/grammar.py: each position is masked as the grammar stands after the drafts before it,
+    (worker_proc/output/grammar.py: each position is masked as the grammar stands after the drafts before it,
     so a draft it refuses is never accepted); logprobs and top logprobs come for every token a verify
     step emits."""
     sp = r.sampling

@@ -74,11 +74,11 @@ class ServerArgs:
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     mamba_ssm_dtype: StateDtype = "float32"  # how recurrent states are stored (worker_proc/kernels/state_codec.py)
     kernels: Literal["auto", "reference", "fast", "native", "triton"] = "auto"
-    quantization: Literal["", "int8", "int4", "fp8"] = ""  # weights quantized at load (worker_proc/quantization.py)
+    quantization: Literal["", "int8", "int4", "fp8"] = ""  # weights quantized at load (worker_proc/quant/quantize.py)
     disable_lm_head_quantization: bool = False  # with --quantization, the LM head stays in the model dtype
     enable_deterministic_inference: bool = False
     cpu_threads: int = 0  # torch threads per worker rank on CPU; 0 = measured per step size within the share
-    execution_plan: str = ""  # a plan file to run instead of measuring one (worker_proc/plan_cache.py)
+    execution_plan: str = ""  # a plan file to run instead of measuring one (worker_proc/plan/source.py)
     single_weight_copy: bool = False  # the measured plan keeps one layout of every weight (less memory)
     enforce_eager: bool = False  # every step runs the model's Python; no recorded decode step is replayed
     execution_plan_cache: str = ""  # where measured plans are kept; "" = $XDG_CACHE_HOME/hyssm; "none" = nowhere
@@ -88,7 +88,7 @@ class ServerArgs:
     max_running_requests: int = 64
     max_total_tokens: int = 0
     max_mamba_cache_size: int = 0
-    mem_budget_gb: float = 0.0  # 0 = the device's default (below; worker_proc/pools.py pool_budget)
+    mem_budget_gb: float = 0.0  # 0 = the device's default (below; worker_proc/state/pools.py pool_budget)
     mem_fraction_static: float = 0.85  # CUDA: weights + pools take at most this share of the device
     mamba_full_memory_ratio: float = 0.5
     # scheduling
@@ -98,7 +98,7 @@ class ServerArgs:
     schedule_policy: Literal["fcfs", "priority"] = "fcfs"
     enable_priority_preemption: bool = False
     mamba_checkpoint_interval: int = 0  # 0 = only branch-point (and prompt-end) checkpoints
-    # speculative decoding (scheduler_proc/drafting.py drafts, worker_proc/speculative.py verifies)
+    # speculative decoding (scheduler_proc/drafting.py drafts, worker_proc/spec/verify.py verifies)
     speculative_algorithm: Literal["", "NGRAM", "NEXTN"] = ""
     speculative_num_draft_tokens: int = 4  # drafted tokens verified per step (K)
     speculative_ngram_min_match_window_size: int = 1

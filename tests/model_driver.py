@@ -11,7 +11,7 @@ import torch
 
 from shared.messages import ForwardBatch, ReqSlice, SamplingParams
 from worker_proc.model import StepBatch
-from worker_proc.runtime import ModelRunner
+from worker_proc.runtime.runner import ModelRunner
 
 
 def _run_logits(runner: ModelRunner, batch: ForwardBatch, all_rows: bool) -> tuple[StepBatch, torch.Tensor]:

@@ -25,13 +25,13 @@ from shared.errors import StartupError
 from shared.messages import ForwardBatch, Heartbeat, ProcReady, Shutdown, StepResult, WorkerReady
 from shared.proc import STOP_SIGNAL
 from shared.state_store import StoreError
-from worker_proc.host_memory import bound_onednn_caches, keep_freed_memory, map_load_blocks, onednn_cache_capacity
-from worker_proc.numerics import flush_denormals
-from worker_proc.plan_cache import default_cache_dir
-from worker_proc.runtime import ModelRunner
-from worker_proc.state_loader import FAILED, READ, READING
-from worker_proc.state_tier import StoreTier, namespace_json, store_namespace
-from worker_proc.threads import available_cores, thread_options
+from worker_proc.host.memory import bound_onednn_caches, keep_freed_memory, map_load_blocks, onednn_cache_capacity
+from worker_proc.host.numerics import flush_denormals
+from worker_proc.plan.source import default_cache_dir
+from worker_proc.plan.threads import available_cores, thread_options
+from worker_proc.runtime.runner import ModelRunner
+from worker_proc.state.store_loader import FAILED, READ, READING
+from worker_proc.state.store_tier import StoreTier, namespace_json, store_namespace
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The persistent state store: content-addressed entries (a prefix block's KV pages and recurrent-state
 checkpoint, serialized by the caller) that any process can read back and that survive restarts and
-crashes. Pure Python, no torch. The worker writes and loads entries (worker_proc/state_tier.py), the
+crashes. Pure Python, no torch. The worker writes and loads entries (worker_proc/state/store_tier.py), the
 scheduler decides which (scheduler_proc/store_tier.py). Backends: a directory, and Mooncake Store
 (`mooncake.py`, imported only when used); `backends.py` picks one from the flags."""
 

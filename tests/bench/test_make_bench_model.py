@@ -19,9 +19,9 @@ from shared.families.registry import parse_config
 from shared.model_info import ModelInfo
 from tests.model_driver import forward_all_logits, generate_greedy
 from tokenizer_proc.requests.tokenizer import TextTokenizer
-from worker_proc.loader import load_model
+from worker_proc.loading.checkpoint import load_model
 from worker_proc.model.hybrid import HybridForCausalLM
-from worker_proc.runtime import ModelRunner
+from worker_proc.runtime.runner import ModelRunner
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -29,7 +29,7 @@ from benchmarks.serving_metrics import (
     ttft_from_chunks,
 )
 
-# no subnormals: a benchmark run earlier in the process flushes them (worker_proc.numerics)
+# no subnormals: a benchmark run earlier in the process flushes them (worker_proc.host.numerics)
 floats = st.floats(min_value=-1e6, max_value=1e6, allow_nan=False, allow_subnormal=False)
 
 

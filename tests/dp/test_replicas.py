@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
-import launch
+import hyssm.serve as launch
 from shared.channels import SCHEDULER_TO_TOKENIZER, SCHEDULER_TO_WORKER, TO_LAUNCHER, TOKENIZER_TO_SCHEDULER
 from shared.config import ConfigError, ServerArgs
 from shared.messages import MetricRecord, SchedulerInfo, ServerState, StoreStats

@@ -19,7 +19,7 @@ def server() -> Iterator[Server]:
 @pytest.fixture(scope="module")
 def reference_runner():
     """The in-process model runtime: the expected output of each prompt run alone."""
-    from worker_proc.runtime import ModelRunner
+    from worker_proc.runtime.runner import ModelRunner
 
     return ModelRunner(builtin_model_dir(), device="cpu", dtype="float32", kv_slots=4096, state_slots=8,
                        deterministic=True)

@@ -44,7 +44,7 @@ def greedy(client: httpx.Client, ids: list[int], n: int) -> dict:
 @pytest.mark.parametrize("name", FAMILY_FIXTURES)
 def test_family_serves_and_prefix_cache_hits(tmp_path, name: str) -> None:
     from tests.model_driver import generate_greedy
-    from worker_proc.runtime import ModelRunner
+    from worker_proc.runtime.runner import ModelRunner
 
     path = model_dir(tmp_path, name)
     ref = ModelRunner(path, dtype="float32", kv_slots=512, state_slots=4, deterministic=True)
@@ -67,7 +67,7 @@ def test_family_serves_and_prefix_cache_hits(tmp_path, name: str) -> None:
         assert res["output_ids"] == generate_greedy(ref, prompt, 5)
     state = info["scheduler"]["server"]
     if name == "mamba2":  # no attention: token slots are bookkeeping only, sized by the rule
-        from worker_proc.pools import attention_free_kv_slots
+        from worker_proc.state.pools import attention_free_kv_slots
 
         assert state["kv_capacity"] == attention_free_kv_slots(0, state["state_capacity"], 512)
     assert state["prefix_state_hit_tokens"] >= 3 * (SYSTEM - CHUNK)

@@ -25,7 +25,7 @@ SYSTEM = 100
 @pytest.mark.parametrize("name", ["qwen3_next_moe", "qwen3_5_dense"])
 def test_gdn_serves_with_branch_point_prefix_hits(tmp_path, name: str) -> None:
     from tests.model_driver import generate_greedy
-    from worker_proc.runtime import ModelRunner
+    from worker_proc.runtime.runner import ModelRunner
 
     path = model_dir(tmp_path, name)
     rng = random.Random(5)
@@ -50,7 +50,7 @@ def test_gdn_serves_with_branch_point_prefix_hits(tmp_path, name: str) -> None:
 
 def test_gdn_memory_pressure_completes_identically(tmp_path) -> None:
     from tests.model_driver import generate_greedy
-    from worker_proc.runtime import ModelRunner
+    from worker_proc.runtime.runner import ModelRunner
 
     path = model_dir(tmp_path, "qwen3_5_dense")
     ref = ModelRunner(path, dtype="float32", kv_slots=512, state_slots=4, deterministic=True)

@@ -31,8 +31,8 @@ def _with_tokenizer(path: str) -> str:
 def test_a_prequantized_checkpoint_serves_as_the_runner_computes(tmp_path, scheme: str) -> None:
     pytest.importorskip("compressed_tensors")
     from tests.model_driver import generate_greedy
-    from worker_proc.execution_plan import product_sites
-    from worker_proc.runtime import ModelRunner
+    from worker_proc.plan.execution_plan import product_sites
+    from worker_proc.runtime.runner import ModelRunner
 
     out = str(tmp_path / scheme)
     if scheme == "fp8_block":

@@ -134,7 +134,7 @@ def _mtp_model(tmp_path, family: str) -> str:
 def test_nextn_drafts_with_the_mtp_layers_and_keeps_the_greedy_output(tmp_path, family: str) -> None:
     """The MTP layers guess every round's drafts (concurrent requests, chunked prompts, a second wave
     that hits the prefix cache); outputs equal the model's greedy decoding without drafts."""
-    from worker_proc.runtime import ModelRunner
+    from worker_proc.runtime.runner import ModelRunner
 
     path = _mtp_model(tmp_path, family)
     ref = ModelRunner(path, dtype="float32", kv_slots=600, state_slots=4, deterministic=True)

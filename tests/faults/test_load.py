@@ -52,7 +52,7 @@ def wait_drained(server: Server, timeout: float = 30.0) -> dict:
 
 def test_cow_refusals_change_nothing() -> None:
     from tests.model_driver import generate_greedy
-    from worker_proc.runtime import ModelRunner
+    from worker_proc.runtime.runner import ModelRunner
 
     prompts = shared_prefix_prompts(200, seed=3)
     runner = ModelRunner(builtin_model_dir(), device="cpu", dtype="float32", kv_slots=1024, state_slots=4,

@@ -20,7 +20,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 try:
     import triton.experimental.gluon  # noqa: F401  (triton imports it lazily at the first launch; it checks the mode)
 
-    import worker_proc.kernels.triton_ops  # noqa: F401  (imports every kernel module: interpreted)
+    import worker_proc.kernels.triton.ops  # noqa: F401  (imports every kernel module: interpreted)
 finally:
     if _before is None:
         del os.environ["TRITON_INTERPRET"]

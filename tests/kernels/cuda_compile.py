@@ -40,8 +40,8 @@ def capture_launches(dtype: torch.dtype) -> list[tuple[object, tuple, dict]]:
     from triton.runtime.jit import JITFunction
 
     from worker_proc.kernels.interface import SsdParams
-    from worker_proc.kernels.triton_attention import attn_decode
-    from worker_proc.kernels.triton_ops import TritonOps
+    from worker_proc.kernels.triton.attention import attn_decode
+    from worker_proc.kernels.triton.ops import TritonOps
 
     launches: list[tuple[object, tuple, dict]] = []
     JITFunction.__getitem__ = lambda self, grid: lambda *a, **k: launches.append((self, a, k))  # type: ignore

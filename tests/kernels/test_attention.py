@@ -8,7 +8,7 @@ import torch
 
 from tests.kernels.util import TOL, cu_seqlens, max_diff, rand
 from worker_proc.kernels import reference as ref
-from worker_proc.kernels.triton_attention import attn_decode, attn_prefill_varlen
+from worker_proc.kernels.triton.attention import attn_decode, attn_prefill_varlen
 
 SLOTS = 300
 SCALE = 0.3

@@ -7,7 +7,7 @@ import torch
 
 from tests.kernels.util import TOL, cu_seqlens, max_diff, pool, rand, strided, untouched
 from worker_proc.kernels import reference as ref
-from worker_proc.kernels.triton_conv import conv_decode, conv_prefill_varlen
+from worker_proc.kernels.triton.conv import conv_decode, conv_prefill_varlen
 
 CHANNELS = 70  # not a multiple of the kernel's 64/128-channel blocks
 

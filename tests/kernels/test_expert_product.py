@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from worker_proc.kernels import native
-from worker_proc.model.quantized import quantize_int8
+from worker_proc.quant.weight import quantize_int8
 
 pytestmark = pytest.mark.skipif(not native.load(), reason="the fused CPU kernels cannot be built here")
 

@@ -9,10 +9,11 @@ import pytest
 import torch
 
 from tests.kernels.util import max_diff, pool
-from worker_proc.kernels import ReferenceOps, native, select_ops
+from worker_proc.kernels import ReferenceOps, native
 from worker_proc.kernels import state_codec as codec
 from worker_proc.kernels.gated_delta import gated_delta_chunked, gated_delta_naive, gated_delta_step, l2_normalize
 from worker_proc.kernels.gdn_ops import FastGdn, FlaGdn, ReferenceGdn, gdn_choice, make_gdn
+from worker_proc.plan.kernel_set import select_ops
 
 TOL = 1e-4
 H, DK, DV = 3, 16, 8

@@ -18,8 +18,8 @@ from shared.messages import CopyOp, ForwardBatch, ReqSlice, SamplingParams
 from tests.kernels.util import TOL, max_diff
 from tests.model_driver import forward_all_logits
 from worker_proc.kernels import ReferenceOps
-from worker_proc.kernels.triton_ops import TritonOps
-from worker_proc.runtime import ModelRunner
+from worker_proc.kernels.triton.ops import TritonOps
+from worker_proc.runtime.runner import ModelRunner
 
 FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures")
 GREEDY = SamplingParams(temperature=0.0)

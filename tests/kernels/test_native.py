@@ -359,7 +359,7 @@ def test_fused_prefill_attention_packs_into_one_workspace_that_grows_resident_on
         gen: torch.Generator) -> None:  # fmt: skip
     """The first call makes the workspace with room for every slot of the pools (1 GiB here, for 2^20 slots)
     without making it resident; chunks of a growing context reuse it, each answer exact."""
-    from worker_proc.host_memory import zeros
+    from worker_proc.host.memory import zeros
 
     slots, kv_heads, d = 1 << 20, 2, 64
     k_pool = zeros((slots, kv_heads, d), torch.float32, "cpu", resident=False)

@@ -10,8 +10,7 @@ import torch.nn.functional as F
 
 from tests.kernels.util import max_diff, rand, strided
 from worker_proc.kernels import native
-from worker_proc.model.gemm import GemmSite
-from worker_proc.model.gemm_methods import (
+from worker_proc.linear.methods import (
     GEMV,
     GEMV_INT8,
     GEMV_SEQ,
@@ -24,8 +23,9 @@ from worker_proc.model.gemm_methods import (
     GemmMethod,
     tile_weight,
 )
-from worker_proc.model.quantized import quantize_int4, quantize_int8
-from worker_proc.model.quantized_layouts import QUANTIZED_TILE_ROWS, tile_int8
+from worker_proc.linear.site import GemmSite
+from worker_proc.quant.layouts import QUANTIZED_TILE_ROWS, tile_int8
+from worker_proc.quant.weight import quantize_int4, quantize_int8
 
 pytestmark = pytest.mark.skipif(not native.load(), reason="the fused CPU kernels cannot be built here")
 

@@ -8,11 +8,13 @@ import torch
 
 from tests.kernels.util import rand, strided
 from worker_proc.kernels import native
-from worker_proc.method_choice import second_copy_bytes
-from worker_proc.model import quantized
-from worker_proc.model.gemm import GemmSite
-from worker_proc.model.gemm_methods import THROUGHPUT_METHODS, TILED_W4A8, W4A16, GemmMethod
-from worker_proc.model.quantized import (
+from worker_proc.linear.methods import THROUGHPUT_METHODS, TILED_W4A8, W4A16, GemmMethod
+from worker_proc.linear.site import GemmSite
+from worker_proc.plan.method_choice import second_copy_bytes
+from worker_proc.plan.product_timer import GemmKey
+from worker_proc.quant import weight as quantized
+from worker_proc.quant.layouts import tile_int4, unpack_int4
+from worker_proc.quant.weight import (
     COPY_BYTES_PER_WEIGHT,
     QuantizedWeight,
     int4_dequantized,
@@ -21,8 +23,6 @@ from worker_proc.model.quantized import (
     quantize_int8,
     quantize_rows,
 )
-from worker_proc.model.quantized_layouts import tile_int4, unpack_int4
-from worker_proc.plan_timing import GemmKey
 
 pytestmark = pytest.mark.skipif(not native.load(), reason="the fused CPU kernels cannot be built here")
 

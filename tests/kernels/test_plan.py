@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from worker_proc.kernels.triton_plan import FINAL, plan_chunks
+from worker_proc.kernels.triton.chunk_plan import FINAL, plan_chunks
 
 
 def test_chunks_restart_at_each_request_and_state_position() -> None:

@@ -15,7 +15,7 @@ from worker_proc.kernels import FastOps, KernelOps, ReferenceOps
 from worker_proc.kernels.gated_delta import l2_normalize
 from worker_proc.kernels.gdn_ops import FastGdn, ReferenceGdn
 from worker_proc.kernels.interface import SsdParams
-from worker_proc.kernels.triton_ops import TritonOps
+from worker_proc.kernels.triton.ops import TritonOps
 
 SLOTS = [5, 2, 7, 1]
 LENGTHS = [[9, 8, 7], [12, 3, 10, 11], [1, 2], [20, 1, 15], [6]]

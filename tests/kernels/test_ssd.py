@@ -7,9 +7,9 @@ import torch
 
 from tests.kernels.util import TOL, cu_seqlens, max_diff, pool, rand, strided, untouched
 from worker_proc.kernels import reference as ref
-from worker_proc.kernels.triton_plan import plan_chunks
-from worker_proc.kernels.triton_ssd import ssd_scan_varlen
-from worker_proc.kernels.triton_ssd_step import ssd_step
+from worker_proc.kernels.triton.chunk_plan import plan_chunks
+from worker_proc.kernels.triton.ssd import ssd_scan_varlen
+from worker_proc.kernels.triton.ssd_step import ssd_step
 
 NO_LIMIT = (0.0, float("inf"))
 

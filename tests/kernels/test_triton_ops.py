@@ -11,8 +11,8 @@ import torch
 from tests.kernels.util import TOL, max_diff, pool, rand, strided, untouched
 from worker_proc.kernels import FastOps, KernelOps, ReferenceOps
 from worker_proc.kernels.interface import SsdParams
-from worker_proc.kernels.select import select_ops
-from worker_proc.kernels.triton_ops import TritonOps
+from worker_proc.kernels.triton.ops import TritonOps
+from worker_proc.plan.kernel_set import select_ops
 
 METHODS = ("conv_prefill", "conv_decode", "ssd_prefill", "ssd_decode", "attn_prefill", "attn_decode", "mamba_decode",
            "gate_norm", "rms_norm")
@@ -22,7 +22,10 @@ def test_interpreter_is_active() -> None:
     """Every kernel of this suite runs interpreted (the conftest imported them with TRITON_INTERPRET=1)."""
     from triton.runtime.interpreter import InterpretedFunction
 
-    from worker_proc.kernels import triton_attention, triton_conv, triton_ssd, triton_ssd_step
+    from worker_proc.kernels.triton import attention as triton_attention
+    from worker_proc.kernels.triton import conv as triton_conv
+    from worker_proc.kernels.triton import ssd as triton_ssd
+    from worker_proc.kernels.triton import ssd_step as triton_ssd_step
 
     kernels = [
         getattr(m, name)
@@ -61,7 +64,7 @@ def test_select_ops() -> None:
 
 
 def test_select_ops_refuses_triton_on_cpu_without_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
-    from worker_proc.kernels import triton_common
+    from worker_proc.kernels.triton import common as triton_common
 
     assert triton_common.INTERPRETED
     monkeypatch.setattr(triton_common, "INTERPRETED", False)  # as in a process that compiles its kernels
@@ -70,7 +73,7 @@ def test_select_ops_refuses_triton_on_cpu_without_interpreter(monkeypatch: pytes
 
 
 def test_select_ops_without_triton(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    for name in ("worker_proc.kernels.triton_common", "worker_proc.kernels.triton_ops"):
+    for name in ("worker_proc.kernels.triton.common", "worker_proc.kernels.triton.ops"):
         monkeypatch.setitem(sys.modules, name, None)  # importing it now raises ImportError
     assert isinstance(select_ops("cuda"), ReferenceOps)
     assert "triton cannot be imported" in caplog.text

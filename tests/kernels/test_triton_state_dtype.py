@@ -11,7 +11,7 @@ from tests.kernels.util import rand, strided
 from worker_proc.kernels import state_codec as codec
 from worker_proc.kernels.interface import SsdParams
 from worker_proc.kernels.state_codec import QuantizedPool, StatePool
-from worker_proc.kernels.triton_ops import TritonOps
+from worker_proc.kernels.triton.ops import TritonOps
 
 
 def _encode(state: torch.Tensor, state_dtype: str) -> StatePool:

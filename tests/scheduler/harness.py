@@ -1,7 +1,7 @@
 """Drive a Scheduler and a worker runner together in-process: schedule -> runner.step -> apply_result.
 
 `runner` is anything with `step(batch, refused) -> StepResult`: the FakeWorker of this package or
-worker_proc.runtime.ModelRunner (real CPU tensors). Integrity is checked after every applied step.
+worker_proc.runtime.runner.ModelRunner (real CPU tensors). Integrity is checked after every applied step.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from tests.scheduler.util import greq, make, rids, round_
 from tests.worker.util import fixture_dir
 
 torch = pytest.importorskip("torch")
-runtime = pytest.importorskip("worker_proc.runtime")
+runtime = pytest.importorskip("worker_proc.runtime.runner")
 
 KV_SLOTS, MAMBA_SLOTS = 256, 3
 

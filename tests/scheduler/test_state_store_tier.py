@@ -30,7 +30,7 @@ NAMESPACE = StoreNamespace(model_config="c" * 64, weights="w", dtype="float32", 
 
 class StoringWorker(FakeWorker):
     """A FakeWorker that serves ForwardBatch.store_writes / store_loads / store_clear from `store`
-    (key -> the slots' contents), before the step, as worker_proc.state_tier does."""
+    (key -> the slots' contents), before the step, as worker_proc.state.store_tier does."""
 
     def __init__(self, store: dict[str, Any], kv: int, states: int, **kw: Any) -> None:
         super().__init__(kv, states, **kw)

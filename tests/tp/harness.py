@@ -26,7 +26,7 @@ import torch.multiprocessing as tmp
 
 from shared.messages import CopyOp, ForwardBatch, ReqSlice, SamplingParams
 from tests.model_driver import forward_all_logits, forward_logits
-from worker_proc.runtime import ModelRunner
+from worker_proc.runtime.runner import ModelRunner
 
 GREEDY = SamplingParams(temperature=0.0)
 KV_SLOTS = 256

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import save_file
 
 from tests.worker.util import fixture_dir
-from worker_proc.loader import load_config
+from worker_proc.loading.checkpoint import load_config
 from worker_proc.model import HybridForCausalLM
 
 BASE = "nope_groups2"

@@ -15,11 +15,11 @@ from shared.families.registry import parse_config
 from shared.model_config import HybridConfig, tp_layout_error
 from shared.model_info import read_config_json
 from tests.worker.util import FAMILY_FIXTURES, FIXTURE_NAMES, fixture_dir
-from worker_proc.loader import load_config
+from worker_proc.loading.checkpoint import load_config
+from worker_proc.loading.weight_files import load_weights, weight_files
 from worker_proc.model import HybridForCausalLM, TPInfo
 from worker_proc.model.tp import AttnShard, MambaShard
-from worker_proc.pools import StatePools, slot_bytes
-from worker_proc.weight_files import load_weights, weight_files
+from worker_proc.state.pools import StatePools, slot_bytes
 
 
 def _changed(cfg: HybridConfig, **parts: dict) -> HybridConfig:

@@ -16,8 +16,8 @@ from shared.messages import ForwardBatch, ReqSlice, SamplingParams
 from tests.model_driver import forward_all_logits
 from tests.tp.harness import run_ranks
 from tests.worker.util import fixture_dir, reference
-from worker_proc.execution_plan import product_sites
-from worker_proc.runtime import ModelRunner
+from worker_proc.plan.execution_plan import product_sites
+from worker_proc.runtime.runner import ModelRunner
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -29,7 +29,7 @@ Case = tuple[list[int], int, list[int]]
 
 @pytest.fixture(scope="module")
 def runner() -> Any:
-    from worker_proc.runtime import ModelRunner
+    from worker_proc.runtime.runner import ModelRunner
 
     return ModelRunner(builtin_model_dir(), device="cpu", dtype="float32", kv_slots=512, state_slots=4,
                        deterministic=True)
@@ -78,7 +78,7 @@ def test_tp2_serves_other_families(tmp_path, name: str) -> None:
     under --tp-size 2 serve the greedy outputs of the single-rank runtime (the parity fixtures
     with the built-in tokenizer files)."""
     from tests.e2e.test_families import model_dir
-    from worker_proc.runtime import ModelRunner
+    from worker_proc.runtime.runner import ModelRunner
 
     path = model_dir(tmp_path, name)
     ref = ModelRunner(path, device="cpu", dtype="float32", kv_slots=512, state_slots=4, deterministic=True)
@@ -97,7 +97,7 @@ def test_tp2_with_drafts_serves_the_single_rank_outputs(tmp_path, runner: Any, n
     hybrid), so outputs are the single-rank runtime's, with drafts accepted and rejected."""
     from tests.e2e.test_families import model_dir
     from tests.model_driver import generate_greedy
-    from worker_proc.runtime import ModelRunner
+    from worker_proc.runtime.runner import ModelRunner
 
     path = builtin_model_dir() if name == "builtin" else model_dir(tmp_path, name)
     ref = runner if name == "builtin" else ModelRunner(path, device="cpu", dtype="float32", kv_slots=512,
@@ -123,7 +123,7 @@ def test_tp2_nextn_drafts_with_sharded_mtp_layers(tmp_path, family: str) -> None
     shard, both run it on rank 0's sampled tokens, and outputs are the single-rank runtime's."""
     from tests.e2e.test_speculative import _mtp_model
     from tests.model_driver import generate_greedy
-    from worker_proc.runtime import ModelRunner
+    from worker_proc.runtime.runner import ModelRunner
 
     path = _mtp_model(tmp_path, family)
     ref = ModelRunner(path, device="cpu", dtype="float32", kv_slots=512, state_slots=4, deterministic=True)

@@ -12,7 +12,7 @@ import torch
 from shared.messages import ReqSlice
 from tests.model_driver import forward_all_logits, forward_logits
 from tests.worker.util import FAMILY_FIXTURES, GDN_FIXTURES, batch, max_diff, req, runner
-from worker_proc.runtime import ModelRunner
+from worker_proc.runtime.runner import ModelRunner
 
 TOL = {True: 0.0, False: 1e-4}  # by deterministic mode
 

@@ -1,4 +1,4 @@
-"""The execution plan (worker_proc.execution_plan, plan_cache, threads): it picks what measures
+"""The execution plan (worker_proc.plan.execution_plan, plan_cache, threads): it picks what measures
 fastest, keeps `dense` and fewer threads against noise, keeps one weight copy where two do not fit,
 round-trips through its cache (and a different key measures again), honours a pinned file, and the
 runner runs each step on the plan's threads."""
@@ -15,15 +15,15 @@ import torch
 from shared.config import ServerArgs, builtin_model_dir
 from shared.errors import ModelLoadError
 from shared.messages import ForwardBatch, ReqSlice, SamplingParams
-from worker_proc import plan_cache
-from worker_proc.execution_plan import ROW_BUCKETS, choose, instances_of, product_sites
-from worker_proc.kernels.select import KernelChoice
-from worker_proc.model.gemm import GemmSite
-from worker_proc.model.gemm_methods import GemmMethod
+from worker_proc.linear.methods import GemmMethod
+from worker_proc.linear.site import GemmSite
 from worker_proc.model.layers import Linear
-from worker_proc.plan_timing import DEFAULT_STREAM_BYTES, HOPELESS, GemmKey, ProductTimer
-from worker_proc.runtime import ModelRunner
-from worker_proc.threads import thread_options
+from worker_proc.plan import source as plan_cache
+from worker_proc.plan.execution_plan import ROW_BUCKETS, choose, instances_of, product_sites
+from worker_proc.plan.kernel_set import KernelChoice
+from worker_proc.plan.product_timer import DEFAULT_STREAM_BYTES, HOPELESS, GemmKey, ProductTimer
+from worker_proc.plan.threads import thread_options
+from worker_proc.runtime.runner import ModelRunner
 
 A = GemmKey(64, 32, "float32")
 B = GemmKey(16, 32, "float32")
@@ -198,7 +198,7 @@ def test_a_weight_its_owner_reads_gets_a_copy_in_the_room_the_layouts_leave() ->
 def test_an_int4_weights_int8_copy_is_a_second_copy_that_needs_the_memory() -> None:
     """torch's 4-bit product costs one pass over the weight per row; the int8 copy's wins from 4 rows up
     when the memory for it is there, and is never made when it is not."""
-    from worker_proc.quantization import quantize_weight
+    from worker_proc.quant.quantize import quantize_weight
 
     site = GemmSite(64, 32, torch.float32, True)
     site.quantize(quantize_weight(torch.randn(64, 32), "int4"))
@@ -250,7 +250,7 @@ def test_a_hopeless_method_is_timed_no_further() -> None:
 
 
 def test_the_real_timer_reports_every_supported_key() -> None:
-    from worker_proc.model.gemm_methods import DENSE, PACKED
+    from worker_proc.linear.methods import DENSE, PACKED
 
     timer = ProductTimer(_instances(A, B, A), cache_bytes=1 << 20, reps=2)
     for method in (DENSE, PACKED):
@@ -267,7 +267,7 @@ def test_a_shape_read_only_as_it_is_gets_no_timing_copy() -> None:
     """Under `--single-weight-copy` a shape whose dense weight its owner reads (the tied LM head's) is
     only ever read as it is: the timer makes no copy of it (one of the head would be its whole size
     again, twice, while the plan is measured) and still times the methods reading it as it is."""
-    from worker_proc.model.gemm_methods import DENSE, PACKED, TILED
+    from worker_proc.linear.methods import DENSE, PACKED, TILED
 
     timer = ProductTimer(_instances(A, B), cache_bytes=1 << 20, reps=1, own_weights_only=frozenset({A}))
     for method in (PACKED, TILED):
@@ -279,7 +279,7 @@ def test_a_shape_read_only_as_it_is_gets_no_timing_copy() -> None:
 def test_a_weight_larger_than_the_stream_budget_leaves_no_shape_untimed() -> None:
     """A model's LM head can alone exceed twice the last-level cache; every other shape is still
     timed at the streamed row counts (untimed, it would run `dense` there whatever is faster)."""
-    from worker_proc.model.gemm_methods import DENSE
+    from worker_proc.linear.methods import DENSE
 
     head = GemmKey(4096, 64, "float32")
     timer = ProductTimer(_instances(head, A, B, A, B), cache_bytes=(4096 * 64 * 4) // 4, reps=1)
@@ -475,7 +475,7 @@ def test_ranks_share_the_node_cores_and_never_oversubscribe() -> None:
 
 def test_the_mixer_timer_times_a_models_mamba_kernels_and_the_key_names_the_kernel_set() -> None:
     from worker_proc.kernels import FastOps
-    from worker_proc.mixer_timing import MixerTimer
+    from worker_proc.plan.mixer_timer import MixerTimer
 
     runner = ModelRunner(builtin_model_dir(), kv_slots=64, state_slots=2, plan_cache_dir=None, thread_options=(1,))
     timer = MixerTimer(runner.model, runner.ops, reps=1)
@@ -566,7 +566,7 @@ def test_a_quantized_expert_stack_of_a_linears_shape_reads_no_int8_copy(tmp_path
 def test_each_int8_copy_of_a_quantized_weight_counts() -> None:
     """A quantized weight read through oneDNN's packed int8 copy at some rows and the tiled one at others holds
     both: two more bytes per weight."""
-    from worker_proc.quantization import quantize_weight
+    from worker_proc.quant.quantize import quantize_weight
 
     site = GemmSite(64, 32, torch.float32, True)
     site.quantize(quantize_weight(torch.randn(64, 32), "int4"))

@@ -12,8 +12,8 @@ import torch
 from shared.config import builtin_model_dir
 from shared.messages import GrammarSpec, SamplingParams
 from shared.model_info import ModelInfo
-from worker_proc.grammar import GrammarRuntime, vocab_of
-from worker_proc.sampling import SampleRequest, sample
+from worker_proc.output.grammar import GrammarRuntime, vocab_of
+from worker_proc.output.sampling import SampleRequest, sample
 
 pytest.importorskip("xgrammar")
 

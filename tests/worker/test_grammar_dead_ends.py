@@ -1,4 +1,4 @@
-"""Rank 0's diagnosis of a token the grammar refuses (worker_proc/grammar.py `accept`, `dead_end`), on
+"""Rank 0's diagnosis of a token the grammar refuses (worker_proc/output/grammar.py `accept`, `dead_end`), on
 the built-in vocabulary (one byte per token id): a constraint that leaves no token the request may
 sample (nothing allowed, or only the stop tokens while min_tokens blocks them) is the client's fault
 (`rejected`, with a message naming the problem); a refused token the mask allowed is an internal
@@ -12,9 +12,9 @@ import torch
 from shared.config import builtin_model_dir
 from shared.messages import GrammarSpec, SamplingParams
 from shared.model_info import ModelInfo
-from worker_proc import speculative
-from worker_proc.grammar import GrammarRuntime
-from worker_proc.sampling import SampleRequest, sample
+from worker_proc.output.grammar import GrammarRuntime
+from worker_proc.output.sampling import SampleRequest, sample
+from worker_proc.spec import verify as speculative
 
 pytest.importorskip("xgrammar")
 

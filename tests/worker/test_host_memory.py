@@ -17,8 +17,8 @@ PROBE = """
 import ctypes, ctypes.util, resource, sys, torch
 from shared.config import builtin_model_dir
 from shared.messages import ForwardBatch, ReqSlice, SamplingParams
-from worker_proc.host_memory import M_MMAP_THRESHOLD, keep_freed_memory
-from worker_proc.runtime import ModelRunner
+from worker_proc.host.memory import M_MMAP_THRESHOLD, keep_freed_memory
+from worker_proc.runtime.runner import ModelRunner
 if sys.argv[1] == "on":
     applied = keep_freed_memory()
 else:
@@ -69,7 +69,7 @@ def _minor_faults() -> int:
 def test_a_resident_pool_takes_no_page_fault_when_a_slot_is_first_written() -> None:
     import torch
 
-    from worker_proc.host_memory import zeros
+    from worker_proc.host.memory import zeros
 
     before = _resident_mib()
     pool = zeros((4, 1024, 16384), torch.float32, "cpu", resident=True)  # 256 MiB
@@ -87,7 +87,7 @@ def test_a_resident_pool_takes_no_page_fault_when_a_slot_is_first_written() -> N
 def test_a_pool_that_is_not_resident_takes_pages_only_where_written() -> None:
     import torch
 
-    from worker_proc.host_memory import zeros
+    from worker_proc.host.memory import zeros
 
     before = _resident_mib()
     pool = zeros((4, 1024, 16384), torch.float32, "cpu", resident=False)  # 256 MiB
@@ -103,8 +103,8 @@ def test_state_pools_are_resident_and_kv_pools_grow_with_use() -> None:
     import torch
 
     from shared.config import builtin_model_dir
-    from worker_proc.loader import load_config
-    from worker_proc.pools import StatePools
+    from worker_proc.loading.checkpoint import load_config
+    from worker_proc.state.pools import StatePools
 
     cfg = load_config(builtin_model_dir())
     before = _resident_mib()
@@ -123,7 +123,7 @@ def test_state_pools_are_resident_and_kv_pools_grow_with_use() -> None:
 TRIM_PROBE = """
 import torch
 from shared.heap import release_free_heap
-from worker_proc.host_memory import keep_freed_memory
+from worker_proc.host.memory import keep_freed_memory
 def anon():
     with open("/proc/self/status") as f:
         return next(int(l.split()[1]) for l in f if l.startswith("RssAnon")) >> 10
@@ -150,7 +150,7 @@ def test_what_load_left_free_goes_back_to_the_kernel() -> None:
 
 LOAD_PROBE = """
 import sys, torch
-from worker_proc.host_memory import keep_freed_memory, map_load_blocks
+from worker_proc.host.memory import keep_freed_memory, map_load_blocks
 def anon():
     with open("/proc/self/status") as f:
         return next(int(l.split()[1]) for l in f if l.startswith("RssAnon")) >> 10
@@ -216,7 +216,7 @@ def test_a_weight_of_a_huge_page_or_more_starts_on_one_and_is_advised_onto_them(
     boundary and, where the kernel offers transparent huge pages, the load faults it in as 2 MiB pages."""
     import torch
 
-    from worker_proc.host_memory import HUGE_PAGE_BYTES, weight_tensor
+    from worker_proc.host.memory import HUGE_PAGE_BYTES, weight_tensor
 
     rows = 1024 + 3  # 16 MiB and three rows: the last huge page is not filled
     w = weight_tensor((rows, 4096), torch.float32)
@@ -237,7 +237,7 @@ def test_model_weights_are_built_on_huge_page_storage_with_their_initial_values(
     CPU, and a linear layer keeps the values nn.Linear initialised it with."""
     import torch
 
-    from worker_proc.host_memory import HUGE_PAGE_BYTES
+    from worker_proc.host.memory import HUGE_PAGE_BYTES
     from worker_proc.model.layers import Linear, empty_param
 
     torch.manual_seed(5)
@@ -255,9 +255,9 @@ def test_a_tiled_copy_of_a_large_weight_lies_on_huge_pages_and_holds_the_weight(
     huge-page storage, and the kernel refuses a buffer that is not the layout's size."""
     import torch
 
-    from worker_proc.host_memory import HUGE_PAGE_BYTES
+    from worker_proc.host.memory import HUGE_PAGE_BYTES
     from worker_proc.kernels import native
-    from worker_proc.model.gemm_methods import tile_weight, untile_weight
+    from worker_proc.linear.methods import tile_weight, untile_weight
 
     if not native.load():
         pytest.skip("the native kernels are not built here")
@@ -278,10 +278,10 @@ def test_a_tiled_copy_of_a_large_weight_lies_on_huge_pages_and_holds_the_weight(
 # is a fresh mapping, larger than any block the timings freed), and whether the policy applied
 TIMER_PROBE = """
 import resource, sys, torch
-from worker_proc.host_memory import map_load_blocks
-from worker_proc.model.gemm import GemmSite
-from worker_proc.model.gemm_methods import GemmMethod
-from worker_proc.plan_timing import ProductTimer
+from worker_proc.host.memory import map_load_blocks
+from worker_proc.linear.site import GemmSite
+from worker_proc.linear.methods import GemmMethod
+from worker_proc.plan.product_timer import ProductTimer
 def faults():
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 calls = []

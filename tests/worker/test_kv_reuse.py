@@ -12,7 +12,7 @@ from shared.messages import CopyOp, ReqSlice
 from tests.model_driver import forward_all_logits
 from tests.worker.util import GREEDY, batch, req, runner
 from worker_proc.model.kv_mirror import KVSlotMirror
-from worker_proc.runtime import ModelRunner
+from worker_proc.runtime.runner import ModelRunner
 
 PROMPT_A = [5, 9, 14, 3, 77, 21, 8, 40, 11, 2]
 PROMPT_B = [17, 4, 250, 6, 33]

@@ -1,4 +1,4 @@
-"""The product methods (`worker_proc.model.gemm_methods`): split, packed and padded give F.linear's results (to
+"""The product methods (`worker_proc.linear.methods`): split, packed and padded give F.linear's results (to
 fp32 rounding; padded exactly as F.linear over the padded rows) for every row count, thread count and
 output width; a site dispatches by row count to the method bound for it; a Linear whose plan reads only
 the packed copy drops its dense weight."""
@@ -9,10 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from worker_proc.execution_plan import ExecutionPlan, GemmRule
 from worker_proc.kernels import native
-from worker_proc.model.gemm import GemmSite
-from worker_proc.model.gemm_methods import (
+from worker_proc.linear.methods import (
     DENSE,
     MIN_GEMM_ROWS,
     PACKED,
@@ -24,8 +22,10 @@ from worker_proc.model.gemm_methods import (
     packing_supported,
     split_gemm,
 )
+from worker_proc.linear.site import GemmSite
 from worker_proc.model.layers import Linear
-from worker_proc.plan_timing import GemmKey, weight_bytes
+from worker_proc.plan.execution_plan import ExecutionPlan, GemmRule
+from worker_proc.plan.product_timer import GemmKey, weight_bytes
 
 G = torch.Generator().manual_seed(3)
 
@@ -56,7 +56,7 @@ def test_every_method_matches_f_linear(threads: int, rows: int, out_features: in
 def test_packed_products_run_on_few_distinct_row_counts(monkeypatch: pytest.MonkeyPatch) -> None:
     """oneDNN compiles and caches a primitive per row count: above PACKED_ROW_STEP rows the packed method
     pads to a multiple of it, and each real row's result is that of F.linear."""
-    from worker_proc.model import gemm_methods as gemm
+    from worker_proc.linear import methods as gemm
 
     seen: list[int] = []
     real = gemm.packed_product
@@ -155,7 +155,7 @@ def test_a_packed_only_linear_drops_its_dense_weight(dtype: torch.dtype, copy: s
 
 
 def test_a_second_copy_only_where_the_host_can_spare_it() -> None:
-    from worker_proc.host_memory import SPARE_COPY_FRACTION, copy_affordable, physical_memory_bytes
+    from worker_proc.host.memory import SPARE_COPY_FRACTION, copy_affordable, physical_memory_bytes
 
     host = 16 << 30
     assert copy_affordable(int(host * SPARE_COPY_FRACTION), physical=host)

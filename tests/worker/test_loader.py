@@ -13,8 +13,8 @@ from safetensors.torch import load_file, save_file
 from shared.errors import ModelLoadError
 from tests.model_driver import forward_all_logits
 from tests.worker.util import batch, edit_config, fixture_dir, max_diff, reference, req, runner, runner_at
-from worker_proc.loader import load_model
-from worker_proc.runtime import ModelRunner
+from worker_proc.loading.checkpoint import load_model
+from worker_proc.runtime.runner import ModelRunner
 
 NAME = "rope_moe"
 
@@ -138,7 +138,7 @@ def test_transformers5_in_memory_names_accepted(ckpt: str) -> None:
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_half_precision_load(dtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    from worker_proc import loader
+    from worker_proc.loading import checkpoint as loader
 
     monkeypatch.setattr(loader, "cpu_native_16bit", lambda name: True)  # the 16-bit path whatever this CPU has
     # nope_groups2: transformers itself in bf16 is 0.29 off its fp32 logits on this fixture (MoE
@@ -160,17 +160,17 @@ def test_half_precision_load(dtype: str, monkeypatch: pytest.MonkeyPatch) -> Non
 def test_auto_dtype_serves_the_checkpoints_dtype_where_the_cpu_multiplies_it(
     ckpt: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from worker_proc import loader
+    from worker_proc.loading import checkpoint as loader
 
     _edit_weights(ckpt, lambda t: t.update({k: v.to(torch.bfloat16) for k, v in t.items()}))
     edit_config(ckpt, torch_dtype="bfloat16")
     monkeypatch.setattr(loader, "cpu_native_16bit", lambda name: True)
-    with caplog.at_level("INFO", logger="worker_proc.loader"):
+    with caplog.at_level("INFO", logger="worker_proc.loading.checkpoint"):
         assert load_model(ckpt).dtype == torch.bfloat16
     assert "the checkpoint's" in caplog.text and "natively" in caplog.text
     monkeypatch.setattr(loader, "cpu_native_16bit", lambda name: False)
     caplog.clear()
-    with caplog.at_level("WARNING", logger="worker_proc.loader"):
+    with caplog.at_level("WARNING", logger="worker_proc.loading.checkpoint"):
         assert load_model(ckpt).dtype == torch.float32
     assert "the checkpoint's" in caplog.text and "computes in float32" in caplog.text
     assert load_model(ckpt, dtype="float32").dtype == torch.float32
@@ -182,10 +182,10 @@ def test_auto_dtype_serves_the_checkpoints_dtype_where_the_cpu_multiplies_it(
 def test_16bit_on_a_cpu_without_native_support_computes_in_float32(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from worker_proc import loader
+    from worker_proc.loading import checkpoint as loader
 
     monkeypatch.setattr(loader, "cpu_native_16bit", lambda name: False)
-    with caplog.at_level("WARNING", logger="worker_proc.loader"):
+    with caplog.at_level("WARNING", logger="worker_proc.loading.checkpoint"):
         r = runner(NAME, dtype="bfloat16")
     assert r.dtype == torch.float32
     assert "no bfloat16 instructions" in caplog.text and "computes in float32" in caplog.text
@@ -217,7 +217,7 @@ def test_loading_maps_a_bounded_part_of_the_file(bound_kib: int, monkeypatch: py
     measure sees what it bounds. The parameters are the same either way."""
     from safetensors import safe_open
 
-    import worker_proc.weight_files as wf
+    import worker_proc.loading.weight_files as wf
     from shared.config import builtin_model_dir
 
     path = os.path.realpath(os.path.join(builtin_model_dir(), "model.safetensors"))

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from shared.messages import SamplingParams, ThinkingBudget
-from worker_proc.logit_processing import process_logits
-from worker_proc.sampling import SampleRequest, sample, top_logprobs
+from worker_proc.output.logit_processing import process_logits
+from worker_proc.output.sampling import SampleRequest, sample, top_logprobs
 
 V = 40
 EOS = (3,)

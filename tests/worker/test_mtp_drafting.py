@@ -1,4 +1,4 @@
-"""Drafting with a checkpoint's MTP layers (worker_proc/mtp_drafting.py, --speculative-algorithm NEXTN):
+"""Drafting with a checkpoint's MTP layers (worker_proc/spec/mtp_drafting.py, --speculative-algorithm NEXTN):
 the guesses after every step are the ones transformers' own layers give when run as the MTP layers
 over the whole sequence (Qwen3-Next's MTP layer; Nemotron-H's MTP step, an attention and a MoE
 block), through chunked prefill, decode and verify steps that accept some drafts and reject others;
@@ -13,7 +13,7 @@ from shared.messages import ForwardBatch, ReqSlice, SamplingParams
 from tests.model_driver import generate_greedy
 from tests.mtp_checkpoint import ReferenceMtp, ReferenceNemotronMtp, write_mtp_checkpoint, write_nemotron_mtp_checkpoint
 from tests.worker.util import fixture_dir
-from worker_proc.runtime import ModelRunner
+from worker_proc.runtime.runner import ModelRunner
 
 GREEDY = SamplingParams(temperature=0.0)
 PROMPT = [(7 * i + 3) % 40 + 1 for i in range(70)]  # GDN fixtures want prompts over 64 tokens
@@ -108,7 +108,7 @@ def test_without_nextn_the_mtp_tensors_are_skipped_and_guesses_refused(mtp_dir: 
 def test_a_nemotron_checkpoint_with_two_mtp_steps_drafts_with_the_first(tmp_path, caplog) -> None:
     """Every guess runs the first MTP step; the second step's tensors are skipped, with one log line."""
     path = write_nemotron_mtp_checkpoint(str(tmp_path / "two_steps"), steps=2)
-    with caplog.at_level("INFO", logger="worker_proc.weight_files"):
+    with caplog.at_level("INFO", logger="worker_proc.loading.weight_files"):
         r = ModelRunner(path, kv_slots=200, state_slots=8, speculative_algorithm="NEXTN")
     from safetensors import safe_open
 

@@ -1,4 +1,4 @@
-"""Denormal hygiene (worker_proc.numerics): with weights initialised by transformers' own init, no
+"""Denormal hygiene (worker_proc.host.numerics): with weights initialised by transformers' own init, no
 subnormal value reaches a matrix product of a prefill step (counted at every GEMM-like aten op), on
 every intra-op thread; without the flush the same step feeds them millions, so the count can fail."""
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from worker_proc.numerics import flush_subnormal_, subnormal_count
+from worker_proc.host.numerics import flush_subnormal_, subnormal_count
 
 REPO = Path(__file__).resolve().parents[2]
 FIXTURE = REPO / "tests" / "fixtures" / "rope_moe"
@@ -22,8 +22,8 @@ import json, sys, random
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from shared.messages import ForwardBatch, ReqSlice, SamplingParams
-from worker_proc.numerics import flush_denormals, subnormal_count
-from worker_proc.runtime import ModelRunner
+from worker_proc.host.numerics import flush_denormals, subnormal_count
+from worker_proc.runtime.runner import ModelRunner
 
 GEMMS = ("mm", "bmm", "addmm", "baddbmm", "_linear_pointwise", "linear", "matmul")
 
@@ -106,7 +106,7 @@ def test_subnormal_weights_are_zeroed_at_load() -> None:
 def test_a_large_weight_is_flushed_block_by_block_with_every_subnormal_found() -> None:
     """A tensor over several of flush_subnormal_'s blocks (the last one partial) and a non-contiguous
     one: every subnormal is zeroed, in every block, and nothing else changes."""
-    from worker_proc.numerics import FLUSH_BLOCK_ELEMENTS
+    from worker_proc.host.numerics import FLUSH_BLOCK_ELEMENTS
 
     module = torch.nn.Module()
     big = torch.full((5, FLUSH_BLOCK_ELEMENTS // 2 + 3), 0.25, dtype=torch.bfloat16)

@@ -10,15 +10,15 @@ import sys
 import pytest
 import torch
 
-from worker_proc.host_memory import ONEDNN_CACHE_VARS, bound_onednn_caches
+from worker_proc.host.memory import ONEDNN_CACHE_VARS, bound_onednn_caches
 
 # 600 packed products of distinct row counts after a warm-up of 50; prints the growth of VmRSS in MiB.
 PROBE = """
 import sys, torch
-from worker_proc.host_memory import bound_onednn_caches
+from worker_proc.host.memory import bound_onednn_caches
 if sys.argv[1] == "on":
     bound_onednn_caches(32)
-from worker_proc.model.gemm_methods import pack_weight, packed_product
+from worker_proc.linear.methods import pack_weight, packed_product
 torch.set_num_threads(1)
 def rss():
     with open("/proc/self/status") as f:
@@ -59,7 +59,7 @@ def test_a_capacity_set_in_the_environment_is_kept(monkeypatch: pytest.MonkeyPat
 def test_a_single_weight_copy_keeps_fewer_primitives() -> None:
     """`--single-weight-copy` trades speed for memory: its caches keep fewer entries than the default, yet
     still more than the seven product shapes of a layer stack's prefill chunk (one entry each)."""
-    from worker_proc.host_memory import ONEDNN_CACHE_CAPACITY, onednn_cache_capacity
+    from worker_proc.host.memory import ONEDNN_CACHE_CAPACITY, onednn_cache_capacity
 
     assert onednn_cache_capacity(False) == ONEDNN_CACHE_CAPACITY
     assert 8 <= onednn_cache_capacity(True) < ONEDNN_CACHE_CAPACITY

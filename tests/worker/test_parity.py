@@ -23,7 +23,7 @@ from tests.worker.util import (
     req,
     runner,
 )
-from worker_proc.loader import load_config
+from worker_proc.loading.checkpoint import load_config
 
 TOL = 1e-4
 

@@ -7,8 +7,8 @@ import torch
 
 from shared.config import builtin_model_dir
 from tests.worker.util import fixture_dir
-from worker_proc.loader import load_config
-from worker_proc.pools import DEFAULT_CPU_BUDGET_BYTES, StatePools, plan_capacities, pool_budget, slot_bytes
+from worker_proc.loading.checkpoint import load_config
+from worker_proc.state.pools import DEFAULT_CPU_BUDGET_BYTES, StatePools, plan_capacities, pool_budget, slot_bytes
 
 
 def _cfg():
@@ -78,7 +78,7 @@ def test_attention_free_model_has_no_kv_memory() -> None:
     """Mamba2: no KV tensor at all; the token slots reported are --max-total-tokens when given, else
     enough for every state slot to hold a full context (bookkeeping only)."""
     from tests.worker.util import runner
-    from worker_proc.pools import attention_free_kv_slots
+    from worker_proc.state.pools import attention_free_kv_slots
 
     r = runner("mamba2", kv_slots=0, state_slots=4)
     assert r.pools.k.numel() == 0 and r.pools.v.numel() == 0
@@ -112,7 +112,7 @@ def test_pool_budget_rules(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_cpu_default_grows_with_the_running_requests_states(monkeypatch: pytest.MonkeyPatch) -> None:
-    from worker_proc import pools
+    from worker_proc.state import pools
 
     cfg = load_config(builtin_model_dir())
     cpu = torch.device("cpu")

@@ -1,4 +1,4 @@
-"""Pre-quantized checkpoints (worker_proc.prequantized) against transformers loading the same files.
+"""Pre-quantized checkpoints (worker_proc.quant.prequantized) against transformers loading the same files.
 
 Checkpoints are written at test time from the parity fixtures (tests/fixtures/make_prequant.py):
 compressed-tensors' own writer for its formats, the tensors directly for the block-fp8 layout. For
@@ -23,9 +23,9 @@ from tests.model_driver import forward_all_logits, forward_logits, generate_gree
 from tests.tp.harness import run_ranks
 from tests.worker.test_quantized_models import REFERENCE
 from tests.worker.util import batch, reference, req
-from worker_proc.execution_plan import fixed_plan, product_sites
-from worker_proc.model.gemm_methods import DEQUANT
-from worker_proc.runtime import ModelRunner
+from worker_proc.linear.methods import DEQUANT
+from worker_proc.plan.execution_plan import fixed_plan, product_sites
+from worker_proc.runtime.runner import ModelRunner
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("compressed_tensors")

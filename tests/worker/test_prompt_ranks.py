@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from shared.messages import ReqSlice
-from worker_proc.runtime import ModelRunner
+from worker_proc.runtime.runner import ModelRunner
 
 
 def test_prompt_logprobs_ranks_and_alternatives() -> None:

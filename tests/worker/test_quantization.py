@@ -1,4 +1,4 @@
-"""Quantized weights (worker_proc.model.quantized, worker_proc.quantization): each format's error against
+"""Quantized weights (worker_proc.quant.weight, worker_proc.quant.quantize): each format's error against
 the weight it came from is within its rounding bound; every product of a format matches the format's
 reference (the dequantized weight through F.linear) to the rounding its activations take; the products
 claimed batch invariant are; a quantized model keeps routers and norms dense, drops the dense copies,
@@ -14,12 +14,8 @@ import torch.nn.functional as F
 
 from shared.config import builtin_model_dir
 from shared.errors import ModelLoadError
-from worker_proc.execution_plan import product_sites
 from worker_proc.kernels import native
-from worker_proc.loader import load_model
-from worker_proc.model import quantized
-from worker_proc.model.gemm import GemmSite
-from worker_proc.model.gemm_methods import (
+from worker_proc.linear.methods import (
     DEQUANT,
     FP8_BF16,
     FP8_SCALED,
@@ -33,8 +29,12 @@ from worker_proc.model.gemm_methods import (
     W8A8_OVER_INT4,
     W8A16,
 )
-from worker_proc.model.quantized import QuantizedWeight, int4_dequantized, int4_group, int4_values
-from worker_proc.quantization import QuantScheme, quantize_model, quantize_weight
+from worker_proc.linear.site import GemmSite
+from worker_proc.loading.checkpoint import load_model
+from worker_proc.plan.execution_plan import product_sites
+from worker_proc.quant import weight as quantized
+from worker_proc.quant.quantize import QuantScheme, quantize_model, quantize_weight
+from worker_proc.quant.weight import QuantizedWeight, int4_dequantized, int4_group, int4_values
 
 G = torch.Generator().manual_seed(11)
 

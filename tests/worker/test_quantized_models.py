@@ -13,9 +13,9 @@ from shared.config import builtin_model_dir
 from tests.model_driver import forward_all_logits, generate_greedy
 from tests.worker.test_batch_invariance import mixed_and_alone
 from tests.worker.util import ALL_FIXTURES, GDN_FIXTURES, batch, max_diff, reference, req, runner
-from worker_proc.execution_plan import fixed_plan, product_sites
-from worker_proc.model.gemm_methods import COPIES, DENSE, DEQUANT
-from worker_proc.runtime import ModelRunner
+from worker_proc.linear.methods import COPIES, DENSE, DEQUANT
+from worker_proc.plan.execution_plan import fixed_plan, product_sites
+from worker_proc.runtime.runner import ModelRunner
 
 REFERENCE = {"dense": DENSE, **DEQUANT}
 TRAINED_REL_TOL = 0.15

@@ -6,9 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from worker_proc.kernels import ReferenceOps, select_ops
+from worker_proc.kernels import ReferenceOps
 from worker_proc.kernels import reference as ref
 from worker_proc.kernels.interface import SsdParams
+from worker_proc.plan.kernel_set import select_ops
 
 G = torch.Generator().manual_seed(0)
 

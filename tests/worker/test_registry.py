@@ -16,7 +16,7 @@ from shared.errors import ModelLoadError
 from shared.families.registry import FAMILIES, SUPPORTED_ARCHITECTURES, parse_config, summary
 from shared.model_info import ModelInfo, read_config_json
 from tests.worker.util import ALL_FIXTURES, GDN_FIXTURES, fixture_dir, reference, runner
-from worker_proc.loader import load_config, load_model
+from worker_proc.loading.checkpoint import load_config, load_model
 
 SHARED_BLOCK_MODULES = {
     "worker_proc.model.hybrid", "worker_proc.model.layers", "worker_proc.model.mamba",
@@ -117,7 +117,7 @@ def test_nemotron_mtp_tensors_skipped_and_per_expert_rows_checked(tmp_path, capl
     tensors = load_file(weights)
     assert "backbone.layers.1.mixer.experts.7.up_proj.weight" in tensors  # per-expert layout on disk
     save_file({**tensors, "mtp.layers.0.mixer.q_proj.weight": torch.zeros(4, 4)}, weights)
-    with caplog.at_level("INFO", logger="worker_proc.weight_files"):
+    with caplog.at_level("INFO", logger="worker_proc.loading.weight_files"):
         model = load_model(path)  # MTP layer ignored, with one log line
     assert any("1 checkpoint tensors under mtp. not loaded" in r.message for r in caplog.records)
     expected = load_model(fixture_dir("nemotron_h_moe"))
@@ -147,7 +147,7 @@ def test_qwen3_5_multimodal_wrapper_loads_its_text_model(tmp_path, caplog) -> No
 
     from tests.model_driver import forward_all_logits
     from tests.worker.util import batch, max_diff, req
-    from worker_proc.runtime import ModelRunner
+    from worker_proc.runtime.runner import ModelRunner
 
     src = _config("qwen3_5_dense")
     text = {k: v for k, v in src.items() if k not in ("architectures", "tie_word_embeddings")}
@@ -164,7 +164,7 @@ def test_qwen3_5_multimodal_wrapper_loads_its_text_model(tmp_path, caplog) -> No
     info = ModelInfo.from_dir(str(out))
     assert info.vocab_size == src["vocab_size"] and info.max_position_embeddings == src["max_position_embeddings"]
     assert info.layer_kinds == ("gdn", "gdn", "attention", "gdn") and info.has_recurrent_state
-    with caplog.at_level("INFO", logger="worker_proc.weight_files"):
+    with caplog.at_level("INFO", logger="worker_proc.loading.weight_files"):
         r = ModelRunner(str(out), kv_slots=200, state_slots=4)
     assert any("model.visual." in rec.message for rec in caplog.records)
     ref = reference("qwen3_5_dense")

@@ -11,12 +11,12 @@ from shared.config import builtin_model_dir
 from shared.messages import SamplingParams
 from tests.model_driver import generate_greedy
 from tests.worker.util import batch, fixture_dir, reference, req, runner
-from worker_proc.pools import DEFAULT_CPU_BUDGET_BYTES, plan_capacities
-from worker_proc.runtime import ModelRunner
+from worker_proc.runtime.runner import ModelRunner
+from worker_proc.state.pools import DEFAULT_CPU_BUDGET_BYTES, plan_capacities
 
 
 def test_capacities_from_budget_and_explicit(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, logger="worker_proc.runtime")
+    caplog.set_level(logging.INFO, logger="worker_proc.runtime.runner")
     r = ModelRunner(fixture_dir("nope_groups2"), mem_budget_bytes=4_000_000, state_ratio=0.3)
     kv, mamba = plan_capacities(r.cfg, 4_000_000, 0.3, torch.float32)
     assert (r.kv_capacity, r.state_capacity) == (kv, mamba)

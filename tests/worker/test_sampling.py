@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from shared.messages import SamplingParams
-from worker_proc.sampling import SampleRequest, draw_seed, filter_logits, sample
+from worker_proc.output.sampling import SampleRequest, draw_seed, filter_logits, sample
 
 V = 50
 

@@ -1,4 +1,4 @@
-"""Verifying drafted tokens in the worker (worker_proc/speculative.py): whatever the drafts, the
+"""Verifying drafted tokens in the worker (worker_proc/spec/verify.py): whatever the drafts, the
 output is the one decoding without them would give, and the recurrent state after every step is the
 state after exactly the accepted tokens (bitwise in the deterministic mode), for every family."""
 
@@ -146,7 +146,7 @@ def test_drafts_under_a_grammar_give_the_constrained_output() -> None:
     constrained greedy output without drafts."""
     from shared.config import builtin_model_dir
     from shared.messages import GrammarSpec
-    from worker_proc.runtime import ModelRunner
+    from worker_proc.runtime.runner import ModelRunner
 
     def fresh() -> ModelRunner:
         return ModelRunner(builtin_model_dir(), device="cpu", dtype="float32", kv_slots=256, state_slots=4,

@@ -23,9 +23,9 @@ from shared.config import ConfigError, ServerArgs, builtin_model_dir
 from shared.messages import CopyOp
 from tests.model_driver import forward_all_logits, forward_logits, generate_greedy
 from tests.worker.util import batch, fixture_dir, reference, req, runner
-from worker_proc.loader import load_config
-from worker_proc.pools import StatePools, plan_capacities, slot_bytes, state_tensors
-from worker_proc.runtime import ModelRunner
+from worker_proc.loading.checkpoint import load_config
+from worker_proc.runtime.runner import ModelRunner
+from worker_proc.state.pools import StatePools, plan_capacities, slot_bytes, state_tensors
 
 TOKENS = 16
 REL_BOUND = {"bfloat16": 0.03, "int8": 0.1}
@@ -174,7 +174,7 @@ def test_server_args_validate_the_state_dtype() -> None:
     assert ServerArgs.from_bytes(ServerArgs(mamba_ssm_dtype="int8").to_bytes()).mamba_ssm_dtype == "int8"
     with pytest.raises(ConfigError, match="--mamba-ssm-dtype"):
         ServerArgs(mamba_ssm_dtype="float16")  # type: ignore[arg-type]
-    from launch import build_parser
+    from hyssm.flags import build_parser
 
     action = next(a for a in build_parser()._actions if "--mamba-ssm-dtype" in a.option_strings)
     assert action.default == "float32" and tuple(action.choices) == ("float32", "bfloat16", "int8")

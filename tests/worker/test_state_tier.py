@@ -15,10 +15,10 @@ from shared.state_store import DirectoryStore, MemoryStore, StoreNamespace
 from shared.state_store.store import Buffer
 from shared.state_store.tiered import TieredStore
 from tests.worker.util import fixture_dir
-from worker_proc.loader import load_config
-from worker_proc.pools import StatePools
-from worker_proc.state_loader import READING
-from worker_proc.state_tier import StoreTier
+from worker_proc.loading.checkpoint import load_config
+from worker_proc.state.pools import StatePools
+from worker_proc.state.store_loader import READING
+from worker_proc.state.store_tier import StoreTier
 
 BLOCK = 4
 KEYS = [f"{i:064x}" for i in range(1, 8)]

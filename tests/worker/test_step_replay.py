@@ -1,4 +1,4 @@
-"""Replayed decode steps (worker_proc.step_replay): for every family a replayed step gives the logits and
+"""Replayed decode steps (worker_proc.runtime.step_replay): for every family a replayed step gives the logits and
 leaves the state of the step run as written, bitwise; a recording whose Python reads tensor values or
 decides differently from one step to the next is never replayed; a program repeats its calls on new
 inputs (registers, fixed tensors, lists, numbers)."""
@@ -11,12 +11,12 @@ import torch
 from shared.messages import ReqSlice
 from tests.model_driver import forward_logits
 from tests.worker.util import ALL_FIXTURES, GDN_FIXTURES, batch, max_diff, req, runner
-from worker_proc.execution_plan import fixed_plan, product_sites
 from worker_proc.kernels import native
+from worker_proc.linear.methods import DENSE, DEQUANT, GEMV_INT8, GEMV_SEQ, GEMV_W8A8, GemmMethod
 from worker_proc.model.batch import DecodeGroup, StepBatch
-from worker_proc.model.gemm_methods import DENSE, DEQUANT, GEMV_INT8, GEMV_SEQ, GEMV_W8A8, GemmMethod
-from worker_proc.runtime import ModelRunner
-from worker_proc.step_replay import RECORDINGS, Recorder, StepReplays, _Program
+from worker_proc.plan.execution_plan import fixed_plan, product_sites
+from worker_proc.runtime.runner import ModelRunner
+from worker_proc.runtime.step_replay import RECORDINGS, Recorder, StepReplays, _Program
 
 pytestmark = pytest.mark.skipif(not native.load(), reason="no native kernels on this machine")
 
@@ -218,7 +218,7 @@ def test_a_call_encoded_wrong_is_refused_by_the_program() -> None:
 
 def test_a_list_takes_the_type_the_schema_names() -> None:
     """oneDNN's packed product takes `Scalar?[] scalars`: an empty list recorded as ints is built as that type."""
-    from worker_proc.model.gemm_methods import pack_weight, packed_product
+    from worker_proc.linear.methods import pack_weight, packed_product
 
     packed = pack_weight(torch.randn(24, 16))
     program = _program(_record(lambda x: packed_product(x, packed, None), [torch.randn(3, 16)]), 1)

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from shared.messages import CopyOp, ForwardBatch, ReqSlice, SamplingParams, ToWorker
 from tests.model_driver import forward_all_logits, forward_logits
-from worker_proc.runtime import ModelRunner
+from worker_proc.runtime.runner import ModelRunner
 
 FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures")
 FIXTURE_NAMES = ("nope_groups2", "rope_moe", "blocktype_bias")  # GraniteMoeHybrid

@@ -45,7 +45,7 @@ class RecurrentMixer(Protocol):
 @dataclass(frozen=True)
 class KeptInputs:
     """One recurrent layer's kernel inputs of a step (every row), kept so that a verify slice's accepted
-    tokens can be run through the layer's recurrence again (worker_proc.speculative)."""
+    tokens can be run through the layer's recurrence again (worker_proc.spec.verify)."""
 
     mixer: RecurrentMixer
     inputs: tuple[torch.Tensor, ...]

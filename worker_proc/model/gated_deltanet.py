@@ -127,7 +127,7 @@ class GatedDeltaNet(nn.Module):
                      conv_pool: torch.Tensor, state_pool: StatePool, ops: KernelOps) -> torch.Tensor:  # fmt: skip
         """The conv and the gated delta rule of one token per state slot: `rows` of `inputs` = (qkv
         before the conv, g, beta) advance `slots` by one; the rule's output. A forward's decode group,
-        and the replay of a verify slice's accepted tokens (worker_proc.speculative)."""
+        and the replay of a verify slice's accepted tokens (worker_proc.spec.verify)."""
         qkv, g, beta = inputs
         q, k, v = self._heads(ops.conv_decode(rows_of(qkv, rows), conv_pool, slots, self.conv1d.weight[:, 0, :], None))
         return ops.gdn_decode(q, k, v, rows_of(g, rows), rows_of(beta, rows), self.shard.k_dim**-0.5, state_pool,

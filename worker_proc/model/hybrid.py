@@ -34,18 +34,18 @@ from torch import nn
 from shared.errors import ModelLoadError
 from shared.model_config import Block, HybridConfig, Sublayer, tp_layout_error
 from worker_proc.kernels import KernelOps
+from worker_proc.linear.site import GemmOwner, GemmSite
 from worker_proc.model.attention import Attention, rope_cos_sin
 from worker_proc.model.batch import StepBatch
 from worker_proc.model.gated_deltanet import GatedDeltaNet
-from worker_proc.model.gemm import GemmOwner, GemmSite
 from worker_proc.model.layers import GatedMLP, Linear, Relu2MLP, SparseMoE, SplitGatedMLP, empty_param, make_norm
 from worker_proc.model.mamba import MambaMixer
 from worker_proc.model.moe import SigmoidMoE
-from worker_proc.model.quantized import QuantizedWeight
 from worker_proc.model.qwen_moe import SharedGateMoE
 from worker_proc.model.residual import Residual
 from worker_proc.model.shard import ShardSpec, TPInfo
-from worker_proc.pools import StatePools
+from worker_proc.quant.weight import QuantizedWeight
+from worker_proc.state.pools import StatePools
 
 __all__ = ["DecoderLayer", "HybridForCausalLM", "HybridModel", "TPInfo"]
 
@@ -58,7 +58,7 @@ over a prefill chunk's rows (a 100k-vocabulary head at 512 rows is ~80 GFLOP) wo
 
 class KVLayers(Protocol):
     """Where a layer's attention keeps its KV: `k[i]`, `v[i]` [slots, kv_heads, head_dim] of attention
-    layer i (the state pools' for the model's layers; worker_proc.mtp_drafting's for the MTP layers)."""
+    layer i (the state pools' for the model's layers; worker_proc.spec.mtp_drafting's for the MTP layers)."""
 
     k: Sequence[torch.Tensor]
     v: Sequence[torch.Tensor]
@@ -228,7 +228,7 @@ class HybridForCausalLM(nn.Module, GemmOwner):
         self.mtp = MtpHead(cfg, dtype, device, self.tp) if mtp else None
         self.embed_rows: QuantizedWeight | None = None
         """The quantized rows the embedding lookups read once a tied head is quantized (the table's dense
-        copy is then gone; worker_proc.quantization)."""
+        copy is then gone; worker_proc.quant.quantize)."""
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """The embedding rows of `ids` in the model dtype."""

@@ -17,9 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker_proc.host_memory import weight_tensor
+from worker_proc.host.memory import weight_tensor
 from worker_proc.kernels.interface import KernelOps
-from worker_proc.model.gemm import GemmOwner, GemmSite
+from worker_proc.linear.site import GemmOwner, GemmSite
 from worker_proc.model.shard import ShardSpec, TPInfo, column_spec
 
 
@@ -46,7 +46,7 @@ def expert_groups(idx: torch.Tensor, num_experts: int) -> Iterator[tuple[int, to
 
 class Linear(nn.Linear, GemmOwner):
     """nn.Linear (same parameter names) whose products go through its `gemm` site: the execution plan
-    binds the site's method per row count (worker_proc.execution_plan), and may replace `weight` by an
+    binds the site's method per row count (worker_proc.plan.execution_plan), and may replace `weight` by an
     empty tensor when every bound method reads the site's packed copy instead (and the quantization
     does when it quantizes the site)."""
 

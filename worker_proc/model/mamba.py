@@ -111,7 +111,7 @@ class MambaMixer(nn.Module):
                       ssm_pool: StatePool, ops: KernelOps) -> torch.Tensor:  # fmt: skip
         """The conv and scan of prefill segments: the in_proj outputs `inputs` = (xBC, dt) of every segment's
         rows, concatenated in `spans` order, advance each span's slot past its segment; the scan output
-        [rows, H, P]. A forward's prefill group, and the plan's timing of it (worker_proc.mixer_timing)."""
+        [rows, H, P]. A forward's prefill group, and the plan's timing of it (worker_proc.plan.mixer_timer)."""
         s = self.shard
         xbc, dt = inputs
         conv_out = ops.conv_prefill_many(xbc, conv_pool, spans, self.conv1d.weight[:, 0, :], self.conv1d.bias)
@@ -123,7 +123,7 @@ class MambaMixer(nn.Module):
                      conv_pool: torch.Tensor, ssm_pool: StatePool, ops: KernelOps) -> torch.Tensor:  # fmt: skip
         """The conv and scan of one token per state slot: `rows` of the in_proj outputs `inputs` =
         (xBC, dt) advance `slots` by one; the scan output [rows, H, P]. A forward's decode group, and
-        the replay of a verify slice's accepted tokens (worker_proc.speculative)."""
+        the replay of a verify slice's accepted tokens (worker_proc.spec.verify)."""
         xbc, dt = inputs
         return ops.mamba_decode(rows_of(xbc, rows), rows_of(dt, rows), conv_pool, slots, self.conv1d.weight[:, 0, :],
                                 self.conv1d.bias, self._ssd_params(), ssm_pool, len(self.shard.groups),

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from shared.model_config import HybridConfig
-from worker_proc.model.gemm import GemmOwner, GemmSite
+from worker_proc.linear.site import GemmOwner, GemmSite
 from worker_proc.model.layers import Linear, Relu2MLP, empty_param, expert_groups, expert_site
 from worker_proc.model.shard import ShardSpec, TPInfo, column_spec
 

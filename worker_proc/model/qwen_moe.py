@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from shared.model_config import HybridConfig
-from worker_proc.model.gemm import GemmOwner, GemmSite
+from worker_proc.linear.site import GemmOwner, GemmSite
 from worker_proc.model.layers import Linear, SplitGatedMLP, empty_param, expert_groups, expert_site, silu
 from worker_proc.model.shard import ShardSpec, TPInfo, column_spec
 

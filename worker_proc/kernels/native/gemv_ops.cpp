@@ -1,7 +1,7 @@
 // The matrix product of few input rows (a decode step's): out[M, N] = x[M, K] @ w[N, K]^T (+ bias),
 // read from the module's own [out, in] weight, float32 or bfloat16, in two orders the execution plan
 // times against the library products for each weight shape and row bucket, binding whichever is faster
-// on the machine (worker_proc.model.gemm_methods `gemv` and `gemv_seq`). Rules that hold:
+// on the machine (worker_proc.linear.methods `gemv` and `gemv_seq`). Rules that hold:
 // - every weight row is read once per group of up to ROWS input rows, and the threads split the weight's
 //   rows into contiguous ranges (a step is bound by reading the weight);
 // - `gemv` reads four weight rows side by side and asks for the rows PREFETCH_ROWS ahead; `gemv_seq`

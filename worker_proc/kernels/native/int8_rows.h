@@ -1,5 +1,5 @@
 // Rows of x quantized to int8 for the int8-activation products (w8a8_ops.cpp, w4a8_ops.cpp), as
-// worker_proc.model.quantized `quantize_rows` makes them, to the bit: a float32 scale per row, max |row| / 127
+// worker_proc.quant.weight `quantize_rows` makes them, to the bit: a float32 scale per row, max |row| / 127
 // (1 for a zero row), each value divided by it and rounded half to even.
 #pragma once
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from worker_proc.host_memory import zeros
+from worker_proc.host.memory import zeros
 from worker_proc.kernels.fast import FastOps
 from worker_proc.kernels.gdn_ops import FastGdn
 from worker_proc.kernels.interface import RMS_WEIGHTINGS, GateNorm, ResidualNorm, Spans, SsdParams
@@ -148,7 +148,7 @@ class NativeOps(FastOps):
 class NativeGdn(FastGdn):
     """`FastGdn` whose decode step is one call of `gdn_ops.cpp` for every row: the slots are read from their
     tensor in the kernel, not into Python, so a decode step that holds Gated DeltaNet layers can be
-    replayed (worker_proc.step_replay). Rows whose q, k, g or beta are not float32, or whose v is not in a
+    replayed (worker_proc.runtime.step_replay). Rows whose q, k, g or beta are not float32, or whose v is not in a
     model dtype, take `FastGdn.step`."""
 
     name = "native"

@@ -1,4 +1,4 @@
-// `OpProgram`: a recorded sequence of dispatcher calls, replayed in one native call (worker_proc.step_replay
+// `OpProgram`: a recorded sequence of dispatcher calls, replayed in one native call (worker_proc.runtime.step_replay
 // records it and decides when it may run). Rules that hold:
 // - every argument of a call is fixed at recording except the tensors that name a register: a register is
 //   one of the program's inputs or a tensor an earlier call of the program returned;

@@ -1,5 +1,5 @@
 // The matrix product of a batched decode step's rows, out[M, N] = x[M, K] @ w[N, K]^T (+ bias), read from
-// a copy of the weight laid out for it (`tile_weight`; worker_proc.model.gemm_methods `tiled`, a storage the
+// a copy of the weight laid out for it (`tile_weight`; worker_proc.linear.methods `tiled`, a storage the
 // execution plan makes where its timings choose the method). Rules that hold:
 // - the copy holds the weight's rows in blocks of kBlock output rows: [ceil(N / kBlock)][K / P][kBlock][P],
 //   P consecutive input columns of one output row side by side (P = 2 for bfloat16 where the CPU multiplies

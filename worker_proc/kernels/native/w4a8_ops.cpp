@@ -1,6 +1,6 @@
-// The w4a8 product (worker_proc.model.quantized `tiled_w4a8`): the rows of x quantized to int8 with a float32 scale
+// The w4a8 product (worker_proc.quant.weight `tiled_w4a8`): the rows of x quantized to int8 with a float32 scale
 // each (xq, xs: int8_rows.h), a 4-bit weight q in [0, 15] with a bfloat16 scale s and offset z per output row and
-// group of G inputs (w = (q - 8) * s + z, the int4 format of worker_proc.model.quantized);
+// group of G inputs (w = (q - 8) * s + z, the int4 format of worker_proc.quant.weight);
 // out[r, n] = xs[r] * sum_g (s * S + (z - 8 * s) * X), with S = sum over the group of q * xq (exact, int32) and
 // X = the group's sum of xq; float32 out. Rules that hold:
 // - the weight is read from a tiled copy: blocks of kBlock outputs, [ceil(N / kBlock)][K / 8][kBlock][4] bytes,

@@ -1,4 +1,4 @@
-// The w8a8 product of few rows (worker_proc.model.quantized `w8a8`'s arithmetic, to the bit): the rows of x
+// The w8a8 product of few rows (worker_proc.quant.weight `w8a8`'s arithmetic, to the bit): the rows of x
 // quantized to int8 with a float32 scale each (xq, xs, as `quantize_rows` does), an int8 weight [N, K] with a
 // float32 scale per row; out[r, n] = float(sum_k xq[r, k] * w[n, k]) * (xs[r] * scale[n]), in float32. Rules
 // that hold:

@@ -1,0 +1,162 @@
+"""Which method each product of a measured plan runs at each row bucket, and so which layouts (copies) of
+each weight the worker keeps: from the plan's timings per key and bucket (worker_proc.plan.execution_plan.choose
+measures them) and the bytes host memory affords for copies (worker_proc.host.memory.copy_affordable).
+
+Rules: `dense` unless another method is more than `MARGIN` faster; a bucket keeps the previous bucket's
+method within `SWITCH_MARGIN`; a copy of a weight (a dense weight also read packed or tiled, a quantized
+weight's int8 copy) only where all the copies kept fit; a weight its owner reads as stored (a tied LM head)
+takes copies only in the room the other weights' layouts leave.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+from worker_proc.linear.methods import COPIES, DENSE, DEQUANT, METHODS
+from worker_proc.plan.product_timer import GemmKey
+from worker_proc.quant.weight import COPY_BYTES_PER_WEIGHT
+
+MARGIN = 0.03
+SWITCH_MARGIN = 0.05
+"""A product keeps the method of the next smaller row bucket unless another is more than this much faster,
+and a step its thread count likewise: two choices a few percent apart trade places from one timing to the
+next, and a rule that flips between them at every bucket is noise, not a measurement."""
+
+
+def choose_methods(timings: dict[GemmKey, list[dict[str, float]]], counts: dict[GemmKey, int],
+                   nbytes: dict[GemmKey, int], kept: dict[GemmKey, int],
+                   affordable: Callable[[int], bool]) -> dict[GemmKey, list[str]]:
+    """Each key's method per bucket from its `timings` (seconds by method, bucket by bucket), `counts` sites and
+    `nbytes` of weights of it, `kept` bytes of them their owners read as stored: every layout the fastest
+    methods read where `affordable` says the extra bytes are there, else the set of layouts of dense weights
+    that loses least among those that fit (then `kept_copies`), and where none fits the single layout that
+    loses least."""
+    options = layout_options({k: t for k, t in timings.items() if not kept[k]}, counts)  # fastest first
+    singles = [o for o in options if o is not None and len(o) == 1]
+    for layouts in options:
+        chosen = methods_within(timings, kept, layouts)
+        extra = sum(second_copy_bytes(k, p, counts[k], nbytes[k], kept[k]) for k, p in chosen.items())
+        if extra == 0 or affordable(extra):
+            return chosen if layouts is None else kept_copies(timings, chosen, kept, counts, nbytes, extra,
+                                                              affordable)
+    return methods_within(timings, kept, singles[0] if singles else None)  # where no option fits
+
+
+def fastest_method(timed: dict[str, float], storage: str = "dense") -> str:
+    """The fastest method, `dense` unless another beats it by more than MARGIN (nothing measured: the
+    storage's reference product)."""
+    if not timed:
+        return DENSE.name if storage == "dense" else DEQUANT[storage].name
+    best = min(timed, key=lambda m: timed[m])
+    if DENSE.name in timed and timed[DENSE.name] <= timed[best] * (1 + MARGIN):
+        return DENSE.name
+    return best
+
+
+def methods_by_bucket(timed: list[dict[str, float]], storage: str = "dense") -> list[str]:
+    """`fastest_method` of each bucket in turn, a bucket keeping the previous bucket's method while that is within
+    SWITCH_MARGIN of its fastest."""
+    out: list[str] = []
+    for t in timed:
+        chosen = fastest_method(t, storage)
+        prev = out[-1] if out else None
+        if prev is not None and chosen != DENSE.name and prev in t and t[prev] <= min(t.values()) * (1 + SWITCH_MARGIN):
+            chosen = prev
+        out.append(chosen)
+    return out
+
+
+def own_methods(timed: dict[str, float]) -> dict[str, float]:
+    return {m: s for m, s in timed.items() if not METHODS[m].reads_copy}
+
+
+def second_copy_bytes(key: GemmKey, per_bucket: list[str], count: int, nbytes: int, kept: int = 0) -> int:
+    """Bytes these methods hold beyond one copy of the key's weights: a dense weight read as it is and as
+    each of `COPIES` its methods read (a site reading only copies drops its dense weight unless its owner
+    reads it: `kept` bytes), or a quantized weight's copies (`COPY_BYTES_PER_WEIGHT` each; the values stay)."""
+    if key.storage == "dense":
+        storages = {METHODS[m].storage for m in per_bucket}
+        copies = len(storages & set(COPIES))
+        if "dense" in storages:
+            return nbytes * copies
+        return nbytes * max(copies - 1, 0) + (kept if copies else 0)
+    kinds = {METHODS[m].quantized_copy for m in per_bucket} - {""}
+    per_weight = sum(COPY_BYTES_PER_WEIGHT[kind] for kind in kinds)
+    return math.ceil(count * key.out_features * key.in_features * per_weight)
+
+
+Layouts = frozenset[str] | None
+"""The storages dense weights may be read from (None: whatever the fastest methods read, a quantized
+weight's int8 copy included; a set: only those, and no quantized weight's copy nor a copy of a weight
+its owner reads itself)."""
+
+
+def layout_options(timings: dict[GemmKey, list[dict[str, float]]], counts: dict[GemmKey, int]) -> list[Layouts]:
+    """None, then every smaller set of the dense layouts that serves every dense key's buckets: sets of more
+    layouts before sets of fewer, each size ordered by the step time it loses (`layouts_loss`)."""
+    names = ("dense", *COPIES)
+    dense = {k: t for k, t in timings.items() if k.storage == "dense"}
+    options: list[tuple[int, float, frozenset[str]]] = []
+    for mask in range(1, 2 ** len(names) - 1):
+        layouts = frozenset(n for i, n in enumerate(names) if mask >> i & 1)
+        loss = sum(counts[k] * layouts_loss(t, layouts) for k, t in dense.items())
+        if loss < float("inf"):
+            options.append((-len(layouts), loss, layouts))
+    return [None, *(o[2] for o in sorted(options, key=lambda o: (o[0], o[1], sorted(o[2]))))]
+
+
+def timed_within(timed: dict[str, float], layouts: frozenset[str]) -> dict[str, float]:
+    return {m: s for m, s in timed.items() if METHODS[m].storage in layouts}
+
+
+def layouts_loss(timed: list[dict[str, float]], layouts: frozenset[str]) -> float:
+    """How much slower, summed over the buckets, the fastest methods reading only these layouts are than the
+    fastest of all (inf: a bucket none of them serves)."""
+    total = 0.0
+    for t in timed:
+        allowed = timed_within(t, layouts)
+        if t and not allowed:
+            return float("inf")
+        total += min(allowed.values()) / min(t.values()) if t else 1.0
+    return total
+
+
+def kept_copies(timings: dict[GemmKey, list[dict[str, float]]], chosen: dict[GemmKey, list[str]],
+                 kept: dict[GemmKey, int], counts: dict[GemmKey, int], nbytes: dict[GemmKey, int], extra: int,
+                 affordable: Callable[[int], bool]) -> dict[GemmKey, list[str]]:
+    """`chosen` (dense layouts restricted, `extra` bytes of copies) with the weights their owners read
+    themselves (the tied LM head's, read only as stored there) given the copies their fastest methods read,
+    all of them or one, the set that loses least among those still affordable on top of `extra`; the key
+    losing most as stored goes first. A copy of such a weight is a pure addition, so the restricted
+    layouts are chosen without it and it takes only what room they leave."""
+    out = dict(chosen)
+    owned = [k for k in timings if kept[k] and k.storage == "dense"]
+    as_stored = frozenset({"dense"})
+    for key in sorted(owned, key=lambda k: -counts[k] * layouts_loss(timings[k], as_stored)):
+        best = (layouts_loss(timings[key], as_stored), 0, out[key])
+        for copies in (frozenset(COPIES), *(frozenset({c}) for c in COPIES)):
+            layouts = as_stored | copies
+            per_bucket = methods_by_bucket([timed_within(t, layouts) for t in timings[key]])
+            more = second_copy_bytes(key, per_bucket, counts[key], nbytes[key], kept[key])
+            lost = layouts_loss(timings[key], layouts)
+            if more and lost < best[0] and affordable(extra + more):
+                best = (lost, more, per_bucket)
+        out[key] = best[2]
+        extra += best[1]
+    return out
+
+
+def methods_within(timings: dict[GemmKey, list[dict[str, float]]], kept: dict[GemmKey, int],
+                   layouts: Layouts) -> dict[GemmKey, list[str]]:
+    """Each key's per-bucket methods reading only `layouts` (see `Layouts`); a dense weight its owner reads
+    itself (`kept` bytes) is then read only as it is."""
+    out = {}
+    for key, timed in timings.items():
+        if layouts is None:
+            out[key] = methods_by_bucket(timed, key.storage)
+        elif key.storage == "dense" and not kept[key]:
+            out[key] = methods_by_bucket([timed_within(t, layouts) for t in timed])
+        else:
+            out[key] = [fastest_method(own_methods(t), key.storage) for t in timed]
+    return out

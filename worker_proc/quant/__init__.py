@@ -1,0 +1,1 @@
+"""Quantized weights: their formats and products, `--quantization` and pre-quantized checkpoints."""

@@ -1,0 +1,1 @@
+"""Speculative decoding on the worker: verifying drafts and drafting with MTP layers."""
