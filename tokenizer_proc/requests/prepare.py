@@ -8,7 +8,7 @@ explicit values that do not fit are rejected.
 The OpenAI endpoints prepare a list: one `PreparedRequest` per choice (`n` per prompt, several
 prompts on /v1/completions), indexed `prompt_index * n + i`. Choice i of a request with a seed
 samples with seed + i (so choices differ, and the whole response is reproducible); without a seed
-each choice's rid seeds it (worker_proc/sampling.py).
+each choice's rid seeds it (worker_proc/output/sampling.py).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ unsupported schema, regex or grammar is a 400 naming the field and the problem. 
 text satisfies, as far as a cheap check sees (`_dead_after`): compiled against a 257-token byte
 vocabulary, a mask that allows neither a byte nor the end, at the start or after the text the spec
 forces (`[^\s\S]`, an EBNF rule with no string, a schema whose required string has an impossible
-pattern). A spec that empties only after a choice is found at run time (worker_proc/grammar.py:
+pattern). A spec that empties only after a choice is found at run time (worker_proc/output/grammar.py:
 the request ends as rejected, a 400 too). Worker rank 0 compiles the spec. JSON output is compact
 (no free whitespace between tokens), so small models cannot wander off into whitespace. Validation
 is memoised per spec (LRU). xgrammar (and with it torch) is imported on the first structured
