@@ -137,11 +137,13 @@ def _fixture_logits(fixture: Path, device: torch.device, ops: object) -> torch.T
 
     from shared.messages import ForwardBatch, ReqSlice, SamplingParams
     from tests.model_driver import forward_all_logits, forward_logits
+    from worker_proc.runtime.config import WorkerConfig
     from worker_proc.runtime.runner import ModelRunner
 
     ref = load_file(str(fixture / "reference.safetensors"))
     prompt, gen = ref["prompt"].tolist(), ref["gen_tokens"].tolist()
-    runner = ModelRunner(str(fixture), device=str(device), kv_slots=len(prompt) + len(gen) + 1, state_slots=2)
+    runner = ModelRunner(str(fixture),
+        WorkerConfig(device=str(device), kv_slots=len(prompt) + len(gen) + 1, state_slots=2))
     runner.ops = ops
     greedy = SamplingParams(temperature=0.0)
 

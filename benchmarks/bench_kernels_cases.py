@@ -5,12 +5,17 @@ implementation is a zero-argument callable (pools are updated in place, as in se
 and `checks[impl]` run on fresh pool copies and return comparable outputs (the kernel's output and
 the pool rows it advanced). Third-party kernels (mamba_ssm, causal_conv1d) are added only when
 importable; their call conventions vary by version, so bench_kernels reports their errors per case.
+As a script it lists the cases of a shape (built on the device, one at a time) without timing any:
+
+    python -m benchmarks.bench_kernels_cases [--preset cpu-tiny|micro|tiny] [--quick] [--device cpu]
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib
-from collections.abc import Callable, Iterator
+import sys
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -319,3 +324,26 @@ def build_cases(
         yield attn_prefill_case(s, lengths, 0, dev, dt)
     if not cpu_tiny:
         yield attn_prefill_case(s, [1024], 4096, dev, dt)  # a chunk continuing a cached prefix
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """List the cases bench_kernels would time: name, minimum bytes moved, implementations."""
+    p = argparse.ArgumentParser(description="List bench_kernels' cases (nothing is timed).")
+    p.add_argument("--preset", choices=("cpu-tiny", *PRESETS), default="cpu-tiny")
+    p.add_argument("--quick", action="store_true", help="a few representative shapes only")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    args = p.parse_args(argv)
+    tiny = args.preset == "cpu-tiny"
+    shape = CPU_TINY if tiny else PRESETS[args.preset]
+    n = 0
+    for case in build_cases(shape, torch.device(args.device), getattr(torch, args.dtype), args.quick, cpu_tiny=tiny):
+        ref = "reference checked" if case.check_ref is not None else "reference too large"
+        print(f"{case.name}: {case.bytes / 2**20:.2f} MiB moved; {', '.join(case.impls)}; {ref}")
+        n += 1
+    print(f"{n} cases ({args.preset}{', quick' if args.quick else ''}, {args.device}, {args.dtype})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -8,8 +8,8 @@ A shape gets as many copies of its weight (random, quantized to `--storage` wher
 format) as fill `--stream-mb`, more than a CPU's last-level cache, and one timed round multiplies the same
 input by each copy in turn: what a decode step, which reads every weight once, sees. Per method and row
 count the table shows the fastest of `--runs` rounds after an untimed one (us per product) and the weight
-bytes it read per second. The methods are those of `THROUGHPUT_METHODS` that `supports` such a site
-(worker_proc.linear.methods; `--methods` keeps the named ones), their copies (a packed or tiled copy,
+bytes it read per second. The methods are those of `THROUGHPUT_KERNELS` that `supports` such a site
+(worker_proc.linear.kernels; `--methods` keeps the named ones), their copies (a packed or tiled copy,
 an int8 copy of a quantized weight) made as the plan's bind makes them. No server, no model.
 """
 
@@ -26,7 +26,8 @@ if __package__ in (None, ""):  # run as a file: make the repo importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from worker_proc.host.numerics import flush_denormals
-from worker_proc.linear.methods import COPIES, THROUGHPUT_METHODS, GemmMethod
+from worker_proc.linear.formats import THROUGHPUT_KERNELS
+from worker_proc.linear.kernels import COPIES, GemmKernel
 from worker_proc.linear.site import GemmSite
 from worker_proc.quant.quantize import quantize_weight
 
@@ -54,14 +55,14 @@ def _copy(shape: tuple[int, int], dtype: torch.dtype, storage: str,
     return site, weight
 
 
-def _stored(method: GemmMethod, site: GemmSite, weight: torch.Tensor) -> object:
+def _stored(method: GemmKernel, site: GemmSite, weight: torch.Tensor) -> object:
     """What the method reads besides the dense weight, made as the plan's bind makes it."""
     if site.quantized is not None:
         return site.quantized.with_copy(method.quantized_copy) if method.quantized_copy else site.quantized
     return COPIES[method.storage](weight) if method.storage in COPIES else None
 
 
-def time_method(method: GemmMethod, copies: list[tuple[GemmSite, torch.Tensor]], rows: int, runs: int) -> float:
+def time_method(method: GemmKernel, copies: list[tuple[GemmSite, torch.Tensor]], rows: int, runs: int) -> float:
     """Seconds per product: the fastest of `runs` rounds over every copy, after an untimed round."""
     stored = [(_stored(method, site, w), w) for site, w in copies]
     x = torch.randn(rows, copies[0][0].shape[1], generator=torch.Generator().manual_seed(rows)).to(copies[0][0].dtype)
@@ -84,7 +85,7 @@ def run(shapes: list[tuple[int, int]], storage: str, dtype: torch.dtype, rows: l
         first = _copy(shape, dtype, storage, gen)
         per_copy = first[0].weight_bytes(first[1])
         copies = [first] + [_copy(shape, dtype, storage, gen) for _ in range(max(1, stream_bytes // per_copy) - 1)]
-        methods = [m for m in THROUGHPUT_METHODS if m.supports(first[0], torch.device("cpu"))
+        methods = [m for m in THROUGHPUT_KERNELS if m.supports(first[0], torch.device("cpu"))
                    and (not only or m.name in only)]
         for r in rows:
             for m in methods:
@@ -114,9 +115,9 @@ def main(argv: list[str] | None = None) -> None:
     if any(r < 1 for r in rows) or args.runs < 1 or args.stream_mb < 1 or args.threads < 1:
         ap.error("--rows, --runs, --stream-mb and --threads take positive numbers")
     only = frozenset(m for m in args.methods.split(",") if m)
-    unknown = sorted(only - {m.name for m in THROUGHPUT_METHODS})
+    unknown = sorted(only - {m.name for m in THROUGHPUT_KERNELS})
     if unknown:
-        ap.error(f"no method named {', '.join(unknown)} (known: {', '.join(m.name for m in THROUGHPUT_METHODS)})")
+        ap.error(f"no method named {', '.join(unknown)} (known: {', '.join(m.name for m in THROUGHPUT_KERNELS)})")
     flush_denormals()
     torch.set_num_threads(args.threads)
     table = run(shapes, args.storage, getattr(torch, args.dtype), rows, args.stream_mb * 2**20, args.runs, only)

@@ -26,6 +26,7 @@ from shared.config import builtin_model_dir
 from shared.messages import ReqSlice, SamplingParams
 from shared.model_info import ModelInfo
 from worker_proc.host.numerics import flush_denormals
+from worker_proc.runtime.config import WorkerConfig
 from worker_proc.runtime.runner import ModelRunner
 from worker_proc.state.pools import StatePools, slot_bytes
 
@@ -173,13 +174,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
     torch.set_num_threads(args.threads)
     prompt = prompt_ids(args.model_path, args.prompt, ModelInfo.from_dir(args.model_path).vocab_size)
     span = len(prompt) + args.tokens + 1
-    runner = ModelRunner(args.model_path, dtype=args.dtype, kv_slots=2 * span + 1, state_slots=2,
-                         deterministic=args.deterministic)  # fmt: skip
+    runner = ModelRunner(args.model_path,
+        WorkerConfig(dtype=args.dtype, kv_slots=2 * span + 1, state_slots=2, deterministic=args.deterministic))
     bytes_per_slot = {sd: slot_bytes(runner.cfg, runner.dtype, state_dtype=sd).state_slot
                       for sd in ["float32", *dtypes]}  # fmt: skip
     results = [summary(d, args.window) for d in measure(runner, prompt, args.tokens, dtypes)]
-    header = (f"{args.model_path}: {args.tokens} greedy tokens after a {len(prompt)}-token prompt, model "
-              f"{runner.dtype}, {runner.ops.name} kernels, {args.threads} threads; against the float32 state")
+    header = (
+        f"{args.model_path}: {args.tokens} greedy tokens after a {len(prompt)}-token prompt, model "
+        f"{runner.dtype}, {runner.ops.name} kernels, {args.threads} threads; against the float32 state"
+    )
     print_report(header, results, bytes_per_slot, args.window)
     if args.output_json:
         with open(args.output_json, "w") as f:

@@ -28,6 +28,7 @@ from worker_proc.host.memory import keep_freed_memory, map_load_blocks
 from worker_proc.host.numerics import flush_denormals
 from worker_proc.plan.execution_plan import instances_of
 from worker_proc.plan.product_timer import read_bytes_per_s, weight_bytes
+from worker_proc.runtime.config import WorkerConfig
 from worker_proc.runtime.runner import ModelRunner
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -99,10 +100,19 @@ def main(argv: list[str] | None = None) -> None:
     mapped = map_load_blocks()
     torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batches.split(",")]
-    runner = ModelRunner(args.model_path, device=args.device, dtype=args.dtype, kv_slots=max(batches) * SLOT_STRIDE,
-                         state_slots=max(batches), deterministic=args.deterministic,
-                         quantization=args.quantization, state_dtype=args.mamba_ssm_dtype,
-                         load_blocks_mapped=mapped)  # fmt: skip
+    runner = ModelRunner(
+        args.model_path,
+        WorkerConfig(
+            device=args.device,
+            dtype=args.dtype,
+            kv_slots=max(batches) * SLOT_STRIDE,
+            state_slots=max(batches),
+            deterministic=args.deterministic,
+            quantization=args.quantization,
+            state_dtype=args.mamba_ssm_dtype,
+            load_blocks_mapped=mapped,
+        ),
+    )
     keep_freed_memory()
     results: dict[int, list[tuple[float, float]]] = {b: [] for b in batches}
     floors: list[tuple[float, float]] = []  # (floor seconds, batch-1 step / floor) per run
@@ -116,17 +126,21 @@ def main(argv: list[str] | None = None) -> None:
                 floors.append((floor, results[b][-1][1] / floor if floor > 0 else 0.0))
     mode = "deterministic" if args.deterministic else "default"
     quant = f", {args.quantization} weights" if args.quantization else ""
-    print(f"{args.model_path} ({runner.dtype}{quant} on {runner.device}, {args.mamba_ssm_dtype} state, "
-          f"{args.threads} threads, {mode} mode, {runner.ops.name} kernels); medians of {args.runs} runs")
+    print(
+        f"{args.model_path} ({runner.dtype}{quant} on {runner.device}, {args.mamba_ssm_dtype} state, "
+        f"{args.threads} threads, {mode} mode, {runner.ops.name} kernels); medians of {args.runs} runs"
+    )
     print(f"{'batch':>5} | {'prefill ' + str(args.prompt_len) + ' ms':>14} | {'decode ms/step':>14} | {'tok/s':>8}")
     for b in batches:
         prefill = statistics.median(r[0] for r in results[b]) * 1000
         decode = statistics.median(r[1] for r in results[b]) * 1000
         print(f"{b:>5} | {prefill:>14.1f} | {decode:>14.2f} | {b / decode * 1000:>8.1f}")
     if floors:
-        print(f"one-row step floor (weights read once, measured after each run's batch-1 steps): "
-              f"{statistics.median(f for f, _ in floors) * 1000:.2f} ms; batch-1 step / floor, run by run: "
-              f"{', '.join(f'{r:.2f}' for _, r in floors)} (median {statistics.median(r for _, r in floors):.2f})")
+        print(
+            f"one-row step floor (weights read once, measured after each run's batch-1 steps): "
+            f"{statistics.median(f for f, _ in floors) * 1000:.2f} ms; batch-1 step / floor, run by run: "
+            f"{', '.join(f'{r:.2f}' for _, r in floors)} (median {statistics.median(r for _, r in floors):.2f})"
+        )
 
 
 if __name__ == "__main__":

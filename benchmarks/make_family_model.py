@@ -141,11 +141,12 @@ def bench_decode(model_dir: str, batch: int = 8, prompt: int = 64, steps: int = 
     """Decode tokens/s of `batch` requests after a `prompt`-token prefill each (greedy, fp32)."""
     from shared.messages import ForwardBatch, ReqSlice, SamplingParams
     from worker_proc.host.numerics import flush_denormals
+    from worker_proc.runtime.config import WorkerConfig
     from worker_proc.runtime.runner import ModelRunner
 
     flush_denormals()  # as a worker process does
     total = prompt + steps + 1
-    r = ModelRunner(model_dir, dtype="float32", kv_slots=batch * total, state_slots=batch)
+    r = ModelRunner(model_dir, WorkerConfig(dtype="float32", kv_slots=batch * total, state_slots=batch))
     greedy = SamplingParams(temperature=0.0)
     kv = [list(range(1 + i * total, 1 + (i + 1) * total)) for i in range(batch)]
     ids = [[3 + (i * 7 + j) % 200 for j in range(prompt)] for i in range(batch)]

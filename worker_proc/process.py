@@ -25,10 +25,9 @@ from shared.errors import StartupError
 from shared.messages import ForwardBatch, Heartbeat, ProcReady, Shutdown, StepResult, WorkerReady
 from shared.proc import STOP_SIGNAL
 from shared.state_store import StoreError
-from worker_proc.host.memory import bound_onednn_caches, keep_freed_memory, map_load_blocks, onednn_cache_capacity
-from worker_proc.host.numerics import flush_denormals
+from worker_proc.host.setup import apply_host_settings, apply_steps_policy
 from worker_proc.plan.source import default_cache_dir
-from worker_proc.plan.threads import available_cores, thread_options
+from worker_proc.runtime.config import WorkerConfig
 from worker_proc.runtime.runner import ModelRunner
 from worker_proc.state.store_loader import FAILED, READ, READING
 from worker_proc.state.store_tier import StoreTier, namespace_json, store_namespace
@@ -168,49 +167,13 @@ def _raise_stop(signum: int, _frame: object) -> None:
 def run(args: ServerArgs, rank: int) -> None:
     """Process entry for one rank: load, report ready, serve batches until Shutdown or killed."""
     device = resolve_device(args, rank)
-    options: tuple[int, ...] = ()
-    if device == "cpu":
-        if not flush_denormals():  # before any parallel region: the threads it starts inherit the mode
-            logger.warning("rank %d: this CPU does not flush subnormal floats to zero", rank)
-        options = thread_options(args, available_cores())
-        torch.set_num_threads(max(options))
-        capacity = onednn_cache_capacity(args.single_weight_copy)
-        logger.info("rank %d: oneDNN primitive caches capped: %s", rank, bound_onednn_caches(capacity))
-    loads_mapped = device == "cpu" and map_load_blocks()
-    if device.startswith("cuda"):
-        torch.cuda.set_device(device)
+    host = apply_host_settings(args, rank, device)
     group = init_distributed(args, rank, device)
-    runner = ModelRunner(
-        args.resolved_model_path,
-        device=device,
-        dtype=args.dtype,
-        state_dtype=args.mamba_ssm_dtype,
-        kv_slots=args.max_total_tokens,
-        state_slots=args.max_mamba_cache_size,
-        mem_budget_bytes=int(args.mem_budget_gb * (1 << 30)),
-        mem_fraction_static=args.mem_fraction_static,
-        running_requests=args.max_running_requests,
-        state_ratio=args.mamba_full_memory_ratio,
-        seed=args.random_seed,
-        tp_rank=rank,
-        tp_size=args.tp_size,
-        tp_group=group,
-        deterministic=args.enable_deterministic_inference,
-        kernels=args.kernels,
-        thread_options=options,
-        execution_plan=args.execution_plan,
-        single_weight_copy=args.single_weight_copy,
-        enforce_eager=args.enforce_eager,
-        quantization=args.quantization,
-        quantize_lm_head=not args.disable_lm_head_quantization,
-        speculative_algorithm=args.speculative_algorithm,
-        plan_cache_dir=plan_cache_dir(args),
-        load_blocks_mapped=loads_mapped,
-    )
-    if keep_freed_memory():
-        logger.info("rank %d: the load's blocks were their own mappings (%s); freed host memory of the steps "
-                    "stays in the heap (no page faults on each step's temporaries)", rank,
-                    "freed whole" if loads_mapped else "not applied")
+    config = WorkerConfig.from_server_args(args, device=device, rank=rank, thread_options=host.thread_options,
+                                          plan_cache_dir=plan_cache_dir(args),
+                                          load_blocks_mapped=host.load_blocks_mapped)
+    runner = ModelRunner(args.resolved_model_path, config, tp_group=group)
+    apply_steps_policy(rank, host)
     tier, namespace = open_store(args, runner, rank)
     ctx = zmq.Context()
     rx: Receiver = Receiver(ctx, SCHEDULER_TO_WORKER, args, rank)

@@ -21,6 +21,7 @@ from tests.model_driver import forward_all_logits, generate_greedy
 from tokenizer_proc.requests.tokenizer import TextTokenizer
 from worker_proc.loading.checkpoint import load_model
 from worker_proc.model.hybrid import HybridForCausalLM
+from worker_proc.runtime.config import WorkerConfig
 from worker_proc.runtime.runner import ModelRunner
 
 pytestmark = pytest.mark.timeout(240)
@@ -99,7 +100,7 @@ def test_checkpoint_files_and_tokenizer(small_ckpt: Path) -> None:
 
 
 def test_loads_in_hyssm_and_logits_stay_alive_over_640_tokens(small_ckpt: Path) -> None:
-    runner = ModelRunner(str(small_ckpt), dtype="float32", kv_slots=700, state_slots=2)
+    runner = ModelRunner(str(small_ckpt), WorkerConfig(dtype="float32", kv_slots=700, state_slots=2))
     from shared.messages import ForwardBatch, ReqSlice, SamplingParams
 
     rng = random.Random(0)
@@ -111,7 +112,9 @@ def test_loads_in_hyssm_and_logits_stay_alive_over_640_tokens(small_ckpt: Path) 
     spread = logits.std(dim=-1)
     assert float(spread.min()) > 1e-3  # not flat at any position, including the last ones
     assert len(set(logits.argmax(dim=-1).tolist())) > 300  # greedy choice depends on the input
-    out = generate_greedy(ModelRunner(str(small_ckpt), dtype="float32", kv_slots=80, state_slots=2), prompt[:64], 8)
+    out = generate_greedy(
+        ModelRunner(str(small_ckpt), WorkerConfig(dtype="float32", kv_slots=80, state_slots=2)), prompt[:64], 8
+    )
     assert len(out) == 8 and all(0 <= t < VOCAB for t in out)
 
 
@@ -168,8 +171,9 @@ def test_other_families_shapes_are_known(tmp_path: Path) -> None:
         assert (out / "model.safetensors").is_file()
 
 
-@pytest.mark.parametrize("shape, gdn, attn, params", [("qwen3.5-0.8b", 18, 6, 0.752e9),
-                                                       ("qwen3-next-80b-a3b", 36, 12, 79.67e9)])
+@pytest.mark.parametrize(
+    "shape, gdn, attn, params", [("qwen3.5-0.8b", 18, 6, 0.752e9), ("qwen3-next-80b-a3b", 36, 12, 79.67e9)]
+)
 def test_gated_deltanet_shapes_are_the_published_ones(shape: str, gdn: int, attn: int, params: float) -> None:
     """The Qwen shapes parse into their layer pattern and parameter count (text model; built on
     the meta device), and a reduction keeps one layer of each kind."""

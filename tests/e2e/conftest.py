@@ -19,10 +19,13 @@ def server() -> Iterator[Server]:
 @pytest.fixture(scope="module")
 def reference_runner():
     """The in-process model runtime: the expected output of each prompt run alone."""
+    from worker_proc.runtime.config import WorkerConfig
     from worker_proc.runtime.runner import ModelRunner
 
-    return ModelRunner(builtin_model_dir(), device="cpu", dtype="float32", kv_slots=4096, state_slots=8,
-                       deterministic=True)
+    return ModelRunner(
+        builtin_model_dir(),
+        WorkerConfig(device="cpu", dtype="float32", kv_slots=4096, state_slots=8, deterministic=True),
+    )
 
 
 @pytest.fixture(scope="session")
@@ -30,8 +33,9 @@ def api_server() -> Iterator[Server]:
     """One built-in-model server for the client-compatibility modules (test_api_clients,
     test_structured_clients, test_lm_eval): float32, and short prefill chunks so a prompt's
     logprobs are assembled from several slices."""
-    with running_server(["--random-seed", "0", "--dtype", "float32", "--chunked-prefill-size", "8",
-                         "--max-prefill-tokens", "64"]) as srv:
+    with running_server(
+        ["--random-seed", "0", "--dtype", "float32", "--chunked-prefill-size", "8", "--max-prefill-tokens", "64"]
+    ) as srv:
         yield srv
 
 

@@ -44,10 +44,11 @@ def greedy(client: httpx.Client, ids: list[int], n: int) -> dict:
 @pytest.mark.parametrize("name", FAMILY_FIXTURES)
 def test_family_serves_and_prefix_cache_hits(tmp_path, name: str) -> None:
     from tests.model_driver import generate_greedy
+    from worker_proc.runtime.config import WorkerConfig
     from worker_proc.runtime.runner import ModelRunner
 
     path = model_dir(tmp_path, name)
-    ref = ModelRunner(path, dtype="float32", kv_slots=512, state_slots=4, deterministic=True)
+    ref = ModelRunner(path, WorkerConfig(dtype="float32", kv_slots=512, state_slots=4, deterministic=True))
     rng = random.Random(3)
     system = [rng.randrange(3, 256) for _ in range(SYSTEM)]
     prompts = [system + [rng.randrange(3, 256) for _ in range(9)] for _ in range(5)]

@@ -25,6 +25,7 @@ SYSTEM = 100
 @pytest.mark.parametrize("name", ["qwen3_next_moe", "qwen3_5_dense"])
 def test_gdn_serves_with_branch_point_prefix_hits(tmp_path, name: str) -> None:
     from tests.model_driver import generate_greedy
+    from worker_proc.runtime.config import WorkerConfig
     from worker_proc.runtime.runner import ModelRunner
 
     path = model_dir(tmp_path, name)
@@ -38,7 +39,7 @@ def test_gdn_serves_with_branch_point_prefix_hits(tmp_path, name: str) -> None:
         info = client.get("/get_server_info").json()
     with running_server([*base, "--disable-radix-cache"]) as server, server.client() as client:
         uncached = [greedy(client, p, 6) for p in prompts]
-    ref = ModelRunner(path, dtype="float32", kv_slots=512, state_slots=4, deterministic=True)
+    ref = ModelRunner(path, WorkerConfig(dtype="float32", kv_slots=512, state_slots=4, deterministic=True))
     for i, (prompt, hit, miss) in enumerate(zip(prompts, cached, uncached, strict=True)):
         assert hit["output_ids"] == miss["output_ids"] == generate_greedy(ref, prompt, 6), i
         assert miss["meta_info"]["cached_tokens"] == 0
@@ -50,10 +51,11 @@ def test_gdn_serves_with_branch_point_prefix_hits(tmp_path, name: str) -> None:
 
 def test_gdn_memory_pressure_completes_identically(tmp_path) -> None:
     from tests.model_driver import generate_greedy
+    from worker_proc.runtime.config import WorkerConfig
     from worker_proc.runtime.runner import ModelRunner
 
     path = model_dir(tmp_path, "qwen3_5_dense")
-    ref = ModelRunner(path, dtype="float32", kv_slots=512, state_slots=4, deterministic=True)
+    ref = ModelRunner(path, WorkerConfig(dtype="float32", kv_slots=512, state_slots=4, deterministic=True))
     rng = random.Random(7)
     prefixes = [[rng.randrange(3, 256) for _ in range(70)] for _ in range(3)]
     prompts = [prefixes[i % 3] + [rng.randrange(3, 256) for _ in range(rng.randint(5, 20))] for i in range(24)]

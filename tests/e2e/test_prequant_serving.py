@@ -32,6 +32,7 @@ def test_a_prequantized_checkpoint_serves_as_the_runner_computes(tmp_path, schem
     pytest.importorskip("compressed_tensors")
     from tests.model_driver import generate_greedy
     from worker_proc.plan.execution_plan import product_sites
+    from worker_proc.runtime.config import WorkerConfig
     from worker_proc.runtime.runner import ModelRunner
 
     out = str(tmp_path / scheme)
@@ -40,7 +41,7 @@ def test_a_prequantized_checkpoint_serves_as_the_runner_computes(tmp_path, schem
     else:
         write_compressed("rope_moe", out, scheme, group=32)
     path = _with_tokenizer(out)
-    ref = ModelRunner(path, dtype="float32", kv_slots=512, state_slots=4, deterministic=True)
+    ref = ModelRunner(path, WorkerConfig(dtype="float32", kv_slots=512, state_slots=4, deterministic=True))
     assert any(site.quantized is not None for _, site, _ in product_sites(ref.model))
     rng = random.Random(5)
     system = [rng.randrange(3, 256) for _ in range(SYSTEM)]

@@ -134,10 +134,11 @@ def _mtp_model(tmp_path, family: str) -> str:
 def test_nextn_drafts_with_the_mtp_layers_and_keeps_the_greedy_output(tmp_path, family: str) -> None:
     """The MTP layers guess every round's drafts (concurrent requests, chunked prompts, a second wave
     that hits the prefix cache); outputs equal the model's greedy decoding without drafts."""
+    from worker_proc.runtime.config import WorkerConfig
     from worker_proc.runtime.runner import ModelRunner
 
     path = _mtp_model(tmp_path, family)
-    ref = ModelRunner(path, dtype="float32", kv_slots=600, state_slots=4, deterministic=True)
+    ref = ModelRunner(path, WorkerConfig(dtype="float32", kv_slots=600, state_slots=4, deterministic=True))
     system = [(7 * i + 3) % 200 + 3 for i in range(70)]
     prompts = [system + [(11 * i + j) % 200 + 3 for i in range(4 + j)] for j in range(4)]
     expected = [generate_greedy(ref, p, 20) for p in prompts]

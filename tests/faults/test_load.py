@@ -52,11 +52,14 @@ def wait_drained(server: Server, timeout: float = 30.0) -> dict:
 
 def test_cow_refusals_change_nothing() -> None:
     from tests.model_driver import generate_greedy
+    from worker_proc.runtime.config import WorkerConfig
     from worker_proc.runtime.runner import ModelRunner
 
     prompts = shared_prefix_prompts(200, seed=3)
-    runner = ModelRunner(builtin_model_dir(), device="cpu", dtype="float32", kv_slots=1024, state_slots=4,
-                         deterministic=True)
+    runner = ModelRunner(
+        builtin_model_dir(),
+        WorkerConfig(device="cpu", dtype="float32", kv_slots=1024, state_slots=4, deterministic=True),
+    )
     expected = [generate_greedy(runner, p, 6) for p in prompts]
     args = ["--fault-refuse-cow-fraction", "0.3", "--max-running-requests", "32", *DETERMINISTIC]
     with running_server(args) as server:

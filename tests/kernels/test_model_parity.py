@@ -19,6 +19,7 @@ from tests.kernels.util import TOL, max_diff
 from tests.model_driver import forward_all_logits
 from worker_proc.kernels import ReferenceOps
 from worker_proc.kernels.triton.ops import TritonOps
+from worker_proc.runtime.config import WorkerConfig
 from worker_proc.runtime.runner import ModelRunner
 
 FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures")
@@ -26,7 +27,7 @@ GREEDY = SamplingParams(temperature=0.0)
 
 
 def _runner(name: str, ops: object) -> ModelRunner:
-    r = ModelRunner(os.path.join(FIXTURES, name), kv_slots=80, state_slots=6)
+    r = ModelRunner(os.path.join(FIXTURES, name), WorkerConfig(kv_slots=80, state_slots=6))
     assert isinstance(r.ops, ReferenceOps)  # what the plan chooses on CPU
     r.ops = ops
     return r
@@ -97,7 +98,7 @@ def test_gated_deltanet_model_under_triton_ops_matches_hf() -> None:
     ref = load_file(os.path.join(FIXTURES, name, "reference.safetensors"))
     prompt = ref["prompt"].tolist()
     n = len(prompt)
-    r = ModelRunner(os.path.join(FIXTURES, name), kv_slots=n + 8, state_slots=2)
+    r = ModelRunner(os.path.join(FIXTURES, name), WorkerConfig(kv_slots=n + 8, state_slots=2))
     r.ops = TritonOps()
     kv = list(range(1, n + 3))
     out = forward_all_logits(r, ForwardBatch(step=0, reqs=[_req("a", prompt, 0, kv, 1)], clears=[1]))

@@ -8,10 +8,11 @@ import pytest
 import torch
 
 from tests.kernels.util import TOL, max_diff, pool, rand, strided, untouched
-from worker_proc.kernels import FastOps, ReferenceOps, native, select
+from worker_proc.kernels import FastOps, ReferenceOps, native
 from worker_proc.kernels import state_codec as codec
 from worker_proc.kernels.interface import SsdParams
 from worker_proc.model.layers import GatedRMSNorm, RMSNorm, UnitOffsetRMSNorm
+from worker_proc.plan import kernel_set as select
 
 pytestmark = pytest.mark.skipif(not native.load(), reason="the fused CPU kernels cannot be built here")
 

@@ -10,17 +10,17 @@ import torch.nn.functional as F
 
 from tests.kernels.util import max_diff, rand, strided
 from worker_proc.kernels import native
-from worker_proc.linear.methods import (
+from worker_proc.linear.formats import THROUGHPUT_KERNELS
+from worker_proc.linear.kernels import (
     GEMV,
     GEMV_INT8,
     GEMV_SEQ,
     GEMV_W8A8,
-    THROUGHPUT_METHODS,
     TILED,
     TILED_OVER_INT4,
     TILED_W8A8,
     W8A8,
-    GemmMethod,
+    GemmKernel,
     tile_weight,
 )
 from worker_proc.linear.site import GemmSite
@@ -30,7 +30,7 @@ from worker_proc.quant.weight import quantize_int4, quantize_int8
 pytestmark = pytest.mark.skipif(not native.load(), reason="the fused CPU kernels cannot be built here")
 
 
-def _stored(method: GemmMethod, weight: torch.Tensor) -> object:
+def _stored(method: GemmKernel, weight: torch.Tensor) -> object:
     """The copy of the weight the method reads besides the weight itself."""
     return tile_weight(weight) if method is TILED else None
 
@@ -41,7 +41,7 @@ def _stored(method: GemmMethod, weight: torch.Tensor) -> object:
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("method", [GEMV, GEMV_SEQ, TILED], ids=lambda m: m.name)
 def test_gemv_equals_f_linear(rows: int, out_features: int, in_features: int, dtype: torch.dtype, bias: bool,
-                              method: GemmMethod) -> None:
+                              method: GemmKernel) -> None:
     gen = torch.Generator().manual_seed(rows * 1000 + out_features)
     x = strided(rand(gen, rows, in_features, dtype=dtype))  # a view with a row stride, as split projections are
     weight = rand(gen, out_features, in_features, dtype=dtype, scale=0.1)
@@ -54,7 +54,7 @@ def test_gemv_equals_f_linear(rows: int, out_features: int, in_features: int, dt
 
 
 @pytest.mark.parametrize("method", [GEMV, GEMV_SEQ, TILED], ids=lambda m: m.name)
-def test_gemv_runs_on_every_thread_count(method: GemmMethod) -> None:
+def test_gemv_runs_on_every_thread_count(method: GemmKernel) -> None:
     """However many threads share the weight's chunks, every output is the same to the bit (one thread
     computes each, in one order)."""
     gen = torch.Generator().manual_seed(3)
@@ -73,8 +73,8 @@ def test_gemv_runs_on_every_thread_count(method: GemmMethod) -> None:
 
 
 @pytest.mark.parametrize("method", [GEMV, GEMV_SEQ, TILED], ids=lambda m: m.name)
-def test_the_plan_measures_gemv_for_dense_float_weights_only(method: GemmMethod) -> None:
-    assert method in THROUGHPUT_METHODS
+def test_the_plan_measures_gemv_for_dense_float_weights_only(method: GemmKernel) -> None:
+    assert method in THROUGHPUT_KERNELS
     cpu = torch.device("cpu")
     assert method.supports(GemmSite(64, 64, torch.bfloat16, packable=True), cpu)
     # a tiled copy is made once from a fixed weight: not of an expert's slice of a stack
@@ -121,7 +121,7 @@ def test_int8_gemv_equals_the_dequantized_product(rows: int, out_features: int, 
 
 def test_the_plan_measures_int8_gemv_for_int8_weights_only() -> None:
     cpu = torch.device("cpu")
-    assert GEMV_INT8 in THROUGHPUT_METHODS and GEMV_INT8.max_rows == 64
+    assert GEMV_INT8 in THROUGHPUT_KERNELS and GEMV_INT8.max_rows == 64
     site = GemmSite(64, 64, torch.bfloat16, packable=True)
     assert not GEMV_INT8.supports(site, cpu)
     site.quantize(quantize_int8(torch.randn(64, 64)))
@@ -135,7 +135,7 @@ def test_the_plan_measures_int8_gemv_for_int8_weights_only() -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("in_features", [256, 100])
 @pytest.mark.parametrize("method", [GEMV_W8A8, TILED_W8A8], ids=lambda m: m.name)
-def test_w8a8_gemv_is_w8a8_to_the_bit(rows: int, dtype: torch.dtype, in_features: int, method: GemmMethod) -> None:
+def test_w8a8_gemv_is_w8a8_to_the_bit(rows: int, dtype: torch.dtype, in_features: int, method: GemmKernel) -> None:
     """Exact integer sums and the same row quantization: the fused kernels' product is `w8a8`'s, whatever the
     row count (so it is batch invariant as w8a8 is), a zero row included; 70 outputs leave the tiled copy's last
     block part empty."""
@@ -149,7 +149,7 @@ def test_w8a8_gemv_is_w8a8_to_the_bit(rows: int, dtype: torch.dtype, in_features
     got = method.apply(x, torch.empty(0), q, b)
     assert got.dtype == dtype and torch.equal(got, W8A8.apply(x, torch.empty(0), q, b))
     assert torch.equal(method.apply(x[1:2], torch.empty(0), q, b), got[1:2])
-    assert method.batch_invariant and method in THROUGHPUT_METHODS
+    assert method.batch_invariant and method in THROUGHPUT_KERNELS
 
 
 def test_the_tiled_int8_product_is_the_same_on_every_thread_count() -> None:

@@ -8,7 +8,8 @@ import torch
 
 from tests.kernels.util import rand, strided
 from worker_proc.kernels import native
-from worker_proc.linear.methods import THROUGHPUT_METHODS, TILED_W4A8, W4A16, GemmMethod
+from worker_proc.linear.formats import THROUGHPUT_KERNELS
+from worker_proc.linear.kernels import TILED_W4A8, W4A16, GemmKernel
 from worker_proc.linear.site import GemmSite
 from worker_proc.plan.method_choice import second_copy_bytes
 from worker_proc.plan.product_timer import GemmKey
@@ -133,7 +134,7 @@ def test_the_plan_offers_the_tiled_int4_product_to_single_int4_matrices_and_coun
     cpu = torch.device("cpu")
     four = GemmSite(64, 64, torch.bfloat16, packable=True)
     four.quantize(quantize_int4(torch.randn(64, 64), 32))
-    assert TILED_W4A8.supports(four, cpu) and TILED_W4A8 in THROUGHPUT_METHODS and TILED_W4A8.batch_invariant
+    assert TILED_W4A8.supports(four, cpu) and TILED_W4A8 in THROUGHPUT_KERNELS and TILED_W4A8.batch_invariant
     eight = GemmSite(64, 64, torch.bfloat16, packable=True)
     eight.quantize(quantize_int8(torch.randn(64, 64)))
     stack = GemmSite(64, 64, torch.bfloat16, packable=False)
@@ -145,4 +146,4 @@ def test_the_plan_offers_the_tiled_int4_product_to_single_int4_matrices_and_coun
     four.check_integrity(torch.empty(0))
     key = GemmKey.of(four)
     assert second_copy_bytes(key, ["tiled_w4a8"], 2, 0) == 2 * 64 * 64 * COPY_BYTES_PER_WEIGHT["tiled4"]
-    assert isinstance(TILED_W4A8, GemmMethod) and TILED_W4A8.quantized_copy == "tiled4"
+    assert isinstance(TILED_W4A8, GemmKernel) and TILED_W4A8.quantized_copy == "tiled4"

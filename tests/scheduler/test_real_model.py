@@ -20,6 +20,7 @@ from tests.worker.util import fixture_dir
 
 torch = pytest.importorskip("torch")
 runtime = pytest.importorskip("worker_proc.runtime.runner")
+from worker_proc.runtime.config import WorkerConfig  # noqa: E402
 
 KV_SLOTS, MAMBA_SLOTS = 256, 3
 
@@ -37,7 +38,7 @@ def model_dir(request: pytest.FixtureRequest) -> str:
 @pytest.fixture(scope="module")
 def runner(model_dir: str) -> object:
     torch.manual_seed(0)
-    return runtime.ModelRunner(model_dir, kv_slots=KV_SLOTS, state_slots=MAMBA_SLOTS, deterministic=True)
+    return runtime.ModelRunner(model_dir, WorkerConfig(kv_slots=KV_SLOTS, state_slots=MAMBA_SLOTS, deterministic=True))
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +114,7 @@ def test_real_outputs_identical_with_cache_chunks_and_pressure(runner: object, m
 def test_real_outputs_identical_with_drafts(model_dir: str, model: ModelInfo) -> None:
     """NGRAM speculation on the real model: greedy outputs equal those without it (bitwise numerics
     in this mode), with chunked prefill, a prefix hit and drafts rejected as well as accepted."""
-    runner = runtime.ModelRunner(model_dir, kv_slots=KV_SLOTS, state_slots=8, deterministic=True)
+    runner = runtime.ModelRunner(model_dir, WorkerConfig(kv_slots=KV_SLOTS, state_slots=8, deterministic=True))
     phrase = [(11 * i + 5) % 240 + 3 for i in range(12)]
     reqs = [greq("a", phrase * 3, 24), greq("b", phrase * 2 + [7, 8], 20)]
     sched, _ = make(kv=KV_SLOTS, states=8, model=model, disable_radix_cache=True)

@@ -26,6 +26,7 @@ import torch.multiprocessing as tmp
 
 from shared.messages import CopyOp, ForwardBatch, ReqSlice, SamplingParams
 from tests.model_driver import forward_all_logits, forward_logits
+from worker_proc.runtime.config import WorkerConfig
 from worker_proc.runtime.runner import ModelRunner
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -208,8 +209,9 @@ def model_traces(
     """Everything the parity tests compare, computed by one rank of a `size`-rank group (or alone
     when `group` is None): both script modes and, when `prompt` is given, all-position logits."""
     def make() -> ModelRunner:
-        return ModelRunner(model_dir, dtype="float32", kv_slots=KV_SLOTS, state_slots=MAMBA_SLOTS,
-                           tp_rank=rank, tp_size=size, tp_group=group, deterministic=True)
+        return ModelRunner(model_dir,
+            WorkerConfig(dtype="float32", kv_slots=KV_SLOTS, state_slots=MAMBA_SLOTS,
+                                       tp_rank=rank, tp_size=size, deterministic=True), tp_group=group)
 
     runner = make()
     specs = default_specs(runner.cfg.vocab_size)
@@ -219,8 +221,15 @@ def model_traces(
     result["step"] = drive(runner, specs, n_new, "step", group)
     if prompt is not None:
         n = len(prompt)
-        req = ReqSlice(rid="p", input_ids=prompt, start_pos=0, kv_slots=list(range(1, n + 1)), state_slot=1,
-                       sample=True, sampling=GREEDY)
+        req = ReqSlice(
+            rid="p",
+            input_ids=prompt,
+            start_pos=0,
+            kv_slots=list(range(1, n + 1)),
+            state_slot=1,
+            sample=True,
+            sampling=GREEDY,
+        )
         result["prompt_logits"] = forward_all_logits(runner, ForwardBatch(step=0, reqs=[req], clears=[1]))["p"].numpy()
     result["capacity"] = (runner.kv_capacity, runner.state_capacity, runner.pools.nbytes())
     return result

@@ -17,6 +17,7 @@ from tests.model_driver import forward_all_logits
 from tests.tp.harness import run_ranks
 from tests.worker.util import fixture_dir, reference
 from worker_proc.plan.execution_plan import product_sites
+from worker_proc.runtime.config import WorkerConfig
 from worker_proc.runtime.runner import ModelRunner
 
 pytestmark = pytest.mark.timeout(240)
@@ -32,8 +33,19 @@ MODELS = {"builtin": (builtin_model_dir(), BUILTIN_PROMPT), "rope_moe": (fixture
 
 
 def _prompt_logits(rank: int, size: int, group: Any, model_dir: str, prompt: list[int], fmt: str) -> np.ndarray:
-    r = ModelRunner(model_dir, dtype="float32", kv_slots=len(prompt) + 4, state_slots=2, tp_rank=rank, tp_size=size,
-                    tp_group=group, quantization=fmt, deterministic=True)  # fmt: skip
+    r = ModelRunner(
+        model_dir,
+        WorkerConfig(
+            dtype="float32",
+            kv_slots=len(prompt) + 4,
+            state_slots=2,
+            tp_rank=rank,
+            tp_size=size,
+            quantization=fmt,
+            deterministic=True,
+        ),
+        tp_group=group,
+    )
     assert all((s.quantized is not None) == bool(fmt) for _, s, _ in product_sites(r.model) if s.quantizable)
     sl = ReqSlice(rid="p", input_ids=prompt, start_pos=0, kv_slots=list(range(1, len(prompt) + 1)), state_slot=1,
                   sample=True, sampling=SamplingParams(temperature=0.0))  # fmt: skip

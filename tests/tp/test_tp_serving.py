@@ -29,10 +29,13 @@ Case = tuple[list[int], int, list[int]]
 
 @pytest.fixture(scope="module")
 def runner() -> Any:
+    from worker_proc.runtime.config import WorkerConfig
     from worker_proc.runtime.runner import ModelRunner
 
-    return ModelRunner(builtin_model_dir(), device="cpu", dtype="float32", kv_slots=512, state_slots=4,
-                       deterministic=True)
+    return ModelRunner(
+        builtin_model_dir(),
+        WorkerConfig(device="cpu", dtype="float32", kv_slots=512, state_slots=4, deterministic=True),
+    )
 
 
 def _cases(runner: Any, prompts: list[list[int]], rng: random.Random) -> list[Case]:
@@ -78,14 +81,16 @@ def test_tp2_serves_other_families(tmp_path, name: str) -> None:
     under --tp-size 2 serve the greedy outputs of the single-rank runtime (the parity fixtures
     with the built-in tokenizer files)."""
     from tests.e2e.test_families import model_dir
+    from worker_proc.runtime.config import WorkerConfig
     from worker_proc.runtime.runner import ModelRunner
 
     path = model_dir(tmp_path, name)
-    ref = ModelRunner(path, device="cpu", dtype="float32", kv_slots=512, state_slots=4, deterministic=True)
+    ref = ModelRunner(
+        path, WorkerConfig(device="cpu", dtype="float32", kv_slots=512, state_slots=4, deterministic=True)
+    )
     rng = random.Random(12)
     cases = _cases(ref, [[rng.randrange(3, 256) for _ in range(rng.randint(2, 40))] for _ in range(6)], rng)
-    args = ["--model-path", path, "--tp-size", "2", "--max-running-requests", "8", "--dtype", "float32",
-            *DETERMINISTIC]
+    args = ["--model-path", path, "--tp-size", "2", "--max-running-requests", "8", "--dtype", "float32", *DETERMINISTIC]
     with running_server(args) as server:
         _serves_expected(server, cases)
 
@@ -97,11 +102,17 @@ def test_tp2_with_drafts_serves_the_single_rank_outputs(tmp_path, runner: Any, n
     hybrid), so outputs are the single-rank runtime's, with drafts accepted and rejected."""
     from tests.e2e.test_families import model_dir
     from tests.model_driver import generate_greedy
+    from worker_proc.runtime.config import WorkerConfig
     from worker_proc.runtime.runner import ModelRunner
 
     path = builtin_model_dir() if name == "builtin" else model_dir(tmp_path, name)
-    ref = runner if name == "builtin" else ModelRunner(path, device="cpu", dtype="float32", kv_slots=512,
-                                                        state_slots=4, deterministic=True)  # fmt: skip
+    ref = (
+        runner
+        if name == "builtin"
+        else ModelRunner(
+            path, WorkerConfig(device="cpu", dtype="float32", kv_slots=512, state_slots=4, deterministic=True)
+        )
+    )
     rng = random.Random(13)
     cases: list[Case] = []
     for _ in range(4):
@@ -123,10 +134,13 @@ def test_tp2_nextn_drafts_with_sharded_mtp_layers(tmp_path, family: str) -> None
     shard, both run it on rank 0's sampled tokens, and outputs are the single-rank runtime's."""
     from tests.e2e.test_speculative import _mtp_model
     from tests.model_driver import generate_greedy
+    from worker_proc.runtime.config import WorkerConfig
     from worker_proc.runtime.runner import ModelRunner
 
     path = _mtp_model(tmp_path, family)
-    ref = ModelRunner(path, device="cpu", dtype="float32", kv_slots=512, state_slots=4, deterministic=True)
+    ref = ModelRunner(
+        path, WorkerConfig(device="cpu", dtype="float32", kv_slots=512, state_slots=4, deterministic=True)
+    )
     rng = random.Random(14)
     prompts = [[rng.randrange(3, 256) for _ in range(rng.randint(66, 80))] for _ in range(3)]
     cases: list[Case] = [(p, 12, generate_greedy(ref, p, 12)) for p in prompts]
@@ -144,8 +158,9 @@ def test_tp2_copy_on_write_refusals_are_agreed_by_both_ranks(runner: Any) -> Non
     rng = random.Random(5)
     prefixes = [[rng.randrange(256) for _ in range(40)] for _ in range(2)]
     warm = _cases(runner, prefixes, rng)
-    shared = _cases(runner, [prefixes[i % 2] + [rng.randrange(256) for _ in range(rng.randint(1, 9))]
-                             for i in range(12)], rng)
+    shared = _cases(
+        runner, [prefixes[i % 2] + [rng.randrange(256) for _ in range(rng.randint(1, 9))] for i in range(12)], rng
+    )
     args = ["--tp-size", "2", "--max-running-requests", "8", "--fault-refuse-cow-fraction", "0.4", *DETERMINISTIC]
     with running_server(args) as server:
         _serves_expected(server, warm)  # the prefixes' states go into the cache
@@ -195,8 +210,9 @@ def test_two_nodes_on_loopback(expected: list[Case]) -> None:
 def _launch(args: list[str]) -> tuple[subprocess.CompletedProcess[str], float]:
     cmd = [sys.executable, "launch.py", "--device", "cpu", "--port", str(free_port()), *args]
     t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     try:
         out, err = proc.communicate(timeout=60)
     finally:
@@ -217,8 +233,9 @@ def _one_line(res: subprocess.CompletedProcess[str]) -> str:
 
 def test_unreachable_dist_init_addr_fails_after_the_startup_timeout() -> None:
     addr = f"127.0.0.1:{free_port()}"  # nobody listens there: node 0 never comes
-    res, elapsed = _launch(["--nnodes", "2", "--node-rank", "1", "--tp-size", "2", "--dist-init-addr", addr,
-                            "--startup-timeout", "2"])
+    res, elapsed = _launch(
+        ["--nnodes", "2", "--node-rank", "1", "--tp-size", "2", "--dist-init-addr", addr, "--startup-timeout", "2"]
+    )
     line = _one_line(res)
     assert addr in line and "--dist-init-addr" in line
     assert 2.0 <= elapsed < 30

@@ -15,14 +15,16 @@ import torch
 from shared.config import ServerArgs, builtin_model_dir
 from shared.errors import ModelLoadError
 from shared.messages import ForwardBatch, ReqSlice, SamplingParams
-from worker_proc.linear.methods import GemmMethod
+from worker_proc.linear.kernels import GemmKernel
 from worker_proc.linear.site import GemmSite
 from worker_proc.model.layers import Linear
 from worker_proc.plan import source as plan_cache
-from worker_proc.plan.execution_plan import ROW_BUCKETS, choose, instances_of, product_sites
+from worker_proc.plan.execution_plan import choose, instances_of, product_sites
 from worker_proc.plan.kernel_set import KernelChoice
-from worker_proc.plan.product_timer import DEFAULT_STREAM_BYTES, HOPELESS, GemmKey, ProductTimer
+from worker_proc.plan.product_timer import GemmKey, ProductTimer
 from worker_proc.plan.threads import thread_options
+from worker_proc.plan.tuning import DEFAULT_STREAM_BYTES, HOPELESS, MEASURE_ATTEMPTS, ROW_BUCKETS
+from worker_proc.runtime.config import WorkerConfig
 from worker_proc.runtime.runner import ModelRunner
 
 A = GemmKey(64, 32, "float32")
@@ -38,7 +40,7 @@ def _fake(speeds: dict[tuple[str, int], float], keys: tuple[GemmKey, ...] = (A, 
     """A measure whose seconds per product are `speeds[(method, threads)]` (scaled by rows), 1.0 if absent."""
     calls: list[tuple[str, int, int]] = []
 
-    def measure(method: GemmMethod, rows: int, threads: int) -> dict[GemmKey, float]:
+    def measure(method: GemmKernel, rows: int, threads: int) -> dict[GemmKey, float]:
         calls.append((method.name, rows, threads))
         return {k: speeds.get((method.name, threads), 1.0) * rows for k in keys}
 
@@ -65,7 +67,7 @@ def test_dense_and_fewer_threads_win_within_the_margin() -> None:
 def test_a_rule_does_not_flip_between_methods_within_the_noise() -> None:
     """Two methods within a few percent of each other trade places from bucket to bucket: the rule keeps
     the first one; a method that is clearly faster at larger products still takes over there."""
-    def measure(method: GemmMethod, rows: int, threads: int) -> dict[GemmKey, float]:
+    def measure(method: GemmKernel, rows: int, threads: int) -> dict[GemmKey, float]:
         odd = ROW_BUCKETS.index(rows) % 2
         gemv = 1.0 if rows <= 8 else 2.0
         packed = {0: 1.04, 1: 0.97}[odd] if rows <= 8 else 1.0
@@ -75,7 +77,7 @@ def test_a_rule_does_not_flip_between_methods_within_the_noise() -> None:
     plan = choose(_instances(A), (1,), measure, lambda n: True)
     assert plan.gemms[A].methods == ("split", "packed") and plan.gemms[A].bounds == (8,)
 
-    def by_threads(method: GemmMethod, rows: int, threads: int) -> dict[GemmKey, float]:
+    def by_threads(method: GemmKernel, rows: int, threads: int) -> dict[GemmKey, float]:
         odd = ROW_BUCKETS.index(rows) % 2
         one = {0: 1.04, 1: 0.96}[odd] if rows <= 64 else 2.0
         return {A: one if threads == 1 else 1.0} if method.name == "dense" else {}
@@ -88,7 +90,7 @@ def test_a_burst_during_one_round_does_not_decide_a_choice() -> None:
     sibling process starting): the rounds take turns and the fastest of each figure decides."""
     seen: set[tuple[int, int]] = set()
 
-    def measure(method: GemmMethod, rows: int, threads: int) -> dict[GemmKey, float]:
+    def measure(method: GemmKernel, rows: int, threads: int) -> dict[GemmKey, float]:
         burst = (rows, threads) not in seen and threads == 2
         seen.add((rows, threads))
         return {A: rows / threads * (10.0 if burst else 1.0)} if method.name == "dense" else {}
@@ -100,7 +102,7 @@ def test_a_burst_during_one_round_does_not_decide_a_choice() -> None:
 def test_a_few_row_product_is_not_timed_against_prefill_steps() -> None:
     weight = torch.randn(64, 32)
     timer = ProductTimer([(GemmSite(64, 32, torch.float32, True), weight)], cache_bytes=1 << 20)
-    few_rows = GemmMethod("few_rows", "dense", lambda x, w, stored, bias: x @ w.T, max_rows=8)
+    few_rows = GemmKernel("few_rows", "dense", lambda x, w, stored, bias: x @ w.T, max_rows=8)
     assert A in timer(few_rows, 8, 1) and timer(few_rows, 9, 1) == {}
 
 
@@ -109,10 +111,10 @@ def test_a_site_timed_up_to_some_rows_keeps_that_choice_beyond_them() -> None:
     larger products the choice of the largest bucket timed (not the untimed default)."""
     head = GemmSite(64, 32, torch.float32, True, timed_rows=16)
     timer = ProductTimer([(head, torch.randn(64, 32))], cache_bytes=1 << 20)
-    dense = GemmMethod("dense", "dense", lambda x, w, stored, bias: x @ w.T)
+    dense = GemmKernel("dense", "dense", lambda x, w, stored, bias: x @ w.T)
     assert A in timer(dense, 16, 1) and timer(dense, 17, 1) == {}
 
-    def measure(method: GemmMethod, rows: int, threads: int) -> dict[GemmKey, float]:
+    def measure(method: GemmKernel, rows: int, threads: int) -> dict[GemmKey, float]:
         if rows > 16:
             return {}
         return {A: {"dense": 2.0, "split": 1.0}.get(method.name, 3.0) * rows}
@@ -132,7 +134,7 @@ def test_a_steps_recurrent_kernels_count_in_its_thread_choice() -> None:
 
 
 def test_rules_change_by_row_bucket_and_two_copies_need_the_memory() -> None:
-    def measure(method: GemmMethod, rows: int, threads: int) -> dict[GemmKey, float]:
+    def measure(method: GemmKernel, rows: int, threads: int) -> dict[GemmKey, float]:
         fast = "split" if rows <= 4 else "packed"
         return {A: 0.5 if method.name == fast else 1.0}
 
@@ -148,7 +150,7 @@ def test_each_layout_of_a_weight_counts_as_a_copy() -> None:
     """A dense weight read as it is, tiled and packed is three copies of it, one read only tiled and packed two
     (the dense one is dropped). Where three do not fit, the two layouts that lose least are kept; where no two
     fit, the one layout that loses least."""
-    def measure(method: GemmMethod, rows: int, threads: int) -> dict[GemmKey, float]:
+    def measure(method: GemmKernel, rows: int, threads: int) -> dict[GemmKey, float]:
         fast = "dense" if rows == 1 else ("tiled" if rows <= 32 else "packed")
         if method.name not in ("dense", "tiled", "packed") or method.name == "tiled" and rows > 64:
             return {}
@@ -174,7 +176,7 @@ def test_a_weight_its_owner_reads_gets_a_copy_in_the_room_the_layouts_leave() ->
     not."""
     head = GemmKey(128, 32, "float32")
 
-    def measure(method: GemmMethod, rows: int, threads: int) -> dict[GemmKey, float]:
+    def measure(method: GemmKernel, rows: int, threads: int) -> dict[GemmKey, float]:
         fast = "dense" if rows == 1 else ("tiled" if rows <= 32 else "packed")
         if method.name not in ("dense", "tiled", "packed") or method.name == "tiled" and rows > 64:
             return {}
@@ -206,7 +208,7 @@ def test_an_int4_weights_int8_copy_is_a_second_copy_that_needs_the_memory() -> N
     assert key.storage == "int4"
     asked: list[int] = []
 
-    def measure(method: GemmMethod, rows: int, threads: int) -> dict[GemmKey, float]:
+    def measure(method: GemmKernel, rows: int, threads: int) -> dict[GemmKey, float]:
         speed = {"w4a16": 1.0 * rows, "w8a8_over_int4": 2.5 + 0.1 * rows}.get(method.name)
         return {} if speed is None else {key: speed}
 
@@ -228,14 +230,14 @@ def test_a_hopeless_method_is_timed_no_further() -> None:
     key's larger row counts."""
     calls: dict[str, int] = {"fast": 0, "slow": 0}
 
-    def product(name: str, busy_s: float) -> GemmMethod:
+    def product(name: str, busy_s: float) -> GemmKernel:
         def run(x: torch.Tensor, w: torch.Tensor, stored: object, bias: torch.Tensor | None) -> torch.Tensor:
             calls[name] += 1
             end = time.perf_counter() + busy_s
             while time.perf_counter() < end:  # a slow kernel: real time spent computing
                 out = x @ w.T
             return out if busy_s else x @ w.T
-        return GemmMethod(name, "dense", run)
+        return GemmKernel(name, "dense", run)
 
     fast, slow = product("fast", 0.0), product("slow", 0.005)
     # streamed (2 rows): the three weights of A in an untimed and two timed rounds; warm (64): A's first weight
@@ -250,7 +252,7 @@ def test_a_hopeless_method_is_timed_no_further() -> None:
 
 
 def test_the_real_timer_reports_every_supported_key() -> None:
-    from worker_proc.linear.methods import DENSE, PACKED
+    from worker_proc.linear.kernels import DENSE, PACKED
 
     timer = ProductTimer(_instances(A, B, A), cache_bytes=1 << 20, reps=2)
     for method in (DENSE, PACKED):
@@ -267,7 +269,7 @@ def test_a_shape_read_only_as_it_is_gets_no_timing_copy() -> None:
     """Under `--single-weight-copy` a shape whose dense weight its owner reads (the tied LM head's) is
     only ever read as it is: the timer makes no copy of it (one of the head would be its whole size
     again, twice, while the plan is measured) and still times the methods reading it as it is."""
-    from worker_proc.linear.methods import DENSE, PACKED, TILED
+    from worker_proc.linear.kernels import DENSE, PACKED, TILED
 
     timer = ProductTimer(_instances(A, B), cache_bytes=1 << 20, reps=1, own_weights_only=frozenset({A}))
     for method in (PACKED, TILED):
@@ -279,7 +281,7 @@ def test_a_shape_read_only_as_it_is_gets_no_timing_copy() -> None:
 def test_a_weight_larger_than_the_stream_budget_leaves_no_shape_untimed() -> None:
     """A model's LM head can alone exceed twice the last-level cache; every other shape is still
     timed at the streamed row counts (untimed, it would run `dense` there whatever is faster)."""
-    from worker_proc.linear.methods import DENSE
+    from worker_proc.linear.kernels import DENSE
 
     head = GemmKey(4096, 64, "float32")
     timer = ProductTimer(_instances(head, A, B, A, B), cache_bytes=(4096 * 64 * 4) // 4, reps=1)
@@ -316,12 +318,12 @@ def test_a_plan_measured_while_other_processes_ran_is_measured_again_and_never_s
     always = iter(float(i) * 1e6 for i in range(100))
     monkeypatch.setattr(plan_cache, "cpu_busy_seconds", lambda: (next(always), 0.0))
     contended = _runner(tmp_path / "other", thread_options=(1,))
-    assert len(measured) == 2 + plan_cache.MEASURE_ATTEMPTS and contended.plan.source == "measured"
+    assert len(measured) == 2 + MEASURE_ATTEMPTS and contended.plan.source == "measured"
     assert not list((tmp_path / "other").glob("plan-*.json"))
 
 
 def _runner(tmp_path: Path, **kw: object) -> ModelRunner:
-    return ModelRunner(builtin_model_dir(), kv_slots=512, state_slots=4, plan_cache_dir=tmp_path, **kw)
+    return ModelRunner(builtin_model_dir(), WorkerConfig(kv_slots=512, state_slots=4, plan_cache_dir=tmp_path, **kw))
 
 
 def test_the_cache_round_trips_and_a_new_key_measures_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -355,7 +357,7 @@ class _DenseThenPacked:
         self.made.append(max_stream_bytes)
         self.own_only.append(own_weights_only)
 
-    def __call__(self, method: GemmMethod, rows: int, threads: int) -> dict[GemmKey, float]:
+    def __call__(self, method: GemmKernel, rows: int, threads: int) -> dict[GemmKey, float]:
         fast = "dense" if rows == 1 else "packed"
         return {GemmKey.of(s): 0.5 if method.name == fast else 1.0 for s in self.sites
                 if method.supports(s, torch.device("cpu"))}
@@ -477,7 +479,8 @@ def test_the_mixer_timer_times_a_models_mamba_kernels_and_the_key_names_the_kern
     from worker_proc.kernels import FastOps
     from worker_proc.plan.mixer_timer import MixerTimer
 
-    runner = ModelRunner(builtin_model_dir(), kv_slots=64, state_slots=2, plan_cache_dir=None, thread_options=(1,))
+    runner = ModelRunner(builtin_model_dir(),
+        WorkerConfig(kv_slots=64, state_slots=2, plan_cache_dir=None, thread_options=(1,)))
     timer = MixerTimer(runner.model, runner.ops, reps=1)
     assert timer.layers == len(runner.cfg.mamba_layer_ids) > 0
     assert timer(1, 1) > 0 and timer(64, 1) > 0  # a decode of one request, a prefill of 64 tokens
@@ -493,7 +496,9 @@ def test_a_new_build_of_the_fused_kernels_is_measured_again(monkeypatch: pytest.
 
     if not native.load():
         pytest.skip("the fused CPU kernels cannot be built here")
-    model = ModelRunner(builtin_model_dir(), kv_slots=64, state_slots=2, plan_cache_dir=None, thread_options=(1,)).model
+    model = ModelRunner(
+        builtin_model_dir(), WorkerConfig(kv_slots=64, state_slots=2, plan_cache_dir=None, thread_options=(1,))
+    ).model
     before = plan_cache.plan_key(model, "throughput", (1,), 2, "native")
     monkeypatch.setattr(native, "build_digest", lambda: "another-build")
     assert plan_cache.plan_key(model, "throughput", (1,), 2, "native") != before
@@ -503,7 +508,9 @@ def test_a_plan_timed_under_another_allocator_policy_is_measured_again() -> None
     """A worker times its products under the steps' allocator policy (`load_blocks_mapped`); a plan timed
     under a process's own policy (where temporaries may be fresh mappings on every call) does not stand for
     it."""
-    model = ModelRunner(builtin_model_dir(), kv_slots=64, state_slots=2, plan_cache_dir=None, thread_options=(1,)).model
+    model = ModelRunner(
+        builtin_model_dir(), WorkerConfig(kv_slots=64, state_slots=2, plan_cache_dir=None, thread_options=(1,))
+    ).model
     own = plan_cache.plan_key(model, "throughput", (1,), 2, "native")
     assert plan_cache.plan_key(model, "throughput", (1,), 2, "native", load_blocks_mapped=True) != own
 
@@ -511,10 +518,13 @@ def test_a_plan_timed_under_another_allocator_policy_is_measured_again() -> None
 class _TiledFastest(_DenseThenPacked):
     """A ProductTimer stand-in under which `tiled` is fastest at every row count it serves, `dense` beyond."""
 
-    def __call__(self, method: GemmMethod, rows: int, threads: int) -> dict[GemmKey, float]:
+    def __call__(self, method: GemmKernel, rows: int, threads: int) -> dict[GemmKey, float]:
         fast = "tiled" if rows <= 64 else "dense"
-        return {GemmKey.of(s): 0.5 if method.name == fast else 1.0 for s in self.sites
-                if method.supports(s, torch.device("cpu"))}
+        return {
+            GemmKey.of(s): 0.5 if method.name == fast else 1.0
+            for s in self.sites
+            if method.supports(s, torch.device("cpu"))
+        }
 
 
 def test_an_expert_stack_of_a_linears_shape_reads_no_copy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -523,7 +533,9 @@ def test_an_expert_stack_of_a_linears_shape_reads_no_copy(tmp_path: Path, monkey
     from tests.worker.util import fixture_dir
 
     monkeypatch.setattr(plan_cache, "ProductTimer", _TiledFastest)
-    r = ModelRunner(fixture_dir("rope_moe"), kv_slots=96, state_slots=4, plan_cache_dir=tmp_path, thread_options=(1,))
+    r = ModelRunner(
+        fixture_dir("rope_moe"), WorkerConfig(kv_slots=96, state_slots=4, plan_cache_dir=tmp_path, thread_options=(1,))
+    )
     sites = [site for _, site, _ in product_sites(r.model)]
     shared = {site.shape for site in sites if not site.packable} & {site.shape for site in sites if site.packable}
     assert shared, "the fixture no longer has an expert stack of a Linear's shape"
@@ -536,13 +548,17 @@ def test_an_expert_stack_of_a_linears_shape_reads_no_copy(tmp_path: Path, monkey
 class _TiledInt8Fastest(_DenseThenPacked):
     """A ProductTimer stand-in under which the tiled int8 product is fastest at every row count."""
 
-    def __call__(self, method: GemmMethod, rows: int, threads: int) -> dict[GemmKey, float]:
-        return {GemmKey.of(s): 0.5 if method.name == "tiled_w8a8" else 1.0 for s in self.sites
-                if method.supports(s, torch.device("cpu"))}
+    def __call__(self, method: GemmKernel, rows: int, threads: int) -> dict[GemmKey, float]:
+        return {
+            GemmKey.of(s): 0.5 if method.name == "tiled_w8a8" else 1.0
+            for s in self.sites
+            if method.supports(s, torch.device("cpu"))
+        }
 
 
-def test_a_quantized_expert_stack_of_a_linears_shape_reads_no_int8_copy(tmp_path: Path,
-                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_quantized_expert_stack_of_a_linears_shape_reads_no_int8_copy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """An int8 Linear's rule may read a tiled int8 copy; an int8 expert stack of its shape cannot hold one and
     takes the best method over its own values."""
     from tests.worker.util import fixture_dir
@@ -551,8 +567,10 @@ def test_a_quantized_expert_stack_of_a_linears_shape_reads_no_int8_copy(tmp_path
     if not native.load():
         pytest.skip("the fused CPU kernels cannot be built here")
     monkeypatch.setattr(plan_cache, "ProductTimer", _TiledInt8Fastest)
-    r = ModelRunner(fixture_dir("rope_moe"), kv_slots=96, state_slots=4, plan_cache_dir=tmp_path, thread_options=(1,),
-                    quantization="int8")
+    r = ModelRunner(
+        fixture_dir("rope_moe"),
+        WorkerConfig(kv_slots=96, state_slots=4, plan_cache_dir=tmp_path, thread_options=(1,), quantization="int8"),
+    )
     sites = [site for _, site, _ in product_sites(r.model) if site.quantized is not None]
     shared = {site.shape for site in sites if not site.packable} & {site.shape for site in sites if site.packable}
     assert shared, "the fixture no longer has an int8 expert stack of an int8 Linear's shape"
@@ -573,9 +591,12 @@ def test_each_int8_copy_of_a_quantized_weight_counts() -> None:
     key = GemmKey.of(site)
     asked: list[int] = []
 
-    def measure(method: GemmMethod, rows: int, threads: int) -> dict[GemmKey, float]:
-        speed = {"w4a16": 1.0 * rows, "w8a8_over_int4": 0.5 * rows if rows <= 8 else 99.0,
-                 "tiled_over_int4": 2.0 + 0.1 * rows}.get(method.name)
+    def measure(method: GemmKernel, rows: int, threads: int) -> dict[GemmKey, float]:
+        speed = {
+            "w4a16": 1.0 * rows,
+            "w8a8_over_int4": 0.5 * rows if rows <= 8 else 99.0,
+            "tiled_over_int4": 2.0 + 0.1 * rows,
+        }.get(method.name)
         return {} if speed is None else {key: speed}
 
     def affordable(nbytes: int) -> bool:

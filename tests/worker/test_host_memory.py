@@ -18,13 +18,14 @@ import ctypes, ctypes.util, resource, sys, torch
 from shared.config import builtin_model_dir
 from shared.messages import ForwardBatch, ReqSlice, SamplingParams
 from worker_proc.host.memory import M_MMAP_THRESHOLD, keep_freed_memory
+from worker_proc.runtime.config import WorkerConfig
 from worker_proc.runtime.runner import ModelRunner
 if sys.argv[1] == "on":
     applied = keep_freed_memory()
 else:
     applied = bool(ctypes.CDLL(ctypes.util.find_library("c")).mallopt(M_MMAP_THRESHOLD, 128 << 10))
 torch.set_num_threads(1)
-runner = ModelRunner(builtin_model_dir(), kv_slots=4096, state_slots=16)
+runner = ModelRunner(builtin_model_dir(), WorkerConfig(kv_slots=4096, state_slots=16))
 greedy = SamplingParams(temperature=0.0)
 def step(n):
     reqs = [ReqSlice(rid=str(b), input_ids=[(7 * i + b) % 200 + 1 for i in range(128)], start_pos=0,
@@ -257,7 +258,7 @@ def test_a_tiled_copy_of_a_large_weight_lies_on_huge_pages_and_holds_the_weight(
 
     from worker_proc.host.memory import HUGE_PAGE_BYTES
     from worker_proc.kernels import native
-    from worker_proc.linear.methods import tile_weight, untile_weight
+    from worker_proc.linear.kernels import tile_weight, untile_weight
 
     if not native.load():
         pytest.skip("the native kernels are not built here")
@@ -280,7 +281,7 @@ TIMER_PROBE = """
 import resource, sys, torch
 from worker_proc.host.memory import map_load_blocks
 from worker_proc.linear.site import GemmSite
-from worker_proc.linear.methods import GemmMethod
+from worker_proc.linear.kernels import GemmKernel
 from worker_proc.plan.product_timer import ProductTimer
 def faults():
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -294,7 +295,7 @@ applied = map_load_blocks()
 torch.set_num_threads(1)
 timer = ProductTimer([(GemmSite(4096, 768, torch.float32, True), torch.randn(4096, 768))], cache_bytes=1 << 20,
                      reps=3, load_blocks_mapped=sys.argv[1] == "steps")
-method = GemmMethod("probe", "dense", product)
+method = GemmKernel("probe", "dense", product)
 for _ in range(4):
     timer(method, 128, 1)
 timer.release()

@@ -1,4 +1,4 @@
-"""The product methods (`worker_proc.linear.methods`): split, packed and padded give F.linear's results (to
+"""The product methods (`worker_proc.linear.kernels`): split, packed and padded give F.linear's results (to
 fp32 rounding; padded exactly as F.linear over the padded rows) for every row count, thread count and
 output width; a site dispatches by row count to the method bound for it; a Linear whose plan reads only
 the packed copy drops its dense weight."""
@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from worker_proc.kernels import native
-from worker_proc.linear.methods import (
+from worker_proc.linear.kernels import (
     DENSE,
     MIN_GEMM_ROWS,
     PACKED,
@@ -56,7 +56,7 @@ def test_every_method_matches_f_linear(threads: int, rows: int, out_features: in
 def test_packed_products_run_on_few_distinct_row_counts(monkeypatch: pytest.MonkeyPatch) -> None:
     """oneDNN compiles and caches a primitive per row count: above PACKED_ROW_STEP rows the packed method
     pads to a multiple of it, and each real row's result is that of F.linear."""
-    from worker_proc.linear import methods as gemm
+    from worker_proc.linear import kernels as gemm
 
     seen: list[int] = []
     real = gemm.packed_product
@@ -109,7 +109,7 @@ def test_which_methods_apply_where() -> None:
 def test_a_site_runs_the_method_bound_for_each_row_count(monkeypatch: pytest.MonkeyPatch) -> None:
     w = torch.randn(24, 40, generator=G)
     site = GemmSite(24, 40, torch.float32, packable=True)
-    site.bind((1, 8), (SPLIT, DENSE, PACKED), {"packed": pack_weight(w)})
+    site.bind((1, 8), (SPLIT, DENSE, PACKED), w)
     assert [site.method_for(r).name for r in (1, 2, 8, 9, 1000)] == ["split", "dense", "dense", "packed", "packed"]
     for rows in (1, 5, 9):
         x = torch.randn(rows, 40, generator=G)
@@ -155,7 +155,9 @@ def test_a_packed_only_linear_drops_its_dense_weight(dtype: torch.dtype, copy: s
 
 
 def test_a_second_copy_only_where_the_host_can_spare_it() -> None:
-    from worker_proc.host.memory import SPARE_COPY_FRACTION, copy_affordable, physical_memory_bytes
+    from worker_proc.host.memory import physical_memory_bytes
+    from worker_proc.plan.method_choice import copy_affordable
+    from worker_proc.plan.tuning import SPARE_COPY_FRACTION
 
     host = 16 << 30
     assert copy_affordable(int(host * SPARE_COPY_FRACTION), physical=host)

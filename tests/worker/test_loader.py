@@ -14,6 +14,7 @@ from shared.errors import ModelLoadError
 from tests.model_driver import forward_all_logits
 from tests.worker.util import batch, edit_config, fixture_dir, max_diff, reference, req, runner, runner_at
 from worker_proc.loading.checkpoint import load_model
+from worker_proc.runtime.config import WorkerConfig
 from worker_proc.runtime.runner import ModelRunner
 
 NAME = "rope_moe"
@@ -64,7 +65,7 @@ def test_unknown_architecture(ckpt: str) -> None:
     with pytest.raises(ModelLoadError, match="LlamaForCausalLM"):
         load_model(ckpt)
     with pytest.raises(ModelLoadError, match="LlamaForCausalLM"):
-        ModelRunner(ckpt, kv_slots=8, state_slots=2)
+        ModelRunner(ckpt, WorkerConfig(kv_slots=8, state_slots=2))
 
 
 def test_missing_tensor(ckpt: str) -> None:

@@ -13,6 +13,7 @@ from shared.messages import ForwardBatch, ReqSlice, SamplingParams
 from tests.model_driver import generate_greedy
 from tests.mtp_checkpoint import ReferenceMtp, ReferenceNemotronMtp, write_mtp_checkpoint, write_nemotron_mtp_checkpoint
 from tests.worker.util import fixture_dir
+from worker_proc.runtime.config import WorkerConfig
 from worker_proc.runtime.runner import ModelRunner
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -46,8 +47,8 @@ def _slice(ids: list[int], start: int, sample: bool = True, **kw: object) -> Req
 def test_guesses_follow_the_reference_mtp_through_chunks_decodes_and_verifies(family_mtp: tuple[str, type]) -> None:
     mtp_dir, reference = family_mtp
     ref = reference(mtp_dir)
-    greedy = generate_greedy(ModelRunner(mtp_dir, kv_slots=200, state_slots=8), PROMPT, 12)
-    r = ModelRunner(mtp_dir, kv_slots=200, state_slots=8, speculative_algorithm="NEXTN")
+    greedy = generate_greedy(ModelRunner(mtp_dir, WorkerConfig(kv_slots=200, state_slots=8)), PROMPT, 12)
+    r = ModelRunner(mtp_dir, WorkerConfig(kv_slots=200, state_slots=8, speculative_algorithm="NEXTN"))
     first = _slice(PROMPT[:40], 0, sample=False, prompt_next=PROMPT[40])
     r.step(ForwardBatch(step=0, reqs=[first], clears=[1]))
     res = r.step(ForwardBatch(step=1, reqs=[_slice(PROMPT[40:], 40, draft_next=K, output_len=0)]))
@@ -83,7 +84,7 @@ def test_guesses_follow_the_reference_mtp_through_chunks_decodes_and_verifies(fa
 def test_plain_decode_steps_keep_the_mtp_kv(mtp_dir: str) -> None:
     """Steps that verify nothing still run the MTP layers over their rows, so a later guess sees them."""
     ref = ReferenceMtp(mtp_dir)
-    r = ModelRunner(mtp_dir, kv_slots=200, state_slots=8, speculative_algorithm="NEXTN")
+    r = ModelRunner(mtp_dir, WorkerConfig(kv_slots=200, state_slots=8, speculative_algorithm="NEXTN"))
     res = r.step(ForwardBatch(step=0, reqs=[_slice(PROMPT, 0)], clears=[1]))
     out = [res.next_tokens["a"]]
     for step in range(1, 4):
@@ -95,11 +96,13 @@ def test_plain_decode_steps_keep_the_mtp_kv(mtp_dir: str) -> None:
 
 def test_a_checkpoint_without_mtp_layers_cannot_draft_with_them() -> None:
     with pytest.raises(ModelLoadError, match="no MTP layers"):
-        ModelRunner(fixture_dir("qwen3_next_moe"), kv_slots=96, state_slots=4, speculative_algorithm="NEXTN")
+        ModelRunner(
+            fixture_dir("qwen3_next_moe"), WorkerConfig(kv_slots=96, state_slots=4, speculative_algorithm="NEXTN")
+        )
 
 
 def test_without_nextn_the_mtp_tensors_are_skipped_and_guesses_refused(mtp_dir: str) -> None:
-    r = ModelRunner(mtp_dir, kv_slots=96, state_slots=4)
+    r = ModelRunner(mtp_dir, WorkerConfig(kv_slots=96, state_slots=4))
     assert r.model.mtp is None and r.drafter is None
     with pytest.raises(ValueError, match="no MTP layers"):
         r.step(ForwardBatch(step=0, reqs=[_slice(PROMPT, 0, draft_next=2)], clears=[1]))
@@ -109,7 +112,7 @@ def test_a_nemotron_checkpoint_with_two_mtp_steps_drafts_with_the_first(tmp_path
     """Every guess runs the first MTP step; the second step's tensors are skipped, with one log line."""
     path = write_nemotron_mtp_checkpoint(str(tmp_path / "two_steps"), steps=2)
     with caplog.at_level("INFO", logger="worker_proc.loading.weight_files"):
-        r = ModelRunner(path, kv_slots=200, state_slots=8, speculative_algorithm="NEXTN")
+        r = ModelRunner(path, WorkerConfig(kv_slots=200, state_slots=8, speculative_algorithm="NEXTN"))
     from safetensors import safe_open
 
     with safe_open(f"{path}/model.safetensors", "pt") as f:

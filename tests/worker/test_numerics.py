@@ -23,6 +23,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from shared.messages import ForwardBatch, ReqSlice, SamplingParams
 from worker_proc.host.numerics import flush_denormals, subnormal_count
+from worker_proc.runtime.config import WorkerConfig
 from worker_proc.runtime.runner import ModelRunner
 
 GEMMS = ("mm", "bmm", "addmm", "baddbmm", "_linear_pointwise", "linear", "matmul")
@@ -42,7 +43,7 @@ class CountSubnormals(TorchDispatchMode):
 
 torch.set_num_threads(2)
 assert flush_denormals()  # as the worker process does, before any parallel region
-runner = ModelRunner(sys.argv[1], kv_slots=300, state_slots=4, thread_options=(2,), kernels=sys.argv[2])
+runner = ModelRunner(sys.argv[1], WorkerConfig(kv_slots=300, state_slots=4, thread_options=(2,), kernels=sys.argv[2]))
 ids = [random.Random(0).randrange(3, 300) for _ in range(256)]
 
 def prefill(step):

@@ -18,7 +18,7 @@ import sys, torch
 from worker_proc.host.memory import bound_onednn_caches
 if sys.argv[1] == "on":
     bound_onednn_caches(32)
-from worker_proc.linear.methods import pack_weight, packed_product
+from worker_proc.linear.kernels import pack_weight, packed_product
 torch.set_num_threads(1)
 def rss():
     with open("/proc/self/status") as f:

@@ -29,6 +29,7 @@ from worker_proc.quant.checkpoint_config import (
     parse_quantization_config,
 )
 from worker_proc.quant.checkpoint_formats import Part, layout_problem, read_module
+from worker_proc.runtime.config import WorkerConfig
 from worker_proc.runtime.runner import ModelRunner
 
 G = torch.Generator().manual_seed(3)
@@ -172,7 +173,7 @@ def test_quantization_flag_must_name_the_stored_format(tmp_path) -> None:
         check_requested("int8", quant, "c")
     path = write_fp8_block("rope_moe", str(tmp_path / "fp8"))
     with pytest.raises(ModelLoadError, match="stored quantized"):
-        ModelRunner(path, kv_slots=32, state_slots=2, quantization="int4")
+        ModelRunner(path, WorkerConfig(kv_slots=32, state_slots=2, quantization="int4"))
 
 
 class _Allocations(TorchDispatchMode):

@@ -23,8 +23,9 @@ from tests.model_driver import forward_all_logits, forward_logits, generate_gree
 from tests.tp.harness import run_ranks
 from tests.worker.test_quantized_models import REFERENCE
 from tests.worker.util import batch, reference, req
-from worker_proc.linear.methods import DEQUANT
+from worker_proc.linear.kernels import DEQUANT
 from worker_proc.plan.execution_plan import fixed_plan, product_sites
+from worker_proc.runtime.config import WorkerConfig
 from worker_proc.runtime.runner import ModelRunner
 
 transformers = pytest.importorskip("transformers")
@@ -118,7 +119,7 @@ def _prompt_logits(r: ModelRunner, prompt: list[int]) -> torch.Tensor:
 def test_the_checkpoint_gives_transformers_dequantized_model(name: str, checkpoints: dict) -> None:
     ck = checkpoints[name]
     prompt = ck["prompt"]
-    r = ModelRunner(ck["path"], kv_slots=len(prompt) + N_NEW + 2, state_slots=4, dtype="float32")
+    r = ModelRunner(ck["path"], WorkerConfig(kv_slots=len(prompt) + N_NEW + 2, state_slots=4, dtype="float32"))
     fmt = FORMAT[CHECKPOINTS[name][1]]
     held = {site.storage_format for _, site, _ in product_sites(r.model)}
     assert fmt in held and held <= {"dense", fmt}
@@ -146,8 +147,11 @@ def test_the_checkpoint_gives_transformers_dequantized_model(name: str, checkpoi
 def _rank_logits(rank: int, size: int, group: Any, jobs: list[tuple[str, str, list[int]]]) -> dict[str, Any]:
     out = {}
     for name, path, prompt in jobs:
-        r = ModelRunner(path, dtype="float32", kv_slots=len(prompt) + N_NEW + 2, state_slots=4, tp_rank=rank,
-                        tp_size=size, tp_group=group)
+        r = ModelRunner(
+            path,
+            WorkerConfig(dtype="float32", kv_slots=len(prompt) + N_NEW + 2, state_slots=4, tp_rank=rank, tp_size=size),
+            tp_group=group,
+        )
         r.bind_plan(fixed_plan(r.model, REFERENCE))
         out[name] = (_prompt_logits(r, prompt).numpy(), _greedy(r, prompt))
     return out

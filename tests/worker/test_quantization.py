@@ -15,11 +15,11 @@ import torch.nn.functional as F
 from shared.config import builtin_model_dir
 from shared.errors import ModelLoadError
 from worker_proc.kernels import native
-from worker_proc.linear.methods import (
+from worker_proc.linear.kernels import (
     DEQUANT,
     FP8_BF16,
     FP8_SCALED,
-    METHODS,
+    KERNELS,
     TILED_OVER_INT4,
     TILED_W4A8,
     TILED_W8A8,
@@ -150,7 +150,7 @@ def test_each_product_matches_its_format_reference(fmt: str, method, tol: float,
     assert err <= tol, f"{method.name}: relative error {err:.2e}"
 
 
-@pytest.mark.parametrize("method", [m for m in METHODS.values() if m.batch_invariant and "cpu" in m.devices],
+@pytest.mark.parametrize("method", [m for m in KERNELS.values() if m.batch_invariant and "cpu" in m.devices],
                          ids=lambda m: m.name)
 def test_methods_claimed_batch_invariant_are(method) -> None:
     w = _weight()
@@ -217,7 +217,7 @@ def test_a_site_refuses_a_method_of_another_storage() -> None:
     site = GemmSite(96, 128, torch.float32, packable=True)
     site.quantize(quantize_weight(_weight(), "int8"))
     with pytest.raises(ValueError, match="cannot read a int8 weight"):
-        site.bind((), (METHODS["dense"],))
+        site.bind((), (KERNELS["dense"],))
     with pytest.raises(ValueError, match="cannot read a int8 weight"):
         site.bind((), (W4A16,))
 

@@ -13,8 +13,9 @@ from shared.config import builtin_model_dir
 from tests.model_driver import forward_all_logits, generate_greedy
 from tests.worker.test_batch_invariance import mixed_and_alone
 from tests.worker.util import ALL_FIXTURES, GDN_FIXTURES, batch, max_diff, reference, req, runner
-from worker_proc.linear.methods import COPIES, DENSE, DEQUANT
+from worker_proc.linear.kernels import COPIES, DENSE, DEQUANT
 from worker_proc.plan.execution_plan import fixed_plan, product_sites
+from worker_proc.runtime.config import WorkerConfig
 from worker_proc.runtime.runner import ModelRunner
 
 REFERENCE = {"dense": DENSE, **DEQUANT}
@@ -48,7 +49,7 @@ def _plan_and_reference(r: ModelRunner, prompt: list[int], fmt: str) -> tuple[to
 @pytest.mark.parametrize("fmt", ["int8", "int4", "fp8"])
 def test_the_trained_model_gives_its_dequantized_reference(fmt: str) -> None:
     prompt = list(range(40, 140))
-    r = ModelRunner(builtin_model_dir(), kv_slots=256, state_slots=4, dtype="float32", quantization=fmt)
+    r = ModelRunner(builtin_model_dir(), WorkerConfig(kv_slots=256, state_slots=4, dtype="float32", quantization=fmt))
     got, want = _plan_and_reference(r, prompt, fmt)
     err = max_diff(got, want) / float(want.abs().max())
     assert err <= TRAINED_REL_TOL, f"relative logit error {err:.2e}"
@@ -82,10 +83,10 @@ def test_the_deterministic_mode_stays_batch_invariant(name: str, fmt: str) -> No
 def test_the_next_token_stays_the_unquantized_models(fmt: str, agree: float) -> None:
     """Fed the unquantized model's own greedy text, the quantized model picks the same next token."""
     kw = {"kv_slots": 256, "state_slots": 4, "dtype": "float32"}
-    base = ModelRunner(builtin_model_dir(), **kw)
+    base = ModelRunner(builtin_model_dir(), WorkerConfig(**kw))
     text = list(range(40, 72))
     text += generate_greedy(base, text, 96)
     want = _prompt_logits(base, text).argmax(-1)
-    got = _prompt_logits(ModelRunner(builtin_model_dir(), quantization=fmt, **kw), text).argmax(-1)
+    got = _prompt_logits(ModelRunner(builtin_model_dir(), WorkerConfig(quantization=fmt, **kw)), text).argmax(-1)
     same = float((got == want).float().mean())
     assert same >= agree, f"{fmt}: {same:.3f} of the next tokens agree"

@@ -147,6 +147,7 @@ def test_qwen3_5_multimodal_wrapper_loads_its_text_model(tmp_path, caplog) -> No
 
     from tests.model_driver import forward_all_logits
     from tests.worker.util import batch, max_diff, req
+    from worker_proc.runtime.config import WorkerConfig
     from worker_proc.runtime.runner import ModelRunner
 
     src = _config("qwen3_5_dense")
@@ -165,7 +166,7 @@ def test_qwen3_5_multimodal_wrapper_loads_its_text_model(tmp_path, caplog) -> No
     assert info.vocab_size == src["vocab_size"] and info.max_position_embeddings == src["max_position_embeddings"]
     assert info.layer_kinds == ("gdn", "gdn", "attention", "gdn") and info.has_recurrent_state
     with caplog.at_level("INFO", logger="worker_proc.loading.weight_files"):
-        r = ModelRunner(str(out), kv_slots=200, state_slots=4)
+        r = ModelRunner(str(out), WorkerConfig(kv_slots=200, state_slots=4))
     assert any("model.visual." in rec.message for rec in caplog.records)
     ref = reference("qwen3_5_dense")
     prompt = ref["prompt"].tolist()

@@ -11,29 +11,32 @@ from shared.config import builtin_model_dir
 from shared.messages import SamplingParams
 from tests.model_driver import generate_greedy
 from tests.worker.util import batch, fixture_dir, reference, req, runner
+from worker_proc.runtime.config import WorkerConfig
 from worker_proc.runtime.runner import ModelRunner
 from worker_proc.state.pools import DEFAULT_CPU_BUDGET_BYTES, plan_capacities
 
 
 def test_capacities_from_budget_and_explicit(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="worker_proc.runtime.runner")
-    r = ModelRunner(fixture_dir("nope_groups2"), mem_budget_bytes=4_000_000, state_ratio=0.3)
+    r = ModelRunner(fixture_dir("nope_groups2"), WorkerConfig(mem_budget_bytes=4_000_000, state_ratio=0.3))
     kv, mamba = plan_capacities(r.cfg, 4_000_000, 0.3, torch.float32)
     assert (r.kv_capacity, r.state_capacity) == (kv, mamba)
     logged = caplog.messages[-1]
     assert "--mem-budget-gb" in logged and f"{kv} KV token slots, {mamba} state slots" in logged
-    default = ModelRunner(fixture_dir("nope_groups2"), state_ratio=0.3)
+    default = ModelRunner(fixture_dir("nope_groups2"), WorkerConfig(state_ratio=0.3))
     assert (default.kv_capacity, default.state_capacity) == plan_capacities(
         r.cfg, DEFAULT_CPU_BUDGET_BYTES, 0.3, torch.float32)
     assert "the CPU default" in caplog.messages[-1]
     assert r.pools.k.shape[1] == kv + 1 and r.pools.ssm.shape[1] == mamba + 1
-    r2 = ModelRunner(fixture_dir("nope_groups2"), kv_slots=17, state_slots=0, mem_budget_bytes=4_000_000,
-                     state_ratio=0.3)
+    r2 = ModelRunner(
+        fixture_dir("nope_groups2"),
+        WorkerConfig(kv_slots=17, state_slots=0, mem_budget_bytes=4_000_000, state_ratio=0.3),
+    )
     assert (r2.kv_capacity, r2.state_capacity) == (17, mamba)
 
 
 def test_builtin_model_loads_and_generates() -> None:
-    r = ModelRunner(builtin_model_dir(), kv_slots=128, state_slots=4)
+    r = ModelRunner(builtin_model_dir(), WorkerConfig(kv_slots=128, state_slots=4))
     info = r.model_info
     assert info.vocab_size == 260 and info.eos_token_ids == (256,) and info.max_position_embeddings == 4096
     assert info.has_recurrent_state and info.has_attention
@@ -53,8 +56,16 @@ def test_step_result_logprobs_and_seeded_retry() -> None:
     results = []
     for _ in range(2):  # a retried step (same state, same output_len) reproduces the token
         r = runner(name)
-        res = r.step(batch(3, [req("s", prompt, 0, list(range(1, n + 1)), 1, sampling=sp, output_len=5),
-                               req("g", prompt[:4], 0, list(range(30, 34)), 2)], clears=[1, 2]))
+        res = r.step(
+            batch(
+                3,
+                [
+                    req("s", prompt, 0, list(range(1, n + 1)), 1, sampling=sp, output_len=5),
+                    req("g", prompt[:4], 0, list(range(30, 34)), 2),
+                ],
+                clears=[1, 2],
+            )
+        )
         results.append(res)
     a, b = results
     assert a.step == 3 and a.next_tokens == b.next_tokens and set(a.next_tokens) == {"s", "g"}
@@ -83,7 +94,7 @@ def test_a_batch_naming_ended_requests_drops_their_matchers() -> None:
     from shared.messages import ForwardBatch, GrammarSpec
     from tests.model_driver import generate_speculative
 
-    r = ModelRunner(builtin_model_dir(), device="cpu", dtype="float32", kv_slots=64, state_slots=4)
+    r = ModelRunner(builtin_model_dir(), WorkerConfig(device="cpu", dtype="float32", kv_slots=64, state_slots=4))
     params = SamplingParams(temperature=0.0, grammar=GrammarSpec(kind="regex", source="[a-c]{20}"))
     generate_speculative(r, list(b"Code: "), 4, lambda tokens: [], params)  # cut before the grammar ends
     assert "spec" in r.grammars._matchers

@@ -146,11 +146,12 @@ def test_drafts_under_a_grammar_give_the_constrained_output() -> None:
     constrained greedy output without drafts."""
     from shared.config import builtin_model_dir
     from shared.messages import GrammarSpec
+    from worker_proc.runtime.config import WorkerConfig
     from worker_proc.runtime.runner import ModelRunner
 
     def fresh() -> ModelRunner:
-        return ModelRunner(builtin_model_dir(), device="cpu", dtype="float32", kv_slots=256, state_slots=4,
-                           deterministic=True)  # fmt: skip
+        return ModelRunner(builtin_model_dir(),
+            WorkerConfig(device="cpu", dtype="float32", kv_slots=256, state_slots=4, deterministic=True))
 
     params = SamplingParams(temperature=0.0, grammar=GrammarSpec(kind="regex", source="[a-c]{4}-[0-9]{3}"))
     prompt = list(b"Code: ")
@@ -160,7 +161,7 @@ def test_drafts_under_a_grammar_give_the_constrained_output() -> None:
 
     def propose(tokens: list[int]) -> list[int]:
         n = len(tokens) - len(prompt)
-        return ref[n: n + n % 3] + wrong[: 3 - n % 3]
+        return ref[n : n + n % 3] + wrong[: 3 - n % 3]
 
     out, accepted = generate_speculative(fresh(), prompt, 30, propose, params)
     assert out == ref and any(accepted) and 0 in accepted

@@ -24,6 +24,7 @@ from shared.messages import CopyOp
 from tests.model_driver import forward_all_logits, forward_logits, generate_greedy
 from tests.worker.util import batch, fixture_dir, reference, req, runner
 from worker_proc.loading.checkpoint import load_config
+from worker_proc.runtime.config import WorkerConfig
 from worker_proc.runtime.runner import ModelRunner
 from worker_proc.state.pools import StatePools, plan_capacities, slot_bytes, state_tensors
 
@@ -164,7 +165,8 @@ def test_narrower_states_give_more_slots_in_the_same_budget(name: str) -> None:
 
 def test_the_runner_reports_the_larger_capacity() -> None:
     """What the worker sends in WorkerReady (and the scheduler admits against) is the runner's capacity."""
-    caps = {sd: ModelRunner(fixture_dir("mamba2"), mem_budget_bytes=4_000_000, state_dtype=sd).state_capacity
+    caps = {sd: ModelRunner(fixture_dir("mamba2"),
+        WorkerConfig(mem_budget_bytes=4_000_000, state_dtype=sd)).state_capacity
             for sd in ("float32", "int8")}  # fmt: skip
     assert caps["int8"] >= 1.8 * caps["float32"], caps
 

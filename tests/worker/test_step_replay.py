@@ -12,7 +12,7 @@ from shared.messages import ReqSlice
 from tests.model_driver import forward_logits
 from tests.worker.util import ALL_FIXTURES, GDN_FIXTURES, batch, max_diff, req, runner
 from worker_proc.kernels import native
-from worker_proc.linear.methods import DENSE, DEQUANT, GEMV_INT8, GEMV_SEQ, GEMV_W8A8, GemmMethod
+from worker_proc.linear.kernels import DENSE, DEQUANT, GEMV_INT8, GEMV_SEQ, GEMV_W8A8, GemmKernel
 from worker_proc.model.batch import DecodeGroup, StepBatch
 from worker_proc.plan.execution_plan import fixed_plan, product_sites
 from worker_proc.runtime.runner import ModelRunner
@@ -97,7 +97,7 @@ def test_int8_experts_gather_and_replay() -> None:
     """An int8 expert stack gathers where the plan binds a fused int8 product (its int8 matrices read with their
     row scales): replayed, bitwise the step as written, and within float32 rounding of the same weights
     dequantized and grouped by expert."""
-    def quantized(eager: bool, methods: dict[str, GemmMethod]) -> ModelRunner:
+    def quantized(eager: bool, methods: dict[str, GemmKernel]) -> ModelRunner:
         r = runner("rope_moe", kv_slots=400, enforce_eager=eager, quantization="int8")
         r.bind_plan(fixed_plan(r.model, methods))
         return r
@@ -218,7 +218,7 @@ def test_a_call_encoded_wrong_is_refused_by_the_program() -> None:
 
 def test_a_list_takes_the_type_the_schema_names() -> None:
     """oneDNN's packed product takes `Scalar?[] scalars`: an empty list recorded as ints is built as that type."""
-    from worker_proc.linear.methods import pack_weight, packed_product
+    from worker_proc.linear.kernels import pack_weight, packed_product
 
     packed = pack_weight(torch.randn(24, 16))
     program = _program(_record(lambda x: packed_product(x, packed, None), [torch.randn(3, 16)]), 1)

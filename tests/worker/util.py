@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 
 from shared.messages import CopyOp, ForwardBatch, ReqSlice, SamplingParams, ToWorker
 from tests.model_driver import forward_all_logits, forward_logits
+from worker_proc.runtime.config import WorkerConfig
 from worker_proc.runtime.runner import ModelRunner
 
 FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures")
@@ -52,7 +53,7 @@ def runner(name: str, kv_slots: int = 96, state_slots: int = 8, **kw: object) ->
 def runner_at(model_dir: str, kv_slots: int = 96, state_slots: int = 8, **kw: object) -> ModelRunner:
     """A runner of the checkpoint in `model_dir` on the run's shared plans (PLANS)."""
     kw.setdefault("plan_cache_dir", Path(PLANS.name))
-    return ModelRunner(model_dir, kv_slots=kv_slots, state_slots=state_slots, **kw)
+    return ModelRunner(model_dir, WorkerConfig(kv_slots=kv_slots, state_slots=state_slots, **kw))
 
 
 def wire(batch: ForwardBatch) -> ForwardBatch:

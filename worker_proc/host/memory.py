@@ -51,8 +51,6 @@ M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD_BYTES = 32 << 20
 """glibc's largest accepted mmap threshold on 64-bit systems; larger blocks are still mapped."""
 TRIM_THRESHOLD_BYTES = 1 << 30
-SPARE_COPY_FRACTION = 1 / 16
-"""A second copy of some weights is affordable when it takes at most this share of the host's memory."""
 
 
 LOAD_MMAP_THRESHOLD_BYTES = 64 << 10
@@ -121,7 +119,7 @@ def steps_policy_within_load(load_blocks_mapped: bool) -> Iterator[None]:
 ONEDNN_CACHE_VARS = ("LRU_CACHE_CAPACITY", "ONEDNN_PRIMITIVE_CACHE_CAPACITY")
 """The two caches of oneDNN primitives a CPU worker fills: PyTorch's ideep LRU and oneDNN's own."""
 ONEDNN_CACHE_CAPACITY = 128
-"""Entries each cache keeps (both default to 1024). A packed GEMM (worker_proc/linear/methods.py) creates
+"""Entries each cache keeps (both default to 1024). A packed GEMM (worker_proc/linear/kernels.py) creates
 one primitive per weight shape and row count, of a size that does not depend on the weight's, and
 mixed traffic brings hundreds of distinct prefill row counts: with the defaults a worker's heap grows
 for as long as new row counts come (benchmarks/soak.py shows it). The bound must hold every row
@@ -178,11 +176,6 @@ def physical_memory_bytes() -> int:
     except (ValueError, OSError, AttributeError):
         return 0
 
-
-def copy_affordable(nbytes: int, physical: int | None = None) -> bool:
-    """Whether keeping `nbytes` more of weights costs at most SPARE_COPY_FRACTION of the host's memory."""
-    total = physical_memory_bytes() if physical is None else physical
-    return 0 < nbytes <= total * SPARE_COPY_FRACTION
 
 
 def weight_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -1,13 +1,14 @@
 """`GemmSite`, the one object each matrix product of a worker's model goes through, and `GemmOwner`, a
 module whose products do.
 
-Which method (worker_proc.linear.methods) a site runs at which row count is the execution plan's
-decision (worker_proc.plan.execution_plan binds every site once, after the weights are loaded); a site only
-holds the storages its methods read and picks the method by the input's row count. Storages: `dense`
-(the module's own [out, in] tensor, passed in on each call), the copies the site makes of it at bind
-(`COPIES`) or, for a quantized site, its `QuantizedWeight` (worker_proc.quant.weight, with the int8
-copies its methods read) and nothing else. A site that was never bound runs `DENSE` (F.linear) at every
-row count, a quantized one `dequant`.
+A site gets its `LinearMethod` (worker_proc.linear.formats) once, when its weight takes its storage format:
+the dense one at construction, a quantized one at `quantize`. Which of the method's kernels
+(worker_proc.linear.kernels) it runs at which row count is the execution plan's decision
+(worker_proc.plan.execution_plan binds every site once, after the weights are loaded); a site only holds the
+storages its kernels read and picks the kernel by the input's row count. Storages: `dense` (the module's own
+[out, in] tensor, passed in on each call), the copies its method makes of it at bind (`COPIES`) or, for a
+quantized site, its `QuantizedWeight` (worker_proc.quant.weight, with the copies its kernels read) and
+nothing else. A site that was never bound runs its method's `reference` kernel at every row count.
 """
 
 from __future__ import annotations
@@ -18,15 +19,14 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from worker_proc.linear.methods import (
+from worker_proc.linear.formats import DENSE_LINEAR, LINEAR_METHODS, LinearMethod
+from worker_proc.linear.kernels import (
     COPIES,
-    DENSE,
-    DEQUANT,
     GEMV,
     GEMV_INT8,
     GEMV_SEQ,
     GEMV_W8A8,
-    GemmMethod,
+    GemmKernel,
     TiledWeight,
     untile_weight,
 )
@@ -54,9 +54,10 @@ class GemmSite:
         """The most rows the plan times it at (0: every bucket); larger products take the choice made
         for the largest bucket timed. An LM head sees a step's sampled rows, not its prompt tokens."""
         self.quantizable = quantizable
+        self.method: LinearMethod = DENSE_LINEAR
         self.quantized: QuantizedWeight | None = None
         self.bounds: tuple[int, ...] = ()
-        self.methods: tuple[GemmMethod, ...] = (DENSE,)
+        self.methods: tuple[GemmKernel, ...] = (self.method.reference,)
         self.copies: dict[str, object] = {}
 
     @property
@@ -68,28 +69,27 @@ class GemmSite:
         if not self.quantizable:
             raise ValueError("this product's weight stays in the model dtype")
         self.quantized = weight
-        self.methods = (DEQUANT[weight.fmt],)
+        self.method = LINEAR_METHODS[weight.fmt]
+        self.methods = (self.method.reference,)
         self.bounds = ()
 
-    def bind(self, bounds: tuple[int, ...], methods: tuple[GemmMethod, ...],
-             copies: dict[str, object] | None = None) -> None:
-        """Take the plan's rule for this site (and the copies of the weight its methods read)."""
-        copies = copies or {}
+    def bind(self, bounds: tuple[int, ...], methods: tuple[GemmKernel, ...],
+             weight: torch.Tensor | None = None) -> None:
+        """Take the plan's rule for this site: `methods[i]` up to `bounds[i]` rows. The site's `LinearMethod`
+        makes the copies the kernels read (of the dense `weight`, or on its quantized weight)."""
         if len(methods) != len(bounds) + 1:
             raise ValueError(f"{len(methods)} methods for {len(bounds)} row bounds")
-        missing = {m.storage for m in methods if m.storage in COPIES} - set(copies)
-        if missing:
-            raise ValueError(f"a {', '.join(sorted(missing))} method needs the {', '.join(sorted(missing))} weight")
-        for kind in sorted({m.quantized_copy for m in methods} - {""}):
-            assert self.quantized is not None and self.storage_format in ("int8", "int4"), \
-                "a quantized copy of a weight that is neither int8 nor int4"
-            self.quantized = self.quantized.with_copy(kind)
-        wrong = [m.name for m in methods if m.storage not in (self.storage_format, *COPIES)
-                 or m.storage in COPIES and self.quantized is not None]
+        wrong = [m.name for m in methods if not self.method.reads(m)]
         if wrong:
             raise ValueError(f"{', '.join(wrong)} cannot read a {self.storage_format} weight")
+        copied = sorted({m.storage for m in methods if m.storage in COPIES})
+        if copied and (weight is None or tuple(weight.shape) != self.shape):
+            raise ValueError(f"a {', '.join(copied)} method needs the dense weight to make the "
+                             f"{', '.join(copied)} weight from")
+        assert weight is not None or not copied
+        self.copies = self.method.process_after_loading(self, methods, weight if weight is not None else
+                                                        torch.empty(0))
         self.bounds, self.methods = bounds, methods
-        self.copies = {s: c for s, c in copies.items() if s in self.storages}
 
     @property
     def batch_invariant(self) -> bool:
@@ -99,29 +99,25 @@ class GemmSite:
     def storages(self) -> frozenset[str]:
         return frozenset(m.storage for m in self.methods)
 
-    def method_for(self, rows: int) -> GemmMethod:
+    def method_for(self, rows: int) -> GemmKernel:
         methods = self.methods
         return methods[0] if len(methods) == 1 else methods[bisect_left(self.bounds, rows)]
 
-    def stored(self, method: GemmMethod, expert: int | None = None) -> object:
+    def stored(self, method: GemmKernel, expert: int | None = None) -> object:
         """What `method` reads besides the dense weight: the quantized weight (an expert's) or its copy."""
-        if self.quantized is not None:
-            return self.quantized if expert is None else self.quantized[expert]
-        return self.copies.get(method.storage)
+        return self.method.stored(self, method, expert)
 
     def apply(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [..., in] @ weight.T (+ bias) by the method bound for x's row count."""
         if x.dim() != 2:
             flat = self.apply(x.reshape(-1, x.shape[-1]), weight, bias)
             return flat.view(*x.shape[:-1], flat.shape[-1])
-        method = self.method_for(x.shape[0])
-        return method.apply(x, weight, self.stored(method), bias)
+        return self.method.apply(self, self.method_for(x.shape[0]), x, weight, bias)
 
     def apply_expert(self, x: torch.Tensor, stack: torch.Tensor, expert: int) -> torch.Tensor:
         """x [T, in] @ stack[expert].T, the expert's quantized matrix when the stack is quantized."""
         weight = stack if self.quantized is not None else stack[expert]
-        method = self.method_for(x.shape[0])
-        return method.apply(x, weight, self.stored(method, expert), None)
+        return self.method.apply(self, self.method_for(x.shape[0]), x, weight, None, expert)
 
     def gathers(self, rows: int) -> bool:
         """Whether an expert stack's products for `rows` routed tokens run as one `apply_gathered` call: the

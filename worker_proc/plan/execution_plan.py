@@ -7,12 +7,12 @@ the model (`ExecutionPlan.bind`); nothing else changes how a product runs. Rules
 - the deterministic mode: every product is `padded` (batch invariant), on one thread count;
 - otherwise, by measurement on this machine (`choose`): for each weight shape and dtype and each row
   bucket (`ROW_BUCKETS`: a product of r rows takes the rule of the smallest bucket >= r, the largest
-  beyond it) the fastest of `THROUGHPUT_METHODS`, at the thread count whose products and recurrent
+  beyond it) the fastest of `THROUGHPUT_KERNELS`, at the thread count whose products and recurrent
   kernels of a step of that many rows take the least time over the whole model. `dense` is kept
   unless another method is more than `MARGIN` faster, and fewer threads unless more are more than
   `MARGIN` faster (timing noise must not buy a second weight copy or a second woken core). Second
   copies (a dense weight also read packed or tiled, a quantized weight's int8 copy) are kept only when
-  all of them together are affordable (worker_proc.host.memory.copy_affordable); else the dense shapes
+  all of them together are affordable (worker_proc.plan.method_choice.copy_affordable); else the dense shapes
   keep the set of layouts their buckets lose least with among those that fit, a quantized one its own
   values only, and a weight its owner also reads as stored (a tied LM head) takes the copies its fastest
   methods read only in the room those layouts leave.
@@ -28,37 +28,17 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from worker_proc.linear.methods import (
-    ACCELERATOR,
-    COPIES,
-    DEQUANT,
-    DETERMINISTIC,
-    METHODS,
-    THROUGHPUT_METHODS,
-    GemmMethod,
-)
+from worker_proc.linear.formats import LINEAR_METHODS, THROUGHPUT_KERNELS
+from worker_proc.linear.kernels import KERNELS, GemmKernel
 from worker_proc.linear.site import GemmOwner, GemmSite
 from worker_proc.model.layers import Linear
 from worker_proc.plan.kernel_set import KernelChoice
-from worker_proc.plan.method_choice import MARGIN, SWITCH_MARGIN, choose_methods, methods_by_bucket, own_methods
+from worker_proc.plan.method_choice import choose_methods, methods_by_bucket, own_methods
 from worker_proc.plan.product_timer import GemmKey, Instance, Measure
+from worker_proc.plan.tuning import CONTENDER, MARGIN, MEASURE_ROUNDS, ROW_BUCKETS, SWITCH_MARGIN
 
 logger = logging.getLogger(__name__)
 
-ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
-"""Row counts the plan measures: decode batches up to 64 rows, prefill steps up to the default chunk (512).
-A library product's cost is not linear between them (a dense bfloat16 product of 128 rows can cost what
-one of 256 does: oneDNN reorders the weight on every call), so each size a step commonly has is its own."""
-MEASURE_ROUNDS = 3
-"""Every (rows, threads) figure is the fastest of this many rounds, the thread counts taking turns: the
-worker measures while its sibling processes start, and a burst of theirs must not decide a choice that is
-cached for every later start."""
-CHOICE_REVISION = 2
-"""Part of a cached plan's key: raised whenever the way `choose` turns timings into rules changes, so that a
-plan cached by an older rule is measured again rather than served (a pinned plan is read as it is)."""
-CONTENDER = 2.0
-"""A round after the first times again only the methods within this factor of a key's fastest (one slower
-than twice the fastest does not win by a burst that slowed the fastest in the first round)."""
 
 
 @dataclass(frozen=True)
@@ -71,7 +51,7 @@ class GemmRule:
     timings: dict[int, dict[str, float]] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
-        if len(self.methods) != len(self.bounds) + 1 or any(m not in METHODS for m in self.methods):
+        if len(self.methods) != len(self.bounds) + 1 or any(m not in KERNELS for m in self.methods):
             raise ValueError(f"bad rule: bounds {self.bounds}, methods {self.methods}")
 
     def method_for(self, rows: int) -> str:
@@ -127,14 +107,13 @@ class ExecutionPlan:
             rule = self.gemms.get(key)
             if rule is None:
                 raise ValueError(f"the execution plan has no rule for {key.label()} products")
-            if not site.packable and any(METHODS[m].reads_copy for m in rule.methods):
+            if not site.packable and any(KERNELS[m].reads_copy for m in rule.methods):
                 rule = _without_copies(rule, key.storage)
-            methods = tuple(METHODS[m] for m in rule.methods)
+            methods = tuple(KERNELS[m] for m in rule.methods)
             if isinstance(owner, Linear) and site.quantized is None and site.copies and weight.numel() == 0:
                 weight = site.dense_from_copies()  # bound before to copies only: the dense weight was dropped
                 owner.weight = nn.Parameter(weight, requires_grad=False)
-            copies = {m.storage: COPIES[m.storage](weight) for m in methods if m.storage in COPIES}
-            site.bind(rule.bounds, methods, copies)
+            site.bind(rule.bounds, methods, weight)
             if isinstance(owner, Linear) and "dense" not in site.storages:
                 owner.weight = nn.Parameter(weight.new_empty(0), requires_grad=False)
 
@@ -167,18 +146,18 @@ def product_sites(model: nn.Module) -> Iterator[tuple[GemmOwner, GemmSite, torch
                 yield module, site, weight
 
 
-def fixed_plan(model: nn.Module, methods: dict[str, GemmMethod], threads: int = 0,
+def fixed_plan(model: nn.Module, kernels: dict[str, GemmKernel], threads: int = 0,
                mode: str = "fixed") -> ExecutionPlan:
-    """Every product on the method `methods` names for its weight's storage, or on the format's
-    `dequant` product where that method cannot read a site's weight (block-scaled fp8 under a per-row
-    product); every step on `threads` (0: torch's setting left alone)."""
+    """Every product on the kernel `kernels` names for its weight's storage format, or on the format's reference
+    where that kernel cannot read a site's weight (block-scaled fp8 under a per-row product); every step on
+    `threads` (0: torch's setting left alone)."""
     device = getattr(model, "device", torch.device("cpu"))
-    chosen: dict[GemmKey, GemmMethod] = {}
+    chosen: dict[GemmKey, GemmKernel] = {}
     for _, site, _ in product_sites(model):
         key = GemmKey.of(site)
-        method = methods[site.storage_format]
+        method = kernels[site.storage_format]
         if not method.supports(site, device) or chosen.get(key, method) is not method:
-            method = DEQUANT[site.storage_format] if site.quantized is not None else method
+            method = site.method.reference
         chosen[key] = method
     used = sorted({m.name for m in chosen.values()})
     return ExecutionPlan(mode, {k: GemmRule((), (m.name,)) for k, m in chosen.items()},
@@ -186,12 +165,13 @@ def fixed_plan(model: nn.Module, methods: dict[str, GemmMethod], threads: int = 
 
 
 def accelerator_plan(model: nn.Module) -> ExecutionPlan:
-    """Each storage's product off the CPU (ACCELERATOR)."""
-    return fixed_plan(model, ACCELERATOR)
+    """Each format's product off the CPU (`LinearMethod.accelerator`)."""
+    return fixed_plan(model, {s: m.accelerator for s, m in LINEAR_METHODS.items()})
 
 
 def deterministic_plan(model: nn.Module, threads: int) -> ExecutionPlan:
-    return fixed_plan(model, DETERMINISTIC, threads, mode="batch_invariant")
+    """Each format's batch-invariant product (`LinearMethod.deterministic`) on `threads` threads."""
+    return fixed_plan(model, {s: m.deterministic for s, m in LINEAR_METHODS.items()}, threads, mode="batch_invariant")
 
 
 def instances_of(model: nn.Module) -> list[Instance]:
@@ -270,7 +250,7 @@ def _contenders(timed: Timings) -> set[str]:
 
 def _timed(measure: Measure, rows: int, threads: int, only: set[str] | None = None) -> Timings:
     out: Timings = {}
-    for method in THROUGHPUT_METHODS:
+    for method in THROUGHPUT_KERNELS:
         if only is not None and method.name not in only:
             continue
         for key, seconds in measure(method, rows, threads).items():

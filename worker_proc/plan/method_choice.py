@@ -1,6 +1,6 @@
 """Which method each product of a measured plan runs at each row bucket, and so which layouts (copies) of
 each weight the worker keeps: from the plan's timings per key and bucket (worker_proc.plan.execution_plan.choose
-measures them) and the bytes host memory affords for copies (worker_proc.host.memory.copy_affordable).
+measures them) and the bytes host memory affords for copies (`copy_affordable`).
 
 Rules: `dense` unless another method is more than `MARGIN` faster; a bucket keeps the previous bucket's
 method within `SWITCH_MARGIN`; a copy of a weight (a dense weight also read packed or tiled, a quantized
@@ -13,15 +13,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-from worker_proc.linear.methods import COPIES, DENSE, DEQUANT, METHODS
+from worker_proc.host.memory import physical_memory_bytes
+from worker_proc.linear.formats import LINEAR_METHODS
+from worker_proc.linear.kernels import COPIES, DENSE, KERNELS
 from worker_proc.plan.product_timer import GemmKey
+from worker_proc.plan.tuning import MARGIN, SPARE_COPY_FRACTION, SWITCH_MARGIN
 from worker_proc.quant.weight import COPY_BYTES_PER_WEIGHT
-
-MARGIN = 0.03
-SWITCH_MARGIN = 0.05
-"""A product keeps the method of the next smaller row bucket unless another is more than this much faster,
-and a step its thread count likewise: two choices a few percent apart trade places from one timing to the
-next, and a rule that flips between them at every bucket is noise, not a measurement."""
 
 
 def choose_methods(timings: dict[GemmKey, list[dict[str, float]]], counts: dict[GemmKey, int],
@@ -47,7 +44,7 @@ def fastest_method(timed: dict[str, float], storage: str = "dense") -> str:
     """The fastest method, `dense` unless another beats it by more than MARGIN (nothing measured: the
     storage's reference product)."""
     if not timed:
-        return DENSE.name if storage == "dense" else DEQUANT[storage].name
+        return LINEAR_METHODS[storage].reference.name
     best = min(timed, key=lambda m: timed[m])
     if DENSE.name in timed and timed[DENSE.name] <= timed[best] * (1 + MARGIN):
         return DENSE.name
@@ -68,7 +65,7 @@ def methods_by_bucket(timed: list[dict[str, float]], storage: str = "dense") -> 
 
 
 def own_methods(timed: dict[str, float]) -> dict[str, float]:
-    return {m: s for m, s in timed.items() if not METHODS[m].reads_copy}
+    return {m: s for m, s in timed.items() if not KERNELS[m].reads_copy}
 
 
 def second_copy_bytes(key: GemmKey, per_bucket: list[str], count: int, nbytes: int, kept: int = 0) -> int:
@@ -76,12 +73,12 @@ def second_copy_bytes(key: GemmKey, per_bucket: list[str], count: int, nbytes: i
     each of `COPIES` its methods read (a site reading only copies drops its dense weight unless its owner
     reads it: `kept` bytes), or a quantized weight's copies (`COPY_BYTES_PER_WEIGHT` each; the values stay)."""
     if key.storage == "dense":
-        storages = {METHODS[m].storage for m in per_bucket}
+        storages = {KERNELS[m].storage for m in per_bucket}
         copies = len(storages & set(COPIES))
         if "dense" in storages:
             return nbytes * copies
         return nbytes * max(copies - 1, 0) + (kept if copies else 0)
-    kinds = {METHODS[m].quantized_copy for m in per_bucket} - {""}
+    kinds = {KERNELS[m].quantized_copy for m in per_bucket} - {""}
     per_weight = sum(COPY_BYTES_PER_WEIGHT[kind] for kind in kinds)
     return math.ceil(count * key.out_features * key.in_features * per_weight)
 
@@ -107,7 +104,7 @@ def layout_options(timings: dict[GemmKey, list[dict[str, float]]], counts: dict[
 
 
 def timed_within(timed: dict[str, float], layouts: frozenset[str]) -> dict[str, float]:
-    return {m: s for m, s in timed.items() if METHODS[m].storage in layouts}
+    return {m: s for m, s in timed.items() if KERNELS[m].storage in layouts}
 
 
 def layouts_loss(timed: list[dict[str, float]], layouts: frozenset[str]) -> float:
@@ -160,3 +157,10 @@ def methods_within(timings: dict[GemmKey, list[dict[str, float]]], kept: dict[Ge
         else:
             out[key] = [fastest_method(own_methods(t), key.storage) for t in timed]
     return out
+
+
+def copy_affordable(nbytes: int, physical: int | None = None) -> bool:
+    """Whether keeping `nbytes` more of weights costs at most SPARE_COPY_FRACTION of the host's memory
+    (`physical` bytes; None: this host's)."""
+    total = physical_memory_bytes() if physical is None else physical
+    return 0 < nbytes <= total * SPARE_COPY_FRACTION

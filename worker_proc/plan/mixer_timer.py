@@ -22,9 +22,7 @@ from torch import nn
 from worker_proc.host.memory import steps_policy_within_load
 from worker_proc.kernels import KernelOps
 from worker_proc.model.mamba import MambaMixer
-
-DECODE_ROWS = 8
-"""Up to this many rows a bucket's step is a decode of that many requests (as plan_timing.STREAM_ROWS)."""
+from worker_proc.plan.tuning import DECODE_ROWS
 
 
 class MixerTimer:

@@ -25,25 +25,10 @@ import torch
 
 from shared.heap import release_free_heap
 from worker_proc.host.memory import steps_policy_within_load
-from worker_proc.linear.methods import COPIES, GemmMethod, TiledWeight
+from worker_proc.linear.kernels import COPIES, GemmKernel, TiledWeight
 from worker_proc.linear.site import GemmSite
+from worker_proc.plan.tuning import DEFAULT_STREAM_BYTES, HOPELESS, STREAM_ROWS, WARM_BUDGET_S
 from worker_proc.quant.weight import QuantizedWeight
-
-STREAM_ROWS = 8
-"""Up to this many rows a product is timed streaming its weights (see the module doc); beyond it, warm.
-Streamed timing of larger products favours methods that pass over a weight several times (`gemv` and
-`gemv_seq`, eight rows a pass), which lose to a cache-blocked one (`packed`) inside a step."""
-DEFAULT_STREAM_BYTES = 256 << 20
-"""Bytes streamed per round where the host does not report its last-level cache, and at most under
-`--single-weight-copy` (a method reading a copy, `packed` or `tiled`, is timed on copies of every weight it
-streams)."""
-WARM_BUDGET_S = 0.05
-HOPELESS = 8.0
-"""A method whose warm product of a key takes this many times the fastest one this timer has seen for that key,
-row count and thread count is timed no further there (its figure is that product's): it cannot win, and one
-pathologically slow (oneDNN's int8 product on some CPUs, at every row count) would otherwise hold a worker's
-start past its timeout. One slower than `HOPELESS` squared at a key is not timed there at larger row counts
-either (with each doubling of the rows its rivals' time at most doubles)."""
 
 
 @dataclass(frozen=True)
@@ -68,7 +53,7 @@ class GemmKey:
 Instance = tuple[GemmSite, torch.Tensor]
 Operands = tuple[torch.Tensor, torch.Tensor, object]
 """A product's input rows, its dense weight and what its method reads stored."""
-Measure = Callable[[GemmMethod, int, int], dict[GemmKey, float]]
+Measure = Callable[[GemmKernel, int, int], dict[GemmKey, float]]
 """(method, rows, threads) -> seconds per product for every key the method supports."""
 
 
@@ -112,7 +97,7 @@ class ProductTimer:
         self.fastest: dict[tuple[GemmKey, int, int], float] = {}  # (key, rows, threads) -> seconds per product
         self.beaten: set[tuple[str, GemmKey, int]] = set()  # (method, key, threads) timed no more at larger rows
 
-    def __call__(self, method: GemmMethod, rows: int, threads: int) -> dict[GemmKey, float]:
+    def __call__(self, method: GemmKernel, rows: int, threads: int) -> dict[GemmKey, float]:
         """Seconds per product of `method` at `rows` rows on `threads` threads, per key it is timed on."""
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
@@ -133,7 +118,7 @@ class ProductTimer:
                 self.beaten.add((method.name, key, threads))
         return out
 
-    def _streamed(self, method: GemmMethod, rows: int, threads: int, chosen: list[Instance]) -> dict[GemmKey, float]:
+    def _streamed(self, method: GemmKernel, rows: int, threads: int, chosen: list[Instance]) -> dict[GemmKey, float]:
         """Per key, the fastest of `reps` rounds over its streamed weights (seconds per product), after an
         untimed one; a key's first product is a warm-up, and a later one `_hopeless` ends its timing."""
         samples: dict[GemmKey, list[float]] = {}
@@ -157,7 +142,7 @@ class ProductTimer:
                             samples.setdefault(key, []).append(sum(times) / len(times))
         return {key: min(times) for key, times in samples.items()} | given_up
 
-    def _warm(self, method: GemmMethod, rows: int, threads: int, site: GemmSite, weight: torch.Tensor) -> float:
+    def _warm(self, method: GemmKernel, rows: int, threads: int, site: GemmSite, weight: torch.Tensor) -> float:
         """The fastest of up to `reps` products of one weight after an untimed one (which creates oneDNN's
         primitives), fewer once they took `WARM_BUDGET_S`; none after a `_hopeless` one."""
         key = GemmKey.of(site)
@@ -177,7 +162,7 @@ class ProductTimer:
         best = self.fastest.get((key, rows, threads))
         return best is not None and seconds > HOPELESS * best
 
-    def _operands(self, method: GemmMethod, rows: int, site: GemmSite, weight: torch.Tensor) -> Operands:
+    def _operands(self, method: GemmKernel, rows: int, site: GemmSite, weight: torch.Tensor) -> Operands:
         """What one product of `method` reads at `rows` rows: its input, the weight and what it reads stored
         (a copy made now, under the load's policy, and kept until `release`)."""
         x = self._input(GemmKey.of(site), rows, site)
@@ -192,7 +177,7 @@ class ProductTimer:
         return x, weight, stored
 
     @staticmethod
-    def _time(method: GemmMethod, args: Operands) -> float:
+    def _time(method: GemmKernel, args: Operands) -> float:
         t0 = time.perf_counter()
         method.apply(*args, None)
         return time.perf_counter() - t0

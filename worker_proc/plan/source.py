@@ -28,13 +28,10 @@ import torch
 from torch import nn
 
 from shared.errors import ModelLoadError
-from worker_proc.host.memory import WEIGHT_STORAGE, copy_affordable, last_level_cache_bytes
+from worker_proc.host.memory import WEIGHT_STORAGE, last_level_cache_bytes
 from worker_proc.kernels import KernelOps, native
-from worker_proc.linear.methods import THROUGHPUT_METHODS
+from worker_proc.linear.formats import THROUGHPUT_KERNELS
 from worker_proc.plan.execution_plan import (
-    CHOICE_REVISION,
-    MEASURE_ROUNDS,
-    ROW_BUCKETS,
     ExecutionPlan,
     GemmRule,
     accelerator_plan,
@@ -42,14 +39,18 @@ from worker_proc.plan.execution_plan import (
     deterministic_plan,
     instances_of,
 )
+from worker_proc.plan.method_choice import copy_affordable
 from worker_proc.plan.mixer_timer import MixerTimer
-from worker_proc.plan.product_timer import (
+from worker_proc.plan.product_timer import GemmKey, ProductTimer, read_bytes_per_s, weight_bytes
+from worker_proc.plan.tuning import (
+    CHOICE_REVISION,
+    CONTENDED_CORES,
     DEFAULT_STREAM_BYTES,
+    MEASURE_ATTEMPTS,
+    MEASURE_ROUNDS,
+    PLAN_REPS,
+    ROW_BUCKETS,
     STREAM_ROWS,
-    GemmKey,
-    ProductTimer,
-    read_bytes_per_s,
-    weight_bytes,
 )
 
 logger = logging.getLogger(__name__)
@@ -89,7 +90,7 @@ def plan_key(model: nn.Module, mode: str, thread_options: tuple[int, ...], cores
         label = GemmKey.of(site).label() + (" (dense kept)" if site.dense_kept else "")  # the copies rule reads it
         shapes[label] = shapes.get(label, 0) + 1
     return {**cpu_identity(), "cores": cores, "threads": list(thread_options), "torch": torch.__version__,
-            "mode": mode, "methods": [m.name for m in THROUGHPUT_METHODS], "kernels": kernels,
+            "mode": mode, "methods": [m.name for m in THROUGHPUT_KERNELS], "kernels": kernels,
             "native": native.build_digest() if native.load() else "",  # the fused kernels' code is timed too
             "buckets": list(ROW_BUCKETS), "rounds": MEASURE_ROUNDS, "stream_rows": STREAM_ROWS,
             "weight_storage": WEIGHT_STORAGE, "choice": CHOICE_REVISION,
@@ -195,17 +196,8 @@ def never_affordable(nbytes: int) -> bool:
     return False
 
 
-PLAN_REPS = 2
-"""Timed repetitions per product in each of the plan's rounds (execution_plan.MEASURE_ROUNDS)."""
 
 
-CONTENDED_CORES = 0.2
-"""Other processes (the server's own siblings starting, another tenant) busy on this much of a core on
-average beyond the cores outside the rank's share (`contended`) while the plan is measured make its
-figures untrustworthy: a product on two threads waits for a
-preempted one, so fewer threads look faster than they are, and a plan cached from such a start would
-hold a slower step on every later start."""
-MEASURE_ATTEMPTS = 3
 
 
 def contended(others_cores: float, thread_options: tuple[int, ...], cores: int) -> bool:

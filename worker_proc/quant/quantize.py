@@ -28,14 +28,12 @@ from torch import nn
 from tqdm import tqdm
 
 from shared.errors import ModelLoadError
+from worker_proc.linear.formats import LINEAR_METHODS
 from worker_proc.linear.site import GemmOwner, GemmSite
 from worker_proc.model.hybrid import HybridForCausalLM
 from worker_proc.quant.weight import (
     FORMATS,
     QuantizedWeight,
-    int4_group,
-    quantize_fp8,
-    quantize_int4,
     quantize_int8,
     row_amax,
 )
@@ -73,12 +71,11 @@ class QuantReport:
 
 
 def quantize_weight(weight: torch.Tensor, fmt: str, amax: torch.Tensor | None = None) -> QuantizedWeight:
-    """`weight` [..., out, in] in `fmt` (`int4` falls back to `int8` where its layout cannot hold it);
-    `amax`: each row's max |w| over the whole row when `weight` holds a slice of every row."""
-    if fmt == "fp8":
-        return quantize_fp8(weight, amax)
-    group = int4_group(weight.shape[-1], weight.shape[-2]) if fmt == "int4" else 0
-    return quantize_int4(weight, group) if group else quantize_int8(weight, amax)
+    """`weight` [..., out, in] in `fmt`, made by the format's `LinearMethod` (`int4` falls back to `int8` where its
+    layout cannot hold it); `amax`: each row's max |w| over the whole row when `weight` holds a slice of every row."""
+    q = LINEAR_METHODS[fmt].create_weight(weight, amax)
+    assert q is not None, f"{fmt} is not a quantized format"
+    return q
 
 
 def _whole_row_amax(model: HybridForCausalLM, name: str, weight: torch.Tensor) -> torch.Tensor | None:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,11 +31,12 @@ from worker_proc.model.kv_mirror import KVSlotMirror
 from worker_proc.output.grammar import GrammarRuntime
 from worker_proc.output.sampling import SampleRequest, greedy_params, sample, top_logprobs
 from worker_proc.plan.execution_plan import ExecutionPlan, product_sites
-from worker_proc.plan.kernel_set import choose_kernels
+from worker_proc.plan.kernel_set import KernelChoice, choose_kernels
 from worker_proc.plan.source import plan_for
 from worker_proc.plan.threads import available_cores
 from worker_proc.quant.checkpoint_config import check_requested
 from worker_proc.quant.quantize import QuantScheme, quantize_model
+from worker_proc.runtime.config import WorkerConfig
 from worker_proc.runtime.step_replay import StepReplays
 from worker_proc.spec import verify as speculative
 from worker_proc.spec.mtp_drafting import MtpDrafter
@@ -58,101 +58,86 @@ class ModelRunner:
     `state_dtype` (`--mamba-ssm-dtype`) is how the state pools store the recurrent states; the
     capacities planned from the memory budget count its bytes per slot. `load_blocks_mapped`: the
     process loads under `host_memory.map_load_blocks`' policy (the worker's), so the execution plan
-    times its products under the steps' policy around each (`plan_cache.plan_for`)."""
+    times its products under the steps' policy around each (`plan.source.plan_for`). Built from one
+    `WorkerConfig` (worker_proc.runtime.config); `tp_group` is the rank's process group (None: one rank)."""
 
-    def __init__(
-        self,
-        model_dir: str,
-        *,
-        device: str = "cpu",
-        dtype: str = "auto",
-        state_dtype: str = "float32",
-        kv_slots: int = 0,
-        state_slots: int = 0,
-        mem_budget_bytes: int = 0,
-        mem_fraction_static: float = 0.85,
-        running_requests: int = 0,
-        state_ratio: float = 0.5,
-        seed: int = 0,
-        tp_rank: int = 0,
-        tp_size: int = 1,
-        tp_group: object = None,
-        deterministic: bool = False,
-        kernels: str = "auto",
-        thread_options: tuple[int, ...] = (),
-        execution_plan: str = "",
-        single_weight_copy: bool = False,
-        plan_cache_dir: Path | None = None,
-        quantization: str = "",
-        quantize_lm_head: bool = True,
-        speculative_algorithm: str = "",
-        enforce_eager: bool = False,
-        load_blocks_mapped: bool = False,
-    ) -> None:
+    def __init__(self, model_dir: str, config: WorkerConfig | None = None, tp_group: object = None) -> None:
+        c = config or WorkerConfig()
+        self.config = c
         self.model_info = ModelInfo.from_dir(model_dir)
-        self.device = torch.device(device)
+        self.device = torch.device(c.device)
         # a bad --kernels fails before the weights load
         has_gdn = "gdn" in self.model_info.layer_kinds
-        kernel_choice = choose_kernels(self.device, kernels, deterministic, has_gdn=has_gdn)
+        kernel_choice = choose_kernels(self.device, c.kernels, c.deterministic, has_gdn=has_gdn)
         if self.device.type == "cpu" and not denormals_flushed():
             logger.warning("rank %d: subnormal floats are not flushed on every thread (worker_proc.host.numerics): "
-                           "products over them run many times slower", tp_rank)
+                           "products over them run many times slower", c.tp_rank)
         stored = checkpoint_quantization(model_dir)
         if stored is not None:  # held as stored; --quantization may only name that format
-            check_requested(quantization, stored, model_dir)
-        with_mtp = speculative_algorithm == "NEXTN"
+            check_requested(c.quantization, stored, model_dir)
+        with_mtp = c.speculative_algorithm == "NEXTN"
         self.model = load_model(
-            model_dir, device=self.device, dtype=dtype, tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group,
+            model_dir, device=self.device, dtype=c.dtype, tp_rank=c.tp_rank, tp_size=c.tp_size, tp_group=tp_group,
             mtp=with_mtp,
         )
         flushed = flush_subnormal_(self.model)
         if flushed:
-            logger.info("rank %d: %d subnormal weight elements set to zero", tp_rank, flushed)
-        if quantization and stored is None:
-            quantize_model(self.model, QuantScheme(quantization, lm_head=quantize_lm_head))
+            logger.info("rank %d: %d subnormal weight elements set to zero", c.tp_rank, flushed)
+        if c.quantization and stored is None:
+            quantize_model(self.model, QuantScheme(c.quantization, lm_head=c.quantize_lm_head))
+        self._make_plan(kernel_choice)
+        self.cfg = self.model.cfg
+        self.dtype = self.model.dtype
+        self.seed = c.seed
+        self.tp_rank = c.tp_rank
+        self._make_pools(with_mtp)
+        self.drafter = MtpDrafter(self.model, self.kv_capacity) if with_mtp else None
+        self.ops = kernel_choice.build()
+        # decode steps replay their recorded calls where the rules of worker_proc.runtime.step_replay allow
+        self.replays = StepReplays(not c.enforce_eager and c.tp_size == 1 and kernel_choice.ops == "native")
+        self.kv_mirror = KVSlotMirror()  # slot lists of the last batch run (ReqSlice.kv_reuse)
+        self.grammars = GrammarRuntime(model_dir, self.model_info.vocab_size, self.model_info.eos_token_ids)
+
+    def _make_plan(self, kernel_choice: KernelChoice) -> None:
+        """The rank's execution plan (worker_proc.plan), bound to the model."""
+        c = self.config
         self.plan = dataclasses.replace(
-            plan_for(self.model, self.device, deterministic=deterministic, thread_options=thread_options,
-                     cores=available_cores(), pinned=execution_plan, cache_dir=plan_cache_dir,
-                     ops=kernel_choice.build(), single_copy=single_weight_copy,
-                     load_blocks_mapped=load_blocks_mapped),
+            plan_for(self.model, self.device, deterministic=c.deterministic, thread_options=c.thread_options,
+                     cores=available_cores(), pinned=c.execution_plan, cache_dir=c.plan_cache_dir,
+                     ops=kernel_choice.build(), single_copy=c.single_weight_copy,
+                     load_blocks_mapped=c.load_blocks_mapped),
             kernels=kernel_choice,
         )
         self.plan.bind(self.model)
         if self.device.type == "cpu":
             release_free_heap()
-        logger.info("rank %d execution plan (%s, %s):%s", tp_rank, self.plan.mode, self.plan.source,
+        logger.info("rank %d execution plan (%s, %s):%s", c.tp_rank, self.plan.mode, self.plan.source,
                     "".join(f"\n  {line}" for line in self.plan.describe()))
-        self.cfg = self.model.cfg
-        self.dtype = self.model.dtype
-        self.seed = seed
-        self.tp_rank = tp_rank
+
+    def _make_pools(self, with_mtp: bool) -> None:
+        """The KV and state pools, sized by the config or planned from the memory budget."""
+        c = self.config
         mtp_kv = self.cfg.mtp_layers if with_mtp else 0
-        kv, mamba, how = kv_slots, state_slots, "--max-total-tokens and --max-mamba-cache-size"
+        kv, mamba, how = c.kv_slots, c.state_slots, "--max-total-tokens and --max-mamba-cache-size"
         if kv <= 0 or mamba <= 0:
-            wanted = cpu_wanted_budget(self.cfg, self.dtype, running_requests, state_ratio, tp_size, tp_rank,
-                                       state_dtype)
-            budget, how = pool_budget(self.device, mem_budget_bytes, mem_fraction_static, wanted)
+            wanted = cpu_wanted_budget(self.cfg, self.dtype, c.running_requests, c.state_ratio, c.tp_size, c.tp_rank,
+                                       c.state_dtype)
+            budget, how = pool_budget(self.device, c.mem_budget_bytes, c.mem_fraction_static, wanted)
             how = f"{budget / 2**30:.3f} GiB from {how}"
-            planned_kv, planned_states = plan_capacities(self.cfg, budget, state_ratio, self.dtype, tp_size, tp_rank,
-                                                        state_dtype, mtp_kv)
+            planned_kv, planned_states = plan_capacities(self.cfg, budget, c.state_ratio, self.dtype, c.tp_size,
+                                                         c.tp_rank, c.state_dtype, mtp_kv)
             kv = kv if kv > 0 else planned_kv
             mamba = mamba if mamba > 0 else planned_states
         if not self.cfg.attn_layer_ids:  # no KV tensor: the slots are only the scheduler's bookkeeping
-            kv = attention_free_kv_slots(kv_slots, mamba, self.model_info.max_position_embeddings)
-        self.pools = StatePools(self.cfg, kv, mamba, self.dtype, self.device, tp_size, tp_rank, state_dtype)
+            kv = attention_free_kv_slots(c.kv_slots, mamba, self.model_info.max_position_embeddings)
+        self.pools = StatePools(self.cfg, kv, mamba, self.dtype, self.device, c.tp_size, c.tp_rank, c.state_dtype)
         self.kv_capacity = kv
         self.state_capacity = mamba
-        self.state_dtype = state_dtype
-        sb = slot_bytes(self.cfg, self.dtype, tp_size, tp_rank, state_dtype, mtp_kv)
+        self.state_dtype = c.state_dtype
+        sb = slot_bytes(self.cfg, self.dtype, c.tp_size, c.tp_rank, c.state_dtype, mtp_kv)
         logger.info("rank %d pools on %s (%s): %d KV token slots, %d state slots; recurrent state dtype %s, "
-                    "%d B per state slot, %d B per KV token", tp_rank, self.device, how, kv, mamba, state_dtype,
+                    "%d B per state slot, %d B per KV token", c.tp_rank, self.device, how, kv, mamba, c.state_dtype,
                     sb.state_slot, sb.kv_token)
-        self.drafter = MtpDrafter(self.model, kv) if with_mtp else None
-        self.ops = kernel_choice.build()
-        # decode steps replay their recorded calls where the rules of worker_proc.runtime.step_replay allow
-        self.replays = StepReplays(not enforce_eager and tp_size == 1 and kernel_choice.ops == "native")
-        self.kv_mirror = KVSlotMirror()  # slot lists of the last batch run (ReqSlice.kv_reuse)
-        self.grammars = GrammarRuntime(model_dir, self.model_info.vocab_size, self.model_info.eos_token_ids)
 
     # ------------------------------------------------------------------ the step
     @torch.inference_mode()

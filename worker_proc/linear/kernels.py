@@ -1,19 +1,19 @@
-"""The ways a matrix product of a worker's model can run (`GemmMethod`, the catalogue `METHODS`) and the
-copies of a weight they read (`COPIES`: oneDNN's `packed` layout, the `tiled` one of the batched-decode
+"""The kernels a matrix product of a worker's model can run on (`GemmKernel`, the catalogue `KERNELS`) and the
+copies of a dense weight they read (`COPIES`: oneDNN's `packed` layout, the `tiled` one of the batched-decode
 kernel).
 
-A method is a kernel with what it needs: the storage it reads (`dense`, one of `COPIES`, or a quantized
-format's `QuantizedWeight`, worker_proc.quant.weight), the devices, dtypes and widths it serves, whether
-each row's result is independent of the row count. Which method a site runs at which row count is the
-execution plan's (worker_proc.plan.execution_plan); `THROUGHPUT_METHODS` are the candidates it times,
-`DETERMINISTIC` and `ACCELERATOR` the fixed choices of the batch-invariant mode and off the CPU.
+A kernel comes with what it needs: the storage it reads (`dense`, one of `COPIES`, or a quantized format's
+`QuantizedWeight`, worker_proc.quant.weight), the devices, dtypes and widths it serves, whether each row's
+result is independent of the row count. Which kernels a storage format offers is its `LinearMethod`'s
+(worker_proc.linear.formats); which one a site runs at which row count is the execution plan's
+(worker_proc.plan.execution_plan).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +21,9 @@ import torch.nn.functional as F
 from worker_proc.host.memory import weight_tensor
 from worker_proc.kernels import native
 from worker_proc.quant.layouts import INT4_CHUNK
+
+if TYPE_CHECKING:
+    from worker_proc.linear.formats import LinearMethod
 from worker_proc.quant.weight import (
     FORMATS,
     QuantizedWeight,
@@ -28,7 +31,6 @@ from worker_proc.quant.weight import (
     fp8_scaled,
     gemv_int8,
     gemv_w8a8,
-    int8_packing_supported,
     tiled_w4a8,
     tiled_w8a8,
     w4a16,
@@ -45,6 +47,7 @@ class SiteTraits(Protocol):
     dtype: torch.dtype
     packable: bool
     quantized: QuantizedWeight | None
+    method: LinearMethod
 
     @property
     def storage_format(self) -> str: ...
@@ -195,7 +198,7 @@ def _dequant_padded(x: torch.Tensor, weight: torch.Tensor, stored: object, bias:
 
 
 @dataclass(frozen=True)
-class GemmMethod:
+class GemmKernel:
     """One way to compute x @ weight.T. `storage`: which copy of the weight it reads (`dense`, one of
     `COPIES`, or a quantized format); `batch_invariant`: each row's result does not depend on the row count;
     `devices`: the device types it runs on; `per_row_scale`: it needs a quantized weight with one scale
@@ -223,20 +226,16 @@ class GemmMethod:
         """It reads a second copy of the weight (one of `COPIES`, or one of a quantized weight's)."""
         return self.storage in COPIES or bool(self.quantized_copy)
 
+    def runs_on(self, shape: tuple[int, int], dtype: torch.dtype, device: torch.device) -> bool:
+        """The kernel's own limits: device, activation dtype, input width, the native kernels built."""
+        if device.type not in self.devices or self.dtypes and dtype not in self.dtypes:
+            return False
+        return not (shape[1] % self.in_multiple or self.native and not native.load())
+
     def supports(self, site: SiteTraits, device: torch.device) -> bool:
-        if device.type not in self.devices or self.dtypes and site.dtype not in self.dtypes:
-            return False
-        if site.shape[1] % self.in_multiple or self.native and not native.load():
-            return False
-        if self.storage in COPIES:
-            return site.quantized is None and site.packable and (
-                self.storage != "packed" or packing_supported(site.dtype, device))
-        if self.storage != site.storage_format:
-            return False
-        copy = self.quantized_copy
-        if copy and not (site.packable and (copy != "packed" or int8_packing_supported())):
-            return False
-        return not (self.per_row_scale and site.quantized is not None and site.quantized.group)
+        """Whether it can run `site`'s products on `device`: one of the kernels of the site's format, within
+        its own limits and the format's (worker_proc.linear.formats.LinearMethod.serves)."""
+        return site.method.serves(self, site, device)
 
     def apply(self, x: torch.Tensor, weight: torch.Tensor, stored: object,
               bias: torch.Tensor | None) -> torch.Tensor:
@@ -244,58 +243,50 @@ class GemmMethod:
 
 
 ANY_DEVICE = ("cpu", "cuda", "mps", "xpu", "meta")
-DENSE = GemmMethod("dense", "dense", _dense, devices=ANY_DEVICE)
-SPLIT = GemmMethod("split", "dense", _split, dtypes=(torch.float32,))
-PACKED = GemmMethod("packed", "packed", _packed)
-TILED = GemmMethod("tiled", "tiled", _tiled, dtypes=(torch.float32, torch.bfloat16), native=True, max_rows=64,
+DENSE = GemmKernel("dense", "dense", _dense, devices=ANY_DEVICE)
+SPLIT = GemmKernel("split", "dense", _split, dtypes=(torch.float32,))
+PACKED = GemmKernel("packed", "packed", _packed)
+TILED = GemmKernel("tiled", "tiled", _tiled, dtypes=(torch.float32, torch.bfloat16), native=True, max_rows=64,
                    in_multiple=2)
 """The fused product of a batched decode step's rows from the `tiled` copy: each weight block read once
 for up to eight rows, no sum reduced across lanes."""
-GEMV = GemmMethod("gemv", "dense", _gemv, dtypes=(torch.float32, torch.bfloat16), native=True, max_rows=64)
+GEMV = GemmKernel("gemv", "dense", _gemv, dtypes=(torch.float32, torch.bfloat16), native=True, max_rows=64)
 """The fused few-row product reading four weight rows side by side, with software prefetch."""
-GEMV_SEQ = GemmMethod("gemv_seq", "dense", _gemv_seq, dtypes=(torch.float32, torch.bfloat16), native=True,
+GEMV_SEQ = GemmKernel("gemv_seq", "dense", _gemv_seq, dtypes=(torch.float32, torch.bfloat16), native=True,
                       max_rows=64)
 """The same product reading one weight row after another, front to back, without software prefetch: which
 of the two streams a weight faster is the machine's memory system's to say, so the plan times both."""
-GEMV_INT8 = GemmMethod("gemv_int8", "int8", _quantized(gemv_int8), dtypes=(torch.float32, torch.bfloat16), native=True,
+GEMV_INT8 = GemmKernel("gemv_int8", "int8", _quantized(gemv_int8), dtypes=(torch.float32, torch.bfloat16), native=True,
                        max_rows=64)
 """`gemv_seq`'s product over an int8 weight (its per-row scale applied to each finished dot product): a few-row
 product streams half a bfloat16 weight's bytes."""
-GEMV_W8A8 = GemmMethod("gemv_w8a8", "int8", _quantized(gemv_w8a8), batch_invariant=True, native=True, max_rows=64,
+GEMV_W8A8 = GemmKernel("gemv_w8a8", "int8", _quantized(gemv_w8a8), batch_invariant=True, native=True, max_rows=64,
                        dtypes=(torch.float32, torch.bfloat16))
 """`w8a8` to the bit (exact integer sums), one weight row read once for up to eight rows: where the CPU multiplies
 byte pairs (AVX512-VNNI) a few-row product streams the int8 weight instead of widening it."""
-PADDED = GemmMethod("padded", "dense", _padded, batch_invariant=True)
-W8A16 = GemmMethod("w8a16", "int8", _quantized(w8a16), in_multiple=16)
-W8A8 = GemmMethod("w8a8", "int8", _quantized(w8a8), batch_invariant=True, devices=("cpu", "cuda"))
-W8A8_ONEDNN = GemmMethod("w8a8_onednn", "int8", _quantized(w8a8_onednn), batch_invariant=True, quantized_copy="packed")
-TILED_W8A8 = GemmMethod("tiled_w8a8", "int8", _quantized(tiled_w8a8), batch_invariant=True, native=True,
+PADDED = GemmKernel("padded", "dense", _padded, batch_invariant=True)
+W8A16 = GemmKernel("w8a16", "int8", _quantized(w8a16), in_multiple=16)
+W8A8 = GemmKernel("w8a8", "int8", _quantized(w8a8), batch_invariant=True, devices=("cpu", "cuda"))
+W8A8_ONEDNN = GemmKernel("w8a8_onednn", "int8", _quantized(w8a8_onednn), batch_invariant=True, quantized_copy="packed")
+TILED_W8A8 = GemmKernel("tiled_w8a8", "int8", _quantized(tiled_w8a8), batch_invariant=True, native=True,
                         dtypes=(torch.float32, torch.bfloat16), in_multiple=4, quantized_copy="tiled")
 """`w8a8` to the bit over the tiled int8 copy: a batched decode step's rows multiplied into 16 outputs at once,
 64 byte pairs an instruction where the CPU has AVX512-VNNI (no sum reduced across lanes, as `tiled`)."""
-W4A16 = GemmMethod("w4a16", "int4", _quantized(w4a16), batch_invariant=True)
-W8A8_OVER_INT4 = GemmMethod("w8a8_over_int4", "int4", _quantized(w8a8_onednn), batch_invariant=True,
+W4A16 = GemmKernel("w4a16", "int4", _quantized(w4a16), batch_invariant=True)
+W8A8_OVER_INT4 = GemmKernel("w8a8_over_int4", "int4", _quantized(w8a8_onednn), batch_invariant=True,
                             quantized_copy="packed")
-TILED_OVER_INT4 = GemmMethod("tiled_over_int4", "int4", _quantized(tiled_w8a8), batch_invariant=True, native=True,
+TILED_OVER_INT4 = GemmKernel("tiled_over_int4", "int4", _quantized(tiled_w8a8), batch_invariant=True, native=True,
                              dtypes=(torch.float32, torch.bfloat16), in_multiple=4, quantized_copy="tiled")
-TILED_W4A8 = GemmMethod("tiled_w4a8", "int4", _quantized(tiled_w4a8), batch_invariant=True, native=True,
+TILED_W4A8 = GemmKernel("tiled_w4a8", "int4", _quantized(tiled_w4a8), batch_invariant=True, native=True,
                         dtypes=(torch.float32, torch.bfloat16), in_multiple=INT4_CHUNK, quantized_copy="tiled4")
 """`tiled_w8a8` over an int8 copy of a 4-bit matrix (its values quantized per row, as `w8a8_over_int4`'s): where
 oneDNN's int8 product is slow or missing, the product of more rows than torch's 4-bit kernel serves well (one
 pass over the weight per row)."""
-FP8_BF16 = GemmMethod("fp8_bf16", "fp8", _quantized(fp8_bf16), per_row_scale=True)
-FP8_SCALED = GemmMethod("fp8_scaled", "fp8", _quantized(fp8_scaled), devices=("cuda",), per_row_scale=True)
-DEQUANT = {fmt: GemmMethod(f"dequant_{fmt}", fmt, _dequant_padded, batch_invariant=True, devices=ANY_DEVICE)
+FP8_BF16 = GemmKernel("fp8_bf16", "fp8", _quantized(fp8_bf16), per_row_scale=True)
+FP8_SCALED = GemmKernel("fp8_scaled", "fp8", _quantized(fp8_scaled), devices=("cuda",), per_row_scale=True)
+DEQUANT = {fmt: GemmKernel(f"dequant_{fmt}", fmt, _dequant_padded, batch_invariant=True, devices=ANY_DEVICE)
            for fmt in FORMATS}
 """Every format's reference product (the weight materialised, padded like PADDED): any device."""
-METHODS = {m.name: m for m in (DENSE, SPLIT, PACKED, TILED, GEMV, GEMV_SEQ, GEMV_INT8, GEMV_W8A8, PADDED, W8A16, W8A8,
+KERNELS = {m.name: m for m in (DENSE, SPLIT, PACKED, TILED, GEMV, GEMV_SEQ, GEMV_INT8, GEMV_W8A8, PADDED, W8A16, W8A8,
                                W8A8_ONEDNN, TILED_W8A8, W4A16, W8A8_OVER_INT4, TILED_OVER_INT4, TILED_W4A8, FP8_BF16,
                                FP8_SCALED, *DEQUANT.values())}
-THROUGHPUT_METHODS = (DENSE, SPLIT, PACKED, TILED, GEMV, GEMV_SEQ, GEMV_INT8, GEMV_W8A8, W8A16, W8A8, W8A8_ONEDNN,
-                      TILED_W8A8, W4A16, W8A8_OVER_INT4, TILED_OVER_INT4, TILED_W4A8, FP8_BF16)
-"""The candidates the plan measures on the CPU outside the deterministic mode (each site is timed with
-those that `supports` it)."""
-DETERMINISTIC = {"dense": PADDED, "int8": W8A8, "int4": W4A16, "fp8": DEQUANT["fp8"]}
-"""The batch-invariant product of each storage, the deterministic mode's."""
-ACCELERATOR = {"dense": DENSE, "int8": W8A8, "int4": DEQUANT["int4"], "fp8": FP8_SCALED}
-"""Each storage's product off the CPU."""
