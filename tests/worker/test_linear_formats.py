@@ -70,3 +70,33 @@ def test_process_after_loading_makes_exactly_the_copies_the_bound_kernels_read()
         int8.bind((), (tiled,))
         assert int8.quantized is not None and int8.quantized.tiled is not None and int8.quantized.packed is None
         int8.check_integrity(torch.empty(0))
+
+
+def test_gathered_kernels_serve_expert_stacks_only_and_compute_what_the_expert_product_does() -> None:
+    from worker_proc.kernels import native
+    from worker_proc.plan.product_timer import GemmKey
+
+    if not native.load():
+        pytest.skip("no native kernels on this machine")
+    cpu = torch.device("cpu")
+    stack_w = torch.randn(4, 32, 64, generator=G)
+    stack = GemmSite(32, 64, torch.float32, packable=False, experts=True)
+    single = GemmSite(32, 64, torch.float32, packable=True)
+    gathered = [KERNELS[n] for n in ("gathered", "gathered_seq")]
+    assert all(k.supports(stack, cpu) and not k.supports(single, cpu) for k in gathered)
+    assert GemmKey.of(stack) != GemmKey.of(single) and GemmKey.of(stack).label().endswith("experts")
+    x = torch.randn(3, 64, generator=G)
+    idx = torch.tensor([[2], [0], [3]])
+    for kernel in gathered:
+        stack.bind((), (kernel,))
+        assert stack.gathers(3)
+        want = torch.stack([F.linear(x[t], stack_w[int(idx[t, 0])]) for t in range(3)])
+        assert torch.allclose(stack.apply_gathered(x, stack_w, idx, per_choice=False), want, atol=1e-4)
+        assert torch.allclose(stack.apply_expert(x, stack_w, 1), F.linear(x, stack_w[1]), atol=1e-4)
+    q = INT8_LINEAR.create_weight(stack_w)
+    int8 = GemmSite(32, 64, torch.float32, packable=False, experts=True)
+    int8.quantize(q)
+    int8.bind((), (KERNELS["gathered_int8"],))
+    want = torch.stack([F.linear(x[t], q[int(idx[t, 0])].dequantize(torch.float32)) for t in range(3)])
+    assert torch.allclose(int8.apply_gathered(x, stack_w, idx, per_choice=False), want, atol=1e-3)
+    assert torch.allclose(int8.apply_expert(x, stack_w, 2), F.linear(x, q[2].dequantize(torch.float32)), atol=1e-3)

@@ -32,6 +32,9 @@ from worker_proc.linear.kernels import (
     DEQUANT,
     FP8_BF16,
     FP8_SCALED,
+    GATHERED,
+    GATHERED_INT8,
+    GATHERED_SEQ,
     GEMV,
     GEMV_INT8,
     GEMV_SEQ,
@@ -92,6 +95,8 @@ class LinearMethod:
         """Whether `kernel` can run this site's products on `device` (its own limits, then the format's)."""
         if not self.reads(kernel) or not kernel.runs_on(site.shape, site.dtype, device):
             return False
+        if kernel.experts_only and not site.experts:
+            return False
         if kernel.storage in COPIES:  # a second copy of a fixed dense weight
             return site.packable and (kernel.storage != "packed" or packing_supported(site.dtype, device))
         return True
@@ -117,6 +122,8 @@ class QuantizedLinear(LinearMethod):
 
     def serves(self, kernel: GemmKernel, site: GemmSite, device: torch.device) -> bool:
         if not self.reads(kernel) or not kernel.runs_on(site.shape, site.dtype, device):
+            return False
+        if kernel.experts_only and not site.experts:
             return False
         copy = kernel.quantized_copy
         if copy and not (site.packable and (copy != "packed" or int8_packing_supported())):
@@ -156,9 +163,10 @@ class Fp8Linear(QuantizedLinear):
         return quantize_fp8(weight, amax)
 
 
-DENSE_LINEAR = LinearMethod("dense", (DENSE, SPLIT, PACKED, TILED, GEMV, GEMV_SEQ), PADDED, DENSE, DENSE)
-INT8_LINEAR = Int8Linear("int8", (GEMV_INT8, GEMV_W8A8, W8A16, W8A8, W8A8_ONEDNN, TILED_W8A8), W8A8, W8A8,
-                         DEQUANT["int8"])
+DENSE_LINEAR = LinearMethod("dense", (DENSE, SPLIT, PACKED, TILED, GEMV, GEMV_SEQ, GATHERED, GATHERED_SEQ), PADDED,
+                            DENSE, DENSE)
+INT8_LINEAR = Int8Linear("int8", (GEMV_INT8, GEMV_W8A8, GATHERED_INT8, W8A16, W8A8, W8A8_ONEDNN, TILED_W8A8), W8A8,
+                         W8A8, DEQUANT["int8"])
 INT4_LINEAR = Int4Linear("int4", (W4A16, W8A8_OVER_INT4, TILED_OVER_INT4, TILED_W4A8), W4A16, DEQUANT["int4"],
                          DEQUANT["int4"])
 FP8_LINEAR = Fp8Linear("fp8", (FP8_BF16,), DEQUANT["fp8"], FP8_SCALED, DEQUANT["fp8"])

@@ -181,6 +181,20 @@ def _gemv_seq(x: torch.Tensor, weight: torch.Tensor, stored: object, bias: torch
     return torch.ops.hyssm_cpu.gemv_seq(x, weight, bias)
 
 
+def _gathered(sequential: bool) -> Kernel:
+    """The routed experts' product as `expert_product` runs it (worker_proc.kernels.native), here on one expert:
+    how a stack's gathered call reads each chosen expert, timed and applied by the same code."""
+    def run(x: torch.Tensor, weight: torch.Tensor, stored: object, bias: torch.Tensor | None) -> torch.Tensor:
+        idx = torch.zeros(x.shape[0], 1, dtype=torch.long)
+        if isinstance(stored, QuantizedWeight):
+            out = torch.ops.hyssm_cpu.expert_product(x, stored.data.unsqueeze(0), stored.scale.unsqueeze(0), idx,
+                                                     False, True)
+        else:
+            out = torch.ops.hyssm_cpu.expert_product(x, weight.unsqueeze(0), None, idx, False, sequential)
+        return out if bias is None else out + bias
+    return run
+
+
 def _padded(x: torch.Tensor, weight: torch.Tensor, stored: object, bias: torch.Tensor | None) -> torch.Tensor:
     return padded_product(x, weight, bias)
 
@@ -220,6 +234,9 @@ class GemmKernel:
     """It is one of the fused CPU kernels (worker_proc.kernels.native): offered where they load."""
     max_rows: int = 0
     """The most rows it is offered for (0: any): a few-row product is not timed against prefill steps."""
+    experts_only: bool = False
+    """It serves expert stacks only: the routed tokens' products over their chosen experts in one native call
+    (`GemmSite.apply_gathered`), no expert list read into Python (so a step that runs it can be replayed)."""
 
     @property
     def reads_copy(self) -> bool:
@@ -264,6 +281,15 @@ GEMV_W8A8 = GemmKernel("gemv_w8a8", "int8", _quantized(gemv_w8a8), batch_invaria
                        dtypes=(torch.float32, torch.bfloat16))
 """`w8a8` to the bit (exact integer sums), one weight row read once for up to eight rows: where the CPU multiplies
 byte pairs (AVX512-VNNI) a few-row product streams the int8 weight instead of widening it."""
+GATHERED = GemmKernel("gathered", "dense", _gathered(False), dtypes=(torch.float32, torch.bfloat16), native=True,
+                      max_rows=64, experts_only=True)
+"""An expert stack's products in one call, each chosen expert read once for its rows as `gemv` reads a weight."""
+GATHERED_SEQ = GemmKernel("gathered_seq", "dense", _gathered(True), dtypes=(torch.float32, torch.bfloat16),
+                          native=True, max_rows=64, experts_only=True)
+"""The same, each expert read front to back as `gemv_seq` reads a weight."""
+GATHERED_INT8 = GemmKernel("gathered_int8", "int8", _gathered(True), dtypes=(torch.float32, torch.bfloat16),
+                           native=True, max_rows=64, experts_only=True)
+"""An int8 stack's products in one call: `gemv_int8`'s arithmetic (row scales on float32 activations)."""
 PADDED = GemmKernel("padded", "dense", _padded, batch_invariant=True)
 W8A16 = GemmKernel("w8a16", "int8", _quantized(w8a16), in_multiple=16)
 W8A8 = GemmKernel("w8a8", "int8", _quantized(w8a8), batch_invariant=True, devices=("cpu", "cuda"))
@@ -287,6 +313,7 @@ FP8_SCALED = GemmKernel("fp8_scaled", "fp8", _quantized(fp8_scaled), devices=("c
 DEQUANT = {fmt: GemmKernel(f"dequant_{fmt}", fmt, _dequant_padded, batch_invariant=True, devices=ANY_DEVICE)
            for fmt in FORMATS}
 """Every format's reference product (the weight materialised, padded like PADDED): any device."""
-KERNELS = {m.name: m for m in (DENSE, SPLIT, PACKED, TILED, GEMV, GEMV_SEQ, GEMV_INT8, GEMV_W8A8, PADDED, W8A16, W8A8,
+KERNELS = {m.name: m for m in (DENSE, SPLIT, PACKED, TILED, GEMV, GEMV_SEQ, GATHERED, GATHERED_SEQ, GATHERED_INT8,
+                               GEMV_INT8, GEMV_W8A8, PADDED, W8A16, W8A8,
                                W8A8_ONEDNN, TILED_W8A8, W4A16, W8A8_OVER_INT4, TILED_OVER_INT4, TILED_W4A8, FP8_BF16,
                                FP8_SCALED, *DEQUANT.values())}

@@ -20,16 +20,7 @@ import torch
 from torch import nn
 
 from worker_proc.linear.formats import DENSE_LINEAR, LINEAR_METHODS, LinearMethod
-from worker_proc.linear.kernels import (
-    COPIES,
-    GEMV,
-    GEMV_INT8,
-    GEMV_SEQ,
-    GEMV_W8A8,
-    GemmKernel,
-    TiledWeight,
-    untile_weight,
-)
+from worker_proc.linear.kernels import COPIES, GATHERED_SEQ, GemmKernel, TiledWeight, untile_weight
 from worker_proc.quant.weight import QuantizedWeight
 
 
@@ -43,8 +34,11 @@ class GemmSite:
     `copies` holds each of `COPIES` a bound method reads (by storage)."""
 
     def __init__(self, out_features: int, in_features: int, dtype: torch.dtype, packable: bool,
-                 quantizable: bool = True, dense_kept: bool = False, timed_rows: int = 0) -> None:  # fmt: skip
+                 quantizable: bool = True, dense_kept: bool = False, timed_rows: int = 0,
+                 experts: bool = False) -> None:  # fmt: skip
         self.shape = (out_features, in_features)
+        self.experts = experts
+        """The site multiplies each expert of a stack [E, out, in] (its gathered kernels apply)."""
         self.dtype = dtype
         self.packable = packable
         self.dense_kept = dense_kept
@@ -120,21 +114,21 @@ class GemmSite:
         return self.method.apply(self, self.method_for(x.shape[0]), x, weight, None, expert)
 
     def gathers(self, rows: int) -> bool:
-        """Whether an expert stack's products for `rows` routed tokens run as one `apply_gathered` call: the
-        plan bound a native few-row product at that row count (`gemv`, `gemv_seq`; for an int8 stack `gemv_int8`
-        or `gemv_w8a8`), so streaming each chosen expert is what pays there (no expert list read into Python,
-        so the step can be replayed)."""
-        return self.method_for(rows) in (GEMV, GEMV_SEQ, GEMV_INT8, GEMV_W8A8)
+        """Whether an expert stack's products for `rows` routed tokens run as one `apply_gathered` call: the plan
+        bound one of the gathered kernels at that row count (`GemmKernel.experts_only`; they were timed as they
+        run)."""
+        return self.method_for(rows).experts_only
 
     def apply_gathered(self, x: torch.Tensor, stack: torch.Tensor, idx: torch.Tensor, per_choice: bool) -> torch.Tensor:
         """For every routing choice c = (t, j) of idx [T, k]: x's row (x[t], or x[c] when `per_choice`) @
-        stack[idx[t, j]].T, as [T * k, out] in choice order; each chosen expert read once for its rows, in
-        the order of the method bound for T rows. An int8 stack is read with its row scales on float32
-        activations (`gemv_int8`'s arithmetic, whichever int8 product is bound). Only where `gathers(T)`."""
+        stack[idx[t, j]].T, as [T * k, out] in choice order; each chosen expert read once for its rows by the
+        gathered kernel bound for T rows. Only where `gathers(T)`."""
+        kernel = self.method_for(idx.shape[0])
+        assert kernel.experts_only, f"{kernel.name} is not a gathered kernel"
         if self.quantized is not None:
             q = self.quantized
             return torch.ops.hyssm_cpu.expert_product(x, q.data, q.scale, idx, per_choice, True)
-        sequential = self.method_for(idx.shape[0]) is GEMV_SEQ
+        sequential = kernel is GATHERED_SEQ
         return torch.ops.hyssm_cpu.expert_product(x, stack, None, idx, per_choice, sequential)
 
     def dense_from_copies(self) -> torch.Tensor:

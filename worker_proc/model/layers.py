@@ -73,7 +73,7 @@ class Linear(nn.Linear, GemmOwner):
 def expert_site(stacked: torch.Tensor) -> GemmSite:
     """The site of one expert's slice of a stacked [E, out, in] weight (no packed copy: the slice
     changes with each expert)."""
-    return GemmSite(stacked.shape[1], stacked.shape[2], stacked.dtype, packable=False)
+    return GemmSite(stacked.shape[1], stacked.shape[2], stacked.dtype, packable=False, experts=True)
 
 
 def empty_param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:

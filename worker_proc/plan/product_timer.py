@@ -34,20 +34,24 @@ from worker_proc.quant.weight import QuantizedWeight
 @dataclass(frozen=True)
 class GemmKey:
     """What a product's speed depends on besides its row count: the weight's shape, the activations'
-    dtype and the format the weight is stored in (`dense` or a quantized one)."""
+    dtype, the format the weight is stored in (`dense` or a quantized one) and whether it is one expert of
+    a stack (whose gathered kernels serve it, and which holds no second copy)."""
 
     out_features: int
     in_features: int
     dtype: str
     storage: str = "dense"
+    experts: bool = False
 
     @classmethod
     def of(cls, site: GemmSite) -> GemmKey:
-        return cls(site.shape[0], site.shape[1], str(site.dtype).removeprefix("torch."), site.storage_format)
+        return cls(site.shape[0], site.shape[1], str(site.dtype).removeprefix("torch."), site.storage_format,
+                   site.experts)
 
     def label(self) -> str:
         base = f"{self.out_features}x{self.in_features} {self.dtype}"
-        return base if self.storage == "dense" else f"{base} {self.storage}"
+        base = base if self.storage == "dense" else f"{base} {self.storage}"
+        return f"{base} experts" if self.experts else base
 
 
 Instance = tuple[GemmSite, torch.Tensor]

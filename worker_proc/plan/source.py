@@ -103,7 +103,7 @@ def key_digest(key: dict[str, object]) -> str:
 
 
 def plan_to_json(plan: ExecutionPlan, key: dict[str, object] | None = None) -> dict[str, object]:
-    gemms = [{"out": k.out_features, "in": k.in_features, "dtype": k.dtype, "storage": k.storage,
+    gemms = [{"out": k.out_features, "in": k.in_features, "dtype": k.dtype, "storage": k.storage, "experts": k.experts,
               "bounds": list(r.bounds),
               "methods": list(r.methods), "timings_s": {str(b): t for b, t in r.timings.items()}}
              for k, r in sorted(plan.gemms.items(), key=lambda kv: kv[0].label())]
@@ -118,7 +118,8 @@ def plan_from_json(data: dict[str, object], source: str) -> ExecutionPlan:
         raise ValueError(f"not an execution plan of format version {FORMAT_VERSION}")
     try:
         gemms = {
-            GemmKey(int(g["out"]), int(g["in"]), str(g["dtype"]), str(g.get("storage", "dense"))): GemmRule(
+            GemmKey(int(g["out"]), int(g["in"]), str(g["dtype"]), str(g.get("storage", "dense")),
+                    bool(g.get("experts", False))): GemmRule(
                 tuple(int(b) for b in g["bounds"]), tuple(str(m) for m in g["methods"]),
                 {int(b): dict(t) for b, t in g.get("timings_s", {}).items()})
             for g in data["gemms"]  # type: ignore[union-attr]
