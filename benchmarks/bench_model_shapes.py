@@ -1,6 +1,9 @@
 """The shapes of real Granite-4.0-H checkpoints, as config.json dicts, and their tensor shapes.
 
-Pure data and arithmetic (no torch), used by make_bench_model.py and its tests.
+Pure data and arithmetic (no torch), used by make_bench_model.py and its tests. As a script it prints a
+shape's parameter count, its config.json and (``--tensors``) every tensor's shape:
+
+    python -m benchmarks.bench_model_shapes --shape granite-4.0-h-350m [--num-layers 4] [--tensors]
 
 Every size that fixes a tensor shape (layers and their kinds, hidden size, heads, Mamba heads/state/
 groups/conv, MLP and expert sizes, vocabulary) is the published config.json value of the named
@@ -13,8 +16,11 @@ Tensor names follow the Hugging Face GraniteMoeHybrid checkpoint layout (``model
 
 from __future__ import annotations
 
+import argparse
 import copy
-from collections.abc import Iterator
+import json
+import sys
+from collections.abc import Iterator, Sequence
 
 ATTN_EVERY_10 = [5, 15, 25, 35]  # granite-4.0-h-1b / -micro / -tiny: 40 layers, attention at these
 
@@ -194,3 +200,29 @@ def num_params(cfg: dict[str, object]) -> int:
             n *= d
         total += n
     return total
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Print a shape's size, its config.json and optionally its tensors (see the module docstring)."""
+    p = argparse.ArgumentParser(description="The config.json and tensor shapes of a published Granite-4.0-H shape.")
+    p.add_argument("--shape", required=True, choices=sorted(SHAPES))
+    p.add_argument("--num-layers", type=int, default=None, help="keep the first N layers (see bench_config)")
+    p.add_argument("--dtype", default="float32", help="torch_dtype written into the config")
+    p.add_argument("--tensors", action="store_true", help="also every tensor's name and shape, in file order")
+    args = p.parse_args(argv)
+    try:
+        cfg = bench_config(args.shape, num_layers=args.num_layers, dtype=args.dtype)
+    except ValueError as e:
+        p.error(str(e))
+    kinds = list(cfg["layer_types"])  # type: ignore[call-overload]
+    print(f"{args.shape}: {num_params(cfg) / 1e6:.1f}M parameters, {len(kinds)} layers "
+          f"({kinds.count('attention')} attention, {kinds.count('mamba')} mamba)")  # fmt: skip
+    if args.tensors:
+        for name, shape in tensor_shapes(cfg):
+            print(f"{name} {list(shape)}")
+    print(json.dumps(cfg, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -11,21 +11,26 @@ transformers:
 All three run the weights in --dtype (float32, the default, or bfloat16; see peers_commands.py):
 - hyssm: ``launch.py --model-path MODEL --dtype DTYPE [--hyssm-args ...]`` on a free loopback port,
   native /generate (its pool sizes are launch.py's defaults unless --hyssm-args sets them);
-- llama.cpp: ``llama-server -m MODEL.f32.gguf --parallel 32 --threads $(nproc) -c 32*1024``
-  (``MODEL.bf16.gguf`` for bfloat16), native /completion with cache_prompt. The GGUF is converted on
-  first use with the peers script (``llama-server.sh convert ... f32|bf16``) and cached beside the
-  model directory, one file per type (redone when older than the weights); a checkpoint llama.cpp
-  cannot load as it is (e.g. a BPE tokenizer without merges) is converted from a staged copy, see
-  peers_gguf.py. Skipped with a message when the binary (``--llama-server``, default: where
+- llama.cpp: ``llama-server -m MODEL.f32.gguf --parallel 32 --threads $(nproc) -c CTX --metrics``
+  (``MODEL.bf16.gguf`` for bfloat16), native /completion with cache_prompt. CTX (--llama-ctx, see
+  peers_commands.py): by default hyssm's KV pool as its /metrics reports it (llama-server starts once
+  hyssm is ready), so for the peak RSS both hold as many tokens; raised (and said) where a slot could not
+  hold the longest prompt. The report states both servers' configurations (flags, pools, per-slot
+  context). The GGUF is converted on first use (``llama-server.sh convert ... f32|bf16``) and cached
+  beside the model directory, one file per type (redone when older than the weights); a checkpoint
+  llama.cpp cannot load as it is (e.g. a BPE tokenizer without merges) is converted from a staged copy,
+  see peers_gguf.py. Skipped with a message when the binary (``--llama-server``, default: where
   ``llama-server.sh build`` puts it) does not exist; this tool never builds it;
 - transformers: peers_transformers.py in a subprocess, the model loaded in DTYPE (skipped with a message
   when not installed).
 Workload per run k (prompts from random.Random(seed + k), the same for every system; ids avoid the
-config's bos/eos/pad), in this order:
+config's bos/eos/pad; see peers_prompts.py), in this order:
+- warm-up (run 1 only, not measured): one --input-len prompt made of an id reserved for it, 2 new tokens;
 - throughput: --input-len (128) token prompts with --output-len (32) new tokens, greedy, EOS ignored,
   at each concurrency level (one wave of c distinct prompts; transformers: one static batch of c);
   ms per decode token = median inter-token latency at concurrency 1;
-- cold prompt: one new --input-len prompt, 1 new token (its TTFT);
+- cold prompt: one new --input-len prompt sharing no token with the warm-up prompt and no first id with
+  the throughput prompts, 1 new token (its TTFT);
 - continuation of a cached prompt: a --prefix-len (512) token prompt P sent alone, then P plus
   --suffix-len (32) new tokens (TTFT of that request; the server can resume from where P ended);
 - shared prefix, new suffix (many users sharing a system prompt): a fresh --prefix-len prompt P2 (no
@@ -33,6 +38,11 @@ config's bos/eos/pad), in this order:
   one at a time, 1 new token each (not measured: how a server learns the shared prefix), then P2+sC,
   whose TTFT is measured (the server must branch off P2, not continue a previous prompt).
 transformers keeps no cache: it gets the measured prompt of each of the last two as a whole prompt.
+Settle period: before every measured TTFT request (cold, continuation, shared prefix) the server must be
+idle: no request running or queued by its own /metrics for --settle-quiet seconds, its process tree
+under --settle-cpu cores meanwhile (peers_settle.py; bounded by --settle-timeout), so no figure holds the
+tail of the wave before it (e.g. llama-server still busy with the concurrency-32 wave); transformers
+waits likewise until its own process is idle. The seconds waited are in each run's JSON (settle_*_s).
 Peak RSS = the process tree's summed VmRSS over the server's whole life.
 Figures are medians over --runs; see peers_report.py for the table. Servers are stopped (their
 process group only) at the end, on error and on Ctrl-C/SIGTERM.
@@ -47,11 +57,10 @@ import importlib.util
 import json
 import logging
 import os
-import random
 import shlex
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import httpx
@@ -66,18 +75,23 @@ from benchmarks.peers_commands import (  # noqa: E402
     PeersConfig,
     default_llama_server,
     hyssm_command,
+    hyssm_config_line,
     llama_command,
+    llama_config_line,
+    llama_context,
     transformers_job,
 )
 from benchmarks.peers_gguf import gguf_for  # noqa: E402
 from benchmarks.peers_procs import ManagedProcess, PeerError, free_port, stop_on_sigterm  # noqa: E402
+from benchmarks.peers_prompts import RunPrompts, make_prompts, model_ids  # noqa: E402
 from benchmarks.peers_report import format_table, median_runs, to_json  # noqa: E402
+from benchmarks.peers_settle import SettleConfig, read_pools, settle  # noqa: E402
 from benchmarks.serving_metrics import RequestSpec, compute_metrics  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
 REPO = Path(__file__).resolve().parent.parent
-RunPrompts = dict[str, object]
+Pools = dict[str, dict[str, int]]  # server name -> the pool sizes it reported (peers_settle.read_pools)
 
 
 def llama_skip_reason(cfg: PeersConfig) -> str | None:
@@ -102,42 +116,6 @@ def transformers_skip_reason(cfg: PeersConfig, find_spec=importlib.util.find_spe
     return None
 
 
-def make_prompts(cfg: PeersConfig, vocab: int, banned: set[int]) -> list[RunPrompts]:
-    """Per run: {"throughput": {c: [c prompts]}, "cold": [p], "prefix_only": [prefix], "prefix": [prefix+suffix],
-    "shared_warm": [P2+sA, P2+sB], "shared": [P2+sC]}. P2 starts with an id no other prompt of the run starts
-    with (so it shares no prefix with any of them), and sA, sB, sC start with three different ids (so P2+sC
-    shares exactly P2 with the two before it). The draws of the continuation scenario come first, so
-    its prompts are those of earlier versions of this tool."""
-    allowed = vocab - len({t for t in banned if 0 <= t < vocab})
-    out = []
-    for k in range(cfg.runs):
-        rng = random.Random(cfg.seed + k)
-
-        def draw(n: int, avoid_first: frozenset[int] = frozenset(), rng: random.Random = rng) -> list[int]:
-            if len(avoid_first) >= allowed:
-                raise ValueError(f"a vocabulary of {vocab} ids ({len(banned)} banned) is too small for the prompts")
-            ids: list[int] = []
-            while len(ids) < n:
-                t = rng.randrange(vocab)
-                if t not in banned and (ids or t not in avoid_first):
-                    ids.append(t)
-            return ids
-
-        thr = {c: [draw(cfg.input_len) for _ in range(c)] for c in cfg.levels}
-        prefix = draw(cfg.prefix_len)
-        run: RunPrompts = {"throughput": thr, "cold": [draw(cfg.input_len)], "prefix_only": [prefix]}
-        run["prefix"] = [prefix + draw(cfg.suffix_len)]
-        firsts = frozenset(p[0] for c in cfg.levels for p in thr[c]) | {run["cold"][0][0], prefix[0]}  # type: ignore[index]
-        shared = draw(cfg.prefix_len, firsts)
-        suffixes: list[list[int]] = []
-        for _ in range(3):
-            suffixes.append(draw(cfg.suffix_len, frozenset(sfx[0] for sfx in suffixes)))
-        run["shared_warm"] = [shared + suffixes[0], shared + suffixes[1]]
-        run["shared"] = [shared + suffixes[2]]
-        out.append(run)
-    return out
-
-
 async def _one_wave(
     client: httpx.AsyncClient, bc: BenchConfig, prompts: list[list[int]], out_len: int, desc: str
 ) -> dict[str, object]:
@@ -150,10 +128,20 @@ async def _one_wave(
     return m
 
 
+async def _ttft_after_settling(client: httpx.AsyncClient, bc: BenchConfig, prompts: list[list[int]], pid: int | None,
+                               cfg: PeersConfig, desc: str) -> tuple[float, float]:  # fmt: skip
+    """Wait until the server is idle (peers_settle), then one wave of 1 new token each; (TTFT ms, seconds waited)."""
+    sc = SettleConfig(quiet_s=cfg.settle_quiet_s, timeout_s=cfg.settle_timeout_s, max_cpu=cfg.settle_cpu)
+    waited = await settle(client, pid, sc, f"{desc}: settle")
+    w = await _one_wave(client, bc, prompts, 1, desc)
+    return float(w["ttft_ms"]["median"]), waited["settle_s"]  # type: ignore[index]
+
+
 async def measure_http(
-    base_url: str, backend: str, run: RunPrompts, cfg: PeersConfig, warmup: bool
+    base_url: str, backend: str, run: RunPrompts, cfg: PeersConfig, warmup: bool, pid: int | None = None
 ) -> dict[str, float]:
-    """One run's figures against a ready server (see the module docstring)."""
+    """One run's figures against a ready server (see the module docstring); `pid`: its process, whose
+    tree's CPU use the settle period watches (None: its reported load alone)."""
     bc = BenchConfig(base_url=base_url, backend=backend, disable_tqdm=True, timeout_s=cfg.request_timeout_s)
     # a fresh connection per request: llama-server may close an idle keep-alive connection just as the next
     # request goes out on it ("Server disconnected without sending a response"); loopback setup costs ~0.1 ms
@@ -162,42 +150,48 @@ async def measure_http(
     m: dict[str, float] = {}
     async with httpx.AsyncClient(base_url=base_url, limits=limits, timeout=timeout) as client:
         if warmup:  # first-request costs (allocators, lazy init) stay out of the figures
-            await _one_wave(client, bc, [p[:16] for p in run["cold"]], 2, f"{backend} warm-up")  # type: ignore[attr-defined]
+            await _one_wave(client, bc, run["warmup"], 2, f"{backend} warm-up")  # type: ignore[arg-type]
         for c, prompts in run["throughput"].items():  # type: ignore[attr-defined]
             w = await _one_wave(client, bc, prompts, cfg.output_len, f"{backend} concurrency {c}")
             m[f"tps_c{c}"] = float(w["output_token_throughput"])  # type: ignore[arg-type]
             if c == 1:
                 m["decode_ms"] = float(w["itl_ms"]["median"])  # type: ignore[index]
-        cold = await _one_wave(client, bc, run["cold"], 1, f"{backend} cold prompt")  # type: ignore[arg-type]
-        m["ttft_cold_ms"] = float(cold["ttft_ms"]["median"])  # type: ignore[index]
+        m["ttft_cold_ms"], m["settle_cold_s"] = await _ttft_after_settling(
+            client, bc, run["cold"], pid, cfg, f"{backend} cold prompt")  # type: ignore[arg-type]  # fmt: skip
         await _one_wave(client, bc, run["prefix_only"], 1, f"{backend} prefix")  # type: ignore[arg-type]
-        hit = await _one_wave(client, bc, run["prefix"], 1, f"{backend} prefix hit")  # type: ignore[arg-type]
-        m["ttft_prefix_ms"] = float(hit["ttft_ms"]["median"])  # type: ignore[index]
+        m["ttft_prefix_ms"], m["settle_prefix_s"] = await _ttft_after_settling(
+            client, bc, run["prefix"], pid, cfg, f"{backend} prefix hit")  # type: ignore[arg-type]  # fmt: skip
         for i, prompt in enumerate(run["shared_warm"]):  # type: ignore[attr-defined]
             await _one_wave(client, bc, [prompt], 1, f"{backend} shared prefix, request {i + 1}")  # one at a time
-        shared = await _one_wave(client, bc, run["shared"], 1, f"{backend} shared prefix, measured request")  # type: ignore[arg-type]
-        m["ttft_shared_ms"] = float(shared["ttft_ms"]["median"])  # type: ignore[index]
+        m["ttft_shared_ms"], m["settle_shared_s"] = await _ttft_after_settling(
+            client, bc, run["shared"], pid, cfg, f"{backend} shared prefix, measured request")  # type: ignore[arg-type]  # fmt: skip
     return m
 
 
 @dataclasses.dataclass(frozen=True)
 class ServerSpec:
-    """One server to measure: its name in the table, its command, port and HTTP dialect."""
+    """One server to measure: its name in the table, its command, port and HTTP dialect. The command may
+    be a function of the pools the servers started before it reported (built just before it starts)."""
 
     name: str
-    cmd: list[str]
+    cmd: list[str] | Callable[[Pools], list[str]]
     port: int
     backend: str
 
+    def command(self, pools: Pools) -> list[str]:
+        return self.cmd(pools) if callable(self.cmd) else self.cmd
 
-def run_servers(specs: list[ServerSpec], runs: list[RunPrompts], cfg: PeersConfig,
-                log_dir: Path) -> tuple[dict[str, list[dict[str, float]]], list[str]]:  # fmt: skip
-    """Start every server in `specs`, wait until each is ready, then measure run 1 on each in turn, then
+
+def run_servers(specs: list[ServerSpec], runs: list[RunPrompts], cfg: PeersConfig, log_dir: Path,
+                pools: Pools | None = None) -> tuple[dict[str, list[dict[str, float]]], list[str]]:  # fmt: skip
+    """Start every server in `specs` in turn, each once the one before is ready (a hyssm server's pool
+    sizes are read then, into `pools`, which the later commands may use), then measure run 1 on each in turn, then
     run 2, ...: on a machine whose speed drifts from one minute to the next, the systems' k-th runs meet
     the same minute (a server waits idle while another is measured). Returns each server's per-run
     figures, its process tree's peak RSS added to every run, and a note per server that failed (stopped
     then; the others go on). Every server is stopped at the end, on error and on Ctrl-C."""
     procs: dict[str, ManagedProcess] = {}
+    pools = {} if pools is None else pools
     out: dict[str, list[dict[str, float]]] = {s.name: [] for s in specs}
     notes: list[str] = []
 
@@ -208,10 +202,13 @@ def run_servers(specs: list[ServerSpec], runs: list[RunPrompts], cfg: PeersConfi
 
     try:
         for spec in specs:
-            procs[spec.name] = ManagedProcess(spec.name, spec.cmd, log_dir / f"{spec.name}.log", cwd=str(REPO))
+            cmd = spec.command(pools)
+            procs[spec.name] = ManagedProcess(spec.name, cmd, log_dir / f"{spec.name}.log", cwd=str(REPO))
             try:
                 ready_s = procs[spec.name].wait_ready(f"http://127.0.0.1:{spec.port}/health", cfg.ready_timeout_s)
                 logger.info("%s ready in %.1fs", spec.name, ready_s)
+                if spec.backend == "hyssm":
+                    pools[spec.name] = read_pools(f"http://127.0.0.1:{spec.port}")
             except PeerError as e:
                 fail(spec, e)
         for k, run in enumerate(runs):
@@ -220,7 +217,7 @@ def run_servers(specs: list[ServerSpec], runs: list[RunPrompts], cfg: PeersConfi
                     continue
                 try:
                     m = asyncio.run(measure_http(f"http://127.0.0.1:{spec.port}", spec.backend, run, cfg,
-                                                 warmup=k == 0))  # fmt: skip
+                                                 warmup=k == 0, pid=procs[spec.name].proc.pid))  # fmt: skip
                 except PeerError as e:
                     fail(spec, e)
                     continue
@@ -258,19 +255,31 @@ def run_transformers(runs: list[RunPrompts], cfg: PeersConfig, log_dir: Path) ->
     return out
 
 
-def _model_ids(model: str) -> tuple[int, set[int]]:
-    with open(os.path.join(model, "config.json"), encoding="utf-8") as f:
-        c = json.load(f)
-    banned = {c.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
-    return int(c["vocab_size"]), {int(t) for t in banned if isinstance(t, int)}
+def _llama_spec(cfg: PeersConfig, binary: str, gguf: Path, port: int, configs: dict[str, str]) -> ServerSpec:
+    """llama-server's spec, its -c taken from hyssm's reported pools when it starts (and its config line
+    written into `configs` then)."""
+
+    def command(pools: Pools) -> list[str]:
+        ctx, how = llama_context(cfg, pools.get("hyssm", {}).get("kv_tokens"))
+        configs["llama.cpp"] = llama_config_line(cfg, ctx, how)
+        return llama_command(cfg, binary, gguf, port, ctx)
+
+    return ServerSpec("llama.cpp", command, port, "llama-server")
 
 
-def benchmark(cfg: PeersConfig, log_dir: Path) -> tuple[dict[str, dict[str, float | None]], dict[str, list], list[str]]:
-    """Run every system not skipped; returns medians, per-run figures and notes (skips, failures)."""
-    vocab, banned = _model_ids(cfg.model)
+Medians = dict[str, dict[str, float | None]]
+
+
+def benchmark(cfg: PeersConfig, log_dir: Path,
+              configs: dict[str, str] | None = None) -> tuple[Medians, dict[str, list], list[str]]:  # fmt: skip
+    """Run every system not skipped; returns medians, per-run figures and notes (skips, failures). Each
+    server's configuration line (flags, pools) goes into `configs`."""
+    vocab, banned = model_ids(cfg.model)
     runs = make_prompts(cfg, vocab, banned)
     per_run: dict[str, list] = {}
     notes: list[str] = []
+    configs = {} if configs is None else configs
+    pools: Pools = {}
     port = free_port()
     specs = [ServerSpec("hyssm", hyssm_command(cfg, port), port, "hyssm")]
     llama_skip = llama_skip_reason(cfg)
@@ -280,14 +289,14 @@ def benchmark(cfg: PeersConfig, log_dir: Path) -> tuple[dict[str, dict[str, floa
         try:
             gguf, llama_port = gguf_for(cfg.model, cfg.peers_script, log_dir, cfg.gguf_type), free_port()
             binary = cfg.llama_server or str(default_llama_server(cfg.peers_script))
-            specs.append(ServerSpec("llama.cpp", llama_command(cfg, binary, gguf, llama_port), llama_port,
-                                    "llama-server"))  # fmt: skip
+            specs.append(_llama_spec(cfg, binary, gguf, llama_port, configs))
         except PeerError as e:
             notes.append(f"llama.cpp: failed: {e}")
     for group in [[spec] for spec in specs] if cfg.sequential else [specs]:
-        measured, failed = run_servers(group, runs, cfg, log_dir)
+        measured, failed = run_servers(group, runs, cfg, log_dir, pools)
         per_run.update(measured)
         notes.extend(failed)
+    configs["hyssm"] = hyssm_config_line(cfg, pools.get("hyssm"))
     skip = transformers_skip_reason(cfg)
     if skip:
         notes.append(skip)
@@ -303,7 +312,8 @@ def benchmark(cfg: PeersConfig, log_dir: Path) -> tuple[dict[str, dict[str, floa
         f"continuation: a {cfg.prefix_len}-token prompt, then it + {cfg.suffix_len} new prompt tokens; "
         f"shared prefix: a new {cfg.prefix_len}-token prefix with 3 distinct {cfg.suffix_len}-token suffixes "
         f"sent in turn, the third measured; "
-        f"medians of {cfg.runs} run(s); threads {cfg.threads}",
+        f"medians of {cfg.runs} run(s); threads {cfg.threads}; before each measured TTFT the server idle (no "
+        f"request running or queued) for {cfg.settle_quiet_s:g}s with its processes under {cfg.settle_cpu:g} cores",
     )
     return medians, per_run, notes
 
@@ -323,6 +333,14 @@ def parse_args(argv: Sequence[str] | None = None) -> PeersConfig:
            "their runs alternate")
     a("--llama-server", default=None, metavar="PATH", help="llama-server binary (default: llama-server.sh's)")
     a("--hyssm-args", default="", help="extra launch.py flags, one string (e.g. '--max-mamba-cache-size 64')")
+    a("--llama-ctx", default="hyssm", metavar="hyssm|workload|N",
+      help="llama-server -c: hyssm = hyssm's KV pool as its server reports it (default; the same tokens in memory), "
+           "workload = what the prompts need, N = N tokens; raised where a slot could not hold the longest prompt")
+    a("--settle-quiet", dest="settle_quiet_s", type=float, default=0.5,
+      help="before each measured TTFT: seconds the server must report no request running or queued")
+    a("--settle-cpu", type=float, default=0.25, help="cores the server's processes may use in that quiet window")
+    a("--settle-timeout", dest="settle_timeout_s", type=float, default=120.0,
+      help="seconds to wait for a server to settle before the run fails")
     a("--peers-script", default=str(DEFAULT_PEERS_SCRIPT), help="llama-server.sh (build / convert)")
     a("--threads", type=int, default=os.cpu_count() or 1, help="llama-server --threads and transformers threads")
     a("--levels", default="1,8,32", help="concurrency levels, comma-separated")
@@ -353,7 +371,10 @@ def parse_args(argv: Sequence[str] | None = None) -> PeersConfig:
     ns.hyssm_args = tuple(shlex.split(ns.hyssm_args))
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     del ns.log_level
-    return PeersConfig(**vars(ns))
+    try:
+        return PeersConfig(**vars(ns))
+    except ValueError as e:  # --llama-ctx, --settle-*
+        p.error(str(e))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -363,10 +384,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         log_dir = Path(cfg.log_dir or tempfile.mkdtemp(prefix="bench_peers_"))
         log_dir.mkdir(parents=True, exist_ok=True)
         logger.info("logs in %s", log_dir)
-        medians, per_run, notes = benchmark(cfg, log_dir)
-    print(format_table(medians, notes, dtype=cfg.weights))
+        configs: dict[str, str] = {}
+        medians, per_run, notes = benchmark(cfg, log_dir, configs)
+    print(format_table(medians, notes, dtype=cfg.weights, configs=configs))
     if cfg.output_json:
-        Path(cfg.output_json).write_text(to_json(medians, per_run, notes, dataclasses.asdict(cfg), dtype=cfg.weights))
+        Path(cfg.output_json).write_text(to_json(medians, per_run, notes, dataclasses.asdict(cfg), dtype=cfg.weights,
+                                                 configs=configs))  # fmt: skip
     if cfg.plot and medians:
         from benchmarks.bench_plots import plot_peers, save_figure
 

@@ -7,14 +7,22 @@
 - ``plot_peers``: bench_peers' medians: output tok/s against concurrency (one line per system) and
   the TTFT of each scenario, ms per decode token and peak RSS as bars grouped by system.
 Both return the ``matplotlib.figure.Figure`` (no pyplot, so no global state and no display needed);
-``save_figure`` writes it as PNG. Missing values (None/NaN) are left out of a line.
+``save_figure`` writes it as PNG. Missing values (None/NaN) are left out of a line. As a script it
+redraws a figure from the JSON a benchmark wrote:
+
+    python -m benchmarks.bench_plots --peers peers.json -o peers.png   # bench_peers --output-json
+    python -m benchmarks.bench_plots --sweep sweep.json -o sweep.png   # bench_serving --sweep-* --out-json
 """
 
 from __future__ import annotations
 
+import argparse
+import importlib.util
+import json
 import logging
 import math
 import re
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -138,3 +146,29 @@ def save_figure(fig: Any, path: str | Path, dpi: int = 80) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, format="png", dpi=dpi)
     logger.info("wrote %s", path)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Redraw a bench_peers or sweep figure from its JSON (see the module docstring)."""
+    p = argparse.ArgumentParser(description="Redraw a benchmark figure (PNG) from the JSON the benchmark wrote.")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--peers", metavar="JSON", help="bench_peers --output-json: its medians")
+    src.add_argument("--sweep", metavar="JSON", help="a load sweep's document (bench_serving --sweep-*)")
+    p.add_argument("-o", "--output", required=True, metavar="PNG")
+    p.add_argument("--title", default=None, help="bench_peers figure title")
+    args = p.parse_args(argv)
+    if importlib.util.find_spec("matplotlib") is None:
+        p.error("needs matplotlib: pip install 'hyssm[bench]' (or pip install matplotlib)")
+    with open(args.peers or args.sweep, encoding="utf-8") as f:
+        doc = json.load(f)
+    if args.peers:
+        fig = plot_peers(doc["medians"], **({"title": args.title} if args.title else {}))
+    else:
+        fig = plot_sweep(doc)
+    save_figure(fig, args.output)
+    print(f"wrote {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

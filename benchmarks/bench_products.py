@@ -29,7 +29,7 @@ from worker_proc.host.numerics import flush_denormals
 from worker_proc.linear.formats import THROUGHPUT_KERNELS
 from worker_proc.linear.kernels import COPIES, GemmKernel
 from worker_proc.linear.site import GemmSite
-from worker_proc.quant.quantize import quantize_weight
+from worker_proc.loading.quantize import quantize_weight
 
 STORAGES = ("dense", "int8", "int4", "fp8")
 

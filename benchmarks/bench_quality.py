@@ -2,7 +2,8 @@
 greedy agreement with the unquantized model, for every mode.
 
     python benchmarks/bench_quality.py [--model-path DIR] [--text FILE] [--tokens 4096] [--chunk 512]
-        [--greedy-tokens 256] [--modes int8,int4,fp8,state:bfloat16,state:int8] [--output-json FILE]
+        [--greedy-tokens 256] [--modes int8,int4,fp8,state:bfloat16,state:int8] [--roundtrip-tokens 4096]
+        [--store-every 64] [--window 512] [--state-dtypes float32,bfloat16,int8] [--small] [--output-json FILE]
 
 In process, one runner per mode (`--quantization` for `int8` / `int4` / `fp8`, `--mamba-ssm-dtype` for
 `state:DTYPE`), each against the baseline (the model dtype's weights, float32 state):
@@ -13,7 +14,13 @@ In process, one runner per mode (`--quantization` for `int8` / `int4` / `fp8`, `
   against the baseline in percent;
 - greedy agreement: the baseline's `--greedy-tokens` greedy tokens after the text's first 64 tokens,
   the mode free-running from the same prompt (its first divergence) and teacher-forced on the
-  baseline's tokens (the share of positions whose next token it picks the same).
+  baseline's tokens (the share of positions whose next token it picks the same);
+- state round trip (quality_roundtrip.py), for every state dtype (`--state-dtypes`, default all of
+  `--mamba-ssm-dtype`'s): `--roundtrip-tokens` greedy tokens after the text's first 64 tokens whose
+  recurrent state is stored and resumed from its stored bytes every `--store-every` positions, against
+  the uninterrupted float32 run: max/mean |logit difference| and top-1 agreement teacher-forced, token
+  agreement free-running, per `--window` positions (0 round-trip tokens: skipped).
+`--small`: a few hundred tokens of each (what the tests run); explicit flags win.
 """
 
 from __future__ import annotations
@@ -27,15 +34,19 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.quality_roundtrip import DEFAULT_STORE_EVERY, STATE_DTYPES, print_roundtrip, run_roundtrip
 from shared.config import builtin_model_dir
 from shared.messages import ReqSlice, SamplingParams
 from worker_proc.host.numerics import flush_denormals
+from worker_proc.runtime.config import WorkerConfig
 from worker_proc.runtime.runner import ModelRunner
 
 HELD_OUT = Path(__file__).resolve().parent / "data" / "heldout.txt"
 GREEDY = SamplingParams(temperature=0.0)
 PROMPT_TOKENS = 64
 DEFAULT_MODES = "int8,int4,fp8,state:bfloat16,state:int8"
+SIZES = {"tokens": 4096, "chunk": 512, "greedy_tokens": 256, "roundtrip_tokens": 4096, "window": 512}
+SMALL = {"tokens": 256, "chunk": 64, "greedy_tokens": 16, "roundtrip_tokens": 192, "window": 64}
 
 
 @dataclass(frozen=True)
@@ -131,8 +142,12 @@ def run(model_path: str, text: str, tokens: int, chunk: int, gen_tokens: int, mo
     kv = max(len(ids), PROMPT_TOKENS + gen_tokens) + 1
 
     def runner(mode: Mode) -> ModelRunner:
-        return ModelRunner(model_path, dtype=dtype, kv_slots=kv, state_slots=2, quantization=mode.quantization,
-                           state_dtype=mode.state_dtype)  # fmt: skip
+        return ModelRunner(
+            model_path,
+            WorkerConfig(
+                dtype=dtype, kv_slots=kv, state_slots=2, quantization=mode.quantization, state_dtype=mode.state_dtype
+            ),
+        )
 
     results = {"baseline": measure(runner(Mode("baseline")), ids, chunk, gen_tokens, None)}
     for mode in modes:
@@ -144,46 +159,71 @@ def run(model_path: str, text: str, tokens: int, chunk: int, gen_tokens: int, mo
 
 def print_report(results: dict[str, dict], header: str) -> None:
     print(header)
-    print(f"{'mode':>15} | {'perplexity':>10} | {'change':>8} | {'worst chunk':>11} | {'greedy same until':>17} | "
-          f"{'next token agrees':>17}")
+    print(
+        f"{'mode':>15} | {'perplexity':>10} | {'change':>8} | {'worst chunk':>11} | {'greedy same until':>17} | "
+        f"{'next token agrees':>17}"
+    )
     for name, r in results.items():
         change = r.get("perplexity_change_pct")
         worst = max(r.get("perplexity_change_pct_by_chunk", [0.0]))
         first = r.get("greedy_first_divergence", "")
         agree = r.get("greedy_forced_agreement")
-        print(f"{name:>15} | {r['perplexity']:>10.4f} | "
-              f"{'' if change is None else f'{change:+.2f}%':>8} | {'' if change is None else f'{worst:+.2f}%':>11} | "
-              f"{'all' if first is None else str(first):>17} | {'' if agree is None else f'{agree:.3f}':>17}")
+        print(
+            f"{name:>15} | {r['perplexity']:>10.4f} | "
+            f"{'' if change is None else f'{change:+.2f}%':>8} | {'' if change is None else f'{worst:+.2f}%':>11} | "
+            f"{'all' if first is None else str(first):>17} | {'' if agree is None else f'{agree:.3f}':>17}"
+        )
 
 
 def main(argv: list[str] | None = None) -> dict[str, dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model-path", default=builtin_model_dir())
     ap.add_argument("--text", default=str(HELD_OUT), help="held-out text (the model was not trained on it)")
-    ap.add_argument("--tokens", type=int, default=4096, help="tokens of the text scored")
-    ap.add_argument("--chunk", type=int, default=512, help="tokens per prefill step (and per reported chunk)")
-    ap.add_argument("--greedy-tokens", type=int, default=256)
+    ap.add_argument("--tokens", type=int, help="tokens of the text scored (default 4096; --small 256)")
+    ap.add_argument("--chunk", type=int, help="tokens per prefill step (and per reported chunk; default 512)")
+    ap.add_argument("--greedy-tokens", type=int, help="default 256; --small 16")
     ap.add_argument("--modes", default=DEFAULT_MODES)
+    ap.add_argument("--roundtrip-tokens", type=int, help="state round trip: greedy tokens (default 4096; 0: skip)")
+    ap.add_argument("--store-every", type=int, default=DEFAULT_STORE_EVERY,
+                    help="state round trip: positions between a store and resume (--state-cache-block-tokens)")
+    ap.add_argument("--window", type=int, help="state round trip: positions per reported window (default 512)")
+    ap.add_argument("--state-dtypes", default="", help="state round trip: comma-separated (default: every one)")
+    ap.add_argument("--small", action="store_true", help="a few hundred tokens of everything: " + str(SMALL))
     ap.add_argument("--dtype", default="float32", help="the model dtype (--dtype)")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--output-json", default="")
     args = ap.parse_args(argv)
-    if min(args.tokens, args.chunk, args.greedy_tokens) < 1:
-        ap.error("--tokens, --chunk and --greedy-tokens must be positive")
+    for key, value in (SMALL if args.small else SIZES).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if min(args.tokens, args.chunk, args.greedy_tokens, args.window, args.store_every) < 1 or args.roundtrip_tokens < 0:
+        ap.error("--tokens, --chunk, --greedy-tokens, --window and --store-every must be positive, "
+                 "--roundtrip-tokens >= 0")  # fmt: skip
     try:
         modes = [Mode.parse(m) for m in args.modes.split(",") if m]
     except ValueError as e:
         ap.error(str(e))
+    dtypes = [d for d in args.state_dtypes.split(",") if d] or list(STATE_DTYPES)
+    if unknown := [d for d in dtypes if d not in STATE_DTYPES]:
+        ap.error(f"unknown state dtype(s) {', '.join(unknown)} for --state-dtypes (known: {', '.join(STATE_DTYPES)})")
     flush_denormals()  # as a worker process does, before its first parallel region
     torch.set_num_threads(args.threads)
     results = run(args.model_path, args.text, args.tokens, args.chunk, args.greedy_tokens, modes, args.dtype)
     n = results["baseline"]["tokens"]
-    print_report(results, f"{args.model_path}: perplexity over {n} tokens of {args.text} in {args.chunk}-token "
-                          f"steps; greedy: {args.greedy_tokens} tokens after its first {PROMPT_TOKENS}")
+    print_report(
+        results,
+        f"{args.model_path}: perplexity over {n} tokens of {args.text} in {args.chunk}-token "
+        f"steps; greedy: {args.greedy_tokens} tokens after its first {PROMPT_TOKENS}",
+    )
+    public = {name: {k: v for k, v in r.items() if not k.startswith("_")} for name, r in results.items()}
+    doc = {"model": args.model_path, "text": args.text, "results": public}
+    if args.roundtrip_tokens:
+        prompt = text_ids(args.model_path, args.text)[:PROMPT_TOKENS]
+        doc["state_roundtrip"] = results["state_roundtrip"] = run_roundtrip(
+            args.model_path, args.dtype, prompt, args.roundtrip_tokens, args.store_every, args.window, dtypes)
+        print_roundtrip(doc["state_roundtrip"])
     if args.output_json:
-        public = {name: {k: v for k, v in r.items() if not k.startswith("_")} for name, r in results.items()}
-        Path(args.output_json).write_text(json.dumps({"model": args.model_path, "text": args.text,
-                                                      "results": public}, indent=1))  # fmt: skip
+        Path(args.output_json).write_text(json.dumps(doc, indent=1))
     return results
 
 

@@ -37,11 +37,12 @@ import httpx
 if __package__ in (None, ""):  # run as a file: make the repo importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.bench_peers import _model_ids, _one_wave, llama_skip_reason  # noqa: E402
+from benchmarks.bench_peers import _one_wave, llama_skip_reason  # noqa: E402
 from benchmarks.bench_serving import BenchConfig  # noqa: E402
 from benchmarks.peers_commands import DTYPES, PeersConfig, default_llama_server, hyssm_command, llama_command  # noqa: E402
 from benchmarks.peers_gguf import gguf_for  # noqa: E402
 from benchmarks.peers_procs import ManagedProcess, PeerError, free_port  # noqa: E402
+from benchmarks.peers_prompts import model_ids  # noqa: E402
 from benchmarks.server_stats import prometheus_sum  # noqa: E402
 
 logger = logging.getLogger(__name__)
@@ -139,7 +140,7 @@ def run_system(name: str, cmd: list[str], port: int, backend: str, cfg: SpecConf
 
 def benchmark(cfg: SpecConfig, log_dir: Path) -> tuple[dict[str, dict[str, float]], list[str]]:
     p = cfg.peers
-    vocab, banned = _model_ids(p.model)
+    vocab, banned = model_ids(p.model)
     results: dict[str, list[dict[str, float]]] = {}
     notes: list[str] = []
     port = free_port()

@@ -14,7 +14,10 @@ server of ``--backend`` / ``--base-url``. Levels run in the order given, target 
 Output: one summary line per (target, level); the JSON document (``--out-json``, else ``--output-json``,
 else the plot's path with ``.json``) {"sweep": "concurrency"|"rate", "levels", "targets": [{"label", "backend",
 "base_url", "points": [{"load", ...bench_serving's metrics of that level}]}], "config"}, from which
-bench_plots.plot_sweep draws ``--plot`` (so a figure can be redrawn from its JSON).
+bench_plots.plot_sweep draws ``--plot`` (so a figure can be redrawn from its JSON). As a script it reads
+such a document back: one summary line per (target, level), and the figure again with ``--plot``:
+
+    python -m benchmarks.bench_sweep sweep.json [--plot sweep.png]
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ import importlib.util
 import json
 import logging
 import math
-from collections.abc import Awaitable, Callable
+import sys
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -163,3 +167,23 @@ def check_plotting(opts: SweepOptions) -> None:
     """Fail before any load is sent when --plot is asked for without matplotlib."""
     if opts.plot and importlib.util.find_spec("matplotlib") is None:
         raise SystemExit("--plot needs matplotlib: pip install 'hyssm[bench]' (or pip install matplotlib)")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Summarise (and redraw) a sweep from its JSON document; exit 1 when some level completed nothing."""
+    p = argparse.ArgumentParser(description="Summarise a load sweep's JSON document (run one with bench_serving.py "
+                                            "--sweep-concurrency or --sweep-rate).")  # fmt: skip
+    p.add_argument("json", metavar="SWEEP_JSON")
+    p.add_argument("--plot", default=None, metavar="PNG", help="redraw its figure (needs matplotlib)")
+    args = p.parse_args(argv)
+    with open(args.json, encoding="utf-8") as f:
+        doc = json.load(f)
+    opts = SweepOptions(doc["sweep"], tuple(doc["levels"]), plot=args.plot)
+    check_plotting(opts)
+    print("\n".join(summary_lines(doc)))
+    write_outputs(doc, opts)
+    return 1 if some_level_failed(doc) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -9,14 +9,19 @@ Layout of the ids (vocab_size V, for Granite-4.0 V = 100352):
   eos and bos, then role, FIM and tool tokens), padded with ``<|reserved_special_token_k|>``.
 The pre-tokenizer is ByteLevel with the GPT-2 split regex (what llama.cpp's converter assumes for
 an unknown BPE tokenizer), so text tokenizes alike in both. The text it produces means nothing: the
-benchmarks send token ids.
+benchmarks send token ids. As a script it writes one into a folder:
+
+    python -m benchmarks.bench_tokenizer OUT_DIR [--vocab-size 100352]
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import string
+import sys
+from collections.abc import Sequence
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
@@ -129,3 +134,22 @@ def write_tokenizer(out_dir: str, vocab_size: int) -> dict[str, int]:
     eos, pad = tok.token_to_id(EOS_TOKEN), tok.token_to_id(PAD_TOKEN)
     assert eos is not None and pad is not None
     return {"eos": eos, "pad": pad}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Write tokenizer.json and tokenizer_config.json into OUT_DIR (created); print the eos/pad ids."""
+    p = argparse.ArgumentParser(description="Write a synthetic byte-level BPE tokenizer of a given vocabulary size.")
+    p.add_argument("out_dir", metavar="OUT_DIR")
+    p.add_argument("--vocab-size", type=int, default=100352, help="ids in all (Granite-4.0: 100352)")
+    args = p.parse_args(argv)
+    os.makedirs(args.out_dir, exist_ok=True)
+    try:
+        ids = write_tokenizer(args.out_dir, args.vocab_size)
+    except ValueError as e:
+        p.error(str(e))
+    print(f"{args.out_dir}: {args.vocab_size} ids, eos {ids['eos']}, pad {ids['pad']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -4,6 +4,11 @@ Every system runs the checkpoint in the one --dtype (DTYPES):
 - hyssm: ``launch.py --model-path MODEL --dtype DTYPE`` on a loopback port;
 - llama.cpp: ``llama-server -m MODEL.TYPE.gguf``, TYPE = GGUF_TYPES[DTYPE] (f32, bf16), the type the
   checkpoint is converted to and a part of the cached file's name (peers_gguf), so both coexist;
+  ``--parallel`` = the highest concurrency level, ``-c`` (its KV cache in tokens, split evenly over the
+  slots) by ``--llama-ctx`` (`llama_context`): ``hyssm`` (the default) = hyssm's KV pool as that server
+  reports it, so both hold the same number of tokens in memory; ``workload`` = just what the prompts
+  need; a number = that many tokens. It is raised, and the report says so, where it would not give
+  every slot room for the longest prompt plus its output;
 - transformers: peers_transformers.py's job carries DTYPE (``from_pretrained(..., dtype=DTYPE)``).
 """
 
@@ -53,12 +58,20 @@ class PeersConfig:
     plot: str | None = None  # PNG of the medians (bench_plots.plot_peers)
     log_dir: str | None = None
     quantization: str = ""  # "" or a key of QUANTIZED_GGUF: hyssm --quantization, llama.cpp's matching file
+    llama_ctx: str = "hyssm"  # llama-server -c: "hyssm" (its KV pool), "workload" or a token count
+    settle_quiet_s: float = 0.5  # before a measured TTFT: the server idle this long (peers_settle)
+    settle_timeout_s: float = 120.0
+    settle_cpu: float = 0.25  # cores the server's processes may use in that quiet window
 
     def __post_init__(self) -> None:
         if self.dtype not in GGUF_TYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.quantization and self.quantization not in QUANTIZED_GGUF:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZED_GGUF)}, got {self.quantization!r}")
+        if self.llama_ctx not in ("hyssm", "workload") and not (self.llama_ctx.isdigit() and int(self.llama_ctx) > 0):
+            raise ValueError(f"--llama-ctx must be hyssm, workload or a positive token count, got {self.llama_ctx!r}")
+        if self.settle_quiet_s < 0 or self.settle_cpu < 0 or self.settle_timeout_s <= 0:
+            raise ValueError("--settle-quiet and --settle-cpu must be >= 0, --settle-timeout > 0")
 
     @property
     def gguf_type(self) -> str:
@@ -92,21 +105,67 @@ def hyssm_command(cfg: PeersConfig, port: int) -> list[str]:
             *cfg.hyssm_args]  # fmt: skip
 
 
-def llama_command(cfg: PeersConfig, binary: str, gguf: Path, port: int) -> list[str]:
+def slot_tokens(cfg: PeersConfig) -> int:
+    """What one llama-server slot must hold: the longest prompt plus its output."""
+    return max(cfg.input_len, cfg.prefix_len + cfg.suffix_len) + cfg.output_len
+
+
+def llama_context(cfg: PeersConfig, hyssm_kv_tokens: int | None) -> tuple[int, str]:
+    """llama-server's -c for `cfg.llama_ctx` (see the module docstring) and a phrase saying how it was
+    sized. `hyssm_kv_tokens`: hyssm's KV pool as its server reported it (None: not known)."""
+    parallel = max(cfg.levels)
+    workload = parallel * 1024 * max(1, -(-slot_tokens(cfg) // 1024))  # whole KiB per slot
+    if cfg.llama_ctx == "workload":
+        ctx, how = workload, "sized for the workload (--llama-ctx workload)"
+    elif cfg.llama_ctx == "hyssm" and hyssm_kv_tokens:
+        ctx, how = hyssm_kv_tokens, "hyssm's KV pool"
+    elif cfg.llama_ctx == "hyssm":
+        ctx, how = workload, "sized for the workload: hyssm's KV pool is unknown (its server did not start or say)"
+    else:
+        ctx, how = int(cfg.llama_ctx), "--llama-ctx"
+    need = parallel * slot_tokens(cfg)
+    if ctx < need:
+        how += f", raised from {ctx} so that each of the {parallel} slots holds {slot_tokens(cfg)} tokens"
+        ctx = need
+    return ctx, how
+
+
+def llama_command(cfg: PeersConfig, binary: str, gguf: Path, port: int, ctx: int | None = None) -> list[str]:
     """llama-server on `gguf` (cfg.gguf_type) at 127.0.0.1:`port`: one slot per request of the highest
-    level, each with a context of whole KiB that holds the longest prompt plus its output."""
-    longest = max(cfg.input_len, cfg.prefix_len + cfg.suffix_len) + cfg.output_len
-    ctx = max(cfg.levels) * 1024 * max(1, -(-longest // 1024))
+    level, a KV cache of `ctx` tokens in all (default: `llama_context` without hyssm's pool), and
+    /metrics on (what peers_settle reads)."""
+    ctx = llama_context(cfg, None)[0] if ctx is None else ctx
     return [binary, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "--parallel", str(max(cfg.levels)),
-            "--threads", str(cfg.threads), "-c", str(ctx), "--no-webui"]  # fmt: skip
+            "--threads", str(cfg.threads), "-c", str(ctx), "--no-webui", "--metrics"]  # fmt: skip
+
+
+def hyssm_config_line(cfg: PeersConfig, pools: dict[str, int] | None) -> str:
+    """hyssm's configuration for the report: its flags and the pools its server reported."""
+    flags = " ".join(hyssm_command(cfg, 0)[2:]).replace(" --host 127.0.0.1 --port 0", "")
+    if pools:
+        sizes = (f"KV pool {pools.get('kv_tokens', '?')} token slots shared by all requests, "
+                 f"{pools.get('state_slots', '?')} recurrent-state slots (requests, cached prefixes, checkpoints)")
+    else:
+        sizes = "pools not read (the server did not start)"
+    return f"hyssm: launch.py {flags}; {sizes}"
+
+
+def llama_config_line(cfg: PeersConfig, ctx: int, how: str) -> str:
+    """llama-server's configuration for the report: slots, context (and how it was sized), cache type."""
+    parallel = max(cfg.levels)
+    return (f"llama.cpp: llama-server {cfg.gguf_type} GGUF --parallel {parallel} -c {ctx} ({how}): {ctx // parallel} "
+            f"KV tokens per slot, one recurrent state per slot ({parallel}), KV cache type llama.cpp's default (f16)")
 
 
 def transformers_job(runs: list[dict[str, object]], cfg: PeersConfig) -> dict[str, object]:
-    """peers_transformers.py's job: the model, dtype, threads, output length and each run's prompts."""
+    """peers_transformers.py's job: the model, dtype, threads, output length, the warm-up prompt, the
+    settle rule and each run's prompts."""
     return {
         "model": cfg.model,
         "dtype": cfg.dtype,
         "threads": cfg.threads,
         "output_len": cfg.output_len,
+        "warmup": runs[0]["warmup"][0],  # type: ignore[index]  # one prompt
+        "settle": {"quiet_s": cfg.settle_quiet_s, "timeout_s": cfg.settle_timeout_s, "max_cpu": cfg.settle_cpu},
         "runs": [{k: r[k] for k in ("throughput", "cold", "prefix", "shared")} for r in runs],
     }

@@ -7,7 +7,9 @@ Contracts:
 - readiness = the health URL answers 200 before the deadline; the process exiting first, or the
   deadline passing, raises PeerError with the tail of its log;
 - RSS = the sum of VmRSS over the root process and all its descendants (found through the ppid field
-  of /proc/PID/stat), sampled every `interval_s` by a daemon thread; the peak is kept.
+  of /proc/PID/stat), sampled every `interval_s` by a daemon thread; the peak is kept;
+- CPU time of a tree = the sum of utime + stime of its live processes (`tree_cpu_seconds`), what
+  peers_settle reads to tell that a server has gone quiet.
 """
 
 from __future__ import annotations
@@ -94,6 +96,23 @@ def tree_rss_bytes(root: int, proc: Path = Path("/proc")) -> int:
         except OSError:
             continue
     return total
+
+
+def parse_cpu_ticks(stat_text: str) -> int:
+    """utime + stime (clock ticks) from a /proc/PID/stat line."""
+    fields = stat_text[stat_text.rindex(")") + 2 :].split()
+    return int(fields[11]) + int(fields[12])
+
+
+def tree_cpu_seconds(root: int, proc: Path = Path("/proc")) -> float:
+    """CPU seconds (user + system) the live processes of root's tree have used so far."""
+    ticks = 0
+    for pid in process_tree(root, proc):
+        try:
+            ticks += parse_cpu_ticks((proc / str(pid) / "stat").read_text())
+        except (OSError, ValueError, IndexError):
+            continue  # exited while we looked
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 class RssSampler:

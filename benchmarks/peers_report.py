@@ -4,7 +4,10 @@ A system's result is {metric key: value or None}; None (not measured, or the
 system skipped) prints as "-" and gives no ratio. Ratios are hyssm / peer for every metric; the
 row label says which way is better (tok/s: higher, ms and MiB: lower), so for tok/s a ratio > 1
 means hyssm is ahead and for latencies and memory a ratio < 1 does. The weights' dtype, the same in
-every system, is a line of the table and a top-level key of the JSON.
+every system, is a line of the table and a top-level key of the JSON; so is each server's configuration
+(``configs``: {system: one line}: its flags and memory pools, e.g. hyssm's KV and state pools and
+llama-server's --parallel / -c and how that context was sized), one ``config:`` line each, since a peak
+RSS means little without the pools behind it.
 """
 
 from __future__ import annotations
@@ -81,10 +84,14 @@ def build_rows(results: Mapping[str, Mapping[str, float | None]]) -> list[list[s
 
 
 def format_table(
-    results: Mapping[str, Mapping[str, float | None]], notes: Sequence[str] = (), dtype: str | None = None
+    results: Mapping[str, Mapping[str, float | None]],
+    notes: Sequence[str] = (),
+    dtype: str | None = None,
+    configs: Mapping[str, str] | None = None,
 ) -> str:
-    """A Markdown table of the median figures with ratio columns; the dtype line (when given) and the
-    notes (e.g. skip messages) below, the notes last."""
+    """A Markdown table of the median figures with ratio columns; the dtype line (when given), one
+    ``config:`` line per system configuration (in SYSTEMS order) and the notes (e.g. skip messages)
+    below, the notes last."""
     header = ["metric", *SYSTEMS, *(f"hyssm/{p}" for p in PEERS)]
     rows = [header, *build_rows(results)]
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
@@ -102,8 +109,14 @@ def format_table(
     out.append("ratios are hyssm/peer; '+' marks where hyssm is ahead (tok/s ratio > 1, ms/MiB ratio < 1)")
     if dtype is not None:
         out.append(f"weights: {dtype} (hyssm --dtype / --quantization, llama.cpp's GGUF type, transformers' dtype)")
+    configs = configs or {}
+    out.extend(f"config: {configs[s]}" for s in sorted(configs, key=_system_order))
     out.extend(f"note: {n}" for n in notes)
     return "\n".join(out)
+
+
+def _system_order(name: str) -> tuple[int, str]:
+    return (SYSTEMS.index(name) if name in SYSTEMS else len(SYSTEMS), name)
 
 
 def to_json(
@@ -112,13 +125,16 @@ def to_json(
     notes: Sequence[str],
     config: Mapping[str, object],
     dtype: str | None = None,
+    configs: Mapping[str, str] | None = None,
 ) -> str:
-    """Strict JSON of the dtype, the medians, the ratios, every run, the notes and the config."""
+    """Strict JSON of the dtype, the medians, the ratios, every run, the notes, the invocation's config
+    and each system's configuration line (``configs``)."""
     ratios = {
         f"hyssm/{p}": {
             m.key: ratio(results.get("hyssm", {}).get(m.key), results.get(p, {}).get(m.key)) for m in METRICS
         }
         for p in PEERS
     }
-    doc = {"dtype": dtype, "medians": results, "ratios": ratios, "runs": runs, "notes": list(notes), "config": config}
+    doc = {"dtype": dtype, "medians": results, "ratios": ratios, "runs": runs, "notes": list(notes), "config": config,
+           "configs": dict(configs or {})}  # fmt: skip
     return json.dumps(doc, indent=2, allow_nan=False)

@@ -3,7 +3,9 @@
 Run by bench_peers as ``python benchmarks/peers_transformers.py JOB.json OUT.json``;
 transformers is imported only here (it is not a dependency of the project). JOB holds the model
 directory, its dtype (``float32`` when absent; the model is loaded in it and OUT's ``dtype`` says
-which dtype its parameters had), the thread count, the output length and, per run, the same prompts the
+which dtype its parameters had), the thread count, the output length, the ``warmup`` prompt (one list
+of ids: generated 2 tokens on before anything is timed; no measured prompt shares a token with it), the
+``settle`` rule ({"quiet_s", "timeout_s", "max_cpu"}, see `settle`) and, per run, the same prompts the
 servers get:
 ``throughput`` {batch size: [prompts]}, ``cold`` [prompt], ``prefix`` [prefix + suffix], ``shared``
 [shared prefix + third suffix] (each a list of token ids; all prompts of a batch have the same length,
@@ -11,7 +13,8 @@ so no padding). OUT gets, per run, the
 bench_peers metric keys (see peers_report.METRICS). Definitions (greedy, EOS ignored through
 min_new_tokens = max_new_tokens):
 - ``tps_cB``: B * out / seconds of one static-batch generate of B prompts;
-- ``ttft_cold_ms``: generate of 1 token on the cold prompt (prefill + one step);
+- ``ttft_cold_ms``: generate of 1 token on the cold prompt (prefill + one step), after `settle`
+  (as each TTFT below; the seconds waited are ``settle_*_s``);
 - ``ttft_prefix_ms``: the same on the continuation prompt, prefix + suffix (transformers keeps no
   cache across calls, so it is a whole prompt);
 - ``ttft_shared_ms``: the same on the shared-prefix scenario's measured prompt (also a whole prompt;
@@ -22,6 +25,7 @@ min_new_tokens = max_new_tokens):
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import statistics
@@ -58,6 +62,27 @@ def _generate(model: Any, torch: Any, prompts: list[list[int]], new: int, pad_id
 
 
 DTYPES = ("float32", "bfloat16")
+SETTLE_POLL_S = 0.05
+
+
+def settle(quiet_s: float = 0.5, timeout_s: float = 120.0, max_cpu: float = 0.25,
+           cpu_clock: Any = time.process_time) -> float:  # fmt: skip
+    """Before a timed generate, as bench_peers waits for an idle server: collect garbage, then wait until
+    this process (every thread: torch's OpenMP workers spin on after a parallel region) used at most
+    `max_cpu` cores over a window of `quiet_s` seconds; a busier window starts afresh. Returns the seconds
+    waited; RuntimeError after `timeout_s`."""
+    gc.collect()
+    t0 = time.monotonic()
+    start, cpu0 = t0, cpu_clock()
+    while True:
+        time.sleep(SETTLE_POLL_S)  # polling period of the CPU clock (the condition is read below)
+        now, cpu = time.monotonic(), cpu_clock()
+        if now - start >= quiet_s:
+            if (cpu - cpu0) / max(now - start, 1e-9) <= max_cpu:
+                return now - t0
+            start, cpu0 = now, cpu
+        if now - t0 > timeout_s:
+            raise RuntimeError(f"this process did not go quiet within {timeout_s:.0f}s")
 
 
 def run_job(job: dict[str, Any]) -> dict[str, Any]:
@@ -76,14 +101,14 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
     loaded = str(next(model.parameters()).dtype).removeprefix("torch.")
     pad = int(model.config.pad_token_id or 0)
     out_len = int(job["output_len"])
-    first = job["runs"][0]["cold"]
-    _generate(model, torch, [first[0][:16]], 2, pad)  # warm-up (allocator, lazy init)
+    rule = dict(job.get("settle", {}))
+    _generate(model, torch, [job["warmup"]], 2, pad)  # warm-up (allocator, lazy init); shares no token with the rest
     runs = []
     for run in job["runs"]:
         m: dict[str, float] = {}
-        m["ttft_cold_ms"] = _generate(model, torch, run["cold"], 1, pad) * 1000.0
-        m["ttft_prefix_ms"] = _generate(model, torch, run["prefix"], 1, pad) * 1000.0
-        m["ttft_shared_ms"] = _generate(model, torch, run["shared"], 1, pad) * 1000.0
+        for key, prompt in (("cold", run["cold"]), ("prefix", run["prefix"]), ("shared", run["shared"])):
+            m[f"settle_{key}_s"] = settle(**rule)
+            m[f"ttft_{key}_ms"] = _generate(model, torch, prompt, 1, pad) * 1000.0
         for b, prompts in sorted(run["throughput"].items(), key=lambda kv: int(kv[0])):
             clock = _TokenClock() if int(b) == 1 else None  # streamers take batch 1 only
             dt = _generate(model, torch, prompts, out_len, pad, clock)

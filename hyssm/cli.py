@@ -1,8 +1,8 @@
 """The `hyssm` command (console script, and `python -m hyssm`): `hyssm serve MODEL [flags]`.
 
-`serve` is `launch.py` itself (its flags, its supervision, its exit codes): MODEL, a directory, a
-Hugging Face Hub id or `builtin`, is `--model-path MODEL` and may be left out (then `--model-path`,
-else the built-in model).
+`serve` is `launch.py` itself (the same `main`, hyssm/serve.py: its flags, its supervision, its exit
+codes): MODEL, a directory, a Hugging Face Hub id or `builtin`, is `--model-path MODEL` and may be left
+out (then `--model-path`, else the built-in model).
 """
 
 from __future__ import annotations
@@ -34,6 +34,6 @@ def main(argv: list[str] | None = None) -> int:
     if argv[0] != "serve":
         print(f"hyssm: error: unknown command {argv[0]!r} (the command is: serve)", file=sys.stderr)
         return 2
-    import launch  # imported here: `hyssm --help` needs none of the server
+    from hyssm.serve import main as serve  # imported here: `hyssm --help` needs none of the server
 
-    return launch.main(serve_argv(argv[1:]))
+    return serve(serve_argv(argv[1:]))

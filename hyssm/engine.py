@@ -4,17 +4,19 @@
         out = engine.generate(["Once upon a time"], hyssm.SamplingParams(max_new_tokens=16, temperature=0))
 
 How it works: the Engine runs the very processes `launch.py` runs (tokenizer, scheduler, worker
-ranks; launch.py's `Launcher` starts and supervises them: hyssm/processes.py) and talks to the
-tokenizer process's own HTTP API over a private unix domain socket in the launch's run directory
-(readable by this user only; no TCP port). So every request is validated, scheduled, streamed and
-answered exactly as over HTTP: the results are POST /generate's objects (`text`, `output_ids`,
-`meta_info` with `finish_reason`, `prompt_tokens`, `completion_tokens`, `cached_tokens`, and the
-logprobs when asked) and `chat` returns POST /v1/chat/completions' object. Passing `port` (or
-`host`) serves the HTTP API there too, as `hyssm serve` does, and the Engine then uses that port.
+ranks; the launch's `Launcher` starts and supervises them: hyssm/launcher.py, driven from
+hyssm/processes.py) and talks to the tokenizer process's own HTTP API over a private unix domain
+socket in the launch's run directory (readable by this user only; no TCP port). So every request is
+validated, scheduled, streamed and answered exactly as over HTTP: the results are POST /generate's
+objects (`text`, `output_ids`, `meta_info` with `finish_reason`, `prompt_tokens`,
+`completion_tokens`, `cached_tokens`, and the logprobs when asked) and `chat` returns POST
+/v1/chat/completions' object. Passing `port` (or `host`) serves the HTTP API there too, as `hyssm
+serve` does, and the Engine then uses that port.
 
 What must hold:
 - a model path that is a Hugging Face Hub id is resolved to a local snapshot before any process
-  starts (shared/hub.py), and the same checks as launch.py's preflight run; both raise ConfigError;
+  starts (shared/hub.py), and the same checks as launch.py's run (hyssm/preflight.py); both raise
+  ConfigError;
 - when any process dies, every waiting call and every later call raises EngineDeadError naming it;
 - `shutdown()` (also on leaving a `with` block, and at interpreter exit) stops every child and
   removes the run directory; afterwards no process of the engine is left.
@@ -33,9 +35,9 @@ from typing import Any
 
 from hyssm.client import Client
 from hyssm.errors import EngineError
+from hyssm.preflight import preflight
 from hyssm.processes import Processes
 from hyssm.sampling import SamplingParams
-from launch import preflight
 from shared.config import BUILTIN_MODEL, ConfigError, FaultConfig, ServerArgs
 from shared.errors import HyssmError
 from shared.hub import resolve_model

@@ -1,4 +1,5 @@
-"""The processes behind one `hyssm.Engine`: launch.py's `Launcher`, driven from a supervisor thread.
+"""The processes behind one `hyssm.Engine`: the launch's `Launcher` (hyssm/launcher.py), driven from a
+supervisor thread.
 
 Owner: `Engine` creates one `Processes` and stops it in `shutdown`. What must hold:
 - one thread (`hyssm-supervisor`) starts the children, waits for their readiness and then runs
@@ -18,11 +19,10 @@ from __future__ import annotations
 
 import logging
 import signal
-import socket
 import threading
 from typing import Any
 
-from launch import Launcher
+from hyssm.launcher import Launcher, free_port
 from shared.config import ServerArgs
 from shared.errors import HyssmError
 from shared.proc import FORWARD_SIGNAL
@@ -32,13 +32,7 @@ from shared.rundir import RunDir, remove_stale
 logger = logging.getLogger(__name__)
 
 SOCKET_NAME = "http.sock"
-_JOIN_MARGIN_S = 60.0  # beyond start-up: the ordered stop is bounded (launch.py's grace periods + SIGKILL)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+_JOIN_MARGIN_S = 60.0  # beyond start-up: the ordered stop is bounded (the Launcher's grace periods + SIGKILL)
 
 
 class _EngineLauncher(Launcher):
@@ -78,7 +72,7 @@ class Processes:
     def start(self) -> None:
         """Start every child and wait until all are ready; EngineError-worthy HyssmError otherwise
         (nothing is left running then)."""
-        addrs = dist_addrs(self.args, _free_port)
+        addrs = dist_addrs(self.args, free_port)
         self.args = self.args.replace(dist_init_addr=addrs[0] or self.args.dist_init_addr)
         self._launcher = _EngineLauncher(self.args, self._fail)
         self._handles_forwarded = (threading.current_thread() is threading.main_thread()

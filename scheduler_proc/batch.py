@@ -39,7 +39,7 @@ class InFlight:
 class BatchBuilder:
     """Rule: checkpoint copies come before copy-on-write copies in `copies` (a checkpoint slot saved
     this round may be a CoW source this round; workers apply copies in list order), and clears apply
-    after all copies (shared/messages.py)."""
+    after all copies (shared/messages/scheduler_worker.py)."""
 
     step: int
     next_token_inputs: bool = False  # the MTP layers run: every slice that does not sample says its next token

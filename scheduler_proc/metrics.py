@@ -1,4 +1,5 @@
-"""Scheduler counters and their export as MetricRecords (shared/messages.py) for GET /metrics.
+"""Scheduler counters and their export as MetricRecords (shared/messages/server_info.py) for GET
+/metrics.
 
 Counters are whole numbers that only go up; gauges are read from the live state when `info()` is
 called. Names start with `hyssm_`; every labelled counter shows all its label values from the start.

@@ -1,9 +1,10 @@
 """Scheduler: the pure logic of the scheduler process (docs/architecture.md, "Request lifecycle").
 
 Owns the request table, the waiting queue, the running set, the RetryPolicy (retry.py) and, through
-ReqResources (resources.py), the slot allocators and the HybridRadixCache; admission is admission.py.
-No sockets, no tensors, single-threaded: `process.py` calls it. At most one batch is in flight:
-`schedule` is only called when none is, and `apply_result` applies it.
+ReqResources (resources.py), the slot allocators and the HybridRadixCache; admission is admission.py,
+what a StepResult does to the requests of its batch is results.py. No sockets, no tensors,
+single-threaded: `process.py` calls it. At most one batch is in flight: `schedule` is only called when
+none is, and `apply_result` applies it.
 
 Rule: a request changes status only in `transition` (waiting -> running on admission, running ->
 waiting on retraction or a worker's refusal, waiting or running -> finished), which keeps its
@@ -18,13 +19,14 @@ import time
 from dataclasses import dataclass
 
 from scheduler_proc.admission import Admission, AdmissionLimits, PrefillAdder, reserve
-from scheduler_proc.batch import BatchBuilder, InFlight, SliceEntry
+from scheduler_proc.batch import BatchBuilder, InFlight
 from scheduler_proc.drafting import Speculation, SpeculationConfig
 from scheduler_proc.introspect import check_scheduler, server_info
 from scheduler_proc.metrics import SchedulerMetrics
 from scheduler_proc.radix_cache import HybridRadixCache
 from scheduler_proc.request import Req, ReqStatus, WaitingQueue, token_out, validate
 from scheduler_proc.resources import ReqResources, clamp_max_running
+from scheduler_proc.results import apply_step
 from scheduler_proc.retry import RetryPolicy
 from scheduler_proc.store_tier import LoadTicket, StoreTier
 from shared.config import ServerArgs
@@ -92,7 +94,7 @@ class Scheduler:
         self._seq = itertools.count()
         self._step = 0
         self.in_flight: InFlight | None = None
-        self._eos = frozenset(model.eos_token_ids)
+        self.eos_ids = frozenset(model.eos_token_ids)
 
     @property
     def cache(self) -> HybridRadixCache:
@@ -137,7 +139,7 @@ class Scheduler:
         if r.status is ReqStatus.LOADING or (self.in_flight is not None and rid in self.in_flight.by_rid):
             r.abort_reason = reason or "aborted"  # finished when its StepResult (or its load's) is applied
             return []
-        return [self._finish(r, "abort")]
+        return [self.finish(r, "abort")]
 
     def fail_all(self, reason: str) -> list[TokenOut]:
         """Final error for every unfinished request; everything they hold is freed (nothing donated:
@@ -149,7 +151,7 @@ class Scheduler:
             assert r.load is not None
             self.res.finish_load(r, r.load, False)
             r.load = None
-        outs += [self._finish(r, "error", error=reason) for r in list(self.reqs.values())]
+        outs += [self.finish(r, "error", error=reason) for r in list(self.reqs.values())]
         self.res.flush()
         return outs
 
@@ -270,168 +272,27 @@ class Scheduler:
                 used += n
         return used
 
-    # ------------------------------------------------------------------ results
+    # ------------------------------------------------------------------ results (results.py)
     def apply_result(self, result: StepResult) -> list[TokenOut]:
+        """Apply rank 0's reply to the batch in flight (results.py); the TokenOuts it produces.
+        Raises ValueError for a reply to any other step."""
         fl = self.in_flight
         if fl is None or result.step != fl.step:
             raise ValueError(f"StepResult for step {result.step}, in flight: {fl.step if fl else None}")
         self.in_flight = None
         if result.store is not None:
             self.store_stats = result.store
-            for seconds in result.store.load_seconds:
-                self.metrics.observe("hyssm_state_store_load_seconds", seconds)
-            for seconds in result.store.write_seconds:
-                self.metrics.observe("hyssm_state_store_write_seconds", seconds)
-        outs = self._apply_loads(set(result.store_done), set(result.store_failed), bool(result.error))
-        if result.error:
-            return outs + self._fail_step(fl, f"worker step {result.step} failed: {result.error}")
-        refused = set(result.refused)
-        for e in fl.entries:
-            r = e.req
-            if r.rid in refused:
-                self._on_refused(e)
-                if r.abort_reason is not None:
-                    outs.append(self._finish(r, "abort"))
-                continue
-            if e.drafts:
-                self._settle_drafts(e, result)
-            self.res.after_step(r, e, fl.step)
-            if r.rid in result.prompt_logprobs:
-                self._keep_prompt_logprobs(r, e, result)
-            if e.prefill and e.sample:
-                self.res.cache_prompt(r)
-            self._account_step(e)
-            out = self._emit(r, e, result)
-            if out is not None:
-                outs.append(out)
-            if r.status != ReqStatus.FINISHED:  # the next round's drafts, while it runs
-                self.speculation.take_guesses(e, result.drafts)
-        self.speculation.observe(fl.entries, refused, result.elapsed_s)
-        return outs
+        return apply_step(self, fl, result)
 
-    def _apply_loads(self, done: set[int], failed: set[int], step_failed: bool) -> list[TokenOut]:
-        """The loads from the state store the step settled (all of them when it failed: the workers
-        drop theirs): each prefix joins the tree or (failed) is computed; the request waits again (its
-        stored prefix is looked up once per wait), or ends if it was aborted meanwhile."""
-        outs: list[TokenOut] = []
-        for r in list(self.loading.values()):
-            ticket = r.load
-            assert ticket is not None
-            if not step_failed and ticket.load_id not in done and ticket.load_id not in failed:
-                continue
-            ok = not step_failed and ticket.load_id in done
-            self.res.finish_load(r, ticket, ok)
-            r.load = None
-            self.metrics.inc("hyssm_state_store_loads_total", result="loaded" if ok else "failed")
-            if ok:
-                self.metrics.inc("hyssm_state_store_loaded_tokens_total", ticket.end - ticket.start)
-                r.loaded_tokens += ticket.end - ticket.start
-            if r.abort_reason is not None:
-                outs.append(self._finish(r, "abort"))
-            else:
-                self.transition(r, ReqStatus.WAITING)
-        return outs
-
+    # ------------------------------------------------------------------ the doors and the one status change
     def start_load(self, r: Req, ticket: LoadTicket) -> None:
         """The queue head waits for a load from the state store (admission's door into LOADING)."""
         r.load = ticket
         self.transition(r, ReqStatus.LOADING)
 
-    def _settle_drafts(self, e: SliceEntry, result: StepResult) -> None:
-        accepted = result.accepted.get(e.req.rid, 0)
-        if not 0 <= accepted <= len(e.drafts):
-            raise ValueError(f"StepResult accepts {accepted} of {len(e.drafts)} drafts of {e.req.rid}")
-        self.speculation.settle(e, accepted)
-        m = self.metrics
-        m.inc("hyssm_spec_verify_steps_total")
-        m.inc("hyssm_spec_draft_tokens_total", len(e.drafts))
-        m.inc("hyssm_spec_accepted_tokens_total", accepted)
-        e.drafts = e.drafts[:accepted]
-
-    def _fail_step(self, fl: InFlight, reason: str) -> list[TokenOut]:
-        """The step failed on the workers, so every slot it wrote may hold garbage: its requests end
-        with an error (nothing donated: their own slots are freed) and the checkpoints it was to fill
-        leave the tree. Nothing else was written; waiting requests and the rest of the cache go on."""
-        logger.error("%s; failing its %d requests", reason, len(fl.entries))
-        outs = [self._finish(e.req, "error", error=reason) for e in fl.entries]
-        self.res.drop_checkpoints(fl.ckpt_nodes)
-        return outs
-
-    def _on_refused(self, e: SliceEntry) -> None:
-        """A worker refused the slice's copy-on-write: roll back exactly like NO_TOKEN."""
-        r = e.req
-        self.res.undo_slice(r, e)
-        self.admission.record_refusal(r, "worker_refusal")
-        if e.admitted:
-            self.transition(r, ReqStatus.WAITING)
-
-    def _account_step(self, e: SliceEntry) -> None:
-        r, m = e.req, self.metrics
-        if e.prefill:
-            m.inc("hyssm_prefill_tokens_total", e.n)
-        if not e.admitted:
-            return
-        m.inc("hyssm_admitted_requests_total")
-        if r.retracted_at >= 0:
-            m.inc("hyssm_retract_recomputed_tokens_total", max(0, r.retracted_at - e.start))
-            r.retracted_at = -1
-        if not r.admitted:
-            r.admitted = True
-            r.cached_tokens = e.start
-            peek = r.peek
-            kv_len = peek.kv_len if peek is not None else e.start
-            m.inc("hyssm_prefix_cache_queried_tokens_total", len(r.tokens))
-            m.inc("hyssm_prefix_cache_hit_tokens_total", e.start, kind="state")
-            m.inc("hyssm_prefix_cache_hit_tokens_total", max(0, kv_len - e.start), kind="kv_only")
-            from_store = min(r.loaded_tokens, e.start)
-            if e.start:
-                m.inc("hyssm_cache_hits_total", tier="store" if from_store else "memory")
-            m.inc("hyssm_cache_hit_tokens_total", from_store, tier="store")
-            m.inc("hyssm_cache_hit_tokens_total", e.start - from_store, tier="memory")
-
-    def _emit(self, r: Req, e: SliceEntry, result: StepResult) -> TokenOut | None:
-        if r.abort_reason is not None:
-            return self._finish(r, "abort")
-        if not e.sample:
-            return None
-        tok = result.next_tokens.get(r.rid)
-        if tok is None:
-            return self._finish(r, "error", error=f"worker returned no token for step {result.step}")
-        if r.rid in result.grammar_rejected:  # no token could follow under the constraint: nothing more is output
-            return self._finish(r, "error", error=result.grammar_errors.get(r.rid), rejected=True)
-        new = [*e.drafts, tok]  # the accepted drafts (never a stop token: the worker ends the run there)
-        r.tokens.extend(new)
-        self.metrics.inc("hyssm_generated_tokens_total", len(new))
-        sp = r.sampling
-        logprobs = result.logprobs.get(r.rid) if sp.logprobs else None
-        top = result.top_logprobs.get(r.rid) if sp.top_logprobs else None
-        if any(x is not None and len(x) != len(new) for x in (logprobs, top)):
-            return self._finish(r, "error", error=f"worker returned logprobs for other than the {len(new)} tokens "
-                                f"of step {result.step}")
-        if (error := result.grammar_errors.get(r.rid)) is not None:
-            return self._finish(r, "error", new, logprobs=logprobs, error=error, top=top)
-        if (not sp.ignore_eos and tok in self._eos) or tok in sp.stop_token_ids or r.rid in result.grammar_done:
-            return self._finish(r, "stop", new, matched=tok, logprobs=logprobs, top=top)
-        if r.num_output >= sp.max_new_tokens:
-            return self._finish(r, "length", new, logprobs=logprobs, top=top)
-        return token_out(r, new, None, logprobs=logprobs, top=top)
-
-    @staticmethod
-    def _keep_prompt_logprobs(r: Req, e: SliceEntry, result: StepResult) -> None:
-        """Entries [e.start, ...) of the request's prompt logprobs, from its slice's result (a
-        recomputed position replaces what an earlier run of it gave)."""
-        want = max(0, r.prompt_len - 1 - e.start)
-        del r.prompt_lps[e.start :]
-        r.prompt_lps.extend(result.prompt_logprobs[r.rid][:want])
-        del r.prompt_ranks[e.start :]
-        r.prompt_ranks.extend(result.prompt_ranks.get(r.rid, [])[:want])
-        if r.sampling.prompt_logprobs > 0:
-            del r.prompt_tops[e.start :]
-            r.prompt_tops.extend(result.prompt_top_logprobs.get(r.rid, [])[:want])
-
-    def _finish(self, r: Req, reason: FinishReason, new: list[int] | None = None, matched: int | None = None,
-                logprobs: list[float] | None = None, error: str | None = None,
-                top: list[list[tuple[int, float]]] | None = None, rejected: bool = False) -> TokenOut:  # fmt: skip
+    def finish(self, r: Req, reason: FinishReason, new: list[int] | None = None, matched: int | None = None,
+               logprobs: list[float] | None = None, error: str | None = None,
+               top: list[list[tuple[int, float]]] | None = None, rejected: bool = False) -> TokenOut:  # fmt: skip
         """Finish `r` (never while its slice is in flight): give back or donate what it holds.
         `rejected`: an "error" that is the request's own fault (TokenOut.rejected)."""
         self.transition(r, ReqStatus.FINISHED, donate=reason != "error")
@@ -445,7 +306,6 @@ class Scheduler:
         return token_out(r, new or [], reason, matched=matched, logprobs=logprobs, error=error, top=top,
                          rejected=rejected)
 
-    # ------------------------------------------------------------------ the one status change
     def start(self, r: Req) -> None:
         """The admitted queue head becomes RUNNING (admission's door into the running set)."""
         self.transition(r, ReqStatus.RUNNING)
@@ -456,8 +316,8 @@ class Scheduler:
         (`donate`: its computed KV and state move into the cache; `keep`: as a retracted request's
         progress, evicted last); entering RUNNING or LOADING takes nothing (ReqResources.start and
         start_load took the slots); a load's ticket is settled before the request leaves LOADING
-        (`_apply_loads`); a WAITING or LOADING request finishing ends its kept progress. FINISHED
-        leaves the request table.
+        (`results.settle_loads`); a WAITING or LOADING request finishing ends its kept progress.
+        FINISHED leaves the request table.
         `running_version` changes exactly when the running set does."""
         frm = r.status
         assert frm is not to and frm is not ReqStatus.FINISHED, f"{r}: {frm.value} -> {to.value}"

@@ -74,7 +74,7 @@ class ServerArgs:
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     mamba_ssm_dtype: StateDtype = "float32"  # how recurrent states are stored (worker_proc/kernels/state_codec.py)
     kernels: Literal["auto", "reference", "fast", "native", "triton"] = "auto"
-    quantization: Literal["", "int8", "int4", "fp8"] = ""  # weights quantized at load (worker_proc/quant/quantize.py)
+    quantization: Literal["", "int8", "int4", "fp8"] = ""  # weights quantized at load (worker_proc/loading/quantize.py)
     disable_lm_head_quantization: bool = False  # with --quantization, the LM head stays in the model dtype
     enable_deterministic_inference: bool = False
     cpu_threads: int = 0  # torch threads per worker rank on CPU; 0 = measured per step size within the share

@@ -6,6 +6,10 @@ It speaks hyssm's /generate, OpenAI /v1/completions and llama-server's native /c
 token with a cumulative ``tokens_predicted``, a leading progress chunk without tokens, a final ``stop``
 chunk with ``timings.cache_n``, no [DONE]); /health answers 200; ``reset(hide_server_info=True)`` drops
 /get_server_info (404, as on llama-server), leaving the vocabulary to /v1/models' ``meta.n_vocab``.
+/metrics reports the load gauges bench_peers' settle period reads, in both dialects
+(``hyssm_num_running_reqs``, ``hyssm_http_in_flight_requests``, ``llamacpp:requests_processing``): the
+streams not yet finished, plus one more while ``linger_s`` (``reset(linger_s=...)``) has not passed since
+the last stream ended (a server still busy after its last response, as llama-server after a wave).
 Faked behaviour: the reply token is always 7; ``cached_tokens`` is the longest common prefix with any
 earlier prompt since the last /flush_cache (capped at len - 1, like the real radix cache); tokens are
 streamed in chunks of 1 and 2 alternately (a batched TokenOut carries several) with a short pause
@@ -19,6 +23,7 @@ import asyncio
 import json
 import socket
 import threading
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -43,6 +48,7 @@ class Seen:
     cached_tokens: int
     body: dict[str, object]
     auth: str = ""
+    arrived: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -55,12 +61,32 @@ class FakeState:
     flushes: int = 0
     prompts: list[list[int]] = field(default_factory=list)  # the fake "radix cache"
     seen: list[Seen] = field(default_factory=list)
+    streaming: int = 0  # streams begun and not yet ended
+    linger_s: float = 0.0  # reported busy this long after the last stream ended
+    last_end: float = 0.0  # time.monotonic() when the last stream ended
+    ended: list[float] = field(default_factory=list)  # when each stream ended
 
-    def reset(self, fail_every: int, hide_server_info: bool = False) -> None:
+    def reset(self, fail_every: int, hide_server_info: bool = False, linger_s: float = 0.0) -> None:
         self.fail_every, self.arrivals, self.flushes = fail_every, 0, 0
-        self.hide_server_info = hide_server_info
+        self.hide_server_info, self.linger_s, self.last_end = hide_server_info, linger_s, 0.0
         self.prompts.clear()
         self.seen.clear()
+        self.ended.clear()
+
+    def busy(self) -> int:
+        lingering = self.linger_s > 0 and time.monotonic() - self.last_end < self.linger_s
+        return self.streaming + int(lingering)
+
+    async def tracked(self, chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+        """`chunks`, counted in `streaming` until they end (or the client goes)."""
+        self.streaming += 1
+        try:
+            async for c in chunks:
+                yield c
+        finally:
+            self.streaming -= 1
+            self.last_end = time.monotonic()
+            self.ended.append(self.last_end)
 
     def cached_len(self, ids: list[int]) -> int:
         best = 0
@@ -110,6 +136,7 @@ class FakeApp:
                 Route("/v1/completions", self.completions, methods=["POST"]),
                 Route("/completion", self.llama_completion, methods=["POST"]),
                 Route("/health", self.health, methods=["GET"]),
+                Route("/metrics", self.metrics, methods=["GET"]),
             ]
         )
 
@@ -124,6 +151,12 @@ class FakeApp:
 
     async def health(self, request: Request) -> JSONResponse:
         return JSONResponse({"status": "ok"})
+
+    async def metrics(self, request: Request) -> Response:
+        n = self.state.busy()
+        text = (f"hyssm_num_running_reqs {n}.0\nhyssm_num_waiting_reqs 0.0\nhyssm_http_in_flight_requests {n}.0\n"
+                f"llamacpp:requests_processing {n}\nllamacpp:requests_deferred 0\n")  # fmt: skip
+        return Response(text, media_type="text/plain; version=0.0.4")
 
     async def flush(self, request: Request) -> JSONResponse:
         self.state.flushes += 1
@@ -168,7 +201,7 @@ class FakeApp:
             yield _sse({"text": "x" * done, "output_ids": [], "meta_info": meta})
             yield "data: [DONE]\n\n"
 
-        return StreamingResponse(stream(), media_type="text/event-stream")
+        return StreamingResponse(self.state.tracked(stream()), media_type="text/event-stream")
 
     async def completions(self, request: Request) -> Response:
         body = await request.json()
@@ -193,7 +226,7 @@ class FakeApp:
             yield _sse({"choices": [], "usage": usage})
             yield "data: [DONE]\n\n"
 
-        return StreamingResponse(stream(), media_type="text/event-stream")
+        return StreamingResponse(self.state.tracked(stream()), media_type="text/event-stream")
 
 
     async def llama_completion(self, request: Request) -> Response:
@@ -219,7 +252,7 @@ class FakeApp:
                         "tokens_evaluated": n_prompt, "tokens_cached": n_prompt + seen.max_tokens,
                         "timings": timings})  # fmt: skip
 
-        return StreamingResponse(stream(), media_type="text/event-stream")
+        return StreamingResponse(self.state.tracked(stream()), media_type="text/event-stream")
 
 
 class FakeServer:
@@ -243,9 +276,9 @@ class FakeServer:
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def reset(self, fail_every: int = 0, hide_server_info: bool = False) -> None:
+    def reset(self, fail_every: int = 0, hide_server_info: bool = False, linger_s: float = 0.0) -> None:
         """Only between client runs (no request in flight)."""
-        self.state.reset(fail_every, hide_server_info)
+        self.state.reset(fail_every, hide_server_info, linger_s)
 
     def stop(self) -> None:
         self._server.should_exit = True

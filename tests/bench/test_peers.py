@@ -9,6 +9,7 @@ import dataclasses
 import importlib.util
 import json
 import os
+import re
 import shutil
 import sys
 import time
@@ -112,6 +113,11 @@ def test_prompts_are_shared_distinct_and_avoid_special_ids() -> None:
     assert run["prefix"][0][:20] == run["prefix_only"][0] and len(run["prefix"][0]) == 25  # type: ignore[index]
     every = flat + run["prefix"] + run["shared_warm"] + run["shared"]  # type: ignore[operator]
     assert not {0, 1, 2} & {t for p in every for t in p}
+    # the warm-up: one reserved id, the same in every run, in no other prompt (so the cold one shares none)
+    (warm,) = run["warmup"]  # type: ignore[misc]
+    assert len(warm) == 10 and len(set(warm)) == 1 and a[1]["warmup"] == run["warmup"] and warm[0] not in {0, 1, 2}
+    assert all(warm[0] not in p for r in a for p in r["cold"] + r["prefix"] + r["shared_warm"] + r["shared"])  # type: ignore[operator]
+    assert all(r["cold"][0][0] not in {p[0] for c in (1, 3) for p in r["throughput"][c]} for r in a)  # type: ignore[index]
 
 
 def _common(a: list[int], b: list[int]) -> int:
@@ -137,18 +143,23 @@ def test_shared_prefix_prompts() -> None:
 @pytest.mark.parametrize("backend", ["hyssm", "llama-server"])
 def test_measure_http_against_the_fake(server: FakeServer, backend: str) -> None:
     server.reset()
-    cfg = PeersConfig(model="m", runs=1, levels=(1, 4), input_len=6, output_len=5, prefix_len=12, suffix_len=3)
+    cfg = PeersConfig(model="m", runs=1, levels=(1, 4), input_len=6, output_len=5, prefix_len=12, suffix_len=3,
+                      settle_quiet_s=0.05)  # fmt: skip
     run = make_prompts(cfg, VOCAB_SIZE, set())[0]
     m = asyncio.run(measure_http(server.base_url, backend, run, cfg, warmup=True))
     seen = server.state.seen
     assert len(seen) == 1 + 1 + 4 + 1 + 2 + 3  # warm-up, c=1, c=4, cold, prefix, prefix hit, shared x3
     assert [s.max_tokens for s in seen] == [2, 5, 5, 5, 5, 5, 1, 1, 1, 1, 1, 1]
+    assert seen[0].prompt_ids == run["warmup"][0] and not set(seen[0].prompt_ids) & set(seen[6].prompt_ids)  # type: ignore[index]
+    assert seen[6].prompt_ids == run["cold"][0] and seen[6].cached_tokens == 0  # type: ignore[index]
     assert seen[8].prompt_ids[:12] == seen[7].prompt_ids and seen[8].cached_tokens == 12
     # the shared-prefix scenario last, in order: P2+sA, P2+sB (teaching), then the measured P2+sC
     assert [s.prompt_ids for s in seen[9:]] == [*run["shared_warm"], *run["shared"]]  # type: ignore[misc]
     assert [s.cached_tokens for s in seen[9:]] == [0, 12, 12]  # fresh P2, then exactly P2 shared
-    assert set(m) == {"tps_c1", "tps_c4", "decode_ms", "ttft_cold_ms", "ttft_prefix_ms", "ttft_shared_ms"}
+    assert set(m) == {"tps_c1", "tps_c4", "decode_ms", "ttft_cold_ms", "ttft_prefix_ms", "ttft_shared_ms",
+                      "settle_cold_s", "settle_prefix_s", "settle_shared_s"}  # fmt: skip
     assert all(v > 0 for v in m.values())
+    assert all(m[f"settle_{k}_s"] >= 0.05 for k in ("cold", "prefix", "shared"))  # a quiet window each
     assert m["tps_c4"] > m["tps_c1"]  # four streams in parallel against the fake's fixed pace
 
 
@@ -215,8 +226,10 @@ def test_servers_are_up_together_and_their_runs_alternate(tmp_path: Path, monkey
     specs.insert(1, ServerSpec("early", [sys.executable, "-c", "import sys; sys.exit(3)"], free_port(), "hyssm"))
     calls: list[tuple[str, int, bool, bool]] = []
 
-    async def fake_measure(base_url: str, backend: str, run: dict, cfg: PeersConfig, warmup: bool) -> dict:
+    async def fake_measure(base_url: str, backend: str, run: dict, cfg: PeersConfig, warmup: bool,
+                           pid: int | None = None) -> dict:  # fmt: skip
         port = int(base_url.rsplit(":", 1)[1])
+        assert pid is not None and _answers(port) and pid in process_tree(pid)  # the server's own process
         others_up = all(_answers(p) for p in ports if p != port and not (p == ports[1] and run["k"] >= 1))
         calls.append((f"s{ports.index(port)}", run["k"], warmup, others_up))
         if backend == "lost" and run["k"] == 1:
@@ -269,7 +282,8 @@ def test_main_on_the_builtin_model_with_peers_skipped(tmp_path: Path, capsys) ->
     out = tmp_path / "peers.json"
     flags = ["--model", BUILTIN, "--runs", "1", "--levels", "1,2", "--input-len", "8", "--output-len", "3",
              "--prefix-len", "16", "--suffix-len", "4", "--skip-llama", "--skip-transformers", "--log-dir",
-             str(tmp_path / "logs"), "--output-json", str(out), "--ready-timeout", "90"]  # fmt: skip
+             str(tmp_path / "logs"), "--output-json", str(out), "--ready-timeout", "90",
+             "--settle-quiet", "0.1"]  # fmt: skip
     png = tmp_path / "peers.png"
     if importlib.util.find_spec("matplotlib") is not None:
         flags += ["--plot", str(png)]
@@ -281,6 +295,12 @@ def test_main_on_the_builtin_model_with_peers_skipped(tmp_path: Path, capsys) ->
     hy = doc["medians"]["hyssm"]
     assert hy["tps_c1"] > 0 and hy["tps_c8"] is None and hy["ttft_prefix_ms"] > 0 and hy["peak_rss_mib"] > 50
     assert hy["ttft_shared_ms"] > 0 and "shared prefix: a new 16-token prefix with 3 distinct 4-token" in table
+    # hyssm's configuration, with the pools its server reported, in the table and the JSON
+    line = r"^config: (hyssm: launch\.py .*KV pool (\d+) token slots.*?, (\d+) recurrent-state slots.*)$"
+    kv = re.search(line, table, re.M)
+    assert kv is not None and int(kv.group(2)) > 0 and int(kv.group(3)) > 0, table
+    assert doc["configs"] == {"hyssm": kv.group(1)}
+    assert all(doc["runs"]["hyssm"][0][f"settle_{k}_s"] >= 0.1 for k in ("cold", "prefix", "shared"))
     assert set(doc["medians"]) == {"hyssm"} and (tmp_path / "logs" / "hyssm.log").is_file()
     if "--plot" in flags:  # the figure of the table: a PNG whose throughput line is the JSON's tps_c1
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -440,7 +460,7 @@ def test_dtype_reaches_every_command_and_the_gguf_name(tmp_path: Path, monkeypat
     commands: list[tuple[str, list[str]]] = []
 
     def fake_run_servers(specs: list[ServerSpec], *args: object) -> tuple[dict[str, list], list[str]]:
-        commands.extend((spec.name, spec.cmd) for spec in specs)
+        commands.extend((spec.name, spec.command({})) for spec in specs)
         return {spec.name: [{"tps_c1": 1.0}] for spec in specs}, []
 
     monkeypatch.setattr(bench_peers, "run_servers", fake_run_servers)
@@ -458,7 +478,9 @@ def test_dtype_reaches_every_command_and_the_gguf_name(tmp_path: Path, monkeypat
         assert hy[hy.index("--dtype") + 1] == dtype and hy.count("--dtype") == 1
         gguf = Path(cmds["llama.cpp"][cmds["llama.cpp"].index("-m") + 1])
         assert gguf == tmp_path / f"m.{typ}.gguf" and gguf.read_text() == f"gguf {typ}\n"
-        assert _FakeTransformersProcess.jobs[-1]["dtype"] == dtype
+        job = _FakeTransformersProcess.jobs[-1]
+        assert job["dtype"] == dtype and job["settle"] == {"quiet_s": 0.5, "timeout_s": 120.0, "max_cpu": 0.25}
+        assert len(job["warmup"]) == 4 and all(isinstance(t, int) for t in job["warmup"])  # one prompt of ids
     assert rec.read_text().split() == ["f32", "bf16"]  # each type converted once, then reused
     assert (tmp_path / "m.f32.gguf").is_file() and (tmp_path / "m.bf16.gguf").is_file()
     monkeypatch.setattr(_FakeTransformersProcess, "answer_dtype", "float32")
@@ -494,7 +516,7 @@ def test_quantization_reaches_hyssm_and_picks_llamas_matching_file(tmp_path: Pat
     groups: list[list[str]] = []
 
     def fake_run_servers(specs: list[ServerSpec], *args: object) -> tuple[dict[str, list], list[str]]:
-        commands.update((spec.name, spec.cmd) for spec in specs)
+        commands.update((spec.name, spec.command({})) for spec in specs)
         groups.append([spec.name for spec in specs])
         return {spec.name: [{"tps_c1": 1.0}] for spec in specs}, []
 
@@ -524,10 +546,13 @@ def test_transformers_loads_the_model_in_the_jobs_dtype() -> None:
 
     prompt = [3, 4, 5, 6, 7, 8]
     run = {"throughput": {"1": [prompt]}, "cold": [prompt], "prefix": [prompt], "shared": [prompt]}
-    out = run_job({"model": BUILTIN, "dtype": "bfloat16", "threads": 1, "output_len": 3, "runs": [run]})
+    job = {"model": BUILTIN, "dtype": "bfloat16", "threads": 1, "output_len": 3, "runs": [run], "warmup": [9] * 6,
+           "settle": {"quiet_s": 0.05}}  # fmt: skip
+    out = run_job(job)
     assert out["dtype"] == "bfloat16" and out["runs"][0]["tps_c1"] > 0
+    assert all(out["runs"][0][f"settle_{k}_s"] >= 0.05 for k in ("cold", "prefix", "shared"))
     with pytest.raises(ValueError, match="dtype must be one of"):
-        run_job({"model": BUILTIN, "dtype": "float16", "threads": 1, "output_len": 3, "runs": [run]})
+        run_job({**job, "dtype": "float16"})
 
 
 @pytest.mark.parametrize(("input_len", "prefix_len", "levels", "want"), [

@@ -15,6 +15,7 @@ import torch
 from shared.config import ServerArgs, builtin_model_dir
 from shared.errors import ModelLoadError
 from shared.messages import ForwardBatch, ReqSlice, SamplingParams
+from worker_proc.host.threads import thread_options
 from worker_proc.linear.kernels import GemmKernel
 from worker_proc.linear.site import GemmSite
 from worker_proc.model.layers import Linear
@@ -22,7 +23,6 @@ from worker_proc.plan import source as plan_cache
 from worker_proc.plan.execution_plan import choose, instances_of, product_sites
 from worker_proc.plan.kernel_set import KernelChoice
 from worker_proc.plan.product_timer import GemmKey, ProductTimer
-from worker_proc.plan.threads import thread_options
 from worker_proc.plan.tuning import DEFAULT_STREAM_BYTES, HOPELESS, MEASURE_ATTEMPTS, ROW_BUCKETS
 from worker_proc.runtime.config import WorkerConfig
 from worker_proc.runtime.runner import ModelRunner
@@ -200,7 +200,7 @@ def test_a_weight_its_owner_reads_gets_a_copy_in_the_room_the_layouts_leave() ->
 def test_an_int4_weights_int8_copy_is_a_second_copy_that_needs_the_memory() -> None:
     """torch's 4-bit product costs one pass over the weight per row; the int8 copy's wins from 4 rows up
     when the memory for it is there, and is never made when it is not."""
-    from worker_proc.quant.quantize import quantize_weight
+    from worker_proc.loading.quantize import quantize_weight
 
     site = GemmSite(64, 32, torch.float32, True)
     site.quantize(quantize_weight(torch.randn(64, 32), "int4"))
@@ -584,7 +584,7 @@ def test_a_quantized_expert_stack_of_a_linears_shape_reads_no_int8_copy(
 def test_each_int8_copy_of_a_quantized_weight_counts() -> None:
     """A quantized weight read through oneDNN's packed int8 copy at some rows and the tiled one at others holds
     both: two more bytes per weight."""
-    from worker_proc.quant.quantize import quantize_weight
+    from worker_proc.loading.quantize import quantize_weight
 
     site = GemmSite(64, 32, torch.float32, True)
     site.quantize(quantize_weight(torch.randn(64, 32), "int4"))

@@ -1,5 +1,5 @@
-"""The pre-quantized formats' readers (worker_proc.quant.checkpoint_formats) and config
-(worker_proc.quant.checkpoint_config):
+"""The pre-quantized formats' readers (worker_proc.loading.checkpoint_formats) and config
+(worker_proc.loading.checkpoint_config):
 compressed-tensors' 4-bit packing maps exactly onto the CPU 4-bit layout (symmetric and through the
 zero point, bfloat16 and float32 scales); block-fp8 rows re-encode exactly where they can and are the
 bfloat16 dequantization otherwise; a rank's part read from slices equals the same part of the whole;
@@ -20,15 +20,15 @@ from shared.errors import ModelLoadError
 from tests.fixtures.make_prequant import block_quantize, block_scales_full, write_fp8_block
 from tests.worker.util import fixture_dir
 from worker_proc.loading.checkpoint import load_model
-from worker_proc.model.shard import ShardSpec
-from worker_proc.plan.execution_plan import product_sites
-from worker_proc.quant.checkpoint_config import (
+from worker_proc.loading.checkpoint_config import (
     CheckpointQuant,
     StoredScheme,
     check_requested,
     parse_quantization_config,
 )
-from worker_proc.quant.checkpoint_formats import Part, layout_problem, read_module
+from worker_proc.loading.checkpoint_formats import Part, layout_problem, read_module
+from worker_proc.model.shard import ShardSpec
+from worker_proc.plan.execution_plan import product_sites
 from worker_proc.runtime.config import WorkerConfig
 from worker_proc.runtime.runner import ModelRunner
 
@@ -70,7 +70,7 @@ def test_packed_4bit_maps_exactly_onto_the_cpu_layout(symmetric: bool, scale_dty
     assert q.group == 128
     dense = read_module(_reader(tensors), "m", scheme, Part((48, 256)), CPU, dense=True)
     assert torch.equal(dense.to(scale_dtype), want)  # the exact value, rounded once to the scale's dtype
-    from worker_proc.quant.checkpoint_formats import narrow_int4
+    from worker_proc.loading.checkpoint_formats import narrow_int4
 
     held = narrow_int4(q)
     if scale_dtype == torch.bfloat16 and symmetric:  # s and z = 0 exact in bfloat16: the fast layout, bitwise

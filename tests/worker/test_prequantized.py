@@ -1,4 +1,4 @@
-"""Pre-quantized checkpoints (worker_proc.quant.prequantized) against transformers loading the same files.
+"""Pre-quantized checkpoints (worker_proc.loading.prequantized) against transformers loading the same files.
 
 Checkpoints are written at test time from the parity fixtures (tests/fixtures/make_prequant.py):
 compressed-tensors' own writer for its formats, the tensors directly for the block-fp8 layout. For

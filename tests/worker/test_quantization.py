@@ -1,4 +1,4 @@
-"""Quantized weights (worker_proc.quant.weight, worker_proc.quant.quantize): each format's error against
+"""Quantized weights (worker_proc.quant.weight, worker_proc.loading.quantize): each format's error against
 the weight it came from is within its rounding bound; every product of a format matches the format's
 reference (the dequantized weight through F.linear) to the rounding its activations take; the products
 claimed batch invariant are; a quantized model keeps routers and norms dense, drops the dense copies,
@@ -31,9 +31,9 @@ from worker_proc.linear.kernels import (
 )
 from worker_proc.linear.site import GemmSite
 from worker_proc.loading.checkpoint import load_model
+from worker_proc.loading.quantize import QuantScheme, quantize_model, quantize_weight
 from worker_proc.plan.execution_plan import product_sites
 from worker_proc.quant import weight as quantized
-from worker_proc.quant.quantize import QuantScheme, quantize_model, quantize_weight
 from worker_proc.quant.weight import QuantizedWeight, int4_dequantized, int4_group, int4_values
 
 G = torch.Generator().manual_seed(11)

@@ -2,7 +2,7 @@
 
 Every setting that holds for the whole process lives here, in the order it must be applied: subnormal floats
 flushed (worker_proc.host.numerics; before any parallel region, so the threads torch starts inherit the mode),
-torch's thread count (the largest the execution plan may choose, worker_proc.plan.threads), oneDNN's primitive
+torch's thread count (the largest the execution plan may choose, worker_proc.host.threads), oneDNN's primitive
 caches capped (read once, at the first primitive), and the allocator's load policy (worker_proc.host.memory;
 `keep_freed_memory` switches it to the steps' policy once the model is loaded). On a GPU only the device is set.
 """
@@ -17,7 +17,7 @@ import torch
 from shared.config import ServerArgs
 from worker_proc.host.memory import bound_onednn_caches, keep_freed_memory, map_load_blocks, onednn_cache_capacity
 from worker_proc.host.numerics import flush_denormals
-from worker_proc.plan.threads import available_cores, thread_options
+from worker_proc.host.threads import available_cores, thread_options
 
 logger = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 product site gets once, when its weight takes its format, and that owns everything the format decides.
 
 - `create_weight`: the stored weight made from a dense one (`--quantization`; a pre-quantized checkpoint's
-  readers, worker_proc.quant.checkpoint_formats, make the same `QuantizedWeight`s and hand them to the same
+  readers, worker_proc.loading.checkpoint_formats, make the same `QuantizedWeight`s and hand them to the same
   method); a dense weight stays its module's own tensor;
 - `process_after_loading`: the layouts the kernels bound by the execution plan read besides the stored weight
   (second copies: oneDNN's packed layout or the tiled one of a dense weight, a quantized weight's int8 or
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -52,6 +51,7 @@ from worker_proc.linear.kernels import (
     W8A8_OVER_INT4,
     W8A16,
     GemmKernel,
+    SiteTraits,
     packing_supported,
 )
 from worker_proc.quant.weight import (
@@ -62,9 +62,6 @@ from worker_proc.quant.weight import (
     quantize_int4,
     quantize_int8,
 )
-
-if TYPE_CHECKING:
-    from worker_proc.linear.site import GemmSite
 
 
 @dataclass(frozen=True, eq=False)
@@ -91,7 +88,7 @@ class LinearMethod:
         """Whether `kernel` reads what a site of this format holds: the stored weight, or (dense) a copy of it."""
         return kernel.storage == self.storage or self.storage == "dense" and kernel.storage in COPIES
 
-    def serves(self, kernel: GemmKernel, site: GemmSite, device: torch.device) -> bool:
+    def serves(self, kernel: GemmKernel, site: SiteTraits, device: torch.device) -> bool:
         """Whether `kernel` can run this site's products on `device` (its own limits, then the format's)."""
         if not self.reads(kernel) or not kernel.runs_on(site.shape, site.dtype, device):
             return False
@@ -101,16 +98,16 @@ class LinearMethod:
             return site.packable and (kernel.storage != "packed" or packing_supported(site.dtype, device))
         return True
 
-    def process_after_loading(self, site: GemmSite, kernels: Iterable[GemmKernel],
+    def process_after_loading(self, site: SiteTraits, kernels: Iterable[GemmKernel],
                               weight: torch.Tensor) -> dict[str, object]:
         """The copies of `weight` the `kernels` read (by storage), made now."""
         return {k.storage: COPIES[k.storage](weight) for k in kernels if k.storage in COPIES}
 
-    def stored(self, site: GemmSite, kernel: GemmKernel, expert: int | None = None) -> object:
+    def stored(self, site: SiteTraits, kernel: GemmKernel, expert: int | None = None) -> object:
         """What `kernel` reads besides the dense weight: the copy the site holds for it, if any."""
         return site.copies.get(kernel.storage)
 
-    def apply(self, site: GemmSite, kernel: GemmKernel, x: torch.Tensor, weight: torch.Tensor,
+    def apply(self, site: SiteTraits, kernel: GemmKernel, x: torch.Tensor, weight: torch.Tensor,
               bias: torch.Tensor | None, expert: int | None = None) -> torch.Tensor:
         return kernel.apply(x, weight, self.stored(site, kernel, expert), bias)
 
@@ -120,7 +117,7 @@ class QuantizedLinear(LinearMethod):
     """A quantized format: the site holds a `QuantizedWeight` (with the copies its bound kernels read) in place
     of the dense weight."""
 
-    def serves(self, kernel: GemmKernel, site: GemmSite, device: torch.device) -> bool:
+    def serves(self, kernel: GemmKernel, site: SiteTraits, device: torch.device) -> bool:
         if not self.reads(kernel) or not kernel.runs_on(site.shape, site.dtype, device):
             return False
         if kernel.experts_only and not site.experts:
@@ -131,7 +128,7 @@ class QuantizedLinear(LinearMethod):
         q = site.quantized
         return not (kernel.per_row_scale and q is not None and q.group)
 
-    def process_after_loading(self, site: GemmSite, kernels: Iterable[GemmKernel],
+    def process_after_loading(self, site: SiteTraits, kernels: Iterable[GemmKernel],
                               weight: torch.Tensor) -> dict[str, object]:
         """The quantized weight's copies the `kernels` read, made on it (`QuantizedWeight.with_copy`)."""
         assert site.quantized is not None and site.quantized.fmt == self.storage
@@ -139,7 +136,7 @@ class QuantizedLinear(LinearMethod):
             site.quantized = site.quantized.with_copy(kind)
         return {}
 
-    def stored(self, site: GemmSite, kernel: GemmKernel, expert: int | None = None) -> object:
+    def stored(self, site: SiteTraits, kernel: GemmKernel, expert: int | None = None) -> object:
         q = site.quantized
         assert q is not None, "a quantized method on a site without a quantized weight"
         return q if expert is None else q[expert]

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -21,9 +21,6 @@ import torch.nn.functional as F
 from worker_proc.host.memory import weight_tensor
 from worker_proc.kernels import native
 from worker_proc.quant.layouts import INT4_CHUNK
-
-if TYPE_CHECKING:
-    from worker_proc.linear.formats import LinearMethod
 from worker_proc.quant.weight import (
     FORMATS,
     QuantizedWeight,
@@ -40,14 +37,22 @@ from worker_proc.quant.weight import (
 )
 
 
+class KernelServer(Protocol):
+    """A storage format's side of whether a kernel serves a site (worker_proc.linear.formats.LinearMethod)."""
+
+    def serves(self, kernel: GemmKernel, site: SiteTraits, device: torch.device) -> bool: ...
+
+
 class SiteTraits(Protocol):
-    """What decides whether a method serves a product site (worker_proc.linear.site.GemmSite has these)."""
+    """What a product site holds that kernels and formats read (worker_proc.linear.site.GemmSite has these)."""
 
     shape: tuple[int, int]
     dtype: torch.dtype
     packable: bool
+    experts: bool
     quantized: QuantizedWeight | None
-    method: LinearMethod
+    copies: dict[str, object]
+    method: KernelServer
 
     @property
     def storage_format(self) -> str: ...

@@ -2,7 +2,7 @@
 
 Every failure is a `ModelLoadError` whose message names the file, the architecture or the tensor at
 fault. The tensors are read by worker_proc.loading.weight_files. A checkpoint whose config.json declares a
-`quantization_config` is loaded by worker_proc.quant.prequantized, which never builds its dense weights.
+`quantization_config` is loaded by worker_proc.loading.prequantized, which never builds its dense weights.
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ from shared.errors import ModelLoadError
 from shared.families.registry import parse_config
 from shared.model_config import HybridConfig
 from shared.model_info import read_config_json
+from worker_proc.loading.checkpoint_config import CheckpointQuant, parse_quantization_config
+from worker_proc.loading.prequantized import load_prequantized
 from worker_proc.loading.weight_files import load_weights, weight_files
 from worker_proc.model.hybrid import HybridForCausalLM
 from worker_proc.model.tp import TPInfo
-from worker_proc.quant.checkpoint_config import CheckpointQuant, parse_quantization_config
-from worker_proc.quant.prequantized import load_prequantized
 
 logger = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ name becomes a parameter name through the family's `renames` (HybridConfig); nam
 `<...>.experts.<j>.<proj>.weight` fill row j of the stacked parameter `<...>.experts.<proj>`. Under
 tensor parallelism each rank reads only its slice of every tensor (`safe_open(...).get_slice`), as
 the model's `shard_spec` names it. Used by worker_proc.loading.checkpoint (dense checkpoints) and
-worker_proc.quant.prequantized (the dense parts of a quantized one).
+worker_proc.loading.prequantized (the dense parts of a quantized one).
 """
 
 from __future__ import annotations
@@ -170,7 +170,7 @@ def load_weights(model: HybridForCausalLM, files: dict[str, list[str]], skip: Ca
                  loaded_elsewhere: frozenset[str] = frozenset()) -> None:
     """Copy every checkpoint tensor into its parameter; raise on a missing, extra or misshapen one.
     Tensors `skip` names are left to the caller, which loads the parameters `loaded_elsewhere`
-    (worker_proc.quant.prequantized: the quantized modules)."""
+    (worker_proc.loading.prequantized: the quantized modules)."""
     names = _Names(model)
     params = names.params
     loaded: set[str] = set(loaded_elsewhere)

@@ -228,7 +228,7 @@ class HybridForCausalLM(nn.Module, GemmOwner):
         self.mtp = MtpHead(cfg, dtype, device, self.tp) if mtp else None
         self.embed_rows: QuantizedWeight | None = None
         """The quantized rows the embedding lookups read once a tied head is quantized (the table's dense
-        copy is then gone; worker_proc.quant.quantize)."""
+        copy is then gone; worker_proc.loading.quantize)."""
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """The embedding rows of `ids` in the model dtype."""

@@ -10,12 +10,12 @@ with the leading E):
   [out, in / 2] uint8), `scale` [in / group, out, 2] holding (s, z) per group of `group` consecutive
   inputs of a row: w = (q - 8) * s + z (load-time quantization: q spans [min, max] of the group).
   `scale` is bfloat16, or float32 where a checkpoint's own scales and offsets are not exact in
-  bfloat16 (worker_proc.quant.checkpoint_formats); the products then take float32 activations.
+  bfloat16 (worker_proc.loading.checkpoint_formats); the products then take float32 activations.
 - `fp8`: e4m3 values with a float32 scale per output row ([out]) or per `group` x `group` block
   ([out / group, in / group], the last block of a row or column possibly partial): w = value * scale.
   On CUDA the values are float8_e4m3fn. On the CPU (no fast e4m3 product there) they are held as
   bfloat16: e4m3 values (exact in bfloat16), or, for a block-scaled checkpoint, values a per-row
-  scale re-encodes exactly or a row dequantized to bfloat16 with scale 1 (worker_proc.quant.checkpoint_formats).
+  scale re-encodes exactly or a row dequantized to bfloat16 with scale 1 (worker_proc.loading.checkpoint_formats).
 
 Products: x [M, in] -> [M, out] in x's dtype. `w8a16` runs torch's int8-weight kernel on bfloat16
 activations; `w8a8` quantizes each row of x to int8 (symmetric, per row) and multiplies in int32,

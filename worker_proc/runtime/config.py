@@ -32,7 +32,7 @@ class WorkerConfig:
     tp_size: int = 1  # --tp-size
     deterministic: bool = False  # --enable-deterministic-inference
     kernels: str = "auto"  # --kernels
-    thread_options: tuple[int, ...] = ()  # the thread counts a step may run on (worker_proc.plan.threads)
+    thread_options: tuple[int, ...] = ()  # the thread counts a step may run on (worker_proc.host.threads)
     execution_plan: str = ""  # --execution-plan (a pinned plan file)
     single_weight_copy: bool = False  # --single-weight-copy
     plan_cache_dir: Path | None = None  # --execution-plan-cache (None: no cache)

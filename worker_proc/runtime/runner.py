@@ -25,7 +25,10 @@ from shared.heap import release_free_heap
 from shared.messages import ForwardBatch, ReqSlice, StepResult
 from shared.model_info import ModelInfo
 from worker_proc.host.numerics import denormals_flushed, flush_subnormal_
+from worker_proc.host.threads import available_cores
 from worker_proc.loading.checkpoint import checkpoint_quantization, load_model
+from worker_proc.loading.checkpoint_config import check_requested
+from worker_proc.loading.quantize import QuantScheme, quantize_model
 from worker_proc.model import StepBatch, build_step_batch
 from worker_proc.model.kv_mirror import KVSlotMirror
 from worker_proc.output.grammar import GrammarRuntime
@@ -33,9 +36,6 @@ from worker_proc.output.sampling import SampleRequest, greedy_params, sample, to
 from worker_proc.plan.execution_plan import ExecutionPlan, product_sites
 from worker_proc.plan.kernel_set import KernelChoice, choose_kernels
 from worker_proc.plan.source import plan_for
-from worker_proc.plan.threads import available_cores
-from worker_proc.quant.checkpoint_config import check_requested
-from worker_proc.quant.quantize import QuantScheme, quantize_model
 from worker_proc.runtime.config import WorkerConfig
 from worker_proc.runtime.step_replay import StepReplays
 from worker_proc.spec import verify as speculative

@@ -1,7 +1,7 @@
 """Loading a pre-quantized checkpoint (`load_prequantized`) without ever building its dense weights.
 
 worker_proc.loading.checkpoint calls this when config.json declares a `quantization_config`
-(worker_proc.quant.checkpoint_config says which are accepted). Steps, per rank:
+(worker_proc.loading.checkpoint_config says which are accepted). Steps, per rank:
 1. every checkpoint module with a scale or packed tensor is a quantized module; its weight's
    parameter (the family's renames applied, expert j of a stack as row j) and product site decide
    how it is held: in its format on the site, or dequantized into a dense parameter where the site
@@ -30,11 +30,11 @@ from torch import nn
 from shared.errors import ModelLoadError
 from shared.model_config import HybridConfig
 from worker_proc.linear.site import GemmOwner, GemmSite
+from worker_proc.loading.checkpoint_config import CheckpointQuant, StoredScheme
+from worker_proc.loading.checkpoint_formats import Part, layout_problem, narrow_int4, read_module, stack
 from worker_proc.loading.weight_files import MappedFile, _Names, load_weights
 from worker_proc.model.hybrid import HybridForCausalLM
 from worker_proc.model.shard import Range, ShardSpec, TPInfo
-from worker_proc.quant.checkpoint_config import CheckpointQuant, StoredScheme
-from worker_proc.quant.checkpoint_formats import Part, layout_problem, narrow_int4, read_module, stack
 from worker_proc.quant.weight import QuantizedWeight
 
 logger = logging.getLogger(__name__)

@@ -1,7 +1,7 @@
 """One quantized checkpoint module's tensors -> the weight a rank holds (a `QuantizedWeight`, or the
 dequantized dense matrix where the module's site cannot hold the format).
 
-Called by worker_proc.quant.prequantized for every module the checkpoint stores quantized; each rank reads
+Called by worker_proc.loading.prequantized for every module the checkpoint stores quantized; each rank reads
 only its slice (`Part`: whole shape and the ShardSpec of its rows or columns) of the values and of
 the scales, zero points and packed words covering it. The conversions:
 - compressed-tensors int8 (`weight` int8, `weight_scale` [out, 1] or [1]): `int8` as stored, the
@@ -41,8 +41,8 @@ from dataclasses import dataclass
 import torch
 
 from shared.errors import ModelLoadError
+from worker_proc.loading.checkpoint_config import StoredScheme
 from worker_proc.model.shard import Range, ShardSpec
-from worker_proc.quant.checkpoint_config import StoredScheme
 from worker_proc.quant.weight import INT4_GROUPS, INT4_OUT_MULTIPLE, QuantizedWeight
 
 ROW_CHUNK = 512

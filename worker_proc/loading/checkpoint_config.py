@@ -1,6 +1,6 @@
 """What a pre-quantized checkpoint declares: `config.json`'s `quantization_config` -> `CheckpointQuant`.
 
-Read once per rank before the model is built (worker_proc.quant.prequantized loads the weights as it says).
+Read once per rank before the model is built (worker_proc.loading.prequantized loads the weights as it says).
 Accepted, everything else a `ModelLoadError` naming the method or scheme:
 - `quant_method: "fp8"` with `weight_block_size` [rows, cols] (DeepSeek / Qwen FP8 checkpoints): e4m3
   `weight` and float32 `weight_scale_inv` per block; `activation_scheme` dynamic or static;
