@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from tests.kernels.util import max_diff, rand, strided
 from worker_proc.kernels import native
+from worker_proc.kernels.native.layout import TILE_ROWS
 from worker_proc.linear.formats import THROUGHPUT_KERNELS
 from worker_proc.linear.kernels import (
     GEMV,
@@ -24,7 +25,7 @@ from worker_proc.linear.kernels import (
     tile_weight,
 )
 from worker_proc.linear.site import GemmSite
-from worker_proc.quant.layouts import QUANTIZED_TILE_ROWS, tile_int8
+from worker_proc.quant.layouts import tile_int8
 from worker_proc.quant.weight import quantize_int4, quantize_int8
 
 pytestmark = pytest.mark.skipif(not native.load(), reason="the fused CPU kernels cannot be built here")
@@ -172,7 +173,7 @@ def test_an_int8_tiled_copy_holds_blocks_of_sixteen_rows_four_columns_side_by_si
     gen = torch.Generator().manual_seed(3)
     q = quantize_int8(rand(gen, 37, 12))
     tiles = tile_int8(q.data, q.scale)
-    assert tuple(tiles.data.shape) == (3, 3, QUANTIZED_TILE_ROWS, 4) and tiles.data.dtype == torch.int8
+    assert tuple(tiles.data.shape) == (3, 3, TILE_ROWS, 4) and tiles.data.dtype == torch.int8
     assert torch.equal(tiles.data[1, 2, 5], q.data[16 + 5, 8:12])  # block 1, columns 8-11, its row 5
     assert torch.equal(tiles.data[2, :, 5:], torch.zeros(3, 11, 4, dtype=torch.int8))  # rows past 37
     assert torch.equal(tiles.row_sums[:37], q.data.sum(1, dtype=torch.int32)) and not tiles.row_sums[37:].any()

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from worker_proc.host.memory import weight_tensor
 from worker_proc.kernels import native
-from worker_proc.quant.layouts import INT4_CHUNK
+from worker_proc.kernels.native.layout import INT4_CHUNK, TILE_ROWS
 from worker_proc.quant.weight import (
     FORMATS,
     QuantizedWeight,
@@ -105,8 +105,6 @@ def packed_product(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | N
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-TILE_ROWS = 16
-"""Output rows per block of a tiled copy (worker_proc/kernels/native/tile_ops.cpp's kBlock)."""
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from worker_proc.host.memory import weight_tensor
+from worker_proc.kernels.native.layout import INT4_CHUNK, INT8_TILE_COLUMNS, TILE_ROWS
 
 
 @dataclass(frozen=True, eq=False)
@@ -35,11 +36,6 @@ def pack_int8(data: torch.Tensor, scale: torch.Tensor) -> Int8Copy:
     return Int8Copy(packed, zero, scale.float().contiguous())
 
 
-QUANTIZED_TILE_ROWS = 16
-"""Output rows per block of a tiled int8 or 4-bit copy (kBlock of worker_proc/kernels/native/w8a8_ops.cpp and
-w4a8_ops.cpp)."""
-INT8_TILE_COLUMNS = 4
-"""Input columns of one output row side by side in a tiled int8 block (the kernel's kQuad)."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -62,15 +58,13 @@ def tile_int8(data: torch.Tensor, scale: torch.Tensor) -> Int8Tiles:
     """The tiled copy of an int8 matrix `data` [out, in] (in a multiple of 4) with row scales `scale` [out], on
     huge pages where it is large enough (a step of few rows streams it whole)."""
     out, inp = data.shape
-    blocks = -(-out // QUANTIZED_TILE_ROWS)
-    rows = F.pad(data, (0, 0, 0, blocks * QUANTIZED_TILE_ROWS - out))
-    buffer = weight_tensor((blocks, inp // INT8_TILE_COLUMNS, QUANTIZED_TILE_ROWS, INT8_TILE_COLUMNS), torch.int8)
-    buffer.copy_(rows.view(blocks, QUANTIZED_TILE_ROWS, inp // INT8_TILE_COLUMNS, INT8_TILE_COLUMNS).transpose(1, 2))
+    blocks = -(-out // TILE_ROWS)
+    rows = F.pad(data, (0, 0, 0, blocks * TILE_ROWS - out))
+    buffer = weight_tensor((blocks, inp // INT8_TILE_COLUMNS, TILE_ROWS, INT8_TILE_COLUMNS), torch.int8)
+    buffer.copy_(rows.view(blocks, TILE_ROWS, inp // INT8_TILE_COLUMNS, INT8_TILE_COLUMNS).transpose(1, 2))
     return Int8Tiles(buffer, rows.sum(1, dtype=torch.int32), scale.float().contiguous())
 
 
-INT4_CHUNK = 8
-"""Inputs of one output row in a 64-byte vector of a tiled 4-bit block (w4a8_ops.cpp's kChunk)."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -109,12 +103,12 @@ def tile_int4(values: torch.Tensor, scale_bf16: torch.Tensor) -> Int4Tiles:
     """The tiled 4-bit copy of values q [out, in] (uint8, 0-15; in a multiple of 8) with their (s, z) per group
     `scale_bf16` [in / group, out, 2], on huge pages where it is large enough (a step of few rows streams it)."""
     out, inp = values.shape
-    blocks = -(-out // QUANTIZED_TILE_ROWS)
-    padded = F.pad(values, (0, 0, 0, blocks * QUANTIZED_TILE_ROWS - out))
-    q = padded.view(blocks, QUANTIZED_TILE_ROWS, inp // INT4_CHUNK, 2, 4)
-    data = weight_tensor((blocks, inp // INT4_CHUNK, QUANTIZED_TILE_ROWS, 4), torch.uint8)
+    blocks = -(-out // TILE_ROWS)
+    padded = F.pad(values, (0, 0, 0, blocks * TILE_ROWS - out))
+    q = padded.view(blocks, TILE_ROWS, inp // INT4_CHUNK, 2, 4)
+    data = weight_tensor((blocks, inp // INT4_CHUNK, TILE_ROWS, 4), torch.uint8)
     data.copy_((q[:, :, :, 0] | (q[:, :, :, 1] << 4)).transpose(1, 2))
     groups = scale_bf16.shape[0]
-    padded = F.pad(scale_bf16, (0, 0, 0, blocks * QUANTIZED_TILE_ROWS - out))
-    scales = padded.view(groups, blocks, QUANTIZED_TILE_ROWS, 2).permute(1, 0, 3, 2).contiguous()
+    padded = F.pad(scale_bf16, (0, 0, 0, blocks * TILE_ROWS - out))
+    scales = padded.view(groups, blocks, TILE_ROWS, 2).permute(1, 0, 3, 2).contiguous()
     return Int4Tiles(data, scales, out)

@@ -28,6 +28,8 @@ from pathlib import Path
 
 import torch
 
+from worker_proc.kernels.native.layout import LAYOUT, defines
+
 logger = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
@@ -43,9 +45,16 @@ and `compile_library` builds them for any other `-march` (tests build the baseli
 
 
 def cflags(arch: str = NATIVE_ARCH) -> tuple[str, ...]:
-    """The compiler flags of a build for `-march=arch`."""
+    """The compiler flags of a build for `-march=arch` (the layout constants among them, `layout.defines`)."""
     wide = ("-mprefer-vector-width=512",) if platform.machine() in ("x86_64", "AMD64") else ()
-    return ("-O3", f"-march={arch}", "-fopenmp", "-ffp-contract=fast", *wide)
+    return ("-O3", f"-march={arch}", "-fopenmp", "-ffp-contract=fast", *wide, *defines())
+
+
+def check_layout() -> None:
+    """The loaded library's layout constants are `layout.LAYOUT` (a build made with others is refused)."""
+    built = list(torch.ops.hyssm_cpu.layout())
+    if built != list(LAYOUT.values()):
+        raise RuntimeError(f"the loaded kernels were built with layout {built}, not {list(LAYOUT.values())}")
 
 
 def _cpu_identity() -> str:
@@ -100,15 +109,18 @@ def _load_into(target: Path) -> None:
     library = target / f"{LIBRARY}.so"
     if (target / BUILT_MARKER).exists() and library.exists():
         torch.ops.load_library(str(library))
+        check_layout()
         return
     with open(target / "build.lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if (target / BUILT_MARKER).exists() and library.exists():  # another process built it meanwhile
             torch.ops.load_library(str(library))
+            check_layout()
             return
         logger.info("compiling the fused CPU kernels for this machine into %s (once; seconds)", target)
         start = time.perf_counter()
         _build(target)
+        check_layout()
         logger.info("fused CPU kernels compiled in %.1f s", time.perf_counter() - start)
 
 

@@ -97,10 +97,4 @@ at::Tensor gdn_decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor
 }  // namespace
 }  // namespace hyssm_cpu
 
-TORCH_LIBRARY_FRAGMENT(hyssm_cpu, m) {
-  m.def(
-      "gdn_decode(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, float scale, Tensor(a!) pool, "
-      "Tensor(b!)? pool_scale, Tensor slots) -> Tensor");
-}
-
 TORCH_LIBRARY_IMPL(hyssm_cpu, CPU, m) { m.impl("gdn_decode", hyssm_cpu::gdn_decode); }

@@ -2,7 +2,7 @@
 // read from the module's own [out, in] weight, float32 or bfloat16, in two orders the execution plan
 // times against the library products for each weight shape and row bucket, binding whichever is faster
 // on the machine (worker_proc.linear.methods `gemv` and `gemv_seq`). Rules that hold:
-// - every weight row is read once per group of up to ROWS input rows, and the threads split the weight's
+// - every weight row is read once per group of up to kPassRows input rows, and the threads split the weight's
 //   rows into contiguous ranges (a step is bound by reading the weight);
 // - `gemv` reads four weight rows side by side and asks for the rows PREFETCH_ROWS ahead; `gemv_seq`
 //   reads one weight row after another front to back with no software prefetch, so that each thread is
@@ -47,8 +47,8 @@ at::Tensor few_row_product(const at::Tensor& x, const at::Tensor& weight, const 
       const float* w = weight.data_ptr<float>();
       float* o = out.data_ptr<float>();
       at::parallel_for(0, blocks, 16, [&](int64_t b0, int64_t b1) {
-        for (int64_t r = 0; r < m; r += ROWS)
-          gemv_group(sequential, xf.data_ptr<float>() + r * k, std::min(ROWS, m - r), k, w, nullptr, bias_ptr, o + r * n, n,
+        for (int64_t r = 0; r < m; r += kPassRows)
+          gemv_group(sequential, xf.data_ptr<float>() + r * k, std::min(kPassRows, m - r), k, w, nullptr, bias_ptr, o + r * n, n,
                      b0 * WEIGHT_ROWS, std::min(n, b1 * WEIGHT_ROWS));
       });
     })
@@ -56,8 +56,8 @@ at::Tensor few_row_product(const at::Tensor& x, const at::Tensor& weight, const 
       const c10::BFloat16* w = weight.data_ptr<c10::BFloat16>();
       c10::BFloat16* o = out.data_ptr<c10::BFloat16>();
       at::parallel_for(0, blocks, 16, [&](int64_t b0, int64_t b1) {
-        for (int64_t r = 0; r < m; r += ROWS) {
-          const int64_t take = std::min(ROWS, m - r), lo = b0 * WEIGHT_ROWS, hi = std::min(n, b1 * WEIGHT_ROWS);
+        for (int64_t r = 0; r < m; r += kPassRows) {
+          const int64_t take = std::min(kPassRows, m - r), lo = b0 * WEIGHT_ROWS, hi = std::min(n, b1 * WEIGHT_ROWS);
 #if defined(__AVX512BF16__)
           if (pairs) {
             gemv_group(sequential, xf.data_ptr<c10::BFloat16>() + r * k, take, k, w, nullptr, bias_ptr, o + r * n, n, lo,
@@ -92,8 +92,8 @@ at::Tensor int8_product(const at::Tensor& x, const at::Tensor& data, const at::T
   const int64_t blocks = (n + WEIGHT_ROWS - 1) / WEIGHT_ROWS;
   auto run = [&](auto* o) {
     at::parallel_for(0, blocks, 16, [&](int64_t b0, int64_t b1) {
-      for (int64_t r = 0; r < m; r += ROWS)
-        gemv_group(true, xf.data_ptr<float>() + r * k, std::min(ROWS, m - r), k, w, sc, bias_ptr, o + r * n, n,
+      for (int64_t r = 0; r < m; r += kPassRows)
+        gemv_group(true, xf.data_ptr<float>() + r * k, std::min(kPassRows, m - r), k, w, sc, bias_ptr, o + r * n, n,
                    b0 * WEIGHT_ROWS, std::min(n, b1 * WEIGHT_ROWS));
     });
   };
@@ -162,8 +162,8 @@ at::Tensor expert_product(const at::Tensor& x, const at::Tensor& stack, const c1
       for (int64_t t = t0; t < t1; ++t) {
         const int64_t e = used[t / blocks], lo = (t % blocks) * span, hi = std::min(n, lo + span);
         const float* sc = scales ? scales + e * n : nullptr;
-        for (int64_t r = count[e]; r < count[e + 1]; r += ROWS)
-          gemv_group(sequential, xp + r * k, std::min(ROWS, count[e + 1] - r), k, w0 + e * stack.stride(0), sc,
+        for (int64_t r = count[e]; r < count[e + 1]; r += kPassRows)
+          gemv_group(sequential, xp + r * k, std::min(kPassRows, count[e + 1] - r), k, w0 + e * stack.stride(0), sc,
                      nullptr, op + r * n, n, lo, hi);
       }
     });
@@ -195,11 +195,6 @@ at::Tensor gemv_seq(const at::Tensor& x, const at::Tensor& weight, const c10::op
 }
 
 }  // namespace hyssm_cpu
-
-TORCH_LIBRARY_FRAGMENT(hyssm_cpu, m) {
-  m.def("expert_product(Tensor x, Tensor stack, Tensor? scale, Tensor idx, bool per_choice, bool sequential) -> Tensor");
-  m.def("gemv_int8(Tensor x, Tensor data, Tensor scale, Tensor? bias) -> Tensor");
-}
 
 TORCH_LIBRARY_IMPL(hyssm_cpu, CPU, m) {
   m.impl("expert_product", hyssm_cpu::expert_product);

@@ -1,15 +1,15 @@
-// The row kernels of the few-row products (gemv_ops.cpp): dot products of up to ROWS input rows with a
+// The row kernels of the few-row products (gemv_ops.cpp): dot products of up to kPassRows input rows with a
 // range of weight rows, read in one of two orders (see gemv_ops.cpp's rules), the weight float32,
 // bfloat16 or int8 (a quantized weight, whose per-row scale multiplies each finished dot product).
 // Included by gemv_ops.cpp only (its anonymous namespace holds these).
 #pragma once
 
 #include "cpu_common.h"
+#include "layout.h"
 
 namespace hyssm_cpu {
 namespace {
 
-constexpr int64_t ROWS = 8;        // input rows sharing one pass over the weight
 constexpr int64_t WEIGHT_ROWS = 4;  // weight rows read side by side
 constexpr int64_t PREFETCH_ROWS = 8;  // how far ahead (in weight rows) the loop asks for the weight
 constexpr int SEQ_VECTORS = 2;  // vectors of one weight row per step of `gemv_seq` (accumulation chains per input row)
@@ -161,7 +161,7 @@ template <typename W, typename O, int R, typename X>
 void rows_range(const X* x, int64_t k, const W* w, const float* scale, const float* bias, O* out, int64_t n,
                 int64_t begin, int64_t end) {
   constexpr int WR = R <= 4 ? WEIGHT_ROWS : WEIGHT_ROWS / 2;  // R * WR accumulators stay in registers
-  float acc[ROWS][WEIGHT_ROWS];
+  float acc[kPassRows][WEIGHT_ROWS];
   for (int64_t row = begin; row < end;) {
     const int64_t take = std::min<int64_t>(WR, end - row);
     const W* ws[WEIGHT_ROWS];
@@ -170,7 +170,7 @@ void rows_range(const X* x, int64_t k, const W* w, const float* scale, const flo
       dot_rows<R, WR>(x, k, ws, acc);
     } else {
       for (int64_t i = 0; i < take; ++i) {
-        float one[ROWS][WEIGHT_ROWS];
+        float one[kPassRows][WEIGHT_ROWS];
         dot_rows<R, 1>(x, k, ws + i, one);
         for (int r = 0; r < R; ++r) acc[r][i] = one[r][0];
       }
@@ -192,16 +192,7 @@ void range_in_order(bool sequential, const X* x, int64_t k, const W* w, const fl
 template <typename W, typename O, typename X>
 void gemv_group(bool sequential, const X* x, int64_t rows, int64_t k, const W* w, const float* scale,
                 const float* bias, O* out, int64_t n, int64_t begin, int64_t end) {
-  switch (rows) {
-    case 1: return range_in_order<W, O, 1>(sequential, x, k, w, scale, bias, out, n, begin, end);
-    case 2: return range_in_order<W, O, 2>(sequential, x, k, w, scale, bias, out, n, begin, end);
-    case 3: return range_in_order<W, O, 3>(sequential, x, k, w, scale, bias, out, n, begin, end);
-    case 4: return range_in_order<W, O, 4>(sequential, x, k, w, scale, bias, out, n, begin, end);
-    case 5: return range_in_order<W, O, 5>(sequential, x, k, w, scale, bias, out, n, begin, end);
-    case 6: return range_in_order<W, O, 6>(sequential, x, k, w, scale, bias, out, n, begin, end);
-    case 7: return range_in_order<W, O, 7>(sequential, x, k, w, scale, bias, out, n, begin, end);
-    default: return range_in_order<W, O, 8>(sequential, x, k, w, scale, bias, out, n, begin, end);
-  }
+  with_rows<kPassRows>(rows, [&](auto r) { range_in_order<W, O, decltype(r)::value>(sequential, x, k, w, scale, bias, out, n, begin, end); });
 }
 
 }  // namespace

@@ -344,32 +344,6 @@ at::Tensor ssd_prefill(const at::Tensor& x_in, const at::Tensor& dt, const at::T
 }  // namespace
 }  // namespace hyssm_cpu
 
-TORCH_LIBRARY(hyssm_cpu, m) {
-  m.def(
-      "mamba_decode(Tensor xbc, Tensor dt, Tensor(a!) conv_pool, Tensor(b!) ssm_pool, Tensor(c!)? ssm_scale, "
-      "Tensor slots, "
-      "Tensor conv_w, Tensor? conv_b, Tensor a, Tensor d, Tensor dt_bias, Tensor? head_group, float dt_min, "
-      "float dt_max, int groups) -> Tensor");
-  m.def(
-      "conv_prefill(Tensor x, Tensor(a!) conv_pool, int[] lengths, int[] slots, Tensor weight, Tensor? bias) -> Tensor");
-  m.def(
-      "ssd_prefill(Tensor x, Tensor dt, Tensor b, Tensor c, Tensor(a!) ssm_pool, Tensor(b!)? ssm_scale, "
-      "int[] lengths, int[] slots, "
-      "Tensor a, Tensor d, Tensor dt_bias, float dt_min, float dt_max) -> Tensor");
-  m.def("gated_rms_norm(Tensor y, Tensor z, Tensor? weight, int groups, float eps, bool before_gate, "
-        "bool round_out) -> Tensor");
-  m.def("rms_norm(Tensor x, Tensor weight, float eps, int weighting) -> Tensor");
-  m.def("add_rms_norm(Tensor h, Tensor y, float alpha, Tensor weight, float eps, int weighting) -> (Tensor, Tensor)");
-  m.def("silu_mul(Tensor gu) -> Tensor");
-  m.def("gemv(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
-  m.def("gemv_seq(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
-  m.def("tile_weight(Tensor weight, Tensor? out=None) -> Tensor");
-  m.def("tiled_product(Tensor x, Tensor tiled, int out_features, Tensor? bias) -> Tensor");
-  m.def("attn_decode(Tensor q, Tensor k_pool, Tensor v_pool, Tensor kv_idx, Tensor lengths, float scale) -> Tensor");
-  m.def("attn_prefill(Tensor q, Tensor k_pool, Tensor v_pool, Tensor kv_idx, int start, float scale, "
-        "Tensor(a!) workspace) -> Tensor");
-}
-
 TORCH_LIBRARY_IMPL(hyssm_cpu, CPU, m) {
   m.impl("mamba_decode", hyssm_cpu::mamba_decode);
   m.impl("conv_prefill", hyssm_cpu::conv_prefill);

@@ -1,13 +1,13 @@
 // The matrix product of a batched decode step's rows, out[M, N] = x[M, K] @ w[N, K]^T (+ bias), read from
 // a copy of the weight laid out for it (`tile_weight`; worker_proc.linear.methods `tiled`, a storage the
 // execution plan makes where its timings choose the method). Rules that hold:
-// - the copy holds the weight's rows in blocks of kBlock output rows: [ceil(N / kBlock)][K / P][kBlock][P],
+// - the copy holds the weight's rows in blocks of kTileRows output rows: [ceil(N / kTileRows)][K / P][kTileRows][P],
 //   P consecutive input columns of one output row side by side (P = 2 for bfloat16 where the CPU multiplies
 //   bfloat16 pairs, AVX512-BF16; 1 otherwise), rows past N zero. A block is one contiguous run of memory,
-//   and one vector of it holds one input column (pair) of kBlock outputs, so an input row's element (pair)
-//   is broadcast and multiplied into kBlock sums at once: no sum is reduced across lanes at the end;
-// - the threads split the blocks into contiguous ranges of kGroup blocks (one sequential stream each); a
-//   group's kGroup * K * kBlock values are read once per call, up to kRows input rows at a time, the later
+//   and one vector of it holds one input column (pair) of kTileRows outputs, so an input row's element (pair)
+//   is broadcast and multiplied into kTileRows sums at once: no sum is reduced across lanes at the end;
+// - the threads split the blocks into contiguous ranges of kTileGroup blocks (one sequential stream each); a
+//   group's kTileGroup * K * kTileRows values are read once per call, up to kPassRows input rows at a time, the later
 //   row groups reading it from cache;
 // - products accumulate in float32 (bfloat16 pairs: exact products, AVX512-BF16's pair sums), each output
 //   in the order of its input columns (in up to four interleaved partial sums where few rows leave the
@@ -15,13 +15,11 @@
 #include <torch/library.h>
 
 #include "cpu_common.h"
+#include "layout.h"
 
 namespace hyssm_cpu {
 namespace {
 
-constexpr int64_t kBlock = 16;  // output rows of one block: one float32 vector of sums
-constexpr int64_t kGroup = 3;   // blocks one pass reads side by side
-constexpr int64_t kRows = 8;    // input rows of one pass
 
 template <typename T>
 constexpr int64_t pair_width() {
@@ -32,25 +30,25 @@ constexpr int64_t pair_width() {
 #endif
 }
 
-// Stores R x V vectors of sums (output columns n0 + v * kBlock ...) into out rows of stride n.
+// Stores R x V vectors of sums (output columns n0 + v * kTileRows ...) into out rows of stride n.
 template <typename O, int R, int V>
 inline void store_sums(const vf16 (&sums)[R][V], const float* bias, O* out, int64_t n, int64_t n0) {
   for (int v = 0; v < V; ++v) {
-    const int64_t c0 = n0 + v * kBlock, count = std::min<int64_t>(kBlock, n - c0);
+    const int64_t c0 = n0 + v * kTileRows, count = std::min<int64_t>(kTileRows, n - c0);
     if (count <= 0) continue;
     for (int r = 0; r < R; ++r) {
-      float lanes[kBlock];
+      float lanes[kTileRows];
       store16(lanes, sums[r][v]);
       for (int64_t l = 0; l < count; ++l) out[r * n + c0 + l] = from_f<O>(lanes[l] + (bias ? bias[c0 + l] : 0.0f));
     }
   }
 }
 
-// One pass of R input rows (row stride k) over V blocks starting at `tile` (block stride k * kBlock).
+// One pass of R input rows (row stride k) over V blocks starting at `tile` (block stride k * kTileRows).
 template <typename T, typename O, int R, int V>
 inline void pass(const T* x, int64_t k, const T* tile, const float* bias, O* out, int64_t n, int64_t n0) {
   constexpr int U = unroll<R>();
-  const int64_t stride = k * kBlock;
+  const int64_t stride = k * kTileRows;
   vf16 acc[U][R][V];
   for (int u = 0; u < U; ++u)
     for (int r = 0; r < R; ++r)
@@ -59,7 +57,7 @@ inline void pass(const T* x, int64_t k, const T* tile, const float* bias, O* out
   for (; j + U <= k; j += U)
     for (int u = 0; u < U; ++u) {
       vf16 wv[V];
-      for (int v = 0; v < V; ++v) wv[v] = load16(tile + v * stride + (j + u) * kBlock);
+      for (int v = 0; v < V; ++v) wv[v] = load16(tile + v * stride + (j + u) * kTileRows);
       for (int r = 0; r < R; ++r) {
         const vf16 xb = splat(to_f(x[r * k + j + u]));
         for (int v = 0; v < V; ++v) acc[u][r][v] = xb * wv[v] + acc[u][r][v];
@@ -68,7 +66,7 @@ inline void pass(const T* x, int64_t k, const T* tile, const float* bias, O* out
   for (; j < k; ++j)
     for (int r = 0; r < R; ++r)
       for (int v = 0; v < V; ++v)
-        acc[0][r][v] = splat(to_f(x[r * k + j])) * load16(tile + v * stride + j * kBlock) + acc[0][r][v];
+        acc[0][r][v] = splat(to_f(x[r * k + j])) * load16(tile + v * stride + j * kTileRows) + acc[0][r][v];
   vf16 sums[R][V];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < V; ++v) {
@@ -85,7 +83,7 @@ template <int R, int V>
 inline void pass_pairs(const c10::BFloat16* x, int64_t k, const c10::BFloat16* tile, const float* bias,
                        c10::BFloat16* out, int64_t n, int64_t n0) {
   constexpr int U = unroll<R>();
-  const int64_t stride = k * kBlock, pairs = k / 2;
+  const int64_t stride = k * kTileRows, pairs = k / 2;
   const int32_t* xp = reinterpret_cast<const int32_t*>(x);
   __m512 acc[U][R][V];
   for (int u = 0; u < U; ++u)
@@ -93,7 +91,7 @@ inline void pass_pairs(const c10::BFloat16* x, int64_t k, const c10::BFloat16* t
       for (int v = 0; v < V; ++v) acc[u][r][v] = _mm512_setzero_ps();
   auto step = [&](int u, int64_t p) {
     __m512bh wv[V];
-    for (int v = 0; v < V; ++v) wv[v] = (__m512bh)_mm512_loadu_si512(tile + v * stride + p * 2 * kBlock);
+    for (int v = 0; v < V; ++v) wv[v] = (__m512bh)_mm512_loadu_si512(tile + v * stride + p * 2 * kTileRows);
     for (int r = 0; r < R; ++r) {
       const __m512bh xb = (__m512bh)_mm512_set1_epi32(xp[r * pairs + p]);
       for (int v = 0; v < V; ++v) acc[u][r][v] = _mm512_dpbf16_ps(acc[u][r][v], xb, wv[v]);
@@ -114,53 +112,44 @@ inline void pass_pairs(const c10::BFloat16* x, int64_t k, const c10::BFloat16* t
 }
 #endif
 
-// R input rows over blocks [b0, b1): kGroup blocks a pass, the last ones one at a time.
+// R input rows over blocks [b0, b1): kTileGroup blocks a pass, the last ones one at a time.
 template <typename T, int R>
 void rows_over(const T* x, int64_t k, const T* tiled, const float* bias, T* out, int64_t n, int64_t b0,
                int64_t b1) {
-  const int64_t stride = k * kBlock;
+  const int64_t stride = k * kTileRows;
   for (int64_t b = b0; b < b1;) {
-    const bool whole = b + kGroup <= b1;
+    const bool whole = b + kTileGroup <= b1;
 #if defined(__AVX512BF16__)
     if constexpr (pair_width<T>() == 2) {
-      if (whole) pass_pairs<R, kGroup>(x, k, tiled + b * stride, bias, out, n, b * kBlock);
-      else pass_pairs<R, 1>(x, k, tiled + b * stride, bias, out, n, b * kBlock);
-      b += whole ? kGroup : 1;
+      if (whole) pass_pairs<R, kTileGroup>(x, k, tiled + b * stride, bias, out, n, b * kTileRows);
+      else pass_pairs<R, 1>(x, k, tiled + b * stride, bias, out, n, b * kTileRows);
+      b += whole ? kTileGroup : 1;
       continue;
     }
 #endif
-    if (whole) pass<T, T, R, kGroup>(x, k, tiled + b * stride, bias, out, n, b * kBlock);
-    else pass<T, T, R, 1>(x, k, tiled + b * stride, bias, out, n, b * kBlock);
-    b += whole ? kGroup : 1;
+    if (whole) pass<T, T, R, kTileGroup>(x, k, tiled + b * stride, bias, out, n, b * kTileRows);
+    else pass<T, T, R, 1>(x, k, tiled + b * stride, bias, out, n, b * kTileRows);
+    b += whole ? kTileGroup : 1;
   }
 }
 
 template <typename T>
 void rows_group(const T* x, int64_t rows, int64_t k, const T* tiled, const float* bias, T* out, int64_t n,
                 int64_t b0, int64_t b1) {
-  switch (rows) {
-    case 1: return rows_over<T, 1>(x, k, tiled, bias, out, n, b0, b1);
-    case 2: return rows_over<T, 2>(x, k, tiled, bias, out, n, b0, b1);
-    case 3: return rows_over<T, 3>(x, k, tiled, bias, out, n, b0, b1);
-    case 4: return rows_over<T, 4>(x, k, tiled, bias, out, n, b0, b1);
-    case 5: return rows_over<T, 5>(x, k, tiled, bias, out, n, b0, b1);
-    case 6: return rows_over<T, 6>(x, k, tiled, bias, out, n, b0, b1);
-    case 7: return rows_over<T, 7>(x, k, tiled, bias, out, n, b0, b1);
-    default: return rows_over<T, 8>(x, k, tiled, bias, out, n, b0, b1);
-  }
+  with_rows<kPassRows>(rows, [&](auto r) { rows_over<T, decltype(r)::value>(x, k, tiled, bias, out, n, b0, b1); });
 }
 
-// Every input row over every block, the threads taking contiguous ranges of kGroup blocks.
+// Every input row over every block, the threads taking contiguous ranges of kTileGroup blocks.
 template <typename T>
 void product(const at::Tensor& x, const at::Tensor& tiled, const float* bias, at::Tensor& out) {
   const int64_t m = x.size(0), k = x.size(1), n = out.size(1), blocks = tiled.size(0);
   const T *xp = x.data_ptr<T>(), *tp = tiled.data_ptr<T>();
   T* op = out.data_ptr<T>();
-  at::parallel_for(0, (blocks + kGroup - 1) / kGroup, 1, [&](int64_t g0, int64_t g1) {
+  at::parallel_for(0, (blocks + kTileGroup - 1) / kTileGroup, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g)
-      for (int64_t r = 0; r < m; r += kRows)
-        rows_group(xp + r * k, std::min(kRows, m - r), k, tp, bias, op + r * n, n, g * kGroup,
-                   std::min(blocks, (g + 1) * kGroup));
+      for (int64_t r = 0; r < m; r += kPassRows)
+        rows_group(xp + r * k, std::min(kPassRows, m - r), k, tp, bias, op + r * n, n, g * kTileGroup,
+                   std::min(blocks, (g + 1) * kTileGroup));
   });
 }
 
@@ -169,8 +158,8 @@ void tile_into(const T* w, int64_t n, int64_t k, T* tiled) {
   constexpr int64_t P = pair_width<T>();
   at::parallel_for(0, n, 64, [&](int64_t r0, int64_t r1) {
     for (int64_t row = r0; row < r1; ++row) {
-      T* block = tiled + (row / kBlock) * k * kBlock + (row % kBlock) * P;
-      for (int64_t j = 0; j < k; ++j) block[(j / P) * kBlock * P + j % P] = w[row * k + j];
+      T* block = tiled + (row / kTileRows) * k * kTileRows + (row % kTileRows) * P;
+      for (int64_t j = 0; j < k; ++j) block[(j / P) * kTileRows * P + j % P] = w[row * k + j];
     }
   });
 }
@@ -183,11 +172,11 @@ void tile_into(const T* w, int64_t n, int64_t k, T* tiled) {
 at::Tensor tile_weight(const at::Tensor& weight, const c10::optional<at::Tensor>& out) {
   TORCH_CHECK(weight.dim() == 2, "tile_weight: a [N, K] weight expected");
   const at::Tensor w = weight.contiguous();
-  const int64_t n = w.size(0), k = w.size(1), blocks = (n + kBlock - 1) / kBlock;
+  const int64_t n = w.size(0), k = w.size(1), blocks = (n + kTileRows - 1) / kTileRows;
   const bool into = out.has_value() && out->defined();
   if (into) {
-    TORCH_CHECK(out->is_contiguous() && out->scalar_type() == w.scalar_type() && out->numel() == blocks * k * kBlock,
-                "tile_weight: out must be a contiguous buffer of ", blocks * k * kBlock, " elements of the weight's dtype");
+    TORCH_CHECK(out->is_contiguous() && out->scalar_type() == w.scalar_type() && out->numel() == blocks * k * kTileRows,
+                "tile_weight: out must be a contiguous buffer of ", blocks * k * kTileRows, " elements of the weight's dtype");
   }
   const auto layout = [&](std::vector<int64_t> shape) {
     return into ? out->view(shape).zero_() : at::zeros(shape, w.options());
@@ -195,13 +184,13 @@ at::Tensor tile_weight(const at::Tensor& weight, const c10::optional<at::Tensor>
   at::Tensor tiled;
   AT_DISPATCH_SWITCH(w.scalar_type(), "hyssm_tile_weight",
     AT_DISPATCH_CASE(at::kFloat, [&] {
-      tiled = layout({blocks, k, kBlock});
+      tiled = layout({blocks, k, kTileRows});
       tile_into(w.data_ptr<float>(), n, k, tiled.data_ptr<float>());
     })
     AT_DISPATCH_CASE(at::kBFloat16, [&] {
       constexpr int64_t P = pair_width<c10::BFloat16>();
       TORCH_CHECK(k % P == 0, "tile_weight: a bfloat16 weight's input width must be a multiple of ", P);
-      tiled = layout({blocks, k / P, kBlock, P});
+      tiled = layout({blocks, k / P, kTileRows, P});
       tile_into(w.data_ptr<c10::BFloat16>(), n, k, tiled.data_ptr<c10::BFloat16>());
     }));
   return tiled;
@@ -215,7 +204,7 @@ at::Tensor tiled_product(const at::Tensor& x_in, const at::Tensor& tiled, int64_
               "tiled_product: x and the tiled weight must share a dtype");
   const at::Tensor x = x_in.contiguous();
   const int64_t m = x.size(0), k = x.size(1), blocks = tiled.size(0);
-  TORCH_CHECK(tiled.numel() == blocks * k * kBlock && blocks == (n + kBlock - 1) / kBlock,
+  TORCH_CHECK(tiled.numel() == blocks * k * kTileRows && blocks == (n + kTileRows - 1) / kTileRows,
               "tiled_product: the tiled weight is not a [", n, ", ", k, "] weight's");
   const bool pairs = tiled.dim() == 4 && tiled.size(3) == 2;
   TORCH_CHECK(pairs == (x.scalar_type() == at::kBFloat16 && pair_width<c10::BFloat16>() == 2),

@@ -3,29 +3,26 @@
 // group of G inputs (w = (q - 8) * s + z, the int4 format of worker_proc.quant.weight);
 // out[r, n] = xs[r] * sum_g (s * S + (z - 8 * s) * X), with S = sum over the group of q * xq (exact, int32) and
 // X = the group's sum of xq; float32 out. Rules that hold:
-// - the weight is read from a tiled copy: blocks of kBlock outputs, [ceil(N / kBlock)][K / 8][kBlock][4] bytes,
+// - the weight is read from a tiled copy: blocks of kTileRows outputs, [ceil(N / kTileRows)][K / 8][kTileRows][4] bytes,
 //   byte i of output l at chunk c holding inputs 8c + i (low nibble) and 8c + 4 + i (high nibble), outputs past
-//   N zero; the scales as [ceil(N / kBlock)][K / G][2][kBlock] bfloat16 (s for each output of the block, then
-//   z). One 64-byte vector of a block holds eight inputs of kBlock outputs: its two nibble halves each meet four
+//   N zero; the scales as [ceil(N / kTileRows)][K / G][2][kTileRows] bfloat16 (s for each output of the block, then
+//   z). One 64-byte vector of a block holds eight inputs of kTileRows outputs: its two nibble halves each meet four
 //   bytes of a row of x broadcast in one AVX512-VNNI instruction (unsigned 4-bit values by signed bytes), so no
 //   sum is reduced across lanes;
 // - each output's value depends on its own row of x only and is computed in one order whatever the row count,
 //   the thread count or the instructions (the group sums are exact; each group adds s * S, then (z - 8 s) * X,
 //   in single fused multiply-adds): batch invariant, the same bits on every thread count;
-// - the threads split the blocks into contiguous ranges of kGroup blocks, each read once per call for up to
-//   ROWS rows of x at a time, the later rows from cache.
+// - the threads split the blocks into contiguous ranges of kTileGroup blocks, each read once per call for up to
+//   kPassRows rows of x at a time, the later rows from cache.
 #include <torch/library.h>
 
 #include "cpu_common.h"
+#include "layout.h"
 #include "int8_rows.h"
 
 namespace hyssm_cpu {
 namespace {
 
-constexpr int64_t ROWS = 8;    // input rows sharing one pass over the weight
-constexpr int64_t kBlock = 16;  // outputs of one tiled block: one vector of sums
-constexpr int64_t kGroup = 3;   // blocks a thread's range is counted in
-constexpr int64_t kChunk = 8;   // inputs of one 64-byte vector of a block
 
 inline float bf16_value(uint16_t bits) {
   const uint32_t word = static_cast<uint32_t>(bits) << 16;
@@ -35,7 +32,7 @@ inline float bf16_value(uint16_t bits) {
 }
 
 // Where the tensors of one call are: x's rows (xq, stride k; their group sums xg, stride groups; scales xs) and
-// the weight's blocks (tiles, stride k * kBlock / 2 bytes; scales, stride groups * 2 * kBlock).
+// the weight's blocks (tiles, stride k * kTileRows / 2 bytes; scales, stride groups * 2 * kTileRows).
 struct W4Operands {
   const int8_t* xq;
   const int32_t* xg;
@@ -48,8 +45,8 @@ struct W4Operands {
 // R rows of x over V blocks starting at block b.
 template <int R, int V>
 inline void w4_pass(const W4Operands& o, int64_t b, float* out) {
-  const int64_t groups = o.k / o.group, chunks = o.group / kChunk;
-  const int64_t stride = o.k * kBlock / 2, sstride = groups * 2 * kBlock;
+  const int64_t groups = o.k / o.group, chunks = o.group / kInt4Chunk;
+  const int64_t stride = o.k * kTileRows / 2, sstride = groups * 2 * kTileRows;
   const uint8_t* tile = o.tiles + b * stride;
   const uint16_t* sz = o.scales + b * sstride;
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -70,8 +67,8 @@ inline void w4_pass(const W4Operands& o, int64_t b, float* out) {
       }
       for (int r = 0; r < R; ++r) {
         int32_t first, second;
-        std::memcpy(&first, o.xq + r * o.k + c * kChunk, 4);
-        std::memcpy(&second, o.xq + r * o.k + c * kChunk + 4, 4);
+        std::memcpy(&first, o.xq + r * o.k + c * kInt4Chunk, 4);
+        std::memcpy(&second, o.xq + r * o.k + c * kInt4Chunk + 4, 4);
         const __m512i x0 = _mm512_set1_epi32(first), x1 = _mm512_set1_epi32(second);
         for (int v = 0; v < V; ++v) {
           sums[r][v] = _mm512_dpbusd_epi32(sums[r][v], lo[v], x0);
@@ -80,11 +77,11 @@ inline void w4_pass(const W4Operands& o, int64_t b, float* out) {
       }
     }
     for (int v = 0; v < V; ++v) {
-      const uint16_t* p = sz + v * sstride + g * 2 * kBlock;
+      const uint16_t* p = sz + v * sstride + g * 2 * kTileRows;
       const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(
           _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
       const __m512 z = _mm512_castsi512_ps(_mm512_slli_epi32(
-          _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + kBlock))), 16));
+          _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + kTileRows))), 16));
       const __m512 offset = _mm512_fmadd_ps(_mm512_set1_ps(-8.0f), s, z);
       for (int r = 0; r < R; ++r) {
         acc[r][v] = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(sums[r][v]), acc[r][v]);
@@ -93,15 +90,15 @@ inline void w4_pass(const W4Operands& o, int64_t b, float* out) {
     }
   }
   for (int v = 0; v < V; ++v) {
-    const int64_t c0 = (b + v) * kBlock;
+    const int64_t c0 = (b + v) * kTileRows;
     if (c0 >= o.n) continue;
-    const __mmask16 live = o.n - c0 >= kBlock ? __mmask16(0xffff) : __mmask16((1u << (o.n - c0)) - 1);
+    const __mmask16 live = o.n - c0 >= kTileRows ? __mmask16(0xffff) : __mmask16((1u << (o.n - c0)) - 1);
     for (int r = 0; r < R; ++r)
       _mm512_mask_storeu_ps(out + r * o.n + c0, live, _mm512_mul_ps(acc[r][v], _mm512_set1_ps(o.xs[r])));
   }
 #else
   for (int v = 0; v < V; ++v) {
-    const int64_t c0 = (b + v) * kBlock, count = std::min<int64_t>(kBlock, o.n - c0);
+    const int64_t c0 = (b + v) * kTileRows, count = std::min<int64_t>(kTileRows, o.n - c0);
     const uint8_t* t = tile + v * stride;
     const uint16_t* p = sz + v * sstride;
     for (int r = 0; r < R; ++r)
@@ -111,11 +108,11 @@ inline void w4_pass(const W4Operands& o, int64_t b, float* out) {
           int32_t sum = 0;
           for (int64_t c = g * chunks; c < (g + 1) * chunks; ++c)
             for (int64_t i = 0; i < 4; ++i) {
-              const uint8_t byte = t[(c * kBlock + l) * 4 + i];
-              sum += static_cast<int32_t>(byte & 0x0f) * o.xq[r * o.k + c * kChunk + i];
-              sum += static_cast<int32_t>(byte >> 4) * o.xq[r * o.k + c * kChunk + 4 + i];
+              const uint8_t byte = t[(c * kTileRows + l) * 4 + i];
+              sum += static_cast<int32_t>(byte & 0x0f) * o.xq[r * o.k + c * kInt4Chunk + i];
+              sum += static_cast<int32_t>(byte >> 4) * o.xq[r * o.k + c * kInt4Chunk + 4 + i];
             }
-          const float s = bf16_value(p[g * 2 * kBlock + l]), z = bf16_value(p[g * 2 * kBlock + kBlock + l]);
+          const float s = bf16_value(p[g * 2 * kTileRows + l]), z = bf16_value(p[g * 2 * kTileRows + kTileRows + l]);
           acc = std::fma(s, static_cast<float>(sum), acc);
           acc = std::fma(std::fma(-8.0f, s, z), static_cast<float>(o.xg[r * groups + g]), acc);
         }
@@ -135,31 +132,22 @@ void w4_rows(const W4Operands& o, float* out, int64_t b0, int64_t b1) {
 }
 
 void w4_group(const W4Operands& o, int64_t rows, float* out, int64_t b0, int64_t b1) {
-  switch (rows) {
-    case 1: return w4_rows<1>(o, out, b0, b1);
-    case 2: return w4_rows<2>(o, out, b0, b1);
-    case 3: return w4_rows<3>(o, out, b0, b1);
-    case 4: return w4_rows<4>(o, out, b0, b1);
-    case 5: return w4_rows<5>(o, out, b0, b1);
-    case 6: return w4_rows<6>(o, out, b0, b1);
-    case 7: return w4_rows<7>(o, out, b0, b1);
-    default: return w4_rows<8>(o, out, b0, b1);
-  }
+  with_rows<kPassRows>(rows, [&](auto r) { w4_rows<decltype(r)::value>(o, out, b0, b1); });
 }
 
 // x [M, K] float32 or bfloat16 (unit-stride rows); tiles uint8 [blocks, K / 8, 16, 4]; scales bfloat16
 // [blocks, K / G, 2, 16]; n <= blocks * 16 outputs. Returns [M, n] float32.
 at::Tensor tiled_w4a8(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& scales, int64_t n) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && tiles.dim() == 4 && tiles.scalar_type() == at::kByte &&
-                  tiles.is_contiguous() && tiles.size(2) == kBlock && tiles.size(3) == 4 &&
-                  tiles.size(1) * kChunk == x.size(1),
+                  tiles.is_contiguous() && tiles.size(2) == kTileRows && tiles.size(3) == 4 &&
+                  tiles.size(1) * kInt4Chunk == x.size(1),
               "tiled_w4a8: x [M, K] and a 4-bit weight tiled as [blocks, K / 8, 16, 4] bytes expected");
   const int64_t m = x.size(0), k = x.size(1), blocks = tiles.size(0);
   TORCH_CHECK(scales.dim() == 4 && scales.scalar_type() == at::kBFloat16 && scales.is_contiguous() &&
                   scales.size(0) == blocks && scales.size(1) > 0 && k % scales.size(1) == 0 &&
-                  (k / scales.size(1)) % kChunk == 0 && scales.size(2) == 2 && scales.size(3) == kBlock,
+                  (k / scales.size(1)) % kInt4Chunk == 0 && scales.size(2) == 2 && scales.size(3) == kTileRows,
               "tiled_w4a8: scales [blocks, K / G, 2, 16] bfloat16 expected, G a multiple of 8");
-  TORCH_CHECK(n > (blocks - 1) * kBlock && n <= blocks * kBlock, "tiled_w4a8: ", n, " outputs for ", blocks,
+  TORCH_CHECK(n > (blocks - 1) * kTileRows && n <= blocks * kTileRows, "tiled_w4a8: ", n, " outputs for ", blocks,
               " blocks of 16");
   const int64_t groups = scales.size(1), group = k / groups;
   std::vector<int8_t> xq;
@@ -172,14 +160,14 @@ at::Tensor tiled_w4a8(const at::Tensor& x, const at::Tensor& tiles, const at::Te
   float* o = out.data_ptr<float>();
   const W4Operands base{xq.data(), xg.data(), xs.data(), tiles.data_ptr<uint8_t>(),
                         reinterpret_cast<const uint16_t*>(scales.data_ptr<at::BFloat16>()), k, group, n};
-  at::parallel_for(0, (blocks + kGroup - 1) / kGroup, 1, [&](int64_t g0, int64_t g1) {
+  at::parallel_for(0, (blocks + kTileGroup - 1) / kTileGroup, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g)
-      for (int64_t r = 0; r < m; r += ROWS) {
+      for (int64_t r = 0; r < m; r += kPassRows) {
         W4Operands rows = base;
         rows.xq += r * k;
         rows.xg += r * groups;
         rows.xs += r;
-        w4_group(rows, std::min(ROWS, m - r), o + r * n, g * kGroup, std::min(blocks, (g + 1) * kGroup));
+        w4_group(rows, std::min(kPassRows, m - r), o + r * n, g * kTileGroup, std::min(blocks, (g + 1) * kTileGroup));
       }
   });
   return out;
@@ -187,10 +175,6 @@ at::Tensor tiled_w4a8(const at::Tensor& x, const at::Tensor& tiles, const at::Te
 
 }  // namespace
 }  // namespace hyssm_cpu
-
-TORCH_LIBRARY_FRAGMENT(hyssm_cpu, m) {
-  m.def("tiled_w4a8(Tensor x, Tensor tiles, Tensor scales, int n) -> Tensor");
-}
 
 TORCH_LIBRARY_IMPL(hyssm_cpu, CPU, m) {
   m.impl("tiled_w4a8", hyssm_cpu::tiled_w4a8);

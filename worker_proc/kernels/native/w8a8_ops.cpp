@@ -7,22 +7,22 @@
 //   (xq + 128 as unsigned bytes, the weight's 128 * row sum taken off after), other CPUs run the same sums
 //   in plain integer arithmetic;
 // - `gemv_w8a8`: the threads split the weight's rows into contiguous ranges, each row read once for up to
-//   ROWS rows of x, front to back (one stream per thread, as `gemv_seq`);
-// - `tiled_w8a8` reads a copy of the weight laid out in blocks of kBlock output rows,
-//   [ceil(N / kBlock)][K / 4][kBlock][4] (four consecutive input columns of one output row side by side, rows
-//   past N zero), with each output row's sum of values (int32, [ceil(N / kBlock) * kBlock]): one vector holds
-//   four input columns of kBlock outputs, so a row of x's four bytes are broadcast and multiplied into kBlock
+//   kPassRows rows of x, front to back (one stream per thread, as `gemv_seq`);
+// - `tiled_w8a8` reads a copy of the weight laid out in blocks of kTileRows output rows,
+//   [ceil(N / kTileRows)][K / 4][kTileRows][4] (four consecutive input columns of one output row side by side, rows
+//   past N zero), with each output row's sum of values (int32, [ceil(N / kTileRows) * kTileRows]): one vector holds
+//   four input columns of kTileRows outputs, so a row of x's four bytes are broadcast and multiplied into kTileRows
 //   sums at once and no sum is reduced across lanes; the threads split the blocks into contiguous ranges of
-//   kGroup blocks, a group read once per call for up to ROWS rows at a time, the later rows from cache.
+//   kTileGroup blocks, a group read once per call for up to kPassRows rows at a time, the later rows from cache.
 #include <torch/library.h>
 
 #include "cpu_common.h"
+#include "layout.h"
 #include "int8_rows.h"
 
 namespace hyssm_cpu {
 namespace {
 
-constexpr int64_t ROWS = 8;  // input rows sharing one pass over the weight
 
 // acc[r] = sum_j xq[r * k + j] * w[j] for R rows, exactly.
 template <int R>
@@ -61,35 +61,23 @@ void rows_of(const int8_t* xq, const float* xs, int64_t k, const int8_t* w, cons
 
 void group(const int8_t* xq, const float* xs, int64_t rows, int64_t k, const int8_t* w, const float* scale,
            float* out, int64_t n, int64_t begin, int64_t end) {
-  switch (rows) {
-    case 1: return rows_of<1>(xq, xs, k, w, scale, out, n, begin, end);
-    case 2: return rows_of<2>(xq, xs, k, w, scale, out, n, begin, end);
-    case 3: return rows_of<3>(xq, xs, k, w, scale, out, n, begin, end);
-    case 4: return rows_of<4>(xq, xs, k, w, scale, out, n, begin, end);
-    case 5: return rows_of<5>(xq, xs, k, w, scale, out, n, begin, end);
-    case 6: return rows_of<6>(xq, xs, k, w, scale, out, n, begin, end);
-    case 7: return rows_of<7>(xq, xs, k, w, scale, out, n, begin, end);
-    default: return rows_of<8>(xq, xs, k, w, scale, out, n, begin, end);
-  }
+  with_rows<kPassRows>(rows, [&](auto r) { rows_of<decltype(r)::value>(xq, xs, k, w, scale, out, n, begin, end); });
 }
 
-constexpr int64_t kBlock = 16;  // output rows of one tiled block: one vector of int32 sums
-constexpr int64_t kGroup = 3;   // blocks one pass reads side by side
-constexpr int64_t kQuad = 4;    // input columns of one output row side by side in a tiled block
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 // The lanes of a block's first `count` outputs (all of them unless the weight ends inside the block).
 inline __mmask16 live_lanes(int64_t count) {
-  return count >= kBlock ? __mmask16(0xffff) : __mmask16((1u << count) - 1);
+  return count >= kTileRows ? __mmask16(0xffff) : __mmask16((1u << count) - 1);
 }
 #endif
 
 // One pass of R rows of x (as bytes xb: xq + 128 where the CPU multiplies unsigned by signed bytes, else xq;
-// row stride k) over V blocks starting at `tile` (block stride k * kBlock).
+// row stride k) over V blocks starting at `tile` (block stride k * kTileRows).
 template <int R, int V>
 inline void tiled_pass(const int8_t* xb, const float* xs, int64_t k, const int8_t* tile, const int32_t* wsum,
                        const float* scale, float* out, int64_t n, int64_t n0) {
-  const int64_t stride = k * kBlock, quads = k / kQuad;
+  const int64_t stride = k * kTileRows, quads = k / kInt8TileColumns;
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   constexpr int U = unroll<R>();
   const int32_t* xp = reinterpret_cast<const int32_t*>(xb);
@@ -99,7 +87,7 @@ inline void tiled_pass(const int8_t* xb, const float* xs, int64_t k, const int8_
       for (int v = 0; v < V; ++v) acc[u][r][v] = _mm512_setzero_si512();
   auto step = [&](int u, int64_t p) {
     __m512i wv[V];
-    for (int v = 0; v < V; ++v) wv[v] = _mm512_loadu_si512(tile + v * stride + p * kQuad * kBlock);
+    for (int v = 0; v < V; ++v) wv[v] = _mm512_loadu_si512(tile + v * stride + p * kInt8TileColumns * kTileRows);
     for (int r = 0; r < R; ++r) {
       const __m512i xv = _mm512_set1_epi32(xp[r * quads + p]);
       for (int v = 0; v < V; ++v) acc[u][r][v] = _mm512_dpbusd_epi32(acc[u][r][v], xv, wv[v]);
@@ -110,7 +98,7 @@ inline void tiled_pass(const int8_t* xb, const float* xs, int64_t k, const int8_
     for (int u = 0; u < U; ++u) step(u, p + u);
   for (; p < quads; ++p) step(0, p);
   for (int v = 0; v < V; ++v) {  // out = float(sum - 128 * wsum) * (xs[r] * scale), straight from the registers
-    const int64_t c0 = n0 + v * kBlock;
+    const int64_t c0 = n0 + v * kTileRows;
     if (c0 >= n) continue;
     const __mmask16 live = live_lanes(n - c0);
     const __m512i off = _mm512_slli_epi32(_mm512_loadu_si512(wsum + c0), 7);
@@ -123,17 +111,17 @@ inline void tiled_pass(const int8_t* xb, const float* xs, int64_t k, const int8_
     }
   }
 #else
-  int32_t sums[R][V][kBlock] = {};
+  int32_t sums[R][V][kTileRows] = {};
   for (int64_t p = 0; p < quads; ++p)
     for (int v = 0; v < V; ++v) {
-      const int8_t* w = tile + v * stride + p * kQuad * kBlock;
+      const int8_t* w = tile + v * stride + p * kInt8TileColumns * kTileRows;
       for (int r = 0; r < R; ++r)
-        for (int64_t l = 0; l < kBlock; ++l)
-          for (int64_t i = 0; i < kQuad; ++i)
-            sums[r][v][l] += static_cast<int32_t>(xb[r * k + p * kQuad + i]) * static_cast<int32_t>(w[l * kQuad + i]);
+        for (int64_t l = 0; l < kTileRows; ++l)
+          for (int64_t i = 0; i < kInt8TileColumns; ++i)
+            sums[r][v][l] += static_cast<int32_t>(xb[r * k + p * kInt8TileColumns + i]) * static_cast<int32_t>(w[l * kInt8TileColumns + i]);
     }
   for (int v = 0; v < V; ++v) {
-    const int64_t c0 = n0 + v * kBlock, count = std::min<int64_t>(kBlock, n - c0);
+    const int64_t c0 = n0 + v * kTileRows, count = std::min<int64_t>(kTileRows, n - c0);
     for (int r = 0; r < R; ++r)
       for (int64_t l = 0; l < count; ++l)
         out[r * n + c0 + l] = static_cast<float>(sums[r][v][l]) * (xs[r] * scale[c0 + l]);
@@ -141,17 +129,17 @@ inline void tiled_pass(const int8_t* xb, const float* xs, int64_t k, const int8_
 #endif
 }
 
-// R rows of x over blocks [b0, b1): kGroup blocks a pass, the last ones one at a time.
+// R rows of x over blocks [b0, b1): kTileGroup blocks a pass, the last ones one at a time.
 template <int R>
 void tiled_rows(const int8_t* xb, const float* xs, int64_t k, const int8_t* tiled, const int32_t* wsum,
                 const float* scale, float* out, int64_t n, int64_t b0, int64_t b1) {
-  const int64_t stride = k * kBlock;
+  const int64_t stride = k * kTileRows;
   for (int64_t b = b0; b < b1;) {
-    if (b + kGroup <= b1) {
-      tiled_pass<R, kGroup>(xb, xs, k, tiled + b * stride, wsum, scale, out, n, b * kBlock);
-      b += kGroup;
+    if (b + kTileGroup <= b1) {
+      tiled_pass<R, kTileGroup>(xb, xs, k, tiled + b * stride, wsum, scale, out, n, b * kTileRows);
+      b += kTileGroup;
     } else {
-      tiled_pass<R, 1>(xb, xs, k, tiled + b * stride, wsum, scale, out, n, b * kBlock);
+      tiled_pass<R, 1>(xb, xs, k, tiled + b * stride, wsum, scale, out, n, b * kTileRows);
       b += 1;
     }
   }
@@ -159,16 +147,7 @@ void tiled_rows(const int8_t* xb, const float* xs, int64_t k, const int8_t* tile
 
 void tiled_group(const int8_t* xb, const float* xs, int64_t rows, int64_t k, const int8_t* tiled,
                  const int32_t* wsum, const float* scale, float* out, int64_t n, int64_t b0, int64_t b1) {
-  switch (rows) {
-    case 1: return tiled_rows<1>(xb, xs, k, tiled, wsum, scale, out, n, b0, b1);
-    case 2: return tiled_rows<2>(xb, xs, k, tiled, wsum, scale, out, n, b0, b1);
-    case 3: return tiled_rows<3>(xb, xs, k, tiled, wsum, scale, out, n, b0, b1);
-    case 4: return tiled_rows<4>(xb, xs, k, tiled, wsum, scale, out, n, b0, b1);
-    case 5: return tiled_rows<5>(xb, xs, k, tiled, wsum, scale, out, n, b0, b1);
-    case 6: return tiled_rows<6>(xb, xs, k, tiled, wsum, scale, out, n, b0, b1);
-    case 7: return tiled_rows<7>(xb, xs, k, tiled, wsum, scale, out, n, b0, b1);
-    default: return tiled_rows<8>(xb, xs, k, tiled, wsum, scale, out, n, b0, b1);
-  }
+  with_rows<kPassRows>(rows, [&](auto r) { tiled_rows<decltype(r)::value>(xb, xs, k, tiled, wsum, scale, out, n, b0, b1); });
 }
 
 // x [M, K] float32 or bfloat16 (unit-stride rows); data [N, K] int8, scale [N] float32. Returns [M, N] float32.
@@ -187,25 +166,25 @@ at::Tensor gemv_w8a8(const at::Tensor& x, const at::Tensor& data, const at::Tens
   const float* s_p = scale.data_ptr<float>();
   float* o = out.data_ptr<float>();
   at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t r = 0; r < m; r += ROWS)
-      group(xq.data() + r * k, xs.data() + r, std::min(ROWS, m - r), k, w, s_p, o + r * n, n, begin, end);
+    for (int64_t r = 0; r < m; r += kPassRows)
+      group(xq.data() + r * k, xs.data() + r, std::min(kPassRows, m - r), k, w, s_p, o + r * n, n, begin, end);
   });
   return out;
 }
 
 // x [M, K] float32 or bfloat16 (unit-stride rows); tiled: an int8 weight [N, K] in the tiled layout, [blocks,
-// K / 4, kBlock, 4]; row_sums int32 [blocks * kBlock]; scale [N] float32. Returns [M, N] float32, `gemv_w8a8`'s
+// K / 4, kTileRows, 4]; row_sums int32 [blocks * kTileRows]; scale [N] float32. Returns [M, N] float32, `gemv_w8a8`'s
 // values to the bit.
 at::Tensor tiled_w8a8(const at::Tensor& x, const at::Tensor& tiled, const at::Tensor& row_sums,
                       const at::Tensor& scale) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && tiled.dim() == 4 && tiled.scalar_type() == at::kChar &&
-                  tiled.is_contiguous() && tiled.size(2) == kBlock && tiled.size(3) == kQuad &&
-                  tiled.size(1) * kQuad == x.size(1),
+                  tiled.is_contiguous() && tiled.size(2) == kTileRows && tiled.size(3) == kInt8TileColumns &&
+                  tiled.size(1) * kInt8TileColumns == x.size(1),
               "tiled_w8a8: x [M, K] and an int8 weight tiled as [blocks, K / 4, 16, 4] expected");
   const int64_t m = x.size(0), k = x.size(1), n = scale.numel(), blocks = tiled.size(0);
-  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && blocks == (n + kBlock - 1) / kBlock,
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && blocks == (n + kTileRows - 1) / kTileRows,
               "tiled_w8a8: one float32 scale per weight row expected");
-  TORCH_CHECK(row_sums.scalar_type() == at::kInt && row_sums.is_contiguous() && row_sums.numel() == blocks * kBlock,
+  TORCH_CHECK(row_sums.scalar_type() == at::kInt && row_sums.is_contiguous() && row_sums.numel() == blocks * kTileRows,
               "tiled_w8a8: one int32 row sum per tiled row expected");
   std::vector<int8_t> xq;
   std::vector<float> xs;
@@ -218,22 +197,17 @@ at::Tensor tiled_w8a8(const at::Tensor& x, const at::Tensor& tiled, const at::Te
   const int32_t* ws = row_sums.data_ptr<int32_t>();
   const float* s_p = scale.data_ptr<float>();
   float* o = out.data_ptr<float>();
-  at::parallel_for(0, (blocks + kGroup - 1) / kGroup, 1, [&](int64_t g0, int64_t g1) {
+  at::parallel_for(0, (blocks + kTileGroup - 1) / kTileGroup, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g)
-      for (int64_t r = 0; r < m; r += ROWS)
-        tiled_group(xq.data() + r * k, xs.data() + r, std::min(ROWS, m - r), k, t, ws, s_p, o + r * n, n,
-                    g * kGroup, std::min(blocks, (g + 1) * kGroup));
+      for (int64_t r = 0; r < m; r += kPassRows)
+        tiled_group(xq.data() + r * k, xs.data() + r, std::min(kPassRows, m - r), k, t, ws, s_p, o + r * n, n,
+                    g * kTileGroup, std::min(blocks, (g + 1) * kTileGroup));
   });
   return out;
 }
 
 }  // namespace
 }  // namespace hyssm_cpu
-
-TORCH_LIBRARY_FRAGMENT(hyssm_cpu, m) {
-  m.def("gemv_w8a8(Tensor x, Tensor data, Tensor scale) -> Tensor");
-  m.def("tiled_w8a8(Tensor x, Tensor tiled, Tensor row_sums, Tensor scale) -> Tensor");
-}
 
 TORCH_LIBRARY_IMPL(hyssm_cpu, CPU, m) {
   m.impl("gemv_w8a8", hyssm_cpu::gemv_w8a8);
