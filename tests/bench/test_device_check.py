@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import ast
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "device_check.sh"
+PARTS = ROOT / "benchmarks" / "device_check"  # the parts SCRIPT sources
 BUDGET_S = 480
 
 STEP_LINE = re.compile(r"^\s+(\d\d) (\S+)\s+(\d+) s$")
@@ -22,8 +24,9 @@ def _dry_run(script: Path) -> subprocess.CompletedProcess[str]:
 
 
 def test_syntax() -> None:
-    proc = subprocess.run(["bash", "-n", str(SCRIPT)], capture_output=True, text=True, timeout=30)
-    assert proc.returncode == 0, proc.stderr
+    for script in (SCRIPT, *sorted(PARTS.glob("*.sh"))):
+        proc = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True, timeout=30)
+        assert proc.returncode == 0, proc.stderr
 
 
 def test_dry_run_lists_every_step_within_the_budget() -> None:
@@ -53,6 +56,7 @@ def test_dry_run_fails_over_budget(tmp_path: Path) -> None:
     assert first, "no step entry found in STEPS"
     copy = tmp_path / "benchmarks" / "device_check.sh"
     copy.parent.mkdir()
+    shutil.copytree(PARTS, copy.parent / PARTS.name)
     copy.write_text(text[: first.start(2)] + str(BUDGET_S) + text[first.end(2) :])
     proc = _dry_run(copy)
     assert proc.returncode == 1 and "OVER BUDGET" in proc.stdout, proc.stdout + proc.stderr

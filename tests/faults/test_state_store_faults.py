@@ -1,88 +1,45 @@
-"""A damaged, foreign, read-only or half-written state store (issue 57) never changes an answer: a
-server restarted on it serves every request (status 200) with the output it would give without the
-damage, stays up, and counts the loads that failed.
+"""A damaged or foreign state store (issue 57) never changes an answer: a server restarted on it serves
+every request (status 200) with the output it would give without the damage, stays up, and counts the
+loads that failed.
 
-A module fixture fills a store once (the built-in model, --enable-deterministic-inference, 32-token
-blocks) and computes the references: the greedy tokens of a server without a store, and the tokens
-and logprobs of a server with an empty store serving the restart prompts in the same order (what a
-server whose stored entries are all unusable must give, bit for bit: a failed load leaves no trace,
-the request is then admitted with its memory match alone and computes its prefix with the same cuts).
-Each damage test damages a copy of the filled folder, before the server starts (the start-up scan
-removes entries whose header is bad; payload damage is found by the load) or while it runs (every
-damage is found by the load), and restarts on it; the prefixes it computed instead are written again
-and load after /flush_cache.
+A fixture (tests/faults/conftest.py) fills a store once (the built-in model,
+--enable-deterministic-inference, 32-token blocks) and computes the references: the greedy tokens of a
+server without a store, and the tokens and logprobs of a server with an empty store serving the restart
+prompts in the same order (what a server whose stored entries are all unusable must give, bit for bit: a
+failed load leaves no trace, the request is then admitted with its memory match alone and computes its
+prefix with the same cuts). Each damage test damages a copy of the filled folder, before the server
+starts (the start-up scan removes entries whose header is bad; payload damage is found by the load) or
+while it runs (every damage is found by the load), and restarts on it; the prefixes it computed instead
+are written again and load after /flush_cache.
 
-Also: a read-only store (loads work, writes fail quietly); the worker SIGKILLed while its writer holds
-a temporary file (the restart removes it and reads only whole entries); TP=2 with one rank's entries
-damaged (the load fails on both ranks); write-through entries surviving a SIGKILL of the whole server;
-clients leaving while their prefixes load (no slot or lock left behind)."""
+Also: TP=2 with one rank's entries damaged (the load fails on both ranks). A read-only store is in
+test_state_store_faults_readonly.py; crashes and clients leaving in test_state_store_faults_crash.py."""
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import json
 import os
 import random
 import shutil
-import signal
-import subprocess
-import time
-from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import pytest
 
 from shared.state_store import entry_file as ef
-from tests.e2e.server import DETERMINISTIC, Server, running_server
-from tests.e2e.test_state_store import Prompts, answers, flush_memory, load_counts, make_prompts, outcome, store_args
-from tests.faults.test_process_death import find_process
+from tests.e2e.server import DETERMINISTIC, running_server
+from tests.e2e.test_state_store import answers, flush_memory, load_counts, outcome, store_args
+from tests.faults.state_store_helpers import (
+    Filled,
+    assert_alive,
+    copy_store,
+    entry_files,
+    kind,
+    namespace_entries,
+    namespace_folders,
+    read_whole,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
-
-KEY_LEN = 64
-BIG_BLOCK = 64  # the killed worker's store: many entries of 64 KiB
-BIG_LEN = 3000
-BIG_NEW = 4
-
-
-# ------------------------------------------------------------------ the store's files
-def namespace_folders(root: Path) -> list[Path]:
-    return sorted(p for p in root.iterdir() if p.is_dir())
-
-
-def namespace_entries(ns: Path) -> list[Path]:
-    """Every entry file (64 hex name in its 2 hex folder) of one namespace folder."""
-    return sorted(f for sub in ns.iterdir() if sub.is_dir()
-                  for f in sub.iterdir() if len(f.name) == KEY_LEN and f.name[:2] == sub.name)  # fmt: skip
-
-
-def entry_files(root: Path) -> list[Path]:
-    """Every entry file of every namespace under `root`."""
-    return [f for ns in namespace_folders(root) for f in namespace_entries(ns)]
-
-
-def temp_files(root: Path) -> list[Path]:
-    out = []
-    for ns in namespace_folders(root):
-        for sub in ns.iterdir():
-            if sub.name.startswith(ef.TMP_PREFIX):
-                out.append(sub)
-            elif sub.is_dir():
-                try:
-                    out.extend(f for f in sub.iterdir() if f.name.startswith(ef.TMP_PREFIX))
-                except FileNotFoundError:
-                    pass
-    return out
-
-
-def read_whole(path: Path) -> ef.StoredEntry:
-    """The entry at `path`, checked against its own folder's namespace and its file name."""
-    return ef.read_entry(str(path), path.parent.parent.name, path.name)
-
-
-def kind(path: Path) -> str:
-    return json.loads(read_whole(path).meta)["kind"]
 
 
 # ------------------------------------------------------------------ damage (each on every entry file)
@@ -135,47 +92,6 @@ DAMAGE = {
 }
 
 
-# ------------------------------------------------------------------ the filled store and the references
-@dataclass
-class Filled:
-    prompts: Prompts
-    restart: list[list[int]]
-    pristine: Path  # the store run 1 filled (float32 states)
-    foreign: Path  # the same prompts stored by a server with int8 states (another namespace)
-    no_store_ids: list[list[int]]  # the restart prompts' greedy tokens without a store
-    empty_store: list[dict]  # the restart prompts' answers from a server whose store started empty
-    big: list[list[int]]  # long prompts (the worker killed while writing them)
-    big_ids: list[list[int]]  # their greedy tokens (BIG_NEW) without a store
-
-
-@pytest.fixture(scope="module")
-def filled(tmp_path_factory) -> Filled:
-    tmp = tmp_path_factory.mktemp("filled")
-    prompts = make_prompts(61)
-    restart = prompts.restart_prompts
-    rng = random.Random(62)
-    big = [[rng.randrange(3, 256) for _ in range(BIG_LEN)] for _ in range(6)]
-    with running_server([*DETERMINISTIC, *store_args(tmp / "pristine")]) as server:
-        answers(server, prompts.fill)
-    with running_server([*DETERMINISTIC, "--mamba-ssm-dtype", "int8", *store_args(tmp / "foreign")]) as server:
-        answers(server, prompts.fill)
-    with running_server(DETERMINISTIC) as server:
-        no_store_ids = [r["output_ids"] for r in answers(server, restart)]
-        big_ids = [r["output_ids"] for r in answers(server, big, BIG_NEW)]
-    with running_server([*DETERMINISTIC, *store_args(tmp / "empty")]) as server:
-        empty_store = answers(server, restart)
-    assert [r["output_ids"] for r in empty_store] == no_store_ids
-    assert namespace_folders(tmp / "pristine")[0].name != namespace_folders(tmp / "foreign")[0].name
-    kinds = {kind(f) for f in entry_files(tmp / "pristine")}
-    assert kinds == {"kv", "state"}, kinds
-    return Filled(prompts, restart, tmp / "pristine", tmp / "foreign", no_store_ids, empty_store, big, big_ids)
-
-
-def copy_store(filled: Filled, dest: Path) -> Path:
-    shutil.copytree(filled.pristine, dest)
-    return dest
-
-
 def damage_all(folder: Path, name: str, foreign: Path) -> int:
     fn, _ = DAMAGE[name]
     files = entry_files(folder)
@@ -184,13 +100,6 @@ def damage_all(folder: Path, name: str, foreign: Path) -> int:
     for f in files:
         fn(f, foreign)
     return len(files)
-
-
-def assert_alive(server: Server) -> None:
-    assert server.proc.poll() is None, server.output[-3000:]
-    with server.client() as client:
-        assert client.get("/health").status_code == 200
-    assert "Traceback" not in server.output, server.output[-5000:]
 
 
 # ------------------------------------------------------------------ (a) (b) (c): damaged entries
@@ -236,124 +145,6 @@ def test_damaged_entries_are_computed_instead(tmp_path, filled: Filled, name: st
             read_whole(f)
 
 
-# ------------------------------------------------------------------ (d): a read-only store
-def make_read_only(folder: Path) -> str:
-    """Make the namespace folder and its subfolders unwritable: chmod 555, or (root ignores modes) the
-    immutable attribute; returns how, or skips when neither takes effect."""
-    dirs = [ns for ns in namespace_folders(folder)] + [d for ns in namespace_folders(folder) for d in ns.iterdir()
-                                                        if d.is_dir()]  # fmt: skip
-    for d in dirs:
-        d.chmod(0o555)
-    if not os.access(dirs[0], os.W_OK):
-        return "chmod"
-    for d in dirs:
-        d.chmod(0o755)
-    if shutil.which("chattr") is None:
-        pytest.skip("running as root: chmod 555 does not stop writes, and there is no chattr")
-    res = subprocess.run(["chattr", "+i", *map(str, dirs)], capture_output=True, text=True)
-    probe = dirs[0] / ".probe"
-    try:
-        probe.write_bytes(b"")
-    except OSError:
-        return "chattr"
-    probe.unlink()
-    subprocess.run(["chattr", "-i", *map(str, dirs)], capture_output=True)
-    pytest.skip(f"running as root: chmod 555 does not stop writes, chattr +i did not either ({res.stderr.strip()})")
-
-
-def make_writable(folder: Path, how: str) -> None:
-    dirs = [ns for ns in namespace_folders(folder)] + [d for ns in namespace_folders(folder) for d in ns.iterdir()
-                                                        if d.is_dir()]  # fmt: skip
-    if how == "chattr":
-        subprocess.run(["chattr", "-i", *map(str, dirs)], check=True, capture_output=True)
-    for d in dirs:
-        d.chmod(0o755)
-
-
-def test_read_only_store_serves_its_entries_and_writes_fail_quietly(tmp_path, filled: Filled) -> None:
-    folder = copy_store(filled, tmp_path / "store")
-    before = sorted(p.name for p in entry_files(folder))
-    how = make_read_only(folder)
-    try:
-        with running_server([*DETERMINISTIC, *store_args(folder)]) as server:
-            got = answers(server, filled.restart)
-            loads = load_counts(server)
-            write_errors = server.metric("hyssm_state_store_errors_total", op="write")
-            degraded = server.metric("hyssm_state_store_degraded")
-            assert_alive(server)
-    finally:
-        make_writable(folder, how)
-    assert [r["output_ids"] for r in got] == filled.no_store_ids
-    assert loads == {"started": 4, "loaded": 4, "failed": 0}, loads  # as run 2 of tests/e2e/test_state_store.py
-    assert write_errors >= 1 and degraded == 1, (write_errors, degraded, server.output[-3000:])
-    assert "state store write failed" in server.output
-    assert server.output.count("state store write failed") == 1  # logged once per outage
-    assert sorted(p.name for p in entry_files(folder)) == before
-    assert temp_files(folder) == []
-
-
-# ------------------------------------------------------------------ (e): the worker killed mid-write
-def test_worker_killed_while_writing_leaves_no_partial_entry(tmp_path, filled: Filled) -> None:
-    """The worker is SIGKILLed while its writer has a temporary file open (stopped first with SIGSTOP to
-    look: a stopped writer cannot rename it); the restart removes the temporary file, reads only
-    whole entries, and serves the reference outputs."""
-    folder = tmp_path / "store"
-    args = [*DETERMINISTIC, "--state-cache-dir", str(folder), "--state-cache-block-tokens", str(BIG_BLOCK)]
-    prompts = filled.big
-    server = Server(args)
-    try:
-        server.wait_ready()
-        worker = find_process(server, "hyssm::worker-tp0")
-        caught, deadline = False, time.monotonic() + 120
-
-        def post(p: list[int]) -> int:
-            body = {"input_ids": p, "sampling_params": {"max_new_tokens": BIG_NEW, "temperature": 0,
-                                                        "ignore_eos": True}}  # fmt: skip
-            try:
-                with server.client(timeout=120) as client:
-                    return client.post("/generate", json=body).status_code
-            except httpx.HTTPError:
-                return -1
-
-        with cf.ThreadPoolExecutor(len(prompts)) as pool:
-            futures = [pool.submit(post, p) for p in prompts]
-            while not caught and time.monotonic() < deadline:
-                if temp_files(folder):
-                    os.kill(worker, signal.SIGSTOP)
-                    time.sleep(0.01)  # the stop has landed; nothing of the worker moves now
-                    if temp_files(folder):
-                        os.kill(worker, signal.SIGKILL)
-                        caught = True
-                    else:
-                        os.kill(worker, signal.SIGCONT)
-                elif all(f.done() for f in futures):
-                    break
-                else:
-                    time.sleep(0.0005)  # leave the 2 cores to the server
-            if not caught:
-                os.kill(worker, signal.SIGKILL)
-            cf.wait(futures, 60)
-        server.wait_exit(30)
-    finally:
-        server.kill_group()
-    assert caught, "the writer never had a temporary file open when looked at"
-    left = temp_files(folder)
-    assert left, "the killed writer's temporary file is gone"
-    whole_before = len(entry_files(folder))
-
-    with running_server(args) as server:
-        got = [r["output_ids"] for r in answers(server, prompts, BIG_NEW)]
-        loads = load_counts(server)
-        assert_alive(server)
-    assert got == filled.big_ids
-    assert loads["failed"] == 0, (loads, server.output[-3000:])
-    assert "removed the temporary file" in server.output, server.output[-3000:]
-    assert all(not p.exists() for p in left)
-    for f in entry_files(folder):
-        read_whole(f)
-    assert len(entry_files(folder)) >= whole_before
-
-
 # ------------------------------------------------------------------ TP=2: one rank's entries damaged
 def rank_folder(root: Path, rank: int) -> Path:
     (folder,) = [ns for ns in namespace_folders(root) if json.loads((ns / "namespace.json").read_text())["tp_rank"]
@@ -390,77 +181,3 @@ def test_tp2_load_failing_on_one_rank_fails_on_both(tmp_path, filled: Filled) ->
         for i, (res, want) in enumerate(zip(got, empty_store, strict=True)):
             assert outcome(res) == outcome(want), (rank, i)
             assert res["meta_info"]["cached_tokens"] == want["meta_info"]["cached_tokens"], (rank, i)
-
-
-# ------------------------------------------------------------------ write-through survives a crash
-def test_write_through_entries_survive_sigkill_of_the_whole_server(tmp_path, filled: Filled) -> None:
-    """Once the writer has stored the fill prompts' entries (no graceful stop: the whole process group is
-    SIGKILLed), a restart loads them all."""
-    folder = tmp_path / "store"
-    server = Server([*DETERMINISTIC, *store_args(folder)])
-    try:
-        server.wait_ready()
-        answers(server, filled.prompts.fill)
-        expected = sorted(p.name for p in entry_files(filled.pristine))
-        deadline = time.monotonic() + 30
-        while sorted(p.name for p in entry_files(folder)) != expected and time.monotonic() < deadline:
-            time.sleep(0.05)
-    finally:
-        server.kill_group()
-    assert sorted(p.name for p in entry_files(folder)) == expected
-    with running_server([*DETERMINISTIC, *store_args(folder)]) as server:
-        got = answers(server, filled.restart)
-        loads = load_counts(server)
-        assert_alive(server)
-    assert [r["output_ids"] for r in got] == filled.no_store_ids
-    assert loads == {"started": 4, "loaded": 4, "failed": 0}, loads
-    assert got[0]["meta_info"]["cached_tokens"] == len(filled.restart[0]) - 1
-
-
-# ------------------------------------------------------------------ clients gone while their prefixes load
-def test_clients_leaving_while_prefixes_load_leave_no_trace(tmp_path, filled: Filled) -> None:
-    """Long stored prefixes are being loaded for requests whose clients time out and leave (aborts while
-    waiting, loading or running, whichever each one hits): the server stays up, holds no slot and no lock
-    for them, and then serves every prompt's reference output."""
-    import asyncio
-
-    folder = tmp_path / "store"
-    args = [*DETERMINISTIC, "--state-cache-dir", str(folder), "--state-cache-block-tokens", str(BIG_BLOCK)]
-    with running_server(args) as server:
-        answers(server, filled.big, BIG_NEW)
-    with running_server(args) as server:
-
-        async def leave_early() -> list[str]:
-            async with httpx.AsyncClient(base_url=server.url, timeout=0.02) as client:
-
-                async def one(p: list[int]) -> str:
-                    body = {"input_ids": p, "sampling_params": {"max_new_tokens": BIG_NEW, "temperature": 0,
-                                                                "ignore_eos": True}}  # fmt: skip
-                    try:
-                        await client.post("/generate", json=body)
-                        return "answered"
-                    except httpx.TimeoutException:
-                        return "left"
-
-                return await asyncio.gather(*(one(p) for p in filled.big))
-
-        outcomes = asyncio.run(leave_early())
-        # settled when every slot is free or cached (a LOADING request is neither running nor waiting)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            with server.client() as client:
-                sched = client.get("/get_server_info").json()["scheduler"]["server"]
-            if (sched["kv_free"] + sched["kv_cached"] == sched["kv_capacity"]
-                    and sched["state_free"] + sched["state_cached"] == sched["state_capacity"]):  # fmt: skip
-                break
-            time.sleep(0.1)
-        aborted = server.metric("hyssm_requests_finished_total", reason="abort")
-        got = [r["output_ids"] for r in answers(server, filled.big, BIG_NEW)]
-        assert_alive(server)
-    assert "left" in outcomes, outcomes
-    assert aborted >= 1, (outcomes, server.output[-3000:])
-    assert sched["kv_used_by_requests"] == 0 and sched["state_used_by_requests"] == 0, sched
-    assert sched["num_locked_nodes"] == 0, sched
-    assert sched["kv_free"] + sched["kv_cached"] == sched["kv_capacity"], sched
-    assert sched["state_free"] + sched["state_cached"] == sched["state_capacity"], sched
-    assert got == filled.big_ids

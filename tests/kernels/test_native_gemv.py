@@ -205,5 +205,5 @@ def test_the_plan_offers_the_tiled_int8_products_to_single_int8_and_int4_matrice
     four.quantize(quantize_int4(torch.randn(64, 64), 32))
     assert TILED_OVER_INT4.supports(four, cpu) and not TILED_W8A8.supports(four, cpu)
     four.bind((), (TILED_OVER_INT4,))
-    assert four.quantized is not None and four.quantized.tiled is not None and four.quantized.packed is None
+    assert four.quantized is not None and four.quantized.tiled is not None
     four.check_integrity(torch.empty(0))

@@ -142,7 +142,7 @@ def test_the_plan_offers_the_tiled_int4_product_to_single_int4_matrices_and_coun
     assert not TILED_W4A8.supports(eight, cpu) and not TILED_W4A8.supports(stack, cpu)
     four.bind((), (TILED_W4A8,))
     held = four.quantized
-    assert held is not None and held.tiled4 is not None and held.tiled is None and held.packed is None
+    assert held is not None and held.tiled4 is not None and held.tiled is None
     four.check_integrity(torch.empty(0))
     key = GemmKey.of(four)
     assert second_copy_bytes(key, ["tiled_w4a8"], 2, 0) == 2 * 64 * 64 * COPY_BYTES_PER_WEIGHT["tiled4"]

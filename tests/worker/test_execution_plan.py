@@ -4,6 +4,7 @@ fit, and times each candidate as a step meets it (test_plan_source.py: where a p
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -13,6 +14,7 @@ from worker_proc.linear.site import GemmSite
 from worker_proc.plan.execution_plan import choose
 from worker_proc.plan.product_timer import GemmKey, ProductTimer
 from worker_proc.plan.tuning import HOPELESS, ROW_BUCKETS
+from worker_proc.quant.weight import COPY_BYTES_PER_WEIGHT
 
 A = GemmKey(64, 32, "float32")
 B = GemmKey(16, 32, "float32")
@@ -196,7 +198,7 @@ def test_an_int4_weights_int8_copy_is_a_second_copy_that_needs_the_memory() -> N
     asked: list[int] = []
 
     def measure(method: GemmKernel, rows: int, threads: int) -> dict[GemmKey, float]:
-        speed = {"w4a16": 1.0 * rows, "w8a8_over_int4": 2.5 + 0.1 * rows}.get(method.name)
+        speed = {"w4a16": 1.0 * rows, "tiled_over_int4": 2.5 + 0.1 * rows}.get(method.name)
         return {} if speed is None else {key: speed}
 
     def affordable(nbytes: int) -> bool:
@@ -204,15 +206,15 @@ def test_an_int4_weights_int8_copy_is_a_second_copy_that_needs_the_memory() -> N
         return True
 
     both = choose([(site, torch.empty(0))], (1,), measure, affordable)
-    assert both.gemms[key].bounds == (2,) and both.gemms[key].methods == ("w4a16", "w8a8_over_int4")
+    assert both.gemms[key].bounds == (2,) and both.gemms[key].methods == ("w4a16", "tiled_over_int4")
     assert asked == [64 * 32]  # one byte per weight
     one = choose([(site, torch.empty(0))], (1,), measure, lambda n: False)
     assert one.gemms[key].methods == ("w4a16",)
 
 
 def test_a_hopeless_method_is_timed_no_further() -> None:
-    """A method many times slower than the fastest timed at a key (oneDNN's int8 product of a few rows on some
-    CPUs) stops after its first product past the untimed one (streamed) or after the untimed one (warm), and is
+    """A method many times slower than the fastest timed at a key (a library product at row counts it has no
+    fast path for) stops after its first product past the untimed one (streamed) or after the untimed one (warm), and is
     reported slower; a fast one is timed in full. Slower by more than HOPELESS squared, it is not timed at that
     key's larger row counts."""
     calls: dict[str, int] = {"fast": 0, "slow": 0}
@@ -278,8 +280,8 @@ def test_a_weight_larger_than_the_stream_budget_leaves_no_shape_untimed() -> Non
 
 
 def test_each_int8_copy_of_a_quantized_weight_counts() -> None:
-    """A quantized weight read through oneDNN's packed int8 copy at some rows and the tiled one at others holds
-    both: two more bytes per weight."""
+    """A 4-bit weight read through its tiled 4-bit copy at some rows and the tiled int8 one at others holds both:
+    their bytes per weight added."""
     from worker_proc.loading.quantize import quantize_weight
 
     site = GemmSite(64, 32, torch.float32, True)
@@ -290,7 +292,7 @@ def test_each_int8_copy_of_a_quantized_weight_counts() -> None:
     def measure(method: GemmKernel, rows: int, threads: int) -> dict[GemmKey, float]:
         speed = {
             "w4a16": 1.0 * rows,
-            "w8a8_over_int4": 0.5 * rows if rows <= 8 else 99.0,
+            "tiled_w4a8": 0.5 * rows if rows <= 8 else 99.0,
             "tiled_over_int4": 2.0 + 0.1 * rows,
         }.get(method.name)
         return {} if speed is None else {key: speed}
@@ -300,5 +302,5 @@ def test_each_int8_copy_of_a_quantized_weight_counts() -> None:
         return True
 
     plan = choose([(site, torch.empty(0))], (1,), measure, affordable)
-    assert plan.gemms[key].methods == ("w8a8_over_int4", "tiled_over_int4")
-    assert asked == [2 * 64 * 32]
+    assert plan.gemms[key].methods == ("tiled_w4a8", "tiled_over_int4")
+    assert asked == [math.ceil(64 * 32 * (COPY_BYTES_PER_WEIGHT["tiled"] + COPY_BYTES_PER_WEIGHT["tiled4"]))]

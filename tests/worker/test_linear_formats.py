@@ -68,7 +68,7 @@ def test_process_after_loading_makes_exactly_the_copies_the_bound_kernels_read()
     tiled = KERNELS["tiled_w8a8"]
     if tiled.supports(int8, torch.device("cpu")):
         int8.bind((), (tiled,))
-        assert int8.quantized is not None and int8.quantized.tiled is not None and int8.quantized.packed is None
+        assert int8.quantized is not None and int8.quantized.tiled is not None
         int8.check_integrity(torch.empty(0))
 
 

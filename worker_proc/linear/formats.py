@@ -47,8 +47,6 @@ from worker_proc.linear.kernels import (
     TILED_W8A8,
     W4A16,
     W8A8,
-    W8A8_ONEDNN,
-    W8A8_OVER_INT4,
     W8A16,
     GemmKernel,
     SiteTraits,
@@ -57,7 +55,6 @@ from worker_proc.linear.kernels import (
 from worker_proc.quant.weight import (
     QuantizedWeight,
     int4_group,
-    int8_packing_supported,
     quantize_fp8,
     quantize_int4,
     quantize_int8,
@@ -123,7 +120,7 @@ class QuantizedLinear(LinearMethod):
         if kernel.experts_only and not site.experts:
             return False
         copy = kernel.quantized_copy
-        if copy and not (site.packable and (copy != "packed" or int8_packing_supported())):
+        if copy and not site.packable:
             return False
         q = site.quantized
         return not (kernel.per_row_scale and q is not None and q.group)
@@ -162,9 +159,9 @@ class Fp8Linear(QuantizedLinear):
 
 DENSE_LINEAR = LinearMethod("dense", (DENSE, SPLIT, PACKED, TILED, GEMV, GEMV_SEQ, GATHERED, GATHERED_SEQ), PADDED,
                             DENSE, DENSE)
-INT8_LINEAR = Int8Linear("int8", (GEMV_INT8, GEMV_W8A8, GATHERED_INT8, W8A16, W8A8, W8A8_ONEDNN, TILED_W8A8), W8A8,
+INT8_LINEAR = Int8Linear("int8", (GEMV_INT8, GEMV_W8A8, GATHERED_INT8, W8A16, W8A8, TILED_W8A8), W8A8,
                          W8A8, DEQUANT["int8"])
-INT4_LINEAR = Int4Linear("int4", (W4A16, W8A8_OVER_INT4, TILED_OVER_INT4, TILED_W4A8), W4A16, DEQUANT["int4"],
+INT4_LINEAR = Int4Linear("int4", (W4A16, TILED_OVER_INT4, TILED_W4A8), W4A16, DEQUANT["int4"],
                          DEQUANT["int4"])
 FP8_LINEAR = Fp8Linear("fp8", (FP8_BF16,), DEQUANT["fp8"], FP8_SCALED, DEQUANT["fp8"])
 LINEAR_METHODS: dict[str, LinearMethod] = {m.storage: m for m in (DENSE_LINEAR, INT8_LINEAR, INT4_LINEAR, FP8_LINEAR)}

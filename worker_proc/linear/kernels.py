@@ -32,7 +32,6 @@ from worker_proc.quant.weight import (
     tiled_w8a8,
     w4a16,
     w8a8,
-    w8a8_onednn,
     w8a16,
 )
 
@@ -296,21 +295,18 @@ GATHERED_INT8 = GemmKernel("gathered_int8", "int8", _gathered(True), dtypes=(tor
 PADDED = GemmKernel("padded", "dense", _padded, batch_invariant=True)
 W8A16 = GemmKernel("w8a16", "int8", _quantized(w8a16), in_multiple=16)
 W8A8 = GemmKernel("w8a8", "int8", _quantized(w8a8), batch_invariant=True, devices=("cpu", "cuda"))
-W8A8_ONEDNN = GemmKernel("w8a8_onednn", "int8", _quantized(w8a8_onednn), batch_invariant=True, quantized_copy="packed")
 TILED_W8A8 = GemmKernel("tiled_w8a8", "int8", _quantized(tiled_w8a8), batch_invariant=True, native=True,
                         dtypes=(torch.float32, torch.bfloat16), in_multiple=4, quantized_copy="tiled")
 """`w8a8` to the bit over the tiled int8 copy: a batched decode step's rows multiplied into 16 outputs at once,
 64 byte pairs an instruction where the CPU has AVX512-VNNI (no sum reduced across lanes, as `tiled`)."""
 W4A16 = GemmKernel("w4a16", "int4", _quantized(w4a16), batch_invariant=True)
-W8A8_OVER_INT4 = GemmKernel("w8a8_over_int4", "int4", _quantized(w8a8_onednn), batch_invariant=True,
-                            quantized_copy="packed")
 TILED_OVER_INT4 = GemmKernel("tiled_over_int4", "int4", _quantized(tiled_w8a8), batch_invariant=True, native=True,
                              dtypes=(torch.float32, torch.bfloat16), in_multiple=4, quantized_copy="tiled")
+"""`tiled_w8a8` over an int8 copy of a 4-bit matrix (its values quantized per row): the product of more rows than
+torch's 4-bit kernel serves well (one pass over the weight per row)."""
 TILED_W4A8 = GemmKernel("tiled_w4a8", "int4", _quantized(tiled_w4a8), batch_invariant=True, native=True,
                         dtypes=(torch.float32, torch.bfloat16), in_multiple=INT4_CHUNK, quantized_copy="tiled4")
-"""`tiled_w8a8` over an int8 copy of a 4-bit matrix (its values quantized per row, as `w8a8_over_int4`'s): where
-oneDNN's int8 product is slow or missing, the product of more rows than torch's 4-bit kernel serves well (one
-pass over the weight per row)."""
+"""The 4-bit values themselves in a tiled copy, by int8 rows of x: half `tiled_over_int4`'s copy bytes."""
 FP8_BF16 = GemmKernel("fp8_bf16", "fp8", _quantized(fp8_bf16), per_row_scale=True)
 FP8_SCALED = GemmKernel("fp8_scaled", "fp8", _quantized(fp8_scaled), devices=("cuda",), per_row_scale=True)
 DEQUANT = {fmt: GemmKernel(f"dequant_{fmt}", fmt, _dequant_padded, batch_invariant=True, devices=ANY_DEVICE)
@@ -318,5 +314,5 @@ DEQUANT = {fmt: GemmKernel(f"dequant_{fmt}", fmt, _dequant_padded, batch_invaria
 """Every format's reference product (the weight materialised, padded like PADDED): any device."""
 KERNELS = {m.name: m for m in (DENSE, SPLIT, PACKED, TILED, GEMV, GEMV_SEQ, GATHERED, GATHERED_SEQ, GATHERED_INT8,
                                GEMV_INT8, GEMV_W8A8, PADDED, W8A16, W8A8,
-                               W8A8_ONEDNN, TILED_W8A8, W4A16, W8A8_OVER_INT4, TILED_OVER_INT4, TILED_W4A8, FP8_BF16,
+                               TILED_W8A8, W4A16, TILED_OVER_INT4, TILED_W4A8, FP8_BF16,
                                FP8_SCALED, *DEQUANT.values())}

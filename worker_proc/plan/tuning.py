@@ -50,7 +50,7 @@ that a few repeats settle its figure, and the start-up must not wait on them."""
 HOPELESS = 8.0
 """A method whose warm product of a key takes this many times the fastest one this timer has seen for that key,
 row count and thread count is timed no further there (its figure is that product's): it cannot win, and one
-pathologically slow (oneDNN's int8 product on some CPUs, at every row count) would otherwise hold a worker's
+pathologically slow (a library product at row counts it has no fast path for) would otherwise hold a worker's
 start past its timeout. One slower than `HOPELESS` squared at a key is not timed there at larger row counts
 either (with each doubling of the rows its rivals' time at most doubles)."""
 

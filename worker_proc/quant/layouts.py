@@ -1,5 +1,5 @@
 """The layouts of a quantized matrix's second copies (`QuantizedWeight.with_copy`, worker_proc.quant.weight):
-oneDNN's packed int8 layout (`Int8Copy`), the tiled int8 layout of `tiled_w8a8` (`Int8Tiles`) and the tiled
+the tiled int8 layout of `tiled_w8a8` (`Int8Tiles`) and the tiled
 4-bit layout of `tiled_w4a8` (`Int4Tiles`), each with the function that makes it; and the reading of torch's
 CPU 4-bit layout (`unpack_int4`), which the 4-bit copies start from. A tiled copy large enough lies on huge
 pages (`host_memory.weight_tensor`): a step of few rows streams it whole."""
@@ -13,29 +13,6 @@ import torch.nn.functional as F
 
 from worker_proc.host.memory import weight_tensor
 from worker_proc.kernels.native.layout import INT4_CHUNK, INT8_TILE_COLUMNS, TILE_ROWS
-
-
-@dataclass(frozen=True, eq=False)
-class Int8Copy:
-    """A matrix in oneDNN's packed int8 layout: `weight` (from `qlinear_prepack`), its zero points (all
-    zero: symmetric) and `scale`, float32 [out]: w = value * scale per output row."""
-
-    weight: torch.Tensor
-    zero: torch.Tensor
-    scale: torch.Tensor
-
-    @property
-    def nbytes(self) -> int:
-        return self.weight.numel() * self.weight.element_size()
-
-
-def pack_int8(data: torch.Tensor, scale: torch.Tensor) -> Int8Copy:
-    """oneDNN's copy of an int8 matrix `data` [out, in] with row scales `scale` [out]."""
-    packed = torch.ops.onednn.qlinear_prepack(data.contiguous(), [1, data.shape[1]])
-    zero = torch.zeros(data.shape[0], dtype=torch.int64, device=data.device)
-    return Int8Copy(packed, zero, scale.float().contiguous())
-
-
 
 
 @dataclass(frozen=True, eq=False)

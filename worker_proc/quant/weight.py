@@ -22,13 +22,10 @@ activations; `w8a8` quantizes each row of x to int8 (symmetric, per row) and mul
 exactly, so its rows never depend on the row count; `w4a16` runs torch's CPU 4-bit kernel on bfloat16
 activations and scales (a checkpoint's float32 scales are rounded for it; its reference `dequant_int4`
 reads them exactly); `fp8_bf16` is a bfloat16 product over the held values, scaled per output row
-after it; `w8a8_onednn` is `w8a8` through oneDNN's int8 product over a packed copy of the weight (the
-copy costs one more byte per weight), and `w8a8_over_int4` the same over an int8 copy of a 4-bit weight
-(torch's 4-bit kernel takes each row of x as a separate pass over the weight, oneDNN's int8 one does
-not); `fp8_scaled` quantizes rows of x to e4m3 and runs `torch._scaled_mm`; `gemv_int8` and `gemv_w8a8`
+after it; `fp8_scaled` quantizes rows of x to e4m3 and runs `torch._scaled_mm`; `gemv_int8` and `gemv_w8a8`
 are the fused few-row kernels over an int8 weight (the first with float32 activations, the second `w8a8`'s
 arithmetic); `tiled_w8a8` is `w8a8`'s arithmetic over a tiled int8 copy (`Int8Tiles`, one more byte per
-weight: an int8 matrix's values or an int4 matrix's as the packed copy holds them); `dequant` (any format,
+weight: an int8 matrix's values, or an int4 matrix's quantized per row to int8); `dequant` (any format,
 any device) materialises the weight in x's dtype first: the reference every other product is tested against.
 """
 
@@ -42,9 +39,7 @@ import torch.nn.functional as F
 
 from worker_proc.quant.layouts import (
     Int4Tiles,
-    Int8Copy,
     Int8Tiles,
-    pack_int8,
     tile_int4,
     tile_int8,
     unpack_int4,
@@ -59,11 +54,11 @@ INT4_OUT_MULTIPLE = 16
 """torch's CPU 4-bit layout needs the output width to be a multiple of this."""
 
 
-QUANTIZED_COPIES = ("packed", "tiled", "tiled4")
+QUANTIZED_COPIES = ("tiled", "tiled4")
 """The second copies a quantized matrix may hold for a product that reads them (`QuantizedWeight.with_copy`):
 an int8 or int4 matrix's int8 values in oneDNN's packed layout or the tiled one of `tiled_w8a8`; an int4
 matrix's own values in the tiled layout of `tiled_w4a8`."""
-COPY_BYTES_PER_WEIGHT = {"packed": 1.0, "tiled": 1.0, "tiled4": 0.5 + 4 / INT4_GROUPS[0]}
+COPY_BYTES_PER_WEIGHT = {"tiled": 1.0, "tiled4": 0.5 + 4 / INT4_GROUPS[0]}
 """What each copy holds per weight: a byte, or four bits and (at the smallest group) a bfloat16 s and z per group."""
 
 
@@ -76,9 +71,6 @@ class QuantizedWeight:
     scale: torch.Tensor
     shape: tuple[int, int]  # (out, in) of one matrix
     group: int = 0  # int4: inputs per group; fp8: block side (0: one scale per row)
-    packed: Int8Copy | None = None
-    """int8 / int4 single matrices: the weight in oneDNN's packed int8 layout, made when the execution
-    plan binds a product that reads it (`with_copy`)."""
     tiled: Int8Tiles | None = None
     """int8 / int4 single matrices: the weight in the tiled int8 layout, likewise."""
     tiled4: Int4Tiles | None = None
@@ -97,7 +89,7 @@ class QuantizedWeight:
 
     @property
     def nbytes(self) -> int:
-        extra = sum(c.nbytes for c in (self.packed, self.tiled, self.tiled4) if c is not None)
+        extra = sum(c.nbytes for c in (self.tiled, self.tiled4) if c is not None)
         return self.data.numel() * self.data.element_size() + self.scale.numel() * self.scale.element_size() + extra
 
     def with_copy(self, kind: str) -> QuantizedWeight:
@@ -116,8 +108,7 @@ class QuantizedWeight:
             assert self.scale_bf16 is not None
             return dataclasses.replace(self, tiled4=tile_int4(int4_values(self), self.scale_bf16))
         data, scale = self._int8_values()
-        copy = pack_int8(data, scale) if kind == "packed" else tile_int8(data, scale)
-        return dataclasses.replace(self, **{kind: copy})
+        return dataclasses.replace(self, tiled=tile_int8(data, scale))
 
     def _int8_values(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.fmt == "int8":
@@ -330,22 +321,6 @@ def tiled_w4a8(x: torch.Tensor, q: QuantizedWeight, bias: torch.Tensor | None) -
     assert copy is not None, "tiled_w4a8 needs the tiled 4-bit copy (QuantizedWeight.with_copy)"
     rows = x if x.stride(-1) == 1 else x.contiguous()
     return _bias(torch.ops.hyssm_cpu.tiled_w4a8(rows, copy.data, copy.scales, copy.out_features).to(x.dtype), bias)
-
-
-def int8_packing_supported() -> bool:
-    """oneDNN's int8 product (the x86 quantized-linear path) is in this build of torch."""
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_pointwise")
-
-
-def w8a8_onednn(x: torch.Tensor, q: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    """`w8a8` through oneDNN's packed int8 product: each row of x is divided by its own scale before the
-    product (so the per-tensor activation scale oneDNN takes is 1) and multiplied by it after."""
-    copy = q.packed
-    assert copy is not None, "w8a8_onednn needs the packed copy (QuantizedWeight.with_copy)"
-    xq, xs = quantize_rows(x)
-    out = torch.ops.onednn.qlinear_pointwise(xq, 1.0, 0, copy.weight, copy.scale, copy.zero, None, 1.0, 0,
-                                             torch.float32, "none", [], "")  # fmt: skip
-    return _bias((out * xs).to(x.dtype), bias)
 
 
 def w4a16(x: torch.Tensor, q: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
