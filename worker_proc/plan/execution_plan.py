@@ -1,14 +1,14 @@
-"""The execution plan of a worker rank: the one place that decides which method runs each matrix
+"""The execution plan of a worker rank: the one place that decides which kernel runs each matrix
 product at each row count, and how many torch threads a step of a given size runs on.
 
 Built once per rank after the weights are loaded (`plan_for`, worker_proc.plan.source) and bound to
 the model (`ExecutionPlan.bind`); nothing else changes how a product runs. Rules:
-- not on the CPU: every product is `dense` (F.linear: cuBLAS picks its own kernels);
-- the deterministic mode: every product is `padded` (batch invariant), on one thread count;
+- not on the CPU: each format's `LinearMethod.accelerator` (dense: F.linear, cuBLAS picks its own kernels);
+- the deterministic mode: each format's `LinearMethod.deterministic` (batch invariant), on one thread count;
 - otherwise, by measurement on this machine (`choose`): for each weight shape and dtype and each row
   bucket (`ROW_BUCKETS`: a product of r rows takes the rule of the smallest bucket >= r, the largest
-  beyond it) the fastest of `THROUGHPUT_KERNELS`, at the thread count whose products and recurrent
-  kernels of a step of that many rows take the least time over the whole model. `dense` is kept
+  beyond it) the fastest of its format's candidates (`THROUGHPUT_KERNELS`), at the thread count whose
+  products and recurrent kernels of a step of that many rows take the least time over the whole model. `dense` is kept
   unless another method is more than `MARGIN` faster, and fewer threads unless more are more than
   `MARGIN` faster (timing noise must not buy a second weight copy or a second woken core). Second
   copies (a dense weight also read packed or tiled, a quantized weight's int8 copy) are kept only when
@@ -179,7 +179,8 @@ def instances_of(model: nn.Module) -> list[Instance]:
 
 
 def choose(instances: list[Instance], thread_options: tuple[int, ...], measure: Measure,
-           affordable: Callable[[int], bool], mixers: Callable[[int, int], float] | None = None) -> ExecutionPlan:
+           affordable: Callable[[int], bool], mixers: Callable[[int, int], float] | None = None,
+           rounds: int = MEASURE_ROUNDS) -> ExecutionPlan:
     """The measured plan (see the module doc) over these sites. `mixers(rows, threads)`: the seconds of a
     step's recurrent kernels (worker_proc.plan.mixer_timer), added to its products' when threads are chosen.
     Copies of weights: every layout the fastest methods read where `affordable` says the extra bytes are
@@ -196,7 +197,7 @@ def choose(instances: list[Instance], thread_options: tuple[int, ...], measure: 
     timings: dict[GemmKey, list[dict[str, float]]] = {k: [] for k in counts}
     threads: list[int] = []
     for rows in ROW_BUCKETS:
-        by_threads, mixer_s = _timed_rounds(measure, mixers, rows, thread_options)
+        by_threads, mixer_s = _timed_rounds(measure, mixers, rows, thread_options, rounds)
         totals = {t: sum(counts.get(k, 0) * min(ts.values()) for k, ts in timed.items()) + mixer_s[t]
                   for t, timed in by_threads.items()}
         logger.debug("plan bucket %d rows: step seconds by threads %s", rows,
@@ -225,13 +226,13 @@ Timings = dict[GemmKey, dict[str, float]]
 
 
 def _timed_rounds(measure: Measure, mixers: Callable[[int, int], float] | None, rows: int,
-                  thread_options: tuple[int, ...]) -> tuple[dict[int, Timings], dict[int, float]]:
+                  thread_options: tuple[int, ...], rounds: int) -> tuple[dict[int, Timings], dict[int, float]]:
     """Per thread count: the products' seconds by key and method, and the recurrent kernels' seconds, each
-    the fastest of MEASURE_ROUNDS rounds in which the thread counts take turns; a later round times only
+    the fastest of `rounds` rounds in which the thread counts take turns; a later round times only
     the methods within CONTENDER of the fastest for some key."""
     products: dict[int, Timings] = {t: {} for t in thread_options}
     mixer_s = {t: float("inf") if mixers is not None else 0.0 for t in thread_options}
-    for round_ in range(MEASURE_ROUNDS):
+    for round_ in range(rounds):
         for t in thread_options:
             only = _contenders(products[t]) if round_ else None
             for key, by_method in _timed(measure, rows, t, only).items():
