@@ -40,72 +40,16 @@ SELF="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/$(basename "${BASH_SOURCE[0]
 ROOT="$(dirname "$(dirname "$SELF")")"
 
 # ---------------------------------------------------------------------------------------------
-# helpers (also available to each step, which runs as `bash $SELF --step NAME`)
+# the helpers, the report and the main loop: benchmarks/device_check/*.sh, sourced here (so each step,
+# which runs as `bash $SELF --step NAME`, has them too)
 
-pick_python() {
-    if [ -n "${PYTHON:-}" ]; then echo "$PYTHON"; return; fi
-    command -v python >/dev/null 2>&1 && { echo python; return; }
-    echo python3
-}
-
-# Test files under tests/ that mention CUDA: the tests that skip, return early or choose another
-# path without a GPU. A mention inside a top-level `def test_*` selects that test (file::name);
-# one anywhere else (module level, a decorator, a helper, a class) selects the whole file.
-cuda_tests() {
-    local f
-    (cd "$ROOT" && grep -rilE 'cuda' tests --include='test_*.py' | sort) | while read -r f; do
-        awk -v f="$f" '
-            /^(async[ \t]+)?def[ \t]+test_/ {
-                match($0, /test_[A-Za-z0-9_]*/); cur = substr($0, RSTART, RLENGTH)
-                if (tolower($0) ~ /cuda/) nodes[cur] = 1
-                next
-            }
-            /^[^ \t#]/ { cur = "" }
-            tolower($0) ~ /cuda/ { if (cur != "") nodes[cur] = 1; else whole = 1 }
-            END {
-                if (whole) { print f; exit }
-                n = 0; for (k in nodes) keys[n++] = k
-                for (i = 0; i < n; i++) for (j = i + 1; j < n; j++) if (keys[j] < keys[i]) { t = keys[i]; keys[i] = keys[j]; keys[j] = t }
-                for (i = 0; i < n; i++) print f "::" keys[i]
-            }' "$ROOT/$f"
-    done
-}
-
-# pip constraints that keep the installed torch and triton (a resolver that wants another torch
-# fails instead of replacing the CUDA build).
-write_constraints() {
-    "$PY" - >"$WORK/constraints.txt" <<'EOF'
-import importlib.metadata as md
-for dist in ("torch", "triton", "pytorch-triton"):
-    try:
-        print(f"{dist}=={md.version(dist)}")
-    except md.PackageNotFoundError:
-        pass
-EOF
-    echo "pip constraints: $(tr '\n' ' ' <"$WORK/constraints.txt")"
-}
-
-pip_install() {  # pip_install PKG... : best effort, short network timeouts, constraints applied
-    "$PY" -m pip install --disable-pip-version-check --no-input --progress-bar off \
-        --timeout 8 --retries 0 -c "$WORK/constraints.txt" "$@"
-}
-
-run_pytest() {  # run_pytest NAME PER_TEST_S ARGS... : verbose, skips and failures listed, junit xml
-    local name=$1 per=$2
-    shift 2
-    local per_test=()
-    if "$PY" -c "import pytest_timeout" 2>/dev/null; then
-        per_test=(--timeout "$per")
-    else
-        echo "pytest-timeout is not installed: no per-test limit (the step limit still applies)"
-    fi
-    "$PY" -m pytest -p no:cacheprovider -v -rsfE ${per_test[@]+"${per_test[@]}"} \
-        --junitxml="$REPORT/junit-$name.xml" "$@"
-}
-
-free_port() {
-    "$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
-}
+PARTS="$(dirname "$SELF")/device_check"
+# shellcheck source=device_check/helpers.sh
+source "$PARTS/helpers.sh" || exit 1
+# shellcheck source=device_check/report.sh
+source "$PARTS/report.sh" || exit 1
+# shellcheck source=device_check/run.sh
+source "$PARTS/run.sh" || exit 1
 
 # ---------------------------------------------------------------------------------------------
 # steps
@@ -304,136 +248,6 @@ step_pytest_kernels() {
         esac
     done < <(cuda_tests)
     run_pytest pytest-kernels 30 tests/kernels ${skip[@]+"${skip[@]}"}
-}
-
-# ---------------------------------------------------------------------------------------------
-# the report
-
-summary_of() {  # summary_of NAME LOG : the lines of a step's log worth reading in report.md
-    local name=$1 log=$2
-    case "$name" in
-        pytest-*)
-            grep -E '^(FAILED|ERROR|SKIPPED|XFAIL|XPASS)|pytest-timeout is not|Timeout|^=+ .*(passed|failed|error|no tests ran|skipped).* =+$' "$log" | tail -n 60
-            if ! grep -qE '^=+ .* in [0-9.]+s.* =+$' "$log"; then  # cut short: where it was
-                echo "(no pytest summary line; the log ends:)"
-                tail -n 20 "$log"
-            fi
-            ;;
-        env | nvidia-smi) head -n 60 "$log" ;;
-        bench-kernels) tr '\r' '\n' <"$log" | grep -v '^[[:space:]]*$' | tail -n 70 ;;
-        *) tr '\r' '\n' <"$log" | grep -vE '^[[:space:]]*$|[0-9]+%\|' | tail -n 30 ;;
-    esac
-}
-
-result_of() {  # result_of RC WALL LIMIT
-    case "$1" in
-        0) echo ok ;;
-        124) echo TIMEOUT ;;
-        137) if awk -v w="$2" -v l="$3" 'BEGIN { exit !(w + 0.5 >= l) }'; then echo TIMEOUT; else echo "KILLED"; fi ;;
-        *) echo FAIL ;;
-    esac
-}
-
-write_report() {
-    local md="$REPORT/report.md" total=0 n_ok=0 n_bad=0 name limit rc wall log res env_log
-    env_log=$(ls "$REPORT"/logs/*-env.log 2>/dev/null | head -n 1)
-    {
-        echo "# hyssm device check"
-        echo
-        echo "- started: $STARTED (UTC), host $(hostname), repo $ROOT"
-        if [ -n "$env_log" ]; then
-            grep -E '^(commit|torch|cuda_available|gpu[0-9]+|triton|fla|mamba_ssm|select_ops\(cuda\)):' \
-                "$env_log" | sed 's/^/- /'
-        fi
-        if [ -n "$env_log" ] && ! grep -q '^cuda_available: True' "$env_log"; then
-            echo
-            echo "**torch sees no CUDA device: the CUDA steps below did not test a GPU.**"
-        fi
-        echo
-        echo "| # | step | result | rc | wall s | limit s | log |"
-        echo "|---|------|--------|----|--------|---------|-----|"
-        while IFS=$'\t' read -r idx name limit rc wall log; do
-            res=$(result_of "$rc" "$wall" "$limit")
-            if [ "$res" = ok ]; then n_ok=$((n_ok + 1)); else n_bad=$((n_bad + 1)); fi
-            total=$(awk -v a="$total" -v b="$wall" 'BEGIN { printf "%.1f", a + b }')
-            echo "| $idx | $name | $res | $rc | $wall | $limit | [$log]($log) |"
-        done <"$REPORT/steps.tsv"
-        echo
-        echo "$n_ok ok, $n_bad not ok, ${total} s in steps (budget $BUDGET_S s)."
-        ls "$REPORT"/junit-*.xml >/dev/null 2>&1 && echo "junit: $(cd "$REPORT" && ls junit-*.xml | tr '\n' ' ')"
-        while IFS=$'\t' read -r idx name limit rc wall log; do
-            echo
-            echo "## $idx $name: $(result_of "$rc" "$wall" "$limit") (rc $rc, ${wall} s of $limit s)"
-            echo
-            echo '```'
-            summary_of "$name" "$REPORT/$log"
-            echo '```'
-        done <"$REPORT/steps.tsv"
-    } >"$md.tmp" && mv "$md.tmp" "$md"
-}
-
-now_ns() { date +%s%N; }
-
-# ---------------------------------------------------------------------------------------------
-# main
-
-dry_run() {
-    local entry name limit i=0 sum=0 missing=0 fn
-    echo "device_check dry run: ${#STEPS[@]} steps"
-    for entry in "${STEPS[@]}"; do
-        read -r name limit <<<"$entry"
-        i=$((i + 1))
-        fn="step_${name//-/_}"
-        if ! declare -F "$fn" >/dev/null; then
-            echo "  no function $fn for step $name"
-            missing=1
-        fi
-        printf '  %02d %-20s %4d s\n' "$i" "$name" "$limit"
-        sum=$((sum + limit + GRACE_S))
-    done
-    echo "CUDA tests (step pytest-cuda):"
-    cuda_tests | sed 's/^/  /'
-    if [ "$sum" -lt "$BUDGET_S" ]; then
-        echo "total: $sum s with ${GRACE_S} s kill grace per step (budget $BUDGET_S s): OK"
-    else
-        echo "total: $sum s with ${GRACE_S} s kill grace per step (budget $BUDGET_S s): OVER BUDGET"
-        return 1
-    fi
-    return $missing
-}
-
-main() {
-    local report=${1:-${OUT:-./device-report}}
-    mkdir -p "$report/logs" || exit 1
-    REPORT=$(cd "$report" && pwd)
-    WORK=$(mktemp -d "${TMPDIR:-/tmp}/hyssm-device-check.XXXXXX") || exit 1
-    PY=$(pick_python)
-    STARTED=$(date -u +%Y-%m-%dT%H:%M:%S)
-    export REPORT WORK PY STARTED
-    export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-    cd "$ROOT" || exit 1
-    : >"$REPORT/steps.tsv"
-    : >"$WORK/pgids"
-    local entry name limit i=0 log t0 rc wall pg
-    for entry in "${STEPS[@]}"; do
-        read -r name limit <<<"$entry"
-        i=$((i + 1))
-        log=$(printf 'logs/%02d-%s.log' "$i" "$name")
-        echo "== [$i/${#STEPS[@]}] $name (limit $limit s)"
-        t0=$(now_ns)
-        timeout -k "$GRACE_S" "$limit" bash "$SELF" --step "$name" >"$REPORT/$log" 2>&1 </dev/null
-        rc=$?
-        wall=$(awk -v a="$t0" -v b="$(now_ns)" 'BEGIN { printf "%.1f", (b - a) / 1e9 }')
-        while read -r pg; do  # a server whose step was killed before it could stop it
-            [ -n "$pg" ] && kill -KILL -- "-$pg" 2>/dev/null
-        done <"$WORK/pgids"
-        : >"$WORK/pgids"
-        printf '%02d\t%s\t%s\t%s\t%s\t%s\n' "$i" "$name" "$limit" "$rc" "$wall" "$log" >>"$REPORT/steps.tsv"
-        echo "   $(result_of "$rc" "$wall" "$limit") rc=$rc ${wall}s"
-        write_report
-    done
-    rm -rf "$WORK"
-    echo "report: $REPORT/report.md"
 }
 
 case "${1:-}" in
