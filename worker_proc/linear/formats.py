@@ -86,12 +86,15 @@ class LinearMethod:
         return kernel.storage == self.storage or self.storage == "dense" and kernel.storage in COPIES
 
     def serves(self, kernel: GemmKernel, site: SiteTraits, device: torch.device) -> bool:
-        """Whether `kernel` can run this site's products on `device` (its own limits, then the format's)."""
+        """Whether `kernel` can run this site's products on `device`: it reads this format, within its own limits,
+        gathered kernels on expert stacks only, and the format's own rule (`holds_what_it_reads`)."""
         if not self.reads(kernel) or not kernel.runs_on(site.shape, site.dtype, device):
             return False
-        if kernel.experts_only and not site.experts:
-            return False
-        if kernel.storage in COPIES:  # a second copy of a fixed dense weight
+        return not (kernel.experts_only and not site.experts) and self.holds_what_it_reads(kernel, site, device)
+
+    def holds_what_it_reads(self, kernel: GemmKernel, site: SiteTraits, device: torch.device) -> bool:
+        """A copy of a dense weight only where the weight is fixed (and oneDNN packs its dtype on `device`)."""
+        if kernel.storage in COPIES:
             return site.packable and (kernel.storage != "packed" or packing_supported(site.dtype, device))
         return True
 
@@ -114,13 +117,9 @@ class QuantizedLinear(LinearMethod):
     """A quantized format: the site holds a `QuantizedWeight` (with the copies its bound kernels read) in place
     of the dense weight."""
 
-    def serves(self, kernel: GemmKernel, site: SiteTraits, device: torch.device) -> bool:
-        if not self.reads(kernel) or not kernel.runs_on(site.shape, site.dtype, device):
-            return False
-        if kernel.experts_only and not site.experts:
-            return False
-        copy = kernel.quantized_copy
-        if copy and not site.packable:
+    def holds_what_it_reads(self, kernel: GemmKernel, site: SiteTraits, device: torch.device) -> bool:
+        """A quantized copy only of a single matrix; a per-row-scale kernel only over per-row scales."""
+        if kernel.quantized_copy and not site.packable:
             return False
         q = site.quantized
         return not (kernel.per_row_scale and q is not None and q.group)

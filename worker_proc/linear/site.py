@@ -80,9 +80,7 @@ class GemmSite:
         if copied and (weight is None or tuple(weight.shape) != self.shape):
             raise ValueError(f"a {', '.join(copied)} method needs the dense weight to make the "
                              f"{', '.join(copied)} weight from")
-        assert weight is not None or not copied
-        self.copies = self.method.process_after_loading(self, methods, weight if weight is not None else
-                                                        torch.empty(0))
+        self.copies = self.method.process_after_loading(self, methods, torch.empty(0) if weight is None else weight)
         self.bounds, self.methods = bounds, methods
 
     @property
