@@ -24,7 +24,7 @@ import torch
 
 from shared.config import builtin_model_dir
 from shared.messages import ForwardBatch, ReqSlice, SamplingParams
-from worker_proc.host.memory import keep_freed_memory, map_load_blocks
+from worker_proc.host.memory import map_load_blocks
 from worker_proc.host.numerics import flush_denormals
 from worker_proc.plan.execution_plan import instances_of
 from worker_proc.plan.product_timer import read_bytes_per_s, weight_bytes
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> None:
                     help="weights quantized at load, as the server's --quantization")
     args = ap.parse_args(argv)
     flush_denormals()  # as a worker process does, before its first parallel region
-    mapped = map_load_blocks()
+    map_load_blocks()  # the worker's load policy; the runner applies the steps' once loaded
     torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batches.split(",")]
     runner = ModelRunner(
@@ -110,10 +110,8 @@ def main(argv: list[str] | None = None) -> None:
             deterministic=args.deterministic,
             quantization=args.quantization,
             state_dtype=args.mamba_ssm_dtype,
-            load_blocks_mapped=mapped,
         ),
     )
-    keep_freed_memory()
     results: dict[int, list[tuple[float, float]]] = {b: [] for b in batches}
     floors: list[tuple[float, float]] = []  # (floor seconds, batch-1 step / floor) per run
     step = 0

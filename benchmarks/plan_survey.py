@@ -25,7 +25,7 @@ PLAN_REPS, CONTENDED_CORES, MARGIN, ROW_BUCKETS), worker_proc.plan.product_timer
 `Instance`, `Measure`), worker_proc.plan.method_choice.copy_affordable, worker_proc.plan.source
 (`cpu_busy_seconds`, `cpu_identity`), worker_proc.linear.formats.THROUGHPUT_KERNELS,
 worker_proc.linear.kernels.GemmKernel, worker_proc.host.memory (`bound_onednn_caches`,
-`last_level_cache_bytes`, `map_load_blocks`), worker_proc.host.numerics.flush_denormals; and in
+`last_level_cache_bytes`, `map_load_blocks`, `keep_freed_memory`), worker_proc.host.numerics.flush_denormals; and in
 plan_survey_models: worker_proc.loading.checkpoint.load_model, worker_proc.host.numerics.flush_subnormal_,
 worker_proc.loading.quantize (`QuantScheme`, `quantize_model`), worker_proc.linear.site.GemmSite,
 worker_proc.model.HybridForCausalLM, shared.families.registry.parse_config.
@@ -48,7 +48,7 @@ if __package__ in (None, ""):  # run as a file: make the repo importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.plan_survey_models import FAMILIES, family_config, load_survey_model, survey_instances, write_checkpoint
-from worker_proc.host.memory import bound_onednn_caches, last_level_cache_bytes, map_load_blocks
+from worker_proc.host.memory import bound_onednn_caches, keep_freed_memory, last_level_cache_bytes, map_load_blocks
 from worker_proc.host.numerics import flush_denormals
 from worker_proc.linear.formats import THROUGHPUT_KERNELS
 from worker_proc.linear.kernels import GemmKernel
@@ -88,15 +88,18 @@ class Recorder:
         return out
 
 
-def measure(instances: list[Instance], rounds: int, load_blocks_mapped: bool) -> tuple[ExecutionPlan, Recorder]:
+def measure(instances: list[Instance], rounds: int) -> tuple[ExecutionPlan, Recorder]:
     """worker_proc.plan.source.measure_plan's timing of these sites on torch's thread count (no recurrent kernels: one
-    thread option), every figure recorded."""
-    timer = ProductTimer(instances, last_level_cache_bytes(), reps=PLAN_REPS, load_blocks_mapped=load_blocks_mapped)
+    thread option), every figure recorded, under the steps' allocator policy as a worker's (the next load's
+    policy after it)."""
+    keep_freed_memory()
+    timer = ProductTimer(instances, last_level_cache_bytes(), reps=PLAN_REPS)
     recorder = Recorder(timer)
     try:
         plan = choose(instances, (torch.get_num_threads(),), recorder, copy_affordable, None, rounds=rounds)
     finally:
         timer.release()
+        map_load_blocks()
     return plan, recorder
 
 
@@ -117,7 +120,7 @@ def wait_quiet(max_wait_s: float) -> float:
     return time.perf_counter() - t0
 
 
-def measured_quietly(instances: list[Instance], rounds: int, mapped: bool, attempts: int,
+def measured_quietly(instances: list[Instance], rounds: int, attempts: int,
                      max_wait_s: float) -> tuple[ExecutionPlan, Recorder, float, list[float]]:
     """`measure` after `wait_quiet`, again while other processes' load exceeded CONTENDED_CORES (as
     plan.source.measure_quietly; at most `attempts` times): the plan of the least contended attempt, every
@@ -131,7 +134,7 @@ def measured_quietly(instances: list[Instance], rounds: int, mapped: bool, attem
         wait_quiet(max_wait_s)
         busy0, own0 = cpu_busy_seconds()
         t0 = time.perf_counter()
-        plan, recorder = measure(instances, rounds, mapped)
+        plan, recorder = measure(instances, rounds)
         took = time.perf_counter() - t0
         busy1, own1 = cpu_busy_seconds()
         others = max(0.0, (busy1 - busy0) - (own1 - own0)) / max(took, 1e-9)
@@ -232,7 +235,7 @@ def summarize(cells: list[Cell], configs: list[Cell], candidates: dict[str, int]
 
 
 def survey(families: list[str], dtypes: list[str], quantizations: list[str], rounds: int, tiny: bool,
-           workdir: Path, mapped: bool, attempts: int = 1, max_wait_s: float = 0.0,
+           workdir: Path, attempts: int = 1, max_wait_s: float = 0.0,
            on_config: Callable[[list[Cell], list[Cell]], None] | None = None) -> tuple[list[Cell], list[Cell]]:
     """(the configurations surveyed, with their times and the other processes' load; every cell);
     `on_config(configs, cells)` after each configuration (the results so far)."""
@@ -254,7 +257,7 @@ def survey(families: list[str], dtypes: list[str], quantizations: list[str], rou
                     logger.warning("%s: skipped (the loader builds %s on this CPU)", where, built)
                     continue
                 instances = survey_instances(model, real_experts)
-                plan, recorder, spent, loads = measured_quietly(instances, rounds, mapped, attempts, max_wait_s)
+                plan, recorder, spent, loads = measured_quietly(instances, rounds, attempts, max_wait_s)
                 found = cells_of(plan, recorder, where)
                 cells.extend(found)
                 timed_rows = {GemmKey.of(site).label(): site.timed_rows for site, _ in instances}
@@ -382,9 +385,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         flush_denormals()  # what a worker process sets up before its load (worker_proc.process)
         bound_onednn_caches()
-        mapped = map_load_blocks()
+        map_load_blocks()
         with tempfile.TemporaryDirectory(prefix="plan-survey-", dir=ns.workdir) as tmp:
-            configs, cells = survey(families, dtypes, quants, ns.rounds, ns.tiny, Path(tmp), mapped, ns.attempts,
+            configs, cells = survey(families, dtypes, quants, ns.rounds, ns.tiny, Path(tmp), ns.attempts,
                                     ns.max_wait, on_config=save)
         data = save(configs, cells, True)
     sys.stdout.write("\n".join(report(data)) + "\n")

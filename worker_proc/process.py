@@ -25,7 +25,7 @@ from shared.errors import StartupError
 from shared.messages import ForwardBatch, Heartbeat, ProcReady, Shutdown, StepResult, WorkerReady
 from shared.proc import STOP_SIGNAL
 from shared.state_store import StoreError
-from worker_proc.host.setup import apply_host_settings, apply_steps_policy
+from worker_proc.host.setup import apply_host_settings
 from worker_proc.plan.source import default_cache_dir
 from worker_proc.runtime.config import WorkerConfig
 from worker_proc.runtime.runner import ModelRunner
@@ -170,10 +170,8 @@ def run(args: ServerArgs, rank: int) -> None:
     host = apply_host_settings(args, rank, device)
     group = init_distributed(args, rank, device)
     config = WorkerConfig.from_server_args(args, device=device, rank=rank, thread_options=host.thread_options,
-                                          plan_cache_dir=plan_cache_dir(args),
-                                          load_blocks_mapped=host.load_blocks_mapped)
+                                          plan_cache_dir=plan_cache_dir(args))
     runner = ModelRunner(args.resolved_model_path, config, tp_group=group)
-    apply_steps_policy(rank, host)
     tier, namespace = open_store(args, runner, rank)
     ctx = zmq.Context()
     rx: Receiver = Receiver(ctx, SCHEDULER_TO_WORKER, args, rank)

@@ -363,8 +363,8 @@ def test_fused_prefill_attention_packs_into_one_workspace_that_grows_resident_on
     from worker_proc.host.memory import zeros
 
     slots, kv_heads, d = 1 << 20, 2, 64
-    k_pool = zeros((slots, kv_heads, d), torch.float32, "cpu", resident=False)
-    v_pool = zeros((slots, kv_heads, d), torch.float32, "cpu", resident=False)
+    k_pool = zeros((slots, kv_heads, d), torch.float32, "cpu")
+    v_pool = zeros((slots, kv_heads, d), torch.float32, "cpu")
     kv_idx = torch.randperm(4096, generator=gen)[:700] * 16  # 700 slots spread over the first 64k
     k_pool[kv_idx], v_pool[kv_idx] = rand(gen, 700, kv_heads, d), rand(gen, 700, kv_heads, d)
     ops = _native()

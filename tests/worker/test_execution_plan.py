@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -58,9 +59,10 @@ def test_a_rule_does_not_flip_between_methods_within_the_noise() -> None:
     the first one; a method that is clearly faster at larger products still takes over there."""
     def measure(method: GemmKernel, rows: int, threads: int) -> dict[GemmKey, float]:
         odd = ROW_BUCKETS.index(rows) % 2
-        gemv = 1.0 if rows <= 8 else 2.0
-        packed = {0: 1.04, 1: 0.97}[odd] if rows <= 8 else 1.0
-        seconds = {"dense": 5.0, "packed": packed, "split": gemv}.get(method.name)
+        split = 1.0 if rows <= 8 else 2.0
+        gemv = {0: 1.04, 1: 0.97}[odd] if rows <= 8 else 2.0
+        packed = 5.0 if rows <= 8 else 1.0
+        seconds = {"dense": 5.0, "packed": packed, "split": split, "gemv": gemv}.get(method.name)
         return {A: seconds} if seconds is not None else {}
 
     plan = choose(_instances(A), (1,), measure, lambda n: True)
@@ -149,13 +151,34 @@ def test_each_layout_of_a_weight_counts_as_a_copy() -> None:
     asked: list[int] = []
     three = choose(_instances(A), (1,), measure, lambda n: asked.append(n) or True)
     assert three.gemms[A].methods == ("dense", "tiled", "packed") and three.gemms[A].bounds == (1, 32)
-    assert asked == [2 * copy]
+    assert asked[0] == 2 * copy  # every layout the fastest methods read, asked first
     # pairs: tiled + packed lose 1.6x at one row; dense + packed 2x at 2-32 rows; dense + tiled 2x past 32
     two = choose(_instances(A), (1,), measure, lambda n: n <= copy)
     assert two.gemms[A].methods == ("tiled", "packed") and two.gemms[A].bounds == (32,)
     # alone: tiled serves no bucket past 64 rows; packed loses 2x at 1-32 rows, dense at every bucket past 1
     one = choose(_instances(A), (1,), measure, lambda n: False)
     assert one.gemms[A].methods == ("packed",)
+
+
+def test_a_second_copy_is_kept_only_where_it_makes_the_steps_products_faster_by_more_than_copy_pays() -> None:
+    """Memory affording it is not enough: a copy the fastest methods read is kept only where reading fewer
+    layouts would make the steps' products more than COPY_PAYS slower. `tiled` serving every row count
+    within a percent of `packed` leaves one copy of the weight (the dense one dropped); 30 % slower past 32
+    rows, `packed` pays for its copy there."""
+    from worker_proc.plan.tuning import COPY_PAYS
+
+    def measure_with(tiled_large: float) -> Callable[[GemmKernel, int, int], dict[GemmKey, float]]:
+        def measure(method: GemmKernel, rows: int, threads: int) -> dict[GemmKey, float]:
+            seconds = {"dense": 1.0, "packed": 0.9 if rows <= 32 else 0.5,
+                       "tiled": 0.5 if rows <= 32 else tiled_large}.get(method.name)
+            return {A: seconds} if seconds is not None else {}
+        return measure
+
+    close = 0.5 * (1 + COPY_PAYS / 2)
+    one = choose(_instances(A), (1,), measure_with(close), lambda n: True)
+    assert one.gemms[A].methods == ("tiled",)
+    two = choose(_instances(A), (1,), measure_with(0.65), lambda n: True)
+    assert two.gemms[A].methods == ("tiled", "packed") and two.gemms[A].bounds == (32,)
 
 
 def test_a_weight_its_owner_reads_gets_a_copy_in_the_room_the_layouts_leave() -> None:

@@ -14,7 +14,7 @@ from shared.config import ServerArgs, builtin_model_dir
 from shared.errors import ModelLoadError
 from shared.messages import ForwardBatch, ReqSlice, SamplingParams
 from worker_proc.host.threads import thread_options
-from worker_proc.linear.kernels import GemmKernel
+from worker_proc.linear.kernels import TILED, GemmKernel
 from worker_proc.linear.site import GemmSite
 from worker_proc.model.layers import Linear
 from worker_proc.plan import source as plan_cache
@@ -90,8 +90,7 @@ class _DenseThenPacked:
     own_only: list[frozenset[GemmKey]] = []  # each timer's own_weights_only
 
     def __init__(self, instances: list[tuple[GemmSite, torch.Tensor]], cache_bytes: int, reps: int = 3,
-                 max_stream_bytes: int = 0, own_weights_only: frozenset[GemmKey] = frozenset(),
-                 load_blocks_mapped: bool = False) -> None:
+                 max_stream_bytes: int = 0, own_weights_only: frozenset[GemmKey] = frozenset()) -> None:
         self.sites = [site for site, _ in instances]
         self.made.append(max_stream_bytes)
         self.own_only.append(own_weights_only)
@@ -243,15 +242,18 @@ def test_a_new_build_of_the_fused_kernels_is_measured_again(monkeypatch: pytest.
     assert plan_cache.plan_key(model, "throughput", (1,), 2, "native") != before
 
 
-def test_a_plan_timed_under_another_allocator_policy_is_measured_again() -> None:
-    """A worker times its products under the steps' allocator policy (`load_blocks_mapped`); a plan timed
-    under a process's own policy (where temporaries may be fresh mappings on every call) does not stand for
-    it."""
+def test_a_plan_chosen_under_other_tuning_constants_or_kernel_limits_is_measured_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The constants that turn timings into rules, and the row counts each kernel is offered for, are part of
+    a cached plan's key: a plan chosen under other values does not stand for this code's choice."""
     model = ModelRunner(
         builtin_model_dir(), WorkerConfig(kv_slots=64, state_slots=2, plan_cache_dir=None, thread_options=(1,))
     ).model
     own = plan_cache.plan_key(model, "throughput", (1,), 2, "native")
-    assert plan_cache.plan_key(model, "throughput", (1,), 2, "native", load_blocks_mapped=True) != own
+    assert own["methods"]["tiled"] == TILED.max_rows
+    monkeypatch.setattr(plan_cache, "COPY_PAYS", 0.5)
+    assert plan_cache.plan_key(model, "throughput", (1,), 2, "native") != own
 
 
 class _TiledFastest(_DenseThenPacked):

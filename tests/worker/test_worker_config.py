@@ -36,14 +36,13 @@ def test_from_server_args_carries_every_flag(tmp_path: Path) -> None:
                       mamba_full_memory_ratio=0.3, random_seed=5, tp_size=2, enable_deterministic_inference=True,
                       kernels="reference", single_weight_copy=True, quantization="int8",
                       disable_lm_head_quantization=True, enforce_eager=True, dist_init_addr="127.0.0.1:29511")
-    c = WorkerConfig.from_server_args(args, device="cpu", rank=1, thread_options=(1, 2), plan_cache_dir=tmp_path,
-                                      load_blocks_mapped=True)
+    c = WorkerConfig.from_server_args(args, device="cpu", rank=1, thread_options=(1, 2), plan_cache_dir=tmp_path)
     assert (c.dtype, c.state_dtype, c.kv_slots, c.state_slots) == ("bfloat16", "bfloat16", 4096, 12)
     assert c.mem_budget_bytes == 1 << 29 and c.mem_fraction_static == 0.7 and c.running_requests == 9
     assert (c.state_ratio, c.seed, c.tp_rank, c.tp_size) == (0.3, 5, 1, 2)
     assert c.deterministic and c.kernels == "reference" and c.single_weight_copy and c.enforce_eager
     assert c.quantization == "int8" and not c.quantize_lm_head
-    assert c.thread_options == (1, 2) and c.plan_cache_dir == tmp_path and c.load_blocks_mapped
+    assert c.thread_options == (1, 2) and c.plan_cache_dir == tmp_path
 
 
 SETUP = """
@@ -56,7 +55,7 @@ host = apply_host_settings(ServerArgs(cpu_threads=1), 0, "cpu")
 assert host.thread_options == (1,) and torch.get_num_threads() == 1, host
 assert denormals_flushed()
 assert all(os.environ[v] for v in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"))
-print("mapped", host.load_blocks_mapped)
+print("applied")
 """
 
 
@@ -64,4 +63,4 @@ def test_host_settings_apply_threads_denormals_and_caches_in_a_fresh_process() -
     out = subprocess.run([sys.executable, "-c", SETUP], capture_output=True, text=True, timeout=120,
                          cwd=Path(__file__).resolve().parents[2])
     assert out.returncode == 0, out.stderr
-    assert out.stdout.startswith("mapped ")
+    assert out.stdout.strip() == "applied"

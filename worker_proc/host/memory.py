@@ -1,9 +1,9 @@
 """Host memory of a worker process: what the load allocates lives in mappings of its own
 (`map_load_blocks`), freed blocks of the steps stay in the heap for the next step
-(`keep_freed_memory`), what load left free goes back once (`shared.heap.release_free_heap`), the state
-pools are resident before the first request while the KV pools take pages as tokens fill them
-(`zeros`), the weights lie on 2 MiB pages where the kernel offers transparent huge pages (`weight_tensor`),
-and oneDNN's primitive caches hold a bounded number of entries (`bound_onednn_caches`).
+(`keep_freed_memory`), what load left free goes back once (`shared.heap.release_free_heap`), the
+pools take pages as their slots are first written (`zeros`), the weights lie on 2 MiB pages where the
+kernel offers transparent huge pages (`weight_tensor`), and oneDNN's primitive caches hold a bounded
+number of entries (`bound_onednn_caches`).
 
 glibc's malloc serves a block above its mmap threshold with a fresh mapping and returns the top of
 the heap to the kernel once more than its trim threshold is free. A step's temporaries are megabytes
@@ -20,14 +20,11 @@ by `release_free_heap`, yet inside the heap): the steps' temporaries then landed
 from one step to the next, and each hole they touched became resident again, so the worker's
 memory grew by the holes' size over a long prompt instead of by its temporaries' peak.
 
-The execution plan is measured during the load, but what it measures is the steps' speed: the calls
-that time one product run under the steps' policy (`steps_policy_within_load`), an untimed one first,
-and the load's policy comes back after them. Their freed temporaries stay in the heap, so the timer
-returns its free pages (`shared.heap.release_free_heap`) before it makes a copy of a weight, which must
-be a mapping like every large block of the load. Timed under the load's policy, every
-temporary above 64 KiB was a fresh mapping faulted in on each call, which no step pays: a product with
-large temporaries (an int8 product quantizing its rows in Python) was timed at several times its
-serving cost and lost rules it wins when serving.
+The execution plan is measured once the weights are loaded, under the steps' policy, since what it
+measures is the steps' speed: timed under the load's policy, every temporary above 64 KiB was a fresh
+mapping faulted in on each call, which no step pays, and a product with large temporaries (an int8
+product quantizing its rows in Python) was timed at several times its serving cost. The weight copies
+it makes are blocks of the load, each its own mapping (`blocks_mapped`).
 """
 
 from __future__ import annotations
@@ -43,6 +40,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
+
+from shared.heap import release_free_heap
 
 logger = logging.getLogger(__name__)
 
@@ -96,24 +95,23 @@ def keep_freed_memory() -> bool:
 
 
 @contextmanager
-def steps_policy_within_load(load_blocks_mapped: bool) -> Iterator[None]:
-    """The steps' policy for the block, then the load's again (see the module doc), for a process whose
-    load runs under `map_load_blocks` (`load_blocks_mapped`: it returned True); otherwise, and where the
-    C library is not glibc, the block runs under whatever policy the process has. Which policy is in
-    effect cannot be read back from glibc, so the caller says. The block's first uses of a temporary
-    still fault its pages in: time after untimed calls. What the block freed stays in the heap, where
-    a block the load makes next may land (`release_free_heap` first where it must be a mapping)."""
-    mallopt = _mallopt() if load_blocks_mapped else None
+def blocks_mapped() -> Iterator[None]:
+    """The load's policy for the block (every block above LOAD_MMAP_THRESHOLD_BYTES its own mapping), then
+    the steps' again: for the weight copies the execution plan makes once the model is loaded (its timing
+    copies and the copies it binds), which must go back to the kernel whole when freed rather than leave
+    holes in the heap the steps use. The heap's free pages go back first (`release_free_heap`), so a copy
+    does not land in a freed temporary of a timed product. Where the C library is not glibc, only that."""
+    release_free_heap()
+    mallopt = _mallopt()
     if mallopt is None:
         yield
         return
-    mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
-    mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES)
+    mallopt(M_MMAP_THRESHOLD, LOAD_MMAP_THRESHOLD_BYTES)
+    mallopt(M_TRIM_THRESHOLD, LOAD_TRIM_THRESHOLD_BYTES)
     try:
         yield
     finally:
-        mallopt(M_MMAP_THRESHOLD, LOAD_MMAP_THRESHOLD_BYTES)
-        mallopt(M_TRIM_THRESHOLD, LOAD_TRIM_THRESHOLD_BYTES)
+        keep_freed_memory()
 
 
 ONEDNN_CACHE_VARS = ("LRU_CACHE_CAPACITY", "ONEDNN_PRIMITIVE_CACHE_CAPACITY")
@@ -205,23 +203,21 @@ def weight_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return raw[start : start + nbytes].view(dtype).view(shape)
 
 
-def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str, resident: bool) -> torch.Tensor:
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
     """A zero tensor for a pool; on the CPU a private anonymous mapping, which the kernel fills with zeros
-    on first access. The tensor keeps the mapping alive. Other devices get `torch.zeros`.
+    on first access, so that resident memory grows with the slots actually written (the contexts and
+    states held), not with the pool's capacity. The tensor keeps the mapping alive. Other devices get
+    `torch.zeros`.
 
-    `resident`: one byte of every page is written before the tensor is returned (torch's threads split
-    the pages), for a pool whose every slot is touched whole by each user of it. A state slot of a
-    350M-shaped model spans thousands of pages, whatever the request's length: faulting them in on
-    first use made a new request's step several times slower (more again on a VM whose host backs
-    guest memory on first use). Not resident: pages are taken as they are first written, for a pool
-    written a little per token (a KV slot), where a page's fault is small next to computing the tokens
-    that fill it, and where resident memory should grow with the contexts actually held."""
+    A slot's first write faults its pages in: measured 5-6 ms more than a warm write for a state slot of
+    the 350M shape (22 MB), once per slot over the process's life, since a freed slot keeps its pages and
+    the scheduler hands the most recently freed slot out first (scheduler_proc.allocators). Advised for
+    transparent huge pages the same first write took 20-90 ms (the kernel compacts memory to find them),
+    so pools stay on base pages."""
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
     raw = torch.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE), dtype=torch.uint8)
-    if resident:
-        raw[:: mmap.PAGESIZE].zero_()
     return raw.view(dtype).view(shape)

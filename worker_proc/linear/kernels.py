@@ -265,10 +265,11 @@ ANY_DEVICE = ("cpu", "cuda", "mps", "xpu", "meta")
 DENSE = GemmKernel("dense", "dense", _dense, devices=ANY_DEVICE)
 SPLIT = GemmKernel("split", "dense", _split, dtypes=(torch.float32,))
 PACKED = GemmKernel("packed", "packed", _packed)
-TILED = GemmKernel("tiled", "tiled", _tiled, dtypes=(torch.float32, torch.bfloat16), native=True, max_rows=64,
-                   in_multiple=2)
-"""The fused product of a batched decode step's rows from the `tiled` copy: each weight block read once
-for up to eight rows, no sum reduced across lanes."""
+TILED = GemmKernel("tiled", "tiled", _tiled, dtypes=(torch.float32, torch.bfloat16), native=True, in_multiple=2)
+"""The fused product from the `tiled` copy: each weight block read once for up to eight rows, no sum reduced
+across lanes; at prefill sizes a group of blocks stays in cache while every row passes over it, so one copy
+can serve every row count (measured on the 350M shape: within a few percent of oneDNN's packed product at
+128-512 rows, faster below)."""
 GEMV = GemmKernel("gemv", "dense", _gemv, dtypes=(torch.float32, torch.bfloat16), native=True, max_rows=64)
 """The fused few-row product reading four weight rows side by side, with software prefetch."""
 GEMV_SEQ = GemmKernel("gemv_seq", "dense", _gemv_seq, dtypes=(torch.float32, torch.bfloat16), native=True,

@@ -4,8 +4,10 @@ measures them) and the bytes host memory affords for copies (`copy_affordable`).
 
 Rules: `dense` unless another method is more than `MARGIN` faster; a bucket keeps the previous bucket's
 method within `SWITCH_MARGIN`; a copy of a weight (a dense weight also read packed or tiled, a quantized
-weight's int8 copy) only where all the copies kept fit; a weight its owner reads as stored (a tied LM head)
-takes copies only in the room the other weights' layouts leave.
+weight's int8 copy) only where all the copies kept fit, and only where it pays: the layouts holding the
+fewest bytes win unless more make the steps' products more than `COPY_PAYS` faster; a weight its owner
+reads as stored (a tied LM head) takes copies only in the room the other weights' layouts leave, and only
+where they make its own products more than `COPY_PAYS` faster.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from worker_proc.host.memory import physical_memory_bytes
 from worker_proc.linear.formats import LINEAR_METHODS
 from worker_proc.linear.kernels import COPIES, DENSE, KERNELS
 from worker_proc.plan.product_timer import GemmKey
-from worker_proc.plan.tuning import MARGIN, SPARE_COPY_FRACTION, SWITCH_MARGIN
+from worker_proc.plan.tuning import COPY_PAYS, MARGIN, SPARE_COPY_FRACTION, SWITCH_MARGIN
 from worker_proc.quant.weight import COPY_BYTES_PER_WEIGHT
 
 
@@ -25,19 +27,43 @@ def choose_methods(timings: dict[GemmKey, list[dict[str, float]]], counts: dict[
                    nbytes: dict[GemmKey, int], kept: dict[GemmKey, int],
                    affordable: Callable[[int], bool]) -> dict[GemmKey, list[str]]:
     """Each key's method per bucket from its `timings` (seconds by method, bucket by bucket), `counts` sites and
-    `nbytes` of weights of it, `kept` bytes of them their owners read as stored: every layout the fastest
-    methods read where `affordable` says the extra bytes are there, else the set of layouts of dense weights
-    that loses least among those that fit (then `kept_copies`), and where none fits the single layout that
-    loses least."""
+    `nbytes` of weights of it, `kept` bytes of them their owners read as stored. Each layout set
+    (`layout_options`: every layout the fastest methods read, then sets of dense layouts) whose extra bytes
+    `affordable` allows is completed, where restricted, by the copies that pay for the weights their owners
+    read themselves (`kept_copies`); of those, the one holding the fewest bytes (the earlier on a tie) whose
+    steps' products are at most COPY_PAYS slower than the fastest one's (`steps_slowdown`). Where no set
+    fits, the single layout that loses least."""
     options = layout_options({k: t for k, t in timings.items() if not kept[k]}, counts)  # fastest first
-    singles = [o for o in options if o is not None and len(o) == 1]
-    for layouts in options:
+    fitting: list[tuple[int, int, float, dict[GemmKey, list[str]]]] = []  # (extra bytes, order, slowdown, methods)
+    for order, layouts in enumerate(options):
         chosen = methods_within(timings, kept, layouts)
         extra = sum(second_copy_bytes(k, p, counts[k], nbytes[k], kept[k]) for k, p in chosen.items())
-        if extra == 0 or affordable(extra):
-            return chosen if layouts is None else kept_copies(timings, chosen, kept, counts, nbytes, extra,
-                                                              affordable)
-    return methods_within(timings, kept, singles[0] if singles else None)  # where no option fits
+        if extra and not affordable(extra):
+            continue
+        if layouts is not None:
+            chosen, extra = kept_copies(timings, chosen, kept, counts, nbytes, extra, affordable)
+        fitting.append((extra, order, steps_slowdown(timings, counts, chosen), chosen))
+    if not fitting:
+        singles = [o for o in options if o is not None and len(o) == 1]
+        return methods_within(timings, kept, singles[0] if singles else None)
+    fastest = min(f[2] for f in fitting)
+    return min(f for f in fitting if f[2] <= fastest + COPY_PAYS)[3]
+
+
+def steps_slowdown(timings: dict[GemmKey, list[dict[str, float]]], counts: dict[GemmKey, int],
+                   chosen: dict[GemmKey, list[str]]) -> float:
+    """How much slower the products of a step are under `chosen` than under the fastest method of each
+    product, as a fraction, averaged over the row buckets (each bucket's products summed over every site)."""
+    slowdowns = []
+    for bucket in range(max((len(t) for t in timings.values()), default=0)):
+        taken = fastest = 0.0
+        for key, timed in timings.items():
+            if bucket < len(timed) and timed[bucket]:
+                taken += counts[key] * timed[bucket][chosen[key][bucket]]
+                fastest += counts[key] * min(timed[bucket].values())
+        if fastest > 0:
+            slowdowns.append(taken / fastest - 1.0)
+    return sum(slowdowns) / len(slowdowns) if slowdowns else 0.0
 
 
 def fastest_method(timed: dict[str, float], storage: str = "dense") -> str:
@@ -121,7 +147,7 @@ def layouts_loss(timed: list[dict[str, float]], layouts: frozenset[str]) -> floa
 
 def kept_copies(timings: dict[GemmKey, list[dict[str, float]]], chosen: dict[GemmKey, list[str]],
                  kept: dict[GemmKey, int], counts: dict[GemmKey, int], nbytes: dict[GemmKey, int], extra: int,
-                 affordable: Callable[[int], bool]) -> dict[GemmKey, list[str]]:
+                 affordable: Callable[[int], bool]) -> tuple[dict[GemmKey, list[str]], int]:
     """`chosen` (dense layouts restricted, `extra` bytes of copies) with the weights their owners read
     themselves (the tied LM head's, read only as stored there) given the copies their fastest methods read,
     all of them or one, the set that loses least among those still affordable on top of `extra`; the key
@@ -132,16 +158,16 @@ def kept_copies(timings: dict[GemmKey, list[dict[str, float]]], chosen: dict[Gem
     as_stored = frozenset({"dense"})
     for key in sorted(owned, key=lambda k: -counts[k] * layouts_loss(timings[k], as_stored)):
         best = (layouts_loss(timings[key], as_stored), 0, out[key])
-        for copies in (frozenset(COPIES), *(frozenset({c}) for c in COPIES)):
+        for copies in (*(frozenset({c}) for c in COPIES), frozenset(COPIES)):  # fewer bytes first
             layouts = as_stored | copies
             per_bucket = methods_by_bucket([timed_within(t, layouts) for t in timings[key]])
             more = second_copy_bytes(key, per_bucket, counts[key], nbytes[key], kept[key])
             lost = layouts_loss(timings[key], layouts)
-            if more and lost < best[0] and affordable(extra + more):
+            if more and lost * (1 + COPY_PAYS) < best[0] and affordable(extra + more):
                 best = (lost, more, per_bucket)
         out[key] = best[2]
         extra += best[1]
-    return out
+    return out, extra
 
 
 def methods_within(timings: dict[GemmKey, list[dict[str, float]]], kept: dict[GemmKey, int],

@@ -7,9 +7,8 @@ the time of one step's Mamba kernels to that of its products (worker_proc.plan.e
 for r <= `DECODE_ROWS` rows, r requests decoding one token each (`mamba_decode`); above, one prefill
 segment of r tokens (`conv_prefill_many` and `ssd_prefill_many`); one layer on scratch pools of the
 layer's own shapes and the kernel set's own ops, times the model's Mamba layers. Each figure is the
-fastest of `reps` rounds after an untimed one, under the steps' allocator policy where the process
-loads under the load's (`load_blocks_mapped`, as `plan_timing.ProductTimer`). Gated DeltaNet and
-attention kernels are not timed.
+fastest of `reps` rounds after an untimed one, under the process's allocator policy (as
+`product_timer.ProductTimer`). Gated DeltaNet and attention kernels are not timed.
 """
 
 from __future__ import annotations
@@ -19,7 +18,6 @@ import time
 import torch
 from torch import nn
 
-from worker_proc.host.memory import steps_policy_within_load
 from worker_proc.kernels import KernelOps
 from worker_proc.model.mamba import MambaMixer
 from worker_proc.plan.tuning import DECODE_ROWS
@@ -28,13 +26,12 @@ from worker_proc.plan.tuning import DECODE_ROWS
 class MixerTimer:
     """(rows, threads) -> seconds of one step's Mamba kernels over the whole model (0 without Mamba layers)."""
 
-    def __init__(self, model: nn.Module, ops: KernelOps, reps: int = 3, load_blocks_mapped: bool = False) -> None:
+    def __init__(self, model: nn.Module, ops: KernelOps, reps: int = 3) -> None:
         mixers = [m for m in model.modules() if isinstance(m, MambaMixer)]
         self.layer = mixers[0] if mixers else None
         self.layers = len(mixers)
         self.ops = ops
         self.reps = reps
-        self.load_blocks_mapped = load_blocks_mapped
 
     def __call__(self, rows: int, threads: int) -> float:
         if self.layer is None:
@@ -44,12 +41,11 @@ class MixerTimer:
         try:
             run = self._decode(rows) if rows <= DECODE_ROWS else self._prefill(rows)
             best = float("inf")
-            with steps_policy_within_load(self.load_blocks_mapped):
+            run()
+            for _ in range(self.reps):
+                t0 = time.perf_counter()
                 run()
-                for _ in range(self.reps):
-                    t0 = time.perf_counter()
-                    run()
-                    best = min(best, time.perf_counter() - t0)
+                best = min(best, time.perf_counter() - t0)
         finally:
             torch.set_num_threads(before)
         return best * self.layers

@@ -8,8 +8,8 @@ at least one weight of every shape. A
 product of more than `STREAM_ROWS` rows reuses each weight row many times and is timed on one weight
 per shape, warm. Each figure is the fastest of `reps` rounds after one untimed round (which also
 creates oneDNN's primitives and faults in the inputs' and temporaries' pages): interference only ever
-adds time. In a worker, whose load runs under the load's allocator policy, a product's calls run under
-the steps' (`host_memory.steps_policy_within_load`), the copies it reads made before them. A
+adds time. The products run under the process's allocator policy (a worker's steps' policy, as its
+steps do), the copies they read each a mapping of its own (`host.memory.blocks_mapped`). A
 warm product stops repeating once its rounds took `WARM_BUDGET_S`; a method `HOPELESS` times slower than
 the fastest seen at a key stops being timed there after its first warm product (or its untimed one, warm), and
 one `HOPELESS` squared slower is not timed at that key's larger row counts.
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from shared.heap import release_free_heap
-from worker_proc.host.memory import steps_policy_within_load
+from worker_proc.host.memory import blocks_mapped
 from worker_proc.linear.kernels import COPIES, GemmKernel, TiledWeight
 from worker_proc.linear.site import GemmSite
 from worker_proc.plan.tuning import DEFAULT_STREAM_BYTES, HOPELESS, STREAM_ROWS, WARM_BUDGET_S
@@ -66,13 +66,10 @@ class ProductTimer:
 
     `own_weights_only`: keys the plan reads only as their weights are (under `--single-weight-copy`, a
     shape of a dense weight its owner reads itself, the tied LM head's): methods reading a copy are not
-    timed on them, so no copy of those weights is made.
-    `load_blocks_mapped`: the process times under the load's allocator policy, and each product runs
-    under the steps' (`host_memory.steps_policy_within_load`): its temporaries are then reused from one
-    call to the next, as a step's are, instead of faulted in on each."""
+    timed on them, so no copy of those weights is made."""
 
     def __init__(self, instances: list[Instance], cache_bytes: int, reps: int = 3, max_stream_bytes: int = 0,
-                 own_weights_only: frozenset[GemmKey] = frozenset(), load_blocks_mapped: bool = False) -> None:
+                 own_weights_only: frozenset[GemmKey] = frozenset()) -> None:
         budget = 2 * cache_bytes if cache_bytes > 0 else DEFAULT_STREAM_BYTES
         if max_stream_bytes > 0:  # the timing copies of a streamed method (packed or tiled ones) stay within it
             budget = min(budget, max_stream_bytes)
@@ -94,7 +91,6 @@ class ProductTimer:
             self.first.setdefault(GemmKey.of(site), (site, weight))
         self.reps = reps
         self.own_weights_only = own_weights_only
-        self.load_blocks_mapped = load_blocks_mapped
         self.copies: dict[tuple[str, int], object] = {}  # (storage, id(weight)) -> a copy made for timing
         self.quantized_copies: dict[tuple[str, int], QuantizedWeight] = {}  # (kind, id(quantized weight)) -> with it
         self.inputs: dict[tuple[GemmKey, int], torch.Tensor] = {}
@@ -129,21 +125,20 @@ class ProductTimer:
         given_up: dict[GemmKey, float] = {}
         calls: dict[GemmKey, int] = {}
         operands = [(GemmKey.of(site), self._operands(method, rows, site, weight)) for site, weight in chosen]
-        with steps_policy_within_load(self.load_blocks_mapped):
-            for rep in range(self.reps + 1):
-                spent: dict[GemmKey, list[float]] = {}
-                for key, args in operands:
-                    if key in given_up:
-                        continue
-                    seconds = self._time(method, args)
-                    calls[key] = calls.get(key, 0) + 1
-                    spent.setdefault(key, []).append(seconds)
-                    if calls[key] > 1 and self._hopeless(key, rows, threads, seconds):
-                        given_up[key] = seconds
-                if rep:
-                    for key, times in spent.items():
-                        if key not in given_up:
-                            samples.setdefault(key, []).append(sum(times) / len(times))
+        for rep in range(self.reps + 1):
+            spent: dict[GemmKey, list[float]] = {}
+            for key, args in operands:
+                if key in given_up:
+                    continue
+                seconds = self._time(method, args)
+                calls[key] = calls.get(key, 0) + 1
+                spent.setdefault(key, []).append(seconds)
+                if calls[key] > 1 and self._hopeless(key, rows, threads, seconds):
+                    given_up[key] = seconds
+            if rep:
+                for key, times in spent.items():
+                    if key not in given_up:
+                        samples.setdefault(key, []).append(sum(times) / len(times))
         return {key: min(times) for key, times in samples.items()} | given_up
 
     def _warm(self, method: GemmKernel, rows: int, threads: int, site: GemmSite, weight: torch.Tensor) -> float:
@@ -151,15 +146,14 @@ class ProductTimer:
         primitives), fewer once they took `WARM_BUDGET_S`; none after a `_hopeless` one."""
         key = GemmKey.of(site)
         args = self._operands(method, rows, site, weight)
-        with steps_policy_within_load(self.load_blocks_mapped):
-            untimed = self._time(method, args)
-            if self._hopeless(key, rows, threads, untimed):
-                return untimed
-            times = [self._time(method, args)]
-            if self._hopeless(key, rows, threads, times[0]):
-                return times[0]
-            while len(times) < self.reps and sum(times) < WARM_BUDGET_S:
-                times.append(self._time(method, args))
+        untimed = self._time(method, args)
+        if self._hopeless(key, rows, threads, untimed):
+            return untimed
+        times = [self._time(method, args)]
+        if self._hopeless(key, rows, threads, times[0]):
+            return times[0]
+        while len(times) < self.reps and sum(times) < WARM_BUDGET_S:
+            times.append(self._time(method, args))
         return min(times)
 
     def _hopeless(self, key: GemmKey, rows: int, threads: int, seconds: float) -> bool:
@@ -168,7 +162,7 @@ class ProductTimer:
 
     def _operands(self, method: GemmKernel, rows: int, site: GemmSite, weight: torch.Tensor) -> Operands:
         """What one product of `method` reads at `rows` rows: its input, the weight and what it reads stored
-        (a copy made now, under the load's policy, and kept until `release`)."""
+        (a copy made now, its own mapping, and kept until `release`)."""
         x = self._input(GemmKey.of(site), rows, site)
         q = site.quantized
         stored: object = None
@@ -197,29 +191,23 @@ class ProductTimer:
     def _copy(self, storage: str, weight: torch.Tensor) -> object:
         copy = self.copies.get((storage, id(weight)))
         if copy is None:
-            self._return_free_heap()
-            copy = self.copies[(storage, id(weight))] = COPIES[storage](weight)
+            with blocks_mapped():
+                copy = self.copies[(storage, id(weight))] = COPIES[storage](weight)
         return copy
 
     def _quantized_copy(self, kind: str, q: QuantizedWeight) -> QuantizedWeight:
         copy = self.quantized_copies.get((kind, id(q)))
         if copy is None:
-            self._return_free_heap()
-            copy = self.quantized_copies[(kind, id(q))] = q.with_copy(kind)
+            with blocks_mapped():
+                copy = self.quantized_copies[(kind, id(q))] = q.with_copy(kind)
         return copy
 
-    def _return_free_heap(self) -> None:
-        """Where products were timed under the steps' policy, their freed temporaries stay in the heap: its
-        free pages go back, so that the blocks the load makes next (a copy) are mappings again."""
-        if self.load_blocks_mapped:
-            release_free_heap()
-
     def release(self) -> None:
-        """Free the copies made for timing (and the heap's free pages: see `_return_free_heap`)."""
+        """Free the copies made for timing, and the heap's free pages (the timed products' temporaries)."""
         self.copies.clear()
         self.quantized_copies.clear()
         self.inputs.clear()
-        self._return_free_heap()
+        release_free_heap()
 
 
 def read_tensors(site: GemmSite, weight: torch.Tensor) -> list[torch.Tensor]:

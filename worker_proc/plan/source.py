@@ -45,12 +45,16 @@ from worker_proc.plan.product_timer import GemmKey, ProductTimer, read_bytes_per
 from worker_proc.plan.tuning import (
     CHOICE_REVISION,
     CONTENDED_CORES,
+    COPY_PAYS,
     DEFAULT_STREAM_BYTES,
+    MARGIN,
     MEASURE_ATTEMPTS,
     MEASURE_ROUNDS,
     PLAN_REPS,
     ROW_BUCKETS,
+    SPARE_COPY_FRACTION,
     STREAM_ROWS,
+    SWITCH_MARGIN,
 )
 
 logger = logging.getLogger(__name__)
@@ -84,18 +88,19 @@ def cpu_identity() -> dict[str, object]:
 
 
 def plan_key(model: nn.Module, mode: str, thread_options: tuple[int, ...], cores: int,
-             kernels: str = "", single_copy: bool = False, load_blocks_mapped: bool = False) -> dict[str, object]:
+             kernels: str = "", single_copy: bool = False) -> dict[str, object]:
     shapes: dict[str, int] = {}
     for site, _ in instances_of(model):
         label = GemmKey.of(site).label() + (" (dense kept)" if site.dense_kept else "")  # the copies rule reads it
         shapes[label] = shapes.get(label, 0) + 1
     return {**cpu_identity(), "cores": cores, "threads": list(thread_options), "torch": torch.__version__,
-            "mode": mode, "methods": [m.name for m in THROUGHPUT_KERNELS], "kernels": kernels,
+            "mode": mode, "methods": {m.name: m.max_rows for m in THROUGHPUT_KERNELS}, "kernels": kernels,
             "native": native.build_digest() if native.load() else "",  # the fused kernels' code is timed too
             "buckets": list(ROW_BUCKETS), "rounds": MEASURE_ROUNDS, "stream_rows": STREAM_ROWS,
             "weight_storage": WEIGHT_STORAGE, "choice": CHOICE_REVISION,
             "shapes": dict(sorted(shapes.items())), "copies": "one" if single_copy else "affordable",
-            "timing_heap": "steps' policy" if load_blocks_mapped else "the process's policy"}
+            "tuning": {"margin": MARGIN, "switch_margin": SWITCH_MARGIN, "copy_pays": COPY_PAYS,
+                       "spare_copy_fraction": SPARE_COPY_FRACTION}}
 
 
 def key_digest(key: dict[str, object]) -> str:
@@ -149,14 +154,12 @@ def read_plan(path: Path, source: str) -> ExecutionPlan:
 
 def plan_for(model: nn.Module, device: torch.device, *, deterministic: bool, thread_options: tuple[int, ...],
              cores: int, pinned: str = "", cache_dir: Path | None = None,
-             ops: KernelOps | None = None, single_copy: bool = False,
-             load_blocks_mapped: bool = False) -> ExecutionPlan:
+             ops: KernelOps | None = None, single_copy: bool = False) -> ExecutionPlan:
     """The rank's plan (see the module doc). `thread_options`: the thread counts a step may run on
     (empty: torch's setting is left alone and products are timed on it); `cache_dir` None: no cache; `ops`:
     the kernel set whose recurrent kernels are timed with the products (None: products only);
-    `single_copy`: a measured plan keeps no second copy of any weight, affordable or not;
-    `load_blocks_mapped`: the process loads under `host_memory.map_load_blocks`' policy, and the plan
-    is timed under the steps' (`plan_timing.ProductTimer`)."""
+    `single_copy`: a measured plan keeps no second copy of any weight, affordable or not. A worker measures
+    once its weights are loaded, under the steps' allocator policy (worker_proc.host.memory)."""
     if device.type != "cpu":
         return accelerator_plan(model)
     if deterministic:
@@ -171,15 +174,14 @@ def plan_for(model: nn.Module, device: torch.device, *, deterministic: bool, thr
             raise ModelLoadError(f"--execution-plan {pinned} has no rule for {', '.join(sorted(missing))}")
         return plan
     options = thread_options or (torch.get_num_threads(),)
-    key = plan_key(model, "throughput", options, cores, ops.name if ops is not None else "", single_copy,
-                   load_blocks_mapped)
+    key = plan_key(model, "throughput", options, cores, ops.name if ops is not None else "", single_copy)
     path = cache_dir / f"plan-{key_digest(key)}.json" if cache_dir is not None else None
     if path is not None and path.exists():
         try:
             return read_plan(path, f"cached {path}")
         except (OSError, ValueError) as e:
             logger.warning("ignoring the cached execution plan %s (%s): measuring again", path, e)
-    plan, quiet = measure_quietly(model, options, ops, single_copy, cores, load_blocks_mapped)
+    plan, quiet = measure_quietly(model, options, ops, single_copy, cores)
     if path is not None and not quiet:
         logger.warning("the execution plan was measured while other processes kept the CPU busy: it is not "
                        "saved, and the next start measures again")
@@ -224,14 +226,13 @@ def cpu_busy_seconds() -> tuple[float, float]:
 
 
 def measure_quietly(model: nn.Module, thread_options: tuple[int, ...], ops: KernelOps | None = None,
-                    single_copy: bool = False, cores: int = 0,
-                    load_blocks_mapped: bool = False) -> tuple[ExecutionPlan, bool]:
+                    single_copy: bool = False, cores: int = 0) -> tuple[ExecutionPlan, bool]:
     """`measure_plan`, again while other processes' load was `contended` (at most MEASURE_ATTEMPTS times);
     the flag says whether the last measurement was quiet."""
     for attempt in range(1, MEASURE_ATTEMPTS + 1):
         busy0, own0 = cpu_busy_seconds()
         t0 = time.perf_counter()
-        plan = measure_plan(model, thread_options, ops, single_copy, load_blocks_mapped)
+        plan = measure_plan(model, thread_options, ops, single_copy)
         busy1, own1 = cpu_busy_seconds()
         others = max(0.0, (busy1 - busy0) - (own1 - own0)) / max(time.perf_counter() - t0, 1e-9)
         if not contended(others, thread_options, cores):
@@ -242,20 +243,19 @@ def measure_quietly(model: nn.Module, thread_options: tuple[int, ...], ops: Kern
 
 
 def measure_plan(model: nn.Module, thread_options: tuple[int, ...], ops: KernelOps | None = None,
-                 single_copy: bool = False, load_blocks_mapped: bool = False) -> ExecutionPlan:
-    """Time the model's products (and recurrent kernels, given `ops`) and choose. `load_blocks_mapped`:
-    the process runs under the load's allocator policy, each timing under the steps' (`ProductTimer`)."""
+                 single_copy: bool = False) -> ExecutionPlan:
+    """Time the model's products (and recurrent kernels, given `ops`) and choose."""
     instances = instances_of(model)
     before = torch.get_num_threads()
     cap = DEFAULT_STREAM_BYTES if single_copy else 0
     own_only = frozenset(GemmKey.of(s) for s, _ in instances if s.dense_kept) if single_copy else frozenset()
     timer = ProductTimer(instances, last_level_cache_bytes(), reps=PLAN_REPS, max_stream_bytes=cap,
-                         own_weights_only=own_only, load_blocks_mapped=load_blocks_mapped)
+                         own_weights_only=own_only)
     t0 = time.perf_counter()
     logger.info("measuring the execution plan: %d product sites, threads %s", len(instances), thread_options)
     try:
         timed = ops is not None and len(thread_options) > 1
-        mixers = MixerTimer(model, ops, load_blocks_mapped=load_blocks_mapped) if timed and ops is not None else None
+        mixers = MixerTimer(model, ops) if timed and ops is not None else None
         affordable = never_affordable if single_copy else copy_affordable
         plan = choose(instances, thread_options, timer, affordable, mixers)
         torch.set_num_threads(max(thread_options))

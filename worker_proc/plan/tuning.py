@@ -16,9 +16,10 @@ MEASURE_ROUNDS = 3
 worker measures while its sibling processes start, and a burst of theirs must not decide a choice that is
 cached for every later start."""
 
-CHOICE_REVISION = 2
-"""Part of a cached plan's key: raised whenever the way `choose` turns timings into rules changes, so that a
-plan cached by an older rule is measured again rather than served (a pinned plan is read as it is)."""
+CHOICE_REVISION = 3
+"""Part of a cached plan's key: raised whenever the code by which `choose` turns timings into rules changes, so
+that a plan cached by an older rule is measured again rather than served (a pinned plan is read as it is). The
+constants below that shape the choice are in the key themselves (worker_proc.plan.source.plan_key)."""
 
 CONTENDER = 2.0
 """A round after the first times again only the methods within this factor of a key's fastest (one slower
@@ -73,3 +74,9 @@ MEASURE_ATTEMPTS = 3
 
 SPARE_COPY_FRACTION = 1 / 16
 """A second copy of some weights is affordable when it takes at most this share of the host's memory."""
+
+COPY_PAYS = 0.05
+"""A layout of the weights that costs more bytes (a second copy, or a copy kept beside the stored weight) is
+chosen over one that costs fewer only where it makes a step's products more than this much faster, averaged
+over the row buckets: a server's memory is sized by its weights, and a copy that buys a few percent on a few
+row counts costs as much as one that doubles a decode step's speed."""

@@ -40,9 +40,6 @@ class WorkerConfig:
     quantize_lm_head: bool = True  # not --disable-lm-head-quantization
     speculative_algorithm: str = ""  # --speculative-algorithm
     enforce_eager: bool = False  # --enforce-eager (no step replay)
-    load_blocks_mapped: bool = False
-    """The process loads under `host.memory.map_load_blocks`' policy, so the plan times its products under the
-    steps' policy around each (worker_proc.plan.product_timer)."""
 
     def __post_init__(self) -> None:
         """The dtypes are the loader's and the pools' to check (against the checkpoint and the device)."""
@@ -61,7 +58,7 @@ class WorkerConfig:
 
     @classmethod
     def from_server_args(cls, args: ServerArgs, *, device: str, rank: int, thread_options: tuple[int, ...],
-                         plan_cache_dir: Path | None, load_blocks_mapped: bool) -> WorkerConfig:
+                         plan_cache_dir: Path | None) -> WorkerConfig:
         """Rank `rank`'s config from the server's flags and what the host setup decided."""
         return cls(
             device=device, dtype=args.dtype, state_dtype=args.mamba_ssm_dtype, kv_slots=args.max_total_tokens,
@@ -73,5 +70,4 @@ class WorkerConfig:
             plan_cache_dir=plan_cache_dir, quantization=args.quantization,
             quantize_lm_head=not args.disable_lm_head_quantization,
             speculative_algorithm=args.speculative_algorithm, enforce_eager=args.enforce_eager,
-            load_blocks_mapped=load_blocks_mapped,
         )

@@ -14,6 +14,7 @@ ranks' StepResult carries no tokens.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -24,7 +25,9 @@ import torch
 from shared.heap import release_free_heap
 from shared.messages import ForwardBatch, ReqSlice, StepResult
 from shared.model_info import ModelInfo
+from worker_proc.host.memory import blocks_mapped
 from worker_proc.host.numerics import denormals_flushed, flush_subnormal_
+from worker_proc.host.setup import apply_steps_policy
 from worker_proc.host.threads import available_cores
 from worker_proc.loading.checkpoint import checkpoint_quantization, load_model
 from worker_proc.loading.checkpoint_config import check_requested
@@ -56,9 +59,9 @@ class ModelRunner:
     """One rank's model runtime. Attributes read by the worker process: `kv_capacity`,
     `state_capacity` (usable slots, padding slot 0 excluded), `model_info`, `device`, `dtype`.
     `state_dtype` (`--mamba-ssm-dtype`) is how the state pools store the recurrent states; the
-    capacities planned from the memory budget count its bytes per slot. `load_blocks_mapped`: the
-    process loads under `host_memory.map_load_blocks`' policy (the worker's), so the execution plan
-    times its products under the steps' policy around each (`plan.source.plan_for`). Built from one
+    capacities planned from the memory budget count its bytes per slot. On the CPU the allocator's steps'
+    policy applies once the weights are loaded (worker_proc.host.setup.apply_steps_policy), so the plan is
+    timed as steps run; the copies it binds are mappings of their own (`host.memory.blocks_mapped`). Built from one
     `WorkerConfig` (worker_proc.runtime.config); `tp_group` is the rank's process group (None: one rank)."""
 
     def __init__(self, model_dir: str, config: WorkerConfig | None = None, tp_group: object = None) -> None:
@@ -85,6 +88,8 @@ class ModelRunner:
             logger.info("rank %d: %d subnormal weight elements set to zero", c.tp_rank, flushed)
         if c.quantization and stored is None:
             quantize_model(self.model, QuantScheme(c.quantization, lm_head=c.quantize_lm_head))
+        if self.device.type == "cpu":
+            apply_steps_policy(c.tp_rank)
         self._make_plan(kernel_choice)
         self.cfg = self.model.cfg
         self.dtype = self.model.dtype
@@ -104,11 +109,11 @@ class ModelRunner:
         self.plan = dataclasses.replace(
             plan_for(self.model, self.device, deterministic=c.deterministic, thread_options=c.thread_options,
                      cores=available_cores(), pinned=c.execution_plan, cache_dir=c.plan_cache_dir,
-                     ops=kernel_choice.build(), single_copy=c.single_weight_copy,
-                     load_blocks_mapped=c.load_blocks_mapped),
+                     ops=kernel_choice.build(), single_copy=c.single_weight_copy),
             kernels=kernel_choice,
         )
-        self.plan.bind(self.model)
+        with blocks_mapped() if self.device.type == "cpu" else contextlib.nullcontext():
+            self.plan.bind(self.model)
         if self.device.type == "cpu":
             release_free_heap()
         logger.info("rank %d execution plan (%s, %s):%s", c.tp_rank, self.plan.mode, self.plan.source,

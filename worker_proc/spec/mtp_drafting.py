@@ -67,7 +67,7 @@ class MtpDrafter:
         dev, dtype = self.model.device, self.model.dtype
         for kv in (self.kv.k, self.kv.v):
             for j in range(self.model.cfg.mtp_layers):
-                fresh = zeros((rows, *self._row_shape), dtype, dev, resident=False)
+                fresh = zeros((rows, *self._row_shape), dtype, dev)
                 if j < len(kv):
                     fresh[: kv[j].shape[0]] = kv[j]
                     kv[j] = fresh

@@ -33,7 +33,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import time
 from dataclasses import dataclass
 
 import torch
@@ -254,22 +253,20 @@ class StatePools:
         n_attn = len(cfg.attn_layer_ids)
         attn = AttnShard.of(cfg, tp_rank, tp_size)
         kv_shape = (n_attn, kv_slots + 1, attn.kv_heads, cfg.attn.head_dim)
-        started = time.perf_counter()
-        self.k = zeros(kv_shape, dtype, device, resident=False)
-        self.v = zeros(kv_shape, dtype, device, resident=False)
+        self.k = zeros(kv_shape, dtype, device)
+        self.v = zeros(kv_shape, dtype, device)
         self.layout = tuple(state_tensors(cfg, dtype, tp_size, tp_rank, state_dtype))
         self.states: dict[str, torch.Tensor] = {
-            t.name: zeros((t.layers, state_slots + 1, *t.shape), t.dtype, device, resident=True)
+            t.name: zeros((t.layers, state_slots + 1, *t.shape), t.dtype, device)
             for t in self.layout
         }
         logger.info(
             "state pools: %d KV token slots (%d attention layers), %d state slots (%d recurrent layers: %s; "
-            "state dtype %s, %d B per state slot), %.1f MiB, resident in %.2f s",
+            "state dtype %s, %d B per state slot), %.1f MiB at most (resident as slots are first written)",
             kv_slots, n_attn, state_slots, len(cfg.state_layer_ids),
             ", ".join(f"{t.name} {t.layers}x{list(t.shape)} {str(t.dtype).removeprefix('torch.')}"
                       for t in self.layout if t.layers),
             state_dtype, sum(t.slot_bytes for t in self.layout), self.nbytes() / 2**20,
-            time.perf_counter() - started,
         )
 
     @property

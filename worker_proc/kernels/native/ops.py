@@ -125,7 +125,7 @@ class NativeOps(FastOps):
             slots = -(-k_pool.shape[0] // PREFILL_KEY_BLOCK) * PREFILL_KEY_BLOCK
             room = max(need, 2 * k_pool.shape[1] * slots * d)
             try:
-                self._attn_workspace = zeros((room,), torch.float32, "cpu", resident=False)
+                self._attn_workspace = zeros((room,), torch.float32, "cpu")
             except OSError:  # a host that commits address space up front refused the pool-sized mapping
                 self._attn_workspace = torch.empty(need, dtype=torch.float32)
         return torch.ops.hyssm_cpu.attn_prefill(q, k_pool, v_pool, kv_idx, start_pos, scale, self._attn_workspace)
