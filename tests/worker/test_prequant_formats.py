@@ -19,6 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from shared.errors import ModelLoadError
 from tests.fixtures.make_prequant import block_quantize, block_scales_full, write_fp8_block
 from tests.worker.util import fixture_dir
+from worker_proc.linear.formats import FP8_LINEAR
 from worker_proc.loading.checkpoint import load_model
 from worker_proc.loading.checkpoint_config import (
     CheckpointQuant,
@@ -26,7 +27,8 @@ from worker_proc.loading.checkpoint_config import (
     check_requested,
     parse_quantization_config,
 )
-from worker_proc.loading.checkpoint_formats import Part, layout_problem, read_module
+from worker_proc.loading.checkpoint_formats import Part
+from worker_proc.loading.stored_methods import StoredBlockFp8Linear, stored_method
 from worker_proc.model.shard import ShardSpec
 from worker_proc.plan.execution_plan import product_sites
 from worker_proc.runtime.config import WorkerConfig
@@ -34,6 +36,16 @@ from worker_proc.runtime.runner import ModelRunner
 
 G = torch.Generator().manual_seed(3)
 CPU = torch.device("cpu")
+
+
+def read_module(read, prefix: str, scheme: StoredScheme, part: Part, device: torch.device, dense: bool):
+    """Module `prefix`'s part as its scheme's method makes it: held in its format, or dequantized."""
+    method = stored_method(scheme)
+    return method.read_dense(read, prefix, part, device) if dense else method.read_weight(read, prefix, part, device)
+
+
+def layout_problem(scheme: StoredScheme, part: Part, device: torch.device) -> str:
+    return stored_method(scheme).layout_problem(part, device)
 
 
 def _reader(tensors: dict[str, torch.Tensor]):
@@ -200,6 +212,10 @@ def test_the_dense_weights_of_held_products_are_never_allocated(tmp_path) -> Non
     assert not set(held) & set(seen.shapes)
     for _, site, weight in product_sites(model):
         assert (site.quantized is None) == (weight.numel() > 0)
+        if site.quantized is not None:  # a held weight runs under its scheme's method, one shared per scheme
+            assert isinstance(site.method, StoredBlockFp8Linear) and site.method.scheme.block == (128, 128)
+            assert site.method.storage == "fp8" and site.method.candidates == FP8_LINEAR.candidates
+    assert len({id(site.method) for _, site, _ in product_sites(model) if site.quantized is not None}) == 1
     with _Allocations() as dense:  # the control: a dense load allocates every one of them
         load_model(fixture_dir("qwen3_5_moe"), dtype="float32")
     assert set(held) <= set(dense.shapes)

@@ -17,16 +17,15 @@ from collections.abc import AsyncGenerator
 from starlette.requests import Request
 from starlette.responses import Response
 
-from tokenizer_proc.api.native_batch import prepare_batch, respond_batch
+from tokenizer_proc.api.native_batch import respond_batch
 from tokenizer_proc.api.native_format import error_of, payload
 from tokenizer_proc.context import get_ctx
 from tokenizer_proc.http.plumbing import read_body, sse
 from tokenizer_proc.requests.flow import Accumulated, ended, respond
 from tokenizer_proc.requests.generation import Piece
-from tokenizer_proc.requests.prepare import prepare_generate
+from tokenizer_proc.requests.prepare import PreparedRequest, prepare_batch, prepare_generate
 from tokenizer_proc.requests.schemas import GenerateBody
 from tokenizer_proc.requests.structured import needs_grammar
-from tokenizer_proc.requests.validation import PreparedRequest
 
 
 def is_batch(body: GenerateBody) -> bool:

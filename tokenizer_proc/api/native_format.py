@@ -15,7 +15,7 @@ from typing import Any
 from tokenizer_proc.http.errors import ApiError
 from tokenizer_proc.requests.flow import Accumulated, finish_error
 from tokenizer_proc.requests.generation import Finish
-from tokenizer_proc.requests.validation import PreparedRequest
+from tokenizer_proc.requests.prepare import PreparedRequest
 
 
 def native_finish(finish: Finish | None, completion_tokens: int) -> dict[str, Any] | None:

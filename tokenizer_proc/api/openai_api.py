@@ -35,10 +35,9 @@ from tokenizer_proc.http.plumbing import (
 from tokenizer_proc.requests.chat_output import ChoiceStream, message
 from tokenizer_proc.requests.flow import Accumulated, ended, finish_error, respond
 from tokenizer_proc.requests.generation import Finish, Piece
-from tokenizer_proc.requests.prepare import prepare_chat, prepare_completion
+from tokenizer_proc.requests.prepare import PreparedRequest, prepare_chat, prepare_completion
 from tokenizer_proc.requests.schemas import ChatBody, CompletionBody
 from tokenizer_proc.requests.structured import needs_grammar
-from tokenizer_proc.requests.validation import PreparedRequest
 
 
 def openai_error(finish: Finish | None) -> ApiError | None:

@@ -16,8 +16,8 @@ from typing import Any
 from tokenizer_proc.api.logprobs import prompt_logprobs
 from tokenizer_proc.requests.flow import Accumulated
 from tokenizer_proc.requests.generation import Piece
+from tokenizer_proc.requests.prepare import PreparedRequest
 from tokenizer_proc.requests.tokenizer import TextTokenizer
-from tokenizer_proc.requests.validation import PreparedRequest
 
 
 def prompt_fields(tok: TextTokenizer, req: PreparedRequest, out: Accumulated | Piece) -> dict[str, Any]:

@@ -36,13 +36,12 @@ from tokenizer_proc.http.errors import ApiError
 from tokenizer_proc.http.plumbing import json_response, read_body, sse
 from tokenizer_proc.requests.flow import Accumulated, ended, respond
 from tokenizer_proc.requests.generation import Finish, Piece
-from tokenizer_proc.requests.prepare import prepare_chat
+from tokenizer_proc.requests.prepare import PreparedRequest, prepare_chat
 from tokenizer_proc.requests.reasoning import ReasoningStream, split_reasoning
 from tokenizer_proc.requests.responses_input import chat_body, check_supported, input_messages
 from tokenizer_proc.requests.schemas import ChatMessage, FunctionCall, ResponsesBody, ToolCall
 from tokenizer_proc.requests.structured import needs_grammar
 from tokenizer_proc.requests.tools import parse_output, tool_stream
-from tokenizer_proc.requests.validation import PreparedRequest
 
 
 def _item_id(prefix: str) -> str:

@@ -29,7 +29,7 @@ from shared.messages import SchedulerInfo
 from tokenizer_proc.http.errors import bad_request, unavailable
 from tokenizer_proc.replicas.backend import ReplicatedBackend
 from tokenizer_proc.requests.generation import Backend
-from tokenizer_proc.requests.validation import PreparedRequest
+from tokenizer_proc.requests.prepare import PreparedRequest
 
 logger = logging.getLogger(__name__)
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from tokenizer_proc.requests.prepare import PreparedRequest
 from tokenizer_proc.requests.reasoning import ReasoningStream, split_reasoning
 from tokenizer_proc.requests.tool_parsers import CallStream
 from tokenizer_proc.requests.tools import parse_output, tool_stream
-from tokenizer_proc.requests.validation import PreparedRequest
 
 
 def message(req: PreparedRequest, text: str, cut: bool = False) -> dict[str, Any]:

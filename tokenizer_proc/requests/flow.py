@@ -54,9 +54,9 @@ from tokenizer_proc.requests.generation import (
     precheck,
 )
 from tokenizer_proc.requests.latency import LatencyStats
+from tokenizer_proc.requests.prepare import PreparedRequest
 from tokenizer_proc.requests.prompt_sharing import after, opens, share_prompts
 from tokenizer_proc.requests.tokenizer import TextTokenizer
-from tokenizer_proc.requests.validation import PreparedRequest
 
 
 class Serving(Protocol):

@@ -19,9 +19,9 @@ from typing import Protocol
 from shared.messages import GenerateReq, SchedulerInfo, TokenOut
 from tokenizer_proc.http.errors import bad_request
 from tokenizer_proc.requests.detokenizer import IncrementalDetokenizer
+from tokenizer_proc.requests.prepare import PreparedRequest
 from tokenizer_proc.requests.stop_regex import StopRegexBudgetExceeded
 from tokenizer_proc.requests.tokenizer import TextTokenizer
-from tokenizer_proc.requests.validation import PreparedRequest
 
 
 class BackendUnavailable(Exception):

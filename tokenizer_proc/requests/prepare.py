@@ -1,23 +1,27 @@
-"""Per-endpoint preparation: body Struct -> prompt tokens -> PreparedRequest (or ApiError 400).
+"""From a request body to the `PreparedRequest`s it asks for, for every endpoint (or ApiError 400): the one
+place that builds them. Body Struct -> prompt tokens -> PreparedRequest, the checks from
+tokenizer_proc.requests.validation.
 
 Pure functions of (body, tokenizer, limits); they may run in a worker thread for long prompts.
 Defaults for max new tokens: /generate 128 (SGLang), /v1/completions 16 (OpenAI), chat: as many
 as the context allows (capped by --max-new-tokens-limit). Defaults are clamped to the context;
 explicit values that do not fit are rejected.
 
-The OpenAI endpoints prepare a list: one `PreparedRequest` per choice (`n` per prompt, several
-prompts on /v1/completions), indexed `prompt_index * n + i`. Choice i of a request with a seed
+The OpenAI endpoints and a batched /generate (`prepare_batch`) prepare a list: one `PreparedRequest` per
+choice (`n` per prompt, several prompts on /v1/completions and a batch), indexed in order of prompts and
+their choices (`prompt_index * n + i` when every prompt has the same n). Choice i of a request with a seed
 samples with seed + i (so choices differ, and the whole response is reproducible); without a seed
 each choice's rid seeds it (worker_proc/output/sampling.py).
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from typing import Any
 
 import msgspec
 
-from shared.messages import GrammarSpec, ThinkingBudget
+from shared.messages import GrammarSpec, SamplingParams, ThinkingBudget
 from tokenizer_proc.http.errors import bad_request
 from tokenizer_proc.requests.chat_template import ChatTemplateError
 from tokenizer_proc.requests.compat import (
@@ -43,7 +47,6 @@ from tokenizer_proc.requests.tokenizer import TextTokenizer
 from tokenizer_proc.requests.tools import plan_tools, template_message_calls
 from tokenizer_proc.requests.validation import (
     Limits,
-    PreparedRequest,
     SamplingFields,
     build_sampling,
     check_rid,
@@ -54,6 +57,35 @@ from tokenizer_proc.requests.validation import (
 
 GENERATE_DEFAULT_MAX_NEW = 128
 COMPLETION_DEFAULT_MAX_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class PreparedRequest:
+    """A validated request, ready to submit. `stops` are stop strings (matched here, not in
+    the scheduler); `sampling.stop_token_ids` are matched by the scheduler."""
+
+    rid: str
+    input_ids: list[int]
+    sampling: SamplingParams
+    stops: tuple[str, ...] = ()
+    skip_special_tokens: bool = True
+    stream: bool = False
+    include_usage: bool = False
+    return_logprobs: bool = False
+    priority: int = 0
+    index: int = 0  # choice index in a response of several (OpenAI: prompt_index * n + i)
+    prompt_index: int = 0  # which prompt of the request (usage counts each prompt once)
+    echo: str | None = None  # the prompt text, returned before the output (completions echo)
+    echo_only: bool = False  # echo with max_tokens 0: one token is computed and not returned
+    save_prompt_state: bool = False  # the first choice of several with this prompt (prompt_sharing.py)
+    keep: int = 0  # best_of > n: of this prompt's choices, the `keep` most likely are returned
+    logprob_start_len: int = 0  # /generate: first prompt position of input_token_logprobs
+    tool_plan: Any = None  # chat with tools: a tokenizer_proc.requests.tools.ToolPlan
+    stop_regexes: tuple[str, ...] = ()  # SGLang stop_regex: the output ends where one of these matches
+    return_token_ids: bool = False  # vLLM return_token_ids: prompt_token_ids and token_ids in the answer
+    prompt_logprobs: int = -1  # vLLM prompt_logprobs: >= 0 returns them with this many alternatives each
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage on every chunk
+    reasoning: Any = None  # chat with --reasoning-parser: a tokenizer_proc.requests.reasoning.ReasoningPlan
 
 
 def prepare_generate(body: GenerateBody, tok: TextTokenizer, limits: Limits) -> PreparedRequest:
@@ -135,15 +167,61 @@ def _check_common(body: CompletionBody | ChatBody) -> None:
             "stream_options is only allowed with stream=true", "stream_options")
 
 
-def _choices(base: PreparedRequest, n: int, prompt_index: int, several: bool) -> list[PreparedRequest]:
+def _choices(base: PreparedRequest, n: int, prompt_index: int, first: int, rid: str | None) -> list[PreparedRequest]:
+    """`n` choices of one prompt, indexed from `first`: choice i of a seeded request samples with seed + i;
+    each choice's rid is `<rid>-<index>` (`rid` None: the base's, for a request of one choice)."""
     out = []
     for i in range(n):
-        index = prompt_index * n + i
+        index = first + i
         seed, sampling = base.sampling.seed, base.sampling
         if seed is not None and i > 0:
             sampling = msgspec.structs.replace(sampling, seed=(seed + i) % (1 << 63))
-        rid = f"{base.rid}-{index}" if several else base.rid
-        out.append(replace(base, rid=rid, sampling=sampling, index=index, prompt_index=prompt_index))
+        out.append(replace(base, rid=base.rid if rid is None else f"{rid}-{index}", sampling=sampling, index=index,
+                           prompt_index=prompt_index))
+    return out
+
+
+def _per_prompt(body: GenerateBody, prompts: int) -> list[NativeSamplingParams]:
+    """Each prompt's sampling parameters: the one object for all, or a list of one per prompt (SGLang)."""
+    sp = body.sampling_params
+    if not isinstance(sp, list):
+        return [sp or NativeSamplingParams()] * prompts
+    require(len(sp) == prompts, f"sampling_params has {len(sp)} entries for {prompts} prompt(s): give one per "
+            "prompt, or one object for all", "sampling_params")  # fmt: skip
+    return sp
+
+
+def _singles(body: GenerateBody) -> list[GenerateBody]:
+    """One body per prompt (its sampling_params still the batch's)."""
+    if isinstance(body.text, list):
+        require(body.input_ids is None, "give either text or input_ids, not both", "text")
+        return [msgspec.structs.replace(body, text=t, rid=None) for t in body.text]
+    if body.input_ids and all(isinstance(t, list) for t in body.input_ids):
+        return [msgspec.structs.replace(body, input_ids=ids, rid=None) for ids in body.input_ids]
+    if body.input_ids and any(isinstance(t, list) for t in body.input_ids):
+        raise bad_request("input_ids must be token ids or a list of token-id lists, not a mix", "input_ids")
+    return [msgspec.structs.replace(body, rid=None)]
+
+
+def prepare_batch(body: GenerateBody, tok: TextTokenizer, limits: Limits) -> list[PreparedRequest]:
+    """A /generate body with several answers (tokenizer_proc.api.native_batch): one request per prompt and
+    choice, rid `<rid>-<index>`, the index counting every prompt's choices in order."""
+    singles = _singles(body)
+    field = "text" if isinstance(body.text, list) else "input_ids"
+    require(bool(singles), f"{field} is an empty batch", field)
+    params = _per_prompt(body, len(singles))
+    listed = isinstance(body.sampling_params, list)
+    for pi, sp in enumerate(params):
+        name = f"sampling_params[{pi}].n" if listed else "sampling_params.n"
+        require(1 <= sp.n <= MAX_N, f"{name} must be in [1, {MAX_N}], got {sp.n}", name)
+    require(sum(sp.n for sp in params) <= 2 * MAX_N, f"at most {2 * MAX_N} answers per request",
+            "sampling_params" if listed else "sampling_params.n")
+    base_rid = body.rid if body.rid is not None else new_rid()
+    out: list[PreparedRequest] = []
+    for pi, (single, sp) in enumerate(zip(singles, params, strict=True)):
+        base = prepare_generate(msgspec.structs.replace(single, sampling_params=msgspec.structs.replace(sp, n=1)),
+                                tok, limits)  # fmt: skip
+        out.extend(_choices(base, sp.n, pi, len(out), base_rid))
     return out
 
 
@@ -184,7 +262,7 @@ def prepare_completion(body: CompletionBody, tok: TextTokenizer, limits: Limits)
             return_logprobs=want_logprobs, echo=text if body.echo else None, echo_only=echo_only,
             keep=body.n if best_of > body.n else 0, **answer_options(body, plp),
         )
-        out.extend(_choices(base, best_of, pi, several))
+        out.extend(_choices(base, best_of, pi, pi * best_of, rid if several else None))
     return out
 
 
@@ -273,4 +351,4 @@ def prepare_chat(body: ChatBody, tok: TextTokenizer, limits: Limits) -> list[Pre
         skip_special_tokens=body.skip_special_tokens, stream=body.stream, **answer_options(body, plp),
         return_logprobs=body.logprobs, tool_plan=plan if plan.mode else None, reasoning=reasoning,
     )
-    return _choices(base, body.n, 0, body.n > 1)
+    return _choices(base, body.n, 0, 0, base.rid if body.n > 1 else None)

@@ -11,7 +11,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import replace
 
 from tokenizer_proc.requests.generation import Piece
-from tokenizer_proc.requests.validation import PreparedRequest
+from tokenizer_proc.requests.prepare import PreparedRequest
 
 
 def share_prompts(reqs: Sequence[PreparedRequest], cache_on: bool) -> tuple[list[PreparedRequest],

@@ -1,5 +1,6 @@
-"""From a request body to a `PreparedRequest`: typed decoding (undeclared fields refused), range checks,
-tokenisation, limits.
+"""The checks a request body passes on its way to a `PreparedRequest` (tokenizer_proc.requests.prepare
+builds it, for every endpoint): typed decoding (undeclared fields refused), range checks, token ids,
+sampling parameters, this server's limits.
 
 Every failure is an `ApiError` (400 naming the field) raised before anything reaches the
 scheduler: a request longer than the context never leaves this process.
@@ -42,35 +43,6 @@ class Limits:
     @staticmethod
     def from_args(args: ServerArgs, max_position_embeddings: int, vocab_size: int) -> Limits:
         return Limits(args.context_length or max_position_embeddings, args.max_new_tokens_limit, vocab_size)
-
-
-@dataclass(frozen=True)
-class PreparedRequest:
-    """A validated request, ready to submit. `stops` are stop strings (matched here, not in
-    the scheduler); `sampling.stop_token_ids` are matched by the scheduler."""
-
-    rid: str
-    input_ids: list[int]
-    sampling: SamplingParams
-    stops: tuple[str, ...] = ()
-    skip_special_tokens: bool = True
-    stream: bool = False
-    include_usage: bool = False
-    return_logprobs: bool = False
-    priority: int = 0
-    index: int = 0  # choice index in a response of several (OpenAI: prompt_index * n + i)
-    prompt_index: int = 0  # which prompt of the request (usage counts each prompt once)
-    echo: str | None = None  # the prompt text, returned before the output (completions echo)
-    echo_only: bool = False  # echo with max_tokens 0: one token is computed and not returned
-    save_prompt_state: bool = False  # the first choice of several with this prompt (prompt_sharing.py)
-    keep: int = 0  # best_of > n: of this prompt's choices, the `keep` most likely are returned
-    logprob_start_len: int = 0  # /generate: first prompt position of input_token_logprobs
-    tool_plan: Any = None  # chat with tools: a tokenizer_proc.requests.tools.ToolPlan
-    stop_regexes: tuple[str, ...] = ()  # SGLang stop_regex: the output ends where one of these matches
-    return_token_ids: bool = False  # vLLM return_token_ids: prompt_token_ids and token_ids in the answer
-    prompt_logprobs: int = -1  # vLLM prompt_logprobs: >= 0 returns them with this many alternatives each
-    continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage on every chunk
-    reasoning: Any = None  # chat with --reasoning-parser: a tokenizer_proc.requests.reasoning.ReasoningPlan
 
 
 @dataclass(frozen=True)

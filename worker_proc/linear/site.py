@@ -59,11 +59,16 @@ class GemmSite:
         """`dense` or the quantized format the site's weight is held in."""
         return self.quantized.fmt if self.quantized is not None else "dense"
 
-    def quantize(self, weight: QuantizedWeight) -> None:
+    def quantize(self, weight: QuantizedWeight, method: LinearMethod | None = None) -> None:
+        """Hold `weight` in place of the dense one, under `method` (a pre-quantized scheme's,
+        worker_proc.loading.stored_methods) or its format's."""
         if not self.quantizable:
             raise ValueError("this product's weight stays in the model dtype")
+        method = method or LINEAR_METHODS[weight.fmt]
+        if method.storage != weight.fmt:
+            raise ValueError(f"a {weight.fmt} weight under the {method.storage} method")
         self.quantized = weight
-        self.method = LINEAR_METHODS[weight.fmt]
+        self.method = method
         self.methods = (self.method.reference,)
         self.bounds = ()
 

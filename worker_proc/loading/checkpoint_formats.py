@@ -1,7 +1,8 @@
-"""One quantized checkpoint module's tensors -> the weight a rank holds (a `QuantizedWeight`, or the
-dequantized dense matrix where the module's site cannot hold the format).
+"""The conversions of one quantized checkpoint module's tensors to the weight a rank holds (a `QuantizedWeight`,
+or the dequantized dense matrix where the module's site cannot hold the format), which the scheme's method
+(worker_proc.loading.stored_methods) runs.
 
-Called by worker_proc.loading.prequantized for every module the checkpoint stores quantized; each rank reads
+For every module the checkpoint stores quantized (worker_proc.loading.prequantized) each rank reads
 only its slice (`Part`: whole shape and the ShardSpec of its rows or columns) of the values and of
 the scales, zero points and packed words covering it. The conversions:
 - compressed-tensors int8 (`weight` int8, `weight_scale` [out, 1] or [1]): `int8` as stored, the
@@ -43,7 +44,7 @@ import torch
 from shared.errors import ModelLoadError
 from worker_proc.loading.checkpoint_config import StoredScheme
 from worker_proc.model.shard import Range, ShardSpec
-from worker_proc.quant.weight import INT4_GROUPS, INT4_OUT_MULTIPLE, QuantizedWeight
+from worker_proc.quant.weight import INT4_GROUPS, QuantizedWeight
 
 ROW_CHUNK = 512
 """Rows converted at a time (bounds the float32 temporaries of a block-scaled conversion)."""
@@ -87,69 +88,28 @@ def covering(ranges: tuple[Range, ...], unit: int) -> tuple[tuple[Range, ...], t
     return tuple(pieces), torch.cat(pos)
 
 
-def layout_problem(scheme: StoredScheme, part: Part, device: torch.device) -> str:
-    """Why this part cannot be held in its format (loaded dense instead), "" when it can. Raises
-    ModelLoadError where the TP slice itself cuts a block or group."""
-    out, inp = part.local
-    if scheme.kind == "int4":
-        if out % INT4_OUT_MULTIPLE:
-            return f"output width {out} is not a multiple of {INT4_OUT_MULTIPLE}"
-        if not int4_layout_group(scheme, part):
-            if part.spec is not None and part.spec.dim == 1:
-                raise ModelLoadError(f"the tensor-parallel split of a {part.shape[0]}x{part.shape[1]} 4-bit weight at "
-                                     f"columns {part.spec.ranges} cuts its {_group(scheme, part)}-input groups")
-            return f"no 4-bit layout group divides its {inp} inputs and {_group(scheme, part)}-input groups"
-    if scheme.strategy == "block" and device.type != "cpu":
-        bo, bi = scheme.block
-        if bo != bi:
-            raise ModelLoadError(f"fp8 blocks {bo}x{bi} are not supported on {device.type} (square blocks only)")
-        for dim in (0, 1):
-            for a, b in part.ranges(dim):
-                if a % bo or (b % bo and b != part.shape[dim]):
-                    where = f"{'rows' if dim == 0 else 'columns'} {a}-{b}"
-                    raise ModelLoadError(f"the tensor-parallel split of a {part.shape[0]}x{part.shape[1]} fp8 weight "
-                                         f"at {where} cuts its {bo}x{bi} blocks")
-    return ""
-
-
-def _group(scheme: StoredScheme, part: Part) -> int:
+def scheme_group(scheme: StoredScheme, part: Part) -> int:
     return scheme.group or part.shape[1]
 
 
 def int4_layout_group(scheme: StoredScheme, part: Part) -> int:
     """The largest CPU-layout group dividing the checkpoint's group and every column range (0: none)."""
-    group = _group(scheme, part)
+    group = scheme_group(scheme, part)
     edges = [x for r in part.ranges(1) for x in (r[0], r[1] - r[0])]
     return next((g for g in sorted(INT4_GROUPS, reverse=True) if group % g == 0 and all(e % g == 0 for e in edges)),
                 0)
 
 
-def read_module(read: Read, prefix: str, scheme: StoredScheme, part: Part, device: torch.device,
-                dense: bool) -> QuantizedWeight | torch.Tensor:
-    """The part of module `prefix` in its format, or (`dense`) dequantized to float32 [out, in]."""
-    if scheme.kind == "int4":
-        parts = _int4_parts(read, prefix, scheme, part)
-        return _int4_dequantized(parts) if dense else _int4_weight(parts, scheme, part)
+def matrix_values(read: Read, prefix: str, part: Part, want: torch.dtype, scheme: StoredScheme) -> torch.Tensor:
+    """The part of module `prefix`'s `weight` (int8 or e4m3 values), checked to be stored as `want`."""
     values = _rows(read, f"{prefix}.weight", part) if part.spec is None or part.spec.dim == 0 else \
         read(f"{prefix}.weight", 1, part.spec.ranges)
-    want = torch.int8 if scheme.kind == "int8" else torch.float8_e4m3fn
     if values.dtype != want:
         raise ModelLoadError(f"{prefix}.weight is {values.dtype}, expected {want} for {scheme.describe()}")
-    if scheme.strategy == "block":
-        return _block_fp8(read, prefix, scheme, part, values, device, dense)
-    scale = _row_scale(read, f"{prefix}.{scheme.scale_name}", part)
-    if dense:
-        return values.float() * scale[:, None]
-    if scheme.kind == "int8":
-        # a fresh copy: the tensor read may sit unaligned in the file's buffer, and torch's int8-weight
-        # CPU kernel reads past an unaligned end
-        return QuantizedWeight("int8", values.to(device, copy=True), scale.to(device), part.local)
-    held = values.to(torch.float8_e4m3fn)
-    held = held.to(device) if device.type == "cuda" else held.to(torch.bfloat16)
-    return QuantizedWeight("fp8", held, scale.to(device), part.local)
+    return values
 
 
-def _row_scale(read: Read, key: str, part: Part) -> torch.Tensor:
+def row_scale(read: Read, key: str, part: Part) -> torch.Tensor:
     """A per-channel ([out, 1] / [out]) or per-tensor ([1] / []) scale as float32 [local out]."""
     whole = read(key, 0, None)
     if whole.numel() == 1:
@@ -177,7 +137,7 @@ def _block_scales(read: Read, key: str, scheme: StoredScheme, part: Part) -> tup
     return scales, row_pos // bo, col_pos // bi
 
 
-def _block_fp8(read: Read, prefix: str, scheme: StoredScheme, part: Part, values: torch.Tensor,
+def block_fp8(read: Read, prefix: str, scheme: StoredScheme, part: Part, values: torch.Tensor,
                device: torch.device, dense: bool) -> QuantizedWeight | torch.Tensor:
     scales, row_block, col_block = _block_scales(read, f"{prefix}.{scheme.scale_name}", scheme, part)
     if device.type != "cpu" and not dense:
@@ -221,13 +181,13 @@ def unpack_nibbles(words: torch.Tensor) -> torch.Tensor:
     return torch.stack((raw & 0xF, raw >> 4), dim=-1).reshape(words.shape[0], -1)
 
 
-def _int4_parts(read: Read, prefix: str, scheme: StoredScheme, part: Part) -> tuple[torch.Tensor, ...]:
+def int4_parts(read: Read, prefix: str, scheme: StoredScheme, part: Part) -> tuple[torch.Tensor, ...]:
     """(nibbles q + 8 uint8 [out, in], s and zp float32 [out, covering groups], each local column's
     index into those groups) of the part: only the packed words, scales and zero points covering it."""
     shape = [int(x) for x in read(f"{prefix}.weight_shape", 0, None).tolist()]
     if shape != list(part.shape):
         raise ModelLoadError(f"{prefix}.weight_shape is {shape}, expected {list(part.shape)}")
-    group = _group(scheme, part)
+    group = scheme_group(scheme, part)
     by_cols = part.spec is not None and part.spec.dim == 1
     col_words, col_pos = covering(part.ranges(1), WORD_NIBBLES)
     words = read(f"{prefix}.weight_packed", 1, col_words) if by_cols else _rows(read, f"{prefix}.weight_packed", part)
@@ -249,7 +209,7 @@ def _rows(read: Read, key: str, part: Part) -> torch.Tensor:
     return read(key, 0, None if part.spec is None else part.spec.ranges)
 
 
-def _int4_weight(parts: tuple[torch.Tensor, ...], scheme: StoredScheme, part: Part) -> QuantizedWeight:
+def int4_weight(parts: tuple[torch.Tensor, ...], scheme: StoredScheme, part: Part) -> QuantizedWeight:
     """The CPU 4-bit layout of the part (see the module doc); (s, z) in float32 here (`narrow_int4`)."""
     q, scale, zp, group_index = parts
     group = int4_layout_group(scheme, part)
@@ -260,7 +220,7 @@ def _int4_weight(parts: tuple[torch.Tensor, ...], scheme: StoredScheme, part: Pa
     return QuantizedWeight("int4", data, torch.stack((s, z), -1).transpose(0, 1).contiguous(), (out, inp), group)
 
 
-def _int4_dequantized(parts: tuple[torch.Tensor, ...]) -> torch.Tensor:
+def int4_dequantized(parts: tuple[torch.Tensor, ...]) -> torch.Tensor:
     q, scale, zp, group_index = parts
     return (q.float() - 8.0 - zp[:, group_index]) * scale[:, group_index]
 

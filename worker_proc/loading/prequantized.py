@@ -5,13 +5,14 @@ worker_proc.loading.checkpoint calls this when config.json declares a `quantizat
 1. every checkpoint module with a scale or packed tensor is a quantized module; its weight's
    parameter (the family's renames applied, expert j of a stack as row j) and product site decide
    how it is held: in its format on the site, or dequantized into a dense parameter where the site
-   cannot hold it (prequant_formats.layout_problem, a router, a tied embedding table);
+   cannot hold it (its scheme's method says, worker_proc.loading.stored_methods; a router, a tied
+   embedding table);
 2. the model is built on the meta device and materialised on the real one with a zero-size tensor in
    place of every parameter held quantized (its dense weight never exists); buffers derived from
    the config are remade there (`derive_buffers`; a buffer left on the meta device is an error);
 3. the dense tensors load as for any checkpoint (worker_proc.loading.weight_files.load_weights), the quantized
-   modules' tensors are read here, each rank reading only its slice of values and scales
-   (prequant_formats.read_module), an expert stack's matrices stacked into one weight;
+   modules' tensors are read by their scheme's method, each rank reading only its slice of values and
+   scales, an expert stack's matrices stacked into one weight; a site holding one takes that method;
 4. static activation and KV-cache scales (not used: activations are quantized by the products the
    plan picks) are skipped; what was detected and how each product is held is logged.
 """
@@ -31,11 +32,11 @@ from shared.errors import ModelLoadError
 from shared.model_config import HybridConfig
 from worker_proc.linear.site import GemmOwner, GemmSite
 from worker_proc.loading.checkpoint_config import CheckpointQuant, StoredScheme
-from worker_proc.loading.checkpoint_formats import Part, layout_problem, narrow_int4, read_module, stack
+from worker_proc.loading.checkpoint_formats import Part, stack
+from worker_proc.loading.stored_methods import StoredLinear, stored_method
 from worker_proc.loading.weight_files import MappedFile, _Names, load_weights
 from worker_proc.model.hybrid import HybridForCausalLM
 from worker_proc.model.shard import Range, ShardSpec, TPInfo
-from worker_proc.quant.weight import QuantizedWeight
 
 logger = logging.getLogger(__name__)
 
@@ -51,11 +52,11 @@ _LAYER = re.compile(r"^model\.layers\.\d+\.")
 
 @dataclass(frozen=True)
 class QuantModule:
-    """A module the checkpoint stores quantized: its name, scheme, the parameter (and expert row) its
+    """A module the checkpoint stores quantized: its name, its scheme's method, the parameter (and expert row) its
     weight fills, this rank's part, and why it is loaded dense ("" = held in its format)."""
 
     prefix: str
-    scheme: StoredScheme
+    method: StoredLinear
     param: str
     row: int | None
     part: Part
@@ -112,6 +113,7 @@ def quantized_modules(tensors: _Tensors, quant: CheckpointQuant, model: HybridFo
     names, sites = _Names(model), _site_table(model)
     prefixes = sorted({k.rsplit(".", 1)[0] for k in tensors.where if k.rsplit(".", 1)[-1] in MARKERS})
     out = []
+    methods: dict[StoredScheme, StoredLinear] = {}  # one method per scheme, shared by its sites
     for prefix in prefixes:
         if f"{prefix}.weight_g_idx" in tensors.where:
             raise ModelLoadError(f"{prefix}: activation-ordered groups (weight_g_idx) are not supported")
@@ -122,6 +124,7 @@ def quantized_modules(tensors: _Tensors, quant: CheckpointQuant, model: HybridFo
         if target is None or (param == "lm_head.weight" and model.lm_head is None):
             raise ModelLoadError(f"unexpected quantized module {prefix!r} (not a parameter of the model)")
         scheme = quant.scheme_for(prefix)
+        method = methods.setdefault(scheme, stored_method(scheme))
         part = Part(_whole_shape(tensors, prefix, scheme), _spec(model, param, row))
         local = tuple(target.shape[1:] if row is not None else target.shape)
         if part.local != local:
@@ -129,9 +132,9 @@ def quantized_modules(tensors: _Tensors, quant: CheckpointQuant, model: HybridFo
         site = sites.get(param)
         reason = (
             "not a product" if site is None else "kept in the model dtype" if not site.quantizable
-            else "embedding table" if param == EMBEDDING else layout_problem(scheme, part, device)
+            else "embedding table" if param == EMBEDDING else method.layout_problem(part, device)
         )
-        out.append(QuantModule(prefix, scheme, param, row, part, reason, target.shape[0] if row is not None else 0))
+        out.append(QuantModule(prefix, method, param, row, part, reason, target.shape[0] if row is not None else 0))
     return out
 
 
@@ -194,15 +197,13 @@ def _load_modules(model: HybridForCausalLM, modules: list[QuantModule], tensors:
         if ms[0].dense_reason:
             with torch.no_grad():
                 for m in ms:
-                    dense = read_module(tensors.read, m.prefix, m.scheme, m.part, device, dense=True)
+                    dense = m.method.read_dense(tensors.read, m.prefix, m.part, device)
                     (params[param] if m.row is None else params[param][m.row]).copy_(dense)
             key = f"dequantized to {model.dtype} ({ms[0].dense_reason})".replace("torch.", "")
         else:
-            held = [read_module(tensors.read, m.prefix, m.scheme, m.part, device, dense=False) for m in ms]
-            q = stack(held) if stacked else held[0]  # type: ignore[arg-type]
-            assert isinstance(q, QuantizedWeight)
-            q = narrow_int4(q) if q.fmt == "int4" else q
-            sites[param].quantize(q)
+            held = [m.method.read_weight(tensors.read, m.prefix, m.part, device) for m in ms]
+            q = stack(held) if stacked else held[0]
+            sites[param].quantize(q, ms[0].method)
             key = q.fmt if q.fmt != "int4" else f"int4 ({str(q.scale.dtype).removeprefix('torch.')} scales)"
         counts[key] = counts.get(key, 0) + 1
     return counts

@@ -53,13 +53,14 @@ def choose_methods(timings: dict[GemmKey, list[dict[str, float]]], counts: dict[
 def steps_slowdown(timings: dict[GemmKey, list[dict[str, float]]], counts: dict[GemmKey, int],
                    chosen: dict[GemmKey, list[str]]) -> float:
     """How much slower the products of a step are under `chosen` than under the fastest method of each
-    product, as a fraction, averaged over the row buckets (each bucket's products summed over every site)."""
+    product, as a fraction, averaged over the row buckets (each bucket's products summed over every site);
+    infinite where `chosen` runs a method that was not timed."""
     slowdowns = []
     for bucket in range(max((len(t) for t in timings.values()), default=0)):
         taken = fastest = 0.0
         for key, timed in timings.items():
-            if bucket < len(timed) and timed[bucket]:
-                taken += counts[key] * timed[bucket][chosen[key][bucket]]
+            if bucket < len(timed) and timed[bucket]:  # a method not timed there (a reference) counts as endless
+                taken += counts[key] * timed[bucket].get(chosen[key][bucket], math.inf)
                 fastest += counts[key] * min(timed[bucket].values())
         if fastest > 0:
             slowdowns.append(taken / fastest - 1.0)

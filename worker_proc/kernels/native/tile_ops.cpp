@@ -1,14 +1,13 @@
-// The matrix product of a batched decode step's rows, out[M, N] = x[M, K] @ w[N, K]^T (+ bias), read from
-// a copy of the weight laid out for it (`tile_weight`; worker_proc.linear.methods `tiled`, a storage the
-// execution plan makes where its timings choose the method). Rules that hold:
+// The matrix product out[M, N] = x[M, K] @ w[N, K]^T (+ bias) of any row count, read from a copy of the weight
+// laid out for it (`tile_weight`; worker_proc.linear.kernels `tiled`, a storage the execution plan makes where
+// its timings choose the method). Rules that hold:
 // - the copy holds the weight's rows in blocks of kTileRows output rows: [ceil(N / kTileRows)][K / P][kTileRows][P],
 //   P consecutive input columns of one output row side by side (P = 2 for bfloat16 where the CPU multiplies
 //   bfloat16 pairs, AVX512-BF16; 1 otherwise), rows past N zero. A block is one contiguous run of memory,
 //   and one vector of it holds one input column (pair) of kTileRows outputs, so an input row's element (pair)
 //   is broadcast and multiplied into kTileRows sums at once: no sum is reduced across lanes at the end;
-// - the threads split the blocks into contiguous ranges of kTileGroup blocks (one sequential stream each); a
-//   group's kTileGroup * K * kTileRows values are read once per call, up to kPassRows input rows at a time, the later
-//   row groups reading it from cache;
+// - the blocks are traversed as every tiled product's are (tiled.h `over_tiles`), kTileGroup blocks side by
+//   side in one pass;
 // - products accumulate in float32 (bfloat16 pairs: exact products, AVX512-BF16's pair sums), each output
 //   in the order of its input columns (in up to four interleaved partial sums where few rows leave the
 //   arithmetic waiting on one chain: `unroll`), and the result is rounded once to the input's dtype.
@@ -16,6 +15,7 @@
 
 #include "cpu_common.h"
 #include "layout.h"
+#include "tiled.h"
 
 namespace hyssm_cpu {
 namespace {
@@ -46,7 +46,7 @@ inline void store_sums(const vf16 (&sums)[R][V], const float* bias, O* out, int6
 
 // One pass of R input rows (row stride k) over V blocks starting at `tile` (block stride k * kTileRows).
 template <typename T, typename O, int R, int V>
-inline void pass(const T* x, int64_t k, const T* tile, const float* bias, O* out, int64_t n, int64_t n0) {
+inline void dense_pass(const T* x, int64_t k, const T* tile, const float* bias, O* out, int64_t n, int64_t n0) {
   constexpr int U = unroll<R>();
   const int64_t stride = k * kTileRows;
   vf16 acc[U][R][V];
@@ -77,7 +77,7 @@ inline void pass(const T* x, int64_t k, const T* tile, const float* bias, O* out
 }
 
 #if defined(__AVX512BF16__)
-// `pass` for bfloat16 rows over a block of bfloat16 pairs (k even): each instruction multiplies one pair of
+// `dense_pass` for bfloat16 rows over a block of bfloat16 pairs (k even): each instruction multiplies one pair of
 // every output's columns by the row's pair and adds both products to the output's float32 sum.
 template <int R, int V>
 inline void pass_pairs(const c10::BFloat16* x, int64_t k, const c10::BFloat16* tile, const float* bias,
@@ -112,45 +112,39 @@ inline void pass_pairs(const c10::BFloat16* x, int64_t k, const c10::BFloat16* t
 }
 #endif
 
-// R input rows over blocks [b0, b1): kTileGroup blocks a pass, the last ones one at a time.
-template <typename T, int R>
-void rows_over(const T* x, int64_t k, const T* tiled, const float* bias, T* out, int64_t n, int64_t b0,
-               int64_t b1) {
-  const int64_t stride = k * kTileRows;
-  for (int64_t b = b0; b < b1;) {
-    const bool whole = b + kTileGroup <= b1;
+// The dense format of `over_tiles` (tiled.h): kTileGroup blocks a pass, bfloat16 pairs where the CPU
+// multiplies them.
+template <typename T>
+struct DenseTiles {
+  const T* x;
+  int64_t k;
+  const T* tiled;
+  const float* bias;
+  T* out;
+  int64_t n;
+
+  template <int R>
+  static constexpr int blocks_per_pass() { return kTileGroup; }
+
+  template <int R, int V>
+  void pass(int64_t row, int64_t b) const {
+    const T* rows = x + row * k;
+    const T* tile = tiled + b * k * kTileRows;
 #if defined(__AVX512BF16__)
     if constexpr (pair_width<T>() == 2) {
-      if (whole) pass_pairs<R, kTileGroup>(x, k, tiled + b * stride, bias, out, n, b * kTileRows);
-      else pass_pairs<R, 1>(x, k, tiled + b * stride, bias, out, n, b * kTileRows);
-      b += whole ? kTileGroup : 1;
-      continue;
+      pass_pairs<R, V>(rows, k, tile, bias, out + row * n, n, b * kTileRows);
+      return;
     }
 #endif
-    if (whole) pass<T, T, R, kTileGroup>(x, k, tiled + b * stride, bias, out, n, b * kTileRows);
-    else pass<T, T, R, 1>(x, k, tiled + b * stride, bias, out, n, b * kTileRows);
-    b += whole ? kTileGroup : 1;
+    dense_pass<T, T, R, V>(rows, k, tile, bias, out + row * n, n, b * kTileRows);
   }
-}
+};
 
-template <typename T>
-void rows_group(const T* x, int64_t rows, int64_t k, const T* tiled, const float* bias, T* out, int64_t n,
-                int64_t b0, int64_t b1) {
-  with_rows<kPassRows>(rows, [&](auto r) { rows_over<T, decltype(r)::value>(x, k, tiled, bias, out, n, b0, b1); });
-}
-
-// Every input row over every block, the threads taking contiguous ranges of kTileGroup blocks.
+// Every input row over every block (`over_tiles`).
 template <typename T>
 void product(const at::Tensor& x, const at::Tensor& tiled, const float* bias, at::Tensor& out) {
-  const int64_t m = x.size(0), k = x.size(1), n = out.size(1), blocks = tiled.size(0);
-  const T *xp = x.data_ptr<T>(), *tp = tiled.data_ptr<T>();
-  T* op = out.data_ptr<T>();
-  at::parallel_for(0, (blocks + kTileGroup - 1) / kTileGroup, 1, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g)
-      for (int64_t r = 0; r < m; r += kPassRows)
-        rows_group(xp + r * k, std::min(kPassRows, m - r), k, tp, bias, op + r * n, n, g * kTileGroup,
-                   std::min(blocks, (g + 1) * kTileGroup));
-  });
+  const DenseTiles<T> format{x.data_ptr<T>(), x.size(1), tiled.data_ptr<T>(), bias, out.data_ptr<T>(), out.size(1)};
+  over_tiles(format, x.size(0), tiled.size(0));
 }
 
 template <typename T>

@@ -12,13 +12,14 @@
 // - each output's value depends on its own row of x only and is computed in one order whatever the row count,
 //   the thread count or the instructions (the group sums are exact; each group adds s * S, then (z - 8 s) * X,
 //   in single fused multiply-adds): batch invariant, the same bits on every thread count;
-// - the threads split the blocks into contiguous ranges of kTileGroup blocks, each read once per call for up to
-//   kPassRows rows of x at a time, the later rows from cache.
+// - the blocks are traversed as every tiled product's are (tiled.h `over_tiles`), up to three side by side in one
+//   pass.
 #include <torch/library.h>
 
 #include "cpu_common.h"
 #include "layout.h"
 #include "int8_rows.h"
+#include "tiled.h"
 
 namespace hyssm_cpu {
 namespace {
@@ -122,18 +123,24 @@ inline void w4_pass(const W4Operands& o, int64_t b, float* out) {
 #endif
 }
 
-// R rows of x over blocks [b0, b1), as many blocks a pass as R rows leave registers for.
-template <int R>
-void w4_rows(const W4Operands& o, float* out, int64_t b0, int64_t b1) {
-  constexpr int V = R <= 2 ? 3 : (R <= 4 ? 2 : 1);
-  int64_t b = b0;
-  for (; b + V <= b1; b += V) w4_pass<R, V>(o, b, out);
-  for (; b < b1; ++b) w4_pass<R, 1>(o, b, out);
-}
+// The 4-bit format of `over_tiles` (tiled.h): as many blocks a pass as R rows leave registers for.
+struct Int4Tiles {
+  W4Operands operands;
+  int64_t groups;
+  float* out;
 
-void w4_group(const W4Operands& o, int64_t rows, float* out, int64_t b0, int64_t b1) {
-  with_rows<kPassRows>(rows, [&](auto r) { w4_rows<decltype(r)::value>(o, out, b0, b1); });
-}
+  template <int R>
+  static constexpr int blocks_per_pass() { return R <= 2 ? 3 : (R <= 4 ? 2 : 1); }
+
+  template <int R, int V>
+  void pass(int64_t row, int64_t b) const {
+    W4Operands rows = operands;
+    rows.xq += row * operands.k;
+    rows.xg += row * groups;
+    rows.xs += row;
+    w4_pass<R, V>(rows, b, out + row * operands.n);
+  }
+};
 
 // x [M, K] float32 or bfloat16 (unit-stride rows); tiles uint8 [blocks, K / 8, 16, 4]; scales bfloat16
 // [blocks, K / G, 2, 16]; n <= blocks * 16 outputs. Returns [M, n] float32.
@@ -157,19 +164,9 @@ at::Tensor tiled_w4a8(const at::Tensor& x, const at::Tensor& tiles, const at::Te
   for (int64_t r = 0; r < m; ++r)
     for (int64_t j = 0; j < k; ++j) xg[r * groups + j / group] += xq[r * k + j];
   at::Tensor out = at::empty({m, n}, x.options().dtype(at::kFloat));
-  float* o = out.data_ptr<float>();
-  const W4Operands base{xq.data(), xg.data(), xs.data(), tiles.data_ptr<uint8_t>(),
-                        reinterpret_cast<const uint16_t*>(scales.data_ptr<at::BFloat16>()), k, group, n};
-  at::parallel_for(0, (blocks + kTileGroup - 1) / kTileGroup, 1, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g)
-      for (int64_t r = 0; r < m; r += kPassRows) {
-        W4Operands rows = base;
-        rows.xq += r * k;
-        rows.xg += r * groups;
-        rows.xs += r;
-        w4_group(rows, std::min(kPassRows, m - r), o + r * n, g * kTileGroup, std::min(blocks, (g + 1) * kTileGroup));
-      }
-  });
+  const W4Operands operands{xq.data(), xg.data(), xs.data(), tiles.data_ptr<uint8_t>(),
+                            reinterpret_cast<const uint16_t*>(scales.data_ptr<at::BFloat16>()), k, group, n};
+  over_tiles(Int4Tiles{operands, groups, out.data_ptr<float>()}, m, blocks);
   return out;
 }
 

@@ -12,13 +12,14 @@
 //   [ceil(N / kTileRows)][K / 4][kTileRows][4] (four consecutive input columns of one output row side by side, rows
 //   past N zero), with each output row's sum of values (int32, [ceil(N / kTileRows) * kTileRows]): one vector holds
 //   four input columns of kTileRows outputs, so a row of x's four bytes are broadcast and multiplied into kTileRows
-//   sums at once and no sum is reduced across lanes; the threads split the blocks into contiguous ranges of
-//   kTileGroup blocks, a group read once per call for up to kPassRows rows at a time, the later rows from cache.
+//   sums at once and no sum is reduced across lanes; the blocks are traversed as every tiled product's are
+//   (tiled.h `over_tiles`), kTileGroup blocks side by side in one pass.
 #include <torch/library.h>
 
 #include "cpu_common.h"
 #include "layout.h"
 #include "int8_rows.h"
+#include "tiled.h"
 
 namespace hyssm_cpu {
 namespace {
@@ -129,26 +130,25 @@ inline void tiled_pass(const int8_t* xb, const float* xs, int64_t k, const int8_
 #endif
 }
 
-// R rows of x over blocks [b0, b1): kTileGroup blocks a pass, the last ones one at a time.
-template <int R>
-void tiled_rows(const int8_t* xb, const float* xs, int64_t k, const int8_t* tiled, const int32_t* wsum,
-                const float* scale, float* out, int64_t n, int64_t b0, int64_t b1) {
-  const int64_t stride = k * kTileRows;
-  for (int64_t b = b0; b < b1;) {
-    if (b + kTileGroup <= b1) {
-      tiled_pass<R, kTileGroup>(xb, xs, k, tiled + b * stride, wsum, scale, out, n, b * kTileRows);
-      b += kTileGroup;
-    } else {
-      tiled_pass<R, 1>(xb, xs, k, tiled + b * stride, wsum, scale, out, n, b * kTileRows);
-      b += 1;
-    }
-  }
-}
+// The int8 format of `over_tiles` (tiled.h): kTileGroup blocks a pass; xb: x's rows as bytes (see `tiled_pass`).
+struct Int8Tiles {
+  const int8_t* xb;
+  const float* xs;
+  int64_t k;
+  const int8_t* tiled;
+  const int32_t* wsum;
+  const float* scale;
+  float* out;
+  int64_t n;
 
-void tiled_group(const int8_t* xb, const float* xs, int64_t rows, int64_t k, const int8_t* tiled,
-                 const int32_t* wsum, const float* scale, float* out, int64_t n, int64_t b0, int64_t b1) {
-  with_rows<kPassRows>(rows, [&](auto r) { tiled_rows<decltype(r)::value>(xb, xs, k, tiled, wsum, scale, out, n, b0, b1); });
-}
+  template <int R>
+  static constexpr int blocks_per_pass() { return kTileGroup; }
+
+  template <int R, int V>
+  void pass(int64_t row, int64_t b) const {
+    tiled_pass<R, V>(xb + row * k, xs + row, k, tiled + b * k * kTileRows, wsum, scale, out + row * n, n, b * kTileRows);
+  }
+};
 
 // x [M, K] float32 or bfloat16 (unit-stride rows); data [N, K] int8, scale [N] float32. Returns [M, N] float32.
 at::Tensor gemv_w8a8(const at::Tensor& x, const at::Tensor& data, const at::Tensor& scale) {
@@ -193,16 +193,9 @@ at::Tensor tiled_w8a8(const at::Tensor& x, const at::Tensor& tiled, const at::Te
   for (int8_t& v : xq) v = static_cast<int8_t>(static_cast<uint8_t>(v) ^ 0x80);  // xq + 128, as unsigned bytes
 #endif
   at::Tensor out = at::empty({m, n}, x.options().dtype(at::kFloat));
-  const int8_t* t = tiled.data_ptr<int8_t>();
-  const int32_t* ws = row_sums.data_ptr<int32_t>();
-  const float* s_p = scale.data_ptr<float>();
-  float* o = out.data_ptr<float>();
-  at::parallel_for(0, (blocks + kTileGroup - 1) / kTileGroup, 1, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g)
-      for (int64_t r = 0; r < m; r += kPassRows)
-        tiled_group(xq.data() + r * k, xs.data() + r, std::min(kPassRows, m - r), k, t, ws, s_p, o + r * n, n,
-                    g * kTileGroup, std::min(blocks, (g + 1) * kTileGroup));
-  });
+  const Int8Tiles format{xq.data(), xs.data(), k, tiled.data_ptr<int8_t>(), row_sums.data_ptr<int32_t>(),
+                         scale.data_ptr<float>(), out.data_ptr<float>(), n};
+  over_tiles(format, m, blocks);
   return out;
 }
 
