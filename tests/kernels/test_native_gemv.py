@@ -82,7 +82,21 @@ def test_the_plan_measures_gemv_for_dense_float_weights_only(method: GemmKernel)
     assert method.supports(GemmSite(64, 64, torch.float32, packable=False), cpu) == (method is not TILED)
     assert not method.supports(GemmSite(64, 64, torch.float16, packable=True), cpu)
     assert not method.supports(GemmSite(64, 64, torch.float32, packable=True), torch.device("meta"))
-    assert method.max_rows == 64  # the plan times it at decode and batched-decode buckets only
+    # gemv and gemv_seq are timed at decode and batched-decode buckets only; tiled at every row count
+    assert method.max_rows == (0 if method is TILED else 64)
+
+
+@pytest.mark.parametrize("rows", [65, 130, 513])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_tiled_product_serves_prefill_row_counts(rows: int, dtype: torch.dtype) -> None:
+    """One tiled copy serves a prefill chunk too (the plan may keep it alone): every row pass over the
+    blocks gives F.linear's values, the last pass of fewer than eight rows included."""
+    gen = torch.Generator().manual_seed(rows)
+    x, b = rand(gen, rows, 96, dtype=dtype), rand(gen, 200, dtype=dtype)
+    weight = rand(gen, 200, 96, dtype=dtype, scale=0.1)
+    got, want = TILED.apply(x, weight, tile_weight(weight), b), F.linear(x, weight, b)
+    ulp = 1e-6 * 96 if dtype == torch.float32 else 2**-7
+    assert got.shape == want.shape and max_diff(got, want) <= 2 * ulp * max(1.0, float(want.abs().max()))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

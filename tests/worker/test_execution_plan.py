@@ -326,4 +326,23 @@ def test_each_int8_copy_of_a_quantized_weight_counts() -> None:
 
     plan = choose([(site, torch.empty(0))], (1,), measure, affordable)
     assert plan.gemms[key].methods == ("tiled_w4a8", "tiled_over_int4")
-    assert asked == [math.ceil(64 * 32 * (COPY_BYTES_PER_WEIGHT["tiled"] + COPY_BYTES_PER_WEIGHT["tiled4"]))]
+    # asked for both copies first; one of them alone loses more than COPY_PAYS, so both are kept
+    assert asked[0] == math.ceil(64 * 32 * (COPY_BYTES_PER_WEIGHT["tiled"] + COPY_BYTES_PER_WEIGHT["tiled4"]))
+
+
+def test_a_quantized_weight_keeps_only_the_copies_that_pay() -> None:
+    """Of a 4-bit weight's two copies, the tiled int8 one that makes its products a few percent faster at
+    some rows is not kept: the tiled 4-bit copy alone serves every row within COPY_PAYS."""
+    from worker_proc.loading.quantize import quantize_weight
+
+    site = GemmSite(64, 32, torch.float32, True)
+    site.quantize(quantize_weight(torch.randn(64, 32), "int4"))
+    key = GemmKey.of(site)
+
+    def measure(method: GemmKernel, rows: int, threads: int) -> dict[GemmKey, float]:
+        speed = {"w4a16": 1.0 * rows, "tiled_w4a8": 0.5 * rows,
+                 "tiled_over_int4": 0.5 * rows * (0.99 if rows > 8 else 1.5)}.get(method.name)
+        return {} if speed is None else {key: speed}
+
+    plan = choose([(site, torch.empty(0))], (1,), measure, lambda n: True)
+    assert plan.gemms[key].methods == ("tiled_w4a8",)

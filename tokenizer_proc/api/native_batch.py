@@ -4,9 +4,9 @@ list of id lists), with one `sampling_params` for all or a list of one per promp
 
 Each prompt x choice is one request (tokenizer_proc.requests.prepare.prepare_batch: rid `<rid>-<index>`,
 the index counting every prompt's choices in order, `prompt_index * n + i` when n is the same for all;
-choice i of a seeded request with seed + i), run through `flow.respond` (the prompt computed once per prompt). The answer is a JSON
-list of the single-request objects (native_format.py) in index order; streamed, every event is one
-choice's object (cumulative text) with its `index`.
+choice i of a seeded request with seed + i), run through `flow.respond` (the prompt computed once per
+prompt). The answer is a JSON list of the single-request objects (native_format.py) in index order;
+streamed, every event is one choice's object (cumulative text) with its `index`.
 """
 
 from __future__ import annotations

@@ -35,8 +35,13 @@ def choose_methods(timings: dict[GemmKey, list[dict[str, float]]], counts: dict[
     fits, the single layout that loses least."""
     options = layout_options({k: t for k, t in timings.items() if not kept[k]}, counts)  # fastest first
     fitting: list[tuple[int, int, float, dict[GemmKey, list[str]]]] = []  # (extra bytes, order, slowdown, methods)
+    seen: set[tuple[tuple[str, ...], ...]] = set()
     for order, layouts in enumerate(options):
         chosen = methods_within(timings, kept, layouts)
+        signature = tuple(tuple(chosen[k]) for k in timings)
+        if signature in seen:  # another set of layouts the same methods read (e.g. dense ones no key reads)
+            continue
+        seen.add(signature)
         extra = sum(second_copy_bytes(k, p, counts[k], nbytes[k], kept[k]) for k, p in chosen.items())
         if extra and not affordable(extra):
             continue
@@ -111,35 +116,53 @@ def second_copy_bytes(key: GemmKey, per_bucket: list[str], count: int, nbytes: i
 
 
 Layouts = frozenset[str] | None
-"""The storages dense weights may be read from (None: whatever the fastest methods read, a quantized
-weight's int8 copy included; a set: only those, and no quantized weight's copy nor a copy of a weight
-its owner reads itself)."""
+"""What the weights may be read as (None: whatever the fastest methods read). A set names the storages dense
+weights may be read from and, as `quantized_layout(kind)`, the copies of quantized weights that may be kept
+(none named: a quantized weight is read as stored); a weight its owner reads itself takes no copy in it."""
+
+
+def quantized_layout(kind: str) -> str:
+    """The name of a quantized weight's copy `kind` (worker_proc.quant.weight.QUANTIZED_COPIES) in `Layouts`."""
+    return f"quantized {kind}"
 
 
 def layout_options(timings: dict[GemmKey, list[dict[str, float]]], counts: dict[GemmKey, int]) -> list[Layouts]:
-    """None, then every smaller set of the dense layouts that serves every dense key's buckets: sets of more
-    layouts before sets of fewer, each size ordered by the step time it loses (`layouts_loss`)."""
+    """None, then every smaller set of layouts that serves every dense key's buckets (each set of dense layouts
+    with each set of the quantized weights' copies timed): sets of more layouts before sets of fewer, each size
+    ordered by the step time it loses (`layouts_loss`)."""
     names = ("dense", *COPIES)
     dense = {k: t for k, t in timings.items() if k.storage == "dense"}
+    quantized = {k: t for k, t in timings.items() if k.storage != "dense"}
+    kinds = sorted({KERNELS[m].quantized_copy for t in quantized.values() for b in t for m in b} - {""})
+    copy_sets = [frozenset(quantized_layout(c) for i, c in enumerate(kinds) if mask >> i & 1)
+                 for mask in range(2 ** len(kinds))]
     options: list[tuple[int, float, frozenset[str]]] = []
     for mask in range(1, 2 ** len(names) - 1):
         layouts = frozenset(n for i, n in enumerate(names) if mask >> i & 1)
         loss = sum(counts[k] * layouts_loss(t, layouts) for k, t in dense.items())
-        if loss < float("inf"):
-            options.append((-len(layouts), loss, layouts))
+        if loss == float("inf"):
+            continue
+        for copies in copy_sets:
+            both = layouts | copies
+            options.append((-len(both), loss + sum(counts[k] * layouts_loss(t, both, k.storage)
+                                                   for k, t in quantized.items()), both))
     return [None, *(o[2] for o in sorted(options, key=lambda o: (o[0], o[1], sorted(o[2]))))]
 
 
-def timed_within(timed: dict[str, float], layouts: frozenset[str]) -> dict[str, float]:
-    return {m: s for m, s in timed.items() if KERNELS[m].storage in layouts}
+def timed_within(timed: dict[str, float], layouts: frozenset[str], storage: str = "dense") -> dict[str, float]:
+    """The timings of the methods reading only `layouts` (see `Layouts`) of a weight stored as `storage`."""
+    if storage == "dense":
+        return {m: s for m, s in timed.items() if KERNELS[m].storage in layouts}
+    return {m: s for m, s in timed.items()
+            if not KERNELS[m].quantized_copy or quantized_layout(KERNELS[m].quantized_copy) in layouts}
 
 
-def layouts_loss(timed: list[dict[str, float]], layouts: frozenset[str]) -> float:
-    """How much slower, summed over the buckets, the fastest methods reading only these layouts are than the
-    fastest of all (inf: a bucket none of them serves)."""
+def layouts_loss(timed: list[dict[str, float]], layouts: frozenset[str], storage: str = "dense") -> float:
+    """How much slower, summed over the buckets, the fastest methods reading only these layouts of a weight
+    stored as `storage` are than the fastest of all (inf: a bucket none of them serves)."""
     total = 0.0
     for t in timed:
-        allowed = timed_within(t, layouts)
+        allowed = timed_within(t, layouts, storage)
         if t and not allowed:
             return float("inf")
         total += min(allowed.values()) / min(t.values()) if t else 1.0
@@ -181,8 +204,10 @@ def methods_within(timings: dict[GemmKey, list[dict[str, float]]], kept: dict[Ge
             out[key] = methods_by_bucket(timed, key.storage)
         elif key.storage == "dense" and not kept[key]:
             out[key] = methods_by_bucket([timed_within(t, layouts) for t in timed])
-        else:
+        elif key.storage == "dense":
             out[key] = [fastest_method(own_methods(t), key.storage) for t in timed]
+        else:
+            out[key] = methods_by_bucket([timed_within(t, layouts, key.storage) for t in timed], key.storage)
     return out
 
 
