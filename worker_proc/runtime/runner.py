@@ -112,8 +112,7 @@ class ModelRunner:
                      ops=kernel_choice.build(), single_copy=c.single_weight_copy),
             kernels=kernel_choice,
         )
-        with blocks_mapped() if self.device.type == "cpu" else contextlib.nullcontext():
-            self.plan.bind(self.model)
+        self._bind(self.plan)
         if self.device.type == "cpu":
             release_free_heap()
         logger.info("rank %d execution plan (%s, %s):%s", c.tp_rank, self.plan.mode, self.plan.source,
@@ -193,10 +192,16 @@ class ModelRunner:
                                     lambda: self.model.forward_step(sb, self.pools, self.ops, want_logits=want_logits))
 
     def bind_plan(self, plan: ExecutionPlan) -> None:
-        """Bind `plan` to the model (the one place a runner's model is bound): the recorded steps, which
-        hold the weights as bound before, are dropped."""
-        plan.bind(self.model)
+        """Bind `plan` to the model in place of the one bound: the recorded steps, which hold the weights as
+        bound before, are dropped."""
+        self._bind(plan)
         self.replays.clear()
+
+    def _bind(self, plan: ExecutionPlan) -> None:
+        """The one place a runner's model is bound; on the CPU the copies the plan makes are mappings of their
+        own (`host.memory.blocks_mapped`)."""
+        with blocks_mapped() if self.device.type == "cpu" else contextlib.nullcontext():
+            plan.bind(self.model)
 
     def _after_sampling(self, sb: StepBatch, reqs: list[ReqSlice], sampled: dict[str, Any],
                         hidden: torch.Tensor | None) -> None:  # fmt: skip
