@@ -65,7 +65,7 @@ class QuantModule:
 
 
 class _Tensors:
-    """The checkpoint's files and which holds each tensor; `read` is a prequant_formats.Read. Each file
+    """The checkpoint's files and which holds each tensor; `read` is a checkpoint_formats.Read. Each file
     is a `MappedFile` (worker_proc.loading.weight_files), so only a bounded part of it is mapped at a time."""
 
     def __init__(self, files: dict[str, list[str]], stack_: ExitStack) -> None:
