@@ -10,6 +10,7 @@ only re-exports: `from shared.messages import X` for every message type.
 
 # wrapped by hand, so that the face stays one short page (isort would set one name a line)
 # isort: off
+from shared.messages.images import ImageInput
 from shared.messages.sampling import GrammarSpec, SamplingParams, ThinkingBudget
 from shared.messages.scheduler_worker import (CopyOp, ForwardBatch, Heartbeat, ReqSlice, Shutdown, StepResult,
                                               StoreLoad, StoreWrite, ToSchedulerFromWorker, ToWorker, WorkerReady)
@@ -22,8 +23,8 @@ from shared.messages.tokenizer_scheduler import (AbortReq, FinishReason, FlushCa
 
 __all__ = [
     "AbortReq", "CopyOp", "FinishReason", "FlushCacheReq", "FlushCacheResp", "ForwardBatch", "GenerateReq",
-    "GetInfoReq", "GrammarSpec", "Heartbeat", "InfoResp", "LoopInfo", "MetricName", "MetricRecord", "ProcFailed",
-    "ProcReady", "ReqSlice", "SamplingParams", "SchedulerDead", "SchedulerInfo", "ServerState", "Shutdown",
-    "StepResult", "StoreLoad", "StoreStats", "StoreWrite", "ThinkingBudget", "ToLauncher", "ToScheduler",
+    "GetInfoReq", "GrammarSpec", "Heartbeat", "ImageInput", "InfoResp", "LoopInfo", "MetricName", "MetricRecord",
+    "ProcFailed", "ProcReady", "ReqSlice", "SamplingParams", "SchedulerDead", "SchedulerInfo", "ServerState",
+    "Shutdown", "StepResult", "StoreLoad", "StoreStats", "StoreWrite", "ThinkingBudget", "ToLauncher", "ToScheduler",
     "ToSchedulerFromWorker", "ToTokenizer", "ToWorker", "TokenOut", "TokenOutBatch", "WorkerReady",
 ]  # fmt: skip

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import msgspec
 
+from shared.messages.images import ImageInput
 from shared.messages.sampling import SamplingParams
 from shared.messages.server_info import StoreStats
 
@@ -68,6 +69,11 @@ class ReqSlice(msgspec.Struct, kw_only=True, array_like=True):
     drafts: int = 0
     backup_slot: int = 0
     draft_next: int = 0
+    # the request's images whose tokens overlap [start_pos, start_pos + len(input_ids)) (those rows take
+    # the vision tower's output instead of the token embedding), and the rotary offset of a text token at
+    # start_pos (shared/images.py rope_delta over every image of the request)
+    images: list[ImageInput] = []
+    rope_delta: int = 0
 
 
 class StoreWrite(msgspec.Struct, kw_only=True, array_like=True):

@@ -10,6 +10,7 @@ from typing import Literal
 
 import msgspec
 
+from shared.messages.images import ImageInput
 from shared.messages.sampling import SamplingParams
 from shared.messages.server_info import SchedulerInfo
 
@@ -25,6 +26,9 @@ class GenerateReq(msgspec.Struct, tag=True, kw_only=True):
     # save the recurrent state after prompt[:-1] in the cache (a checkpoint), so that requests with
     # the same prompt arriving later (the other choices of n > 1) compute only its last token
     save_prompt_state: bool = False
+    # the prompt's images, by offset (shared/messages/images.py); their positions of input_ids hold each
+    # image's placeholder token
+    images: list[ImageInput] = []
 
 
 class AbortReq(msgspec.Struct, tag=True, kw_only=True):
