@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 
 from shared.messages.images import ImageInput
@@ -36,6 +37,17 @@ def rope_delta(images: Sequence[ImageInput], pos: int) -> int:
     """How far the rotary position of a text token at prompt position `pos` is from `pos`: every image that
     ends at or before `pos` moved the positions after it by rope_span - length."""
     return sum(img.rope_span - img.length for img in images if img.end <= pos)
+
+
+def make_image_input(pixels: bytes, grid: tuple[int, int, int], offset: int, token_id: int,
+                     merge: int) -> ImageInput:  # fmt: skip
+    """The ImageInput of processed `pixels` (float32 [t * h * w, patch_dim] bytes) of patch grid `grid`
+    whose tokens start at prompt position `offset`; its digest covers the grid and every pixel value."""
+    t, h, w = (int(x) for x in grid)
+    digest = hashlib.sha256(f"{t}x{h}x{w}:".encode() + pixels).hexdigest()
+    gh, gw = h // merge, w // merge
+    return ImageInput(digest=digest, offset=offset, length=t * gh * gw, grid=(t, h, w), pixels=pixels,
+                      token_id=token_id, rope_span=max(gh, gw))
 
 
 def merged_grid(img: ImageInput, merge: int) -> tuple[int, int, int]:
