@@ -78,7 +78,7 @@ class BatchBuilder:
             reqs.append(
                 ReqSlice(
                     rid=r.rid,
-                    input_ids=r.tokens[e.start : e.start + e.n] + e.drafts,
+                    input_ids=r.model_ids(e.start, end) + e.drafts,
                     start_pos=e.start,
                     kv_slots=r.kv_slots[reuse:],
                     state_slot=r.state_slot or 0,
@@ -86,13 +86,15 @@ class BatchBuilder:
                     sampling=r.sampling if e.sample else None,
                     output_len=r.num_output,
                     kv_reuse=reuse,
-                    history=list(r.tokens) if e.sample and sp.needs_history else None,
+                    history=r.model_ids(0, len(r.tokens)) if e.sample and sp.needs_history else None,
                     prompt_logprobs=sp.prompt_logprobs if prompt_lp else -1,
-                    prompt_next=r.tokens[end] if (prompt_lp and end < r.prompt_len) or (
+                    prompt_next=r.model_ids(end, end + 1)[0] if (prompt_lp and end < r.prompt_len) or (
                         self.next_token_inputs and not e.sample) else -1,
                     drafts=len(e.drafts),
                     backup_slot=(r.backup_slot or 0) if e.drafts else 0,
                     draft_next=e.draft_next,
+                    images=r.images_in(e.start, end),
+                    rope_delta=r.rope_delta(e.start),
                 )
             )
         batch = ForwardBatch(

@@ -227,6 +227,8 @@ class Speculation:
                 if room <= 0 or (not self.runs_mtp and not drafter.ready()):
                     continue
                 drafts = drafter.propose(r.tokens, min(self.config.num_draft_tokens, room))
+                if any(t < 0 for t in drafts):  # a lookup into an image's key tokens is no guess of a token
+                    drafts = drafts[: next(i for i, t in enumerate(drafts) if t < 0)]
                 if drafts and self.res.lend_for_drafts(r, len(drafts)):
                     e.drafts = drafts
                     self._round = (len(decode), True)

@@ -9,6 +9,9 @@ kv_slots[:tree_len]), until the batch that copies it is applied, one state lock 
 while a verify step of its drafts is in flight, the state slot lent for it (`backup_slot`); while
 LOADING (a stored prefix is loading for it) it holds only its `load` ticket, which owns one KV lock on
 the ticket's node and the slots the load fills.
+A prompt's images (shared/images.py): `tokens` holds each image's key token at its positions, so that the
+radix tree and the state store match an image by its content; the workers get the placeholder token
+there (`model_ids`) with the image itself (`images_in`) and the rotary offset (`rope_delta`).
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ import time
 from enum import Enum
 from typing import TYPE_CHECKING
 
-from shared.messages import FinishReason, GenerateReq, SamplingParams, TokenOut
+from shared.images import key_tokens, rope_delta
+from shared.messages import FinishReason, GenerateReq, ImageInput, SamplingParams, TokenOut
 
 if TYPE_CHECKING:
     from scheduler_proc.radix_cache import PeekResult
@@ -41,13 +45,16 @@ class Req:
         "pending_ckpt", "cached_tokens", "admitted", "abort_reason", "peek", "queue_token",
         "retracted_at", "refusals", "sent_kv", "sent_step", "prompt_lps", "prompt_tops", "prompt_ranks",
         "save_prompt_state", "backup_slot", "arrived", "queue_s", "store_keys", "store_checked", "load",
-        "loaded_tokens",
+        "loaded_tokens", "images",
     )  # fmt: skip
 
-    def __init__(self, rid: str, input_ids: list[int], sampling: SamplingParams, priority: int, seq: int) -> None:
+    def __init__(self, rid: str, input_ids: list[int], sampling: SamplingParams, priority: int, seq: int,
+                 images: tuple[ImageInput, ...] = ()) -> None:  # fmt: skip
         self.rid = rid
         self.prompt_len = len(input_ids)
-        self.tokens: list[int] = list(input_ids)  # prompt + generated tokens
+        self.images = images  # by offset, each inside the prompt
+        # prompt + generated tokens, an image's positions holding its key token
+        self.tokens: list[int] = key_tokens(input_ids, images) if images else list(input_ids)
         self.sampling = sampling
         self.priority = priority
         self.seq = seq  # arrival order; the queue key, kept across requeues so a request keeps its place
@@ -95,6 +102,21 @@ class Req:
     def kv_reuse(self, step: int) -> int:
         """Leading slots the workers can take from their copy for batch `step` (0: send them all)."""
         return self.sent_kv if self.sent_step == step - 1 else 0
+
+    def model_ids(self, a: int, b: int) -> list[int]:
+        """The tokens the model reads at positions [a, b): `tokens` with each image's placeholder token."""
+        ids = self.tokens[a:b]
+        for img in self.images_in(a, b):
+            lo, hi = max(img.offset, a), min(img.end, b)
+            ids[lo - a : hi - a] = [img.token_id] * (hi - lo)
+        return ids
+
+    def images_in(self, a: int, b: int) -> list[ImageInput]:
+        """The images with tokens among positions [a, b)."""
+        return [img for img in self.images if img.offset < b and img.end > a]
+
+    def rope_delta(self, pos: int) -> int:
+        return rope_delta(self.images, pos) if self.images else 0
 
     @property
     def num_output(self) -> int:
@@ -188,6 +210,18 @@ def validate(req: GenerateReq, duplicate: bool, context_length: int, kv_capacity
                 f"{n_prompt + n_new - 1} token slots, the pool has {kv_capacity} (--max-total-tokens)")
     if states is not None and states < 1:
         return "the Mamba state pool has no slot"
+    return _images_error(req)
+
+
+def _images_error(req: GenerateReq) -> str:
+    """Why the request's images do not fit its prompt ("" if they do): each inside it, in order, apart."""
+    end = 0
+    for img in req.images:
+        if img.length < 1 or img.offset < end or img.end > len(req.input_ids):
+            return f"image at prompt positions [{img.offset}, {img.end}) overlaps another or leaves the prompt"
+        if any(t != img.token_id for t in req.input_ids[img.offset : img.end]):
+            return f"prompt positions [{img.offset}, {img.end}) do not all hold the image token {img.token_id}"
+        end = img.end
     return ""
 
 

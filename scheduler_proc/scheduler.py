@@ -121,7 +121,7 @@ class Scheduler:
         if req.sampling.max_new_tokens == 0:  # nothing to compute: answered without entering the table
             return [TokenOut(rid=req.rid, token_ids=[], finished=True, finish_reason="length",
                              prompt_tokens=len(req.input_ids))]  # fmt: skip
-        r = Req(req.rid, req.input_ids, req.sampling, req.priority, next(self._seq))
+        r = Req(req.rid, req.input_ids, req.sampling, req.priority, next(self._seq), tuple(req.images))
         r.save_prompt_state = req.save_prompt_state
         if reuse:
             self._reuse[r.rid] = r

@@ -26,9 +26,10 @@ import struct
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 KEY_BYTES = 32
-TOKEN_FORMAT = "I"  # unsigned 32-bit, little-endian: every vocabulary fits
+# signed 64-bit, little-endian: every vocabulary id, and an image's key token (< 0, shared/images.py)
+TOKEN_FORMAT = "q"
 ROOT_PERSON = b"hyssm.root"
 BLOCK_PERSON = b"hyssm.block"
 STATE_PERSON = b"hyssm.state"
@@ -112,7 +113,7 @@ def _pack(tokens: Sequence[int]) -> bytes:
     try:
         return struct.pack(f"<{len(tokens)}{TOKEN_FORMAT}", *tokens)
     except struct.error as e:
-        raise ValueError(f"token ids must be ints in [0, 2**32): {e}") from None
+        raise ValueError(f"token ids must be 64-bit ints: {e}") from None
 
 
 def root_key(namespace: StoreNamespace) -> str:

@@ -8,6 +8,7 @@ import textwrap
 
 import pytest
 
+from shared.images import key_token
 from shared.state_store import StoreNamespace, block_key, chain_keys, config_fingerprint, root_key
 from shared.state_store.keys import FORMAT_VERSION, is_key
 from tests.state_store.common import NAMESPACE_FIELDS, PYTHON, ROOT, namespace, subprocess_env
@@ -82,10 +83,22 @@ def test_tokens_are_fixed_width_so_splits_do_not_collide() -> None:
     assert block_key(root_key(ns), [0]) != block_key(root_key(ns), [0, 0])
 
 
-@pytest.mark.parametrize("tokens", [[-1], [2**32], [1.5]])
-def test_token_ids_outside_uint32_are_refused(tokens: list) -> None:
+@pytest.mark.parametrize("tokens", [[2**63], [-(2**63) - 1], [1.5]])
+def test_token_ids_outside_int64_are_refused(tokens: list) -> None:
     with pytest.raises(ValueError):
         chain_keys(namespace(), tokens, 1)
+
+
+def test_an_image_key_token_keys_its_blocks_by_the_image() -> None:
+    """Image positions hold their image's key token (< 0): the same image keys the same blocks, another one
+    other blocks from its first position on."""
+    ns = namespace()
+    a, b = key_token("ab" * 32), key_token("cd" * 32)
+    assert a < 0 and b < 0 and a != b
+    same = chain_keys(ns, [5, 6, a, a, 7, 8], 2)
+    assert same == chain_keys(ns, [5, 6, a, a, 7, 8], 2)
+    other = chain_keys(ns, [5, 6, b, b, 7, 8], 2)
+    assert same[0] == other[0] and same[1] != other[1] and same[2] != other[2]
 
 
 def test_bad_arguments_are_refused() -> None:
