@@ -35,8 +35,10 @@ WRAPPERS = ("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGenerati
 MOE_EVERY_LAYER = ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration")
 FUSED_PROJ = ("Qwen3NextForCausalLM",)
 _KINDS = {"linear_attention": "gdn", "full_attention": "attention"}
-_VISION_INTS = ("depth", "hidden_size", "num_heads", "intermediate_size", "in_channels", "patch_size",
-                "temporal_patch_size", "spatial_merge_size", "out_hidden_size", "num_position_embeddings")
+_VISION_INTS = {  # vision_config's integer fields and the values transformers gives those a config omits
+    "depth": 27, "hidden_size": 1152, "num_heads": 16, "intermediate_size": 4304, "in_channels": 3, "patch_size": 16,
+    "temporal_patch_size": 2, "spatial_merge_size": 2, "out_hidden_size": 3584, "num_position_embeddings": 2304,
+}
 
 
 def text_config(cfg: dict) -> dict:
@@ -85,8 +87,8 @@ def _vision_part(raw: dict, arch: str) -> VisionConfig:
         return VisionConfig()
     defaults = VisionConfig()
     sizes: dict = {}
-    for name in _VISION_INTS:
-        value = vis.get(name, getattr(defaults, name))
+    for name, default in _VISION_INTS.items():
+        value = vis.get(name, default)
         if isinstance(value, list | tuple) or value is None:
             raise ValueError(f"vision_config.{name} {value!r} must be one integer")
         sizes[name] = int(value)
