@@ -206,7 +206,8 @@ class VisionConfig:
 @dataclass(frozen=True)
 class HybridConfig:
     """The whole model: its scalars, its arrangement (`layer_specs`) and one part per block kind. A
-    part the model does not use keeps its defaults; every layer kind present needs its part."""
+    part the model does not use keeps its defaults; every layer kind present needs its part. `vision`:
+    the vision tower whose outputs replace image placeholder tokens (depth 0: none)."""
 
     architecture: str
     vocab_size: int

@@ -222,3 +222,29 @@ def test_vision_config_refuses_bad_fields() -> None:
     for change, field in bad:
         with pytest.raises(ValueError, match=field):
             VisionConfig(**{**good, **change})
+
+
+def test_parse_fills_the_tower_and_the_rotary_sections(model: tuple[str, Any]) -> None:
+    """The wrapper's vision_config becomes HybridConfig.vision and its tensors `visual.*` are loaded; the text
+    model's rope_parameters.mrope_section its rotary axes; a layout the worker does not compute is refused."""
+    import json
+    import os
+
+    from shared.errors import ModelLoadError
+    from shared.families.registry import parse_config
+
+    with open(os.path.join(model[0], "config.json")) as f:
+        raw = json.load(f)
+    cfg = parse_config(raw)
+    assert cfg.vision.depth == 2 and cfg.vision.image_token_id == IMAGE_PAD and cfg.vision.patch_dim == 3 * 2 * 16 * 16
+    assert cfg.attn.mrope_section == tuple(raw["text_config"]["rope_parameters"]["mrope_section"])
+    assert "visual." not in cfg.ignored_prefixes and ("^model\\.visual\\.", "visual.") in cfg.renames
+    rope = raw["text_config"]["rope_parameters"]
+    bad_rope = (({"mrope_interleaved": False}, "mrope_interleaved"), ({"mrope_section": None}, "mrope_section"),
+                ({"mrope_section": [1, 1]}, "mrope_section"))
+    for change, problem in bad_rope:
+        bad = {**raw, "text_config": {**raw["text_config"], "rope_parameters": {**rope, **change}}}
+        with pytest.raises(ModelLoadError, match=problem):
+            parse_config(bad)
+    with pytest.raises(ModelLoadError, match="out_hidden_size"):
+        parse_config({**raw, "vision_config": {**raw["vision_config"], "out_hidden_size": 32}})
