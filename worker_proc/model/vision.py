@@ -110,14 +110,15 @@ def _merge_order(grid: torch.Tensor, merge: int) -> torch.Tensor:
     return blocks.reshape(h * w, *grid.shape[2:])
 
 
-def _bilinear(size: int, side: int) -> torch.Tensor:
-    """[size, side] weights resampling `side` table entries to `size` corner-aligned points."""
-    src = torch.arange(size, dtype=torch.float32) * (side - 1) / max(size - 1, 1)
+def _bilinear(size: int, side: int, device: torch.device) -> torch.Tensor:
+    """[size, side] float32 weights resampling `side` table entries to `size` corner-aligned points."""
+    src = torch.arange(size, dtype=torch.float32, device=device) * (side - 1) / max(size - 1, 1)
     low = src.floor().long().clamp(max=side - 1)
     frac = src - low
-    out = torch.zeros(size, side)
-    out[torch.arange(size), low] = 1 - frac
-    out[torch.arange(size), (low + 1).clamp(max=side - 1)] += frac
+    points = torch.arange(size, device=device)
+    out = torch.zeros(size, side, device=device)
+    out[points, low] = 1 - frac
+    out[points, (low + 1).clamp(max=side - 1)] += frac
     return out
 
 
@@ -153,7 +154,7 @@ class VisionTower(nn.Module):
         if pixels.shape != (sum(math.prod(g) for g in grids), cfg.patch_dim):
             raise ValueError(f"pixels {tuple(pixels.shape)} for grids {list(grids)} of {cfg.patch_dim} values a patch")
         x = self.patch_embed.proj(pixels.to(self.dtype))
-        x = x + self._positions(grids).to(device=x.device, dtype=x.dtype)
+        x = x + self._positions(grids).to(x.dtype)
         rope = self._rope(grids, x.device)
         frames = [h * w for t, h, w in grids for _ in range(t)]
         for block in self.blocks:
@@ -164,10 +165,11 @@ class VisionTower(nn.Module):
     def _positions(self, grids: Sequence[tuple[int, int, int]]) -> torch.Tensor:
         """The learned position table resampled to every image's grid, float32, in patch order."""
         side = math.isqrt(self.cfg.num_position_embeddings)
-        table = self.pos_embed.weight.float().cpu().view(side, side, -1)
+        table = self.pos_embed.weight.float().view(side, side, -1)
         parts = []
         for t, h, w in grids:
-            grid = torch.einsum("hi,wj,ijc->hwc", _bilinear(h, side), _bilinear(w, side), table)
+            grid = torch.einsum("hi,wj,ijc->hwc", _bilinear(h, side, table.device), _bilinear(w, side, table.device),
+                                table)
             parts.append(_merge_order(grid, self.cfg.spatial_merge_size).repeat(t, 1))
         return torch.cat(parts)
 
