@@ -248,3 +248,17 @@ def test_parse_fills_the_tower_and_the_rotary_sections(model: tuple[str, Any]) -
             parse_config(bad)
     with pytest.raises(ModelLoadError, match="out_hidden_size"):
         parse_config({**raw, "vision_config": {**raw["vision_config"], "out_hidden_size": 32}})
+
+
+def test_text_rows_are_bit_identical_under_mrope(model: tuple[str, Any]) -> None:
+    """A text-only prompt of the seeing model gives exactly the logits of the one-axis rotary tables."""
+    path = model[0]
+    ids = TEXT[0] + TEXT[1] + TEXT[2] + TEXT[3]
+    sl = ReqSlice(rid="a", input_ids=ids, start_pos=0, kv_slots=list(range(1, len(ids) + 1)), state_slot=1,
+                  sample=True, sampling=GREEDY)
+    r = runner_at(path, kv_slots=KV, dtype="float32")
+    three = forward_all_logits(r, batch(0, [sl], clears=[1]))["a"]
+    assert r.model.rope_axes is not None
+    r.model.rope_axes = None  # the tables of one position axis, as a model without mrope_section makes them
+    one = forward_all_logits(r, batch(1, [sl], clears=[1]))["a"]
+    assert torch.equal(three, one)
