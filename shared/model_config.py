@@ -65,10 +65,28 @@ class AttentionConfig:
     # multiplied by sigmoid(gate) before o_proj; q and k are RMS-normed per head (`q_norm`, `k_norm`)
     output_gate: bool = False
     qk_norm: bool = False
+    # multimodal RoPE (Qwen3.5's text model; empty = one position axis): rotary positions are (t, h, w), and
+    # frequency i of the rotary half takes axis h where i % 3 == 1 and i < 3 * mrope_section[1], axis w where
+    # i % 3 == 2 and i < 3 * mrope_section[2], else axis t (the interleaved layout Qwen3.5 ships)
+    mrope_section: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        sec = self.mrope_section
+        if sec and (len(sec) != 3 or min(sec) < 0 or max(sec) > self.rope_dim // 2 or self.rope_theta is None):
+            raise ValueError(f"mrope_section {list(sec)} must be 3 counts in [0, {self.rope_dim // 2}] (the rotary "
+                             "frequencies) of a RoPE model")
 
     @property
     def rope_dim(self) -> int:
         return self.rotary_dim or self.head_dim
+
+    def rope_axes(self) -> tuple[int, ...]:
+        """The position axis (0 t, 1 h, 2 w) of each rotary frequency; () without `mrope_section`."""
+        if not self.mrope_section:
+            return ()
+        _, h, w = self.mrope_section
+        return tuple(1 if i % 3 == 1 and i < 3 * h else 2 if i % 3 == 2 and i < 3 * w else 0
+                     for i in range(self.rope_dim // 2))
 
 
 @dataclass(frozen=True)
@@ -133,10 +151,63 @@ class MlpConfig:
     multipliers: tuple[float, ...] = ()
 
 
+VISION_ACTS = ("gelu_pytorch_tanh", "gelu", "silu", "quick_gelu")
+
+
+@dataclass(frozen=True)
+class VisionConfig:
+    """The vision tower (Qwen3.5's `vision_config`, worker_proc.model.vision; depth 0 = no tower): `depth`
+    blocks of `num_heads` heads over `hidden_size`, their MLP of `intermediate_size` with `hidden_act`; a
+    patch is `in_channels` x `temporal_patch_size` x `patch_size`^2 values; `spatial_merge_size`^2 patches
+    merge into one token of `out_hidden_size` (the text model's hidden size); the learned position table
+    has `num_position_embeddings` (a square) entries; `image_token_id` is the placeholder of every token of
+    an image in the prompt; `rope_theta` the base of the blocks' 2D rotary embedding."""
+
+    depth: int = 0
+    hidden_size: int = 0
+    num_heads: int = 0
+    intermediate_size: int = 0
+    hidden_act: str = "gelu_pytorch_tanh"
+    in_channels: int = 3
+    patch_size: int = 16
+    temporal_patch_size: int = 2
+    spatial_merge_size: int = 2
+    out_hidden_size: int = 0
+    num_position_embeddings: int = 0
+    image_token_id: int = -1
+    rope_theta: float = 10000.0
+
+    def __post_init__(self) -> None:
+        if self.depth == 0:
+            return
+        sizes = ("depth", "hidden_size", "num_heads", "intermediate_size", "in_channels", "patch_size",
+                 "temporal_patch_size", "spatial_merge_size", "out_hidden_size", "num_position_embeddings")
+        for name in sizes:
+            if getattr(self, name) <= 0:
+                raise ValueError(f"vision_config.{name} {getattr(self, name)} must be positive")
+        if self.hidden_size % self.num_heads or (self.hidden_size // self.num_heads) % 4:
+            raise ValueError(f"vision_config.num_heads {self.num_heads} must divide hidden_size {self.hidden_size} "
+                             "into heads of a multiple of 4 channels (two rotary axes)")
+        side = math.isqrt(self.num_position_embeddings)
+        if side * side != self.num_position_embeddings:
+            raise ValueError(f"vision_config.num_position_embeddings {self.num_position_embeddings} is not a square")
+        if self.hidden_act not in VISION_ACTS:
+            raise ValueError(f"unsupported vision_config.hidden_act {self.hidden_act!r} "
+                             f"(one of {', '.join(VISION_ACTS)})")
+        if self.image_token_id < 0:
+            raise ValueError(f"image_token_id {self.image_token_id} must be a token id")
+
+    @property
+    def patch_dim(self) -> int:
+        """Values of one flattened patch (a row of `pixel_values`)."""
+        return self.in_channels * self.temporal_patch_size * self.patch_size**2
+
+
 @dataclass(frozen=True)
 class HybridConfig:
     """The whole model: its scalars, its arrangement (`layer_specs`) and one part per block kind. A
-    part the model does not use keeps its defaults; every layer kind present needs its part."""
+    part the model does not use keeps its defaults; every layer kind present needs its part. `vision`:
+    the vision tower whose outputs replace image placeholder tokens (depth 0: none)."""
 
     architecture: str
     vocab_size: int
@@ -152,6 +223,7 @@ class HybridConfig:
     gdn: GdnConfig = GdnConfig()
     moe: MoeConfig = MoeConfig()
     mlp: MlpConfig = MlpConfig()
+    vision: VisionConfig = VisionConfig()
     embedding_multiplier: float = 1.0
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0
@@ -182,6 +254,11 @@ class HybridConfig:
             raise ValueError("an MTP layer holds attention and an MLP or MoE only")
         if self.mtp_spec and sum(b.kind == "attention" for sub in self.mtp_spec for b in sub.blocks) != 1:
             raise ValueError("an MTP layer holds exactly one attention block (it reads one MTP KV layer)")
+        if self.vision.depth and self.vision.out_hidden_size != self.hidden_size:
+            raise ValueError(f"vision_config.out_hidden_size {self.vision.out_hidden_size} is not the text model's "
+                             f"hidden_size {self.hidden_size}")
+        if self.vision.depth and not 0 <= self.vision.image_token_id < self.vocab_size:
+            raise ValueError(f"image_token_id {self.vision.image_token_id} outside the vocabulary of {self.vocab_size}")
 
     @property
     def num_layers(self) -> int:

@@ -2,9 +2,12 @@
 
 Architectures: `Qwen3NextForCausalLM`, `Qwen3_5ForCausalLM`, `Qwen3_5MoeForCausalLM`, and the
 multimodal wrappers the Qwen3.5 checkpoints ship as (`Qwen3_5ForConditionalGeneration`,
-`Qwen3_5MoeForConditionalGeneration`): of those only the text model is loaded (`text_config`,
-tensors `model.language_model.*` mapped onto `model.*`; the vision tower `model.visual.*` and the
-MTP layers `mtp.*` are skipped, logged by the loader); image and video inputs are not served.
+`Qwen3_5MoeForConditionalGeneration`): the text model (`text_config`, tensors
+`model.language_model.*` mapped onto `model.*`) and, where `vision_config` has blocks, the vision
+tower (`HybridConfig.vision`, tensors `model.visual.*` mapped onto `visual.*`, worker_proc.model.vision)
+with the text model's multimodal RoPE (`rope_parameters.mrope_section`, interleaved: the only layout
+read; `AttentionConfig.mrope_section`). A wrapper without a tower skips `model.visual.*` (logged by the
+loader). Images are served; video inputs are not.
 
 Every layer: zero-centred RMSNorm (x̂ * (1 + w)) `input_layernorm` -> mixer -> residual, then
 `post_attention_layernorm` -> `mlp` -> residual. The mixer (`layer_types`: "linear_attention" or
@@ -26,12 +29,18 @@ from __future__ import annotations
 from shared.families.common import dtype_name
 from shared.families.family import Family
 from shared.families.fields import check_act, check_attention, max_positions, num, rope_theta, rotary_fraction
-from shared.model_config import AttentionConfig, Block, GdnConfig, HybridConfig, MoeConfig, Sublayer
+from shared.model_config import AttentionConfig, Block, GdnConfig, HybridConfig, MoeConfig, Sublayer, VisionConfig
 
 WRAPPERS = ("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration")
 MOE_EVERY_LAYER = ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration")
 FUSED_PROJ = ("Qwen3NextForCausalLM",)
 _KINDS = {"linear_attention": "gdn", "full_attention": "attention"}
+_VISION_INTS = {  # vision_config's integer fields and the values transformers gives those a config omits
+    "depth": 27, "hidden_size": 1152, "num_heads": 16, "intermediate_size": 4304, "in_channels": 3, "patch_size": 16,
+    "temporal_patch_size": 2, "spatial_merge_size": 2, "out_hidden_size": 3584, "num_position_embeddings": 2304,
+}
+
+
 def text_config(cfg: dict) -> dict:
     """The text model's fields: `text_config` of a multimodal wrapper (with the wrapper's fields it
     lacks), else the config itself."""
@@ -71,7 +80,38 @@ def _gdn_part(cfg: dict, arch: str) -> GdnConfig:
     )
 
 
-def _attention_part(cfg: dict) -> AttentionConfig:
+def _vision_part(raw: dict, arch: str) -> VisionConfig:
+    """The wrapper's vision tower (depth 0: none, or not a wrapper)."""
+    vis = raw.get("vision_config")
+    if arch not in WRAPPERS or not isinstance(vis, dict) or not int(vis.get("depth") or 0):
+        return VisionConfig()
+    defaults = VisionConfig()
+    sizes: dict = {}
+    for name, default in _VISION_INTS.items():
+        value = vis.get(name, default)
+        if isinstance(value, list | tuple) or value is None:
+            raise ValueError(f"vision_config.{name} {value!r} must be one integer")
+        sizes[name] = int(value)
+    rope = vis.get("rope_parameters") or {}
+    if rope.get("rope_type", "axial") != "axial":
+        raise ValueError(f"unsupported vision_config.rope_parameters.rope_type {rope.get('rope_type')!r} "
+                         "(only 'axial')")
+    return VisionConfig(**sizes, hidden_act=str(vis.get("hidden_act", defaults.hidden_act)),
+                        image_token_id=int(raw.get("image_token_id", -1)),
+                        rope_theta=float(rope.get("rope_theta", defaults.rope_theta)))
+
+
+def _mrope_section(cfg: dict) -> tuple[int, ...]:
+    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    section = params.get("mrope_section")
+    if not section:
+        raise ValueError("a Qwen3.5 model with a vision tower needs rope_parameters.mrope_section")
+    if not params.get("mrope_interleaved", True):
+        raise ValueError("rope_parameters.mrope_interleaved false is not supported (only the interleaved layout)")
+    return tuple(int(s) for s in section)
+
+
+def _attention_part(cfg: dict, mrope: bool = False) -> AttentionConfig:
     heads = int(cfg["num_attention_heads"])
     kv_heads = int(cfg.get("num_key_value_heads") or heads)
     check_attention(heads, kv_heads)
@@ -82,6 +122,7 @@ def _attention_part(cfg: dict) -> AttentionConfig:
     return AttentionConfig(
         num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, bias=bool(cfg.get("attention_bias")),
         scale=head_dim**-0.5, rope_theta=rope_theta(cfg, True), rotary_dim=rotary, output_gate=True, qk_norm=True,
+        mrope_section=_mrope_section(cfg) if mrope else (),
     )
 
 
@@ -117,6 +158,7 @@ def parse(raw: dict, arch: str) -> HybridConfig:
         for k, mlp in zip(kinds, mlps, strict=True)
     )
     wrapper = arch in WRAPPERS
+    vision = _vision_part(raw, arch)
     mtp = int(cfg.get("mtp_num_hidden_layers") or cfg.get("num_nextn_predict_layers") or 0)
     return HybridConfig(
         architecture=arch,
@@ -128,12 +170,13 @@ def parse(raw: dict, arch: str) -> HybridConfig:
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", cfg.get("tie_word_embeddings", False))),
         torch_dtype=dtype_name(cfg),
         layer_specs=specs,
-        attn=_attention_part(cfg),
+        attn=_attention_part(cfg, mrope=bool(vision.depth)),
         gdn=_gdn_part(cfg, arch),
         moe=moe,
+        vision=vision,
         norm_unit_offset=True,
-        renames=((r"^model\.language_model\.", "model."),) if wrapper else (),
-        ignored_prefixes=("mtp.", "model.visual.") if wrapper else ("mtp.",),
+        renames=((r"^model\.language_model\.", "model."), (r"^model\.visual\.", "visual.")) if wrapper else (),
+        ignored_prefixes=("mtp.", "visual.") if wrapper and not vision.depth else ("mtp.",),
         mtp_layers=mtp,
         mtp_spec=(Sublayer("input_layernorm", (mixers["attention"],)),
                   Sublayer("post_attention_layernorm", (mlps[0],))) if mtp else (),

@@ -23,17 +23,27 @@ from worker_proc.model.tp import AttnShard, ShardSpec, TPInfo, attn_spec, row_pa
 
 
 def rope_cos_sin(
-    positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
+    positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype, axes: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Default RoPE tables for `positions` [T] -> (cos, sin) [T, 1, head_dim] in `dtype`.
 
     The angles are the float32 products transformers uses; cos/sin are taken in float64 and rounded,
     so a position's table entry does not depend on which other positions share the call (SIMD vs
-    scalar tails of float32 cos/sin differ in the last bit, which would break batch invariance)."""
+    scalar tails of float32 cos/sin differ in the last bit, which would break batch invariance).
+    Multimodal RoPE (`axes`: int64 [head_dim / 2], the position axis of each frequency,
+    AttentionConfig.rope_axes, made once by the caller): `positions` is [3, T] (t, h, w) and frequency
+    i's angle is the product with row axes[i]; a row whose three positions are equal gets exactly the one-axis table."""
     inv_freq = 1.0 / (
         theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float() / head_dim)
     )
-    freqs = (positions.float()[:, None] * inv_freq[None, :]).double()
+    if axes is not None:
+        if positions.dim() != 2 or positions.shape[0] != 3 or axes.shape != inv_freq.shape:
+            raise ValueError(f"multimodal RoPE takes [3, T] positions and one axis per frequency, got "
+                             f"{tuple(positions.shape)} and {tuple(axes.shape)} axes")
+        every = positions.float()[:, :, None] * inv_freq  # [3, T, head_dim / 2]: each axis' angles
+        freqs = every.gather(0, axes.expand(1, positions.shape[1], -1))[0].double()
+    else:
+        freqs = (positions.float()[:, None] * inv_freq[None, :]).double()
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
 

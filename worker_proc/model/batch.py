@@ -8,6 +8,11 @@ when the kernel set is batch invariant, adds one decode group per input position
 other slices form the *prefill group* (every mixer hands all of its segments to one `*_prefill_many`
 call, which a kernel set may batch). `by_group` is the one dispatch of a step's rows onto the groups
 that every mixer uses.
+Images (a model with a vision tower): a slice's `images` are checked here (shared/images.py `check_image`,
+their placeholder tokens); `image_spans` records which rows are which image's tokens, and the model puts
+the tower's encodings there in place of the token embeddings. With multimodal RoPE (`mrope`)
+`rope_positions` holds every row's (t, h, w) rotary positions (shared/images.py `rope_positions`: a text
+row's is start_pos + rope_delta + i on every axis).
 Validation here is what protects the pools from a malformed batch: every slot is range-checked when
 it arrives (slots reused through `KVSlotMirror` were checked in the batch that sent them). Per-request
 slot lists are tensors end to end: the mirror's prefix and the new slots are concatenated on the device
@@ -23,7 +28,9 @@ from typing import Any, Protocol
 
 import torch
 
-from shared.messages import ReqSlice
+from shared.images import check_image, rope_positions
+from shared.messages import ImageInput, ReqSlice
+from shared.model_config import VisionConfig
 from worker_proc.model.kv_mirror import KVSlotMirror
 
 MAX_DRAFT_NEXT = 16  # the most guesses one slice asks of the MTP layers (--speculative-num-draft-tokens)
@@ -75,6 +82,16 @@ class DecodeGroup:
     kv_len: torch.Tensor  # [Bt] int64
 
 
+@dataclass(frozen=True)
+class ImageSpan:
+    """Rows [row_start, row_end) of the step are tokens [first, first + rows) of the image `digest`."""
+
+    row_start: int
+    row_end: int
+    digest: str
+    first: int
+
+
 DecodeFn = Callable[[DecodeGroup, torch.Tensor | None], torch.Tensor]
 """A mixer's computation for one decode group (the group, and its rows: None when they are the step's)."""
 
@@ -92,6 +109,14 @@ class StepBatch:
     logit_rids: tuple[str, ...]  # request id of each logit row
     kv_full: tuple[torch.Tensor, ...] = ()  # full KV slot list of each request, in slice order
     kept_inputs: list[KeptInputs] | None = None  # filled by the recurrent layers when a slice verifies drafts
+    rope_positions: torch.Tensor | None = None  # [3, T] int64 (t, h, w) rotary positions (multimodal RoPE)
+    image_spans: tuple[ImageSpan, ...] = ()  # rows that take an image's encoding, in row order
+    images: tuple[ImageInput, ...] = ()  # the images of image_spans, one per digest
+
+    @property
+    def rope_input(self) -> torch.Tensor:
+        """The positions the rotary tables are made from: `rope_positions` where the model has them."""
+        return self.positions if self.rope_positions is None else self.rope_positions
 
     def keep_recurrent_inputs(self, mixer: RecurrentMixer, inputs: tuple[torch.Tensor, ...],
                               conv_pool: torch.Tensor, state_pool: Any) -> None:  # fmt: skip
@@ -148,6 +173,8 @@ def build_step_batch(
     mirror: KVSlotMirror | None = None,
     step: int = 0,
     verify_by_token: bool = False,
+    vision: VisionConfig | None = None,
+    mrope: bool = False,
 ) -> StepBatch:
     """Flatten and validate `reqs` (batch number `step`). Raises ValueError on a malformed slice (slot
     out of range, wrong kv_slots length, duplicate rid or state slot, a kv_reuse the mirror cannot
@@ -155,8 +182,14 @@ def build_step_batch(
     ran). Without `mirror` every slice must carry its full slot list (kv_reuse == 0). `all_rows`: want
     logits for every row of every request (tests), instead of the last row of each slice with sample;
     a slice with prompt_logprobs >= 0 or drafts gets every row too. `verify_by_token`: a verify slice
-    runs as one decode group per input position instead of as a prefill segment (the kernel choice's)."""
+    runs as one decode group per input position instead of as a prefill segment (the kernel choice's).
+    `vision`: the model's tower (None or depth 0: a slice with images is a ValueError); `mrope`: make
+    `rope_positions`."""
     _check_slices(reqs, state_capacity, has_recurrent_state)
+    vision = vision or VisionConfig()
+    for r in reqs:
+        if r.images:
+            _check_images(r, vision)
     source = mirror if mirror is not None else KVSlotMirror()
     kv_full = source.resolve(reqs, step, device, kv_capacity if uses_attention else 0)
     ids: list[int] = []
@@ -165,11 +198,20 @@ def build_step_batch(
     by_token: list[list[tuple[int, int, torch.Tensor, int]]] = [[]]  # per group: (row, slot, kv, kv_len)
     logit_rows: list[int] = []
     logit_rids: list[str] = []
+    axes: tuple[list[int], list[int], list[int]] = ([], [], [])
+    spans: list[ImageSpan] = []
+    images: dict[str, ImageInput] = {}
     for r, kv in zip(reqs, kv_full, strict=True):
         n = len(r.input_ids)
         row = len(ids)
         ids.extend(r.input_ids)
         positions.extend(range(r.start_pos, r.start_pos + n))
+        if mrope:
+            _add_rope_positions(axes, r, vision.spatial_merge_size)
+        for img in sorted(r.images, key=lambda i: i.offset):
+            a, b = max(img.offset, r.start_pos), min(img.end, r.start_pos + n)
+            spans.append(ImageSpan(row + a - r.start_pos, row + b - r.start_pos, img.digest, a - img.offset))
+            images.setdefault(img.digest, img)
         if n == 1:
             by_token[0].append((row, r.state_slot, kv, int(kv.shape[0])))
         elif r.drafts and verify_by_token:
@@ -204,7 +246,45 @@ def build_step_batch(
         logit_rids=tuple(logit_rids),
         kv_full=tuple(kv_full),
         kept_inputs=[] if any(r.drafts for r in reqs) else None,
+        rope_positions=torch.tensor(axes, dtype=torch.int64, device=device) if mrope else None,
+        image_spans=tuple(spans),
+        images=tuple(images.values()),
     )
+
+
+def _add_rope_positions(axes: tuple[list[int], list[int], list[int]], r: ReqSlice, merge: int) -> None:
+    """The slice's rows' (t, h, w) rotary positions appended to `axes`."""
+    n = len(r.input_ids)
+    if not r.images:
+        text = range(r.start_pos + r.rope_delta, r.start_pos + r.rope_delta + n)
+        for ax in axes:
+            ax.extend(text)
+        return
+    for ax, got in zip(axes, rope_positions(r.start_pos, n, r.images, r.rope_delta, merge), strict=True):
+        ax.extend(got)
+
+
+def _check_images(r: ReqSlice, vision: VisionConfig) -> None:
+    """A slice's images: a tower to encode them, well-formed, inside the slice, apart, and over placeholders."""
+    if not vision.depth:
+        raise ValueError(f"{r.rid}: a slice with {len(r.images)} images, but the model has no vision tower")
+    end, last = r.start_pos + len(r.input_ids), -1
+    for img in sorted(r.images, key=lambda i: i.offset):
+        problem = check_image(img, vision.spatial_merge_size, vision.patch_dim)
+        if problem:
+            raise ValueError(f"{r.rid}: {problem}")
+        if img.end <= r.start_pos or img.offset >= end:
+            raise ValueError(f"{r.rid}: image at prompt positions [{img.offset}, {img.end}) is outside the slice's "
+                             f"[{r.start_pos}, {end})")
+        if img.offset < last:
+            raise ValueError(f"{r.rid}: images overlap at prompt position {img.offset}")
+        last = img.end
+        if img.token_id != vision.image_token_id:
+            raise ValueError(f"{r.rid}: image token id {img.token_id}, the model's is {vision.image_token_id}")
+        a, b = max(img.offset, r.start_pos) - r.start_pos, min(img.end, end) - r.start_pos
+        if any(t != img.token_id for t in r.input_ids[a:b]):
+            raise ValueError(f"{r.rid}: the input ids at image positions [{img.offset}, {img.end}) are not all its "
+                             f"placeholder {img.token_id}")
 
 
 def _check_slices(reqs: list[ReqSlice], state_capacity: int, has_recurrent_state: bool) -> None:

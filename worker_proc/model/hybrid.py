@@ -19,6 +19,12 @@ names the slice of each of its tensors (`shard_spec`, rules in worker_proc.model
 all-reduce their own output; MLP and MoE blocks return partial sums, all-reduced once per
 sublayer. The residual stream `h` is whole and identical on every rank; embedding, norms and LM
 head are replicated (every rank computes the logits).
+Images (a checkpoint with a vision tower, `HybridConfig.vision`): `visual` is the tower
+(worker_proc.model.vision, replicated under tensor parallelism, its tensors `visual.*`) and
+`encoder_cache` its outputs by image digest (worker_proc.model.encoder_cache); a step's image rows
+(`StepBatch.image_spans`) take their image's encoding in place of the (scaled) token embedding, the
+images the cache lacks encoded in one tower call. With multimodal RoPE (`AttentionConfig.mrope_section`)
+the rotary tables are made from the batch's [3, T] `rope_positions`.
 """
 
 from __future__ import annotations
@@ -32,11 +38,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from shared.errors import ModelLoadError
+from shared.messages import ImageInput
 from shared.model_config import Block, HybridConfig, Sublayer, tp_layout_error
 from worker_proc.kernels import KernelOps
 from worker_proc.linear.site import GemmOwner, GemmSite
 from worker_proc.model.attention import Attention, rope_cos_sin
 from worker_proc.model.batch import StepBatch
+from worker_proc.model.encoder_cache import EncoderCache
 from worker_proc.model.gated_deltanet import GatedDeltaNet
 from worker_proc.model.layers import GatedMLP, Linear, Relu2MLP, SparseMoE, SplitGatedMLP, empty_param, make_norm
 from worker_proc.model.mamba import MambaMixer
@@ -44,6 +52,7 @@ from worker_proc.model.moe import SigmoidMoE
 from worker_proc.model.qwen_moe import SharedGateMoE
 from worker_proc.model.residual import Residual
 from worker_proc.model.shard import ShardSpec, TPInfo
+from worker_proc.model.vision import VisionTower
 from worker_proc.quant.weight import QuantizedWeight
 from worker_proc.state.pools import StatePools
 
@@ -226,9 +235,20 @@ class HybridForCausalLM(nn.Module, GemmOwner):
             raise ModelLoadError(f"{cfg.architecture}: the checkpoint has no MTP layers (mtp_num_hidden_layers or "
                                  "num_nextn_predict_layers in config.json) to draft with")
         self.mtp = MtpHead(cfg, dtype, device, self.tp) if mtp else None
+        self.visual = VisionTower(cfg.vision, dtype, device) if cfg.vision.depth else None
+        self.encoder_cache = EncoderCache()
+        """The tower's outputs by image digest (the runner sizes it: WorkerConfig.encoder_cache_bytes)."""
+        self.rope_axes: torch.Tensor | None = None
+        """The position axis of each rotary frequency (multimodal RoPE), made once (`derive_buffers`)."""
+        self.derive_buffers(device)
         self.embed_rows: QuantizedWeight | None = None
         """The quantized rows the embedding lookups read once a tied head is quantized (the table's dense
         copy is then gone; worker_proc.loading.quantize)."""
+
+    def derive_buffers(self, device: torch.device) -> None:
+        """The tensors made from the config alone, on `device` (again when a meta-built model is materialised)."""
+        axes = self.cfg.attn.rope_axes()
+        self.rope_axes = torch.tensor(axes, dtype=torch.int64, device=device) if axes else None
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """The embedding rows of `ids` in the model dtype."""
@@ -286,8 +306,11 @@ class HybridForCausalLM(nn.Module, GemmOwner):
 
     def run_stream(self, batch: StepBatch, pools: StatePools, ops: KernelOps) -> Residual:
         """Every layer over the step's rows; the last layer's output is left pending in the stream."""
-        stream = Residual(self.embed_scaled(batch.input_ids))
-        rope = self.rope(batch.positions)
+        h = self.embed_scaled(batch.input_ids)
+        if batch.image_spans:
+            self.place_images(h, batch)
+        stream = Residual(h)
+        rope = self.rope(batch.rope_input)
         for layer in self.model.layers:
             layer(stream, batch, rope, pools, ops)
         return stream
@@ -296,11 +319,44 @@ class HybridForCausalLM(nn.Module, GemmOwner):
         h = self.embed(ids)
         return h * self.cfg.embedding_multiplier if self.cfg.embedding_multiplier != 1.0 else h
 
+    def place_images(self, h: torch.Tensor, batch: StepBatch) -> None:
+        """Write each image row's encoding over its embedding in `h` (in place)."""
+        encodings = self.image_encodings(batch.images)
+        for span in batch.image_spans:
+            rows = span.row_end - span.row_start
+            h[span.row_start : span.row_end] = encodings[span.digest][span.first : span.first + rows]
+
+    def image_encodings(self, images: Sequence[ImageInput]) -> dict[str, torch.Tensor]:
+        """Every image's encoding [tokens, hidden] by digest: from the encoder cache, the others from one
+        tower call over all of them (then kept in the cache)."""
+        if self.visual is None:
+            raise ValueError("images in a step, but the model has no vision tower")
+        found: dict[str, torch.Tensor] = {}
+        missing: list[ImageInput] = []
+        for img in images:
+            enc = self.encoder_cache.get(img.digest)
+            if enc is None:
+                missing.append(img)
+            else:
+                found[img.digest] = enc
+        if missing:
+            dim = self.cfg.vision.patch_dim
+            pixels = torch.cat([torch.frombuffer(bytearray(img.pixels), dtype=torch.float32).view(-1, dim)
+                                for img in missing]).to(self.device)
+            out = self.visual(pixels, [img.grid for img in missing])
+            for img, enc in zip(missing, out.split([self.visual.tokens(img.grid) for img in missing]), strict=True):
+                found[img.digest] = enc.clone()  # its own storage: the cache counts and frees it alone
+                self.encoder_cache.put(img.digest, found[img.digest])
+        return found
+
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The rotary tables of `positions`: [T], or with multimodal RoPE [3, T] ([T] taken as text rows)."""
         cfg = self.cfg
         if cfg.attn.rope_theta is None or not (cfg.attn_layer_ids or cfg.mtp_layers):
             return None
-        return rope_cos_sin(positions, cfg.attn.rope_dim, cfg.attn.rope_theta, self.dtype)
+        if self.rope_axes is not None and positions.dim() == 1:
+            positions = positions.expand(3, -1)
+        return rope_cos_sin(positions, cfg.attn.rope_dim, cfg.attn.rope_theta, self.dtype, self.rope_axes)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """float32 logits of final-normed hidden states `h`, scaled as the family says."""

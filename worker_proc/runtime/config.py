@@ -40,11 +40,12 @@ class WorkerConfig:
     quantize_lm_head: bool = True  # not --disable-lm-head-quantization
     speculative_algorithm: str = ""  # --speculative-algorithm
     enforce_eager: bool = False  # --enforce-eager (no step replay)
+    encoder_cache_bytes: int = 256 << 20  # the vision tower's outputs kept by image digest (model.encoder_cache)
 
     def __post_init__(self) -> None:
         """The dtypes are the loader's and the pools' to check (against the checkpoint and the device)."""
         problems = []
-        counts = ("kv_slots", "state_slots", "mem_budget_bytes", "running_requests", "seed")
+        counts = ("kv_slots", "state_slots", "mem_budget_bytes", "running_requests", "seed", "encoder_cache_bytes")
         problems += [f"{name} {getattr(self, name)} < 0" for name in counts if getattr(self, name) < 0]
         if not 0.0 < self.mem_fraction_static <= 1.0 or not 0.0 < self.state_ratio < 1.0:
             problems.append(f"fractions out of range (mem_fraction_static {self.mem_fraction_static}, "

@@ -33,6 +33,7 @@ from worker_proc.loading.checkpoint import checkpoint_quantization, load_model
 from worker_proc.loading.checkpoint_config import check_requested
 from worker_proc.loading.quantize import QuantScheme, quantize_model
 from worker_proc.model import StepBatch, build_step_batch
+from worker_proc.model.encoder_cache import EncoderCache
 from worker_proc.model.kv_mirror import KVSlotMirror
 from worker_proc.output.grammar import GrammarRuntime
 from worker_proc.output.sampling import SampleRequest, greedy_params, sample, top_logprobs
@@ -83,6 +84,7 @@ class ModelRunner:
             model_dir, device=self.device, dtype=c.dtype, tp_rank=c.tp_rank, tp_size=c.tp_size, tp_group=tp_group,
             mtp=with_mtp,
         )
+        self.model.encoder_cache = EncoderCache(c.encoder_cache_bytes)
         flushed = flush_subnormal_(self.model)
         if flushed:
             logger.info("rank %d: %d subnormal weight elements set to zero", c.tp_rank, flushed)
@@ -239,7 +241,8 @@ class ModelRunner:
         return build_step_batch(
             reqs, self.device, self.kv_capacity, self.state_capacity, bool(self.cfg.state_layer_ids), all_rows,
             uses_attention=bool(self.cfg.attn_layer_ids), mirror=self.kv_mirror, step=step,
-            verify_by_token=self.plan.kernels.verify_by_token,
+            verify_by_token=self.plan.kernels.verify_by_token, vision=self.cfg.vision,
+            mrope=self.model.rope_axes is not None,
         )
 
     def _sample(self, logits: torch.Tensor, reqs: list[ReqSlice]) -> dict[str, Any]:
@@ -339,6 +342,7 @@ class ModelRunner:
         for _, site, weight in product_sites(self.model):
             site.check_integrity(weight)
         self.kv_mirror.check_integrity()
+        self.model.encoder_cache.check_integrity()
         if self.drafter is not None:
             self.drafter.check_integrity()
 

@@ -3,8 +3,8 @@ calls it makes, then replayed by `torch.classes.hyssm_cpu.OpProgram` (worker_pro
 without the Python that chose those calls.
 
 Owns the recorded programs of one runner (`StepReplays`). Rules that hold:
-- only a step of decode rows alone (one decode group, no prefill segment, no verify slice), on the CPU,
-  at TP size 1, with the native kernels, is replayed; every other step runs its forward as written;
+- only a step of decode rows alone (one decode group, no prefill segment, no verify slice, no image row), on
+  the CPU, at TP size 1, with the native kernels, is replayed; every other step runs its forward as written;
 - a program is keyed by what the forward's Python decides from (`replay_key`): the batch's tensors'
   shapes and dtypes (the decode group's KV index width aside, which grows every step) and whether
   logits are wanted. The batch's tensors are the program's inputs; every other tensor the forward
@@ -213,16 +213,19 @@ class Recorder(TorchDispatchMode):
 def replay_inputs(sb: StepBatch) -> list[torch.Tensor]:
     """The tensors of a decode-only batch a program takes as inputs, in register order."""
     g = sb.decode_groups[0]
-    return [sb.input_ids, sb.positions, sb.new_kv_slots, sb.logit_rows, g.rows, g.state_slots, g.kv_idx, g.kv_len]
+    rope = [] if sb.rope_positions is None else [sb.rope_positions]
+    return [sb.input_ids, sb.positions, sb.new_kv_slots, sb.logit_rows, g.rows, g.state_slots, g.kv_idx, g.kv_len,
+            *rope]
 
 
 def replay_key(sb: StepBatch, want_logits: bool) -> tuple | None:
     """What a decode step's forward decides from, or None when the step is not one a program may run."""
-    if sb.prefill or len(sb.decode_groups) != 1 or sb.kept_inputs is not None or sb.input_ids.device.type != "cpu":
+    if (sb.prefill or len(sb.decode_groups) != 1 or sb.kept_inputs is not None or sb.image_spans
+            or sb.input_ids.device.type != "cpu"):
         return None
     shapes = tuple((tuple(t.shape), t.dtype) for t in replay_inputs(sb))
     kv = shapes[6]
-    return (want_logits, *shapes[:6], (kv[0][0], kv[1]), shapes[7])
+    return (want_logits, *shapes[:6], (kv[0][0], kv[1]), *shapes[7:])
 
 
 def _difference(first: list[EncodedCall], second: list[EncodedCall]) -> str:

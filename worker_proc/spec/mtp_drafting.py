@@ -98,20 +98,22 @@ class MtpDrafter:
         after[idx] = torch.tensor([tok for _, tok in fixes], dtype=torch.int64, device=after.device)
         model = self.model
         mtp_batch = dataclasses.replace(sb, kept_inputs=None)  # the MTP layers keep no recurrent inputs
-        out = self.head(model.embed_scaled(after), hidden, mtp_batch, model.rope(sb.positions), self.kv, ops)
+        out = self.head(model.embed_scaled(after), hidden, mtp_batch, model.rope(sb.rope_input), self.kv, ops)
         wanted = [i for i, r in enumerate(reqs) if r.draft_next > 0 and next_tokens[i] >= 0]
         if not wanted:
             return {}
         rows = torch.tensor([last_rows[i] for i in wanted], dtype=torch.int64, device=out.device)
         positions = sb.positions[rows]
         prefixes = [sb.kv_full[i][: p + 1] for i, p in zip(wanted, positions.tolist(), strict=True)]
-        guesses = self._chain(out[rows], positions, prefixes, max(reqs[i].draft_next for i in wanted), ops)
+        guesses = self._chain(out[rows], positions, prefixes, max(reqs[i].draft_next for i in wanted), ops,
+                              sb.rope_input[..., rows])
         return {reqs[i].rid: guesses[b][: reqs[i].draft_next] for b, i in enumerate(wanted)}
 
     def _chain(self, h: torch.Tensor, positions: torch.Tensor, prefixes: list[torch.Tensor], k: int,
-               ops: KernelOps) -> list[list[int]]:  # fmt: skip
+               ops: KernelOps, rope_at: torch.Tensor) -> list[list[int]]:  # fmt: skip
         """`k` greedy guesses per row of `h` (MTP outputs at `positions`, whose MTP KV slots are
-        `prefixes`), the later ones by decode steps over scratch slots."""
+        `prefixes`; `rope_at`: their rotary positions, StepBatch.rope_input), the later ones by decode
+        steps over scratch slots."""
         model, n = self.model, h.shape[0]
         if self.scratch < n * (k - 1):
             self._grow(n * (k - 1))
@@ -127,7 +129,7 @@ class MtpDrafter:
             pos = positions + j
             group = DecodeGroup(rows, rows, torch.nn.utils.rnn.pad_sequence(slots, batch_first=True), kv_len + j)
             batch = StepBatch(token, pos, scratch, (), (group,), rows, ())
-            h = self.head(model.embed_scaled(token), h, batch, model.rope(pos), self.kv, ops)
+            h = self.head(model.embed_scaled(token), h, batch, model.rope(rope_at + j), self.kv, ops)
             token = model.logits(h).argmax(dim=-1)
             guesses.append(token)
         return torch.stack(guesses, dim=1).tolist()
