@@ -171,7 +171,7 @@ def run(cfg: Config) -> list[dict]:
     model = ensure_model(cfg)
     port = free_port()
     cmd = [sys.executable, str(REPO / "launch.py"), "--model-path", model, "--dtype", "float32", "--host",
-           "127.0.0.1", "--port", str(port), "--max-running-requests", "8"]  # fmt: skip
+           "127.0.0.1", "--port", str(port), "--max-running-requests", "8", "--served-model-name", "m"]  # fmt: skip
     os.makedirs(cfg.log_dir, exist_ok=True)
     proc = ManagedProcess("hyssm", cmd, Path(cfg.log_dir) / "hyssm.log", cwd=str(REPO))
     try:
