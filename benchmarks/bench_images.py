@@ -202,6 +202,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
 
 def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     cfg = parse_args(argv)
     rows = run(cfg)
     text = table(rows, cfg)
