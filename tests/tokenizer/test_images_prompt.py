@@ -175,12 +175,14 @@ def test_valid_image_requests_submit_their_images(vision_dir, vtok) -> None:
                        "sampling_params": {"max_new_tokens": 2}}),
         ("/generate", {"text": ["q" + PLACEHOLDER * 2, "plain"], "image_data": [[A, B], None],
                        "sampling_params": {"max_new_tokens": 2}}),
+        ("/tokenize", {"messages": MSG}),
     ])  # fmt: skip
-    assert [r.status_code for r in rs] == [200] * 4, [r.text for r in rs]
+    assert [r.status_code for r in rs] == [200] * 5, [r.text for r in rs]
     subs: list[GenerateReq] = backend.submitted
     assert [len(s.images) for s in subs] == [1, 1, 1, 2, 0]
     assert subs[0].input_ids == subs[1].input_ids and subs[0].images == subs[1].images  # chat = responses
     assert subs[2].images[0].digest == subs[0].images[0].digest
+    assert rs[4].json()["tokens"] == subs[0].input_ids  # /tokenize counts each image's tokens as chat does
     decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(subs[3]), type=GenerateReq)
     assert decoded.images == subs[3].images
 

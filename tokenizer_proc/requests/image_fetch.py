@@ -74,8 +74,8 @@ def too_large(ref: ImageRef, limits: FetchLimits, size: str) -> ApiError:
                        ref.param)
 
 
-def _data_url(ref: ImageRef, limits: FetchLimits) -> bytes:
-    m = _DATA_URL.match(ref.source)
+def _data_url(source: str, ref: ImageRef, limits: FetchLimits) -> bytes:
+    m = _DATA_URL.match(source)
     if m is None:
         raise bad_request("a data URL must be data:image/<type>;base64,<data>", ref.param)
     mime, params = m.group(1).strip().lower(), m.group(2).lower()
@@ -83,7 +83,7 @@ def _data_url(ref: ImageRef, limits: FetchLimits) -> bytes:
         raise bad_request(f"a data URL of type {mime!r} is not an image (data:image/<type>;base64,...)", ref.param)
     if ";base64" not in params:
         raise bad_request("a data URL image must be base64 (data:image/<type>;base64,...)", ref.param)
-    return decode_base64(ref.source[m.end():], ref, limits)
+    return decode_base64(source[m.end():], ref, limits)
 
 
 class Fetcher:
@@ -106,7 +106,7 @@ class Fetcher:
         """The encoded bytes of one reference (module doc), or ApiError 400 naming `ref.param`."""
         source = ref.source.strip()
         if source[:5].lower() == "data:":
-            return _data_url(ref, self.limits)
+            return _data_url(source, ref, self.limits)
         scheme = _SCHEME.match(source)
         if scheme is not None and scheme.group(1).lower() in ("http", "https"):
             return await self._fetch_url(source, ref)
