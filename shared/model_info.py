@@ -53,9 +53,10 @@ class VisionInfo:
 
     @staticmethod
     def from_config(cfg: dict, source: str) -> VisionInfo | None:
-        """The wrapper's top-level token ids and its `vision_config`; None for a text-only checkpoint."""
+        """The wrapper's top-level token ids and its `vision_config`; None for a text-only checkpoint, and for a
+        vision tower without `image_token_id` (no prompt can place an image for it)."""
         vision = cfg.get("vision_config")
-        if not isinstance(vision, dict):
+        if not isinstance(vision, dict) or cfg.get("image_token_id") is None:
             return None
         try:
             return VisionInfo(image_token_id=int(cfg["image_token_id"]),
