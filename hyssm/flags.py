@@ -64,6 +64,16 @@ _HELP = {
     "model's shapes ('' = $XDG_CACHE_HOME/hyssm/execution-plans, 'none' = measure on every start)",
     "enable_deterministic_inference": "batch-invariant numerics: a request's output does not depend on what it is "
     "batched with, whether its prefix came from the cache, or the TP size (slower on CPU)",
+    "limit_mm_per_prompt": "vLLM's flag, JSON: the most images one prompt may carry, e.g. '{\"image\": 4}' "
+    "(more is a 400; video and audio are not served, only 0 is accepted for them) (default: {\"image\": 8})",
+    "mm_processor_kwargs": "vLLM's flag, JSON object: overrides given to the checkpoint's image processor when "
+    "it is loaded, e.g. '{\"max_pixels\": 1003520, \"min_pixels\": 3136}' (default: none)",
+    "media_fetch_timeout": "seconds an http(s) image URL may take to deliver its whole body; slower is a 400 "
+    "(default: 5)",
+    "max_image_bytes": "an image's encoded size at most, fetched or sent as base64; larger is a 400 (default: "
+    "20971520, 20 MiB)",
+    "max_image_pixels": "an image's decoded width x height at most, checked before it is decoded; larger is a 400 "
+    "(default: 50000000)",
     "max_connections": "open HTTP connections at most; more are answered 503 and closed (default: 4096)",
     "chat_template": "the chat template: a Jinja file, or the name of one of the checkpoint's named templates "
     "(default: the checkpoint's own)",

@@ -123,6 +123,12 @@ class ServerArgs:
     context_length: int = 0  # 0 = the model's max_position_embeddings
     max_new_tokens_limit: int = 4096
     max_body_bytes: int = 4 * 1024 * 1024
+    # image inputs of a checkpoint that sees (tokenizer process: tokenizer_proc/requests/images.py)
+    limit_mm_per_prompt: str = '{"image": 8}'  # vLLM's flag: JSON, the most items of each modality per prompt
+    mm_processor_kwargs: str = ""  # vLLM's flag: JSON object of overrides given to the image processor
+    media_fetch_timeout: float = 5.0  # seconds an image URL may take to answer with its whole body
+    max_image_bytes: int = 20 * 1024 * 1024  # an image's encoded size (fetched, or decoded from base64)
+    max_image_pixels: int = 50_000_000  # an image's decoded width x height
     # HTTP connections (tokenizer process)
     max_connections: int = 4096  # open connections; more are answered 503 and closed
     max_stored_responses: int = 1024  # Responses API objects kept for previous_response_id (least recent dropped)
@@ -149,6 +155,8 @@ class ServerArgs:
             "--max-prefill-tokens": self.max_prefill_tokens,
             "--max-new-tokens-limit": self.max_new_tokens_limit,
             "--max-body-bytes": self.max_body_bytes,
+            "--max-image-bytes": self.max_image_bytes,
+            "--max-image-pixels": self.max_image_pixels,
             "--max-connections": self.max_connections,
             "--max-stored-responses": self.max_stored_responses,
             "--max-stored-responses-bytes": self.max_stored_responses_bytes,
@@ -201,6 +209,10 @@ class ServerArgs:
             raise ConfigError("--max-prefill-tokens must be >= --chunked-prefill-size")
         if self.http_read_timeout <= 0 or self.http_keep_alive_timeout <= 0:
             raise ConfigError("--http-read-timeout and --http-keep-alive-timeout must be positive")
+        if self.media_fetch_timeout <= 0:
+            raise ConfigError(f"--media-fetch-timeout must be positive, got {self.media_fetch_timeout}")
+        self.image_limit()  # raises ConfigError on a bad value
+        self.image_processor_kwargs()
         if self.watchdog_timeout <= 0 or self.startup_timeout <= 0:
             raise ConfigError("--watchdog-timeout and --startup-timeout must be positive")
         if self.quantization == "int4" and self.device == "cuda":
@@ -244,6 +256,36 @@ class ServerArgs:
                               "'{\"master_server_address\": \"HOST:PORT\"}'")
         return extra
 
+    def image_limit(self) -> int:
+        """The most images one prompt may carry (--limit-mm-per-prompt's "image"; ConfigError on a bad value).
+        Other modalities are not served: they may be given only as 0."""
+        text = self.limit_mm_per_prompt
+        try:
+            limits = json.loads(text) if text else {}
+        except ValueError as e:
+            raise ConfigError(f"--limit-mm-per-prompt is not JSON (e.g. '{{\"image\": 4}}'): {e}") from None
+        if not isinstance(limits, dict):
+            raise ConfigError("--limit-mm-per-prompt must be a JSON object (e.g. '{\"image\": 4}')")
+        for name, value in limits.items():
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ConfigError(f"--limit-mm-per-prompt: {name} must be an integer >= 0, got {value!r}")
+            if name not in ("image", "video", "audio"):
+                raise ConfigError(f"--limit-mm-per-prompt: unknown modality {name!r} (image, video, audio)")
+            if name != "image" and value:
+                raise ConfigError(f"--limit-mm-per-prompt: {name} input is not supported (only 0)")
+        return int(limits.get("image", DEFAULT_IMAGES_PER_PROMPT))
+
+    def image_processor_kwargs(self) -> dict[str, object]:
+        """--mm-processor-kwargs as a dict (ConfigError unless a JSON object)."""
+        text = self.mm_processor_kwargs
+        try:
+            kwargs = json.loads(text) if text else {}
+        except ValueError as e:
+            raise ConfigError(f"--mm-processor-kwargs is not JSON: {e}") from None
+        if not isinstance(kwargs, dict):
+            raise ConfigError("--mm-processor-kwargs must be a JSON object (e.g. '{\"max_pixels\": 1003520}')")
+        return kwargs
+
     @property
     def resolved_model_path(self) -> str:
         return builtin_model_dir() if self.model_path == BUILTIN_MODEL else self.model_path
@@ -281,6 +323,9 @@ class ServerArgs:
     def from_bytes(data: bytes) -> ServerArgs:
         return msgspec.msgpack.decode(data, type=ServerArgs)
 
+
+DEFAULT_IMAGES_PER_PROMPT = 8
+"""Images per prompt when --limit-mm-per-prompt does not name "image"."""
 
 MOONCAKE_EXTRA_KEYS: dict[str, type] = {"master_server_address": str, "local_hostname": str, "protocol": str,
                                          "global_segment_size": int, "local_buffer_size": int}

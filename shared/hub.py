@@ -32,6 +32,7 @@ LOADER_FILES = [
     "special_tokens_map.json",
     "chat_template.jinja",
     "chat_template.json",
+    "preprocessor_config.json",
     "additional_chat_templates/*",
 ]
 """What `snapshot_download` fetches: the weights, config and tokenizer files the processes read."""

@@ -1,7 +1,8 @@
 """What the non-worker processes need to know about a checkpoint, read from `config.json`.
 
 The worker parses the full config itself (worker_proc); this is the torch-free subset the
-scheduler and tokenizer use: layer kinds, EOS ids, context length, vocabulary size.
+scheduler and tokenizer use: layer kinds, EOS ids, context length, vocabulary size, and for a
+checkpoint that sees (a `vision_config` beside the text model) its image tokens and patch geometry.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 from shared.errors import ModelLoadError
 from shared.families.registry import SUPPORTED_ARCHITECTURES, summary, text_fields
 
-__all__ = ["SUPPORTED_ARCHITECTURES", "ModelInfo", "read_config_json"]
+__all__ = ["SUPPORTED_ARCHITECTURES", "ModelInfo", "VisionInfo", "read_config_json"]
 
 
 def _float_hook(obj: dict) -> object:
@@ -39,12 +40,43 @@ def read_config_json(model_dir: str) -> dict:
 
 
 @dataclass(frozen=True)
+class VisionInfo:
+    """What the processes know of a checkpoint's vision tower: the placeholder token each image token
+    is (`image_token_id`), the tokens around an image's placeholder in a prompt, and the patch geometry
+    (one image token covers `spatial_merge_size` x `spatial_merge_size` patches of `patch_size` pixels)."""
+
+    image_token_id: int
+    vision_start_token_id: int
+    vision_end_token_id: int
+    spatial_merge_size: int
+    patch_size: int
+
+    @staticmethod
+    def from_config(cfg: dict, source: str) -> VisionInfo | None:
+        """The wrapper's top-level token ids and its `vision_config`; None for a text-only checkpoint, and for a
+        vision tower without `image_token_id` (no prompt can place an image for it)."""
+        vision = cfg.get("vision_config")
+        if not isinstance(vision, dict) or cfg.get("image_token_id") is None:
+            return None
+        try:
+            return VisionInfo(image_token_id=int(cfg["image_token_id"]),
+                              vision_start_token_id=int(cfg["vision_start_token_id"]),
+                              vision_end_token_id=int(cfg["vision_end_token_id"]),
+                              spatial_merge_size=int(vision.get("spatial_merge_size", 2)),
+                              patch_size=int(vision.get("patch_size", 16)))  # fmt: skip
+        except (KeyError, TypeError, ValueError) as e:
+            raise ModelLoadError(f"{source}: a vision_config needs integer image_token_id, vision_start_token_id "
+                                 f"and vision_end_token_id ({e!r})") from None
+
+
+@dataclass(frozen=True)
 class ModelInfo:
     architecture: str
     layer_kinds: tuple[str, ...]  # "mamba" | "attention" | "parallel" (both) | "gdn" | "mlp" (none)
     vocab_size: int
     eos_token_ids: tuple[int, ...]
     max_position_embeddings: int
+    vision: VisionInfo | None = None  # None: a text-only checkpoint
 
     @property
     def has_recurrent_state(self) -> bool:
@@ -59,6 +91,7 @@ class ModelInfo:
     @staticmethod
     def from_dir(model_dir: str) -> ModelInfo:
         cfg = read_config_json(model_dir)
+        vision = VisionInfo.from_config(cfg, f"{model_dir}/config.json")
         arch, kinds, context = summary(cfg, f"{model_dir}/config.json")  # the family's layout (torch-free)
         cfg = text_fields(cfg)  # a multimodal wrapper's text model
         eos = cfg.get("eos_token_id")
@@ -69,4 +102,5 @@ class ModelInfo:
             vocab_size=int(cfg["vocab_size"]),
             eos_token_ids=eos_ids,
             max_position_embeddings=context,
+            vision=vision,
         )

@@ -46,6 +46,7 @@ from tokenizer_proc.metrics import AdmissionSample, render_metrics
 from tokenizer_proc.replicas.backend import ReplicatedBackend
 from tokenizer_proc.requests.admission import Admission
 from tokenizer_proc.requests.generation import Backend, BackendUnavailable
+from tokenizer_proc.requests.images import ImageLoader
 from tokenizer_proc.requests.latency import LatencyCollector
 from tokenizer_proc.requests.response_store import ResponseStore
 from tokenizer_proc.requests.tokenizer import ChatConventions, TextTokenizer
@@ -261,8 +262,9 @@ def create_app(args: ServerArgs, backend: Backend, tokenizer: TextTokenizer | No
     model_dir = args.resolved_model_path
     info = ModelInfo.from_dir(model_dir)
     tok = tokenizer or TextTokenizer.from_dir(model_dir, info, chat=ChatConventions.from_args(args))
-    ctx = AppContext(args, backend, tok, Limits.from_args(args, info.max_position_embeddings, info.vocab_size),
-                     responses=ResponseStore.from_args(args), admission=Admission.from_args(args))
+    limits = Limits.from_args(args, info.max_position_embeddings, info.vocab_size, info.vision)
+    ctx = AppContext(args, backend, tok, limits, responses=ResponseStore.from_args(args),
+                     admission=Admission.from_args(args), images=ImageLoader.from_args(args, model_dir, info.vision))
     routes = [
         Route("/generate", generate_endpoint, methods=["POST"]),
         Route("/v1/completions", completions_endpoint, methods=["POST"]),

@@ -1,4 +1,5 @@
-"""What every handler of one app shares: config, backend, tokenizer, limits, in-flight set, metrics.
+"""What every handler of one app shares: config, backend, tokenizer, limits, in-flight set, metrics, the
+image loader of a checkpoint that sees.
 
 One `AppContext` per app (created by `create_app`, stored at `app.state.ctx`); nothing global.
 """
@@ -20,6 +21,7 @@ from shared.config import ServerArgs
 from tokenizer_proc.metrics import HttpMetrics
 from tokenizer_proc.requests.admission import Admission
 from tokenizer_proc.requests.generation import Backend, InFlight
+from tokenizer_proc.requests.images import ImageLoader
 from tokenizer_proc.requests.latency import LatencyStats
 from tokenizer_proc.requests.response_store import ResponseStore
 from tokenizer_proc.requests.tokenizer import TextTokenizer
@@ -59,6 +61,7 @@ class AppContext:
     # the threads that detokenize requests with stop_regex patterns: their searches (GIL released, at
     # the lowest CPU priority) never hold the event loop, and they do not queue behind large bodies' tokenization
     matching: ThreadPoolExecutor = field(default_factory=_matching_pool)
+    images: ImageLoader | None = None  # a checkpoint that sees: its image processor (requests/images.py)
 
     async def prepare(
         self, fn: Callable[[B, TextTokenizer, Limits], R], body: B, size: int, threaded: bool = False

@@ -154,3 +154,11 @@ class FakeBackend:
 def backend() -> Iterator[FakeBackend]:
     fake = FakeBackend()
     yield fake
+
+
+@pytest.fixture(scope="session")
+def vision_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The tiny Qwen3.5 checkpoint that sees (tests/fixtures/vision_model.py)."""
+    from tests.fixtures.vision_model import make_vision_model
+
+    return make_vision_model(str(tmp_path_factory.mktemp("vision")))

@@ -11,6 +11,7 @@ Streaming (`"stream": true`): server-sent events, each `data: <same object>` wit
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import AsyncGenerator
 
@@ -23,6 +24,8 @@ from tokenizer_proc.context import get_ctx
 from tokenizer_proc.http.plumbing import read_body, sse
 from tokenizer_proc.requests.flow import Accumulated, ended, respond
 from tokenizer_proc.requests.generation import Piece
+from tokenizer_proc.requests.image_parts import generate_image_refs
+from tokenizer_proc.requests.images import load_images
 from tokenizer_proc.requests.prepare import PreparedRequest, prepare_batch, prepare_generate
 from tokenizer_proc.requests.schemas import GenerateBody
 from tokenizer_proc.requests.structured import needs_grammar
@@ -52,9 +55,13 @@ async def generate_endpoint(request: Request) -> Response:
     started = time.monotonic()
     data = await read_body(request, ctx.args.max_body_bytes)
     body = await ctx.decode(data, GenerateBody)
+    # each prompt's images are fetched and processed before the response starts
+    images = [await load_images(ctx.images, refs) for refs in generate_image_refs(body)]
     if is_batch(body):  # several answers: native_batch.py
-        reqs = await ctx.prepare(prepare_batch, body, len(data), needs_grammar(body))
+        reqs = await ctx.prepare(functools.partial(prepare_batch, images=images), body, len(data),
+                                 needs_grammar(body))  # fmt: skip
         return await respond_batch(ctx, reqs, request, started)
-    req = await ctx.prepare(prepare_generate, body, len(data), needs_grammar(body))
+    req = await ctx.prepare(functools.partial(prepare_generate, images=images[0]), body, len(data),
+                            needs_grammar(body))  # fmt: skip
     return await respond(ctx, [req], request, lambda merged: ended(_frames(merged, req, started)), error_of,
                          lambda accs: payload(req, accs[0], started))

@@ -16,6 +16,7 @@ extra answer fields (token ids, prompt logprobs, continuous usage) are placed by
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import AsyncGenerator
 from typing import Any
@@ -35,6 +36,8 @@ from tokenizer_proc.http.plumbing import (
 from tokenizer_proc.requests.chat_output import ChoiceStream, message
 from tokenizer_proc.requests.flow import Accumulated, ended, finish_error, respond
 from tokenizer_proc.requests.generation import Finish, Piece
+from tokenizer_proc.requests.image_parts import chat_image_refs
+from tokenizer_proc.requests.images import load_images
 from tokenizer_proc.requests.prepare import PreparedRequest, prepare_chat, prepare_completion
 from tokenizer_proc.requests.schemas import ChatBody, CompletionBody
 from tokenizer_proc.requests.structured import needs_grammar
@@ -196,8 +199,11 @@ async def _serve(request: Request, chat: bool) -> Response:
     data = await read_body(request, ctx.args.max_body_bytes)
     body: ChatBody | CompletionBody = await ctx.decode(data, ChatBody if chat else CompletionBody)
     check_model(ctx, body.model)
-    prepare = prepare_chat if chat else prepare_completion
-    reqs = await ctx.prepare(prepare, body, len(data), needs_grammar(body))  # type: ignore[arg-type]
+    prepare: Any = prepare_completion
+    if isinstance(body, ChatBody):  # its images are fetched and processed before the response starts
+        images = await load_images(ctx.images, chat_image_refs(body.messages))
+        prepare = functools.partial(prepare_chat, images=images)
+    reqs = await ctx.prepare(prepare, body, len(data), needs_grammar(body))
     fmt = _Format(ctx, reqs, chat)
     return await respond(ctx, reqs, request, lambda pieces: _events(fmt, pieces), openai_error, fmt.whole)
 

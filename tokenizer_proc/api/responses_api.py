@@ -22,6 +22,7 @@ app's ResponseStore once it is complete (within its bounds in count and bytes: r
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 import uuid
 from collections.abc import AsyncGenerator
@@ -36,6 +37,8 @@ from tokenizer_proc.http.errors import ApiError
 from tokenizer_proc.http.plumbing import json_response, read_body, sse
 from tokenizer_proc.requests.flow import Accumulated, ended, respond
 from tokenizer_proc.requests.generation import Finish, Piece
+from tokenizer_proc.requests.image_parts import chat_image_refs
+from tokenizer_proc.requests.images import load_images
 from tokenizer_proc.requests.prepare import PreparedRequest, prepare_chat
 from tokenizer_proc.requests.reasoning import ReasoningStream, split_reasoning
 from tokenizer_proc.requests.responses_input import chat_body, check_supported, input_messages
@@ -267,7 +270,8 @@ async def responses_endpoint(request: Request) -> Response:
         if body.previous_response_id else []  # fmt: skip
     own = await ctx.offload(len(data), input_messages, body)
     chat = await ctx.offload(len(data), chat_body, body, history + own)
-    reqs = await ctx.prepare(prepare_chat, chat, len(data), needs_grammar(chat))
+    images = await load_images(ctx.images, chat_image_refs(chat.messages))
+    reqs = await ctx.prepare(functools.partial(prepare_chat, images=images), chat, len(data), needs_grammar(chat))
     carried = own[1:] if body.instructions else own  # instructions are not carried over
     resp = _Response(ctx, body, reqs[0], history + carried)
     return await respond(ctx, reqs, request, lambda pieces: ended(resp.frames(pieces)), openai_error, resp.whole)

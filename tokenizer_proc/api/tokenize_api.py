@@ -7,8 +7,9 @@ requests are, with `tools`, `chat_template_kwargs`, `documents`, `add_generation
 `{"tokens", "count", "max_model_len"}` (plus `token_strs`, the vocabulary strings of the tokens, with
 `return_token_strs`); a list of prompts gives lists. /detokenize
 `{"tokens": [ids]}` -> `{"prompt": text, "text": text}` (vLLM's and SGLang's key), special tokens left
-out with SGLang's `skip_special_tokens`. Ids outside the vocabulary, a model name this server does not
-serve and vLLM's multimodal options (`mm_processor_kwargs`, `media_io_kwargs`) are 4xx.
+out with SGLang's `skip_special_tokens`. Messages with images count each image's tokens as a chat request
+does (the images are loaded: requests/images.py). Ids outside the vocabulary, a model name this server does
+not serve and vLLM's per-request multimodal options (`mm_processor_kwargs`, `media_io_kwargs`) are 4xx.
 """
 
 from __future__ import annotations
@@ -24,14 +25,17 @@ from tokenizer_proc.http.errors import bad_request
 from tokenizer_proc.http.plumbing import json_response, read_body
 from tokenizer_proc.requests.chat_template import ChatTemplateError
 from tokenizer_proc.requests.compat import refuse_unless_neutral
+from tokenizer_proc.requests.image_parts import chat_image_refs, place_images
+from tokenizer_proc.requests.images import PromptImages, load_images
 from tokenizer_proc.requests.peer_fields import generation_prompt, request_template, template_extra
 from tokenizer_proc.requests.prepare import chat_messages
 from tokenizer_proc.requests.schemas import ChatBody, DetokenizeBody, TokenizeBody
 from tokenizer_proc.requests.tokenizer import TextTokenizer
 from tokenizer_proc.requests.tools import plan_tools
-from tokenizer_proc.requests.validation import check_token_ids
+from tokenizer_proc.requests.validation import Limits, check_token_ids
 
-_MULTIMODAL = {name: "this server serves text models only" for name in ("mm_processor_kwargs", "media_io_kwargs")}
+_MULTIMODAL = {name: "no per-request multimodal options (the server's: --mm-processor-kwargs)"
+               for name in ("mm_processor_kwargs", "media_io_kwargs")}
 
 
 async def tokenize_endpoint(request: Request) -> Response:
@@ -42,7 +46,8 @@ async def tokenize_endpoint(request: Request) -> Response:
     refuse_unless_neutral(body, _MULTIMODAL)
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("give exactly one of prompt or messages", "prompt")
-    token_lists = await ctx.offload(len(data), _token_lists, ctx.tok, body)
+    images = await load_images(ctx.images, chat_image_refs(body.messages))
+    token_lists = await ctx.offload(len(data), _token_lists, ctx.tok, body, ctx.limits, images)
 
     def one(ids: list[int]) -> dict[str, Any]:
         out: dict[str, Any] = {"tokens": ids, "count": len(ids), "max_model_len": ctx.limits.context_length}
@@ -57,10 +62,11 @@ async def tokenize_endpoint(request: Request) -> Response:
     return json_response(one(token_lists[0]))
 
 
-def _token_lists(tok: TextTokenizer, body: TokenizeBody) -> list[list[int]]:
-    """The ids of each prompt of `body`, or of its messages (one list)."""
+def _token_lists(tok: TextTokenizer, body: TokenizeBody, limits: Limits,
+                 images: PromptImages | None) -> list[list[int]]:  # fmt: skip
+    """The ids of each prompt of `body`, or of its messages (one list, each image's tokens in place)."""
     if body.messages is not None:
-        return [_chat_tokens(tok, body)]
+        return [place_images(_chat_tokens(tok, body), images, limits.vision, "messages")[0]]
     prompts = [body.prompt] if isinstance(body.prompt, str) else list(body.prompt or [])
     special = body.add_special_tokens is not False
     return [tok.encode(p, add_special_tokens=special) for p in prompts]

@@ -24,7 +24,8 @@ MAX_METADATA_PAIRS = 16
 MAX_METADATA_KEY_CHARS = 64
 MAX_METADATA_VALUE_CHARS = 512
 
-_NO_MULTIMODAL = "this server serves text models only"
+_NO_MULTIMODAL = "images are the only media served, without per-request options (the server's: --mm-processor-kwargs)"
+_NO_VIDEO = "video input is not supported"
 _NO_PD = "no prefill/decode disaggregation"
 _NO_LORA = "no LoRA adapters"
 _NO_CUSTOM = "no custom logit processors"
@@ -62,7 +63,7 @@ _CHAT_OUT_OF_SCOPE = {
     "echo": "the answer does not repeat the last message", "return_prompt_token_ids": "use return_token_ids",
     "return_meta_info": "no SGLang meta_info on this route (use /generate)", "task": "no quick-instruction tasks",
     "input_ids": "send messages (or use /v1/completions with token ids)", "max_dynamic_patch": _NO_MULTIMODAL,
-    "min_dynamic_patch": _NO_MULTIMODAL, "use_audio_in_video": _NO_MULTIMODAL,
+    "min_dynamic_patch": _NO_MULTIMODAL, "use_audio_in_video": _NO_VIDEO,
 }  # fmt: skip
 # SGLang GenerateReqInput fields of /generate
 GENERATE_OUT_OF_SCOPE = {
@@ -70,11 +71,11 @@ GENERATE_OUT_OF_SCOPE = {
     "return_bytes": "no image generation", "return_entropy": "no entropy output",
     "background": "the request runs while you wait", "input_embeds": "send text or input_ids",
     **{name: _NO_MULTIMODAL for name in (
-        "image_data", "video_data", "audio_data", "mm_hashes", "mm_content_hashes", "use_audio_in_video",
+        "audio_data", "mm_hashes", "mm_content_hashes", "use_audio_in_video",
         "video_config", "modalities", "max_dynamic_patch", "min_dynamic_patch", "image_max_dynamic_patch",
         "video_max_dynamic_patch", "images_config", "need_wait_for_mm_inputs", "num_items_assigned",
         "encoder_urls", "positional_embed_overrides")},
-    "token_ids_logprob": "use top_logprobs_num", "return_sampling_mask": "no sampling masks",
+    "video_data": _NO_VIDEO, "token_ids_logprob": "use top_logprobs_num", "return_sampling_mask": "no sampling masks",
     "return_flat_raw_top_logprobs": "logprobs are nested lists", "return_flat_raw_top_logprobs_b64": "as above",
     "return_routed_experts": _NO_EXPERTS, "routed_experts_start_len": _NO_EXPERTS,
     "return_indexer_topk": _NO_EXPERTS, "return_prompt_token_ids": "use return_logprob with logprob_start_len 0",

@@ -179,7 +179,7 @@ async def generate(
     searches never hold the event loop; searches that pass their budget end it "rejected" (a 400)."""
     detok = tok.detokenizer(req.stops, req.skip_special_tokens, req.stop_regexes)
     msg = GenerateReq(rid=req.rid, input_ids=req.input_ids, sampling=req.sampling, priority=req.priority,
-                      save_prompt_state=req.save_prompt_state)
+                      save_prompt_state=req.save_prompt_state, images=list(req.images))
     done, completion, cached = False, 0, 0
     try:
         async with contextlib.aclosing(backend.submit(msg)) as outs:  # type: ignore[type-var]

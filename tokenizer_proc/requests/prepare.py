@@ -16,12 +16,13 @@ each choice's rid seeds it (worker_proc/output/sampling.py).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 import msgspec
 
-from shared.messages import GrammarSpec, SamplingParams, ThinkingBudget
+from shared.messages import GrammarSpec, ImageInput, SamplingParams, ThinkingBudget
 from tokenizer_proc.http.errors import bad_request
 from tokenizer_proc.requests.chat_template import ChatTemplateError
 from tokenizer_proc.requests.compat import (
@@ -30,6 +31,8 @@ from tokenizer_proc.requests.compat import (
     check_generate_fields,
     sampling_seed,
 )
+from tokenizer_proc.requests.image_parts import place_images, template_content
+from tokenizer_proc.requests.images import PromptImages
 from tokenizer_proc.requests.peer_fields import (
     answer_options,
     check_messages,
@@ -86,9 +89,18 @@ class PreparedRequest:
     prompt_logprobs: int = -1  # vLLM prompt_logprobs: >= 0 returns them with this many alternatives each
     continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage on every chunk
     reasoning: Any = None  # chat with --reasoning-parser: a tokenizer_proc.requests.reasoning.ReasoningPlan
+    images: tuple[ImageInput, ...] = ()  # the prompt's images by offset, their tokens expanded in input_ids
 
 
-def prepare_generate(body: GenerateBody, tok: TextTokenizer, limits: Limits) -> PreparedRequest:
+def _with_images(ids: list[int], images: PromptImages | None, limits: Limits,
+                 param: str) -> tuple[list[int], tuple[ImageInput, ...]]:  # fmt: skip
+    """The prompt with its images' tokens in place (image_parts.py; a 400 naming `param` on a mismatch)."""
+    return place_images(ids, images, limits.vision, param)
+
+
+def prepare_generate(body: GenerateBody, tok: TextTokenizer, limits: Limits,
+                     images: PromptImages | None = None) -> PreparedRequest:  # fmt: skip
+    """One /generate prompt; `images`: its loaded image_data (images.py), placed at its placeholders."""
     check_generate_fields(body)
     require(not (body.text is not None and body.input_ids is not None),
             "give either text or input_ids, not both", "text")
@@ -103,6 +115,7 @@ def prepare_generate(body: GenerateBody, tok: TextTokenizer, limits: Limits) -> 
         require(bool(ids), "text encodes to no tokens", "text")
     else:
         raise bad_request("one of text or input_ids is required", "text")
+    ids, placed = _with_images(ids, images, limits, "text" if body.text is not None else "input_ids")
     sp = body.sampling_params or NativeSamplingParams()
     require(body.logprob_start_len == -1 or body.logprob_start_len >= 0, "logprob_start_len must be -1 or >= 0",
             "logprob_start_len")
@@ -121,7 +134,7 @@ def prepare_generate(body: GenerateBody, tok: TextTokenizer, limits: Limits) -> 
         input_ids=ids, sampling=sampling, stops=stops, skip_special_tokens=sp.skip_special_tokens,
         stream=body.stream, return_logprobs=body.return_logprob, priority=body.priority,
         logprob_start_len=max(0, body.logprob_start_len),
-        stop_regexes=check_stop_regexes(sp.stop_regex, "sampling_params.stop_regex"),
+        stop_regexes=check_stop_regexes(sp.stop_regex, "sampling_params.stop_regex"), images=placed,
     )
 
 
@@ -203,9 +216,11 @@ def _singles(body: GenerateBody) -> list[GenerateBody]:
     return [msgspec.structs.replace(body, rid=None)]
 
 
-def prepare_batch(body: GenerateBody, tok: TextTokenizer, limits: Limits) -> list[PreparedRequest]:
+def prepare_batch(body: GenerateBody, tok: TextTokenizer, limits: Limits,
+                  images: Sequence[PromptImages | None] = ()) -> list[PreparedRequest]:  # fmt: skip
     """A /generate body with several answers (tokenizer_proc.api.native_batch): one request per prompt and
-    choice, rid `<rid>-<index>`, the index counting every prompt's choices in order."""
+    choice, rid `<rid>-<index>`, the index counting every prompt's choices in order. `images`: each prompt's
+    (none given: no prompt has images)."""
     singles = _singles(body)
     field = "text" if isinstance(body.text, list) else "input_ids"
     require(bool(singles), f"{field} is an empty batch", field)
@@ -220,7 +235,7 @@ def prepare_batch(body: GenerateBody, tok: TextTokenizer, limits: Limits) -> lis
     out: list[PreparedRequest] = []
     for pi, (single, sp) in enumerate(zip(singles, params, strict=True)):
         base = prepare_generate(msgspec.structs.replace(single, sampling_params=msgspec.structs.replace(sp, n=1)),
-                                tok, limits)  # fmt: skip
+                                tok, limits, images[pi] if images else None)  # fmt: skip
         out.extend(_choices(base, sp.n, pi, len(out), base_rid))
     return out
 
@@ -245,6 +260,7 @@ def prepare_completion(body: CompletionBody, tok: TextTokenizer, limits: Limits)
     plp = prompt_logprobs(body)
     out: list[PreparedRequest] = []
     for pi, (whole, text) in enumerate(prompts):
+        _with_images(whole, None, limits, "prompt")  # no images here: a placeholder token is a 400
         ids = truncate_prompt(whole, body, limits)
         text = text if ids is whole else tok.decode(ids)
         fields = SamplingFields(
@@ -281,10 +297,7 @@ def chat_messages(body: ChatBody) -> list[dict[str, object]]:
     check_messages(body.messages, body.continue_final_message)
     out: list[dict[str, object]] = []
     for m in body.messages:
-        if isinstance(m.content, list):
-            content = "".join(part.text for part in m.content)
-        else:
-            content = m.content or ""
+        content = template_content(m.content) if isinstance(m.content, list) else m.content or ""
         msg: dict[str, object] = {"role": m.role, "content": content}
         if m.name is not None:
             msg["name"] = m.name
@@ -308,7 +321,9 @@ def _thinking(tokens: int, plan: ReasoningPlan | None, tok: TextTokenizer) -> Th
     return thinking_budget(plan, tokens, lambda text: tok.encode(text, add_special_tokens=False))
 
 
-def prepare_chat(body: ChatBody, tok: TextTokenizer, limits: Limits) -> list[PreparedRequest]:
+def prepare_chat(body: ChatBody, tok: TextTokenizer, limits: Limits,
+                 images: PromptImages | None = None) -> list[PreparedRequest]:  # fmt: skip
+    """The choices of one chat request; `images`: its image parts loaded (images.py), in message order."""
     _check_common(body)
     check_chat_fields(body)
     require(body.max_tokens is None or body.max_completion_tokens is None,
@@ -329,8 +344,12 @@ def prepare_chat(body: ChatBody, tok: TextTokenizer, limits: Limits) -> list[Pre
                                template=own)
     except ChatTemplateError as e:
         raise bad_request(str(e), "messages" if own is None else "chat_template") from e
-    ids = truncate_prompt(tok.encode(text, add_special_tokens=body.add_special_tokens), body, limits)
+    whole, placed = _with_images(tok.encode(text, add_special_tokens=body.add_special_tokens), images, limits,
+                                 "messages")  # fmt: skip
+    ids = truncate_prompt(whole, body, limits)
     require(bool(ids), "messages encode to no tokens", "messages")
+    require(not placed or ids is whole, "truncate_prompt_tokens cannot cut a prompt with images",
+            "truncate_prompt_tokens")
     reasoning = plan_reasoning(tok.chat.reasoning_parser, text, body.separate_reasoning, body.stream_reasoning,
                                body.include_reasoning)
     if grammar is not None and (after := grammar_after(reasoning)):  # constrain the answer, not the thinking
@@ -349,6 +368,6 @@ def prepare_chat(body: ChatBody, tok: TextTokenizer, limits: Limits) -> list[Pre
     base = PreparedRequest(
         rid=new_rid("chatcmpl-"), input_ids=ids, sampling=sampling, stops=stops,
         skip_special_tokens=body.skip_special_tokens, stream=body.stream, **answer_options(body, plp),
-        return_logprobs=body.logprobs, tool_plan=plan if plan.mode else None, reasoning=reasoning,
+        return_logprobs=body.logprobs, tool_plan=plan if plan.mode else None, reasoning=reasoning, images=placed,
     )
     return _choices(base, body.n, 0, 0, base.rid if body.n > 1 else None)

@@ -5,8 +5,10 @@ Rules:
   without its instructions: OpenAI carries instructions over only when given again), then this
   request's `instructions` as the first (system) message, then its `input`: a string is one user
   message; items are messages (`role` system / developer / user / assistant, content a string or
-  `input_text` / `output_text` parts; `type` "message" or absent), `function_call` items (an assistant
-  tool call) and `function_call_output` items (the tool message answering `call_id`);
+  `input_text` / `output_text` parts and `input_image` parts (`image_url`: a data: or http(s) URL, the chat
+  request's `image_url` part; a `file_id` is a 400: no stored files); `type` "message" or absent),
+  `function_call` items (an assistant tool call) and `function_call_output` items (the tool message
+  answering `call_id`);
 - `tools` are function tools (flat: name, description, parameters, strict); `tool_choice` none / auto
   / required or {"type": "function", "name": ...}; `text.format` json_object / json_schema is the chat
   `response_format`; `max_output_tokens` is max_tokens; the vLLM / SGLang sampling extensions their
@@ -14,7 +16,8 @@ Rules:
   presence_penalty, stop, logit_bias, ignore_eos, skip_special_tokens, structured_outputs,
   chat_template_kwargs, priority) are the chat request's;
 - anything a chat request here cannot compute is a 400 naming it: other item, part and tool types
-  (images, files, built-in tools), `background`, `truncation: auto`, `include`, and the fields of
+  (files, video: "video input is not supported", built-in tools), `background`, `truncation: auto`,
+  `include`, and the fields of
   `OUT_OF_SCOPE` (`conversation`, `prompt`, `top_logprobs`, ...) unless neutral (compat.py);
   `metadata` has OpenAI's limits (compat.py).
 """
@@ -28,12 +31,15 @@ from tokenizer_proc.requests.compat import check_metadata, refuse_unless_neutral
 from tokenizer_proc.requests.schemas import (
     ChatBody,
     ChatMessage,
+    ContentPart,
     FunctionCall,
     FunctionDef,
+    ImagePart,
     NamedToolChoice,
     NamedToolChoiceFunction,
     ResponsesBody,
     StreamOptions,
+    TextPart,
     ToolCall,
     ToolDef,
 )
@@ -53,7 +59,7 @@ OUT_OF_SCOPE = {
     "context_management": "no server-side compaction", "image": "no image generation",
     "moderation": "no moderation model",
     "include_stop_str_in_output": "a matched stop string is always cut from the output",
-    "mm_processor_kwargs": "this server serves text models only",
+    "mm_processor_kwargs": "no per-request image processor options (the server's: --mm-processor-kwargs)",
     "cache_salt": "the prefix cache is shared by every request",
     "extra_key": "the prefix cache is shared by every request",
     "enable_response_messages": "responses carry output items only",
@@ -72,19 +78,44 @@ def check_supported(body: ResponsesBody) -> None:
     check_metadata(body.metadata)
 
 
-def _text(content: Any, param: str) -> str:
+def _image(part: dict[str, Any], param: str) -> ImagePart:
+    if part.get("file_id") is not None:
+        raise bad_request("input_image with a file_id is not supported (no stored files): send image_url, a data: "
+                          "or http(s) URL", f"{param}.file_id")  # fmt: skip
+    url = part.get("image_url")
+    if not isinstance(url, str):
+        raise bad_request("input_image needs image_url, a data: or http(s) URL", f"{param}.image_url")
+    return ImagePart(image_url=url)
+
+
+def _content(content: Any, param: str, images: bool = False) -> str | list[ContentPart]:
+    """A message's content: its text, or (`images`: a message that may hold input_image parts) its parts when
+    one is an image."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise bad_request("content must be a string or a list of text parts", param)
-    out = []
+    out: list[ContentPart] = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "input_image" and images:
+            out.append(_image(part, f"{param}[{j}]"))
+            continue
+        if kind in ("input_video", "video_url"):
+            raise bad_request("video input is not supported", f"{param}[{j}]")
         if kind not in TEXT_PARTS or not isinstance(part.get("text"), str):
-            raise bad_request(f"content part of type {kind!r} is not supported (text parts only: "
-                              f"{', '.join(TEXT_PARTS)})", f"{param}[{j}]")  # fmt: skip
-        out.append(part["text"])
-    return "".join(out)
+            allowed = ", ".join((*TEXT_PARTS, "input_image") if images else TEXT_PARTS)
+            raise bad_request(f"content part of type {kind!r} is not supported ({allowed})", f"{param}[{j}]")
+        out.append(TextPart(text=part["text"]))
+    if all(isinstance(p, TextPart) for p in out):
+        return "".join(p.text for p in out)  # type: ignore[union-attr]
+    return out
+
+
+def _text(content: Any, param: str) -> str:
+    text = _content(content, param)
+    assert isinstance(text, str)  # without images the parts are joined
+    return text
 
 
 def _str_field(item: dict[str, Any], key: str, param: str) -> str:
@@ -110,7 +141,7 @@ def input_messages(body: ResponsesBody) -> list[ChatMessage]:
             role = item.get("role")
             if role not in ROLES:
                 raise bad_request(f"role {role!r} is not one of {', '.join(ROLES)}", f"{param}.role")
-            out.append(ChatMessage(role=role, content=_text(item.get("content"), f"{param}.content")))
+            out.append(ChatMessage(role=role, content=_content(item.get("content"), f"{param}.content", True)))
         elif kind == "function_call":
             call = ToolCall(id=_str_field(item, "call_id", param),
                             function=FunctionCall(name=_str_field(item, "name", param),

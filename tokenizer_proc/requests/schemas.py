@@ -185,9 +185,29 @@ class CompletionBody(_OpenAIBody):
     thinking_token_budget: Any = None  # vLLM's, for reasoning models' completions: out of scope
 
 
-class TextPart(_Body):
-    type: Literal["text"]
+# The parts of a chat message's content list, told apart by their `type` (any other type is a 400 naming it)
+class TextPart(_Body, tag_field="type", tag="text"):
     text: str
+
+
+class ImageUrl(_Body):
+    url: str  # a data:image/...;base64, URL or an http(s) URL (image_fetch.py)
+    detail: str | None = None  # OpenAI's resolution hint: the checkpoint's image processor decides the size
+
+
+class ImagePart(_Body, tag_field="type", tag="image_url"):
+    """An image of a message (requests/image_parts.py): `{"url": ...}`, or the URL alone."""
+
+    image_url: str | ImageUrl
+
+
+class VideoPart(_Body, tag_field="type", tag="video_url"):
+    """Declared so that it is refused by name: video input is not supported."""
+
+    video_url: Any = None
+
+
+ContentPart = TextPart | ImagePart | VideoPart
 
 
 class FunctionCall(_Body):
@@ -206,7 +226,7 @@ class ChatMessage(_Body):
 
     open_keys: ClassVar[bool] = True
     role: str  # system, developer, user, assistant, tool, or a custom role the template renders
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
     tool_calls: list[ToolCall] | None = None

@@ -39,7 +39,7 @@ class GeneratePeerFields(SglangRouting):
     external_trace_header: dict[str, Any] | None = None
     received_time: float | None = None
     input_embeds: Any = None
-    image_data: Any = None
+    image_data: Any = None  # SGLang's images of the prompt(s) (requests/image_parts.py)
     video_data: Any = None
     audio_data: Any = None
     mm_hashes: Any = None

@@ -18,6 +18,7 @@ import msgspec
 
 from shared.config import ServerArgs
 from shared.messages import GrammarSpec, SamplingParams
+from shared.model_info import VisionInfo
 from tokenizer_proc.http.errors import ApiError, bad_request
 from tokenizer_proc.requests.fields import check_known
 from tokenizer_proc.requests.tokenizer import TextTokenizer
@@ -39,10 +40,12 @@ class Limits:
     context_length: int
     max_new_tokens_limit: int
     vocab_size: int
+    vision: VisionInfo | None = None  # a checkpoint that sees: where a prompt's image tokens go (image_parts.py)
 
     @staticmethod
-    def from_args(args: ServerArgs, max_position_embeddings: int, vocab_size: int) -> Limits:
-        return Limits(args.context_length or max_position_embeddings, args.max_new_tokens_limit, vocab_size)
+    def from_args(args: ServerArgs, max_position_embeddings: int, vocab_size: int,
+                  vision: VisionInfo | None = None) -> Limits:  # fmt: skip
+        return Limits(args.context_length or max_position_embeddings, args.max_new_tokens_limit, vocab_size, vision)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,239 @@
+"""Image loading (tokenizer_proc/requests/images.py, image_fetch.py): references of every kind to the
+checkpoint's processed pixels, and each bad image a 400 naming the problem and the field. URLs are served
+by a real HTTP server on a thread of this process."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import http.server
+import io
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from shared.config import ServerArgs
+from shared.model_info import ModelInfo
+from tests.fixtures.vision_model import image, png_bytes
+from tokenizer_proc.http.errors import ApiError
+from tokenizer_proc.requests.image_fetch import ImageRef
+from tokenizer_proc.requests.images import ImageLoader, PromptImages, load_images
+
+TIMEOUT_S = 0.5
+MAX_BYTES = 64 * 1024
+MAX_PIXELS = 400 * 400
+
+
+def encoded(img, fmt: str, **kw) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, format=fmt, **kw)
+    return buf.getvalue()
+
+
+def data_url(data: bytes, mime: str = "image/png") -> str:
+    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
+
+
+PNG = png_bytes(image(64, 48, seed=1))
+JPEG = encoded(image(64, 48, seed=1), "JPEG")
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    release: threading.Event
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        routes = {"/a.png": (PNG, "image/png"), "/a.jpg": (JPEG, "image/jpeg")}
+        if self.path in routes:
+            body, mime = routes[self.path]
+            self.send_response(200)
+            self.send_header("Content-Type", mime)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+        elif self.path == "/never":  # holds the request until the test ends
+            self.release.wait(30)
+        elif self.path == "/big-declared":
+            self.send_response(200)
+            self.send_header("Content-Length", str(MAX_BYTES + 1))
+            self.end_headers()
+            self.wfile.write(b"\0" * (MAX_BYTES + 1))
+        elif self.path == "/big-chunked":  # no Content-Length: the limit is found while reading
+            self.send_response(200)
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            for _ in range(4):
+                chunk = b"\0" * (MAX_BYTES // 2)
+                self.wfile.write(f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n")
+            self.wfile.write(b"0\r\n\r\n")
+        else:
+            self.send_error(404)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def url() -> Iterator[str]:
+    release = threading.Event()
+    handler = type("Handler", (_Handler,), {"release": release})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    release.set()
+    server.shutdown()
+    server.server_close()
+    thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def loader(vision_dir: str) -> Iterator[ImageLoader]:
+    args = ServerArgs(model_path=vision_dir, media_fetch_timeout=TIMEOUT_S, max_image_bytes=MAX_BYTES,
+                      max_image_pixels=MAX_PIXELS, limit_mm_per_prompt='{"image": 3}')
+    made = ImageLoader.from_args(args, vision_dir, ModelInfo.from_dir(vision_dir).vision)
+    assert made is not None
+    yield made
+    made.close()
+
+
+def load(loader: ImageLoader, *refs: ImageRef) -> PromptImages:
+    return asyncio.run(loader.load(refs))
+
+
+def refused(loader: ImageLoader, ref: ImageRef) -> ApiError:
+    with pytest.raises(ApiError) as e:
+        load(loader, ref)
+    assert e.value.status == 400 and e.value.param == ref.param
+    return e.value
+
+
+def test_data_url_raw_base64_and_url_give_the_processors_pixels(loader: ImageLoader, url: str) -> None:
+    got = load(loader, ImageRef(data_url(PNG), "a"), ImageRef(base64.b64encode(PNG).decode(), "b", raw_ok=True),
+               ImageRef(f"{url}/a.png", "c")).images
+    direct = loader.processor(images=[image(64, 48, seed=1)], return_tensors="np")
+    want = np.asarray(direct["pixel_values"], dtype=np.float32)
+    assert got[0].grid == tuple(int(x) for x in direct["image_grid_thw"][0])
+    assert got[0].pixels == want.tobytes()
+    assert got[1] == got[0] and got[2] == got[0]
+
+
+def test_jpeg_gif_and_rgba_images_load(loader: ImageLoader, url: str) -> None:
+    frames = [image(40, 40, seed=s).convert("P") for s in (2, 3)]
+    gif = encoded(frames[0], "GIF", save_all=True, append_images=frames[1:])
+    rgba = encoded(image(40, 40, seed=4).convert("RGBA"), "PNG")
+    webp = encoded(image(40, 40, seed=5), "WEBP")
+    bmp = encoded(image(40, 40, seed=6), "BMP")
+    got = load(loader, ImageRef(f"{url}/a.jpg", "j"), ImageRef(data_url(gif, "image/gif"), "g"),
+               ImageRef(data_url(rgba), "r")).images
+    assert len(got) == 3 and all(g.grid[0] == 1 for g in got)
+    first = load(loader, ImageRef(data_url(encoded(frames[0], "GIF"), "image/gif"), "g")).images[0]
+    assert got[1] == first  # a GIF is its first frame
+    assert len(load(loader, ImageRef(data_url(webp, "image/webp"), "w"), ImageRef(data_url(bmp), "b")).images) == 2
+
+
+def test_a_url_that_never_answers_times_out(loader: ImageLoader, url: str) -> None:
+    start = time.monotonic()
+    err = refused(loader, ImageRef(f"{url}/never", "messages[0].content[0].image_url"))
+    assert "--media-fetch-timeout" in err.message and time.monotonic() - start < TIMEOUT_S + 5
+
+
+def test_non_2xx_and_unreachable_urls(loader: ImageLoader, url: str) -> None:
+    assert "HTTP 404" in refused(loader, ImageRef(f"{url}/missing.png", "p")).message
+    with socket.socket() as s:  # a port nothing listens on once closed
+        s.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{s.getsockname()[1]}/a.png"
+    assert "cannot be fetched" in refused(loader, ImageRef(closed, "p")).message
+
+
+@pytest.mark.parametrize("path", ["/big-declared", "/big-chunked"])
+def test_a_body_over_the_byte_limit_is_refused(loader: ImageLoader, url: str, path: str) -> None:
+    assert "--max-image-bytes" in refused(loader, ImageRef(url + path, "p")).message
+
+
+def test_base64_over_the_byte_limit_is_refused_before_decoding(loader: ImageLoader) -> None:
+    big = base64.b64encode(b"\0" * (MAX_BYTES + 10)).decode()
+    assert "--max-image-bytes" in refused(loader, ImageRef(f"data:image/png;base64,{big}", "p")).message
+    assert "--max-image-bytes" in refused(loader, ImageRef(big, "p", raw_ok=True)).message
+
+
+@pytest.mark.parametrize(("source", "raw_ok", "says"), [
+    ("file:///etc/passwd", False, "scheme 'file' is not supported"),
+    ("ftp://example.com/a.png", True, "scheme 'ftp' is not supported"),
+    (base64.b64encode(PNG).decode(), False, "reference is not supported"),
+    ("data:text/plain;base64,aGk=", False, "not an image"),
+    ("data:image/png,rawbytes", False, "must be base64"),
+    ("data:image/png;base64,@@@", False, "not valid base64"),
+    ("!!not base64!!", True, "not valid base64"),
+])  # fmt: skip
+def test_references_that_are_not_images(loader: ImageLoader, source: str, raw_ok: bool, says: str) -> None:
+    assert says in refused(loader, ImageRef(source, "image_data", raw_ok=raw_ok)).message
+
+
+def test_undecodable_and_unsupported_formats(loader: ImageLoader) -> None:
+    garbage = data_url(b"\x89PNG\r\n\x1a\n" + b"\0" * 100)
+    assert "cannot be decoded" in refused(loader, ImageRef(garbage, "p")).message
+    tiff = encoded(image(16, 16), "TIFF")
+    assert "format TIFF is not supported" in refused(loader, ImageRef(data_url(tiff, "image/tiff"), "p")).message
+    svg = b'<svg xmlns="http://www.w3.org/2000/svg" width="10" height="10"><rect width="10" height="10"/></svg>'
+    assert "cannot be decoded" in refused(loader, ImageRef(data_url(svg, "image/svg+xml"), "p")).message
+    truncated = PNG[: len(PNG) // 2]
+    assert "cannot be decoded" in refused(loader, ImageRef(data_url(truncated), "p")).message
+
+
+def test_an_image_over_the_pixel_limit_is_refused(loader: ImageLoader) -> None:
+    from PIL import Image
+
+    wide = encoded(Image.new("RGB", (MAX_PIXELS // 100 + 1, 100)), "PNG")  # compresses far below the byte limit
+    assert len(wide) < MAX_BYTES
+    err = refused(loader, ImageRef(data_url(wide), "p"))
+    assert "--max-image-pixels" in err.message and f"{MAX_PIXELS // 100 + 1} x 100" in err.message
+
+
+def test_more_images_than_the_limit_and_a_text_only_model(loader: ImageLoader) -> None:
+    refs = [ImageRef(data_url(PNG), f"p{i}") for i in range(4)]
+    with pytest.raises(ApiError) as e:
+        asyncio.run(loader.load(refs))
+    assert "--limit-mm-per-prompt" in e.value.message and "4 images" in e.value.message
+    with pytest.raises(ApiError) as e:
+        asyncio.run(load_images(None, refs[:1]))
+    assert e.value.status == 400 and "takes no images" in e.value.message and e.value.param == "p0"
+    assert asyncio.run(load_images(None, [])) is None
+
+
+def test_processing_runs_off_the_event_loop(loader: ImageLoader) -> None:
+    """The processor is called on the loader's threads, and the loop runs other work meanwhile."""
+    seen: list[str] = []
+    real = loader.processor
+
+    def recording(**kw: object) -> object:
+        seen.append(threading.current_thread().name)
+        return real(**kw)
+
+    async def main() -> None:
+        ticks = 0
+
+        async def tick() -> None:
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0)
+
+        ticker = asyncio.ensure_future(tick())
+        from PIL import Image
+
+        smooth = Image.linear_gradient("L").resize((380, 380)).convert("RGB")  # compresses below the byte limit
+        await loader.load([ImageRef(data_url(encoded(smooth, "PNG")), "p")])
+        ticker.cancel()
+        assert ticks > 1
+
+    loader.processor = recording
+    try:
+        asyncio.run(main())
+    finally:
+        loader.processor = real
+    assert seen and all(name.startswith("image") for name in seen)
