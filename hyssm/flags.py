@@ -74,6 +74,8 @@ _HELP = {
     "20971520, 20 MiB)",
     "max_image_pixels": "an image's decoded width x height at most, checked before it is decoded; larger is a 400 "
     "(default: 50000000)",
+    "mm_encoder_cache_gb": "GiB of the vision tower's outputs each worker rank keeps by image content, so that an "
+    "image seen again is not encoded again (least recently used dropped; 0 = keep none) (default: 0.25)",
     "max_connections": "open HTTP connections at most; more are answered 503 and closed (default: 4096)",
     "chat_template": "the chat template: a Jinja file, or the name of one of the checkpoint's named templates "
     "(default: the checkpoint's own)",

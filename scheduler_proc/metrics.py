@@ -39,6 +39,8 @@ _COUNTERS: dict[str, str] = {
     "hyssm_cache_hits_total": "Requests that started from a cached prefix, by the tier it came from (memory: the "
     "radix cache's pools; store: loaded from the state store first).",
     "hyssm_cache_hit_tokens_total": "Prompt tokens served from a cache tier at admission, by tier.",
+    "hyssm_image_encodings_total": "Images of prompt slices given to the vision tower: encoded, or served from the "
+    "encoder cache (an image whose prefix the radix cache served is neither).",
 }
 
 # label and the values every exposition shows (as zeros before the first event)
@@ -53,6 +55,7 @@ _LABELS: dict[str, tuple[str, tuple[str, ...]]] = {
     "hyssm_state_store_loads_total": ("result", ("started", "loaded", "failed")),
     "hyssm_cache_hits_total": ("tier", ("memory", "store")),
     "hyssm_cache_hit_tokens_total": ("tier", ("memory", "store")),
+    "hyssm_image_encodings_total": ("result", ("encoded", "cached")),
 }
 
 

@@ -64,6 +64,8 @@ def apply_step(s: ResultTarget, fl: InFlight, result: StepResult) -> list[TokenO
             s.metrics.observe("hyssm_state_store_load_seconds", seconds)
         for seconds in result.store.write_seconds:
             s.metrics.observe("hyssm_state_store_write_seconds", seconds)
+    s.metrics.inc("hyssm_image_encodings_total", result.images_encoded, result="encoded")
+    s.metrics.inc("hyssm_image_encodings_total", result.images_cached, result="cached")
     outs = settle_loads(s, set(result.store_done), set(result.store_failed), bool(result.error))
     if result.error:
         return outs + fail_step(s, fl, f"worker step {result.step} failed: {result.error}")

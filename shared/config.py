@@ -129,6 +129,7 @@ class ServerArgs:
     media_fetch_timeout: float = 5.0  # seconds an image URL may take to answer with its whole body
     max_image_bytes: int = 20 * 1024 * 1024  # an image's encoded size (fetched, or decoded from base64)
     max_image_pixels: int = 50_000_000  # an image's decoded width x height
+    mm_encoder_cache_gb: float = 0.25  # each worker rank: the vision tower's outputs kept by image digest
     # HTTP connections (tokenizer process)
     max_connections: int = 4096  # open connections; more are answered 503 and closed
     max_stored_responses: int = 1024  # Responses API objects kept for previous_response_id (least recent dropped)
@@ -175,6 +176,7 @@ class ServerArgs:
             "--mamba-checkpoint-interval": self.mamba_checkpoint_interval,
             "--context-length": self.context_length,
             "--mem-budget-gb": self.mem_budget_gb,
+            "--mm-encoder-cache-gb": self.mm_encoder_cache_gb,
             "--cpu-threads": self.cpu_threads,
             "--max-queued-requests": self.max_queued_requests,
             "--graceful-shutdown-timeout": self.graceful_shutdown_timeout,

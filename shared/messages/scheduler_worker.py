@@ -179,6 +179,9 @@ class StepResult(msgspec.Struct, tag=True, kw_only=True):
     store_done: list[int] = []
     store_failed: list[int] = []
     store: StoreStats | None = None  # rank 0's state store, when the server has one
+    # images of this step's slices rank 0's vision tower encoded, and those its encoder cache served
+    images_encoded: int = 0
+    images_cached: int = 0
 
 
 ToSchedulerFromWorker = WorkerReady | StepResult

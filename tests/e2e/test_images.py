@@ -139,3 +139,16 @@ def test_langchain_and_litellm_send_images(server: Server, sdk: openai.OpenAI) -
     r = litellm.completion(model=f"openai/{MODEL}", api_base=server.url + "/v1", api_key="none", timeout=120,
                            messages=user("What is in ", img), max_tokens=6, temperature=0, ignore_eos=True)
     assert r.choices[0].message.content == want
+
+
+def test_an_image_after_other_text_is_not_encoded_again(server: Server, sdk: openai.OpenAI) -> None:
+    """The prefix cache cannot serve an image that follows other text; the encoder cache does."""
+    img = image(64, 96, 50)
+    encoded, cached_before = (server.metric("hyssm_image_encodings_total", result=r) for r in ("encoded", "cached"))
+    first = chat(sdk, user("One text before it: ", img))
+    assert server.metric("hyssm_image_encodings_total", result="encoded") == encoded + 1
+    second = chat(sdk, user("Another text entirely before it: ", img))
+    assert server.metric("hyssm_image_encodings_total", result="encoded") == encoded + 1
+    assert server.metric("hyssm_image_encodings_total", result="cached") == cached_before + 1
+    assert cached(second) < second.model_extra["prompt_token_ids"].index(IMAGE_PAD)
+    assert first.choices[0].message.content is not None

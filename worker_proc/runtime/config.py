@@ -71,4 +71,5 @@ class WorkerConfig:
             plan_cache_dir=plan_cache_dir, quantization=args.quantization,
             quantize_lm_head=not args.disable_lm_head_quantization,
             speculative_algorithm=args.speculative_algorithm, enforce_eager=args.enforce_eager,
+            encoder_cache_bytes=int(args.mm_encoder_cache_gb * (1 << 30)),
         )

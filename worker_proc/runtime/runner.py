@@ -153,6 +153,8 @@ class ModelRunner:
         t0 = time.perf_counter()
         reqs = [r for r in batch.reqs if r.rid not in refused]
         sampled: dict[str, Any] = {}
+        images = self.model.encoder_cache
+        encoded, hits = images.encoded, images.hits
         if batch.ended:
             self.grammars.forget(batch.ended)
         try:
@@ -185,6 +187,8 @@ class ModelRunner:
             refused=sorted(refused),
             **sampled,
             elapsed_s=time.perf_counter() - t0,
+            images_encoded=images.encoded - encoded,
+            images_cached=images.hits - hits,
         )
 
     def forward(self, sb: StepBatch, want_logits: bool = True) -> torch.Tensor:
