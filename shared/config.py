@@ -122,7 +122,7 @@ class ServerArgs:
     # limits
     context_length: int = 0  # 0 = the model's max_position_embeddings
     max_new_tokens_limit: int = 4096
-    max_body_bytes: int = 4 * 1024 * 1024
+    max_body_bytes: int = 32 * 1024 * 1024  # room for an image of --max-image-bytes sent as base64
     # image inputs of a checkpoint that sees (tokenizer process: tokenizer_proc/requests/images.py)
     limit_mm_per_prompt: str = '{"image": 8}'  # vLLM's flag: JSON, the most items of each modality per prompt
     mm_processor_kwargs: str = ""  # vLLM's flag: JSON object of overrides given to the image processor
