@@ -72,6 +72,8 @@ _HELP = {
     "(default: 5)",
     "max_image_bytes": "an image's encoded size at most, fetched or sent as base64; larger is a 400 (default: "
     "20971520, 20 MiB)",
+    "allowed_media_domains": "vLLM's flag, comma-separated host names: image URLs (and their redirects) must name "
+    "one of them, else a 400 before anything is fetched (default: any host)",
     "max_image_pixels": "an image's decoded width x height at most, checked before it is decoded; larger is a 400 "
     "(default: 50000000)",
     "mm_encoder_cache_gb": "GiB of the vision tower's outputs each worker rank keeps by image content, so that an "

@@ -129,6 +129,7 @@ class ServerArgs:
     media_fetch_timeout: float = 5.0  # seconds an image URL may take to answer with its whole body
     max_image_bytes: int = 20 * 1024 * 1024  # an image's encoded size (fetched, or decoded from base64)
     max_image_pixels: int = 50_000_000  # an image's decoded width x height
+    allowed_media_domains: str = ""  # vLLM's flag: comma-separated hosts image URLs may name ("" = any)
     mm_encoder_cache_gb: float = 0.25  # each worker rank: the vision tower's outputs kept by image digest
     # HTTP connections (tokenizer process)
     max_connections: int = 4096  # open connections; more are answered 503 and closed
@@ -211,6 +212,9 @@ class ServerArgs:
             raise ConfigError("--max-prefill-tokens must be >= --chunked-prefill-size")
         if self.http_read_timeout <= 0 or self.http_keep_alive_timeout <= 0:
             raise ConfigError("--http-read-timeout and --http-keep-alive-timeout must be positive")
+        if any(not d.strip() or "/" in d for d in self.allowed_media_domains.split(",")) and self.allowed_media_domains:
+            raise ConfigError(f"--allowed-media-domains must be comma-separated host names, got "
+                              f"{self.allowed_media_domains!r}")
         if self.media_fetch_timeout <= 0:
             raise ConfigError(f"--media-fetch-timeout must be positive, got {self.media_fetch_timeout}")
         self.image_limit()  # raises ConfigError on a bad value
@@ -257,6 +261,10 @@ class ServerArgs:
             raise ConfigError("--hicache-storage-backend mooncake needs --hicache-storage-backend-extra-config "
                               "'{\"master_server_address\": \"HOST:PORT\"}'")
         return extra
+
+    def media_domains(self) -> frozenset[str]:
+        """The hosts image URLs may name (--allowed-media-domains, lower case); empty: any."""
+        return frozenset(d.strip().lower() for d in self.allowed_media_domains.split(",") if d.strip())
 
     def image_limit(self) -> int:
         """The most images one prompt may carry (--limit-mm-per-prompt's "image"; ConfigError on a bad value).

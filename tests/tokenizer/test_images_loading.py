@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from shared.config import ServerArgs
+from shared.config import ConfigError, ServerArgs
 from shared.model_info import ModelInfo
 from tests.fixtures.vision_model import image, png_bytes
 from tokenizer_proc.http.errors import ApiError
@@ -54,6 +54,11 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)
+        elif self.path == "/to-ip":  # a redirect to the same server by its address
+            self.send_response(302)
+            self.send_header("Location", f"http://127.0.0.1:{self.server.server_address[1]}/a.png")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
         elif self.path == "/never":  # holds the request until the test ends
             self.release.wait(30)
         elif self.path == "/big-declared":
@@ -237,3 +242,21 @@ def test_processing_runs_off_the_event_loop(loader: ImageLoader) -> None:
     finally:
         loader.processor = real
     assert seen and all(name.startswith("image") for name in seen)
+
+
+def test_allowed_media_domains_hold_for_the_url_and_every_redirect(vision_dir: str, url: str) -> None:
+    args = ServerArgs(model_path=vision_dir, allowed_media_domains="localhost, Example.org")
+    assert args.media_domains() == {"localhost", "example.org"}
+    loader = ImageLoader.from_args(args, vision_dir, ModelInfo.from_dir(vision_dir).vision)
+    assert loader is not None
+    try:
+        png_pixels = load(loader, ImageRef(data_url(PNG), "a")).images[0].pixels
+        by_name = url.replace("127.0.0.1", "localhost")
+        assert load(loader, ImageRef(f"{by_name}/a.png", "a")).images[0].pixels == png_pixels
+        for bad in (f"{url}/a.png", f"{by_name}/to-ip"):  # by address; by name, then redirected to the address
+            e = refused(loader, ImageRef(bad, "b"))
+            assert "'127.0.0.1' is not one of --allowed-media-domains" in e.message, e.message
+    finally:
+        loader.close()
+    with pytest.raises(ConfigError):
+        ServerArgs(model_path=vision_dir, allowed_media_domains="example.org/path")

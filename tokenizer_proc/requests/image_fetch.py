@@ -5,7 +5,9 @@ Rules:
   `image_data` only: `ImageRef.raw_ok`) bare base64; any other scheme (file, ftp, ...) is a 400, so the
   server never reads its own files for a client;
 - a URL is fetched by this process (httpx, redirects followed) within `--media-fetch-timeout` seconds
-  for the whole body, and a non-2xx answer is a 400 naming its status;
+  for the whole body, and a non-2xx answer is a 400 naming its status; with `--allowed-media-domains`
+  the URL and every redirect must name one of those hosts (else a 400 before anything is sent there:
+  the server fetches no address a client could not reach through those hosts);
 - no image holds more than `--max-image-bytes` encoded bytes: base64 is measured before it is decoded,
   a fetched body while it streams (a declared Content-Length over the limit stops it before its body);
 - fetching happens before a response starts, so every failure is a 4xx with a JSON body.
@@ -45,6 +47,11 @@ class ImageRef:
 class FetchLimits:
     timeout_s: float
     max_bytes: int
+    domains: frozenset[str] = frozenset()  # the hosts URLs may name (empty: any)
+
+
+class _HostRefused(Exception):
+    """A URL (or a redirect) names a host outside --allowed-media-domains."""
 
 
 def _b64_size(data: str) -> int:
@@ -98,7 +105,8 @@ class Fetcher:
         loop = asyncio.get_running_loop()
         if self._client is None or self._loop is not loop:
             timeout = httpx.Timeout(self.limits.timeout_s)
-            self._client = httpx.AsyncClient(timeout=timeout, follow_redirects=True, max_redirects=MAX_REDIRECTS)
+            self._client = httpx.AsyncClient(timeout=timeout, follow_redirects=True, max_redirects=MAX_REDIRECTS,
+                                             event_hooks={"request": [self._check_host]})  # fmt: skip
             self._loop = loop
         return self._client
 
@@ -116,10 +124,26 @@ class Fetcher:
         allowed = "data:image/...;base64, http:// or https:// URLs" + (" or base64" if ref.raw_ok else "")
         raise bad_request(f"image {kind} is not supported ({allowed})", ref.param)
 
+    async def _check_host(self, request: httpx.Request) -> None:
+        host = (request.url.host or "").lower()
+        if self.limits.domains and host not in self.limits.domains:
+            raise _HostRefused(host)
+
     async def _fetch_url(self, url: str, ref: ImageRef) -> bytes:
-        limit, timeout = self.limits.max_bytes, self.limits.timeout_s
+        timeout = self.limits.timeout_s
         try:
-            async with asyncio.timeout(timeout), self._http().stream("GET", url) as resp:
+            return await asyncio.wait_for(self._get(url, ref), timeout)
+        except (asyncio.TimeoutError, httpx.TimeoutException):
+            raise bad_request(f"image URL did not deliver its image within {timeout:g} s (--media-fetch-timeout)",
+                              ref.param) from None
+        except _HostRefused as e:
+            raise bad_request(f"image URL host {e.args[0]!r} is not one of --allowed-media-domains",
+                              ref.param) from None
+
+    async def _get(self, url: str, ref: ImageRef) -> bytes:
+        limit = self.limits.max_bytes
+        try:
+            async with self._http().stream("GET", url) as resp:
                 if not 200 <= resp.status_code < 300:
                     raise bad_request(f"image URL answered HTTP {resp.status_code}", ref.param)
                 declared = resp.headers.get("content-length", "")
@@ -131,8 +155,5 @@ class Fetcher:
                     if len(body) > limit:
                         raise too_large(ref, self.limits, f"more than {limit} bytes sent")
                 return bytes(body)
-        except (TimeoutError, httpx.TimeoutException):
-            raise bad_request(f"image URL did not deliver its image within {timeout:g} s (--media-fetch-timeout)",
-                              ref.param) from None
         except (httpx.HTTPError, httpx.InvalidURL) as e:
             raise bad_request(f"image URL cannot be fetched: {type(e).__name__}: {e}", ref.param) from None

@@ -117,8 +117,8 @@ class ImageLoader:
             raise ModelLoadError(f"{model_dir}: the image processor cannot be loaded (preprocessor_config.json, "
                                  f"--mm-processor-kwargs {kwargs}): {e}") from None  # fmt: skip
         logger.info("images: %s, at most %d per prompt", type(processor).__name__, args.image_limit())
-        return ImageLoader(processor, vision, FetchLimits(args.media_fetch_timeout, args.max_image_bytes),
-                           args.max_image_pixels, args.image_limit())  # fmt: skip
+        limits = FetchLimits(args.media_fetch_timeout, args.max_image_bytes, args.media_domains())
+        return ImageLoader(processor, vision, limits, args.max_image_pixels, args.image_limit())
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
