@@ -10,6 +10,7 @@ from __future__ import annotations
 import msgspec
 
 from shared.messages.images import ImageInput
+from shared.messages.lora import LoraAdapter
 from shared.messages.sampling import SamplingParams
 from shared.messages.server_info import StoreStats
 
@@ -74,6 +75,7 @@ class ReqSlice(msgspec.Struct, kw_only=True, array_like=True):
     # start_pos (shared/images.py rope_delta over every image of the request)
     images: list[ImageInput] = []
     rope_delta: int = 0
+    lora_slot: int = 0  # the adapter slot whose adapter the slice runs under (0 = the base model)
 
 
 class StoreWrite(msgspec.Struct, kw_only=True, array_like=True):
@@ -109,6 +111,15 @@ class StoreLoad(msgspec.Struct, kw_only=True, array_like=True):
     state_slot: int = 0
 
 
+class LoraLoad(msgspec.Struct, kw_only=True, array_like=True):
+    """Put `adapter` in adapter slot `slot` (1..--max-loras-per-batch) before the forward pass, replacing what
+    the slot held; the scheduler sends it only for a slot no request of this batch or an earlier unfinished
+    one uses otherwise. A rank that cannot read it fails the step (StepResult.error)."""
+
+    slot: int
+    adapter: LoraAdapter
+
+
 class ForwardBatch(msgspec.Struct, tag=True, kw_only=True):
     step: int
     reqs: list[ReqSlice]
@@ -120,6 +131,7 @@ class ForwardBatch(msgspec.Struct, tag=True, kw_only=True):
     store_writes: list[StoreWrite] = []
     store_loads: list[StoreLoad] = []
     store_clear: bool = False  # empty the state store (after this batch's writes were queued: they go too)
+    lora_loads: list[LoraLoad] = []
 
 
 class Shutdown(msgspec.Struct, tag=True, kw_only=True):

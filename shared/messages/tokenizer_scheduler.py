@@ -11,6 +11,7 @@ from typing import Literal
 import msgspec
 
 from shared.messages.images import ImageInput
+from shared.messages.lora import LoraAdapter
 from shared.messages.sampling import SamplingParams
 from shared.messages.server_info import SchedulerInfo
 
@@ -29,6 +30,7 @@ class GenerateReq(msgspec.Struct, tag=True, kw_only=True):
     # the prompt's images, by offset (shared/messages/images.py); their positions of input_ids hold each
     # image's placeholder token
     images: list[ImageInput] = []
+    lora: str = ""  # the adapter the request runs under, by name (LoadLoraReq); "" = the base model
 
 
 class AbortReq(msgspec.Struct, tag=True, kw_only=True):
@@ -45,7 +47,22 @@ class GetInfoReq(msgspec.Struct, tag=True, kw_only=True):
     req_id: int
 
 
-ToScheduler = GenerateReq | AbortReq | FlushCacheReq | GetInfoReq
+class LoadLoraReq(msgspec.Struct, tag=True, kw_only=True):
+    """Register a checked adapter under its name (answered by LoraResp); a name in use is refused."""
+
+    req_id: int
+    adapter: LoraAdapter
+
+
+class UnloadLoraReq(msgspec.Struct, tag=True, kw_only=True):
+    """Forget an adapter (answered by LoraResp at once): new requests naming it are refused from now on; its
+    running and waiting requests finish under it, and its adapter slot is freed when the last one ends."""
+
+    req_id: int
+    name: str
+
+
+ToScheduler = GenerateReq | AbortReq | FlushCacheReq | GetInfoReq | LoadLoraReq | UnloadLoraReq
 
 
 # ---------------------------------------------------------------- scheduler -> tokenizer
@@ -87,6 +104,14 @@ class FlushCacheResp(msgspec.Struct, tag=True, kw_only=True):
     message: str = ""
 
 
+class LoraResp(msgspec.Struct, tag=True, kw_only=True):
+    """Answer to LoadLoraReq / UnloadLoraReq: `message` names the problem when not ok."""
+
+    req_id: int
+    ok: bool
+    message: str = ""
+
+
 class InfoResp(msgspec.Struct, tag=True, kw_only=True):
     """Answer to GetInfoReq."""
 
@@ -100,4 +125,4 @@ class SchedulerDead(msgspec.Struct, tag=True, kw_only=True):
     reason: str
 
 
-ToTokenizer = TokenOutBatch | FlushCacheResp | InfoResp | SchedulerDead
+ToTokenizer = TokenOutBatch | FlushCacheResp | InfoResp | LoraResp | SchedulerDead
