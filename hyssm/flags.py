@@ -116,6 +116,14 @@ _HELP = {
     "match earlier in its tokens to draft what followed there (default: 1)",
     "speculative_ngram_max_match_window_size": "NGRAM: the longest suffix matched; the longest match wins, the "
     "most recent among equals (default: 12)",
+    "enable_lora": "serve LoRA adapters (PEFT adapter directories) beside the base model: a request picks one by "
+    "`model` (OpenAI routes) or `lora_path` (/generate); POST /load_lora_adapter and /unload_lora_adapter change "
+    "the set at run time (--lora-paths implies this flag)",
+    "lora_paths": "adapters loaded at start: NAME=PATH, or PATH (named after its directory), several after one "
+    "flag (default: none)",
+    "max_loras_per_batch": "adapter slots: the most distinct adapters running at once; a request whose adapter "
+    "finds no slot waits like one refused for memory (default: 8)",
+    "max_lora_rank": "the largest adapter rank accepted; a higher one is refused when it is loaded (default: 64)",
     "http_keep_alive_timeout": "seconds an HTTP connection may be idle before or between requests (default: 30)",
     "max_queued_requests": "generation requests (each choice of n counted) admitted per replica beyond "
     "--max-running-requests; past that a new one is answered 503 with Retry-After before its response starts. "
@@ -147,6 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
         help_text = _HELP.get(f.name) or f"(default: {default!r})"
         if isinstance(default, bool):
             parser.add_argument(flag, action="store_true", default=default, help=help_text)
+        elif isinstance(default, tuple):  # several values after one flag, as SGLang's nargs="*"
+            parser.add_argument(flag, nargs="*", default=default, help=help_text)
         elif get_origin(hints[f.name]) is Literal:
             parser.add_argument(flag, choices=get_args(hints[f.name]), default=default, help=help_text)
         else:
@@ -169,4 +179,5 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
                 raise ConfigError(f"HYSSM_FAULTS: unknown fault {key!r}")
             kind = type(FaultConfig.__dataclass_fields__[key.strip()].default)
             fault_kwargs[key.strip()] = kind(value)
+    ns = {k: tuple(v) if isinstance(v, list) else v for k, v in ns.items()}
     return ServerArgs(**ns, faults=FaultConfig(**fault_kwargs))

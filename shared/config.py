@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
@@ -98,6 +99,11 @@ class ServerArgs:
     schedule_policy: Literal["fcfs", "priority"] = "fcfs"
     enable_priority_preemption: bool = False
     mamba_checkpoint_interval: int = 0  # 0 = only branch-point (and prompt-end) checkpoints
+    # LoRA adapters (SGLang's flags; --lora-paths implies --enable-lora, as SGLang does)
+    enable_lora: bool = False
+    lora_paths: tuple[str, ...] = ()  # NAME=PATH, or PATH (named after its directory); normalised to NAME=PATH
+    max_loras_per_batch: int = 8  # adapter slots: distinct adapters that run in one batch at most
+    max_lora_rank: int = 64  # the largest adapter rank accepted (the workers size their adapter buffers by it)
     # speculative decoding (scheduler_proc/drafting.py drafts, worker_proc/spec/verify.py verifies)
     speculative_algorithm: Literal["", "NGRAM", "NEXTN"] = ""
     speculative_num_draft_tokens: int = 4  # drafted tokens verified per step (K)
@@ -218,6 +224,7 @@ class ServerArgs:
         if self.media_fetch_timeout <= 0:
             raise ConfigError(f"--media-fetch-timeout must be positive, got {self.media_fetch_timeout}")
         self.image_limit()  # raises ConfigError on a bad value
+        self._check_lora()
         self.image_processor_kwargs()
         if self.watchdog_timeout <= 0 or self.startup_timeout <= 0:
             raise ConfigError("--watchdog-timeout and --startup-timeout must be positive")
@@ -234,6 +241,26 @@ class ServerArgs:
             raise ConfigError(f"--hicache-size must be >= 0, got {self.hicache_size}")
         if self.log_level.lower() not in ("debug", "info", "warning", "error", "critical"):
             raise ConfigError(f"--log-level must be debug|info|warning|error|critical, got {self.log_level}")
+
+    def _check_lora(self) -> None:
+        """--lora-paths implies --enable-lora and is normalised to NAME=PATH entries with unique names; the
+        adapter limits must be positive (they are checked, like SGLang's, even while LoRA is off)."""
+        if self.max_loras_per_batch <= 0:
+            raise ConfigError(f"--max-loras-per-batch must be a positive integer, got {self.max_loras_per_batch}")
+        if self.max_lora_rank <= 0:
+            raise ConfigError(f"--max-lora-rank must be a positive integer, got {self.max_lora_rank}")
+        paths = tuple(self.lora_paths)
+        named = tuple(f"{name}={path}" for name, path in (parse_lora_path(p) for p in paths))
+        names = [n.partition("=")[0] for n in named]
+        if dup := next((n for n in names if names.count(n) > 1), None):
+            raise ConfigError(f"--lora-paths names the adapter {dup!r} twice")
+        object.__setattr__(self, "lora_paths", named)
+        if named and not self.enable_lora:
+            object.__setattr__(self, "enable_lora", True)
+
+    def lora_path_map(self) -> dict[str, str]:
+        """--lora-paths as {name: path}, in the order given."""
+        return dict(parse_lora_path(p) for p in self.lora_paths)
 
     # ---- derived values -------------------------------------------------------------------
     @property
@@ -340,6 +367,25 @@ DEFAULT_IMAGES_PER_PROMPT = 8
 MOONCAKE_EXTRA_KEYS: dict[str, type] = {"master_server_address": str, "local_hostname": str, "protocol": str,
                                          "global_segment_size": int, "local_buffer_size": int}
 """What --hicache-storage-backend-extra-config may set for Mooncake (shared/state_store/mooncake.py)."""
+
+
+LORA_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}")
+"""An adapter's name: what a request's `model` or `lora_path` gives (no `=`, no spaces, at most 128 characters)."""
+
+
+def parse_lora_path(entry: str) -> tuple[str, str]:
+    """One --lora-paths value as (name, path): NAME=PATH, or a bare PATH named after its last directory
+    (ConfigError on an empty or malformed one)."""
+    name, sep, path = entry.partition("=")
+    if not sep:
+        path = entry
+        name = os.path.basename(os.path.normpath(entry)) if entry.strip() else ""
+    if not path.strip():
+        raise ConfigError(f"--lora-paths: {entry!r} names no path (give NAME=PATH or PATH)")
+    if not LORA_NAME.fullmatch(name):
+        raise ConfigError(f"--lora-paths: {entry!r}: the adapter name {name!r} must be 1-128 letters, digits or "
+                          "._:/- (starting with a letter or digit)")
+    return name, path
 
 
 def _valid_host_port(value: str) -> bool:
