@@ -7,8 +7,11 @@ One hop for every admission question:
 - `PrefillAdder`: pure arithmetic over that snapshot, one request at a time; it never allocates or
   touches the cache. Results: CONTINUE (granted), NO_TOKEN (out of memory: sets the full-batch latch),
   OTHER (a per-round budget is used up: deferred, no latch);
-- the loop (`Admission.admit`): in queue order, peek the request's cache match, ask the adder, then
-  take the slots (`ReqResources.start`) and move the request to RUNNING (`Running.start`).
+- the loop (`Admission.admit`): in queue order, peek the request's cache match, check that its LoRA
+  adapter can have an adapter slot (lora_slots.py; refused with reason "lora_slot" like a memory
+  refusal when every slot is pinned by running requests), ask the adder, then take the slots
+  (`ReqResources.start`), put the adapter in its slot (the batch's `lora_loads`) and move the request to
+  RUNNING (`Running.start`).
 `Admission` holds what it works with (the waiting queue, the retry policy, the resources, the
 metrics, the round's limits) and sees the running set only through `Running`, a narrow view.
 
@@ -31,6 +34,7 @@ from enum import Enum
 from typing import Protocol
 
 from scheduler_proc.batch import BatchBuilder
+from scheduler_proc.lora_slots import LoraSlots
 from scheduler_proc.metrics import SchedulerMetrics
 from scheduler_proc.radix_cache import PeekResult
 from scheduler_proc.request import Req, WaitingQueue
@@ -208,6 +212,7 @@ class Admission:
     metrics: SchedulerMetrics
     limits: AdmissionLimits
     adder_factory: Callable[[AdderBudget], PrefillAdder] = field(default=PrefillAdder)
+    lora: LoraSlots = field(default_factory=lambda: LoraSlots(0, enabled=False))
 
     def budget(self, view: Running, prefill_used: int) -> AdderBudget:
         """The snapshot admission draws from, after running requests took `prefill_used` prefill tokens."""
@@ -248,6 +253,9 @@ class Admission:
             self.metrics.inc("hyssm_admission_attempts_total")
             if r.refusals:
                 self.metrics.inc("hyssm_admission_retries_total")
+            if r.lora is not None and not self.lora.can_place(r.lora):  # a third resource beside KV and states
+                self.record_refusal(r, "lora_slot")
+                return
             result, grant = adder.add_one_req(r, peek, self._chunk_cap(r, peek))
             if result is AddResult.NO_TOKEN and not view.running and peek.has_state:
                 peek = res.fresh_peek(r)  # idle and the hit itself cannot be afforded: start fresh
@@ -267,6 +275,8 @@ class Admission:
                 adder.rollback(grant)
                 self.record_refusal(r, reason)
                 return
+            if r.lora is not None and (load := self.lora.place(r.lora)) is not None:
+                b.lora_loads.append(load)
             view.start(r)
             if r.queue_s < 0:  # the first admission ends its wait (not one after a retraction)
                 r.queue_s = time.monotonic() - r.arrived

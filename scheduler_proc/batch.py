@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from scheduler_proc.request import Req
-from shared.messages import CopyOp, ForwardBatch, ReqSlice, StoreLoad, StoreWrite
+from shared.messages import CopyOp, ForwardBatch, LoraLoad, ReqSlice, StoreLoad, StoreWrite
 
 if TYPE_CHECKING:
     from scheduler_proc.radix_node import TreeNode
@@ -33,6 +33,7 @@ class InFlight:
     entries: list[SliceEntry]
     by_rid: dict[str, SliceEntry]
     ckpt_nodes: list[tuple[TreeNode, int]]  # (node, slot) of each checkpoint this step's copies fill
+    lora_slots: list[int] = field(default_factory=list)  # adapter slots this step loads (ForwardBatch.lora_loads)
 
 
 @dataclass
@@ -53,6 +54,7 @@ class BatchBuilder:
     store_writes: list[StoreWrite] = field(default_factory=list)
     store_clear: bool = False
     poll: bool = False  # loads are pending: a batch goes out even with nothing else in it
+    lora_loads: list[LoraLoad] = field(default_factory=list)  # adapters put in slots before the forward pass
 
     @property
     def empty(self) -> bool:
@@ -95,11 +97,14 @@ class BatchBuilder:
                     draft_next=e.draft_next,
                     images=r.images_in(e.start, end),
                     rope_delta=r.rope_delta(e.start),
+                    lora_slot=r.lora_slot,
                 )
             )
         batch = ForwardBatch(
             step=self.step, reqs=reqs, copies=self.ckpt_copies + self.cow_copies, clears=list(self.clears),
             store_writes=list(self.store_writes), store_loads=list(self.load_messages), store_clear=self.store_clear,
+            lora_loads=list(self.lora_loads),
         )
         by_rid = {e.req.rid: e for e in self.entries}
-        return batch, InFlight(self.step, list(self.entries), by_rid, list(self.ckpt_nodes))
+        return batch, InFlight(self.step, list(self.entries), by_rid, list(self.ckpt_nodes),
+                               [load.slot for load in self.lora_loads])

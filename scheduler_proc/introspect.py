@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from typing import Any, Protocol
 
 from scheduler_proc.batch import InFlight
+from scheduler_proc.lora_slots import LoraSlots
 from scheduler_proc.metrics import SchedulerMetrics
 from scheduler_proc.request import Req, ReqStatus, WaitingQueue
 from scheduler_proc.resources import ReqResources
@@ -29,6 +30,8 @@ class SchedulerState(Protocol):
     @property
     def loading(self) -> Mapping[str, Req]: ...
     @property
+    def lora(self) -> LoraSlots: ...
+    @property
     def max_running(self) -> int: ...
     @property
     def store_stats(self) -> StoreStats | None: ...
@@ -42,6 +45,8 @@ class SchedulerState(Protocol):
     def res(self) -> ReqResources: ...
     @property
     def retry(self) -> RetryPolicy: ...
+    @property
+    def reusing(self) -> Mapping[str, Req]: ...
     @property
     def running(self) -> Mapping[str, Req]: ...
     @property
@@ -82,6 +87,7 @@ def check_scheduler(s: SchedulerState) -> None:
     _check_cover(res.kv_alloc, kv_owner, "kv slot")
     _check_cover(res.state_alloc, st_owner, "state slot")
     _check_locks(s)
+    s.lora.check_integrity([*s.reqs.values(), *s.reusing.values()], s.running.values())
 
 
 def _check_cover(alloc: Any, owner: dict[int, str], kind: str) -> None:
@@ -190,6 +196,10 @@ def server_info(s: SchedulerState) -> SchedulerInfo:
         ("hyssm_num_waiting_reqs", "Requests in the waiting queue.", {}, len(s.waiting)),
         ("hyssm_cache_locked_nodes", "Radix-cache nodes locked by running requests.", {}, cache.num_locked_nodes),
         ("hyssm_new_token_ratio", "Share of max_new_tokens reserved for running requests.", {}, s.new_token_ratio),
+        ("hyssm_lora_adapters", "LoRA adapters registered (unloaded ones still finishing requests excluded).", {},
+         len(s.lora.by_name)),
+        ("hyssm_lora_slots_used", "Adapter slots holding an adapter (of --max-loras-per-batch).", {},
+         s.lora.in_slots()),
     ]
     return SchedulerInfo(server=server, metrics=m.records(gauges) + store_records(s.store_stats))
 

@@ -11,12 +11,13 @@ from collections import Counter
 
 from shared.messages import MetricRecord
 
-REFUSAL_REASONS = ("kv", "mamba_state", "cow_alloc", "worker_refusal")
+REFUSAL_REASONS = ("kv", "mamba_state", "cow_alloc", "worker_refusal", "lora_slot")
 
 _COUNTERS: dict[str, str] = {
     "hyssm_admission_attempts_total": "Admission attempts of waiting requests (budget checks).",
     "hyssm_admission_rounds_total": "Rounds in which admission was tried, by outcome of the latch.",
-    "hyssm_admission_refusals_total": "Admissions refused for memory, by reason.",
+    "hyssm_admission_refusals_total": "Admissions refused for memory (or for want of a LoRA adapter slot), by "
+    "reason.",
     "hyssm_admission_retries_total": "Admission attempts of requests refused before.",
     "hyssm_admission_deferred_total": "Admissions deferred because a per-round budget was used up.",
     "hyssm_admitted_requests_total": "Requests admitted into the running batch (re-admissions included).",

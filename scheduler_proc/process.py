@@ -40,13 +40,16 @@ from shared.messages import (
     GetInfoReq,
     Heartbeat,
     InfoResp,
+    LoadLoraReq,
     LoopInfo,
+    LoraResp,
     ProcReady,
     SchedulerInfo,
     Shutdown,
     StepResult,
     TokenOut,
     TokenOutBatch,
+    UnloadLoraReq,
     WorkerReady,
 )
 from shared.model_info import ModelInfo
@@ -242,6 +245,10 @@ class SchedulerLoop:
                     continue
                 text = "" if ok else "cannot flush the cache while requests are running"
                 self.to_tok.send(FlushCacheResp(req_id=msg.req_id, ok=ok, message=text))
+            elif isinstance(msg, (LoadLoraReq, UnloadLoraReq)):
+                lora = self.sched.lora
+                text = lora.load(msg.adapter) if isinstance(msg, LoadLoraReq) else lora.unload(msg.name)
+                self.to_tok.send(LoraResp(req_id=msg.req_id, ok=not text, message=text))
         return outs
 
     def _handle_worker_msgs(self) -> list[TokenOut]:

@@ -12,6 +12,9 @@ the ticket's node and the slots the load fills.
 A prompt's images (shared/images.py): `tokens` holds each image's key token at its positions, so that the
 radix tree and the state store match an image by its content; the workers get the placeholder token
 there (`model_ids`) with the image itself (`images_in`) and the rotary offset (`rope_delta`).
+A request under a LoRA adapter (`lora`, lora_slots.py): `tokens[0]` is the key token of (the adapter's uid,
+the first key token), so that each adapter's prefixes live in their own subtree of the radix tree and their
+own block keys in the state store; `model_ids` gives the workers the real first token (`first_id`).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import time
 from enum import Enum
 from typing import TYPE_CHECKING
 
+from scheduler_proc.lora_slots import AdapterUse, namespace_token
 from shared.images import key_tokens, rope_delta
 from shared.messages import FinishReason, GenerateReq, ImageInput, SamplingParams, TokenOut
 
@@ -45,16 +49,20 @@ class Req:
         "pending_ckpt", "cached_tokens", "admitted", "abort_reason", "peek", "queue_token",
         "retracted_at", "refusals", "sent_kv", "sent_step", "prompt_lps", "prompt_tops", "prompt_ranks",
         "save_prompt_state", "backup_slot", "arrived", "queue_s", "store_keys", "store_checked", "load",
-        "loaded_tokens", "images",
+        "loaded_tokens", "images", "lora", "first_id",
     )  # fmt: skip
 
     def __init__(self, rid: str, input_ids: list[int], sampling: SamplingParams, priority: int, seq: int,
-                 images: tuple[ImageInput, ...] = ()) -> None:  # fmt: skip
+                 images: tuple[ImageInput, ...] = (), lora: AdapterUse | None = None) -> None:  # fmt: skip
         self.rid = rid
         self.prompt_len = len(input_ids)
         self.images = images  # by offset, each inside the prompt
         # prompt + generated tokens, an image's positions holding its key token
         self.tokens: list[int] = key_tokens(input_ids, images) if images else list(input_ids)
+        self.lora = lora  # the adapter it runs under (None: the base model), counted in its AdapterUse
+        self.first_id = input_ids[0] if input_ids else 0  # the token the model reads at position 0
+        if lora is not None and self.tokens:
+            self.tokens[0] = namespace_token(lora.adapter.uid, self.tokens[0])
         self.sampling = sampling
         self.priority = priority
         self.seq = seq  # arrival order; the queue key, kept across requeues so a request keeps its place
@@ -106,6 +114,8 @@ class Req:
     def model_ids(self, a: int, b: int) -> list[int]:
         """The tokens the model reads at positions [a, b): `tokens` with each image's placeholder token."""
         ids = self.tokens[a:b]
+        if a == 0 < b and self.lora is not None:
+            ids[0] = self.first_id
         for img in self.images_in(a, b):
             lo, hi = max(img.offset, a), min(img.end, b)
             ids[lo - a : hi - a] = [img.token_id] * (hi - lo)
@@ -114,6 +124,11 @@ class Req:
     def images_in(self, a: int, b: int) -> list[ImageInput]:
         """The images with tokens among positions [a, b)."""
         return [img for img in self.images if img.offset < b and img.end > a]
+
+    @property
+    def lora_slot(self) -> int:
+        """The adapter slot its slices run under (0: the base model)."""
+        return self.lora.slot if self.lora is not None else 0
 
     def rope_delta(self, pos: int) -> int:
         return rope_delta(self.images, pos) if self.images else 0

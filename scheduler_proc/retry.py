@@ -3,7 +3,8 @@
 The rule this engine exists for: a request never stays queued after the capacity it waits for has
 come back, and running out of memory is never fatal. Concretely:
 - admission is refused for memory (`AddResult.NO_TOKEN`, a failed state or KV allocation, a
-  copy-on-write allocation failure `StateCowAllocError`, a worker refusing the copy) -> the request
+  copy-on-write allocation failure `StateCowAllocError`, a worker refusing the copy) or for want of a
+  LoRA adapter slot (every slot pinned by a running request: lora_slots.py) -> the request
   keeps its place in the queue, holds nothing, and the full-batch latch is set; a CoW allocation
   failure is an ordinary refusal like the others, never an error or a crash;
 - the latch is cleared as soon as capacity may have come back. For hybrid SSM models with a
@@ -11,9 +12,9 @@ come back, and running out of memory is never fatal. Concretely:
   a state donated or made evictable), so the latch is cleared every round; likewise with priority
   preemption and with hybrid sliding-window attention. Otherwise (radix cache disabled,
   attention-only model) capacity only returns when the running batch changes (`running_version`,
-  bumped by `Scheduler.transition`), and the latch waits for that -- or for a different head: the
-  refusal was about one request, so when it leaves the queue (aborted) or another overtakes it
-  (priority), the new head is tried at once. With nothing running the latch is always cleared;
+  bumped by `Scheduler.transition`; an adapter slot is unpinned only then too), and the latch waits for
+  that -- or for a different head: the refusal was about one request, so when it leaves the queue
+  (aborted) or another overtakes it (priority), the new head is tried at once. With nothing running the latch is always cleared;
 - a retry of an unchanged request costs O(1): its cache match is reused while the cache epoch is
   unchanged (`ReqResources.peek`) and its first chunk is capped in O(1) (`ReqResources.first_split`).
 """

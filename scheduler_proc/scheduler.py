@@ -22,6 +22,7 @@ from scheduler_proc.admission import Admission, AdmissionLimits, PrefillAdder, r
 from scheduler_proc.batch import BatchBuilder, InFlight
 from scheduler_proc.drafting import Speculation, SpeculationConfig
 from scheduler_proc.introspect import check_scheduler, server_info
+from scheduler_proc.lora_slots import AdapterUse, LoraSlots
 from scheduler_proc.metrics import SchedulerMetrics
 from scheduler_proc.radix_cache import HybridRadixCache
 from scheduler_proc.request import Req, ReqStatus, WaitingQueue, token_out, validate
@@ -30,7 +31,15 @@ from scheduler_proc.results import apply_step
 from scheduler_proc.retry import RetryPolicy
 from scheduler_proc.store_tier import LoadTicket, StoreTier
 from shared.config import ServerArgs
-from shared.messages import FinishReason, ForwardBatch, GenerateReq, SchedulerInfo, StepResult, StoreStats, TokenOut
+from shared.messages import (
+    FinishReason,
+    ForwardBatch,
+    GenerateReq,
+    SchedulerInfo,
+    StepResult,
+    StoreStats,
+    TokenOut,
+)
 from shared.model_info import ModelInfo
 
 logger = logging.getLogger(__name__)
@@ -89,7 +98,8 @@ class Scheduler:
         self.new_token_ratio = self.tuning.init_ratio
         limits = AdmissionLimits(args.max_prefill_tokens, args.chunked_prefill_size, self.max_running,
                                  self.track_states)  # fmt: skip
-        self.admission = Admission(self.waiting, self.retry, self.res, self.metrics, limits)
+        self.lora = LoraSlots(args.max_loras_per_batch, args.enable_lora)
+        self.admission = Admission(self.waiting, self.retry, self.res, self.metrics, limits, lora=self.lora)
         self.speculation = Speculation(SpeculationConfig.from_args(args), self.res, self.context_length)
         self._seq = itertools.count()
         self._step = 0
@@ -114,6 +124,8 @@ class Scheduler:
         reuse = holder is not None and holder.abort_reason is not None and req.rid not in self._reuse
         error = validate(req, holder is not None and not reuse, self.context_length, res.kv_alloc.capacity,
                          res.state_alloc.capacity if self.track_states else None)  # fmt: skip
+        use, lora_error = self._adapter_of(req)
+        error = error or lora_error
         if error:
             logger.info("rejecting request %s: %s", req.rid, error)
             return [TokenOut(rid=req.rid, token_ids=[], finished=True, finish_reason="error", error=error,
@@ -121,7 +133,9 @@ class Scheduler:
         if req.sampling.max_new_tokens == 0:  # nothing to compute: answered without entering the table
             return [TokenOut(rid=req.rid, token_ids=[], finished=True, finish_reason="length",
                              prompt_tokens=len(req.input_ids))]  # fmt: skip
-        r = Req(req.rid, req.input_ids, req.sampling, req.priority, next(self._seq), tuple(req.images))
+        r = Req(req.rid, req.input_ids, req.sampling, req.priority, next(self._seq), tuple(req.images), use)
+        if use is not None:
+            self.lora.attach(use)
         r.save_prompt_state = req.save_prompt_state
         if reuse:
             self._reuse[r.rid] = r
@@ -130,8 +144,28 @@ class Scheduler:
             self.waiting.push(r)
         return []
 
+    def _adapter_of(self, req: GenerateReq) -> tuple[AdapterUse | None, str]:
+        """The adapter `req` names (None: the base model), or why it cannot run under it."""
+        if not req.lora:
+            return None, ""
+        if not self.lora.enabled:
+            return None, f"LoRA adapter {req.lora!r} asked for, but LoRA is off (--enable-lora)"
+        use = self.lora.lookup(req.lora)
+        return use, "" if use is not None else f"unknown LoRA adapter {req.lora!r}"
+
+    def _drop_reusing(self, r: Req) -> None:
+        """A request that waited for its rid's holder ends without entering the table."""
+        if r.lora is not None:
+            self.lora.detach(r.lora)
+
+    @property
+    def reusing(self) -> dict[str, Req]:
+        """Requests waiting for the aborted holder of their rid to leave (not yet in the table)."""
+        return self._reuse
+
     def abort(self, rid: str, reason: str = "") -> list[TokenOut]:
         if (reusing := self._reuse.pop(rid, None)) is not None:  # the holder is aborted already
+            self._drop_reusing(reusing)
             return [token_out(reusing, [], "abort")]
         r = self.reqs.get(rid)
         if r is None:
@@ -146,6 +180,8 @@ class Scheduler:
         the in-flight step may have half-written their slots) and the cache is flushed."""
         self.in_flight = None
         outs = [token_out(r, [], "error", error=reason) for r in self._reuse.values()]
+        for r in self._reuse.values():
+            self._drop_reusing(r)
         self._reuse.clear()
         for r in list(self.loading.values()):
             assert r.load is not None
@@ -282,7 +318,10 @@ class Scheduler:
         self.in_flight = None
         if result.store is not None:
             self.store_stats = result.store
-        return apply_step(self, fl, result)
+        outs = apply_step(self, fl, result)
+        if result.error:  # the ranks may not hold the adapters this step was to load
+            self.lora.forget_slots(fl.lora_slots)
+        return outs
 
     # ------------------------------------------------------------------ the doors and the one status change
     def start_load(self, r: Req, ticket: LoadTicket) -> None:
@@ -328,6 +367,8 @@ class Scheduler:
         if frm is ReqStatus.RUNNING:
             self.res.release(r, donate=donate, keep=keep)
             del self.running[r.rid]
+            if r.lora is not None:
+                self.lora.stopped(r.lora)
         elif frm is ReqStatus.LOADING:
             del self.loading[r.rid]
             if to is ReqStatus.FINISHED:
@@ -339,12 +380,16 @@ class Scheduler:
             self.res.end_kept_progress(r)
         if to is ReqStatus.RUNNING:
             self.running[r.rid] = r
+            if r.lora is not None:
+                self.lora.started(r.lora)
         elif to is ReqStatus.LOADING:
             self.loading[r.rid] = r
         elif to is ReqStatus.WAITING:
             self.waiting.push(r)
         else:
             del self.reqs[r.rid]
+            if r.lora is not None:
+                self.lora.detach(r.lora)
         if ReqStatus.RUNNING in (frm, to):
             self.running_version += 1
         r.status = to
