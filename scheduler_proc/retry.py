@@ -14,7 +14,8 @@ come back, and running out of memory is never fatal. Concretely:
   attention-only model) capacity only returns when the running batch changes (`running_version`,
   bumped by `Scheduler.transition`; an adapter slot is unpinned only then too), and the latch waits for
   that -- or for a different head: the refusal was about one request, so when it leaves the queue
-  (aborted) or another overtakes it (priority), the new head is tried at once. With nothing running the latch is always cleared;
+  (aborted) or another overtakes it (priority), the new head is tried at once. With nothing running the
+  latch is always cleared;
 - a retry of an unchanged request costs O(1): its cache match is reused while the cache epoch is
   unchanged (`ReqResources.peek`) and its first chunk is capped in O(1) (`ReqResources.first_split`).
 """
