@@ -18,6 +18,7 @@ import socket
 import time
 
 from shared.config import ConfigError, ServerArgs
+from shared.lora_paths import LoraError, startup_adapters
 from shared.model_info import ModelInfo
 
 logger = logging.getLogger(__name__)
@@ -33,6 +34,10 @@ def preflight(args: ServerArgs) -> ModelInfo:
         _check_mtp_layers(args)
     if args.chat_template:
         _check_chat_template(args)
+    try:
+        startup_adapters(args)  # every --lora-paths adapter is readable and fits this model
+    except LoraError as e:
+        raise ConfigError(f"--lora-paths: {e}") from None
     if args.node_rank == 0 and not args.http_uds:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             # as the tokenizer will bind: connections of a previous server in TIME_WAIT do not count,

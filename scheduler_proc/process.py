@@ -31,6 +31,7 @@ from shared.channels import (
 )
 from shared.config import ServerArgs
 from shared.errors import StartupError
+from shared.lora_paths import startup_adapters
 from shared.messages import (
     AbortReq,
     FlushCacheReq,
@@ -160,6 +161,9 @@ class SchedulerLoop:
         model = ModelInfo.from_dir(self.args.resolved_model_path)
         store = open_store_tier(self.args, model, namespace) if namespace else None
         self.sched = Scheduler(self.args, model, caps["kv_capacity"], caps["state_capacity"], store=store)
+        for adapter in startup_adapters(self.args):  # the tokenizer reads the same ones (shared/lora_paths.py)
+            if error := self.sched.lora.load(adapter):
+                raise StartupError(error)
         logger.info("scheduler ready: %s", caps)
         tx = Sender(self.ctx, TO_LAUNCHER, self.args)
         tx.send(ProcReady(name=self.args.proc_name("scheduler"), info=caps))

@@ -6,7 +6,8 @@ GET /v1/models, GET /v1/models/{id} (openai_api.py); POST /v1/responses, GET|DEL
 (responses_api.py); POST /tokenize, POST /detokenize, GET /tokenizer_info (tokenize_api.py);
 GET /version, GET /health (and /health_generate), GET /get_server_info
 (and /server_info), GET /get_model_info (and /model_info), POST /flush_cache (GET is a 405: it
-changes state), GET /metrics (here); GET /get_load (router_api.py, with what sglang-router reads
+changes state), GET /metrics (here); POST /load_lora_adapter, POST /unload_lora_adapter (lora_api.py);
+GET /get_load (router_api.py, with what sglang-router reads
 from the info documents).
 With `--api-key`, every route except /health, /health_generate and /metrics requires
 `Authorization: Bearer <key>` (the scheme in any case; 401 otherwise), WebSocket handshakes
@@ -34,6 +35,7 @@ from shared.config import ServerArgs
 from shared.messages import SchedulerInfo
 from shared.model_info import ModelInfo
 from tokenizer_proc.api.health import HealthProbe
+from tokenizer_proc.api.lora_api import load_lora_endpoint, unload_lora_endpoint
 from tokenizer_proc.api.native import generate_endpoint
 from tokenizer_proc.api.openai_api import chat_endpoint, completions_endpoint, model_endpoint, models_endpoint
 from tokenizer_proc.api.responses_api import response_endpoint, responses_endpoint
@@ -44,6 +46,7 @@ from tokenizer_proc.http.errors import ApiError, unavailable
 from tokenizer_proc.http.plumbing import ClientGoneResponse, json_response
 from tokenizer_proc.metrics import AdmissionSample, render_metrics
 from tokenizer_proc.replicas.backend import ReplicatedBackend
+from tokenizer_proc.requests.adapters import AdapterRegistry
 from tokenizer_proc.requests.admission import Admission
 from tokenizer_proc.requests.generation import Backend, BackendUnavailable
 from tokenizer_proc.requests.images import ImageLoader
@@ -264,7 +267,8 @@ def create_app(args: ServerArgs, backend: Backend, tokenizer: TextTokenizer | No
     tok = tokenizer or TextTokenizer.from_dir(model_dir, info, chat=ChatConventions.from_args(args))
     limits = Limits.from_args(args, info.max_position_embeddings, info.vocab_size, info.vision)
     ctx = AppContext(args, backend, tok, limits, responses=ResponseStore.from_args(args),
-                     admission=Admission.from_args(args), images=ImageLoader.from_args(args, model_dir, info.vision))
+                     admission=Admission.from_args(args), images=ImageLoader.from_args(args, model_dir, info.vision),
+                     adapters=AdapterRegistry.from_args(args))
     routes = [
         Route("/generate", generate_endpoint, methods=["POST"]),
         Route("/v1/completions", completions_endpoint, methods=["POST"]),
@@ -285,6 +289,8 @@ def create_app(args: ServerArgs, backend: Backend, tokenizer: TextTokenizer | No
         Route("/model_info", model_info, methods=["GET"]),
         Route("/get_load", get_load, methods=["GET"]),
         Route("/flush_cache", flush_cache, methods=["POST"]),  # it changes state: never on GET
+        Route("/load_lora_adapter", load_lora_endpoint, methods=["POST"]),
+        Route("/unload_lora_adapter", unload_lora_endpoint, methods=["POST"]),
         Route("/metrics", metrics, methods=["GET"]),
     ]
     known = frozenset(r.path for r in routes)

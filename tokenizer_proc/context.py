@@ -19,6 +19,7 @@ from starlette.requests import Request
 
 from shared.config import ServerArgs
 from tokenizer_proc.metrics import HttpMetrics
+from tokenizer_proc.requests.adapters import AdapterRegistry
 from tokenizer_proc.requests.admission import Admission
 from tokenizer_proc.requests.generation import Backend, InFlight
 from tokenizer_proc.requests.images import ImageLoader
@@ -62,6 +63,7 @@ class AppContext:
     # the lowest CPU priority) never hold the event loop, and they do not queue behind large bodies' tokenization
     matching: ThreadPoolExecutor = field(default_factory=_matching_pool)
     images: ImageLoader | None = None  # a checkpoint that sees: its image processor (requests/images.py)
+    adapters: AdapterRegistry = field(default_factory=lambda: AdapterRegistry(ServerArgs()))  # create_app: args
 
     async def prepare(
         self, fn: Callable[[B, TextTokenizer, Limits], R], body: B, size: int, threaded: bool = False
@@ -85,6 +87,7 @@ class AppContext:
         self.in_flight.check_integrity()
         self.metrics.check_integrity()
         self.responses.check_integrity()
+        self.adapters.check_integrity()
 
 
 def get_ctx(request: Request) -> AppContext:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from shared.config import ServerArgs, builtin_model_dir
-from shared.messages import GenerateReq, SchedulerInfo, ServerState, TokenOut
+from shared.messages import GenerateReq, LoraAdapter, SchedulerInfo, ServerState, TokenOut
 from tokenizer_proc.requests.generation import BackendUnavailable
 from tokenizer_proc.requests.tokenizer import TextTokenizer
 
@@ -84,6 +84,8 @@ class FakeBackend:
     open_streams: set[str] = field(default_factory=set)
     info_doc: SchedulerInfo = field(default_factory=lambda: SchedulerInfo(server=ServerState()))
     flush_result: tuple[bool, str] = (True, "")
+    lora_result: tuple[bool, str] = (True, "")  # the scheduler's answer to a load or an unload
+    lora_calls: list[tuple[str, str]] = field(default_factory=list)  # ("load" | "unload", name)
 
     async def submit(self, req: GenerateReq) -> AsyncIterator[TokenOut]:
         if not self.healthy:
@@ -142,6 +144,14 @@ class FakeBackend:
 
     async def flush_cache(self, include_store: bool = False) -> tuple[bool, str]:
         return self.flush_result
+
+    async def load_lora(self, adapter: LoraAdapter) -> tuple[bool, str]:
+        self.lora_calls.append(("load", adapter.name))
+        return self.lora_result
+
+    async def unload_lora(self, name: str) -> tuple[bool, str]:
+        self.lora_calls.append(("unload", name))
+        return self.lora_result
 
     def check_integrity(self) -> None:
         """Every submitted request finished or was aborted; no output stream is left open."""

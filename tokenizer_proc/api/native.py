@@ -1,6 +1,7 @@
 """POST /generate, SGLang's native API.
 
-Response: one object of native_format.py (`text`, `output_ids`, `meta_info`).
+Response: one object of native_format.py (`text`, `output_ids`, `meta_info`). `lora_path` names the LoRA
+adapter a prompt runs under (one for all, or a list of one per prompt of a batch: requests/adapters.py).
 
 Streaming (`"stream": true`): server-sent events, each `data: <same object>` with CUMULATIVE
 `text` and `output_ids` (like SGLang; the last event's text is the whole output) and
@@ -11,6 +12,7 @@ Streaming (`"stream": true`): server-sent events, each `data: <same object>` wit
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import time
 from collections.abc import AsyncGenerator
@@ -60,8 +62,11 @@ async def generate_endpoint(request: Request) -> Response:
     if is_batch(body):  # several answers: native_batch.py
         reqs = await ctx.prepare(functools.partial(prepare_batch, images=images), body, len(data),
                                  needs_grammar(body))  # fmt: skip
+        loras = ctx.adapters.resolve_each(body.lora_path, max(r.prompt_index for r in reqs) + 1)
+        reqs = [dataclasses.replace(r, lora=loras[r.prompt_index]) for r in reqs]
         return await respond_batch(ctx, reqs, request, started)
     req = await ctx.prepare(functools.partial(prepare_generate, images=images[0]), body, len(data),
                             needs_grammar(body))  # fmt: skip
+    req = dataclasses.replace(req, lora=ctx.adapters.resolve_each(body.lora_path, 1)[0])
     return await respond(ctx, [req], request, lambda merged: ended(_frames(merged, req, started)), error_of,
                          lambda accs: payload(req, accs[0], started))

@@ -16,6 +16,7 @@ extra answer fields (token ids, prompt logprobs, continuous usage) are placed by
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import time
 from collections.abc import AsyncGenerator
@@ -71,8 +72,8 @@ class _Format:
 
     def envelope(self, choices: list[dict[str, Any]], chunk: bool) -> dict[str, Any]:
         obj = self.object + (".chunk" if chunk and self.chat else "")
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.ctx.args.model_name,
-                "choices": choices}
+        model = self.req.lora or self.ctx.args.model_name  # an adapter's answers name it, as vLLM's do
+        return {"id": self.id, "object": obj, "created": self.created, "model": model, "choices": choices}
 
     def _logprobs(self, pos: int, acc: Accumulated | Piece, first: bool) -> dict[str, Any] | None:
         req = self.reqs[pos]
@@ -187,23 +188,38 @@ async def _frames(fmt: _Format, pieces: AsyncGenerator[tuple[int, Piece], None])
                     yield sse(tail)
 
 
-def check_model(ctx: AppContext, model: str | None) -> None:
-    """A request naming a model this server does not serve is a 404 (OpenAI's model_not_found)."""
-    if model is not None and model not in (ctx.args.model_name, ctx.args.model_path):
-        raise ApiError(404, f"the model {model!r} does not exist; this server serves {ctx.args.model_name!r}",
-                       "model", err_type="not_found_error")
+def check_model(ctx: AppContext, model: str | None, lora_path: Any = None) -> str:
+    """The LoRA adapter a request runs under ("" = the base model): the one its `model` names (vLLM), or with
+    `model` the base model's, SGLang's `lora_path`. A model this server does not serve is a 404 (OpenAI's
+    model_not_found); `lora_path` naming another adapter than `model` is a 400."""
+    base = model is None or model in (ctx.args.model_name, ctx.args.model_path)
+    named = ctx.adapters.resolve(lora_path, "lora_path")
+    if base:
+        return named
+    if model in ctx.adapters.adapters:
+        if named and named != model:
+            raise ApiError(400, f"model {model!r} and lora_path {named!r} name different adapters", "lora_path")
+        return model  # type: ignore[return-value]
+    served = ", ".join(repr(n) for n in [ctx.args.model_name, *ctx.adapters.adapters])
+    raise ApiError(404, f"the model {model!r} does not exist; this server serves {served}", "model",
+                   err_type="not_found_error")
+
+
+def with_adapter(reqs: list[PreparedRequest], lora: str) -> list[PreparedRequest]:
+    """The requests, each run under the adapter `lora` ("" = the base model)."""
+    return [dataclasses.replace(r, lora=lora) for r in reqs] if lora else reqs
 
 
 async def _serve(request: Request, chat: bool) -> Response:
     ctx = get_ctx(request)
     data = await read_body(request, ctx.args.max_body_bytes)
     body: ChatBody | CompletionBody = await ctx.decode(data, ChatBody if chat else CompletionBody)
-    check_model(ctx, body.model)
+    lora = check_model(ctx, body.model, body.lora_path)
     prepare: Any = prepare_completion
     if isinstance(body, ChatBody):  # its images are fetched and processed before the response starts
         images = await load_images(ctx.images, chat_image_refs(body.messages))
         prepare = functools.partial(prepare_chat, images=images)
-    reqs = await ctx.prepare(prepare, body, len(data), needs_grammar(body))
+    reqs = with_adapter(await ctx.prepare(prepare, body, len(data), needs_grammar(body)), lora)
     fmt = _Format(ctx, reqs, chat)
     return await respond(ctx, reqs, request, lambda pieces: _events(fmt, pieces), openai_error, fmt.whole)
 
@@ -216,17 +232,24 @@ async def chat_endpoint(request: Request) -> Response:
     return await _serve(request, chat=True)
 
 
-def _model_card(ctx: AppContext) -> dict[str, Any]:
+def _model_card(ctx: AppContext, lora: str = "") -> dict[str, Any]:
+    """The base model's card, or a LoRA adapter's (vLLM's: `parent` the base model, `root` its directory)."""
+    if lora:
+        return {"id": lora, "object": "model", "created": 0, "owned_by": "hyssm",
+                "root": ctx.adapters.adapters[lora].path, "parent": ctx.args.model_name,
+                "max_model_len": ctx.limits.context_length}  # fmt: skip
     return {"id": ctx.args.model_name, "object": "model", "created": 0, "owned_by": "hyssm",
-            "root": ctx.args.resolved_model_path, "max_model_len": ctx.limits.context_length}
+            "root": ctx.args.resolved_model_path, "parent": None, "max_model_len": ctx.limits.context_length}
 
 
 async def models_endpoint(request: Request) -> Response:
-    return json_response({"object": "list", "data": [_model_card(get_ctx(request))]})
+    """GET /v1/models: the base model, then every LoRA adapter."""
+    ctx = get_ctx(request)
+    cards = [_model_card(ctx)] + [_model_card(ctx, name) for name in ctx.adapters.adapters]
+    return json_response({"object": "list", "data": cards})
 
 
 async def model_endpoint(request: Request) -> Response:
-    """GET /v1/models/{id}: the model card, or 404 for a model this server does not serve."""
+    """GET /v1/models/{id}: the model's or adapter's card, or 404 for a model this server does not serve."""
     ctx = get_ctx(request)
-    check_model(ctx, request.path_params["model_id"])
-    return json_response(_model_card(ctx))
+    return json_response(_model_card(ctx, check_model(ctx, request.path_params["model_id"])))

@@ -31,7 +31,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from tokenizer_proc.api.openai_api import check_model, openai_error
+from tokenizer_proc.api.openai_api import check_model, openai_error, with_adapter
 from tokenizer_proc.context import AppContext, get_ctx
 from tokenizer_proc.http.errors import ApiError
 from tokenizer_proc.http.plumbing import json_response, read_body, sse
@@ -264,14 +264,15 @@ async def responses_endpoint(request: Request) -> Response:
     ctx = get_ctx(request)
     data = await read_body(request, ctx.args.max_body_bytes)
     body = await ctx.decode(data, ResponsesBody)
-    check_model(ctx, body.model)
+    lora = check_model(ctx, body.model)
     check_supported(body)
     history = list(_stored(ctx, body.previous_response_id, "previous_response_id").conversation) \
         if body.previous_response_id else []  # fmt: skip
     own = await ctx.offload(len(data), input_messages, body)
     chat = await ctx.offload(len(data), chat_body, body, history + own)
     images = await load_images(ctx.images, chat_image_refs(chat.messages))
-    reqs = await ctx.prepare(functools.partial(prepare_chat, images=images), chat, len(data), needs_grammar(chat))
+    reqs = with_adapter(await ctx.prepare(functools.partial(prepare_chat, images=images), chat, len(data),
+                                          needs_grammar(chat)), lora)  # fmt: skip
     carried = own[1:] if body.instructions else own  # instructions are not carried over
     resp = _Response(ctx, body, reqs[0], history + carried)
     return await respond(ctx, reqs, request, lambda pieces: ended(resp.frames(pieces)), openai_error, resp.whole)

@@ -11,12 +11,15 @@ Rules:
   recomputed from the sums), counters of a replica that went down kept at their last value (so a
   Prometheus counter never goes back), plus the routing counters; `replicas()` lists each replica.
 - flush_cache(): every replica up; succeeds when each one did.
+- load_lora() / unload_lora(): every replica up; a load some replica refused is undone on those that took
+  it, so the replicas never disagree on which adapters a request may name.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections import Counter
 from collections.abc import AsyncIterator, Sequence
@@ -24,7 +27,7 @@ from typing import Any
 
 import msgspec
 
-from shared.messages import GenerateReq, MetricRecord, SchedulerInfo, ServerState, StoreStats, TokenOut
+from shared.messages import GenerateReq, LoraAdapter, MetricRecord, SchedulerInfo, ServerState, StoreStats, TokenOut
 from tokenizer_proc.replicas.routing import CacheAwareRouter, Reason
 from tokenizer_proc.replicas.scheduler_client import SchedulerClient
 from tokenizer_proc.requests.generation import BackendUnavailable
@@ -246,6 +249,40 @@ class ReplicatedBackend:
                 self.router.forget(d)
         failed = [f"replica {d}: {msg}" for d, (ok, msg) in answers.items() if not ok]
         return (not failed, "; ".join(failed))
+
+    async def _each_up(self, what: str, calls: list[Any]) -> dict[int, tuple[bool, str]]:
+        """`calls[d]()` on every live replica d; (ok, message) by replica (one that did not answer: not ok)."""
+        live = self.live()
+        if not live:
+            raise BackendUnavailable("no replica is available")
+        results = await asyncio.gather(*(calls[d]() for d in live), return_exceptions=True)
+        answers: dict[int, tuple[bool, str]] = {}
+        for d, res in zip(live, results, strict=True):
+            if isinstance(res, BaseException):
+                logger.warning("replica %d did not answer %s: %s", d, what, res)
+                answers[d] = (False, f"no answer: {res}")
+            else:
+                answers[d] = res
+        return answers
+
+    @staticmethod
+    def _outcome(answers: dict[int, tuple[bool, str]]) -> tuple[bool, str]:
+        failed = [msg for ok, msg in answers.values() if not ok]
+        if len(answers) == 1 or len(set(failed)) == 1:
+            return not failed, failed[0] if failed else ""
+        return not failed, "; ".join(f"replica {d}: {msg}" for d, (ok, msg) in answers.items() if not ok)
+
+    async def load_lora(self, adapter: LoraAdapter) -> tuple[bool, str]:
+        answers = await self._each_up("load_lora", [functools.partial(c.load_lora, adapter) for c in self.clients])
+        ok, message = self._outcome(answers)
+        if not ok:
+            took = [d for d, (done, _) in answers.items() if done]
+            await asyncio.gather(*(self.clients[d].unload_lora(adapter.name) for d in took), return_exceptions=True)
+        return ok, message
+
+    async def unload_lora(self, name: str) -> tuple[bool, str]:
+        return self._outcome(await self._each_up("unload_lora", [
+            functools.partial(c.unload_lora, name) for c in self.clients]))
 
     def check_integrity(self) -> None:
         assert all(n >= 0 for n in self.loads), self.loads

@@ -2,7 +2,7 @@
 
 It owns both sockets, the per-request output queues and ONE reader task that decodes every
 ToTokenizer message and routes it: TokenOut by rid to that request's queue, InfoResp /
-FlushCacheResp by req_id to the waiting future. `SchedulerDead` (or a broken channel) marks the
+FlushCacheResp / LoraResp by req_id to the waiting future. `SchedulerDead` (or a broken channel) marks the
 client unhealthy and finishes every in-flight request with an error, so no request hangs.
 
 Rid reuse: a request aborted here before its final TokenOut arrived still gets that final reply
@@ -32,12 +32,16 @@ from shared.messages import (
     GenerateReq,
     GetInfoReq,
     InfoResp,
+    LoadLoraReq,
+    LoraAdapter,
+    LoraResp,
     SchedulerDead,
     SchedulerInfo,
     TokenOut,
     TokenOutBatch,
     ToScheduler,
     ToTokenizer,
+    UnloadLoraReq,
 )
 from tokenizer_proc.requests.generation import BackendUnavailable
 
@@ -118,7 +122,8 @@ class SchedulerClient:
             self.abort(rid, reason)
         return len(rids)
 
-    async def _control(self, make: type[GetInfoReq] | type[FlushCacheReq], **fields: Any) -> Any:
+    async def _control(self, make: type[GetInfoReq | FlushCacheReq | LoadLoraReq | UnloadLoraReq],
+                       **fields: Any) -> Any:  # fmt: skip
         if self._dead is not None:
             raise BackendUnavailable(self._dead)
         self._next_req_id += 1
@@ -144,6 +149,14 @@ class SchedulerClient:
 
     async def flush_cache(self, include_store: bool = False) -> tuple[bool, str]:
         resp: FlushCacheResp = await self._control(FlushCacheReq, include_store=include_store)
+        return resp.ok, resp.message
+
+    async def load_lora(self, adapter: LoraAdapter) -> tuple[bool, str]:
+        resp: LoraResp = await self._control(LoadLoraReq, adapter=adapter)
+        return resp.ok, resp.message
+
+    async def unload_lora(self, name: str) -> tuple[bool, str]:
+        resp: LoraResp = await self._control(UnloadLoraReq, name=name)
         return resp.ok, resp.message
 
     async def _read_loop(self) -> None:
@@ -178,7 +191,7 @@ class SchedulerClient:
                 queue.put_nowait(out)
                 if out.finished:
                     del self._routes[out.rid]
-        elif isinstance(msg, (InfoResp, FlushCacheResp)):
+        elif isinstance(msg, (InfoResp, FlushCacheResp, LoraResp)):
             fut = self._pending.get(msg.req_id)
             if fut is not None and not fut.done():
                 fut.set_result(msg)

@@ -27,7 +27,7 @@ MAX_METADATA_VALUE_CHARS = 512
 _NO_MULTIMODAL = "images are the only media served, without per-request options (the server's: --mm-processor-kwargs)"
 _NO_VIDEO = "video input is not supported"
 _NO_PD = "no prefill/decode disaggregation"
-_NO_LORA = "no LoRA adapters"
+_LORA_BY_NAME = "adapters are named by lora_path (or model)"
 _NO_CUSTOM = "no custom logit processors"
 _SHARED_CACHE = "the prefix cache is shared by every request"
 _NO_EXPERTS = "no routed-expert or hidden-state capture"
@@ -51,7 +51,7 @@ OUT_OF_SCOPE = {
     "bootstrap_host": _NO_PD, "bootstrap_port": _NO_PD, "bootstrap_room": _NO_PD,
     "disagg_prefill_dp_rank": _NO_PD, "vllm_xargs": "no extensions read them",
     "repetition_detection": "no repetition detection", "watermarking": "no watermarking",
-    "guided_whitespace_pattern": "structured JSON output has no free whitespace", "lora_path": _NO_LORA,
+    "guided_whitespace_pattern": "structured JSON output has no free whitespace",
     "session_params": "no sessions: send the whole prompt", "ngram_corpus_id": "no n-gram speculation corpora",
     "return_cached_tokens_details": "usage has cached_tokens only",
 }  # fmt: skip
@@ -79,7 +79,7 @@ GENERATE_OUT_OF_SCOPE = {
     "return_flat_raw_top_logprobs": "logprobs are nested lists", "return_flat_raw_top_logprobs_b64": "as above",
     "return_routed_experts": _NO_EXPERTS, "routed_experts_start_len": _NO_EXPERTS,
     "return_indexer_topk": _NO_EXPERTS, "return_prompt_token_ids": "use return_logprob with logprob_start_len 0",
-    "session_params": "no sessions: send the whole prompt", "lora_path": _NO_LORA, "lora_id": _NO_LORA,
+    "session_params": "no sessions: send the whole prompt", "lora_id": _LORA_BY_NAME,
     "custom_logit_processor": _NO_CUSTOM, "bootstrap_host": _NO_PD, "bootstrap_port": _NO_PD,
     "bootstrap_room": _NO_PD, "bootstrap_pair_key": _NO_PD, "decode_tp_size": _NO_PD,
     "disagg_prefill_dp_rank": _NO_PD, "kv_router_hint": _NO_PD,

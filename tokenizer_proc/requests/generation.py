@@ -16,7 +16,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from shared.messages import GenerateReq, SchedulerInfo, TokenOut
+from shared.messages import GenerateReq, LoraAdapter, SchedulerInfo, TokenOut
 from tokenizer_proc.http.errors import bad_request
 from tokenizer_proc.requests.detokenizer import IncrementalDetokenizer
 from tokenizer_proc.requests.prepare import PreparedRequest
@@ -51,6 +51,14 @@ class Backend(Protocol):
     async def info(self) -> SchedulerInfo: ...
 
     async def flush_cache(self, include_store: bool = False) -> tuple[bool, str]: ...
+
+    async def load_lora(self, adapter: LoraAdapter) -> tuple[bool, str]:
+        """Register a checked adapter with the scheduler (every replica); (ok, why not)."""
+        ...
+
+    async def unload_lora(self, name: str) -> tuple[bool, str]:
+        """Forget an adapter for new requests at the scheduler (every replica); (ok, why not)."""
+        ...
 
 
 @dataclass
@@ -179,7 +187,7 @@ async def generate(
     searches never hold the event loop; searches that pass their budget end it "rejected" (a 400)."""
     detok = tok.detokenizer(req.stops, req.skip_special_tokens, req.stop_regexes)
     msg = GenerateReq(rid=req.rid, input_ids=req.input_ids, sampling=req.sampling, priority=req.priority,
-                      save_prompt_state=req.save_prompt_state, images=list(req.images))
+                      save_prompt_state=req.save_prompt_state, images=list(req.images), lora=req.lora)
     done, completion, cached = False, 0, 0
     try:
         async with contextlib.aclosing(backend.submit(msg)) as outs:  # type: ignore[type-var]

@@ -90,6 +90,7 @@ class PreparedRequest:
     continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage on every chunk
     reasoning: Any = None  # chat with --reasoning-parser: a tokenizer_proc.requests.reasoning.ReasoningPlan
     images: tuple[ImageInput, ...] = ()  # the prompt's images by offset, their tokens expanded in input_ids
+    lora: str = ""  # the LoRA adapter it runs under, by name ("" = the base model; requests/adapters.py)
 
 
 def _with_images(ids: list[int], images: PromptImages | None, limits: Limits,

@@ -61,7 +61,7 @@ class GeneratePeerFields(SglangRouting):
     return_indexer_topk: Any = None
     return_prompt_token_ids: Any = None
     session_params: Any = None
-    lora_path: Any = None
+    lora_path: str | list[str | None] | None = None  # the LoRA adapter by name, or one per prompt (adapters.py)
     lora_id: Any = None
     custom_logit_processor: Any = None
     positional_embed_overrides: Any = None
@@ -121,7 +121,7 @@ class OpenAIPeerFields(SglangRouting):
     repetition_detection: Any = None
     watermarking: Any = None
     guided_whitespace_pattern: Any = None
-    lora_path: Any = None
+    lora_path: str | None = None  # SGLang's: the LoRA adapter by name, as `model` names it (openai_api.check_model)
     custom_logit_processor: Any = None
     custom_params: Any = None
     session_params: Any = None
