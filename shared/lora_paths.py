@@ -9,7 +9,6 @@ The reader is `shared/lora_standin.py` until shared/lora.py lands; only the impo
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import os
 
@@ -19,6 +18,7 @@ from shared.families.registry import parse_config
 from shared.lora_standin import LoraError, read_adapter
 from shared.messages import LoraAdapter
 from shared.model_config import HybridConfig
+from shared.model_info import read_config_json
 
 logger = logging.getLogger(__name__)
 
@@ -28,8 +28,7 @@ __all__ = ["LoraError", "read_checked", "startup_adapters"]
 @functools.lru_cache(maxsize=4)
 def _model_config(model_dir: str) -> HybridConfig:
     try:
-        with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
-            return parse_config(json.load(f))
+        return parse_config(read_config_json(model_dir), os.path.join(model_dir, "config.json"))
     except (OSError, ValueError, ModelLoadError) as e:
         raise LoraError(f"LoRA adapters need the served model's config.json: {e}") from None
 
