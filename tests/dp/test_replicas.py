@@ -14,7 +14,7 @@ import pytest
 import hyssm.serve as launch
 from shared.channels import SCHEDULER_TO_TOKENIZER, SCHEDULER_TO_WORKER, TO_LAUNCHER, TOKENIZER_TO_SCHEDULER
 from shared.config import ConfigError, ServerArgs
-from shared.messages import MetricRecord, SchedulerInfo, ServerState, StoreStats
+from shared.messages import LoraAdapter, MetricRecord, SchedulerInfo, ServerState, StoreStats
 from shared.replicas import ReplicaSet, dist_addrs, node_processes
 from tests.tokenizer.conftest import FakeBackend
 from tokenizer_proc import create_app
@@ -215,5 +215,24 @@ def test_info_keeps_counters_of_a_replica_gone() -> None:
         assert len(backend.router.indexes[0]) == 0  # a flushed replica holds no prefix any more
         replicas[0].flush_result = (False, "cannot flush the cache while requests are running")
         assert await backend.flush_cache() == (False, "replica 0: cannot flush the cache while requests are running")
+
+    asyncio.run(main())
+
+
+def test_lora_load_goes_to_every_replica_and_a_refused_one_is_undone() -> None:
+    replicas = [_replica(0), _replica(0), _replica(0)]
+    backend = ReplicatedBackend(replicas)  # type: ignore[list-item]
+    adapter = LoraAdapter(name="sql", path="/a/sql", uid="u", rank=8, scaling=2.0, targets=("q_proj",))
+
+    async def main() -> None:
+        assert await backend.load_lora(adapter) == (True, "")
+        assert await backend.unload_lora("sql") == (True, "")
+        assert all(r.lora_calls == [("load", "sql"), ("unload", "sql")] for r in replicas)
+        replicas[1].lora_result = (False, "no")
+        replicas[2].go_down("gone")
+        ok, message = await backend.load_lora(adapter)
+        assert not ok and message == "no"
+        assert replicas[0].lora_calls[2:] == [("load", "sql"), ("unload", "sql")]  # undone where it was taken
+        assert replicas[2].lora_calls == [("load", "sql"), ("unload", "sql")]  # a replica down is not asked
 
     asyncio.run(main())

@@ -22,6 +22,9 @@ from shared.messages import (
     GenerateReq,
     GetInfoReq,
     InfoResp,
+    LoadLoraReq,
+    LoraAdapter,
+    LoraResp,
     MetricRecord,
     SamplingParams,
     SchedulerDead,
@@ -29,6 +32,7 @@ from shared.messages import (
     ServerState,
     TokenOut,
     TokenOutBatch,
+    UnloadLoraReq,
 )
 from tokenizer_proc.replicas.scheduler_client import SchedulerClient
 from tokenizer_proc.requests.generation import BackendUnavailable
@@ -134,6 +138,22 @@ def test_info_and_flush_answered_by_req_id(run_args: ServerArgs) -> None:
         with pytest.raises(TimeoutError):
             await client.info()  # nobody answers this one
         assert isinstance(await _recv(peer_rx), GetInfoReq)
+
+    _with_peer(run_args, body)
+
+
+def test_lora_loads_and_unloads_answered_by_req_id(run_args: ServerArgs) -> None:
+    adapter = LoraAdapter(name="sql", path="/a/sql", uid="u1", rank=8, scaling=2.0, targets=("q_proj",))
+
+    async def body(client: SchedulerClient, peer_rx: Receiver, peer_tx: Sender) -> None:
+        load = asyncio.ensure_future(client.load_lora(adapter))
+        unload = asyncio.ensure_future(client.unload_lora("chat"))
+        reqs = {type(r): r for r in [await _recv(peer_rx), await _recv(peer_rx)]}
+        assert reqs[LoadLoraReq].adapter == adapter and reqs[UnloadLoraReq].name == "chat"
+        peer_tx.send(LoraResp(req_id=reqs[UnloadLoraReq].req_id, ok=False, message="not loaded"))
+        peer_tx.send(LoraResp(req_id=reqs[LoadLoraReq].req_id, ok=True))
+        assert await load == (True, "")
+        assert await unload == (False, "not loaded")
 
     _with_peer(run_args, body)
 
