@@ -4,6 +4,7 @@ next batch, and an idle loop with blocked work waits instead of polling with a z
 
 from __future__ import annotations
 
+import os
 import tempfile
 import time
 from collections.abc import Iterator
@@ -29,12 +30,17 @@ from shared.messages import (
     AbortReq,
     ForwardBatch,
     GenerateReq,
+    LoadLoraReq,
+    LoraAdapter,
+    LoraResp,
     ProcReady,
     SamplingParams,
     StepResult,
     TokenOutBatch,
+    UnloadLoraReq,
     WorkerReady,
 )
+from tests.fixtures.lora_adapter import write_adapter
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -81,9 +87,11 @@ class Peers:
 
 
 @pytest.fixture
-def peers() -> Iterator[Peers]:
+def peers(request: pytest.FixtureRequest) -> Iterator[Peers]:
+    """The loop over the built-in model; an indirect param lists adapters to serve from --lora-paths."""
     with tempfile.TemporaryDirectory(prefix="hyssm-loop-") as run_dir:
-        args = ServerArgs(run_dir=run_dir, max_total_tokens=256, max_mamba_cache_size=16)
+        lora = tuple(f"{n}={write_adapter(os.path.join(run_dir, n))}" for n in getattr(request, "param", ()))
+        args = ServerArgs(run_dir=run_dir, max_total_tokens=256, max_mamba_cache_size=16, lora_paths=lora)
         ctx = zmq.Context()
         launcher = Receiver(ctx, TO_LAUNCHER, args)
         loop = SchedulerLoop(args)
@@ -180,3 +188,25 @@ def test_blocked_idle_loop_waits_instead_of_spinning(peers: Peers, monkeypatch: 
     peers.loop.run_once()
     assert time.monotonic() - t0 >= process._BLOCKED_POLL_MS / 1000 * 0.5
     assert not _batches(peers.sent())
+
+
+@pytest.mark.parametrize("peers", [("sql",)], indirect=True)
+def test_adapters_from_lora_paths_and_load_unload_messages(peers: Peers) -> None:
+    sched = peers.loop.sched
+    assert sched is not None and list(sched.lora.by_name) == ["sql"]
+    sp = SamplingParams(max_new_tokens=2, temperature=0.0, ignore_eos=True)
+    peers.tok.send(GenerateReq(rid="a", input_ids=[5, 6, 7], sampling=sp, lora="sql"))
+    peers.run_until(lambda: peers.loop.in_flight is not None)
+    (batch,) = _batches(peers.sent())
+    assert [(load.slot, load.adapter.name) for load in batch.lora_loads] == [(1, "sql")]
+    assert batch.reqs[0].lora_slot == 1 and batch.reqs[0].input_ids == [5, 6, 7]
+    other = LoraAdapter(name="chat", path="/a/chat", uid="u2", rank=8, scaling=2.0, targets=("q_proj",))
+    for msg in (LoadLoraReq(req_id=1, adapter=other), LoadLoraReq(req_id=2, adapter=other),
+                UnloadLoraReq(req_id=3, name="sql"), UnloadLoraReq(req_id=4, name="sql")):
+        peers.tok.send(msg)
+    peers.run_until(lambda: len(peers.log) >= 4)
+    answers = [(m.req_id, m.ok, m.message) for _, m in peers.sent() if isinstance(m, LoraResp)]
+    assert [(i, ok) for i, ok, _ in answers] == [(1, True), (2, False), (3, True), (4, False)]
+    assert "loaded already" in answers[1][2] and "not loaded" in answers[3][2]
+    assert sched.lora.draining and sched.running["a"].lora is sched.lora.draining[0]  # a finishes under sql
+    sched.check_integrity()
