@@ -142,28 +142,31 @@ class Engine:
     def generate(self, prompt: Prompt = None, sampling_params: OneOrMoreParams = None, *,
                  input_ids: InputIds = None, return_logprob: bool | None = None, top_logprobs_num: int | None = None,
                  logprob_start_len: int | None = None, priority: int | None = None,
-                 rid: str | None = None) -> dict[str, Any] | list[dict[str, Any]]:
+                 rid: str | None = None, lora_path: str | list[str | None] | None = None,
+                 ) -> dict[str, Any] | list[dict[str, Any]]:
         """POST /generate: one prompt (text or ids) gives one result; a list of prompts (or `n` > 1)
         gives a list, in input order (prompt i's choice j at i * n + j). `sampling_params` is one for
-        every prompt or a list of one per prompt. Raises RequestError for a
+        every prompt or a list of one per prompt; `lora_path` names the LoRA adapter (SGLang's: its name,
+        or a list of one per prompt; None = the base model). Raises RequestError for a
         request the server refuses (the message names the field), EngineDeadError when the engine died."""
         body = self._generate_body(prompt, input_ids, sampling_params, False, {
             "return_logprob": return_logprob, "top_logprobs_num": top_logprobs_num,
-            "logprob_start_len": logprob_start_len, "priority": priority, "rid": rid})
+            "logprob_start_len": logprob_start_len, "priority": priority, "rid": rid, "lora_path": lora_path})
         return self._client.request("POST", "/generate", body)
 
     async def async_generate(self, prompt: Prompt = None,
                              sampling_params: OneOrMoreParams = None, *,
                              input_ids: InputIds = None, stream: bool = False, return_logprob: bool | None = None,
                              top_logprobs_num: int | None = None, logprob_start_len: int | None = None,
-                             priority: int | None = None,
-                             rid: str | None = None) -> dict[str, Any] | list[dict[str, Any]] | AsyncIterator[dict]:
+                             priority: int | None = None, rid: str | None = None,
+                             lora_path: str | list[str | None] | None = None,
+                             ) -> dict[str, Any] | list[dict[str, Any]] | AsyncIterator[dict]:
         """As `generate`, awaited. With `stream=True` it returns an async iterator of the server's
         stream objects: each the request's result so far (cumulative `text` and `output_ids`,
         `meta_info.finish_reason` null until the last; with a batch or `n` > 1 each carries its `index`)."""
         body = self._generate_body(prompt, input_ids, sampling_params, stream, {
             "return_logprob": return_logprob, "top_logprobs_num": top_logprobs_num,
-            "logprob_start_len": logprob_start_len, "priority": priority, "rid": rid})
+            "logprob_start_len": logprob_start_len, "priority": priority, "rid": rid, "lora_path": lora_path})
         if stream:
             self._client.check_alive()
             return self._client.stream("/generate", body)
@@ -171,6 +174,7 @@ class Engine:
 
     def _chat_body(self, messages: list[dict[str, Any]], sampling_params: Any, stream: bool,
                    options: dict[str, Any]) -> dict[str, Any]:
+        """The chat body; `extra` may name a LoRA adapter as `model` or `lora_path`."""
         body: dict[str, Any] = {"model": self.args.model_name, "messages": messages, "stream": stream,
                                 "return_token_ids": True, **SamplingParams.of(sampling_params).to_chat()}
         body.update({k: v for k, v in options.items() if v is not None})
@@ -206,3 +210,13 @@ class Engine:
     def flush_cache(self) -> dict[str, Any]:
         """POST /flush_cache: empty the prefix cache."""
         return self._client.request("POST", "/flush_cache")
+
+    # ---- LoRA adapters (with enable_lora=True or lora_paths) ----------------------------------------------
+    def load_lora_adapter(self, lora_name: str, lora_path: str) -> dict[str, Any]:
+        """POST /load_lora_adapter: serve the PEFT adapter at `lora_path` as `lora_name` (RequestError when it
+        cannot be served: the message says why)."""
+        return self._client.request("POST", "/load_lora_adapter", {"lora_name": lora_name, "lora_path": lora_path})
+
+    def unload_lora_adapter(self, lora_name: str) -> dict[str, Any]:
+        """POST /unload_lora_adapter: requests naming it are refused from now on; running ones finish under it."""
+        return self._client.request("POST", "/unload_lora_adapter", {"lora_name": lora_name})
