@@ -5,6 +5,7 @@ the cache never serves one adapter's prefix to another (keyed by uid, not by nam
 
 from __future__ import annotations
 
+import random
 from typing import Any
 
 import msgspec
@@ -12,7 +13,7 @@ import pytest
 
 from scheduler_proc.scheduler import Scheduler
 from shared.messages import GenerateReq, LoraAdapter, TokenOut
-from tests.scheduler.fake_worker import FakeWorker, SlotError
+from tests.scheduler.fake_worker import TAG, FakeWorker, SlotError, tag
 from tests.scheduler.harness import run
 from tests.scheduler.util import ATTENTION_ONLY, greq, make, rids, round_
 
@@ -203,3 +204,36 @@ def test_aborting_waiting_requests_releases_their_adapter() -> None:
     assert not sched.lora.draining
     sched.check_integrity()
     drain(sched, worker)
+
+
+def expected_output(worker: FakeWorker, uid: str, prompt: list[int], max_new: int) -> list[int]:
+    """What the fake worker's greedy model outputs for `prompt` under the adapter `uid`, computed directly."""
+    t = tag(uid) * TAG
+    seq = tuple(tok + t for tok in prompt)
+    out = []
+    for _ in range(max_new):
+        tok = worker.next_token(seq)
+        out.append(tok)
+        seq += (tok + t,)
+    return out
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_mix_of_adapters_under_memory_pressure(seed: int) -> None:
+    """Many requests over three adapters and the base with two slots, shared prefixes and a small KV pool
+    (retractions): every request gets exactly its own adapter's output, and the checks hold every round."""
+    rng = random.Random(seed)
+    sched, worker = setup("A", "B", "C", kv=72, states=6, chunked_prefill_size=16)
+    stems = [[rng.randrange(1, 50) for _ in range(12)] for _ in range(3)]
+    arrivals: dict[int, list[GenerateReq]] = {}
+    expected: dict[str, list[int]] = {}
+    for i in range(24):
+        name = rng.choice(["A", "B", "C", ""])
+        prompt = rng.choice(stems) + [rng.randrange(1, 50) for _ in range(rng.randrange(1, 6))]
+        req = lreq(f"r{i}", name, prompt, max_new=rng.randrange(1, 16))
+        arrivals.setdefault(rng.randrange(0, 12), []).append(req)
+        worker.expect[req.rid] = f"uid-{name}" if name else ""
+        expected[req.rid] = expected_output(worker, worker.expect[req.rid], prompt, req.sampling.max_new_tokens)
+    log = run(sched, worker, arrivals)
+    assert {rid: log.tokens.get(rid, []) for rid in expected} == expected
+    assert all(u.running == 0 and u.requests == 0 for u in sched.lora.by_name.values())
