@@ -113,6 +113,7 @@ async def server_info(request: Request) -> Response:
         "healthy": ctx.backend.healthy,
         "server_args": args,
         "tokenizer": {"in_flight_requests": len(ctx.in_flight)},
+        "lora_adapters": [msgspec.to_builtins(a) for a in ctx.adapters.adapters.values()],
         "scheduler": info,
         **replicas,
     })

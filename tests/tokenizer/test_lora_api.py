@@ -102,6 +102,9 @@ def test_load_and_unload_over_http(base_dir, adapters, tok_base) -> None:
         r = await c.post("/load_lora_adapter", json={"lora_name": "sql", "lora_path": adapters["sql"]})
         assert r.status_code == 200 and r.json()["success"] is True, r.text
         assert "sql" in [m["id"] for m in (await c.get("/v1/models")).json()["data"]]
+        info = (await c.get("/get_server_info")).json()
+        listed = [(a["name"], a["rank"], a["targets"]) for a in info["lora_adapters"]]
+        assert listed == [("sql", 8, ["q_proj", "v_proj"])]
         assert (await c.post("/generate", json={**GEN, "lora_path": "sql"})).status_code == 200
         again = await c.post("/load_lora_adapter", json={"lora_name": "sql", "lora_path": adapters["chat"]})
         assert again.status_code == 400 and "loaded already" in again.json()["error"]["message"]
