@@ -11,8 +11,10 @@ import torch
 from shared.lora import read_adapter
 from shared.messages import ForwardBatch, LoraLoad, ReqSlice
 from shared.messages.lora import LoraAdapter
-from tests.worker.util import fixture_dir, wire
+from tests.model_driver import forward_all_logits, forward_logits
+from tests.worker.util import GREEDY, fixture_dir, wire
 from worker_proc.loading.checkpoint import load_config
+from worker_proc.runtime.runner import ModelRunner
 
 
 def hf_base(model_dir: str) -> torch.nn.Module:
@@ -38,9 +40,10 @@ def make_adapter(model_dir: str, out_dir: str, targets: list[str] | str, r: int 
 
 
 def peft_reference(model_dir: str, adapter_dir: str | None, prompt: list[int],
-                   steps: int) -> tuple[torch.Tensor, list[int]]:  # fmt: skip
-    """(logits of every prompt row [L, V], `steps` greedy tokens) of the base model under the adapter
-    (PeftModel.from_pretrained; None: the base alone), each token by a full forward pass without cache."""
+                   steps: int) -> tuple[torch.Tensor, list[int], list[torch.Tensor]]:  # fmt: skip
+    """(logits of every prompt row [L, V], `steps` greedy tokens, the logits each token after the first was
+    chosen from) of the base model under the adapter (PeftModel.from_pretrained; None: the base alone), each
+    token by a full forward pass without cache."""
     from peft import PeftModel
 
     model = hf_base(model_dir)
@@ -49,11 +52,12 @@ def peft_reference(model_dir: str, adapter_dir: str | None, prompt: list[int],
     ids = list(prompt)
     with torch.no_grad():
         prompt_logits = model(torch.tensor([ids])).logits[0].float()
-        tokens = [int(prompt_logits[-1].argmax())]
+        tokens, decode = [int(prompt_logits[-1].argmax())], []
         for _ in range(steps - 1):
             ids.append(tokens[-1])
-            tokens.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-    return prompt_logits, tokens
+            decode.append(model(torch.tensor([ids])).logits[0, -1].float())
+            tokens.append(int(decode[-1].argmax()))
+    return prompt_logits, tokens, decode
 
 
 def adapter_of(name: str, adapter_dir: str, max_rank: int = 64, model_dir: str = "") -> LoraAdapter:
@@ -64,3 +68,22 @@ def adapter_of(name: str, adapter_dir: str, max_rank: int = 64, model_dir: str =
 def lora_batch(step: int, reqs: list[ReqSlice], loads: list[LoraLoad] | None = None,
                clears: list[int] | None = None) -> ForwardBatch:
     return wire(ForwardBatch(step=step, reqs=reqs, clears=clears or [], lora_loads=loads or []))
+
+
+def serve_one(r: ModelRunner, prompt: list[int], steps: int, slot: int, loads: list[LoraLoad] | None = None,
+              state_slot: int = 1, first_step: int = 0) -> tuple[torch.Tensor, list[int], list[torch.Tensor]]:
+    """One request alone under adapter slot `slot` (`loads` sent with its prompt): (every prompt row's
+    logits, `steps` greedy tokens, the logits each token after the first was chosen from)."""
+    n = len(prompt)
+    kv = list(range(1, n + steps + 1))
+    sl = ReqSlice(rid="a", input_ids=list(prompt), start_pos=0, kv_slots=kv[:n], state_slot=state_slot, sample=True,
+                  sampling=GREEDY, lora_slot=slot)
+    prompt_logits = forward_all_logits(r, lora_batch(first_step, [sl], loads, clears=[state_slot]))["a"]
+    tokens, decode = [int(prompt_logits[-1].argmax())], []
+    for i in range(1, steps):
+        pos = n + i - 1
+        sl = ReqSlice(rid="a", input_ids=[tokens[-1]], start_pos=pos, kv_slots=kv[: pos + 1], state_slot=state_slot,
+                      sample=True, sampling=GREEDY, output_len=i, lora_slot=slot)
+        decode.append(forward_logits(r, lora_batch(first_step + i, [sl]))["a"])
+        tokens.append(int(decode[-1].argmax()))
+    return prompt_logits, tokens, decode
