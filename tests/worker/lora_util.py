@@ -28,7 +28,8 @@ def make_adapter(model_dir: str, out_dir: str, targets: list[str] | str, r: int 
     """A PEFT LoRA adapter of the checkpoint in `model_dir` saved to `out_dir`, A and B drawn from `seed`."""
     from peft import LoraConfig, get_peft_model
 
-    cfg = LoraConfig(r=r, lora_alpha=alpha, target_modules=targets, lora_dropout=0.05, use_rslora=rslora, **extra)
+    options: dict = {"lora_dropout": 0.05, **extra}
+    cfg = LoraConfig(r=r, lora_alpha=alpha, target_modules=targets, use_rslora=rslora, **options)
     model = get_peft_model(hf_base(model_dir), cfg)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
