@@ -113,3 +113,20 @@ def test_the_runner_refuses_slots_without_an_adapter(pairs: dict[str, tuple[str,
     with pytest.raises(LoraError):  # another adapter's files under the registered uid
         _serve(r, {"a": (prompt, 1)}, [LoraLoad(slot=1, adapter=changed)])
     assert not r.loras.adapters
+
+
+def test_decode_steps_under_an_adapter_are_not_replayed(pairs: dict[str, tuple[str, str]]) -> None:
+    """A decode step's recorded program (worker_proc.runtime.step_replay) holds no adapter: a step of the same
+    shape with a row under an adapter runs as written."""
+    name = "falcon_h1"
+    prompt = reference(name)["prompt"].tolist()[:7]
+    r = runner(name, kv_slots=256, max_loras=1)
+    if not r.replays.enabled:
+        pytest.skip("step replay needs the native kernels")
+    base = _serve(r, {"a": (prompt, 0)}, [])["a"]
+    _serve(r, {"a": (prompt, 0)}, [])
+    assert r.replays.replayed > 0  # the base decode steps' shape is replayed
+    replayed = r.replays.replayed
+    under = _serve(r, {"a": (prompt, 1)}, [LoraLoad(slot=1, adapter=adapter_of(name, pairs[name][0]))])["a"]
+    assert r.replays.replayed == replayed
+    assert all((a - b).abs().max() > 1e-3 for a, b in zip(base, under, strict=True))

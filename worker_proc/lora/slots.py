@@ -15,6 +15,7 @@ on its input columns (worker_proc.lora.layer says how the partial sums meet).
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -50,7 +51,7 @@ def rank_pairs(adapter: LoraAdapter, layers: set[str], spec_of: Callable[[str], 
                dtype: torch.dtype, device: torch.device, cfg: HybridConfig) -> LayerPairs:  # fmt: skip
     """This rank's A and B of every layer the adapter changes (its file already checked)."""
     raw: dict[str, dict[str, torch.Tensor]] = {}
-    for key, t in load_file(f"{adapter.path}/{WEIGHTS_FILE}").items():
+    for key, t in load_file(os.path.join(adapter.path, WEIGHTS_FILE)).items():
         hit = lora_tensor(key, cfg)
         if hit is None or hit[0] not in layers:
             raise LoraError(f"adapter {adapter.name!r}: tensor {key!r} targets no linear layer of the model")

@@ -4,12 +4,13 @@ The worker process (worker_proc/process.py) owns the sockets and calls `step` on
 `ForwardBatch`. The scheduler owns every slot number; the runner holds the tensors (weights, KV
 pool, Mamba state pools) and one mirror of the KV slot lists of the last batch it ran
 (`KVSlotMirror`, so slices may send only new slots: ReqSlice.kv_reuse). Within one step the order is
-fixed: validate and index the non-refused slices (a malformed batch raises before anything is
-written), copies (minus refused requests' copies), then clears, then one forward over every
-non-refused slice, then sampling. Under tensor parallelism every rank runs the same step on its
-shard (weights and pools, see worker_proc.model.tp; all ranks get identical batches and agree on
-refusals, so their mirrors stay identical); only rank 0 computes logits and samples, the other
-ranks' StepResult carries no tokens.
+fixed: read the batch's adapter loads (worker_proc.lora.slots), validate and index the non-refused slices
+(a malformed batch or an unreadable adapter raises before anything is written), the loaded adapters into
+their slots, copies (minus refused requests' copies), then clears, then one forward over every
+non-refused slice (each slice's rows under its adapter slot), then sampling. Under tensor parallelism
+every rank runs the same step on its shard (weights and pools, see worker_proc.model.tp; all ranks get
+identical batches and agree on refusals, so their mirrors stay identical); only rank 0 computes logits and
+samples, the other ranks' StepResult carries no tokens.
 """
 
 from __future__ import annotations
