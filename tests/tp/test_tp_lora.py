@@ -43,7 +43,8 @@ def serve_ranks(rank: int, size: int, group: Any, jobs: list[tuple[str, LoraAdap
     out = {}
     for name, adapter, prompt in jobs:
         r = ModelRunner(fixture_dir(name), WorkerConfig(dtype="float32", kv_slots=KV_SLOTS, state_slots=MAMBA_SLOTS,
-                                                        tp_rank=rank, tp_size=size, max_loras=2), tp_group=group)
+                                                        tp_rank=rank, tp_size=size, max_loras=2, deterministic=True),
+                       tp_group=group)
         logits, tokens, decode = serve_one(r, prompt, STEPS, 2, [LoraLoad(slot=2, adapter=adapter)])
         r.check_integrity()
         out[name] = (logits.numpy(), tokens, [d.numpy() for d in decode])

@@ -17,10 +17,12 @@ from tests.worker.lora_util import adapter_of, lora_batch, make_adapter
 from tests.worker.util import GREEDY, fixture_dir, reference, runner
 
 STEPS = 3
-FAMILY_TARGETS = {
-    "falcon_h1": (["q_proj", "v_proj", "o_proj", "in_proj", "gate_proj", "down_proj"], ["k_proj", "up_proj"]),
-    "qwen3_5_dense": (["in_proj_qkv", "in_proj_b", "out_proj", "o_proj", "down_proj"], ["in_proj_z", "in_proj_a",
-                                                                                       "q_proj", "up_proj"]),
+FAMILY_TARGETS = {  # (targets, rank) of two adapters per family
+    "falcon_h1": ((["q_proj", "v_proj", "o_proj", "in_proj", "gate_proj", "down_proj"], 4), (["k_proj", "up_proj"], 8)),
+    "qwen3_5_dense": ((["in_proj_qkv", "in_proj_b", "out_proj", "o_proj", "down_proj"], 4),
+                      (["in_proj_z", "in_proj_a", "q_proj", "up_proj"], 8)),
+    # rank 1 and a one-output layer: products onto one column
+    "qwen3_5_moe": ((["shared_expert_gate", "in_proj_qkv", "o_proj"], 1), (["shared_expert.up_proj", "in_proj_b"], 3)),
 }
 
 
@@ -28,9 +30,9 @@ FAMILY_TARGETS = {
 def pairs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[str, str]]:
     root = tmp_path_factory.mktemp("mixed")
     out = {}
-    for name, (first, second) in FAMILY_TARGETS.items():
-        out[name] = (make_adapter(fixture_dir(name), str(root / f"{name}_1"), first, r=4, seed=7),
-                     make_adapter(fixture_dir(name), str(root / f"{name}_2"), second, r=8, seed=8, rslora=True))
+    for name, ((first, r1), (second, r2)) in FAMILY_TARGETS.items():
+        out[name] = (make_adapter(fixture_dir(name), str(root / f"{name}_1"), first, r=r1, seed=7),
+                     make_adapter(fixture_dir(name), str(root / f"{name}_2"), second, r=r2, seed=8, rslora=True))
     return out
 
 

@@ -28,7 +28,7 @@ MAMBA = ["in_proj", "out_proj"]
 SPLIT_MLP = ["gate_proj", "up_proj", "down_proj"]
 CASES: dict[str, tuple[list[str] | str, dict]] = {
     "nope_groups2": ([*ATTN, *MAMBA, "input_linear", "output_linear"], {}),
-    "rope_moe": (["q_proj", "v_proj", "out_proj", "input_linear", "output_linear"], dict(rslora=True, r=8)),
+    "rope_moe": (["q_proj", "v_proj", "out_proj", "input_linear", "output_linear"], dict(rslora=True, r=8, alpha=4.0)),
     "nemotron_h_dense": ([*ATTN, "in_proj", "up_proj", "down_proj"], {}),
     "nemotron_h_moe": (["in_proj", "o_proj", "up_proj", "down_proj", "fc1_latent_proj", "fc2_latent_proj"], {}),
     "falcon_h1": ([*ATTN, "in_proj", *SPLIT_MLP], dict(rslora=True)),
@@ -49,8 +49,9 @@ def adapters(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
             for i, (name, (targets, kw)) in enumerate(CASES.items())}
 
 
+@pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("name", list(CASES))
-def test_adapter_matches_peft(name: str, adapters: dict[str, str]) -> None:
+def test_adapter_matches_peft(name: str, deterministic: bool, adapters: dict[str, str]) -> None:
     prompt = reference(name)["prompt"].tolist()
     ref_prompt, ref_tokens, ref_decode = peft_reference(fixture_dir(name), adapters[name], prompt, STEPS)
     assert max_diff(ref_prompt, reference(name)["prompt_logits"]) > 0.05  # the adapter changes the model
@@ -58,7 +59,7 @@ def test_adapter_matches_peft(name: str, adapters: dict[str, str]) -> None:
     targets = CASES[name][0]
     if not isinstance(targets, str):  # every target names layers of the model the adapter changes
         assert all(any(t.endswith("." + x) for t in adapter.targets) for x in targets), adapter.targets
-    r = runner(name, kv_slots=256, max_loras=2)
+    r = runner(name, kv_slots=256, max_loras=2, deterministic=deterministic)
     logits, tokens, decode = serve_one(r, prompt, STEPS, 2, [LoraLoad(slot=2, adapter=adapter)])
     assert max_diff(logits, ref_prompt) <= TOL
     assert tokens == ref_tokens

@@ -12,7 +12,8 @@ decoder (the layers `shared.lora.linear_layers` names) and hangs it on the `Line
   this rank's partial sum, summed by the base product's all-reduce (worker_proc.model.tp.row_parallel);
 - the products run on the kernel the plan gives every LoRA product (`LoraSlots.kernel`,
   `ExecutionPlan.lora_kernel`): in the deterministic mode a batch-invariant one, so a row's term does not
-  depend on how many rows share its slot.
+  depend on how many rows share its slot; a product onto one column (a rank-1 A, a one-output layer's B) is
+  a row-wise dot product whatever the kernel, since a one-column GEMM's rounding depends on the row count.
 """
 
 from __future__ import annotations
@@ -22,7 +23,15 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
+    from worker_proc.linear.kernels import GemmKernel
     from worker_proc.lora.slots import LoraSlots
+
+
+def _product(kernel: GemmKernel, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight.T on `kernel`, or as row-wise dot products where `weight` has one row (see the module doc)."""
+    if weight.shape[0] == 1:
+        return (x * weight[0]).sum(-1, keepdim=True)
+    return kernel.apply(x, weight, None, None)
 
 
 class LoraLayer:
@@ -59,7 +68,7 @@ class LoraLayer:
             if pair is None:
                 continue
             a, b = pair
-            term = kernel.apply(kernel.apply(x[rows], a, None, None), b, None, None)
+            term = _product(kernel, _product(kernel, x[rows], a), b)
             if isinstance(rows, slice):
                 out[rows] += term
             else:
