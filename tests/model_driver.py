@@ -17,8 +17,9 @@ from worker_proc.runtime.runner import ModelRunner
 def _run_logits(runner: ModelRunner, batch: ForwardBatch, all_rows: bool) -> tuple[StepBatch, torch.Tensor]:
     """Like `runner.step` without refusals or sampling: the float32 logits of every logit row."""
     try:
-        sb = runner.build_batch(list(batch.reqs), batch.step, all_rows)
-        runner.apply_state_ops(batch)
+        staged = runner.stage_adapters(batch)
+        sb = runner.build_batch(list(batch.reqs), batch.step, all_rows, staged=staged)
+        runner.apply_state_ops(batch, staged=staged)
         logits = runner.forward(sb) if batch.reqs else torch.zeros(0)
     except BaseException:
         runner.kv_mirror.clear()

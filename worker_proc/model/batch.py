@@ -112,6 +112,8 @@ class StepBatch:
     rope_positions: torch.Tensor | None = None  # [3, T] int64 (t, h, w) rotary positions (multimodal RoPE)
     image_spans: tuple[ImageSpan, ...] = ()  # rows that take an image's encoding, in row order
     images: tuple[ImageInput, ...] = ()  # the images of image_spans, one per digest
+    # (adapter slot, its runs of rows [start, end)) of every slot > 0 a slice runs under, by slot
+    lora_rows: tuple[tuple[int, tuple[tuple[int, int], ...]], ...] = ()
 
     @property
     def rope_input(self) -> torch.Tensor:
@@ -175,6 +177,7 @@ def build_step_batch(
     verify_by_token: bool = False,
     vision: VisionConfig | None = None,
     mrope: bool = False,
+    lora_slots: frozenset[int] = frozenset(),
 ) -> StepBatch:
     """Flatten and validate `reqs` (batch number `step`). Raises ValueError on a malformed slice (slot
     out of range, wrong kv_slots length, duplicate rid or state slot, a kv_reuse the mirror cannot
@@ -184,8 +187,12 @@ def build_step_batch(
     a slice with prompt_logprobs >= 0 or drafts gets every row too. `verify_by_token`: a verify slice
     runs as one decode group per input position instead of as a prefill segment (the kernel choice's).
     `vision`: the model's tower (None or depth 0: a slice with images is a ValueError); `mrope`: make
-    `rope_positions`."""
+    `rope_positions`; `lora_slots`: the adapter slots that hold an adapter (a slice under another slot but 0
+    is a ValueError)."""
     _check_slices(reqs, state_capacity, has_recurrent_state)
+    bad = next((r for r in reqs if r.lora_slot and r.lora_slot not in lora_slots), None)
+    if bad is not None:
+        raise ValueError(f"{bad.rid}: adapter slot {bad.lora_slot} holds no adapter")
     vision = vision or VisionConfig()
     for r in reqs:
         if r.images:
@@ -201,9 +208,16 @@ def build_step_batch(
     axes: tuple[list[int], list[int], list[int]] = ([], [], [])
     spans: list[ImageSpan] = []
     images: dict[str, ImageInput] = {}
+    lora: dict[int, list[tuple[int, int]]] = {}
     for r, kv in zip(reqs, kv_full, strict=True):
         n = len(r.input_ids)
         row = len(ids)
+        if r.lora_slot:
+            runs = lora.setdefault(r.lora_slot, [])
+            if runs and runs[-1][1] == row:
+                runs[-1] = (runs[-1][0], row + n)
+            else:
+                runs.append((row, row + n))
         ids.extend(r.input_ids)
         positions.extend(range(r.start_pos, r.start_pos + n))
         if mrope:
@@ -249,6 +263,7 @@ def build_step_batch(
         rope_positions=torch.tensor(axes, dtype=torch.int64, device=device) if mrope else None,
         image_spans=tuple(spans),
         images=tuple(images.values()),
+        lora_rows=tuple((slot, tuple(runs)) for slot, runs in sorted(lora.items())),
     )
 
 

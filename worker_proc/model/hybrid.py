@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator, Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -55,6 +55,9 @@ from worker_proc.model.shard import ShardSpec, TPInfo
 from worker_proc.model.vision import VisionTower
 from worker_proc.quant.weight import QuantizedWeight
 from worker_proc.state.pools import StatePools
+
+if TYPE_CHECKING:
+    from worker_proc.lora.slots import LoraSlots
 
 __all__ = ["DecoderLayer", "HybridForCausalLM", "HybridModel", "TPInfo"]
 
@@ -244,6 +247,8 @@ class HybridForCausalLM(nn.Module, GemmOwner):
         self.embed_rows: QuantizedWeight | None = None
         """The quantized rows the embedding lookups read once a tied head is quantized (the table's dense
         copy is then gone; worker_proc.loading.quantize)."""
+        self.lora: LoraSlots | None = None
+        """The rank's adapter slots when it serves LoRA adapters (worker_proc.lora.slots sets it)."""
 
     def derive_buffers(self, device: torch.device) -> None:
         """The tensors made from the config alone, on `device` (again when a meta-built model is materialised)."""
@@ -311,8 +316,15 @@ class HybridForCausalLM(nn.Module, GemmOwner):
             self.place_images(h, batch)
         stream = Residual(h)
         rope = self.rope(batch.rope_input)
-        for layer in self.model.layers:
-            layer(stream, batch, rope, pools, ops)
+        lora = self.lora if batch.lora_rows else None
+        if lora is not None:  # the linear layers add each slot's term to its rows (worker_proc.lora.layer)
+            lora.begin(batch.lora_rows, h.shape[0])
+        try:
+            for layer in self.model.layers:
+                layer(stream, batch, rope, pools, ops)
+        finally:
+            if lora is not None:
+                lora.end()
         return stream
 
     def embed_scaled(self, ids: torch.Tensor) -> torch.Tensor:

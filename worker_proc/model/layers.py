@@ -20,6 +20,7 @@ from torch import nn
 from worker_proc.host.memory import weight_tensor
 from worker_proc.kernels.interface import KernelOps
 from worker_proc.linear.site import GemmOwner, GemmSite
+from worker_proc.lora.layer import LoraLayer
 from worker_proc.model.shard import ShardSpec, TPInfo, column_spec
 
 
@@ -48,7 +49,8 @@ class Linear(nn.Linear, GemmOwner):
     """nn.Linear (same parameter names) whose products go through its `gemm` site: the execution plan
     binds the site's method per row count (worker_proc.plan.execution_plan), and may replace `weight` by an
     empty tensor when every bound method reads the site's packed copy instead (and the quantization
-    does when it quantizes the site)."""
+    does when it quantizes the site). `lora`: the layer's adapters when the rank serves them
+    (worker_proc.lora.layer; None: the base product alone), added to both products."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, dtype: torch.dtype | None = None,
                  device: torch.device | None = None, quantizable: bool = True, timed_rows: int = 0) -> None:
@@ -58,16 +60,19 @@ class Linear(nn.Linear, GemmOwner):
             self.weight = nn.Parameter(held, requires_grad=self.weight.requires_grad)
         self.gemm = GemmSite(out_features, in_features, self.weight.dtype, packable=True, quantizable=quantizable,
                              timed_rows=timed_rows)  # fmt: skip
+        self.lora: LoraLayer | None = None
 
     def gemm_weights(self) -> Iterator[tuple[GemmSite, nn.Module, str]]:
         yield self.gemm, self, "weight"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.gemm.apply(x, self.weight, self.bias)
+        out = self.gemm.apply(x, self.weight, self.bias)
+        return out if self.lora is None else self.lora.add(x, out)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x @ weight.T without the bias (a row-parallel rank's partial sum)."""
-        return self.gemm.apply(x, self.weight, None)
+        """x @ weight.T without the bias (a row-parallel rank's partial sum, its LoRA term's partial included)."""
+        out = self.gemm.apply(x, self.weight, None)
+        return out if self.lora is None else self.lora.add(x, out)
 
 
 def expert_site(stacked: torch.Tensor) -> GemmSite:

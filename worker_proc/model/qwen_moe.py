@@ -73,9 +73,11 @@ class SharedGateMoE(nn.Module, GemmOwner):
         one-column GEMM's rounding depends on the row count on CPU, which padding the rows does not
         fix. The sigmoid after it is taken in float64 (float32 SIMD and scalar tails differ)."""
         assert self.shared_expert_gate is not None
+        gate = self.shared_expert_gate
         if not self.gate_gemm.batch_invariant:
-            return self.shared_expert_gate(x)
-        return (x * self.shared_expert_gate.weight[0]).sum(-1, keepdim=True)
+            return gate(x)
+        out = (x * gate.weight[0]).sum(-1, keepdim=True)
+        return out if gate.lora is None else gate.lora.add(x, out)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         idx, weights = self.route(x)

@@ -86,6 +86,13 @@ class ExecutionPlan:
     kernels: KernelChoice | None = None
     """The mixers' kernel set (worker_proc.plan.kernel_set; decided by the flags, not measured, so not cached)."""
 
+    def lora_kernel(self) -> GemmKernel:
+        """The kernel of every LoRA product (worker_proc.lora.layer): the dense format's batch-invariant one in the
+        deterministic mode, else torch's own product. Not timed: an adapter's matrices are a few rows wide and
+        change at run time, so no copy of them is made and there is nothing to choose between."""
+        dense = LINEAR_METHODS["dense"]
+        return dense.deterministic if self.mode == "batch_invariant" else dense.accelerator
+
     def threads_for(self, rows: int) -> int:
         bounds = [b for b, _ in self.threads]
         return self.threads[min(bisect_left(bounds, rows), len(self.threads) - 1)][1]

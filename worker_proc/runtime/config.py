@@ -41,11 +41,14 @@ class WorkerConfig:
     speculative_algorithm: str = ""  # --speculative-algorithm
     enforce_eager: bool = False  # --enforce-eager (no step replay)
     encoder_cache_bytes: int = 256 << 20  # the vision tower's outputs kept by image digest (model.encoder_cache)
+    max_loras: int = 0  # --max-loras-per-batch: adapter slots 1..max_loras (0: LoRA off, worker_proc.lora)
+    max_lora_rank: int = 64  # --max-lora-rank: the largest adapter rank a slot takes
 
     def __post_init__(self) -> None:
         """The dtypes are the loader's and the pools' to check (against the checkpoint and the device)."""
         problems = []
-        counts = ("kv_slots", "state_slots", "mem_budget_bytes", "running_requests", "seed", "encoder_cache_bytes")
+        counts = ("kv_slots", "state_slots", "mem_budget_bytes", "running_requests", "seed", "encoder_cache_bytes",
+                  "max_loras")
         problems += [f"{name} {getattr(self, name)} < 0" for name in counts if getattr(self, name) < 0]
         if not 0.0 < self.mem_fraction_static <= 1.0 or not 0.0 < self.state_ratio < 1.0:
             problems.append(f"fractions out of range (mem_fraction_static {self.mem_fraction_static}, "
@@ -54,6 +57,8 @@ class WorkerConfig:
             problems.append(f"tp_rank {self.tp_rank} of tp_size {self.tp_size}")
         if any(n < 1 for n in self.thread_options):
             problems.append(f"thread options {self.thread_options}")
+        if self.max_loras and self.max_lora_rank < 1:
+            problems.append(f"max_lora_rank {self.max_lora_rank} < 1 with {self.max_loras} adapter slots")
         if problems:
             raise ValueError("bad worker config: " + "; ".join(problems))
 

@@ -4,12 +4,13 @@ The worker process (worker_proc/process.py) owns the sockets and calls `step` on
 `ForwardBatch`. The scheduler owns every slot number; the runner holds the tensors (weights, KV
 pool, Mamba state pools) and one mirror of the KV slot lists of the last batch it ran
 (`KVSlotMirror`, so slices may send only new slots: ReqSlice.kv_reuse). Within one step the order is
-fixed: validate and index the non-refused slices (a malformed batch raises before anything is
-written), copies (minus refused requests' copies), then clears, then one forward over every
-non-refused slice, then sampling. Under tensor parallelism every rank runs the same step on its
-shard (weights and pools, see worker_proc.model.tp; all ranks get identical batches and agree on
-refusals, so their mirrors stay identical); only rank 0 computes logits and samples, the other
-ranks' StepResult carries no tokens.
+fixed: read the batch's adapter loads (worker_proc.lora.slots), validate and index the non-refused slices
+(a malformed batch or an unreadable adapter raises before anything is written), the loaded adapters into
+their slots, copies (minus refused requests' copies), then clears, then one forward over every
+non-refused slice (each slice's rows under its adapter slot), then sampling. Under tensor parallelism
+every rank runs the same step on its shard (weights and pools, see worker_proc.model.tp; all ranks get
+identical batches and agree on refusals, so their mirrors stay identical); only rank 0 computes logits and
+samples, the other ranks' StepResult carries no tokens.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from worker_proc.host.threads import available_cores
 from worker_proc.loading.checkpoint import checkpoint_quantization, load_model
 from worker_proc.loading.checkpoint_config import check_requested
 from worker_proc.loading.quantize import QuantScheme, quantize_model
+from worker_proc.lora.slots import LoraSlots, StagedLoad
 from worker_proc.model import StepBatch, build_step_batch
 from worker_proc.model.encoder_cache import EncoderCache
 from worker_proc.model.kv_mirror import KVSlotMirror
@@ -93,6 +95,9 @@ class ModelRunner:
         if self.device.type == "cpu":
             apply_steps_policy(c.tp_rank)
         self._make_plan(kernel_choice)
+        self.loras = LoraSlots(self.model, c.max_loras, c.max_lora_rank, self.plan.lora_kernel()) if c.max_loras \
+            else None
+        """The adapter slots (worker_proc.lora.slots), None when LoRA is off (WorkerConfig.max_loras 0)."""
         self.cfg = self.model.cfg
         self.dtype = self.model.dtype
         self.seed = c.seed
@@ -158,8 +163,9 @@ class ModelRunner:
         if batch.ended:
             self.grammars.forget(batch.ended)
         try:
-            sb = self.build_batch(reqs, batch.step, all_rows=False)  # raises before anything is written
-            self.apply_state_ops(batch, refused)
+            staged = self.stage_adapters(batch)  # read before anything is written: a load that fails fails the step
+            sb = self.build_batch(reqs, batch.step, all_rows=False, staged=staged)  # raises before anything is written
+            self.apply_state_ops(batch, refused, staged)
             if reqs:
                 self.plan.apply_threads(int(sb.input_ids.numel()))
                 sampler = self.tp_rank == 0  # rank 0 samples and replies; the others only advance state
@@ -202,6 +208,8 @@ class ModelRunner:
         bound before, are dropped."""
         self._bind(plan)
         self.replays.clear()
+        if self.loras is not None:
+            self.loras.kernel = plan.lora_kernel()
 
     def _bind(self, plan: ExecutionPlan) -> None:
         """The one place a runner's model is bound; on the CPU the copies the plan makes are mappings of their
@@ -227,8 +235,20 @@ class ModelRunner:
             if drafts and self.tp_rank == 0:
                 sampled["drafts"] = drafts
 
-    def apply_state_ops(self, batch: ForwardBatch, refused: frozenset[str] = frozenset()) -> None:
-        """Copies first (skipping refused requests' copy-on-write), then clears; in message order."""
+    def stage_adapters(self, batch: ForwardBatch) -> list[StagedLoad]:
+        """The batch's adapter loads read and checked (`LoraSlots.stage`), not yet in their slots."""
+        if not batch.lora_loads:
+            return []
+        if self.loras is None:
+            raise ValueError("adapter loads in a batch, but this worker serves no adapters (max_loras 0)")
+        return self.loras.stage(batch.lora_loads)
+
+    def apply_state_ops(self, batch: ForwardBatch, refused: frozenset[str] = frozenset(),
+                        staged: list[StagedLoad] | None = None) -> None:  # fmt: skip
+        """The staged adapters into their slots, then copies (skipping refused requests' copy-on-write), then
+        clears; in message order."""
+        if staged and self.loras is not None:
+            self.loras.commit(staged)
         for op in batch.copies:
             if op.rid is not None and op.rid in refused:
                 continue
@@ -236,10 +256,11 @@ class ModelRunner:
         for slot in batch.clears:
             self.pools.clear_state(slot)
 
-    def build_batch(self, reqs: list[ReqSlice], step: int, all_rows: bool) -> StepBatch:
-        """Validate and index `reqs` against this runner's capacities and KV slot mirror (raises
-        ValueError on a malformed batch, before anything is written). `all_rows`: a logit row for
-        every input position of a sampled slice, not only its last."""
+    def build_batch(self, reqs: list[ReqSlice], step: int, all_rows: bool,
+                    staged: list[StagedLoad] | None = None) -> StepBatch:  # fmt: skip
+        """Validate and index `reqs` against this runner's capacities, KV slot mirror and adapter slots (with
+        `staged` loads in theirs; raises ValueError on a malformed batch, before anything is written).
+        `all_rows`: a logit row for every input position of a sampled slice, not only its last."""
         if self.drafter is None and any(r.draft_next for r in reqs):
             raise ValueError("draft_next in a batch, but this worker has no MTP layers (--speculative-algorithm NEXTN)")
         return build_step_batch(
@@ -247,6 +268,7 @@ class ModelRunner:
             uses_attention=bool(self.cfg.attn_layer_ids), mirror=self.kv_mirror, step=step,
             verify_by_token=self.plan.kernels.verify_by_token, vision=self.cfg.vision,
             mrope=self.model.rope_axes is not None,
+            lora_slots=frozenset() if self.loras is None else self.loras.slots_after(staged or []),
         )
 
     def _sample(self, logits: torch.Tensor, reqs: list[ReqSlice]) -> dict[str, Any]:
@@ -347,6 +369,8 @@ class ModelRunner:
             site.check_integrity(weight)
         self.kv_mirror.check_integrity()
         self.model.encoder_cache.check_integrity()
+        if self.loras is not None:
+            self.loras.check_integrity()
         if self.drafter is not None:
             self.drafter.check_integrity()
 

@@ -3,8 +3,9 @@ calls it makes, then replayed by `torch.classes.hyssm_cpu.OpProgram` (worker_pro
 without the Python that chose those calls.
 
 Owns the recorded programs of one runner (`StepReplays`). Rules that hold:
-- only a step of decode rows alone (one decode group, no prefill segment, no verify slice, no image row), on
-  the CPU, at TP size 1, with the native kernels, is replayed; every other step runs its forward as written;
+- only a step of decode rows alone (one decode group, no prefill segment, no verify slice, no image row, no
+  row under an adapter: which slot's tensors a row reads is the step's Python's to say), on the CPU, at TP
+  size 1, with the native kernels, is replayed; every other step runs its forward as written;
 - a program is keyed by what the forward's Python decides from (`replay_key`): the batch's tensors'
   shapes and dtypes (the decode group's KV index width aside, which grows every step) and whether
   logits are wanted. The batch's tensors are the program's inputs; every other tensor the forward
@@ -220,7 +221,7 @@ def replay_inputs(sb: StepBatch) -> list[torch.Tensor]:
 
 def replay_key(sb: StepBatch, want_logits: bool) -> tuple | None:
     """What a decode step's forward decides from, or None when the step is not one a program may run."""
-    if (sb.prefill or len(sb.decode_groups) != 1 or sb.kept_inputs is not None or sb.image_spans
+    if (sb.prefill or len(sb.decode_groups) != 1 or sb.kept_inputs is not None or sb.image_spans or sb.lora_rows
             or sb.input_ids.device.type != "cpu"):
         return None
     shapes = tuple((tuple(t.shape), t.dtype) for t in replay_inputs(sb))
