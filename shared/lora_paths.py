@@ -2,8 +2,7 @@
 `LoraAdapter` for this server (its model's config, `--max-lora-rank`) or raises `LoraError` with a one-line
 message. The tokenizer reads `--lora-paths` at start and POST /load_lora_adapter's paths; the scheduler
 reads `--lora-paths` at start too, so both know the same uids without a start-up exchange.
-
-The reader is `shared/lora_standin.py` until shared/lora.py lands; only the import below changes then.
+The checks themselves are shared/lora.py's `read_adapter`.
 """
 
 from __future__ import annotations
@@ -15,7 +14,7 @@ import os
 from shared.config import ServerArgs
 from shared.errors import ModelLoadError
 from shared.families.registry import parse_config
-from shared.lora_standin import LoraError, read_adapter
+from shared.lora import LoraError, read_adapter
 from shared.messages import LoraAdapter
 from shared.model_config import HybridConfig
 from shared.model_info import read_config_json

@@ -77,4 +77,5 @@ class WorkerConfig:
             quantize_lm_head=not args.disable_lm_head_quantization,
             speculative_algorithm=args.speculative_algorithm, enforce_eager=args.enforce_eager,
             encoder_cache_bytes=int(args.mm_encoder_cache_gb * (1 << 30)),
+            max_loras=args.max_loras_per_batch if args.enable_lora else 0, max_lora_rank=args.max_lora_rank,
         )
