@@ -51,7 +51,7 @@ def test_bad_values_are_one_line(argv: list[str], message: str, capsys: pytest.C
 
 def test_a_bad_adapter_fails_the_preflight_check_in_one_line(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
     big = write_adapter(str(tmp_path / "big"), rank=128)
-    for argv, message in [(["--lora-paths", f"big={big}"], "rank 128 is above --max-lora-rank 64"),
+    for argv, message in [(["--lora-paths", f"big={big}"], "rank 128 exceeds --max-lora-rank 64"),
                           (["--lora-paths", str(tmp_path / "nothing")], "is not a directory")]:
         assert launch.main(argv) == 2
         err = capsys.readouterr().err
