@@ -60,6 +60,10 @@ def _sweep_json(tmp: Path, url: str) -> list[str]:
 TINY: dict[str, Tiny] = {
     "bench_cpu_attention": Tiny(lambda t, u: ["--dtype", "float32", "--contexts", "0,100", "--chunk", "40", "--runs",
                                               "1"], r"^\| decode over 40 \|"),  # fmt: skip
+    "bench_images": Tiny(lambda t, u: ["--shape", "tiny", "--model-dir", str(t / "vision"), "--image-side", "64",
+                                       "--runs", "1", "--concurrency", "1", "--images", "1", "--max-tokens", "2",
+                                       "--log-dir", str(t / "logs"), "--out", str(t / "images.json")],
+                         r"^\| 1 \| 1 \| [\d.]+ \| [\d.]+ \|", ("images.json",), servers=True),  # fmt: skip
     "bench_kernels": Tiny(lambda t, u: ["--cpu-reference", "--iters", "2"],
                           r"^cpu\s+attn_prefill L=40\+9 prefix=0\s+reference"),
     "bench_kernels_cases": Tiny(lambda t, u: ["--preset", "cpu-tiny"], r"^\d+ cases \(cpu-tiny, cpu, float32\)$"),
