@@ -67,6 +67,10 @@ TINY: dict[str, Tiny] = {
     "bench_kernels": Tiny(lambda t, u: ["--cpu-reference", "--iters", "2"],
                           r"^cpu\s+attn_prefill L=40\+9 prefix=0\s+reference"),
     "bench_kernels_cases": Tiny(lambda t, u: ["--preset", "cpu-tiny"], r"^\d+ cases \(cpu-tiny, cpu, float32\)$"),
+    "bench_lora": Tiny(lambda t, u: ["--shape", "builtin", "--rank", "4", "--concurrency", "2", "--adapters", "0,1",
+                                     "--runs", "1", "--input-len", "8", "--output-len", "2", "--log-dir",
+                                     str(t / "logs"), "--out", str(t / "lora.json")],
+                       r"^\| 2 \| 1 \| [\d.]+ \| [\d.]+ \|$", ("lora.json",), servers=True),  # fmt: skip
     "bench_long_prompt_memory": Tiny(lambda t, u: ["--model", BUILTIN, "--skip-llama", "--runs", "1",
                                                    "--prompt-tokens", "64", "--output-tokens", "2",
                                                    "--output-json", str(t / "memory.json")],
