@@ -140,3 +140,23 @@ def test_adapters_load_and_unload_while_requests_run(server: Server, sdk: openai
         r = c.post("/load_lora_adapter", json={"lora_name": "gone", "lora_path": "/no/such/adapter"})
         assert r.status_code == 400, r.text
         assert c.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2}).status_code == 200
+
+
+def test_adapters_with_speculative_decoding_and_structured_output(adapters: dict[str, str]) -> None:
+    """NGRAM drafts verified under the adapter change nothing of its output; a grammar holds under it."""
+    base = builtin_model_dir()
+    prompt = list(b"abc abc abc abc abc abc abc abc")  # a prompt the n-gram drafter finds guesses in
+    args = ["--dtype", "float32", "--lora-paths", f"a={adapters['a']}", "--speculative-algorithm", "NGRAM",
+            *DETERMINISTIC]  # fmt: skip
+    with running_server(args) as srv, httpx.Client(base_url=srv.url, timeout=120) as c:
+        r = c.post("/v1/completions", json={"model": "a", "prompt": prompt, "max_tokens": 12, "temperature": 0,
+                                            "ignore_eos": True, "return_token_ids": True})  # fmt: skip
+        assert r.json()["choices"][0]["token_ids"] == peft_greedy(base, adapters["a"], prompt, 12)
+        schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+                  "additionalProperties": False}  # fmt: skip
+        r = c.post("/v1/chat/completions", json={
+            "model": "a", "messages": [{"role": "user", "content": "a number"}], "max_tokens": 24,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}})  # fmt: skip
+        assert r.status_code == 200, r.text
+        assert isinstance(json.loads(r.json()["choices"][0]["message"]["content"])["n"], int)
+        assert srv.metric("hyssm_spec_verify_steps_total") > 0
