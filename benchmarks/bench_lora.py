@@ -122,6 +122,7 @@ async def measure(url: str, cfg: Config, adapters: dict[str, str], vocab: int) -
             for conc in cfg.concurrency:
                 for n in cfg.adapters:
                     tput.setdefault((conc, n), []).append(await wave(client, cfg, conc, n, rng, vocab))
+                    logger.info("concurrency %d, %d adapters: %.1f tok/s", conc, n, tput[(conc, n)][-1])
         loads = []
         extra = f"a{max(cfg.adapters) + 1}"
         for _ in range(cfg.runs):
