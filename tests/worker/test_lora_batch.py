@@ -132,3 +132,28 @@ def test_decode_steps_under_an_adapter_are_not_replayed(pairs: dict[str, tuple[s
     under = _serve(r, {"a": (prompt, 1)}, [LoraLoad(slot=1, adapter=adapter_of(name, pairs[name][0]))])["a"]
     assert r.replays.replayed == replayed
     assert all((a - b).abs().max() > 1e-3 for a, b in zip(base, under, strict=True))
+
+
+@pytest.mark.parametrize("name", ["falcon_h1", "qwen3_5_moe"])
+def test_the_stacked_form_of_a_few_rows_under_several_adapters_equals_each_alone(
+        name: str, pairs: dict[str, tuple[str, str]]) -> None:  # fmt: skip
+    """Default numerics: decode steps (a few rows under two adapters and the base) take the stacked form
+    (ExecutionPlan.lora_stack_rows); each request's logits equal its own run alone within float rounding, and the
+    base rows equal a runner without LoRA."""
+    one, two = (adapter_of(name, d) for d in pairs[name])
+    loads = [LoraLoad(slot=1, adapter=one), LoraLoad(slot=3, adapter=two)]
+    prompt = reference(name)["prompt"].tolist()
+    reqs = {"x": (prompt[:9], 1), "base": (prompt[3:12], 0), "y": (prompt[:7], 3), "x2": (prompt[5:9], 1)}
+    mixed_runner = runner(name, kv_slots=256, max_loras=3)
+    assert mixed_runner.loras is not None and mixed_runner.loras.stack_rows > 0
+    mixed = _serve(mixed_runner, reqs, loads)
+    alone_runner = runner(name, kv_slots=256, max_loras=3)
+    base_runner = runner(name, kv_slots=256)
+    for rid, spec in reqs.items():
+        alone = _serve(alone_runner, {rid: spec}, loads)[rid]
+        for a, b in zip(mixed[rid], alone, strict=True):
+            assert (a - b).abs().max() <= 1e-4, rid
+        if spec[1] == 0:
+            plain = _serve(base_runner, {rid: spec}, [])[rid]
+            assert all((a - b).abs().max() <= 1e-4 for a, b in zip(mixed[rid], plain, strict=True)), rid
+    assert (mixed["x"][-1] - _serve(base_runner, {"x": (prompt[:9], 0)}, [])["x"][-1]).abs().max() > 0.05

@@ -69,17 +69,24 @@ def rank_pairs(adapter: LoraAdapter, layers: set[str], spec_of: Callable[[str], 
 class LoraSlots:
     """The adapter slots of one rank's model (see the module doc). `groups`: during a forward, each slot's
     rows of the step (a slice for one contiguous run of rows, else an index tensor), `rows` the step's row
-    count; empty outside a forward and in a step without adapter rows. `kernel`: the plan's LoRA product."""
+    count; empty outside a forward and in a step without adapter rows. `kernel`: the plan's LoRA product;
+    `stack_rows`: up to how many rows a step with several adapters' rows takes the stacked form (`stacked`, with
+    `row_slot` the slot of every row; ExecutionPlan.lora_stack_rows, 0: never)."""
 
-    def __init__(self, model: HybridForCausalLM, max_loras: int, max_rank: int, kernel: GemmKernel) -> None:
+    def __init__(self, model: HybridForCausalLM, max_loras: int, max_rank: int, kernel: GemmKernel,
+                 stack_rows: int = 0) -> None:  # fmt: skip
         if max_loras < 1 or max_rank < 1:
             raise ValueError(f"LoRA slots need max_loras >= 1 and max_lora_rank >= 1 ({max_loras}, {max_rank})")
         self.model = model
         self.max_loras, self.max_rank = max_loras, max_rank
         self.kernel = kernel
+        self.stack_rows = stack_rows
         self.adapters: dict[int, LoraAdapter] = {}
         self.groups: tuple[tuple[int, slice | torch.Tensor], ...] = ()
         self.rows = 0
+        self.stacked = False
+        self.row_slot: torch.Tensor | None = None
+        self._masks: dict[tuple[tuple[int, int], ...], torch.Tensor] = {}
         wanted = set(linear_layers(model.cfg))
         self.layers: dict[str, LoraLayer] = {}
         for name, module in model.named_modules():
@@ -135,9 +142,28 @@ class LoraSlots:
             else:
                 groups.append((slot, torch.cat([torch.arange(a, b, device=device) for a, b in runs])))
         self.groups, self.rows = tuple(groups), rows
+        self.stacked = len(groups) > 1 and rows <= self.stack_rows
+        self._masks.clear()
+        if self.stacked:
+            row_slot = torch.zeros(rows, dtype=torch.int64, device=device)
+            for slot, runs in lora_rows:
+                for a, b in runs:
+                    row_slot[a:b] = slot
+            self.row_slot = row_slot
+
+    def mask(self, layout: tuple[tuple[int, int], ...]) -> torch.Tensor:
+        """[rows, sum of ranks] in the model dtype: 1 where a stacked column (`layout`: (slot, rank) of each
+        adapter in column order) is of the row's own slot, else 0; made once per step and layout."""
+        m = self._masks.get(layout)
+        if m is None:
+            assert self.row_slot is not None
+            cols = torch.tensor([slot for slot, r in layout for _ in range(r)], device=self.row_slot.device)
+            m = self._masks[layout] = (self.row_slot[:, None] == cols[None, :]).to(self.model.dtype)
+        return m
 
     def end(self) -> None:
-        self.groups, self.rows = (), 0
+        self.groups, self.rows, self.stacked, self.row_slot = (), 0, False, None
+        self._masks.clear()
 
     def check_integrity(self) -> None:
         for layer in self.layers.values():

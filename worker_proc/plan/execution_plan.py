@@ -35,7 +35,7 @@ from worker_proc.model.layers import Linear
 from worker_proc.plan.kernel_set import KernelChoice
 from worker_proc.plan.method_choice import choose_methods, methods_by_bucket, own_methods
 from worker_proc.plan.product_timer import GemmKey, Instance, Measure
-from worker_proc.plan.tuning import CONTENDER, MARGIN, MEASURE_ROUNDS, ROW_BUCKETS, SWITCH_MARGIN
+from worker_proc.plan.tuning import CONTENDER, LORA_STACK_ROWS, MARGIN, MEASURE_ROUNDS, ROW_BUCKETS, SWITCH_MARGIN
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +92,12 @@ class ExecutionPlan:
         change at run time, so no copy of them is made and there is nothing to choose between."""
         dense = LINEAR_METHODS["dense"]
         return dense.deterministic if self.mode == "batch_invariant" else dense.accelerator
+
+    def lora_stack_rows(self) -> int:
+        """Up to how many rows a step mixing adapters adds each layer's LoRA terms as one stacked pair of products
+        (worker_proc.lora.layer, tuning.LORA_STACK_ROWS); 0 in the deterministic mode, where a row's term must not
+        depend on which adapters are loaded beside its own."""
+        return 0 if self.mode == "batch_invariant" else LORA_STACK_ROWS
 
     def threads_for(self, rows: int) -> int:
         bounds = [b for b, _ in self.threads]

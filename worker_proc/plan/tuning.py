@@ -80,3 +80,10 @@ COPY_PAYS = 0.05
 chosen over one that costs fewer only where it makes a step's products more than this much faster, averaged
 over the row buckets: a server's memory is sized by its weights, and a copy that buys a few percent on a few
 row counts costs as much as one that doubles a decode step's speed."""
+
+LORA_STACK_ROWS = 64
+"""Up to this many rows, a step whose rows run under several adapters adds each layer's LoRA terms with one pair
+of products over the concatenation of the layer's loaded adapters (each row's product masked to its own adapter's
+columns) instead of a pair of products per adapter: decode-sized steps are bound by the per-product overhead, which
+the stacked form pays once, and the extra columns cost little at few rows; prefill-sized steps keep a pair per
+adapter, whose products touch only their own rows (stacking would multiply their work by the adapter count)."""

@@ -95,8 +95,8 @@ class ModelRunner:
         if self.device.type == "cpu":
             apply_steps_policy(c.tp_rank)
         self._make_plan(kernel_choice)
-        self.loras = LoraSlots(self.model, c.max_loras, c.max_lora_rank, self.plan.lora_kernel()) if c.max_loras \
-            else None
+        self.loras = LoraSlots(self.model, c.max_loras, c.max_lora_rank, self.plan.lora_kernel(),
+                               self.plan.lora_stack_rows()) if c.max_loras else None
         """The adapter slots (worker_proc.lora.slots), None when LoRA is off (WorkerConfig.max_loras 0)."""
         self.cfg = self.model.cfg
         self.dtype = self.model.dtype
@@ -209,7 +209,7 @@ class ModelRunner:
         self._bind(plan)
         self.replays.clear()
         if self.loras is not None:
-            self.loras.kernel = plan.lora_kernel()
+            self.loras.kernel, self.loras.stack_rows = plan.lora_kernel(), plan.lora_stack_rows()
 
     def _bind(self, plan: ExecutionPlan) -> None:
         """The one place a runner's model is bound; on the CPU the copies the plan makes are mappings of their
