@@ -83,12 +83,15 @@ class LoraLayer:
             layout, a, b = self.stack()
             h = torch.mm(x, a.t()).mul_(self.slots.mask(layout))
             return out.addmm_(h, b.t())
-        kernel = self.slots.kernel
+        kernel, fused = self.slots.kernel, self.slots.stack_rows > 0
         for slot, rows in groups:
             pair = self.pairs.get(slot)
             if pair is None:
                 continue
             a, b = pair
+            if fused and isinstance(rows, slice) and a.shape[0] > 1 and b.shape[0] > 1:
+                out[rows].addmm_(torch.mm(x[rows], a.t()), b.t())  # the default numerics: the sum in the product
+                continue
             term = _product(kernel, _product(kernel, x[rows], a), b)
             if isinstance(rows, slice):
                 out[rows] += term
