@@ -160,3 +160,20 @@ def test_adapters_with_speculative_decoding_and_structured_output(adapters: dict
         assert r.status_code == 200, r.text
         assert isinstance(json.loads(r.json()["choices"][0]["message"]["content"])["n"], int)
         assert srv.metric("hyssm_spec_verify_steps_total") > 0
+
+
+def test_the_engine_api_takes_adapters(adapters: dict[str, str]) -> None:
+    import hyssm
+
+    base = builtin_model_dir()
+    with hyssm.Engine(model_path="builtin", device="cpu", dtype="float32", lora_paths=[f"a={adapters['a']}"],
+                      enable_deterministic_inference=True) as engine:  # fmt: skip
+        params = hyssm.SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)
+        (under_a,) = engine.generate(input_ids=[PROMPT], sampling_params=params, lora_path="a")
+        assert under_a["output_ids"] == peft_greedy(base, adapters["a"], PROMPT, 8)
+        engine.load_lora_adapter("c", adapters["c"])
+        (under_c,) = engine.generate(input_ids=[PROMPT], sampling_params=params, lora_path="c")
+        assert under_c["output_ids"] == peft_greedy(base, adapters["c"], PROMPT, 8)
+        engine.unload_lora_adapter("c")
+        with pytest.raises(hyssm.RequestError, match="c"):
+            engine.generate(input_ids=[PROMPT], sampling_params=params, lora_path="c")
