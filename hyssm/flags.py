@@ -76,6 +76,8 @@ _HELP = {
     "one of them, else a 400 before anything is fetched (default: any host)",
     "max_image_pixels": "an image's decoded width x height at most, checked before it is decoded; larger is a 400 "
     "(default: 50000000)",
+    "mm_processor_cache_gb": "vLLM's flag: GiB of processed images the tokenizer process keeps by their encoded "
+    "bytes, so an image sent again is not decoded and processed again (0 = keep none) (default: 0.5)",
     "mm_encoder_cache_gb": "GiB of the vision tower's outputs each worker rank keeps by image content, so that an "
     "image seen again is not encoded again (least recently used dropped; 0 = keep none) (default: 0.25)",
     "max_connections": "open HTTP connections at most; more are answered 503 and closed (default: 4096)",

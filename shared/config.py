@@ -136,6 +136,7 @@ class ServerArgs:
     max_image_bytes: int = 20 * 1024 * 1024  # an image's encoded size (fetched, or decoded from base64)
     max_image_pixels: int = 50_000_000  # an image's decoded width x height
     allowed_media_domains: str = ""  # vLLM's flag: comma-separated hosts image URLs may name ("" = any)
+    mm_processor_cache_gb: float = 0.5  # vLLM's flag: processed images kept by their encoded bytes (tokenizer)
     mm_encoder_cache_gb: float = 0.25  # each worker rank: the vision tower's outputs kept by image digest
     # HTTP connections (tokenizer process)
     max_connections: int = 4096  # open connections; more are answered 503 and closed
@@ -184,6 +185,7 @@ class ServerArgs:
             "--context-length": self.context_length,
             "--mem-budget-gb": self.mem_budget_gb,
             "--mm-encoder-cache-gb": self.mm_encoder_cache_gb,
+            "--mm-processor-cache-gb": self.mm_processor_cache_gb,
             "--cpu-threads": self.cpu_threads,
             "--max-queued-requests": self.max_queued_requests,
             "--graceful-shutdown-timeout": self.graceful_shutdown_timeout,

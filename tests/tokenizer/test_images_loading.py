@@ -260,3 +260,26 @@ def test_allowed_media_domains_hold_for_the_url_and_every_redirect(vision_dir: s
         loader.close()
     with pytest.raises(ConfigError):
         ServerArgs(model_path=vision_dir, allowed_media_domains="example.org/path")
+
+
+def test_an_image_sent_again_is_processed_once(loader: ImageLoader) -> None:
+    img = png_bytes(image(48, 80, seed=9))
+    hits = loader.cache.hits
+    first = load(loader, ImageRef(data_url(img), "a")).images[0]
+    again = load(loader, ImageRef(data_url(img), "b")).images[0]
+    assert again is first and loader.cache.hits == hits + 1
+    other = load(loader, ImageRef(data_url(png_bytes(image(48, 80, seed=10))), "c")).images[0]
+    assert other.pixels != first.pixels and loader.cache.hits == hits + 1
+    loader.cache.check_integrity()
+
+
+def test_the_processor_cache_keeps_no_more_than_its_bytes() -> None:
+    from tokenizer_proc.requests.images import ProcessedCache, ProcessedImage
+
+    cache = ProcessedCache(max_bytes=100)
+    for i in range(5):
+        cache.put(bytes([i]), ProcessedImage(pixels=b"x" * 40, grid=(1, 2, 2)))
+        cache.check_integrity()
+    assert cache.bytes == 80 and cache.get(bytes([0])) is None and cache.get(bytes([4])) is not None
+    cache.put(b"big", ProcessedImage(pixels=b"x" * 101, grid=(1, 2, 2)))
+    assert cache.get(b"big") is None

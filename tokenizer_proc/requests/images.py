@@ -12,14 +12,20 @@ Rules:
   `image_grid_thw` are the image (`ProcessedImage`), the digest made when its offset is known
   (shared/images.py `make_image_input`);
 - decoding and processing run on the loader's threads, never on the event loop, so the server keeps
-  serving while large images are processed; a request's images are fetched concurrently.
+  serving while large images are processed; a request's images are fetched concurrently;
+- an image whose encoded bytes were processed before is taken from the processor cache (by the bytes' sha256,
+  least recently used dropped beyond `--mm-processor-cache-gb`; 0 = none), so a conversation that sends its
+  image again on every turn decodes and processes it once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import io
 import logging
+import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -46,6 +52,42 @@ class ProcessedImage:
 
     pixels: bytes
     grid: tuple[int, int, int]
+
+
+class ProcessedCache:
+    """Processed images by the sha256 of their encoded bytes, LRU, at most `max_bytes` of pixels; thread-safe (the
+    loader's threads share it)."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes, self.bytes = max_bytes, 0
+        self._items: OrderedDict[bytes, ProcessedImage] = OrderedDict()
+        self._lock = threading.Lock()
+        self.hits = 0
+
+    def get(self, key: bytes) -> ProcessedImage | None:
+        with self._lock:
+            img = self._items.get(key)
+            if img is not None:
+                self._items.move_to_end(key)
+                self.hits += 1
+            return img
+
+    def put(self, key: bytes, img: ProcessedImage) -> None:
+        size = len(img.pixels)
+        if size > self.max_bytes:
+            return
+        with self._lock:
+            if key in self._items:
+                return
+            self._items[key] = img
+            self.bytes += size
+            while self.bytes > self.max_bytes:
+                _, old = self._items.popitem(last=False)
+                self.bytes -= len(old.pixels)
+
+    def check_integrity(self) -> None:
+        with self._lock:
+            assert self.bytes == sum(len(i.pixels) for i in self._items.values()) <= self.max_bytes, self.bytes
 
 
 @dataclass(frozen=True)
@@ -97,9 +139,11 @@ class ImageLoader:
     """Owns the checkpoint's image processor, the fetcher and the threads that decode and process images.
     Built once per tokenizer process for a checkpoint that sees (`from_args`)."""
 
-    def __init__(self, processor: Any, vision: VisionInfo, limits: FetchLimits, max_pixels: int, max_images: int):
+    def __init__(self, processor: Any, vision: VisionInfo, limits: FetchLimits, max_pixels: int, max_images: int,
+                 cache_bytes: int = 0) -> None:  # fmt: skip
         self.processor, self.vision, self.max_pixels, self.max_images = processor, vision, max_pixels, max_images
         self.fetcher = Fetcher(limits)
+        self.cache = ProcessedCache(cache_bytes)
         self._pool = ThreadPoolExecutor(PROCESSING_THREADS, thread_name_prefix="image")
 
     @staticmethod
@@ -118,13 +162,24 @@ class ImageLoader:
                                  f"--mm-processor-kwargs {kwargs}): {e}") from None  # fmt: skip
         logger.info("images: %s, at most %d per prompt", type(processor).__name__, args.image_limit())
         limits = FetchLimits(args.media_fetch_timeout, args.max_image_bytes, args.media_domains())
-        return ImageLoader(processor, vision, limits, args.max_image_pixels, args.image_limit())
+        return ImageLoader(processor, vision, limits, args.max_image_pixels, args.image_limit(),
+                           int(args.mm_processor_cache_gb * (1 << 30)))
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def process(self, data: bytes, param: str) -> ProcessedImage:
-        """Decode and process one image's encoded bytes (blocking: the loader's threads call it)."""
+        """Decode and process one image's encoded bytes, or take them from the cache (blocking: the loader's
+        threads call it)."""
+        key = hashlib.sha256(data).digest()
+        done = self.cache.get(key)
+        if done is not None:
+            return done
+        done = self._process(data, param)
+        self.cache.put(key, done)
+        return done
+
+    def _process(self, data: bytes, param: str) -> ProcessedImage:
         img = open_image(data, self.max_pixels, param)
         try:
             out = self.processor(images=[img], return_tensors="np")
