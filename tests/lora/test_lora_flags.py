@@ -4,12 +4,16 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 
 import hyssm.serve as launch
 from shared.config import ConfigError, ServerArgs
 from tests.fixtures.lora_adapter import write_adapter
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_defaults_are_sglangs() -> None:
@@ -33,6 +37,12 @@ def test_adapter_limits_without_enable_lora_are_accepted_as_sglang_does() -> Non
     assert not args.enable_lora and args.max_loras_per_batch == 4
 
 
+def _launch(argv: list[str]) -> subprocess.CompletedProcess[str]:
+    """launch.py as a user runs it (its own process: the launch sets up the process's logging)."""
+    return subprocess.run([sys.executable, os.path.join(ROOT, "launch.py"), *argv], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT)  # fmt: skip
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--max-loras-per-batch", "0"], "--max-loras-per-batch must be a positive integer, got 0"),
     (["--max-lora-rank", "-1"], "--max-lora-rank must be a positive integer, got -1"),
@@ -41,19 +51,18 @@ def test_adapter_limits_without_enable_lora_are_accepted_as_sglang_does() -> Non
     (["--lora-paths", "=/x"], "the adapter name '' must be"),
     (["--lora-paths", "bad name=/x"], "the adapter name 'bad name' must be"),
 ])
-def test_bad_values_are_one_line(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+def test_bad_values_are_one_line(argv: list[str], message: str) -> None:
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
         launch.parse_args(argv)
-    assert launch.main(argv) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and message in err
+    proc = _launch(argv)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and message in proc.stderr, proc.stderr
 
 
-def test_a_bad_adapter_fails_the_preflight_check_in_one_line(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_bad_adapter_fails_the_preflight_check_in_one_line(tmp_path) -> None:
     big = write_adapter(str(tmp_path / "big"), rank=128)
     for argv, message in [(["--lora-paths", f"big={big}"], "rank 128 exceeds --max-lora-rank 64"),
                           (["--lora-paths", str(tmp_path / "nothing")], "is not a directory")]:
-        assert launch.main(argv) == 2
-        err = capsys.readouterr().err
-        assert err.count("\n") == 1 and "--lora-paths" in err and message in err, err
+        proc = _launch(argv)
+        err = proc.stderr
+        assert proc.returncode == 2 and err.count("\n") == 1 and "--lora-paths" in err and message in err, err
     assert os.path.isdir(big)
