@@ -24,12 +24,9 @@ import hashlib
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from shared.messages import LoraAdapter, LoraLoad
-
-if TYPE_CHECKING:
-    from scheduler_proc.request import Req
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +53,13 @@ class AdapterUse:
     running: int = 0
     unloading: bool = False
     last_used: int = 0
+
+
+class HoldsAdapter(Protocol):
+    """What the integrity check reads of a request (scheduler_proc.request.Req)."""
+
+    rid: str
+    lora: AdapterUse | None
 
 
 class LoraSlots:
@@ -158,7 +162,7 @@ class LoraSlots:
     def in_slots(self) -> int:
         return sum(use is not None for use in self.slots)
 
-    def check_integrity(self, table: Iterable[Req], running: Iterable[Req]) -> None:
+    def check_integrity(self, table: Iterable[HoldsAdapter], running: Iterable[HoldsAdapter]) -> None:
         """Counts match the requests (`table`: every request the scheduler holds; `running`: the running
         ones), slots and uses point at each other, every running request's adapter sits in a slot."""
         requests: dict[int, int] = {}

@@ -22,13 +22,24 @@ decoder (the layers `shared.lora.linear_layers` names) and hangs it on the `Line
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 if TYPE_CHECKING:
     from worker_proc.linear.kernels import GemmKernel
-    from worker_proc.lora.slots import LoraSlots
+
+
+class StepRows(Protocol):
+    """What a layer reads of its owner (worker_proc.lora.slots.LoraSlots) during a forward."""
+
+    groups: tuple[tuple[int, slice | torch.Tensor], ...]
+    rows: int
+    kernel: GemmKernel
+    stacked: bool
+    stack_rows: int
+
+    def mask(self, layout: tuple[tuple[int, int], ...]) -> torch.Tensor: ...
 
 
 def _product(kernel: GemmKernel, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -41,7 +52,7 @@ def _product(kernel: GemmKernel, x: torch.Tensor, weight: torch.Tensor) -> torch
 class LoraLayer:
     """The adapters of one linear layer, by slot (see the module doc)."""
 
-    def __init__(self, slots: LoraSlots, name: str, out_features: int, in_features: int) -> None:
+    def __init__(self, slots: StepRows, name: str, out_features: int, in_features: int) -> None:
         self.slots = slots
         self.name = name
         self.shape = (out_features, in_features)

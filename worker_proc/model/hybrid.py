@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -56,9 +56,6 @@ from worker_proc.model.vision import VisionTower
 from worker_proc.quant.weight import QuantizedWeight
 from worker_proc.state.pools import StatePools
 
-if TYPE_CHECKING:
-    from worker_proc.lora.slots import LoraSlots
-
 __all__ = ["DecoderLayer", "HybridForCausalLM", "HybridModel", "TPInfo"]
 
 _LAYER_PARAM = re.compile(r"^(model|mtp)\.layers\.(\d+)\.([^.]+)\.(.+)$")
@@ -66,6 +63,15 @@ _LAYER_PARAM = re.compile(r"^(model|mtp)\.layers\.(\d+)\.([^.]+)\.(.+)$")
 HEAD_TIMED_ROWS = 64
 """Rows the plan times the LM head at: it takes a step's sampled rows (a decode batch), and timing it
 over a prefill chunk's rows (a 100k-vocabulary head at 512 rows is ~80 GFLOP) would cost seconds."""
+
+
+class StepAdapters(Protocol):
+    """A rank's adapter slots as the model's step sees them (worker_proc.lora.slots.LoraSlots): told which rows of
+    the step run under which slot before the layers run, and when they are done."""
+
+    def begin(self, lora_rows: tuple[tuple[int, tuple[tuple[int, int], ...]], ...], rows: int) -> None: ...
+
+    def end(self) -> None: ...
 
 
 class KVLayers(Protocol):
@@ -247,7 +253,7 @@ class HybridForCausalLM(nn.Module, GemmOwner):
         self.embed_rows: QuantizedWeight | None = None
         """The quantized rows the embedding lookups read once a tied head is quantized (the table's dense
         copy is then gone; worker_proc.loading.quantize)."""
-        self.lora: LoraSlots | None = None
+        self.lora: StepAdapters | None = None
         """The rank's adapter slots when it serves LoRA adapters (worker_proc.lora.slots sets it)."""
 
     def derive_buffers(self, device: torch.device) -> None:
