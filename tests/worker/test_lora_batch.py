@@ -117,35 +117,46 @@ def test_the_runner_refuses_slots_without_an_adapter(pairs: dict[str, tuple[str,
     assert not r.loras.adapters
 
 
-def test_decode_steps_under_an_adapter_are_not_replayed(pairs: dict[str, tuple[str, str]]) -> None:
-    """A decode step's recorded program (worker_proc.runtime.step_replay) holds no adapter: a step of the same
-    shape with a row under an adapter runs as written."""
+def test_decode_steps_under_adapters_are_replayed_and_equal_the_steps_as_written(
+        pairs: dict[str, tuple[str, str]]) -> None:  # fmt: skip
+    """Decode steps whose rows run under adapters take the native op and are replayed
+    (worker_proc.runtime.step_replay): the same logits as a runner that runs every step as written; a slot that
+    takes another adapter drops the programs, so the next steps read the new adapter's tensors."""
     name = "falcon_h1"
-    prompt = reference(name)["prompt"].tolist()[:7]
-    r = runner(name, kv_slots=256, max_loras=1)
+    prompt = reference(name)["prompt"].tolist()
+    one, two = (adapter_of(name, d) for d in pairs[name])
+    r = runner(name, kv_slots=256, max_loras=3)
     if not r.replays.enabled:
         pytest.skip("step replay needs the native kernels")
-    base = _serve(r, {"a": (prompt, 0)}, [])["a"]
-    _serve(r, {"a": (prompt, 0)}, [])
-    assert r.replays.replayed > 0  # the base decode steps' shape is replayed
-    replayed = r.replays.replayed
-    under = _serve(r, {"a": (prompt, 1)}, [LoraLoad(slot=1, adapter=adapter_of(name, pairs[name][0]))])["a"]
-    assert r.replays.replayed == replayed
-    assert all((a - b).abs().max() > 1e-3 for a, b in zip(base, under, strict=True))
+    eager = runner(name, kv_slots=256, max_loras=3, enforce_eager=True)
+    loads = [LoraLoad(slot=1, adapter=one), LoraLoad(slot=3, adapter=two)]
+    reqs = {"x": (prompt[:9], 1), "base": (prompt[3:12], 0), "y": (prompt[:7], 3)}
+    for _ in range(2):  # the second run's decode steps replay the programs the first recorded
+        replayed = r.replays.replayed
+        served = _serve(r, reqs, loads)
+        expected = _serve(eager, reqs, loads)
+        for rid in reqs:
+            assert all(torch.equal(a, b) for a, b in zip(served[rid], expected[rid], strict=True)), rid
+    assert r.replays.replayed > replayed and r.replays.programs() > 0
+    swapped = [LoraLoad(slot=1, adapter=two)]  # slot 1 now holds the second adapter
+    served, expected = _serve(r, reqs, swapped), _serve(eager, reqs, swapped)
+    for rid in reqs:
+        assert all(torch.equal(a, b) for a, b in zip(served[rid], expected[rid], strict=True)), rid
+    assert (served["x"][-1] - served["y"][-1]).abs().max() > 0  # different prompts, now the same adapter
 
 
 @pytest.mark.parametrize("name", ["falcon_h1", "qwen3_5_moe"])
-def test_the_stacked_form_of_a_few_rows_under_several_adapters_equals_each_alone(
+def test_the_native_form_of_a_few_rows_under_several_adapters_equals_each_alone(
         name: str, pairs: dict[str, tuple[str, str]]) -> None:  # fmt: skip
-    """Default numerics: decode steps (a few rows under two adapters and the base) take the stacked form
-    (ExecutionPlan.lora_stack_rows); each request's logits equal its own run alone within float rounding, and the
+    """Default numerics: decode steps (a few rows under two adapters and the base) take the native op
+    (ExecutionPlan.lora_native_rows); each request's logits equal its own run alone within float rounding, and the
     base rows equal a runner without LoRA."""
     one, two = (adapter_of(name, d) for d in pairs[name])
     loads = [LoraLoad(slot=1, adapter=one), LoraLoad(slot=3, adapter=two)]
     prompt = reference(name)["prompt"].tolist()
     reqs = {"x": (prompt[:9], 1), "base": (prompt[3:12], 0), "y": (prompt[:7], 3), "x2": (prompt[5:9], 1)}
     mixed_runner = runner(name, kv_slots=256, max_loras=3)
-    assert mixed_runner.loras is not None and mixed_runner.loras.stack_rows > 0
+    assert mixed_runner.loras is not None and mixed_runner.loras.native_rows > 0
     mixed = _serve(mixed_runner, reqs, loads)
     alone_runner = runner(name, kv_slots=256, max_loras=3)
     base_runner = runner(name, kv_slots=256)

@@ -8,10 +8,12 @@ decoder (the layers `shared.lora.linear_layers` names) and hangs it on the `Line
 - `add(x, out)` adds (x A^T) B^T to the rows of `out` of each slot with an adapter here, one pair of
   products per slot over all of that slot's rows together (the segmented, punica-shaped batch); a row of
   the base model (slot 0) or of an adapter that does not target this layer is not touched at all;
-- in a step of few rows under several adapters (`LoraSlots.stacked`, the plan's `lora_stack_rows`), the terms
-  are one pair of products over the layer's adapters concatenated (A stacked [sum r, in], B [out, sum r]), the
-  first product masked to each row's own adapter's columns: the same sum per row, in two products instead of
-  two per adapter (base rows and rows of adapters that skip the layer get exact zeros);
+- in a step of up to the plan's `lora_native_rows` rows (`LoraSlots.native`), every row's term is one call of the
+  native `lora_add` (worker_proc/kernels/native/lora_ops.cpp) over the layer's adapters stacked (`packed`: A
+  [sum r, in], B^T [sum r, out], and each slot's rows of them), each row reading its own slot's rows (the
+  step's `row_slot`): one call per layer whatever the mix of adapters, batch invariant, and free of Python
+  decisions that depend on the rows, so such a decode step is replayed (worker_proc.runtime.step_replay);
+  `packed` is made again whenever a slot changes;
 - on a row-parallel layer `x` holds this rank's input columns and A its matching columns, so the term is
   this rank's partial sum, summed by the base product's all-reduce (worker_proc.model.tp.row_parallel);
 - the products run on the kernel the plan gives every LoRA product (`LoraSlots.kernel`,
@@ -36,10 +38,9 @@ class StepRows(Protocol):
     groups: tuple[tuple[int, slice | torch.Tensor], ...]
     rows: int
     kernel: GemmKernel
-    stacked: bool
-    stack_rows: int
-
-    def mask(self, layout: tuple[tuple[int, int], ...]) -> torch.Tensor: ...
+    native: bool
+    row_slot: torch.Tensor | None
+    max_loras: int
 
 
 def _product(kernel: GemmKernel, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -58,43 +59,49 @@ class LoraLayer:
         self.shape = (out_features, in_features)
         """This rank's [out, in] of the base weight: what every slot's B @ A must be."""
         self.pairs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._stack: tuple[tuple[tuple[int, int], ...], torch.Tensor, torch.Tensor] | None = None
-        """(layout, A stacked, B stacked) of `pairs` in slot order, made when first needed after a change."""
+        self.packed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        """`pairs` as the native op reads them (see the module doc), None while no slot has an adapter here."""
 
-    def stack(self) -> tuple[tuple[tuple[int, int], ...], torch.Tensor, torch.Tensor]:
-        if self._stack is None:
-            slots = sorted(self.pairs)
-            layout = tuple((s, self.pairs[s][0].shape[0]) for s in slots)
-            a = torch.cat([self.pairs[s][0] for s in slots])
-            b = torch.cat([self.pairs[s][1] for s in slots], dim=1).contiguous()
-            self._stack = (layout, a, b)
-        return self._stack
+    def _pack(self) -> None:
+        if not self.pairs:
+            self.packed = None
+            return
+        slots = sorted(self.pairs)
+        cols = torch.zeros(self.slots.max_loras + 1, 2, dtype=torch.int64)
+        at = 0
+        for s in slots:
+            r = self.pairs[s][0].shape[0]
+            cols[s] = torch.tensor([at, at + r])
+            at += r
+        a = torch.cat([self.pairs[s][0] for s in slots]).contiguous()
+        bt = torch.cat([self.pairs[s][1].t() for s in slots]).contiguous()
+        self.packed = (a, bt, cols.to(a.device))
 
     def put(self, slot: int, a: torch.Tensor, b: torch.Tensor) -> None:
         if (b.shape[0], a.shape[1]) != self.shape or a.shape[0] != b.shape[1]:
             raise ValueError(f"{self.name}: LoRA A {tuple(a.shape)} and B {tuple(b.shape)} do not fit its "
                              f"weight {self.shape}")
         self.pairs[slot] = (a, b)
-        self._stack = None
+        self._pack()
 
     def drop(self, slot: int) -> None:
         if self.pairs.pop(slot, None) is not None:
-            self._stack = None
+            self._pack()
 
     def add(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """`out` (the base product of `x`, this call's own tensor) with every slot's LoRA term added in place
         to that slot's rows of the current step."""
-        groups = self.slots.groups
-        if not groups or not self.pairs:
+        slots = self.slots
+        if slots.rows == 0 or self.packed is None:
             return out
-        if x.dim() != 2 or x.shape[0] != self.slots.rows:
+        if x.dim() != 2 or x.shape[0] != slots.rows:
             raise RuntimeError(f"{self.name}: a LoRA layer called on {tuple(x.shape)}, not on the step's "
-                               f"{self.slots.rows} rows")
-        if self.slots.stacked:
-            layout, a, b = self.stack()
-            h = torch.mm(x, a.t()).mul_(self.slots.mask(layout))
-            return out.addmm_(h, b.t())
-        kernel, fused = self.slots.kernel, self.slots.stack_rows > 0
+                               f"{slots.rows} rows")
+        if slots.native:
+            a, bt, cols = self.packed
+            return torch.ops.hyssm_cpu.lora_add(out, x, a, bt, cols, slots.row_slot)
+        groups, kernel = slots.groups, slots.kernel
+        fused = not kernel.batch_invariant
         for slot, rows in groups:
             pair = self.pairs.get(slot)
             if pair is None:

@@ -69,24 +69,23 @@ def rank_pairs(adapter: LoraAdapter, layers: set[str], spec_of: Callable[[str], 
 class LoraSlots:
     """The adapter slots of one rank's model (see the module doc). `groups`: during a forward, each slot's
     rows of the step (a slice for one contiguous run of rows, else an index tensor), `rows` the step's row
-    count; empty outside a forward and in a step without adapter rows. `kernel`: the plan's LoRA product;
-    `stack_rows`: up to how many rows a step with several adapters' rows takes the stacked form (`stacked`, with
-    `row_slot` the slot of every row; ExecutionPlan.lora_stack_rows, 0: never)."""
+    count (0 outside a forward and in a step without adapter rows). `kernel`: the plan's LoRA product;
+    `native_rows`: up to how many rows a step takes the native op (`native`, with `row_slot` the slot of every
+    row; ExecutionPlan.lora_native_rows, 0: never), `groups` then left empty."""
 
     def __init__(self, model: HybridForCausalLM, max_loras: int, max_rank: int, kernel: GemmKernel,
-                 stack_rows: int = 0) -> None:  # fmt: skip
+                 native_rows: int = 0) -> None:  # fmt: skip
         if max_loras < 1 or max_rank < 1:
             raise ValueError(f"LoRA slots need max_loras >= 1 and max_lora_rank >= 1 ({max_loras}, {max_rank})")
         self.model = model
         self.max_loras, self.max_rank = max_loras, max_rank
         self.kernel = kernel
-        self.stack_rows = stack_rows
+        self.native_rows = native_rows
         self.adapters: dict[int, LoraAdapter] = {}
         self.groups: tuple[tuple[int, slice | torch.Tensor], ...] = ()
         self.rows = 0
-        self.stacked = False
+        self.native = False
         self.row_slot: torch.Tensor | None = None
-        self._masks: dict[tuple[tuple[int, int], ...], torch.Tensor] = {}
         wanted = set(linear_layers(model.cfg))
         self.layers: dict[str, LoraLayer] = {}
         for name, module in model.named_modules():
@@ -132,8 +131,14 @@ class LoraSlots:
             logger.info("adapter slot %d: %s (rank %d, %d layers)%s", s.slot, s.adapter.name, s.adapter.rank,
                         len(s.pairs), f", replacing {old.name}" if old is not None else "")
 
-    def begin(self, lora_rows: tuple[tuple[int, tuple[tuple[int, int], ...]], ...], rows: int) -> None:
-        """The step's rows of each slot (StepBatch.lora_rows), until `end`."""
+    def begin(self, lora_rows: tuple[tuple[int, tuple[tuple[int, int], ...]], ...], row_slot: torch.Tensor | None,
+              rows: int) -> None:  # fmt: skip
+        """The step's rows of each slot (StepBatch.lora_rows, and `row_slot` the slot of each row), until `end`."""
+        self.rows = rows
+        self.native = row_slot is not None and rows <= self.native_rows
+        if self.native:
+            self.row_slot = row_slot
+            return
         device = self.model.device
         groups: list[tuple[int, slice | torch.Tensor]] = []
         for slot, runs in lora_rows:
@@ -141,29 +146,10 @@ class LoraSlots:
                 groups.append((slot, slice(*runs[0])))
             else:
                 groups.append((slot, torch.cat([torch.arange(a, b, device=device) for a, b in runs])))
-        self.groups, self.rows = tuple(groups), rows
-        self.stacked = len(groups) > 1 and rows <= self.stack_rows
-        self._masks.clear()
-        if self.stacked:
-            row_slot = torch.zeros(rows, dtype=torch.int64, device=device)
-            for slot, runs in lora_rows:
-                for a, b in runs:
-                    row_slot[a:b] = slot
-            self.row_slot = row_slot
-
-    def mask(self, layout: tuple[tuple[int, int], ...]) -> torch.Tensor:
-        """[rows, sum of ranks] in the model dtype: 1 where a stacked column (`layout`: (slot, rank) of each
-        adapter in column order) is of the row's own slot, else 0; made once per step and layout."""
-        m = self._masks.get(layout)
-        if m is None:
-            assert self.row_slot is not None
-            cols = torch.tensor([slot for slot, r in layout for _ in range(r)], device=self.row_slot.device)
-            m = self._masks[layout] = (self.row_slot[:, None] == cols[None, :]).to(self.model.dtype)
-        return m
+        self.groups = tuple(groups)
 
     def end(self) -> None:
-        self.groups, self.rows, self.stacked, self.row_slot = (), 0, False, None
-        self._masks.clear()
+        self.groups, self.rows, self.native, self.row_slot = (), 0, False, None
 
     def check_integrity(self) -> None:
         for layer in self.layers.values():
@@ -171,3 +157,10 @@ class LoraSlots:
             for slot, (a, b) in layer.pairs.items():
                 assert layer.name in self.adapters[slot].targets
                 assert (b.shape[0], a.shape[1]) == layer.shape and a.shape[0] == self.adapters[slot].rank
+            assert (layer.packed is None) == (not layer.pairs), f"{layer.name}: packed out of step with its slots"
+            if layer.packed is not None:
+                a, bt, cols = layer.packed
+                for slot, (sa, sb) in layer.pairs.items():
+                    lo, hi = cols[slot].tolist()
+                    assert torch.equal(a[lo:hi], sa) and torch.equal(bt[lo:hi], sb.t()), f"{layer.name} slot {slot}"
+                assert sum(int(hi - lo) for lo, hi in cols.tolist()) == a.shape[0] == bt.shape[0]

@@ -114,6 +114,7 @@ class StepBatch:
     images: tuple[ImageInput, ...] = ()  # the images of image_spans, one per digest
     # (adapter slot, its runs of rows [start, end)) of every slot > 0 a slice runs under, by slot
     lora_rows: tuple[tuple[int, tuple[tuple[int, int], ...]], ...] = ()
+    lora_row_slot: torch.Tensor | None = None  # [T] int64 adapter slot of every row (0: the base), with lora_rows
 
     @property
     def rope_input(self) -> torch.Tensor:
@@ -209,9 +210,11 @@ def build_step_batch(
     spans: list[ImageSpan] = []
     images: dict[str, ImageInput] = {}
     lora: dict[int, list[tuple[int, int]]] = {}
+    row_slot: list[int] = []
     for r, kv in zip(reqs, kv_full, strict=True):
         n = len(r.input_ids)
         row = len(ids)
+        row_slot.extend([r.lora_slot] * n)
         if r.lora_slot:
             runs = lora.setdefault(r.lora_slot, [])
             if runs and runs[-1][1] == row:
@@ -264,6 +267,7 @@ def build_step_batch(
         image_spans=tuple(spans),
         images=tuple(images.values()),
         lora_rows=tuple((slot, tuple(runs)) for slot, runs in sorted(lora.items())),
+        lora_row_slot=t(row_slot) if lora else None,
     )
 
 

@@ -69,7 +69,8 @@ class StepAdapters(Protocol):
     """A rank's adapter slots as the model's step sees them (worker_proc.lora.slots.LoraSlots): told which rows of
     the step run under which slot before the layers run, and when they are done."""
 
-    def begin(self, lora_rows: tuple[tuple[int, tuple[tuple[int, int], ...]], ...], rows: int) -> None: ...
+    def begin(self, lora_rows: tuple[tuple[int, tuple[tuple[int, int], ...]], ...], row_slot: torch.Tensor | None,
+              rows: int) -> None: ...
 
     def end(self) -> None: ...
 
@@ -324,7 +325,7 @@ class HybridForCausalLM(nn.Module, GemmOwner):
         rope = self.rope(batch.rope_input)
         lora = self.lora if batch.lora_rows else None
         if lora is not None:  # the linear layers add each slot's term to its rows (worker_proc.lora.layer)
-            lora.begin(batch.lora_rows, h.shape[0])
+            lora.begin(batch.lora_rows, batch.lora_row_slot, h.shape[0])
         try:
             for layer in self.model.layers:
                 layer(stream, batch, rope, pools, ops)

@@ -35,7 +35,15 @@ from worker_proc.model.layers import Linear
 from worker_proc.plan.kernel_set import KernelChoice
 from worker_proc.plan.method_choice import choose_methods, methods_by_bucket, own_methods
 from worker_proc.plan.product_timer import GemmKey, Instance, Measure
-from worker_proc.plan.tuning import CONTENDER, LORA_STACK_ROWS, MARGIN, MEASURE_ROUNDS, ROW_BUCKETS, SWITCH_MARGIN
+from worker_proc.plan.tuning import (
+    CONTENDER,
+    LORA_NATIVE_ROWS,
+    MARGIN,
+    MEASURE_ROUNDS,
+    NO_ROW_LIMIT,
+    ROW_BUCKETS,
+    SWITCH_MARGIN,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -93,11 +101,13 @@ class ExecutionPlan:
         dense = LINEAR_METHODS["dense"]
         return dense.deterministic if self.mode == "batch_invariant" else dense.accelerator
 
-    def lora_stack_rows(self) -> int:
-        """Up to how many rows a step mixing adapters adds each layer's LoRA terms as one stacked pair of products
-        (worker_proc.lora.layer, tuning.LORA_STACK_ROWS); 0 in the deterministic mode, where a row's term must not
-        depend on which adapters are loaded beside its own."""
-        return 0 if self.mode == "batch_invariant" else LORA_STACK_ROWS
+    def lora_native_rows(self) -> int:
+        """Up to how many rows a step adds each layer's LoRA terms with the native op (worker_proc.lora.layer):
+        every step in the deterministic mode (the op is batch invariant, whatever the row count), steps of up to
+        tuning.LORA_NATIVE_ROWS rows otherwise; 0 without the native kernels."""
+        if self.kernels is None or self.kernels.ops != "native":
+            return 0
+        return NO_ROW_LIMIT if self.mode == "batch_invariant" else LORA_NATIVE_ROWS
 
     def threads_for(self, rows: int) -> int:
         bounds = [b for b, _ in self.threads]

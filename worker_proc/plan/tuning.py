@@ -81,9 +81,11 @@ chosen over one that costs fewer only where it makes a step's products more than
 over the row buckets: a server's memory is sized by its weights, and a copy that buys a few percent on a few
 row counts costs as much as one that doubles a decode step's speed."""
 
-LORA_STACK_ROWS = 64
-"""Up to this many rows, a step whose rows run under several adapters adds each layer's LoRA terms with one pair
-of products over the concatenation of the layer's loaded adapters (each row's product masked to its own adapter's
-columns) instead of a pair of products per adapter: decode-sized steps are bound by the per-product overhead, which
-the stacked form pays once, and the extra columns cost little at few rows; prefill-sized steps keep a pair per
-adapter, whose products touch only their own rows (stacking would multiply their work by the adapter count)."""
+LORA_NATIVE_ROWS = 64
+"""Up to this many rows, a step adds each layer's LoRA terms with the native op (one call per layer over every
+adapter, worker_proc/kernels/native/lora_ops.cpp) in the default numerics: decode-sized steps are bound by the
+per-product overhead of torch's products (two per adapter and layer), and the op's decode steps are replayed; above
+it torch's GEMMs, a pair per adapter over its own rows, are the faster ones (benchmarks/bench_lora.py)."""
+
+NO_ROW_LIMIT = 1 << 62
+"""A row bound no step reaches."""

@@ -96,7 +96,7 @@ class ModelRunner:
             apply_steps_policy(c.tp_rank)
         self._make_plan(kernel_choice)
         self.loras = LoraSlots(self.model, c.max_loras, c.max_lora_rank, self.plan.lora_kernel(),
-                               self.plan.lora_stack_rows()) if c.max_loras else None
+                               self.plan.lora_native_rows()) if c.max_loras else None
         """The adapter slots (worker_proc.lora.slots), None when LoRA is off (WorkerConfig.max_loras 0)."""
         self.cfg = self.model.cfg
         self.dtype = self.model.dtype
@@ -107,6 +107,7 @@ class ModelRunner:
         self.ops = kernel_choice.build()
         # decode steps replay their recorded calls where the rules of worker_proc.runtime.step_replay allow
         self.replays = StepReplays(not c.enforce_eager and c.tp_size == 1 and kernel_choice.ops == "native")
+        self.replays.lora_native_rows = self.loras.native_rows if self.loras is not None else 0
         self.kv_mirror = KVSlotMirror()  # slot lists of the last batch run (ReqSlice.kv_reuse)
         self.grammars = GrammarRuntime(model_dir, self.model_info.vocab_size, self.model_info.eos_token_ids)
 
@@ -209,7 +210,8 @@ class ModelRunner:
         self._bind(plan)
         self.replays.clear()
         if self.loras is not None:
-            self.loras.kernel, self.loras.stack_rows = plan.lora_kernel(), plan.lora_stack_rows()
+            self.loras.kernel, self.loras.native_rows = plan.lora_kernel(), plan.lora_native_rows()
+            self.replays.lora_native_rows = self.loras.native_rows
 
     def _bind(self, plan: ExecutionPlan) -> None:
         """The one place a runner's model is bound; on the CPU the copies the plan makes are mappings of their
@@ -249,6 +251,7 @@ class ModelRunner:
         clears; in message order."""
         if staged and self.loras is not None:
             self.loras.commit(staged)
+            self.replays.clear()  # the programs hold the slots' tensors as they were
         for op in batch.copies:
             if op.rid is not None and op.rid in refused:
                 continue

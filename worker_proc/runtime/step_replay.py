@@ -3,9 +3,10 @@ calls it makes, then replayed by `torch.classes.hyssm_cpu.OpProgram` (worker_pro
 without the Python that chose those calls.
 
 Owns the recorded programs of one runner (`StepReplays`). Rules that hold:
-- only a step of decode rows alone (one decode group, no prefill segment, no verify slice, no image row, no
-  row under an adapter: which slot's tensors a row reads is the step's Python's to say), on the CPU, at TP
-  size 1, with the native kernels, is replayed; every other step runs its forward as written;
+- only a step of decode rows alone (one decode group, no prefill segment, no verify slice, no image row, and
+  rows under adapters only where the step takes the native LoRA op, `lora_native_rows`: there the batch's
+  `lora_row_slot` says which slot's tensors each row reads), on the CPU, at TP size 1, with the native
+  kernels, is replayed; every other step runs its forward as written;
 - a program is keyed by what the forward's Python decides from (`replay_key`): the batch's tensors'
   shapes and dtypes (the decode group's KV index width aside, which grows every step) and whether
   logits are wanted. The batch's tensors are the program's inputs; every other tensor the forward
@@ -15,7 +16,8 @@ Owns the recorded programs of one runner (`StepReplays`). Rules that hold:
   same fixed tensors (at most `RECORDINGS`); then the program is built from them. A recording
   that reads a tensor's values into Python (`item`, `tolist`, a tensor made from Python data) or a
   call that returns anything but tensors refuses the key: its steps run as written from then on;
-- the programs hold the model's weights as bound: `clear()` when the model is bound again.
+- the programs hold the model's weights as bound, and the adapters' tensors as loaded: `clear()` when the model
+  is bound again or an adapter slot changes.
 """
 
 from __future__ import annotations
@@ -215,14 +217,15 @@ def replay_inputs(sb: StepBatch) -> list[torch.Tensor]:
     """The tensors of a decode-only batch a program takes as inputs, in register order."""
     g = sb.decode_groups[0]
     rope = [] if sb.rope_positions is None else [sb.rope_positions]
+    lora = [] if sb.lora_row_slot is None else [sb.lora_row_slot]
     return [sb.input_ids, sb.positions, sb.new_kv_slots, sb.logit_rows, g.rows, g.state_slots, g.kv_idx, g.kv_len,
-            *rope]
+            *rope, *lora]
 
 
-def replay_key(sb: StepBatch, want_logits: bool) -> tuple | None:
+def replay_key(sb: StepBatch, want_logits: bool, lora_native_rows: int = 0) -> tuple | None:
     """What a decode step's forward decides from, or None when the step is not one a program may run."""
-    if (sb.prefill or len(sb.decode_groups) != 1 or sb.kept_inputs is not None or sb.image_spans or sb.lora_rows
-            or sb.input_ids.device.type != "cpu"):
+    if (sb.prefill or len(sb.decode_groups) != 1 or sb.kept_inputs is not None or sb.image_spans
+            or (sb.lora_rows and sb.input_ids.shape[0] > lora_native_rows) or sb.input_ids.device.type != "cpu"):
         return None
     shapes = tuple((tuple(t.shape), t.dtype) for t in replay_inputs(sb))
     kv = shapes[6]
@@ -267,10 +270,12 @@ class _Program:
 
 class StepReplays:
     """The recorded programs of one runner's decode steps (see the module doc); `enabled` is False under
-    --enforce-eager, at TP size above 1 and without the native kernels."""
+    --enforce-eager, at TP size above 1 and without the native kernels. `lora_native_rows`: the runner's
+    adapter slots' (LoraSlots.native_rows; 0 without adapters)."""
 
     def __init__(self, enabled: bool) -> None:
         self.enabled = enabled
+        self.lora_native_rows = 0
         self._programs: OrderedDict[tuple, _Pending | _Program | str] = OrderedDict()  # a str: the refusal
         self._told: set[str] = set()  # refusals logged (once each, not once per batch shape)
         self.replayed = 0
@@ -288,7 +293,7 @@ class StepReplays:
 
     def forward(self, sb: StepBatch, want_logits: bool, run: Callable[[], torch.Tensor]) -> torch.Tensor:
         """The step's logits: `run()` (the forward as written), recorded or replayed by the rules above."""
-        key = replay_key(sb, want_logits) if self.enabled else None
+        key = replay_key(sb, want_logits, self.lora_native_rows) if self.enabled else None
         if key is None:
             return run()
         entry = self._programs.get(key)

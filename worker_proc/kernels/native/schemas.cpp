@@ -48,5 +48,6 @@ TORCH_LIBRARY(hyssm_cpu, m) {
   m.def("gemv_w8a8(Tensor x, Tensor data, Tensor scale) -> Tensor");
   m.def("tiled_w8a8(Tensor x, Tensor tiled, Tensor row_sums, Tensor scale) -> Tensor");
   m.def("tiled_w4a8(Tensor x, Tensor tiles, Tensor scales, int n) -> Tensor");
+  m.def("lora_add(Tensor(a!) out, Tensor x, Tensor a, Tensor bt, Tensor cols, Tensor row_slot) -> Tensor(a!)");
   m.def("layout() -> int[]", &hyssm_cpu::layout);
 }
