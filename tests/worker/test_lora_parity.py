@@ -7,8 +7,8 @@ q/k/v/o, Mamba in/out_proj, Gated DeltaNet projections in Qwen3-Next's fused (in
 Qwen3.5's split (in_proj_qkv / _z / _b / _a) forms, fused (Granite's input_linear / output_linear) and split
 gated MLPs, relu2 MLPs, shared experts, Nemotron's latent projections; rsLoRA and a regex target_modules
 included (PEFT itself refuses Mamba's out_proj for the falcon_h1, mamba2 and nemotron_h model types; Granite
-and Bamba adapters cover it). Also: an int8-quantized base with an adapter against the dequantized model with
-the adapter."""
+and Bamba adapters cover it). Also: an int8-, int4- or fp8-quantized base with an adapter against the dequantized
+model with the adapter."""
 
 from __future__ import annotations
 
@@ -89,13 +89,16 @@ def _dequantized_reference(r: object, model_dir: str) -> torch.nn.Module:
     return hf
 
 
+@pytest.mark.parametrize("quantization", ["int8", "int4", "fp8"])
 @pytest.mark.parametrize("name", ["falcon_h1", "qwen3_5_dense"])
-def test_adapter_over_an_int8_base_matches_the_dequantized_model(name: str, adapters: dict[str, str]) -> None:
-    """The base products run on the int8 format's reference (the dequantized weight): the LoRA term is added
-    to the quantized layer's product in float, as PEFT adds it to the dequantized model's."""
+def test_adapter_over_a_quantized_base_matches_the_dequantized_model(name: str, quantization: str,
+                                                                     adapters: dict[str, str]) -> None:  # fmt: skip
+    """The base products run on the format's reference (the dequantized weight): the LoRA term is added to the
+    quantized layer's product in float, as PEFT adds it to the dequantized model's."""
     from peft import PeftModel
 
-    r = runner(name, kv_slots=256, max_loras=1, quantization="int8", quantize_lm_head=False, deterministic=True)
+    r = runner(name, kv_slots=256, max_loras=1, quantization=quantization, quantize_lm_head=False,
+               deterministic=True)  # fmt: skip
     r.bind_plan(fixed_plan(r.model, {s: m.reference for s, m in LINEAR_METHODS.items()}))
     assert all(layer_site.quantized is not None for layer_site in
                (m.gemm for n, m in r.model.named_modules() if n.endswith(("q_proj", "down_proj"))))
