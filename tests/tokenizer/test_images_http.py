@@ -5,65 +5,26 @@ request after them answers 200). Image URLs are served by an HTTP server on a th
 from __future__ import annotations
 
 import base64
-import http.server
-import io
-import threading
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from tests.e2e.server import Server, running_server
-from tests.fixtures.vision_model import image, png_bytes
+from tests.fixtures.vision_model import image
+from tests.tokenizer.media_server import PNG, data_url, encoded, media_server
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 MAX_BYTES = 32 * 1024
 MAX_PIXELS = 300 * 300
-PNG = png_bytes(image(64, 48, seed=1))
 CHAT = "/v1/chat/completions"
-
-
-def url_of(data: bytes, mime: str = "image/png") -> str:
-    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
-
-
-def encoded(img: Any, fmt: str) -> bytes:
-    buf = io.BytesIO()
-    img.save(buf, format=fmt)
-    return buf.getvalue()
-
-
-class _Handler(http.server.BaseHTTPRequestHandler):
-    release: threading.Event
-
-    def do_GET(self) -> None:  # noqa: N802 - http.server's name
-        if self.path == "/never":  # holds the request until the test ends
-            self.release.wait(60)
-            return
-        if self.path == "/big.png":
-            self.send_response(200)
-            self.end_headers()
-            self.wfile.write(b"\0" * (MAX_BYTES * 2))
-            return
-        self.send_error(404)
-
-    def log_message(self, *args: object) -> None:
-        pass
 
 
 @pytest.fixture(scope="module")
 def media() -> Iterator[str]:
-    release = threading.Event()
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), type("H", (_Handler,), {"release": release}))
-    server.daemon_threads = True
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    release.set()
-    server.shutdown()
-    server.server_close()
-    thread.join(10)
+    with media_server(MAX_BYTES) as base:
+        yield base
 
 
 @pytest.fixture(scope="module")
@@ -89,24 +50,24 @@ def bad_bodies(media: str) -> list[tuple[str, str, dict[str, Any], str]]:
     wide = encoded(Image.new("RGB", (MAX_PIXELS // 100 + 1, 100)), "PNG")
     tiff = encoded(image(16, 16), "TIFF")
     return [
-        ("undecodable", CHAT, user(img(url_of(b"not an image at all"))), "cannot be decoded"),
-        ("tiff", CHAT, user(img(url_of(tiff, "image/tiff"))), "format TIFF is not supported"),
-        ("svg", CHAT, user(img(url_of(b"<svg xmlns='http://www.w3.org/2000/svg'/>", "image/svg+xml"))),
+        ("undecodable", CHAT, user(img(data_url(b"not an image at all"))), "cannot be decoded"),
+        ("tiff", CHAT, user(img(data_url(tiff, "image/tiff"))), "format TIFF is not supported"),
+        ("svg", CHAT, user(img(data_url(b"<svg xmlns='http://www.w3.org/2000/svg'/>", "image/svg+xml"))),
          "cannot be decoded"),
         ("timeout", CHAT, user(img(f"{media}/never")), "--media-fetch-timeout"),
         ("404", CHAT, user(img(f"{media}/missing.png")), "HTTP 404"),
-        ("too many bytes", CHAT, user(img(f"{media}/big.png")), "--max-image-bytes"),
+        ("too many bytes", CHAT, user(img(f"{media}/big-chunked")), "--max-image-bytes"),
         ("file scheme", CHAT, user(img("file:///etc/passwd")), "scheme 'file' is not supported"),
         ("ftp scheme", CHAT, user(img("ftp://example.com/a.png")), "scheme 'ftp' is not supported"),
-        ("too many images", CHAT, user(*[img(url_of(PNG))] * 3), "--limit-mm-per-prompt"),
-        ("too many pixels", CHAT, user(img(url_of(wide))), "--max-image-pixels"),
+        ("too many images", CHAT, user(*[img(data_url(PNG))] * 3), "--limit-mm-per-prompt"),
+        ("too many pixels", CHAT, user(img(data_url(wide))), "--max-image-pixels"),
         ("video part", CHAT, user({"type": "video_url", "video_url": {"url": f"{media}/v.mp4"}}),
          "video input is not supported"),
         ("responses video", "/v1/responses", {"input": [{"role": "user", "content": [{"type": "input_video"}]}]},
          "video input is not supported"),
         ("responses file_id", "/v1/responses",
          {"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "file-1"}]}]}, "file_id"),
-        ("generate placeholder count", "/generate", {"text": "no placeholder", "image_data": url_of(PNG)},
+        ("generate placeholder count", "/generate", {"text": "no placeholder", "image_data": data_url(PNG)},
          "placeholder"),
         ("generate undecodable", "/generate", {"text": "<|vision_start|><|image_pad|><|vision_end|>",
                                               "image_data": base64.b64encode(b"garbage!").decode()},
@@ -127,8 +88,8 @@ def test_bad_images_are_400s_and_the_server_keeps_serving(seeing: Server, media:
 
 def test_an_image_to_the_text_only_model_is_a_400() -> None:
     with running_server([]) as srv, srv.client(timeout=30) as c:
-        r = c.post(CHAT, json=user(img(url_of(PNG))))
+        r = c.post(CHAT, json=user(img(data_url(PNG))))
         assert r.status_code == 400 and "takes no images" in r.json()["error"]["message"], r.text
-        r = c.post("/generate", json={"text": "a", "image_data": url_of(PNG)})
+        r = c.post("/generate", json={"text": "a", "image_data": data_url(PNG)})
         assert r.status_code == 400 and r.json()["error"]["param"] == "image_data", r.text
         assert c.post(CHAT, json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).status_code == 200

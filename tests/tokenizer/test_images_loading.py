@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import http.server
-import io
 import socket
 import threading
 import time
@@ -19,6 +17,7 @@ import pytest
 from shared.config import ConfigError, ServerArgs
 from shared.model_info import ModelInfo
 from tests.fixtures.vision_model import image, png_bytes
+from tests.tokenizer.media_server import PNG, data_url, encoded, media_server
 from tokenizer_proc.http.errors import ApiError
 from tokenizer_proc.requests.image_fetch import ImageRef
 from tokenizer_proc.requests.images import ImageLoader, PromptImages, load_images
@@ -28,72 +27,10 @@ MAX_BYTES = 64 * 1024
 MAX_PIXELS = 400 * 400
 
 
-def encoded(img, fmt: str, **kw) -> bytes:
-    buf = io.BytesIO()
-    img.save(buf, format=fmt, **kw)
-    return buf.getvalue()
-
-
-def data_url(data: bytes, mime: str = "image/png") -> str:
-    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
-
-
-PNG = png_bytes(image(64, 48, seed=1))
-JPEG = encoded(image(64, 48, seed=1), "JPEG")
-
-
-class _Handler(http.server.BaseHTTPRequestHandler):
-    release: threading.Event
-
-    def do_GET(self) -> None:  # noqa: N802 - http.server's name
-        routes = {"/a.png": (PNG, "image/png"), "/a.jpg": (JPEG, "image/jpeg")}
-        if self.path in routes:
-            body, mime = routes[self.path]
-            self.send_response(200)
-            self.send_header("Content-Type", mime)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-        elif self.path == "/to-ip":  # a redirect to the same server by its address
-            self.send_response(302)
-            self.send_header("Location", f"http://127.0.0.1:{self.server.server_address[1]}/a.png")
-            self.send_header("Content-Length", "0")
-            self.end_headers()
-        elif self.path == "/never":  # holds the request until the test ends
-            self.release.wait(30)
-        elif self.path == "/big-declared":
-            self.send_response(200)
-            self.send_header("Content-Length", str(MAX_BYTES + 1))
-            self.end_headers()
-            self.wfile.write(b"\0" * (MAX_BYTES + 1))
-        elif self.path == "/big-chunked":  # no Content-Length: the limit is found while reading
-            self.send_response(200)
-            self.send_header("Transfer-Encoding", "chunked")
-            self.end_headers()
-            for _ in range(4):
-                chunk = b"\0" * (MAX_BYTES // 2)
-                self.wfile.write(f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n")
-            self.wfile.write(b"0\r\n\r\n")
-        else:
-            self.send_error(404)
-
-    def log_message(self, *args: object) -> None:
-        pass
-
-
 @pytest.fixture(scope="module")
 def url() -> Iterator[str]:
-    release = threading.Event()
-    handler = type("Handler", (_Handler,), {"release": release})
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    server.daemon_threads = True
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    release.set()
-    server.shutdown()
-    server.server_close()
-    thread.join(10)
+    with media_server(MAX_BYTES) as base:
+        yield base
 
 
 @pytest.fixture(scope="module")
