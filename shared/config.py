@@ -271,13 +271,8 @@ class ServerArgs:
 
     def store_extra_config(self) -> dict[str, str | int]:
         """--hicache-storage-backend-extra-config as a dict, checked for the backend (ConfigError)."""
-        text = self.hicache_storage_backend_extra_config
-        try:
-            extra = json.loads(text) if text else {}
-        except ValueError as e:
-            raise ConfigError(f"--hicache-storage-backend-extra-config is not JSON: {e}") from None
-        if not isinstance(extra, dict):
-            raise ConfigError("--hicache-storage-backend-extra-config must be a JSON object")
+        extra = json_object_flag("--hicache-storage-backend-extra-config", self.hicache_storage_backend_extra_config,
+                                 '{"master_server_address": "HOST:PORT"}')
         allowed = MOONCAKE_EXTRA_KEYS if self.hicache_storage_backend == "mooncake" else {}
         for name, value in extra.items():
             if name not in allowed:
@@ -298,13 +293,7 @@ class ServerArgs:
     def image_limit(self) -> int:
         """The most images one prompt may carry (--limit-mm-per-prompt's "image"; ConfigError on a bad value).
         Other modalities are not served: they may be given only as 0."""
-        text = self.limit_mm_per_prompt
-        try:
-            limits = json.loads(text) if text else {}
-        except ValueError as e:
-            raise ConfigError(f"--limit-mm-per-prompt is not JSON (e.g. '{{\"image\": 4}}'): {e}") from None
-        if not isinstance(limits, dict):
-            raise ConfigError("--limit-mm-per-prompt must be a JSON object (e.g. '{\"image\": 4}')")
+        limits = json_object_flag("--limit-mm-per-prompt", self.limit_mm_per_prompt, '{"image": 4}')
         for name, value in limits.items():
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ConfigError(f"--limit-mm-per-prompt: {name} must be an integer >= 0, got {value!r}")
@@ -316,14 +305,7 @@ class ServerArgs:
 
     def image_processor_kwargs(self) -> dict[str, object]:
         """--mm-processor-kwargs as a dict (ConfigError unless a JSON object)."""
-        text = self.mm_processor_kwargs
-        try:
-            kwargs = json.loads(text) if text else {}
-        except ValueError as e:
-            raise ConfigError(f"--mm-processor-kwargs is not JSON: {e}") from None
-        if not isinstance(kwargs, dict):
-            raise ConfigError("--mm-processor-kwargs must be a JSON object (e.g. '{\"max_pixels\": 1003520}')")
-        return kwargs
+        return json_object_flag("--mm-processor-kwargs", self.mm_processor_kwargs, '{"max_pixels": 1003520}')
 
     @property
     def resolved_model_path(self) -> str:
@@ -373,6 +355,17 @@ MOONCAKE_EXTRA_KEYS: dict[str, type] = {"master_server_address": str, "local_hos
 
 LORA_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}")
 """An adapter's name: what a request's `model` or `lora_path` gives (no `=`, no spaces, at most 128 characters)."""
+
+
+def json_object_flag(flag: str, text: str, example: str) -> dict:
+    """A flag's JSON object ({} for an empty value); ConfigError naming the flag, with `example`, otherwise."""
+    try:
+        value = json.loads(text) if text else {}
+    except ValueError as e:
+        raise ConfigError(f"{flag} is not JSON (e.g. '{example}'): {e}") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{flag} must be a JSON object (e.g. '{example}')")
+    return value
 
 
 def parse_lora_path(entry: str) -> tuple[str, str]:

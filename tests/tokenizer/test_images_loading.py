@@ -220,3 +220,15 @@ def test_the_processor_cache_keeps_no_more_than_its_bytes() -> None:
     assert cache.bytes == 80 and cache.get(bytes([0])) is None and cache.get(bytes([4])) is not None
     cache.put(b"big", ProcessedImage(pixels=b"x" * 101, grid=(1, 2, 2)))
     assert cache.get(b"big") is None
+
+
+@pytest.mark.parametrize(("flag", "field", "method"), [
+    ("--limit-mm-per-prompt", "limit_mm_per_prompt", "image_limit"),
+    ("--mm-processor-kwargs", "mm_processor_kwargs", "image_processor_kwargs"),
+    ("--hicache-storage-backend-extra-config", "hicache_storage_backend_extra_config", "store_extra_config"),
+])  # fmt: skip
+def test_json_flags_that_are_not_json_objects_name_the_flag(flag: str, field: str, method: str) -> None:
+    for bad, says in (("{image: 4", "is not JSON"), ("[4]", "must be a JSON object")):
+        with pytest.raises(ConfigError, match=f"^{flag} {says}"):
+            getattr(ServerArgs(**{field: bad}), method)()
+    assert getattr(ServerArgs(**{field: ""}), method)() is not None
