@@ -3,7 +3,8 @@ processes (drive it with httpx.ASGITransport and a fake Backend).
 
 Routes: POST /generate (native.py); POST /v1/completions, POST /v1/chat/completions,
 GET /v1/models, GET /v1/models/{id} (openai_api.py); POST /v1/responses, GET|DELETE /v1/responses/{id}
-(responses_api.py); POST /tokenize, POST /detokenize, GET /tokenizer_info (tokenize_api.py);
+(responses_api.py); POST /tokenize (and /v1/tokenize), POST /detokenize (vLLM's answer), POST
+/v1/detokenize (SGLang's), GET /tokenizer_info (tokenize_api.py); GET /load, POST /invocations (vllm_routes.py);
 GET /version, GET /health (and /health_generate), GET /get_server_info
 (and /server_info), GET /get_model_info (and /model_info), POST /flush_cache (GET is a 405: it
 changes state), GET /metrics (here); POST /load_lora_adapter, POST /unload_lora_adapter (lora_api.py);
@@ -40,7 +41,13 @@ from tokenizer_proc.api.native import generate_endpoint
 from tokenizer_proc.api.openai_api import chat_endpoint, completions_endpoint, model_endpoint, models_endpoint
 from tokenizer_proc.api.responses_api import response_endpoint, responses_endpoint
 from tokenizer_proc.api.router_api import get_load, sglang_model_fields, sglang_server_fields
-from tokenizer_proc.api.tokenize_api import detokenize_endpoint, tokenize_endpoint, tokenizer_info_endpoint
+from tokenizer_proc.api.tokenize_api import (
+    detokenize_endpoint,
+    sglang_detokenize_endpoint,
+    tokenize_endpoint,
+    tokenizer_info_endpoint,
+)
+from tokenizer_proc.api.vllm_routes import ServerLoadMiddleware, invocations_endpoint, load_endpoint
 from tokenizer_proc.context import AppContext, get_ctx
 from tokenizer_proc.http.errors import ApiError, unavailable
 from tokenizer_proc.http.plumbing import ClientGoneResponse, json_response
@@ -278,8 +285,11 @@ def create_app(args: ServerArgs, backend: Backend, tokenizer: TextTokenizer | No
         Route("/v1/responses/{response_id}", response_endpoint, methods=["GET", "DELETE"]),
         Route("/v1/models", models_endpoint, methods=["GET"]),
         Route("/v1/models/{model_id:path}", model_endpoint, methods=["GET"]),
+        Route("/invocations", invocations_endpoint, methods=["POST"]),
         Route("/tokenize", tokenize_endpoint, methods=["POST"]),
+        Route("/v1/tokenize", tokenize_endpoint, methods=["POST"]),
         Route("/detokenize", detokenize_endpoint, methods=["POST"]),
+        Route("/v1/detokenize", sglang_detokenize_endpoint, methods=["POST"]),
         Route("/tokenizer_info", tokenizer_info_endpoint, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/health_generate", health, methods=["GET"]),
@@ -289,6 +299,7 @@ def create_app(args: ServerArgs, backend: Backend, tokenizer: TextTokenizer | No
         Route("/get_model_info", model_info, methods=["GET"]),
         Route("/model_info", model_info, methods=["GET"]),
         Route("/get_load", get_load, methods=["GET"]),
+        Route("/load", load_endpoint, methods=["GET"]),
         Route("/flush_cache", flush_cache, methods=["POST"]),  # it changes state: never on GET
         Route("/load_lora_adapter", load_lora_endpoint, methods=["POST"]),
         Route("/unload_lora_adapter", unload_lora_endpoint, methods=["POST"]),
@@ -297,7 +308,8 @@ def create_app(args: ServerArgs, backend: Backend, tokenizer: TextTokenizer | No
     known = frozenset(r.path for r in routes)
     app = Starlette(
         routes=routes,
-        middleware=[Middleware(ApiMiddleware, ctx=ctx, known_paths=known)],  # type: ignore[arg-type]
+        middleware=[Middleware(ApiMiddleware, ctx=ctx, known_paths=known),  # type: ignore[arg-type]
+                    Middleware(ServerLoadMiddleware, ctx=ctx)],  # type: ignore[arg-type]
         exception_handlers={
             ApiError: _api_error, HTTPException: _http_error, ClientDisconnect: _client_gone,
             RecursionError: _too_deep, Exception: _internal_error,

@@ -64,6 +64,7 @@ class AppContext:
     matching: ThreadPoolExecutor = field(default_factory=_matching_pool)
     images: ImageLoader | None = None  # a checkpoint that sees: its image processor (requests/images.py)
     adapters: AdapterRegistry = field(default_factory=lambda: AdapterRegistry(ServerArgs()))  # create_app: args
+    server_load: int = 0  # vLLM's /load: generation requests in flight (api/vllm_routes.ServerLoadMiddleware's)
 
     async def prepare(
         self, fn: Callable[[B, TextTokenizer, Limits], R], body: B, size: int, threaded: bool = False
@@ -88,6 +89,7 @@ class AppContext:
         self.metrics.check_integrity()
         self.responses.check_integrity()
         self.adapters.check_integrity()
+        assert self.server_load >= 0, self.server_load
 
 
 def get_ctx(request: Request) -> AppContext:

@@ -94,7 +94,7 @@ def test_return_token_ids_and_truncation(openai_client: openai.OpenAI, server: S
                                          extra_body={"return_token_ids": True})
     ch = r.choices[0]
     with httpx.Client(base_url=server.url, timeout=60) as c:
-        assert c.post("/detokenize", json={"tokens": ch.token_ids}).json()["text"] == ch.text
+        assert c.post("/detokenize", json={"tokens": ch.token_ids}).json()["prompt"] == ch.text
     assert ch.prompt_token_ids == list(b"Tokens")
     streamed: list[int] = []
     for chunk in openai_client.chat.completions.create(**GREEDY, messages=MSGS, max_tokens=5, stream=True,
@@ -148,7 +148,7 @@ def test_continue_final_message_and_custom_roles(openai_client: openai.OpenAI, s
                                                           "add_generation_prompt": False})
     with httpx.Client(base_url=server.url, timeout=60) as c:
         ids = c.post("/tokenize", json={"messages": msgs, "continue_final_message": True}).json()["tokens"]
-        prompt_text = c.post("/detokenize", json={"tokens": ids}).json()["text"]
+        prompt_text = c.post("/detokenize", json={"tokens": ids}).json()["prompt"]
         roles = [{"role": "narrator", "content": "It was late."}, *MSGS]
         custom = c.post("/v1/chat/completions", json={**GREEDY, "messages": roles, "max_tokens": 2})
         tok = c.post("/tokenize", json={"messages": roles}).json()

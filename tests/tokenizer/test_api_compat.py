@@ -136,7 +136,12 @@ def test_tokenize_and_detokenize(args, backend, tok) -> None:
         r = (await c.post("/tokenize", json={"messages": MSGS})).json()
         assert r["tokens"] == tok.encode(tok.render_chat(MSGS), add_special_tokens=False)
         r = (await c.post("/detokenize", json={"tokens": [ord("o"), ord("k")]})).json()
-        assert r == {"prompt": "ok", "text": "ok"}
+        assert r == {"prompt": "ok"}  # vLLM's answer, whole
+        r = (await c.post("/v1/detokenize", json={"tokens": [ord("o"), ord("k")]})).json()
+        assert r == {"text": "ok"}  # SGLang's path and answer
+        r = (await c.post("/tokenize", json={"prompt": "ok"})).json()
+        assert r["token_strs"] is None  # present and null unless asked, as vLLM answers
+        assert (await c.post("/v1/tokenize", json={"prompt": "ok"})).json() == r
         r = await c.post("/detokenize", json={"tokens": [10**6]})
         assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
         r = await c.post("/tokenize", json={})

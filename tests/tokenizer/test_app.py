@@ -24,7 +24,7 @@ Check = Callable[[httpx.AsyncClient], Awaitable[None]]
 
 
 def serve(args: ServerArgs, backend: FakeBackend, tok: TextTokenizer, check: Check) -> AppContext:
-    """Run `check` against a fresh app; afterwards nothing may be left in flight."""
+    """Run `check` against a fresh app; afterwards nothing may be left in flight (nor counted by /load)."""
     app = create_app(args, backend, tok)  # type: ignore[arg-type]
 
     async def main() -> None:
@@ -34,7 +34,7 @@ def serve(args: ServerArgs, backend: FakeBackend, tok: TextTokenizer, check: Che
     asyncio.run(main())
     ctx: AppContext = app.state.ctx
     ctx.check_integrity()
-    assert len(ctx.in_flight) == 0
+    assert len(ctx.in_flight) == 0 and ctx.server_load == 0
     backend.check_integrity()
     return ctx
 

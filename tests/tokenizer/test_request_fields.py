@@ -156,8 +156,10 @@ def test_generate_logit_bias_and_sampling_seed_reach_the_sampler(args, backend, 
 
 def test_detokenize_skip_special_tokens(args, backend, tok) -> None:
     async def check(c: httpx.AsyncClient) -> None:
-        kept = (await c.post("/detokenize", json={"tokens": [104, 105, EOS]})).json()["text"]
-        skipped = (await c.post("/detokenize", json={"tokens": [104, 105, EOS], "skip_special_tokens": True})).json()
-        assert skipped["text"] == "hi" and kept.startswith("hi") and kept != "hi"
+        kept = (await c.post("/v1/detokenize", json={"tokens": [104, 105, EOS]})).json()["text"]
+        skipped = (await c.post("/v1/detokenize", json={"tokens": [104, 105, EOS], "skip_special_tokens": True}))
+        assert skipped.json()["text"] == "hi" and kept.startswith("hi") and kept != "hi"
+        vllm = (await c.post("/detokenize", json={"tokens": [104, 105, EOS], "skip_special_tokens": True})).json()
+        assert vllm == {"prompt": "hi"}
 
     serve(args, backend, tok, check)

@@ -152,11 +152,13 @@ class _Format:
             acc = accs[pos]
             assert acc.last is not None
             c = self.choice(pos, "".join(acc.text), acc, acc.last.finish, False)
+            if not self.chat:  # vLLM's answer has the field, null unless asked for: its clients read it
+                c.setdefault("prompt_logprobs", None)
             choices.append({**c, "index": index})
         body = self.envelope(sorted(choices, key=lambda c: c["index"]), False)
         body["usage"] = self.usage([a.last for a in accs if a.last is not None])
         if self.chat:
-            body.update(prompt_fields(self.ctx.tok, self.req, accs[0]))
+            body.update({"prompt_logprobs": None, **prompt_fields(self.ctx.tok, self.req, accs[0])})
         return body
 
 
@@ -210,9 +212,12 @@ def with_adapter(reqs: list[PreparedRequest], lora: str) -> list[PreparedRequest
     return [dataclasses.replace(r, lora=lora) for r in reqs] if lora else reqs
 
 
-async def _serve(request: Request, chat: bool) -> Response:
+async def serve_openai(request: Request, chat: bool, data: bytes | None = None) -> Response:
+    """The chat (`chat`) or completions answer of `request`, whose body is `data` when it was read already
+    (POST /invocations reads it to choose)."""
     ctx = get_ctx(request)
-    data = await read_body(request, ctx.args.max_body_bytes)
+    if data is None:
+        data = await read_body(request, ctx.args.max_body_bytes)
     body: ChatBody | CompletionBody = await ctx.decode(data, ChatBody if chat else CompletionBody)
     lora = check_model(ctx, body.model, body.lora_path)
     prepare: Any = prepare_completion
@@ -225,11 +230,11 @@ async def _serve(request: Request, chat: bool) -> Response:
 
 
 async def completions_endpoint(request: Request) -> Response:
-    return await _serve(request, chat=False)
+    return await serve_openai(request, chat=False)
 
 
 async def chat_endpoint(request: Request) -> Response:
-    return await _serve(request, chat=True)
+    return await serve_openai(request, chat=True)
 
 
 def _model_card(ctx: AppContext, lora: str = "") -> dict[str, Any]:

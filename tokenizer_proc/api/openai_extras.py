@@ -3,7 +3,8 @@
 - `return_token_ids`: each choice's `token_ids` (its output tokens; streamed: the chunk's new ones)
   and `prompt_token_ids`, on the choice for completions and on the response for chat; streamed, the
   prompt's ids come with the first chunk of each choice;
-- `prompt_logprobs`: beside `prompt_token_ids` (logprobs.prompt_logprobs shapes them);
+- `prompt_logprobs`: beside `prompt_token_ids` (logprobs.prompt_logprobs shapes them); a non-streamed
+  answer that did not ask has it null where vLLM's has it (openai_api.py), since vLLM's clients read it;
 - `stream_options.continuous_usage_stats`: every chunk's `usage`, that of its choice so far (its
   prompt's tokens and the tokens it generated), as vLLM counts it.
 The final usage chunk and the responses' `usage` are openai_api.py's.

@@ -46,6 +46,8 @@ from tokenizer_proc.requests.schemas import ChatMessage, FunctionCall, Responses
 from tokenizer_proc.requests.structured import needs_grammar
 from tokenizer_proc.requests.tools import parse_output, tool_stream
 
+RESPONSE_ID_PREFIX = "resp_"  # every response id this server issues: resp_ + 32 hex digits (_item_id)
+
 
 def _item_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
@@ -58,7 +60,7 @@ class _Response:
                  conversation: list[ChatMessage]) -> None:  # fmt: skip
         self.ctx, self.body, self.req = ctx, body, req
         self.conversation = conversation  # before this response's output
-        self.id = _item_id("resp")
+        self.id = _item_id(RESPONSE_ID_PREFIX.rstrip("_"))
         self.created = int(time.time())
         self.seq = 0
         self.message_id = _item_id("msg")
@@ -88,6 +90,8 @@ class _Response:
             out["usage"] = {
                 "input_tokens": last.prompt_tokens, "output_tokens": last.completion_tokens,
                 "total_tokens": last.prompt_tokens + last.completion_tokens,
+                # the chat names of the same counts, which SGLang's Responses usage carries too
+                "prompt_tokens": last.prompt_tokens, "completion_tokens": last.completion_tokens,
                 "input_tokens_details": {"cached_tokens": last.cached_tokens},
                 "output_tokens_details": {"reasoning_tokens": len(self.ctx.tok.encode(
                     self.reasoning_text, add_special_tokens=False)) if self.reasoning_text else 0},
@@ -251,6 +255,10 @@ def _tool_echo(tool: dict[str, Any]) -> dict[str, Any]:
 
 
 def _stored(ctx: AppContext, rid: str, param: str) -> Any:
+    """The stored response `rid` names. An id not of the form this server issues (`resp_...`) is a 400
+    naming `param` (OpenAI's and the peers' wording); a well-formed id that is not kept is a 404."""
+    if not rid.startswith(RESPONSE_ID_PREFIX):
+        raise ApiError(400, f"Invalid '{param}': {rid!r}. Expected an ID that begins with 'resp'.", param)
     entry = ctx.responses.get(rid)
     if entry is None:
         store = ctx.responses

@@ -4,12 +4,14 @@ GET /tokenizer_info: special tokens and the chat template (vLLM's; lm-eval reads
 /tokenize `{"prompt": str | [str]}` or `{"messages": [...]}` (rendered by the chat template as chat
 requests are, with `tools`, `chat_template_kwargs`, `documents`, `add_generation_prompt` and
 `continue_final_message`, then encoded without special tokens unless `add_special_tokens`) ->
-`{"tokens", "count", "max_model_len"}` (plus `token_strs`, the vocabulary strings of the tokens, with
-`return_token_strs`); a list of prompts gives lists. /detokenize
-`{"tokens": [ids]}` -> `{"prompt": text, "text": text}` (vLLM's and SGLang's key), special tokens left
-out with SGLang's `skip_special_tokens`. Messages with images count each image's tokens as a chat request
-does (the images are loaded: requests/images.py). Ids outside the vocabulary, a model name this server does
-not serve and vLLM's per-request multimodal options (`mm_processor_kwargs`, `media_io_kwargs`) are 4xx.
+`{"tokens", "count", "max_model_len", "token_strs"}` (`token_strs`: the vocabulary strings of the tokens
+with `return_token_strs`, else null, as vLLM answers); a list of prompts gives lists. POST /v1/tokenize
+(SGLang's path) is the same. /detokenize `{"tokens": [ids]}` -> vLLM's `{"prompt": text}`, exactly (its
+clients compare the whole object); POST /v1/detokenize (SGLang's path) -> SGLang's `{"text": text}`;
+special tokens left out with SGLang's `skip_special_tokens`. Messages with images count each image's
+tokens as a chat request does (the images are loaded: requests/images.py). Ids outside the vocabulary, a
+model name this server does not serve and vLLM's per-request multimodal options (`mm_processor_kwargs`,
+`media_io_kwargs`) are 4xx.
 """
 
 from __future__ import annotations
@@ -50,15 +52,15 @@ async def tokenize_endpoint(request: Request) -> Response:
     token_lists = await ctx.offload(len(data), _token_lists, ctx.tok, body, ctx.limits, images)
 
     def one(ids: list[int]) -> dict[str, Any]:
-        out: dict[str, Any] = {"tokens": ids, "count": len(ids), "max_model_len": ctx.limits.context_length}
-        if body.return_token_strs:  # vocabulary strings, as transformers' convert_ids_to_tokens gives them
-            out["token_strs"] = [ctx.tok.tokenizer.id_to_token(t) for t in ids]
-        return out
+        # vocabulary strings, as transformers' convert_ids_to_tokens gives them; null unless asked (vLLM)
+        strs = [ctx.tok.tokenizer.id_to_token(t) for t in ids] if body.return_token_strs else None
+        return {"tokens": ids, "count": len(ids), "max_model_len": ctx.limits.context_length, "token_strs": strs}
 
     if isinstance(body.prompt, list):
         lists = [one(ids) for ids in token_lists]
         return json_response({"tokens": [x["tokens"] for x in lists], "count": [x["count"] for x in lists],
-                              "max_model_len": ctx.limits.context_length})
+                              "max_model_len": ctx.limits.context_length,
+                              "token_strs": [x["token_strs"] for x in lists] if body.return_token_strs else None})
     return json_response(one(token_lists[0]))
 
 
@@ -102,11 +104,20 @@ async def tokenizer_info_endpoint(request: Request) -> Response:
     return json_response(info)
 
 
-async def detokenize_endpoint(request: Request) -> Response:
+async def _detokenized(request: Request) -> str:
     ctx = get_ctx(request)
     data = await read_body(request, ctx.args.max_body_bytes)
     body = await ctx.decode(data, DetokenizeBody)
     check_model(ctx, body.model)
     ids = check_token_ids(body.tokens, ctx.limits.vocab_size, "tokens")
-    text = await ctx.offload(len(data), ctx.tok.decode, ids, body.skip_special_tokens)
-    return json_response({"prompt": text, "text": text})
+    return await ctx.offload(len(data), ctx.tok.decode, ids, body.skip_special_tokens)
+
+
+async def detokenize_endpoint(request: Request) -> Response:
+    """POST /detokenize: vLLM's answer, `{"prompt": text}` and nothing else."""
+    return json_response({"prompt": await _detokenized(request)})
+
+
+async def sglang_detokenize_endpoint(request: Request) -> Response:
+    """POST /v1/detokenize: SGLang's answer, `{"text": text}`."""
+    return json_response({"text": await _detokenized(request)})

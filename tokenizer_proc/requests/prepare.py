@@ -127,7 +127,7 @@ def prepare_generate(body: GenerateBody, tok: TextTokenizer, limits: Limits,
         min_tokens=sp.min_new_tokens, min_tokens_name="min_new_tokens",
         top_logprobs=body.top_logprobs_num if body.return_logprob else 0, top_logprobs_name="top_logprobs_num",
         prompt_logprobs=body.top_logprobs_num if body.return_logprob and body.logprob_start_len >= 0 else -1,
-        grammar=native_grammar(sp),
+        grammar=native_grammar(sp), sglang_wording=True,
     )
     sampling, stops = build_sampling(fields, len(ids), GENERATE_DEFAULT_MAX_NEW, limits, tok, body.return_logprob)
     return PreparedRequest(

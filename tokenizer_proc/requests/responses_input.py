@@ -176,7 +176,11 @@ def _tools(body: ResponsesBody) -> list[ToolDef] | None:
 
 
 def _tool_choice(body: ResponsesBody) -> Any:
+    """The chat tool_choice of a Responses request; "auto" and "none" without tools are no choice at all
+    (OpenAI accepts them so, and the SDKs send "auto" by default on some paths)."""
     choice = body.tool_choice
+    if choice in ("auto", "none") and not body.tools:
+        return None
     if choice is None or isinstance(choice, str):
         return choice
     if choice.get("type") != "function" or not isinstance(choice.get("name"), str):

@@ -27,11 +27,12 @@ from tokenizer_proc.requests.schemas_peer import (
     Int,
     OpenAIPeerFields,
     ResponsesPeerFields,
+    Seed,
 )
 
 # Every integer of a body is a signed 64-bit value (`Int`, schemas_peer.py), checked while decoding: a
 # wider one is a 400 naming its field (it could not be encoded for the scheduler, and no field means
-# anything there).
+# anything there). Seeds (`Seed`) decode at any size and are range-checked with the range they take.
 
 # A prompt as OpenAI allows it: text, token ids, or a batch of either (each prompt of a batch is
 # an independent request).
@@ -52,7 +53,7 @@ class NativeSamplingParams(_Body):
     stop: StopT | None = None
     stop_token_ids: list[Int] | None = None
     ignore_eos: bool = False
-    seed: Int | None = None
+    seed: Seed | None = None
     skip_special_tokens: bool = True
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
@@ -64,7 +65,7 @@ class NativeSamplingParams(_Body):
     ebnf: str | None = None
     stop_regex: StopT | None = None
     logit_bias: dict[str, float] | None = None
-    sampling_seed: Int | None = None  # SGLang's name of seed
+    sampling_seed: Seed | None = None  # SGLang's name of seed
     spaces_between_special_tokens: bool = True  # fast tokenizers never put spaces between special tokens
     stream_interval: Int | None = None  # tokens per streamed chunk: the stream's chunking is this server's
     # SGLang fields out of scope: a true / non-null value is a 400 (compat.py)
@@ -128,7 +129,7 @@ class _OpenAIBody(OpenAIPeerFields):
     top_k: Int | None = None
     min_p: float | None = None
     stop: StopT | None = None
-    seed: Int | None = None
+    seed: Seed | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: Int = 1
@@ -350,7 +351,7 @@ class ResponsesBody(ResponsesPeerFields):
     top_p: float | None = None
     top_k: Int | None = None
     min_p: float | None = None
-    seed: Int | None = None
+    seed: Seed | None = None
     repetition_penalty: float | None = None
     stop: StopT | None = None
     tools: list[dict[str, Any]] | None = None

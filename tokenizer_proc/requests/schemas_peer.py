@@ -15,6 +15,8 @@ from typing import Annotated, Any
 import msgspec
 
 Int = Annotated[int, msgspec.Meta(ge=-(1 << 63), le=(1 << 63) - 1)]
+# a seed of any size decodes, so that validation.build_sampling refuses one out of range with the range it takes
+Seed = int
 
 
 class _Body(msgspec.Struct, kw_only=True, omit_defaults=True):

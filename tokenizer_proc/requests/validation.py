@@ -20,6 +20,7 @@ from shared.config import ServerArgs
 from shared.messages import GrammarSpec, SamplingParams
 from shared.model_info import VisionInfo
 from tokenizer_proc.http.errors import ApiError, bad_request
+from tokenizer_proc.requests.context_limit import prompt_too_long, total_too_long
 from tokenizer_proc.requests.fields import check_known
 from tokenizer_proc.requests.tokenizer import TextTokenizer
 
@@ -29,6 +30,7 @@ MAX_STOPS = 16
 MAX_STOP_CHARS = 256
 MAX_RID_CHARS = 256
 MAX_SEED = (1 << 63) - 1
+SEED_FIELDS = ("seed", "sampling_seed")  # the bodies' seed fields (schemas_peer.Seed: any size decodes)
 MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS = 1024
 
@@ -73,6 +75,7 @@ class SamplingFields:
     top_logprobs_name: str = "top_logprobs"
     prompt_logprobs: int = -1
     grammar: GrammarSpec | None = None
+    sglang_wording: bool = False  # SGLang's /generate: its wording of the context refusals (context_limit.py)
 
 
 def decode_body(data: bytes, body_type: type[T]) -> T:
@@ -83,13 +86,23 @@ def decode_body(data: bytes, body_type: type[T]) -> T:
     try:
         body = msgspec.json.decode(data, type=body_type)
     except msgspec.ValidationError as e:
-        raise bad_request(f"invalid request: {e}", _param_of(str(e))) from e
+        param = _param_of(str(e))
+        if param is not None and param.rsplit(".", 1)[-1] in SEED_FIELDS and "out of range" in str(e):
+            raise seed_out_of_range(param) from e  # beyond any integer msgspec decodes
+        raise bad_request(f"invalid request: {e}", param) from e
     except msgspec.DecodeError as e:
         raise bad_request(f"request body is not valid JSON: {e}") from e
     except RecursionError as e:  # msgspec decodes nested arrays and objects recursively
         raise too_deep("the request body") from e
     check_known(data, body_type)
     return body
+
+
+def seed_out_of_range(param: str, value: int | None = None) -> ApiError:
+    """The 400 of a seed outside [0, MAX_SEED] (`value` None: too large to decode at all)."""
+    got = f", got {value}" if value is not None else ", got an integer far outside it"
+    return bad_request(f"{param} must be an integer in [0, {MAX_SEED}] (a non-negative signed 64-bit integer){got}",
+                       param)  # fmt: skip
 
 
 def too_deep(what: str, param: str | None = None, limit: int | None = None) -> ApiError:
@@ -210,18 +223,13 @@ def build_sampling(
     p = f.prefix
     mt = p + f.max_tokens_name
     if prompt_len >= limits.context_length:
-        raise bad_request(
-            f"the prompt has {prompt_len} tokens; the context length is {limits.context_length}", "prompt"
-        )
+        raise prompt_too_long(prompt_len, limits.context_length, f.sglang_wording)
     room = limits.context_length - prompt_len
     if f.max_new_tokens is not None:
         if not 0 < f.max_new_tokens <= limits.max_new_tokens_limit:
             raise bad_request(f"{mt} must be in [1, {limits.max_new_tokens_limit}], got {f.max_new_tokens}", mt)
         if f.max_new_tokens > room:
-            raise bad_request(
-                f"the prompt ({prompt_len} tokens) plus {mt} ({f.max_new_tokens}) exceeds the context "
-                f"length {limits.context_length}", mt
-            )
+            raise total_too_long(prompt_len, f.max_new_tokens, limits.context_length, f.sglang_wording, mt)
         max_new = f.max_new_tokens
     else:
         max_new = min(room, limits.max_new_tokens_limit, default_max or limits.max_new_tokens_limit)
@@ -231,7 +239,7 @@ def build_sampling(
     if f.top_k is not None and (f.top_k < -1 or f.top_k == 0):
         raise bad_request(f"{p}top_k must be -1 (disabled) or >= 1, got {f.top_k}", p + "top_k")
     if f.seed is not None and not 0 <= f.seed <= MAX_SEED:
-        raise bad_request(f"{p}seed must be in [0, 2^63), got {f.seed}", p + "seed")
+        raise seed_out_of_range(p + "seed", f.seed)
     stop_ids = check_token_ids(f.stop_token_ids or [], limits.vocab_size, p + "stop_token_ids")
     if not f.ignore_eos:
         stop_ids += [t for t in tok.extra_stop_ids if t not in stop_ids]
