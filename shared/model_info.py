@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from shared.errors import ModelLoadError
 from shared.families.registry import SUPPORTED_ARCHITECTURES, summary, text_fields
-from shared.model_config import RECURRENT_KINDS
+from shared.model_config import RECURRENT_KINDS, STATE_KINDS
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "ModelInfo", "VisionInfo", "read_config_json"]
 
@@ -84,6 +84,12 @@ class ModelInfo:
         """True when a layer carries a recurrent state (Mamba, Gated DeltaNet, short convolutions):
         requests then need a state slot, which the scheduler tracks, checkpoints and copies on write."""
         return any(k in RECURRENT_KINDS for k in self.layer_kinds)
+
+    @property
+    def state_kinds(self) -> dict[str, str]:
+        """What one state slot holds per recurrent layer kind of the model, in layer order (empty for a
+        model without recurrent layers): /get_model_info's `state_kinds`."""
+        return {k: STATE_KINDS[k] for k in dict.fromkeys(self.layer_kinds) if k in STATE_KINDS}
 
     @property
     def has_attention(self) -> bool:

@@ -46,7 +46,9 @@ def test_full_prompt_logits(name: str, deterministic: bool) -> None:
     assert max_diff(out["a"], ref["prompt_logits"]) <= TOL
     r.check_integrity()
     windows = r.pools.states[WINDOW]
-    assert windows.shape[0] == ModelInfo.from_dir(lfm2_dir(name)).layer_kinds.count("short_conv") > 0
+    info = ModelInfo.from_dir(lfm2_dir(name))  # what the scheduler and /get_model_info know of the model
+    assert info.has_recurrent_state and info.state_kinds == {"short_conv": "conv window"}
+    assert windows.shape[0] == info.layer_kinds.count("short_conv") > 0
     assert windows[:, 1].abs().sum() > 0  # the slot's conv windows hold the prompt's last inputs
 
 
