@@ -18,7 +18,8 @@ import math
 from dataclasses import dataclass, field
 
 MIXER_KINDS = ("mamba", "attention", "gdn", "short_conv")
-MLP_KINDS = ("fused_gated_mlp", "gated_mlp", "relu2_mlp", "softmax_moe", "sigmoid_moe", "shared_gate_moe")
+MLP_KINDS = ("fused_gated_mlp", "gated_mlp", "relu2_mlp", "softmax_moe", "sigmoid_moe", "shared_gate_moe",
+             "sigmoid_swiglu_moe")
 """Block kinds that mix channels only (no sequence mixing, no state)."""
 BLOCK_KINDS = MIXER_KINDS + MLP_KINDS
 RECURRENT_KINDS = ("mamba", "parallel", "gdn", "short_conv")
@@ -143,7 +144,8 @@ class ShortConvConfig:
 class MoeConfig:
     """The routed experts (every MoE block of the model shares them); `n_group`, `topk_group`,
     `routed_scaling`, `latent_size` are the sigmoid (Nemotron-H) router's; `shared_size` the width of
-    the shared expert (0 = none)."""
+    the shared expert (0 = none); `choice_bias`: a learned per-expert bias added to the scores for the
+    choice only (LFM2-MoE's `expert_bias`; `routed_scaling` applies to its router too)."""
 
     num_experts: int = 0
     experts_per_tok: int = 0
@@ -153,6 +155,7 @@ class MoeConfig:
     routed_scaling: float = 1.0
     latent_size: int = 0  # 0 = experts work on hidden_size
     shared_size: int = 0
+    choice_bias: bool = False
 
 
 @dataclass(frozen=True)

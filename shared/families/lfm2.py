@@ -1,4 +1,5 @@
-"""LFM2 (Liquid AI, `Lfm2ForCausalLM`): gated short convolutions interleaved with GQA attention.
+"""LFM2 and LFM2-MoE (Liquid AI, `Lfm2ForCausalLM`, `Lfm2MoeForCausalLM`): gated short convolutions
+interleaved with GQA attention.
 
 Every layer: RMSNorm `operator_norm` -> mixer -> residual, then `ffn_norm` -> `feed_forward` ->
 residual; the final norm is `embedding_norm` (mapped onto `model.norm`). The mixer (`layer_types`:
@@ -12,6 +13,11 @@ is a SwiGLU `w2(silu(w1(x)) * w3(x))` whose width `block_auto_adjust_ff_dim` der
 `block_ffn_dim_multiplier`, rounded up to `block_multiple_of`. The head is tied unless
 `tie_embedding` / `tie_word_embeddings` is false. The checkpoint's names map onto the shared
 blocks' (`RENAMES`).
+LFM2-MoE: the first `num_dense_layers` layers' `feed_forward` is that SwiGLU at `intermediate_size` as
+given; every later one is a sigmoid-routed MoE of `num_experts` SwiGLU experts of
+`moe_intermediate_size` (worker_proc.model.sigmoid_moe: top `num_experts_per_tok` chosen with the
+`expert_bias` added when `use_expert_bias`, weights normalised with `norm_topk_prob`, times
+`routed_scaling_factor`; per-expert `w1` / `w3` / `w2` tensors).
 """
 
 from __future__ import annotations
@@ -19,9 +25,10 @@ from __future__ import annotations
 from shared.families.common import dtype_name
 from shared.families.family import Family
 from shared.families.fields import check_attention, max_positions, num, rope_theta
-from shared.model_config import AttentionConfig, Block, HybridConfig, ShortConvConfig, Sublayer
+from shared.model_config import AttentionConfig, Block, HybridConfig, MoeConfig, ShortConvConfig, Sublayer
 
 DEFAULT_ROPE_THETA = 1_000_000.0  # transformers' Lfm2Config.default_theta
+MOE_ARCH = "Lfm2MoeForCausalLM"
 _KINDS = {"conv": "short_conv", "full_attention": "attention"}
 RENAMES = (
     (r"^model\.embedding_norm\.", "model.norm."),
@@ -31,6 +38,9 @@ RENAMES = (
     (r"\.feed_forward\.w1\.", ".feed_forward.gate_proj."),
     (r"\.feed_forward\.w3\.", ".feed_forward.up_proj."),
     (r"\.feed_forward\.w2\.", ".feed_forward.down_proj."),
+    (r"\.feed_forward\.experts\.(\d+)\.w1\.", r".feed_forward.experts.\1.gate_proj."),
+    (r"\.feed_forward\.experts\.(\d+)\.w3\.", r".feed_forward.experts.\1.up_proj."),
+    (r"\.feed_forward\.experts\.(\d+)\.w2\.", r".feed_forward.experts.\1.down_proj."),
 )
 """LFM2 checkpoint names -> the shared blocks' parameter names."""
 
@@ -50,10 +60,10 @@ def layer_kinds(cfg: dict) -> tuple[str, ...]:
     return tuple(_KINDS[t] for t in raw)
 
 
-def ff_width(cfg: dict) -> int:
-    """The SwiGLU width transformers' Lfm2MLP derives from the config."""
+def ff_width(cfg: dict, arch: str = "Lfm2ForCausalLM") -> int:
+    """The SwiGLU width transformers' Lfm2MLP derives from the config (Lfm2MoeMLP: `intermediate_size`)."""
     width = int(cfg.get("block_ff_dim") or cfg["intermediate_size"])
-    if not cfg.get("block_auto_adjust_ff_dim", True):
+    if arch == MOE_ARCH or not cfg.get("block_auto_adjust_ff_dim", True):
         return width
     width = int(2 * width / 3)
     multiplier = cfg.get("block_ffn_dim_multiplier", 1.0)
@@ -75,15 +85,32 @@ def _attention_part(cfg: dict) -> AttentionConfig:
     )
 
 
+def _ff_blocks(cfg: dict, arch: str, n: int) -> tuple[tuple[Block, ...], MoeConfig]:
+    """The `feed_forward` block of every layer and the MoE part (LFM2-MoE's)."""
+    dense = Block("gated_mlp", "feed_forward", ff_width(cfg, arch), "intermediate_size")
+    if arch != MOE_ARCH:
+        return (dense,) * n, MoeConfig()
+    experts, top_k = int(cfg.get("num_experts", 32)), int(cfg.get("num_experts_per_tok", 4))
+    if not 0 < top_k <= experts:
+        raise ValueError(f"num_experts_per_tok {top_k} must be in [1, num_experts={experts}]")
+    moe = Block("sigmoid_swiglu_moe", "feed_forward", int(cfg.get("moe_intermediate_size", 1792)),
+                "moe_intermediate_size")
+    dense_layers = int(cfg.get("num_dense_layers", 2))
+    part = MoeConfig(num_experts=experts, experts_per_tok=top_k, norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+                     routed_scaling=num(cfg, "routed_scaling_factor", 1.0),
+                     choice_bias=bool(cfg.get("use_expert_bias", True)))
+    return tuple(dense if i < dense_layers else moe for i in range(n)), part
+
+
 def parse(cfg: dict, arch: str) -> HybridConfig:
     kinds = layer_kinds(cfg)
     d_conv = int(cfg.get("conv_L_cache", 3))
     if d_conv < 2:
         raise ValueError(f"conv_L_cache {d_conv} must be at least 2 (the conv keeps the last {d_conv - 1} inputs)")
-    width = ff_width(cfg)
-    mlp = Block("gated_mlp", "feed_forward", width, "intermediate_size")
+    ffs, moe = _ff_blocks(cfg, arch, len(kinds))
     mixers = {"short_conv": Block("short_conv", "conv"), "attention": Block("attention", "self_attn")}
-    specs = tuple((Sublayer("operator_norm", (mixers[k],)), Sublayer("ffn_norm", (mlp,))) for k in kinds)
+    specs = tuple((Sublayer("operator_norm", (mixers[k],)), Sublayer("ffn_norm", (ff,)))
+                  for k, ff in zip(kinds, ffs, strict=True))
     tie = cfg.get("tie_embedding", cfg.get("tie_word_embeddings", True))
     return HybridConfig(
         architecture=arch,
@@ -97,6 +124,7 @@ def parse(cfg: dict, arch: str) -> HybridConfig:
         layer_specs=specs,
         attn=_attention_part(cfg),
         short_conv=ShortConvConfig(d_conv=d_conv, bias=bool(cfg.get("conv_bias", False))),
+        moe=moe,
         renames=RENAMES,
     )
 

@@ -27,6 +27,7 @@ FAMILIES: dict[str, Family] = {
     "Qwen3_5ForConditionalGeneration": qwen3_next.FAMILY,
     "Qwen3_5MoeForConditionalGeneration": qwen3_next.FAMILY,
     "Lfm2ForCausalLM": lfm2.FAMILY,
+    "Lfm2MoeForCausalLM": lfm2.FAMILY,
 }
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
 

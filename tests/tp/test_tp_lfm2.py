@@ -1,8 +1,9 @@
-"""LFM2 at TP=2 against TP=1 and transformers on CPU with gloo (tests/tp/test_tp_parity.py's serving
+"""LFM2 and LFM2-MoE at TP=2 against TP=1 and transformers on CPU with gloo (tests/tp/test_tp_parity.py's serving
 script: staggered arrivals, chunked prefill, decode, a copy-on-write fork): each rank holds half of
 the hidden channels of every short convolution (those rows of B, C and x in in_proj, those conv
 channels and conv-window columns, those input columns of out_proj), attention heads split, KV heads
-split or replicated (MQA), the SwiGLU split on its width. Identical greedy tokens, logits within 1e-4
+split or replicated (MQA), the SwiGLU and every expert split on their width (router and
+expert bias replicated). Identical greedy tokens, logits within 1e-4
 (fp32) of TP=1 at every step, the same logits on every rank, the prompt's logits within 1e-4 of
 transformers', and a state slot costing each rank half the bytes."""
 

@@ -1,4 +1,4 @@
-"""Parity with transformers for LFM2 (gated short convolutions + GQA attention; checkpoints built by
+"""Parity with transformers for LFM2 and LFM2-MoE (gated short convolutions + GQA attention; checkpoints built by
 transformers at test time, tests/fixtures/lfm2_model.py), through ModelRunner with msgpack
 round-tripped batches, in the default and the deterministic mode: all-position prompt logits,
 chunked prefill resuming from the pooled conv window (a one-token chunk taking the decode path

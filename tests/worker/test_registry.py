@@ -23,6 +23,7 @@ SHARED_BLOCK_MODULES = {
     "worker_proc.model.hybrid", "worker_proc.model.layers", "worker_proc.model.mamba",
     "worker_proc.model.attention", "worker_proc.model.moe", "worker_proc.model.tp", "torch.nn.modules.container",
     "worker_proc.model.gated_deltanet", "worker_proc.model.qwen_moe", "worker_proc.model.short_conv",
+    "worker_proc.model.sigmoid_moe",
     "torch.nn.modules.module",
 }
 
@@ -47,6 +48,7 @@ def test_unknown_architecture_is_one_line_listing_the_supported() -> None:
         "GraniteMoeHybridForCausalLM", "NemotronHForCausalLM", "FalconH1ForCausalLM", "BambaForCausalLM",
         "Mamba2ForCausalLM", "Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM",
         "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration", "Lfm2ForCausalLM",
+        "Lfm2MoeForCausalLM",
     }
 
 

@@ -54,6 +54,7 @@ from worker_proc.model.qwen_moe import SharedGateMoE
 from worker_proc.model.residual import Residual
 from worker_proc.model.shard import ShardSpec, TPInfo
 from worker_proc.model.short_conv import ShortConv
+from worker_proc.model.sigmoid_moe import SigmoidSwigluMoE
 from worker_proc.model.vision import VisionTower
 from worker_proc.quant.weight import QuantizedWeight
 from worker_proc.state.pools import StatePools
@@ -108,6 +109,8 @@ def build_block(block: Block, cfg: HybridConfig, dtype: torch.dtype, device: tor
         return SigmoidMoE(cfg, block.size, dtype, device, tp)
     if block.kind == "shared_gate_moe":
         return SharedGateMoE(cfg, block.size, dtype, device, tp)
+    if block.kind == "sigmoid_swiglu_moe":
+        return SigmoidSwigluMoE(cfg, block.size, dtype, device, tp)
     raise ValueError(f"unknown block kind {block.kind!r}")
 
 
