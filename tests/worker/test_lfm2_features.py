@@ -1,0 +1,64 @@
+"""The worker's features over LFM2 and LFM2-MoE checkpoints built by transformers
+(tests/fixtures/lfm2_model.py): a mixed step (fresh, resumed and one-token prefills, decodes, a
+non-final chunk) gives each request's logits and conv windows alone (bitwise in the deterministic
+mode, the multi-segment prefill conv batched by the default kernels); quantized weights run every
+product of the model (the conv's in_proj / out_proj, attention, SwiGLU and experts) against their
+dequantized reference; `--mamba-ssm-dtype` changes nothing, as a short conv's state is its conv window
+alone (model dtype)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.fixtures.lfm2_model import LFM2_CONFIGS, lfm2_dir
+from tests.model_driver import forward_all_logits
+from tests.worker.test_batch_invariance import close, mixed_and_alone
+from tests.worker.test_parity_lfm2 import WINDOW
+from tests.worker.test_quantized_models import FIXTURE_MIN_COSINE, _plan_and_reference
+from tests.worker.util import batch, req, runner_at
+from worker_proc.model.short_conv import ShortConv
+
+NAMES = tuple(LFM2_CONFIGS)
+
+
+@pytest.mark.parametrize("deterministic", [True, False])
+@pytest.mark.parametrize("name", NAMES)
+def test_mixed_batch_equals_each_alone(name: str, deterministic: bool) -> None:
+    alone = runner_at(lfm2_dir(name), deterministic=deterministic)
+    together = runner_at(lfm2_dir(name), deterministic=deterministic)
+    got, expected = mixed_and_alone(alone, together)
+    assert set(got) == set(expected) == {"a", "b", "c", "d", "e", "f"}
+    for rid in expected:
+        assert close(got[rid], expected[rid], deterministic), rid
+    assert close(together.pools.states[WINDOW], alone.pools.states[WINDOW], deterministic)
+    assert close(together.pools.k, alone.pools.k, deterministic)
+    together.check_integrity()
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("name", NAMES)
+def test_quantized_products(name: str, fmt: str) -> None:
+    prompt = list(range(5, 40))
+    r = runner_at(lfm2_dir(name), kv_slots=len(prompt) + 8, quantization=fmt)
+    conv = next(m for m in r.model.modules() if isinstance(m, ShortConv))
+    assert conv.in_proj.gemm.quantized is not None and conv.out_proj.gemm.quantized is not None
+    got, want = _plan_and_reference(r, prompt, fmt)
+    assert bool(torch.isfinite(got).all())
+    cosine = float(torch.nn.functional.cosine_similarity(got, want, dim=-1).min())
+    assert cosine >= FIXTURE_MIN_COSINE, f"logit rows {cosine:.3f} apart"
+
+
+@pytest.mark.parametrize("state_dtype", ["bfloat16", "int8"])
+def test_state_dtype_leaves_the_conv_window_alone(state_dtype: str) -> None:
+    name = "lfm2_bias"
+    prompt = list(range(7, 30))
+    kv = list(range(1, len(prompt) + 1))
+    step = batch(0, [req("a", prompt, 0, kv, 1)], clears=[1])
+    plain = runner_at(lfm2_dir(name), deterministic=True)
+    other = runner_at(lfm2_dir(name), deterministic=True, state_dtype=state_dtype)
+    assert torch.equal(forward_all_logits(plain, step)["a"], forward_all_logits(other, step)["a"])
+    for r in (plain, other):  # the slot holds the conv windows only, in the model dtype
+        assert {n for n, t in r.pools.states.items() if t.numel()} == {WINDOW}
+    assert other.pools.states[WINDOW].dtype == torch.float32
+    assert torch.equal(plain.pools.states[WINDOW], other.pools.states[WINDOW])
