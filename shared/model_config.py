@@ -24,7 +24,7 @@ MLP_KINDS = ("fused_gated_mlp", "gated_mlp", "relu2_mlp", "softmax_moe", "sigmoi
 BLOCK_KINDS = MIXER_KINDS + MLP_KINDS
 RECURRENT_KINDS = ("mamba", "parallel", "gdn", "short_conv")
 """Layer kinds that carry a recurrent state (one state slot per request holds all of them)."""
-STATE_KINDS = {"mamba": "conv window + SSM state", "parallel": "conv window + SSM state",
+STATE_CONTENTS = {"mamba": "conv window + SSM state", "parallel": "conv window + SSM state",
                "gdn": "conv window + delta-rule state", "short_conv": "conv window"}
 """What one state slot holds for a layer of each recurrent kind (reported by /get_model_info)."""
 

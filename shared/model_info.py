@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from shared.errors import ModelLoadError
 from shared.families.registry import SUPPORTED_ARCHITECTURES, summary, text_fields
-from shared.model_config import RECURRENT_KINDS, STATE_KINDS
+from shared.model_config import RECURRENT_KINDS, STATE_CONTENTS
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "ModelInfo", "VisionInfo", "read_config_json"]
 
@@ -89,7 +89,7 @@ class ModelInfo:
     def state_kinds(self) -> dict[str, str]:
         """What one state slot holds per recurrent layer kind of the model, in layer order (empty for a
         model without recurrent layers): /get_model_info's `state_kinds`."""
-        return {k: STATE_KINDS[k] for k in dict.fromkeys(self.layer_kinds) if k in STATE_KINDS}
+        return {k: STATE_CONTENTS[k] for k in dict.fromkeys(self.layer_kinds) if k in STATE_CONTENTS}
 
     @property
     def has_attention(self) -> bool:

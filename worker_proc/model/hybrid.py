@@ -13,8 +13,7 @@ checkpoint's tensor names (after the family's renames, applied by the loader) ar
 Recurrent mixers (Mamba2, Gated DeltaNet, LFM2's short convolutions) read and advance their layer's
 tensors of the worker's state pools (`pools.layer_state(kind, i)`, the same way for every recurrent
 mixer kind: the conv windows and the recurrent state, if the kind has one, in its storage dtype, int8
-values with their scales) at the
-request's state slot; attention its layer's KV pool.
+values with their scales) at the request's state slot; attention its layer's KV pool.
 Tensor parallelism: the constructor takes `tp`; every block is built with this rank's sizes and
 names the slice of each of its tensors (`shard_spec`, rules in worker_proc.model.tp). Mixers
 all-reduce their own output; MLP and MoE blocks return partial sums, all-reduced once per
