@@ -84,6 +84,14 @@ SHAPES: dict[str, dict] = {
         rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
         max_position_embeddings=262144,
     ),
+    # LFM2-1.2B: 10 gated short convolutions + 6 GQA attention layers, the hub's field spellings
+    "lfm2-1.2b": dict(
+        architectures=["Lfm2ForCausalLM"], vocab_size=65536, hidden_size=2048, num_hidden_layers=16,
+        layer_types=["full_attention" if i in (2, 5, 8, 10, 12, 14) else "conv" for i in range(16)],
+        num_attention_heads=32, num_key_value_heads=8, block_ff_dim=12288, block_auto_adjust_ff_dim=True,
+        block_ffn_dim_multiplier=1.0, block_multiple_of=256, conv_L_cache=3, conv_bias=False, norm_eps=1e-5,
+        tie_embedding=True, rope_theta=1000000.0, max_position_embeddings=128000, eos_token_id=7,
+    ),
 }
 
 

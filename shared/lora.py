@@ -73,6 +73,8 @@ def _block_linears(block: Block, cfg: HybridConfig) -> Iterator[tuple[str, int, 
             yield from (("in_proj_qkv", 2 * key + value, hidden), ("in_proj_z", value, hidden),
                         ("in_proj_b", g.v_heads, hidden), ("in_proj_a", g.v_heads, hidden))
         yield "out_proj", hidden, value
+    elif block.kind == "short_conv":
+        yield from (("in_proj", 3 * hidden, hidden), ("out_proj", hidden, hidden))
     elif block.kind == "fused_gated_mlp":
         yield from (("input_linear", 2 * size, hidden), ("output_linear", hidden, size))
     elif block.kind == "gated_mlp":
@@ -183,8 +185,21 @@ def _check_options(raw: dict, max_rank: int) -> tuple[int, float]:
     return r, float(alpha) / (math.sqrt(r) if raw.get("use_rslora") else r)
 
 
-def _check_targets(raw: dict, layers: dict[str, tuple[int, int]], arch: str) -> None:
-    """Every entry of a `target_modules` list names a linear layer of the model (PEFT's suffix rule)."""
+def _names_layer(target: str, layer: str, cfg: HybridConfig) -> bool:
+    """Whether PEFT's suffix rule matches `target` to the model's `layer` under its checkpoint name: the
+    layer's own name, or the name whose last components are `target` and which the family renames to it
+    (LFM2's `w1` is the served `gate_proj`)."""
+    if layer == target or layer.endswith("." + target):
+        return True
+    parts = layer.split(".")
+    tail = target.split(".")
+    return len(parts) > len(tail) and model_module(".".join(parts[: -len(tail)] + tail), cfg) == layer
+
+
+def _check_targets(raw: dict, layers: dict[str, tuple[int, int]], cfg: HybridConfig) -> None:
+    """Every entry of a `target_modules` list names a linear layer of the model (PEFT's suffix rule, over the
+    checkpoint's names)."""
+    arch = cfg.architecture
     targets = raw.get("target_modules")
     if isinstance(targets, str):
         try:
@@ -195,7 +210,7 @@ def _check_targets(raw: dict, layers: dict[str, tuple[int, int]], arch: str) -> 
     if not isinstance(targets, list) or not targets:
         raise LoraError(f"target_modules {targets!r} is neither a list of module names nor a regex")
     for t in targets:
-        if not isinstance(t, str) or not any(n == t or n.endswith("." + t) for n in layers):
+        if not isinstance(t, str) or not any(_names_layer(t, n, cfg) for n in layers):
             what = ("the LM head and the embeddings take no adapter" if t in ("lm_head", "embed_tokens", "embeddings")
                     else f"{arch} has no linear layer of that name")
             raise LoraError(f"target module {t!r}: {what}")
@@ -243,7 +258,7 @@ def read_adapter(name: str, path: str, cfg: HybridConfig, max_rank: int) -> Lora
     raw = _read_config(path)
     try:
         rank, scaling = _check_options(raw, max_rank)
-        _check_targets(raw, linear_layers(cfg), cfg.architecture)
+        _check_targets(raw, linear_layers(cfg), cfg)
         try:
             header = safetensors_header(os.path.join(path, WEIGHTS_FILE))
         except (OSError, ValueError) as e:

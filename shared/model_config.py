@@ -17,12 +17,16 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-MIXER_KINDS = ("mamba", "attention", "gdn")
-MLP_KINDS = ("fused_gated_mlp", "gated_mlp", "relu2_mlp", "softmax_moe", "sigmoid_moe", "shared_gate_moe")
+MIXER_KINDS = ("mamba", "attention", "gdn", "short_conv")
+MLP_KINDS = ("fused_gated_mlp", "gated_mlp", "relu2_mlp", "softmax_moe", "sigmoid_moe", "shared_gate_moe",
+             "sigmoid_swiglu_moe")
 """Block kinds that mix channels only (no sequence mixing, no state)."""
 BLOCK_KINDS = MIXER_KINDS + MLP_KINDS
-RECURRENT_KINDS = ("mamba", "parallel", "gdn")
+RECURRENT_KINDS = ("mamba", "parallel", "gdn", "short_conv")
 """Layer kinds that carry a recurrent state (one state slot per request holds all of them)."""
+STATE_CONTENTS = {"mamba": "conv window + SSM state", "parallel": "conv window + SSM state",
+               "gdn": "conv window + delta-rule state", "short_conv": "conv window"}
+"""What one state slot holds for a layer of each recurrent kind (reported by /get_model_info)."""
 
 
 @dataclass(frozen=True)
@@ -128,10 +132,20 @@ class GdnConfig:
 
 
 @dataclass(frozen=True)
+class ShortConvConfig:
+    """The gated short-convolution mixers' sizes (LFM2 `conv`): a depthwise causal conv of width
+    `d_conv` over hidden_size channels; `bias` on in_proj, the conv and out_proj alike."""
+
+    d_conv: int = 0
+    bias: bool = False
+
+
+@dataclass(frozen=True)
 class MoeConfig:
     """The routed experts (every MoE block of the model shares them); `n_group`, `topk_group`,
     `routed_scaling`, `latent_size` are the sigmoid (Nemotron-H) router's; `shared_size` the width of
-    the shared expert (0 = none)."""
+    the shared expert (0 = none); `choice_bias`: a learned per-expert bias added to the scores for the
+    choice only (LFM2-MoE's `expert_bias`; `routed_scaling` applies to its router too)."""
 
     num_experts: int = 0
     experts_per_tok: int = 0
@@ -141,6 +155,7 @@ class MoeConfig:
     routed_scaling: float = 1.0
     latent_size: int = 0  # 0 = experts work on hidden_size
     shared_size: int = 0
+    choice_bias: bool = False
 
 
 @dataclass(frozen=True)
@@ -212,7 +227,8 @@ class HybridConfig:
     architecture: str
     vocab_size: int
     hidden_size: int
-    layer_kinds: tuple[str, ...]  # per layer: "mamba" | "attention" | "parallel" (both) | "gdn" | "mlp" (none)
+    # per layer: "mamba" | "attention" | "parallel" (both) | "gdn" | "short_conv" | "mlp" (none)
+    layer_kinds: tuple[str, ...]
     rms_norm_eps: float
     max_position_embeddings: int
     tie_word_embeddings: bool
@@ -221,6 +237,7 @@ class HybridConfig:
     attn: AttentionConfig = AttentionConfig()
     mamba: MambaConfig = MambaConfig()
     gdn: GdnConfig = GdnConfig()
+    short_conv: ShortConvConfig = ShortConvConfig()
     moe: MoeConfig = MoeConfig()
     mlp: MlpConfig = MlpConfig()
     vision: VisionConfig = VisionConfig()
@@ -242,7 +259,8 @@ class HybridConfig:
     def __post_init__(self) -> None:
         if len(self.layer_specs) != len(self.layer_kinds):
             raise ValueError(f"{len(self.layer_specs)} layer specs for {len(self.layer_kinds)} layers")
-        needs = {"attention": self.attn.num_heads, "mamba": self.mamba.n_heads, "gdn": self.gdn.k_heads}
+        needs = {"attention": self.attn.num_heads, "mamba": self.mamba.n_heads, "gdn": self.gdn.k_heads,
+                 "short_conv": self.short_conv.d_conv}
         for kind in {b.kind for b in self.blocks()}:
             if not needs.get(kind, 1):
                 raise ValueError(f"the model has {kind} layers but its {kind} sizes are unset")
@@ -277,8 +295,12 @@ class HybridConfig:
         return tuple(i for i, k in enumerate(self.layer_kinds) if k == "gdn")
 
     @property
+    def short_conv_layer_ids(self) -> tuple[int, ...]:
+        return tuple(i for i, k in enumerate(self.layer_kinds) if k == "short_conv")
+
+    @property
     def state_layer_ids(self) -> tuple[int, ...]:
-        """Layers with a recurrent state (Mamba and Gated DeltaNet)."""
+        """Layers with a recurrent state (Mamba, Gated DeltaNet, short convolutions)."""
         return tuple(i for i, k in enumerate(self.layer_kinds) if k in RECURRENT_KINDS)
 
     def layers(self) -> tuple[tuple[Sublayer, ...], ...]:
@@ -303,6 +325,8 @@ def tp_layout_error(cfg: HybridConfig, tp_size: int) -> str | None:
         counts.append((cfg.mamba.n_heads, "mamba_n_heads"))
     if cfg.gdn_layer_ids:
         counts.append((cfg.gdn.k_heads, "linear_num_key_heads"))
+    if cfg.short_conv_layer_ids:
+        counts.append((cfg.hidden_size, "hidden_size"))
     for block in cfg.blocks():
         sizes = [(block.size, block.size_field)] if block.size_field else []
         if block.kind == "sigmoid_moe" and cfg.moe.shared_size:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from shared.errors import ModelLoadError
 from shared.families.registry import SUPPORTED_ARCHITECTURES, summary, text_fields
+from shared.model_config import RECURRENT_KINDS, STATE_CONTENTS
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "ModelInfo", "VisionInfo", "read_config_json"]
 
@@ -72,7 +73,7 @@ class VisionInfo:
 @dataclass(frozen=True)
 class ModelInfo:
     architecture: str
-    layer_kinds: tuple[str, ...]  # "mamba" | "attention" | "parallel" (both) | "gdn" | "mlp" (none)
+    layer_kinds: tuple[str, ...]  # "mamba" | "attention" | "parallel" (both) | "gdn" | "short_conv" | "mlp" (none)
     vocab_size: int
     eos_token_ids: tuple[int, ...]
     max_position_embeddings: int
@@ -80,9 +81,15 @@ class ModelInfo:
 
     @property
     def has_recurrent_state(self) -> bool:
-        """True when a layer carries a recurrent state (Mamba or Gated DeltaNet): requests then need
-        a state slot, which the scheduler tracks, checkpoints and copies on write."""
-        return any(k in ("mamba", "parallel", "gdn") for k in self.layer_kinds)
+        """True when a layer carries a recurrent state (Mamba, Gated DeltaNet, short convolutions):
+        requests then need a state slot, which the scheduler tracks, checkpoints and copies on write."""
+        return any(k in RECURRENT_KINDS for k in self.layer_kinds)
+
+    @property
+    def state_kinds(self) -> dict[str, str]:
+        """What one state slot holds per recurrent layer kind of the model, in layer order (empty for a
+        model without recurrent layers): /get_model_info's `state_kinds`."""
+        return {k: STATE_CONTENTS[k] for k in dict.fromkeys(self.layer_kinds) if k in STATE_CONTENTS}
 
     @property
     def has_attention(self) -> bool:

@@ -189,6 +189,21 @@ def test_gated_deltanet_shapes_are_the_published_ones(shape: str, gdn: int, attn
     assert parse_config(truncate(SHAPES[shape], 2)).layer_kinds == ("gdn", "attention")
 
 
+def test_lfm2_shape_is_the_published_one() -> None:
+    """LFM2-1.2B parses into its 10 short convolutions and 6 attention layers and 1.17B parameters (meta
+    device), and a reduction keeps one layer of each kind."""
+    from benchmarks.make_family_model import SHAPES, truncate
+    from shared.families.registry import parse_config
+    from worker_proc.model import HybridForCausalLM
+
+    cfg = parse_config(dict(SHAPES["lfm2-1.2b"]))
+    assert (cfg.layer_kinds.count("short_conv"), cfg.layer_kinds.count("attention")) == (10, 6)
+    with torch.device("meta"):
+        model = HybridForCausalLM(cfg, torch.float32, "meta")
+    assert abs(sum(p.numel() for p in model.parameters()) - 1.17e9) / 1.17e9 < 5e-3
+    assert parse_config(truncate(SHAPES["lfm2-1.2b"], 2)).layer_kinds == ("short_conv", "attention")
+
+
 def test_transformers_init_has_the_generators_layout_and_transformers_values(small_ckpt: Path, tmp_path: Path) -> None:
     """--init transformers: the generator's tensor names and shapes, hyssm loads it, and the values are
     those of transformers' own from_config (same seed) rather than the generator's."""

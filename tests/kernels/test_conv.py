@@ -12,18 +12,19 @@ from worker_proc.kernels.triton.conv import conv_decode, conv_prefill_varlen
 CHANNELS = 70  # not a multiple of the kernel's 64/128-channel blocks
 
 
-def _ref_prefill(x, cu, conv_pool, slots, weight, bias):
+def _ref_prefill(x, cu, conv_pool, slots, weight, bias, silu=True):
     outs = []
     for r, slot in enumerate(slots):
-        out, state = ref.causal_conv1d(x[cu[r] : cu[r + 1]], conv_pool[slot], weight, bias)
+        out, state = ref.causal_conv1d(x[cu[r] : cu[r + 1]], conv_pool[slot], weight, bias, silu)
         conv_pool[slot] = state
         outs.append(out)
     return torch.cat(outs)
 
 
+@pytest.mark.parametrize("silu", [True, False])  # False: a short convolution's conv (LFM2)
 @pytest.mark.parametrize("width", [4, 2])
 @pytest.mark.parametrize("with_bias", [True, False])
-def test_prefill_ragged_batch(gen: torch.Generator, width: int, with_bias: bool) -> None:
+def test_prefill_ragged_batch(gen: torch.Generator, width: int, with_bias: bool, silu: bool) -> None:
     # lengths: 1 and 2 (< K-1: the new state keeps old columns), 37 (crosses the 32-token block), 5
     lengths, slots = [1, 2, 37, 5], [3, 1, 5, 2]
     cu = cu_seqlens(lengths)
@@ -32,9 +33,9 @@ def test_prefill_ragged_batch(gen: torch.Generator, width: int, with_bias: bool)
     conv = pool(gen, 6, CHANNELS, width - 1, zero=(1,))  # slot 1 starts from zeros, the others not
     mine = conv.clone()
     out = conv_prefill_varlen(
-        x, torch.tensor(cu, dtype=torch.int32), max(lengths), mine, torch.tensor(slots), weight, bias
+        x, torch.tensor(cu, dtype=torch.int32), max(lengths), mine, torch.tensor(slots), weight, bias, silu
     )
-    expect = _ref_prefill(x, cu, conv, slots, weight, bias)
+    expect = _ref_prefill(x, cu, conv, slots, weight, bias, silu)
     assert out.dtype == x.dtype and out.shape == expect.shape
     assert max_diff(out, expect) <= TOL
     assert max_diff(mine, conv) <= TOL
@@ -56,14 +57,15 @@ def test_prefill_half_precision(gen: torch.Generator) -> None:
     assert torch.equal(mine, conv)  # the state is a copy of inputs: exact
 
 
-def test_decode_with_padding_row(gen: torch.Generator) -> None:
+@pytest.mark.parametrize("silu", [True, False])
+def test_decode_with_padding_row(gen: torch.Generator, silu: bool) -> None:
     slots = torch.tensor([4, 0, 2, 1])  # row 1 is a padding row (slot 0): computed, never written
     x = strided(rand(gen, 4, CHANNELS))
     weight, bias = rand(gen, CHANNELS, 4), rand(gen, CHANNELS)
     conv = pool(gen, 5, CHANNELS, 3, zero=(1,))
     mine = conv.clone()
-    out = conv_decode(x, mine, slots, weight, bias)
-    expect, new_state = ref.causal_conv1d_step(x, conv[slots], weight, bias)
+    out = conv_decode(x, mine, slots, weight, bias, silu)
+    expect, new_state = ref.causal_conv1d_step(x, conv[slots], weight, bias, silu)
     assert max_diff(out, expect) <= TOL
     for row, slot in enumerate(slots.tolist()):
         if slot:

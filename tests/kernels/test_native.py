@@ -261,17 +261,19 @@ def test_prefill_scan_equals_the_chunked_reference(gen: torch.Generator, groups:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_bias", [True, False])
-def test_one_conv_call_over_segments_equals_the_reference(gen: torch.Generator, dtype, with_bias: bool) -> None:
+@pytest.mark.parametrize("silu, k", [(True, 4), (False, 4), (False, 3)])  # without SiLU: a short conv (LFM2's K = 3)
+def test_one_conv_call_over_segments_equals_the_reference(gen: torch.Generator, dtype, with_bias: bool, silu: bool,
+                                                          k: int) -> None:  # fmt: skip
     """Segments longer and shorter than the window (2 < K-1 = 3), each continuing from its own slot."""
-    cd, k = 300, 4  # more channels than one block of the kernel
+    cd = 300  # more channels than one block of the kernel
     spans = ((9, 4), (2, 1), (1, 6), (5, 3))
     total = sum(length for length, _ in spans)
     x = strided(rand(gen, total, cd, dtype=dtype))
     weight, bias = rand(gen, cd, k, dtype=dtype, scale=0.5), rand(gen, cd, dtype=dtype) if with_bias else None
     start = pool(gen, 6, cd, k - 1, zero=(3,), dtype=dtype)
     want, got = start.clone(), start.clone()
-    out_ref = ReferenceOps().conv_prefill_many(x, want, spans, weight, bias)
-    out = _native().conv_prefill_many(x, got, spans, weight, bias)
+    out_ref = ReferenceOps().conv_prefill_many(x, want, spans, weight, bias, silu)
+    out = _native().conv_prefill_many(x, got, spans, weight, bias, silu)
     assert out.dtype == dtype and out.shape == out_ref.shape
     tol = TOL if dtype == torch.float32 else 2 ** -6 * float(out_ref.abs().max())
     assert max_diff(out, out_ref) <= tol

@@ -1,7 +1,8 @@
 """Scheduler + real in-process model runtime (CPU tensors, no stubs), over the built-in tiny
-checkpoint (GraniteMoeHybrid: Mamba2 state) and a tiny Gated DeltaNet checkpoint (the Qwen3.5 dense
-parity fixture: conv + [heads, k_dim, v_dim] recurrent state): the scheduler, admission and radix
-cache are about states, whatever the recurrent layer kind.
+checkpoint (GraniteMoeHybrid: Mamba2 state), a tiny Gated DeltaNet checkpoint (the Qwen3.5 dense
+parity fixture: conv + [heads, k_dim, v_dim] recurrent state) and a tiny LFM2 checkpoint built by
+transformers (short convolutions: the conv window is the whole state): the scheduler, admission and
+radix cache are about states, whatever the recurrent layer kind.
 
 Greedy outputs must not depend on caching, chunking, batching, copy-on-write or retraction."""
 
@@ -30,9 +31,15 @@ class AlwaysDraft(DraftingGain):
         return True
 
 
-@pytest.fixture(scope="module", params=["builtin", "qwen3_5_dense"])
+@pytest.fixture(scope="module", params=["builtin", "qwen3_5_dense", "lfm2_bias"])
 def model_dir(request: pytest.FixtureRequest) -> str:
-    return builtin_model_dir() if request.param == "builtin" else fixture_dir(request.param)
+    if request.param == "builtin":
+        return builtin_model_dir()
+    if request.param.startswith("lfm2"):
+        from tests.fixtures.lfm2_model import lfm2_dir  # builds it with transformers (torch)
+
+        return lfm2_dir(request.param)
+    return fixture_dir(request.param)
 
 
 @pytest.fixture(scope="module")

@@ -34,6 +34,9 @@ def test_model_info_names_the_architecture(args: ServerArgs, backend: FakeBacken
         for path in ("/model_info", "/get_model_info"):
             info = (await c.get(path)).json()
             assert info["architectures"] == ["GraniteMoeHybridForCausalLM"]
+            kinds = info["layer_kinds"]
+            assert "mamba" in kinds and "attention" in kinds
+            assert info["state_kinds"] == {"mamba": "conv window + SSM state"}  # attention keeps KV, not a state
             assert info["model_path"] == info["tokenizer_path"] == args.resolved_model_path
             assert info["is_generation"] is True
 

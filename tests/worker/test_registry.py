@@ -15,19 +15,26 @@ from safetensors.torch import load_file, save_file
 from shared.errors import ModelLoadError
 from shared.families.registry import FAMILIES, SUPPORTED_ARCHITECTURES, parse_config, summary
 from shared.model_info import ModelInfo, read_config_json
-from tests.worker.util import ALL_FIXTURES, GDN_FIXTURES, fixture_dir, reference, runner
+from tests.fixtures.lfm2_model import LFM2_CONFIGS, lfm2_dir
+from tests.worker.util import ALL_FIXTURES, GDN_FIXTURES, fixture_dir, reference, runner_at
 from worker_proc.loading.checkpoint import load_config, load_model
 
 SHARED_BLOCK_MODULES = {
     "worker_proc.model.hybrid", "worker_proc.model.layers", "worker_proc.model.mamba",
     "worker_proc.model.attention", "worker_proc.model.moe", "worker_proc.model.tp", "torch.nn.modules.container",
-    "worker_proc.model.gated_deltanet", "worker_proc.model.qwen_moe",
+    "worker_proc.model.gated_deltanet", "worker_proc.model.qwen_moe", "worker_proc.model.short_conv",
+    "worker_proc.model.sigmoid_moe",
     "torch.nn.modules.module",
 }
 
 
+def _dir(name: str) -> str:
+    """A checked-in fixture's directory, or an LFM2 checkpoint built by transformers (tests/fixtures/lfm2_model.py)."""
+    return lfm2_dir(name) if name in LFM2_CONFIGS else fixture_dir(name)
+
+
 def _config(name: str) -> dict:
-    return read_config_json(fixture_dir(name))
+    return read_config_json(_dir(name))
 
 
 def test_unknown_architecture_is_one_line_listing_the_supported() -> None:
@@ -40,33 +47,35 @@ def test_unknown_architecture_is_one_line_listing_the_supported() -> None:
     assert set(SUPPORTED_ARCHITECTURES) == {
         "GraniteMoeHybridForCausalLM", "NemotronHForCausalLM", "FalconH1ForCausalLM", "BambaForCausalLM",
         "Mamba2ForCausalLM", "Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM",
-        "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration",
+        "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration", "Lfm2ForCausalLM",
+        "Lfm2MoeForCausalLM",
     }
 
 
-@pytest.mark.parametrize("name", ALL_FIXTURES + GDN_FIXTURES)
+@pytest.mark.parametrize("name", ALL_FIXTURES + GDN_FIXTURES + tuple(LFM2_CONFIGS))
 def test_every_family_is_built_from_the_shared_blocks(name: str) -> None:
-    cfg = load_config(fixture_dir(name))
+    cfg = load_config(_dir(name))
     assert cfg.architecture == _config(name)["architectures"][0]
-    r = runner(name)
+    r = runner_at(_dir(name))
     for module in r.model.modules():
         assert type(module).__module__ in SHARED_BLOCK_MODULES, type(module)
-    info = ModelInfo.from_dir(fixture_dir(name))  # the torch-free summary agrees with the full parse
+    info = ModelInfo.from_dir(_dir(name))  # the torch-free summary agrees with the full parse
     assert (info.layer_kinds, info.max_position_embeddings) == (cfg.layer_kinds, cfg.max_position_embeddings)
     no_context = {k: v for k, v in _config(name).items() if k != "max_position_embeddings"}
     assert parse_config(no_context).max_position_embeddings == summary(no_context)[2]
 
 
-@pytest.mark.parametrize("name", ALL_FIXTURES + GDN_FIXTURES)
+@pytest.mark.parametrize("name", ALL_FIXTURES + GDN_FIXTURES + tuple(LFM2_CONFIGS))
 def test_every_layer_kind_has_its_config_part(name: str) -> None:
     """A family fills the part of every block kind it uses; a config with a kind but without its part's
     sizes is refused at construction, naming the kind."""
-    cfg = load_config(fixture_dir(name))
+    cfg = load_config(_dir(name))
     kinds = {b.kind for b in cfg.blocks()}
-    parts = {"attention": cfg.attn.num_heads, "mamba": cfg.mamba.n_heads, "gdn": cfg.gdn.k_heads}
+    parts = {"attention": cfg.attn.num_heads, "mamba": cfg.mamba.n_heads, "gdn": cfg.gdn.k_heads,
+             "short_conv": cfg.short_conv.d_conv}
     assert all(parts[k] > 0 for k in kinds & parts.keys())
     assert cfg.moe.num_experts > 0 if any(k.endswith("moe") for k in kinds) else cfg.moe.num_experts == 0
-    for kind, part in (("attention", "attn"), ("mamba", "mamba"), ("gdn", "gdn")):
+    for kind, part in (("attention", "attn"), ("mamba", "mamba"), ("gdn", "gdn"), ("short_conv", "short_conv")):
         if kind in kinds:
             with pytest.raises(ValueError, match=f"has {kind} layers"):
                 dataclasses.replace(cfg, **{part: type(getattr(cfg, part))()})
@@ -83,7 +92,7 @@ def test_family_modules_are_torch_free() -> None:
     res = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=60,
                          env={**os.environ, "PYTHONPATH": root})
     assert res.returncode == 0, res.stderr
-    assert len({id(f) for f in FAMILIES.values()}) == 6
+    assert len({id(f) for f in FAMILIES.values()}) == 7
 
 
 def test_nemotron_pattern_and_block_type_spellings_agree() -> None:

@@ -3,7 +3,8 @@
 A router registering a worker reads `GET /server_info` (falling back to `/get_server_info`) for
 `model_path`, `served_model_name`, `tp_size`, `dp_size` and the capacity fields, and
 `GET /model_info` (falling back to `/get_model_info`) for `model_path`, `tokenizer_path`,
-`is_generation`, `model_type` and `architectures`; it then probes `GET /health` (or the endpoint
+`is_generation`, `model_type` and `architectures` (hyssm adds `layer_kinds` and `state_kinds`: what
+one state slot holds per recurrent layer kind, `ModelInfo.state_kinds`); it then probes `GET /health` (or the endpoint
 given by `--health-check-endpoint`, e.g. `/health_generate`), reads `GET /get_load` for its
 load-aware policies and fans `POST /flush_cache` out to every worker.
 
@@ -26,7 +27,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from shared.model_info import read_config_json
+from shared.model_info import ModelInfo, read_config_json
 from tokenizer_proc.context import AppContext, get_ctx
 from tokenizer_proc.http.errors import unavailable
 from tokenizer_proc.http.plumbing import json_response
@@ -58,18 +59,22 @@ def sglang_server_fields(ctx: AppContext) -> dict[str, Any]:
 
 
 def sglang_model_fields(ctx: AppContext) -> dict[str, Any]:
-    """The /model_info fields a router reads: paths, model_type and architectures of config.json."""
+    """The /model_info fields a router reads: paths, model_type and architectures of config.json; and
+    hyssm's layer kinds and state kinds of the model."""
     path = ctx.args.resolved_model_path
     try:
         cfg = read_config_json(path)
+        info: ModelInfo | None = ModelInfo.from_dir(path)
     except Exception as e:  # noqa: BLE001 - the model loaded at start-up; a later read failure is only logged
         logger.warning("model_info without config.json fields: %s", e)
-        cfg = {}
+        cfg, info = {}, None
     return {
         "model_path": path,
         "tokenizer_path": path,
         "model_type": cfg.get("model_type"),
         "architectures": cfg.get("architectures"),
+        "layer_kinds": list(info.layer_kinds) if info else None,
+        "state_kinds": info.state_kinds if info else None,
     }
 
 

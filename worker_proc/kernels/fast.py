@@ -163,14 +163,16 @@ class FastOps(ReferenceOps):
     def __init__(self, gdn: object | None = None) -> None:
         super().__init__(batch_invariant=False, gdn=gdn)
 
-    def conv_decode(self, x: Tensor, conv_pool: Tensor, slots: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    def conv_decode(self, x: Tensor, conv_pool: Tensor, slots: Tensor, weight: Tensor, bias: Tensor | None,
+                    silu: bool = True) -> Tensor:  # fmt: skip
         """The reference's step with the float32 SiLU (its float64 one is for batch invariance) and no casts."""
         if not x.dtype == conv_pool.dtype == weight.dtype == torch.float32:
-            return super().conv_decode(x, conv_pool, slots, weight, bias)
+            return super().conv_decode(x, conv_pool, slots, weight, bias, silu)
         window = torch.cat([conv_pool.index_select(0, slots), x[:, :, None]], dim=-1)  # [Bt, Cd, K]
         conv_pool.index_copy_(0, slots, window[:, :, 1:])
         out = (window * weight).sum(-1)
-        return F.silu(out if bias is None else out.add_(bias))
+        out = out if bias is None else out.add_(bias)
+        return F.silu(out) if silu else out
 
     def ssd_prefill(self, x: Tensor, dt: Tensor, b: Tensor, c: Tensor, p: SsdParams, ssm_pool: StatePool,
                     slot: int) -> Tensor:  # fmt: skip
@@ -180,15 +182,16 @@ class FastOps(ReferenceOps):
         return y
 
     def conv_prefill_many(self, x: Tensor, conv_pool: Tensor, spans: Spans, weight: Tensor,
-                          bias: Tensor | None) -> Tensor:  # fmt: skip
+                          bias: Tensor | None, silu: bool = True) -> Tensor:  # fmt: skip
         """One depthwise conv over the segments padded to the longest (`batchable`), else one call each."""
         lengths = [length for length, _ in spans]
         if not batchable(lengths) or not x.dtype == conv_pool.dtype == weight.dtype:
-            return super().conv_prefill_many(x, conv_pool, spans, weight, bias)
+            return super().conv_prefill_many(x, conv_pool, spans, weight, bias, silu)
         slots = torch.tensor([slot for _, slot in spans], dtype=torch.int64, device=x.device)
         k = weight.shape[-1]
         window = torch.cat([conv_pool.index_select(0, slots), pack(x, lengths).transpose(1, 2)], dim=-1)
-        out = F.silu(F.conv1d(window, weight[:, None, :], bias, groups=weight.shape[0]))  # [S, Cd, longest]
+        out = F.conv1d(window, weight[:, None, :], bias, groups=weight.shape[0])  # [S, Cd, longest]
+        out = F.silu(out) if silu else out
         # each segment's new state: its last K-1 inputs, window positions [length, length + K - 1)
         last = torch.tensor(lengths, device=x.device)[:, None] + torch.arange(k - 1, device=x.device)
         conv_pool.index_copy_(0, slots, window.gather(2, last[:, None, :].expand(-1, window.shape[1], -1)))

@@ -77,12 +77,16 @@ class KernelOps(Protocol):
     batch_invariant: bool
     """True when a request's results are bitwise the same alone or batched with any others."""
 
-    def conv_prefill(self, x: Tensor, conv_pool: Tensor, slot: int, weight: Tensor, bias: Tensor | None) -> Tensor:
-        """x: [L, Cd] -> SiLU(causal conv) [L, Cd]; conv_pool: [S, Cd, K-1], row `slot` advanced."""
+    def conv_prefill(self, x: Tensor, conv_pool: Tensor, slot: int, weight: Tensor, bias: Tensor | None,
+                     silu: bool = True) -> Tensor:  # fmt: skip
+        """x: [L, Cd] -> SiLU(causal conv) [L, Cd] (the conv alone when not `silu`: a short convolution's);
+        conv_pool: [S, Cd, K-1], row `slot` advanced."""
         ...
 
-    def conv_decode(self, x: Tensor, conv_pool: Tensor, slots: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-        """x: [Bt, Cd], slots: [Bt] int64 (distinct) -> [Bt, Cd]; rows `slots` advanced by one."""
+    def conv_decode(self, x: Tensor, conv_pool: Tensor, slots: Tensor, weight: Tensor, bias: Tensor | None,
+                    silu: bool = True) -> Tensor:  # fmt: skip
+        """x: [Bt, Cd], slots: [Bt] int64 (distinct) -> [Bt, Cd] (`silu` as in `conv_prefill`); rows
+        `slots` advanced by one."""
         ...
 
     def ssd_prefill(self, x: Tensor, dt: Tensor, b: Tensor, c: Tensor, p: SsdParams, ssm_pool: StatePool,
@@ -127,7 +131,7 @@ class KernelOps(Protocol):
         ...
 
     def conv_prefill_many(self, x: Tensor, conv_pool: Tensor, spans: Spans, weight: Tensor,
-                          bias: Tensor | None) -> Tensor:  # fmt: skip
+                          bias: Tensor | None, silu: bool = True) -> Tensor:  # fmt: skip
         """`conv_prefill` of several requests at once: x: [sum of lengths, Cd], the segments' rows
         concatenated; spans: (length, slot) of each, in order (worker_proc.kernels.segments). Returns
         [sum of lengths, Cd]; every span's slot advanced past its segment."""

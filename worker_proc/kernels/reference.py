@@ -26,9 +26,10 @@ def discretize_dt(dt: torch.Tensor, dt_bias: torch.Tensor, dt_limit: tuple[float
 
 # ------------------------------------------------------------------------------ conv1d
 def causal_conv1d(
-    x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Depthwise causal conv1d + SiLU over one request's tokens, continuing from `conv_state`.
+    """Depthwise causal conv1d + SiLU (the conv alone when not `silu`) over one request's tokens,
+    continuing from `conv_state`.
 
     x: [L, Cd]; conv_state: [Cd, K-1] (the K-1 inputs before x, oldest first; zeros for a fresh
     request); weight: [Cd, K]; bias: [Cd] or None.
@@ -38,19 +39,22 @@ def causal_conv1d(
     k = weight.shape[-1]
     window = torch.cat([conv_state.to(x.dtype), x.t()], dim=-1)  # [Cd, K-1+L]
     out = F.conv1d(window[None].to(weight.dtype), weight[:, None, :], bias, groups=weight.shape[0])[0]
-    out = F.silu(out[:, -length:]).t()
+    out = out[:, -length:].t()
+    out = F.silu(out) if silu else out
     return out.to(x.dtype), window[:, window.shape[-1] - (k - 1) :]
 
 
 def causal_conv1d_step(
-    x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token per request, batched. x: [Bt, Cd]; conv_state: [Bt, Cd, K-1].
+    """One token per request, batched. x: [Bt, Cd]; conv_state: [Bt, Cd, K-1]; `silu` as in `causal_conv1d`.
     Returns (out [Bt, Cd], new_state [Bt, Cd, K-1])."""
     window = torch.cat([conv_state.to(x.dtype), x[:, :, None]], dim=-1)  # [Bt, Cd, K]
     out = (window.to(weight.dtype) * weight[None]).sum(-1)
     if bias is not None:
         out = out + bias
+    if not silu:
+        return out.to(x.dtype), window[:, :, 1:]
     # SiLU in float64, rounded: float32 SIMD and scalar tails differ in the last bit, and where a
     # request's channels fall relative to the tail depends on Bt unless Cd is a multiple of the vector
     return F.silu(out.double()).to(x.dtype), window[:, :, 1:]

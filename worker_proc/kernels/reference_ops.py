@@ -34,13 +34,15 @@ class ReferenceOps(PerSegment, ComposedSteps, GdnMethods):
         self.batch_invariant = batch_invariant
         self.gdn = gdn or ReferenceGdn()  # type: ignore[assignment]
 
-    def conv_prefill(self, x: Tensor, conv_pool: Tensor, slot: int, weight: Tensor, bias: Tensor | None) -> Tensor:
-        out, new_state = ref.causal_conv1d(x, conv_pool[slot], weight, bias)
+    def conv_prefill(self, x: Tensor, conv_pool: Tensor, slot: int, weight: Tensor, bias: Tensor | None,
+                     silu: bool = True) -> Tensor:  # fmt: skip
+        out, new_state = ref.causal_conv1d(x, conv_pool[slot], weight, bias, silu)
         conv_pool[slot].copy_(new_state)
         return out
 
-    def conv_decode(self, x: Tensor, conv_pool: Tensor, slots: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-        out, new_state = ref.causal_conv1d_step(x, conv_pool.index_select(0, slots), weight, bias)
+    def conv_decode(self, x: Tensor, conv_pool: Tensor, slots: Tensor, weight: Tensor, bias: Tensor | None,
+                    silu: bool = True) -> Tensor:  # fmt: skip
+        out, new_state = ref.causal_conv1d_step(x, conv_pool.index_select(0, slots), weight, bias, silu)
         conv_pool.index_copy_(0, slots, new_state.to(conv_pool.dtype))
         return out
 

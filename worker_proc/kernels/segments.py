@@ -45,10 +45,10 @@ class PerSegment:
     """Each `*_prefill_many` as a loop of the class's own single-segment method."""
 
     def conv_prefill_many(self, x: Tensor, conv_pool: Tensor, spans: Spans, weight: Tensor,
-                          bias: Tensor | None) -> Tensor:  # fmt: skip
+                          bias: Tensor | None, silu: bool = True) -> Tensor:  # fmt: skip
         outs, start = [], 0
         for length, slot in spans:
-            outs.append(self.conv_prefill(x[start : start + length], conv_pool, slot, weight, bias))
+            outs.append(self.conv_prefill(x[start : start + length], conv_pool, slot, weight, bias, silu))
             start += length
         return _joined(outs)
 

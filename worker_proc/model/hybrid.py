@@ -10,10 +10,10 @@ and divided by `logits_scaling`. Module names are the blocks' names under `model
 checkpoint's tensor names (after the family's renames, applied by the loader) are this module's
 `state_dict` keys: `model.embed_tokens`, `model.layers.N.<norm>`, `model.layers.N.<block>.*`,
 `model.norm`, `lm_head`.
-Recurrent mixers (Mamba2, Gated DeltaNet) read and advance their layer's tensors of the worker's
-state pools (`pools.layer_state(kind, i)`, the same way for every recurrent mixer kind: the conv
-windows and the recurrent state in its storage dtype, int8 values with their scales) at the
-request's state slot; attention its layer's KV pool.
+Recurrent mixers (Mamba2, Gated DeltaNet, LFM2's short convolutions) read and advance their layer's
+tensors of the worker's state pools (`pools.layer_state(kind, i)`, the same way for every recurrent
+mixer kind: the conv windows and the recurrent state, if the kind has one, in its storage dtype, int8
+values with their scales) at the request's state slot; attention its layer's KV pool.
 Tensor parallelism: the constructor takes `tp`; every block is built with this rank's sizes and
 names the slice of each of its tensors (`shard_spec`, rules in worker_proc.model.tp). Mixers
 all-reduce their own output; MLP and MoE blocks return partial sums, all-reduced once per
@@ -52,6 +52,8 @@ from worker_proc.model.moe import SigmoidMoE
 from worker_proc.model.qwen_moe import SharedGateMoE
 from worker_proc.model.residual import Residual
 from worker_proc.model.shard import ShardSpec, TPInfo
+from worker_proc.model.short_conv import ShortConv
+from worker_proc.model.sigmoid_moe import SigmoidSwigluMoE
 from worker_proc.model.vision import VisionTower
 from worker_proc.quant.weight import QuantizedWeight
 from worker_proc.state.pools import StatePools
@@ -92,6 +94,8 @@ def build_block(block: Block, cfg: HybridConfig, dtype: torch.dtype, device: tor
         return Attention(cfg, dtype, device, tp)
     if block.kind == "gdn":
         return GatedDeltaNet(cfg, dtype, device, tp)
+    if block.kind == "short_conv":
+        return ShortConv(cfg, dtype, device, tp)
     if block.kind == "fused_gated_mlp":
         return GatedMLP(hidden, width, dtype, device, tp)
     if block.kind == "gated_mlp":
@@ -104,6 +108,8 @@ def build_block(block: Block, cfg: HybridConfig, dtype: torch.dtype, device: tor
         return SigmoidMoE(cfg, block.size, dtype, device, tp)
     if block.kind == "shared_gate_moe":
         return SharedGateMoE(cfg, block.size, dtype, device, tp)
+    if block.kind == "sigmoid_swiglu_moe":
+        return SigmoidSwigluMoE(cfg, block.size, dtype, device, tp)
     raise ValueError(f"unknown block kind {block.kind!r}")
 
 
@@ -131,12 +137,12 @@ class DecoderLayer(nn.Module):
             return
         self.attn_index = cfg.attn_layer_ids.index(index) if index in cfg.attn_layer_ids else -1
         # this layer's index among the layers of each recurrent kind that it has
-        self.state_index = {kind: ids.index(index) for kind, ids in (("mamba", cfg.mamba_layer_ids),
-                                                                     ("gdn", cfg.gdn_layer_ids)) if index in ids}
+        kinds = (("mamba", cfg.mamba_layer_ids), ("gdn", cfg.gdn_layer_ids), ("short_conv", cfg.short_conv_layer_ids))
+        self.state_index = {kind: ids.index(index) for kind, ids in kinds if index in ids}
 
     def _run(self, module: nn.Module, x: torch.Tensor, batch: StepBatch,
              rope: tuple[torch.Tensor, torch.Tensor] | None, pools: KVLayers, ops: KernelOps) -> torch.Tensor:
-        if isinstance(module, MambaMixer | GatedDeltaNet):
+        if isinstance(module, MambaMixer | GatedDeltaNet | ShortConv):
             assert isinstance(pools, StatePools)
             conv, state = pools.layer_state(module.state_kind, self.state_index[module.state_kind])
             return module(x, batch, conv, state, ops)

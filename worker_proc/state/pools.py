@@ -15,6 +15,7 @@ declares (`state_tensors`):
   gdn_conv  : GDN     [2 * k_heads * k_dim + v_heads * v_dim, d_conv - 1]   model dtype
   gdn_state : GDN     [v_heads, k_dim, v_dim]             the state dtype
   gdn_state_scale : GDN [v_heads, k_dim]                 float32, int8 state only
+  short_conv_window : short conv [hidden, d_conv - 1]    model dtype (the whole state of the kind)
 The state dtype (`--mamba-ssm-dtype`: float32, bfloat16 or int8; worker_proc.kernels.state_codec owns
 the encodings) decides how the recurrent states are stored, never how they are computed; an int8
 state keeps one scale per (slot, layer, head, row) in its `*_scale` tensor, and `state_pool` hands the
@@ -112,10 +113,22 @@ def gdn_state_tensors(cfg: HybridConfig, dtype: torch.dtype, tp_size: int, tp_ra
             *_recurrent("gdn_state", n, (g.v_heads, cfg.gdn.k_dim, cfg.gdn.v_dim), state_dtype)]
 
 
-STATE_KINDS = (mamba_state_tensors, gdn_state_tensors)
-MIXER_STATES = {"mamba": ("conv", "ssm"), "gdn": ("gdn_conv", "gdn_state")}
-"""Each recurrent mixer kind's (conv window, recurrent state) tensors of `STATE_KINDS`."""
+def short_conv_state_tensors(cfg: HybridConfig, dtype: torch.dtype, tp_size: int, tp_rank: int,
+                             state_dtype: str = "float32") -> list[StateTensor]:  # fmt: skip
+    """Gated short convolutions (LFM2): the conv window over this rank's hidden channels (model dtype)
+    and nothing else, so `--mamba-ssm-dtype` does not apply; declared only when the model has such layers."""
+    n = len(cfg.short_conv_layer_ids)
+    if not n:
+        return []
+    return [StateTensor("short_conv_window", n, (cfg.hidden_size // tp_size, cfg.short_conv.d_conv - 1), dtype)]
+
+
+STATE_KINDS = (mamba_state_tensors, gdn_state_tensors, short_conv_state_tensors)
 """Every recurrent layer kind's declaration of its state tensors."""
+MIXER_STATES: dict[str, tuple[str, str | None]] = {
+    "mamba": ("conv", "ssm"), "gdn": ("gdn_conv", "gdn_state"), "short_conv": ("short_conv_window", None)}
+"""Each recurrent mixer kind's (conv window, recurrent state) tensors of `STATE_KINDS` (None: the kind's
+state is its conv window alone)."""
 
 
 def state_tensors(cfg: HybridConfig, dtype: torch.dtype, tp_size: int = 1, tp_rank: int = 0,
@@ -129,7 +142,7 @@ class SlotBytes:
     """Bytes one slot costs across all layers."""
 
     kv_token: int  # one KV token slot (K and V, every attention layer)
-    state_slot: int  # one state slot: every recurrent layer's state tensors (Mamba and Gated DeltaNet)
+    state_slot: int  # one state slot: every recurrent layer's state tensors (every recurrent kind)
 
 
 def slot_bytes(cfg: HybridConfig, dtype: torch.dtype, tp_size: int = 1, tp_rank: int = 0,
@@ -280,12 +293,12 @@ class StatePools:
         (int8: the values; their scales are `states["ssm_scale"]`)."""
         return self.states["ssm"]
 
-    def layer_state(self, kind: str, layer: int) -> tuple[torch.Tensor, StatePool]:
+    def layer_state(self, kind: str, layer: int) -> tuple[torch.Tensor, StatePool | None]:
         """One recurrent layer's pools, the same way for every recurrent mixer kind (`MIXER_STATES`):
-        its conv windows [S, C, K-1] and its recurrent state (`state_pool`); `layer` is its index among
-        the layers of its kind."""
+        its conv windows [S, C, K-1] and its recurrent state (`state_pool`; None for a kind whose state
+        is the conv window alone); `layer` is its index among the layers of its kind."""
         conv, state = MIXER_STATES[kind]
-        return self.states[conv][layer], self.state_pool(state, layer)
+        return self.states[conv][layer], None if state is None else self.state_pool(state, layer)
 
     def state_pool(self, name: str, layer: int) -> StatePool:
         """The kernels' view of recurrent state `name` ("ssm", "gdn_state") of one layer (its index

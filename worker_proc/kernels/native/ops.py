@@ -56,17 +56,25 @@ class NativeOps(FastOps):
                                                 self._f32(p.d), self._f32(p.dt_bias), head_group, lo, hi,
                                                 groups)  # fmt: skip
 
-    def conv_prefill(self, x: Tensor, conv_pool: Tensor, slot: int, weight: Tensor, bias: Tensor | None) -> Tensor:
-        return self.conv_prefill_many(x, conv_pool, ((x.shape[0], slot),), weight, bias)
+    @staticmethod
+    def _fused_conv(x: Tensor, conv_pool: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
+        """Whether the fused prefill conv holds these inputs (with or without its SiLU)."""
+        return (x.dtype in _MODEL_DTYPES and x.dtype == conv_pool.dtype == weight.dtype and x.stride(-1) == 1
+                and (bias is None or bias.dtype == x.dtype))  # fmt: skip
+
+    def conv_prefill(self, x: Tensor, conv_pool: Tensor, slot: int, weight: Tensor, bias: Tensor | None,
+                     silu: bool = True) -> Tensor:  # fmt: skip
+        if not self._fused_conv(x, conv_pool, weight, bias):
+            return super().conv_prefill(x, conv_pool, slot, weight, bias, silu)
+        return self.conv_prefill_many(x, conv_pool, ((x.shape[0], slot),), weight, bias, silu)
 
     def conv_prefill_many(self, x: Tensor, conv_pool: Tensor, spans: Spans, weight: Tensor,
-                          bias: Tensor | None) -> Tensor:  # fmt: skip
+                          bias: Tensor | None, silu: bool = True) -> Tensor:  # fmt: skip
         """Every segment in one call, each continuing from its own window (no padding)."""
-        if not (x.dtype in _MODEL_DTYPES and x.dtype == conv_pool.dtype == weight.dtype and x.stride(-1) == 1
-                and (bias is None or bias.dtype == x.dtype)):  # fmt: skip
-            return super().conv_prefill_many(x, conv_pool, spans, weight, bias)
+        if not self._fused_conv(x, conv_pool, weight, bias):
+            return super().conv_prefill_many(x, conv_pool, spans, weight, bias, silu)
         lengths, slots = [length for length, _ in spans], [slot for _, slot in spans]
-        return torch.ops.hyssm_cpu.conv_prefill(x, conv_pool, lengths, slots, weight, bias)
+        return torch.ops.hyssm_cpu.conv_prefill(x, conv_pool, lengths, slots, weight, bias, silu)
 
     def ssd_prefill(self, x: Tensor, dt: Tensor, b: Tensor, c: Tensor, p: SsdParams, ssm_pool: StatePool,
                     slot: int) -> Tensor:  # fmt: skip

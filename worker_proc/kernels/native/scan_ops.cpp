@@ -137,15 +137,16 @@ at::Tensor mamba_decode(const at::Tensor& xbc, const at::Tensor& dt, at::Tensor 
   return out;
 }
 
-// The depthwise causal conv + SiLU of prefill segments: segment i (`lengths`, `slots`) continues from
-// its slot's window of the K-1 inputs before it. x [T, Cd] (any row stride, unit-stride channels),
-// weight [Cd, K], bias [Cd] or none, conv_pool [S, Cd, K-1], all in the model dtype. Returns [T, Cd]
-// in it: the sum in float32, rounded to the dtype before and after the SiLU (as the torch path's conv
-// and activation round); each slot's window ends as the segment's last K-1 inputs.
+// The depthwise causal conv + SiLU (without `act`: the conv alone, a short convolution's) of prefill
+// segments: segment i (`lengths`, `slots`) continues from its slot's window of the K-1 inputs before it.
+// x [T, Cd] (any row stride, unit-stride channels), weight [Cd, K], bias [Cd] or none, conv_pool
+// [S, Cd, K-1], all in the model dtype. Returns [T, Cd] in it: the sum in float32, rounded to the dtype
+// before and after the SiLU (as the torch path's conv and activation round); each slot's window ends as
+// the segment's last K-1 inputs.
 template <typename T>
 at::Tensor conv_prefill_impl(const at::Tensor& x, at::Tensor& conv_pool, const std::vector<int64_t>& lengths,
                              const std::vector<int64_t>& slots, const at::Tensor& weight,
-                             const c10::optional<at::Tensor>& bias) {
+                             const c10::optional<at::Tensor>& bias, bool act) {
   const int64_t total = x.size(0), cd = x.size(1), k = weight.size(1), segs = static_cast<int64_t>(lengths.size());
   std::vector<int64_t> starts(segs + 1, 0);
   for (int64_t i = 0; i < segs; ++i) starts[i + 1] = starts[i] + lengths[i];
@@ -192,7 +193,8 @@ at::Tensor conv_prefill_impl(const at::Tensor& x, at::Tensor& conv_pool, const s
             sum += w1[c] * to_f(in1[c]);
             sum += w2[c] * to_f(in2[c]);
             sum += w3[c] * to_f(in3[c]);
-            orow[c] = from_f<T>(silu(round_to<T>(sum)));
+            const float r = round_to<T>(sum);
+            orow[c] = from_f<T>(act ? silu(r) : r);
           }
           continue;
         }
@@ -204,7 +206,10 @@ at::Tensor conv_prefill_impl(const at::Tensor& x, at::Tensor& conv_pool, const s
           for (int64_t c = 0; c < width; ++c) acc[c] += wj[c] * to_f(in[c]);
         }
 #pragma omp simd
-        for (int64_t c = 0; c < width; ++c) orow[c] = from_f<T>(silu(round_to<T>(acc[c])));
+        for (int64_t c = 0; c < width; ++c) {
+          const float r = round_to<T>(acc[c]);
+          orow[c] = from_f<T>(act ? silu(r) : r);
+        }
       }
       for (int64_t j = 0; j < k - 1; ++j) {
         const T* row = input(len + j);
@@ -216,7 +221,7 @@ at::Tensor conv_prefill_impl(const at::Tensor& x, at::Tensor& conv_pool, const s
 }
 
 at::Tensor conv_prefill(const at::Tensor& x, at::Tensor conv_pool, at::IntArrayRef lengths, at::IntArrayRef slots,
-                        const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+                        const at::Tensor& weight, const c10::optional<at::Tensor>& bias, bool silu) {
   check_rows(x, "x");
   TORCH_CHECK(conv_pool.is_contiguous() && conv_pool.size(1) == x.size(1) && conv_pool.size(2) == weight.size(1) - 1,
               "conv pool must be contiguous [S, Cd, K-1]");
@@ -229,7 +234,7 @@ at::Tensor conv_prefill(const at::Tensor& x, at::Tensor conv_pool, at::IntArrayR
   at::Tensor out;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "conv_prefill", [&] {
     if constexpr (!std::is_same_v<scalar_t, double>) {
-      out = conv_prefill_impl<scalar_t>(x, conv_pool, lens, sl, weight, bias);
+      out = conv_prefill_impl<scalar_t>(x, conv_pool, lens, sl, weight, bias, silu);
     } else {
       TORCH_CHECK(false, "float64 is not a model dtype");
     }

@@ -23,7 +23,8 @@ TORCH_LIBRARY(hyssm_cpu, m) {
       "Tensor conv_w, Tensor? conv_b, Tensor a, Tensor d, Tensor dt_bias, Tensor? head_group, float dt_min, "
       "float dt_max, int groups) -> Tensor");
   m.def(
-      "conv_prefill(Tensor x, Tensor(a!) conv_pool, int[] lengths, int[] slots, Tensor weight, Tensor? bias) -> Tensor");
+      "conv_prefill(Tensor x, Tensor(a!) conv_pool, int[] lengths, int[] slots, Tensor weight, Tensor? bias, "
+      "bool silu=True) -> Tensor");
   m.def(
       "ssd_prefill(Tensor x, Tensor dt, Tensor b, Tensor c, Tensor(a!) ssm_pool, Tensor(b!)? ssm_scale, "
       "int[] lengths, int[] slots, "

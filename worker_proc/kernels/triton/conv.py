@@ -1,4 +1,5 @@
-"""Triton causal depthwise conv1d + SiLU over slot-indexed conv state (prefill, varlen; decode).
+"""Triton causal depthwise conv1d + SiLU (or without it: `SILU`) over slot-indexed conv state (prefill,
+varlen; decode).
 
 Semantics are those of
 `worker_proc.kernels.reference.causal_conv1d` / `causal_conv1d_step`: the conv state of a slot holds
@@ -44,6 +45,7 @@ def _conv_prefill_out_kernel(
     stride_wk,
     K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    SILU: tl.constexpr,
     BLOCK_L: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
@@ -77,7 +79,9 @@ def _conv_prefill_out_kernel(
             ).to(tl.float32)
             w = tl.load(w_ptr + offs_c * stride_wc + k * stride_wk, mask=mask_c, other=0.0).to(tl.float32)
             acc += (xv + sv) * w[None, :]
-        y = acc / (1.0 + tl.exp(-acc))
+        y = acc
+        if SILU:
+            y = acc / (1.0 + tl.exp(-acc))
         tl.store(
             out_ptr + (start + offs_l).to(tl.int64)[:, None] * stride_ot + offs_c[None, :] * stride_oc,
             y.to(out_ptr.dtype.element_ty),
@@ -146,6 +150,7 @@ def _conv_decode_kernel(
     KM1: tl.constexpr,
     BLOCK_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    SILU: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
     """Grid (batch rows, channel blocks): one token per row against its slot's conv state."""
@@ -163,7 +168,9 @@ def _conv_decode_kernel(
     acc = tl.sum(state.to(tl.float32) * w_state.to(tl.float32), axis=1) + x.to(tl.float32) * w_last.to(tl.float32)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_c, mask=mask_c, other=0.0).to(tl.float32)
-    y = acc / (1.0 + tl.exp(-acc))
+    y = acc
+    if SILU:
+        y = acc / (1.0 + tl.exp(-acc))
     tl.store(out_ptr + row * stride_ob + offs_c * stride_oc, y.to(out_ptr.dtype.element_ty), mask=mask_c)
     if slot != 0:  # slot 0 is padding: never written
         # shift left by one: column k takes old column k+1, the last column takes x
@@ -182,8 +189,10 @@ def conv_prefill_varlen(
     slots: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
+    silu: bool = True,
 ) -> torch.Tensor:
-    """Causal conv1d + SiLU over a ragged batch, each request continuing from its slot's state.
+    """Causal conv1d + SiLU (the conv alone when not `silu`) over a ragged batch, each request
+    continuing from its slot's state.
 
     x: [T, Cd] (requests' tokens concatenated; any strides); cu_seqlens: [B+1] int32 on x's device
     (request r owns rows cu[r]..cu[r+1]); max_len >= every request's length; conv_pool: [S, Cd, K-1];
@@ -218,6 +227,7 @@ def conv_prefill_varlen(
         weight.stride(1),
         K=k,
         HAS_BIAS=bias is not None,
+        SILU=silu,
         BLOCK_L=block_l,
         BLOCK_C=block_c,
     )
@@ -242,9 +252,11 @@ def conv_prefill_varlen(
 
 
 def conv_decode(
-    x: torch.Tensor, conv_pool: torch.Tensor, slots: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    x: torch.Tensor, conv_pool: torch.Tensor, slots: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+    silu: bool = True,
 ) -> torch.Tensor:
-    """One token per row. x: [Bt, Cd]; slots: [Bt] int (distinct; 0 = padding row, state not written).
+    """One token per row (`silu` as in `conv_prefill_varlen`). x: [Bt, Cd]; slots: [Bt] int (distinct;
+    0 = padding row, state not written).
     Returns out [Bt, Cd] in x's dtype; conv_pool rows `slots` advanced by one token in place."""
     batch, channels = x.shape
     k = weight.shape[-1]
@@ -274,6 +286,7 @@ def conv_decode(
         KM1=k - 1,
         BLOCK_K=triton.next_power_of_2(k - 1),
         HAS_BIAS=bias is not None,
+        SILU=silu,
         BLOCK_C=block_c,
     )
     return out

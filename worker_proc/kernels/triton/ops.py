@@ -57,13 +57,15 @@ class TritonOps(PerSegment, ComposedSteps, GdnMethods):
     def __init__(self, gdn: object | None = None) -> None:
         self.gdn = gdn or ReferenceGdn()  # type: ignore[assignment]
 
-    def conv_prefill(self, x: Tensor, conv_pool: Tensor, slot: int, weight: Tensor, bias: Tensor | None) -> Tensor:
+    def conv_prefill(self, x: Tensor, conv_pool: Tensor, slot: int, weight: Tensor, bias: Tensor | None,
+                     silu: bool = True) -> Tensor:  # fmt: skip
         length = x.shape[0]
         meta = _index_tensor([0, length, slot], x.device)
-        return triton_conv.conv_prefill_varlen(x, meta[:2], length, conv_pool, meta[2:], weight, bias)
+        return triton_conv.conv_prefill_varlen(x, meta[:2], length, conv_pool, meta[2:], weight, bias, silu)
 
-    def conv_decode(self, x: Tensor, conv_pool: Tensor, slots: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-        return triton_conv.conv_decode(x, conv_pool, slots, weight, bias)
+    def conv_decode(self, x: Tensor, conv_pool: Tensor, slots: Tensor, weight: Tensor, bias: Tensor | None,
+                    silu: bool = True) -> Tensor:  # fmt: skip
+        return triton_conv.conv_decode(x, conv_pool, slots, weight, bias, silu)
 
     def ssd_prefill(self, x: Tensor, dt: Tensor, b: Tensor, c: Tensor, p: SsdParams, ssm_pool: StatePool,
                     slot: int) -> Tensor:  # fmt: skip
@@ -76,12 +78,12 @@ class TritonOps(PerSegment, ComposedSteps, GdnMethods):
         return y
 
     def conv_prefill_many(self, x: Tensor, conv_pool: Tensor, spans: Spans, weight: Tensor,
-                          bias: Tensor | None) -> Tensor:  # fmt: skip
+                          bias: Tensor | None, silu: bool = True) -> Tensor:  # fmt: skip
         """Every segment in one varlen call."""
         lengths = [length for length, _ in spans]
         meta = _index_tensor([0, *accumulate(lengths), *(slot for _, slot in spans)], x.device)
         cu, slots = meta[: len(spans) + 1], meta[len(spans) + 1 :]
-        return triton_conv.conv_prefill_varlen(x, cu, max(lengths), conv_pool, slots, weight, bias)
+        return triton_conv.conv_prefill_varlen(x, cu, max(lengths), conv_pool, slots, weight, bias, silu)
 
     def ssd_prefill_many(self, x: Tensor, dt: Tensor, b: Tensor, c: Tensor, p: SsdParams, ssm_pool: StatePool,
                          spans: Spans) -> Tensor:  # fmt: skip

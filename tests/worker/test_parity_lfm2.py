@@ -1,0 +1,135 @@
+"""Parity with transformers for LFM2 and LFM2-MoE (gated short convolutions + GQA attention; checkpoints built by
+transformers at test time, tests/fixtures/lfm2_model.py), through ModelRunner with msgpack
+round-tripped batches, in the default and the deterministic mode: all-position prompt logits,
+chunked prefill resuming from the pooled conv window (a one-token chunk taking the decode path
+mid-prompt, one-token chunks at the very start), per-step decode logits and greedy tokens, a prefix
+hit (the cached state copied on write) against the uninterrupted prompt, and drafts verified with
+the conv window rolled back to the accepted tokens. Tolerance: 1e-4 max abs logit difference (fp32).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from shared.families.registry import parse_config
+from shared.messages import CopyOp
+from shared.model_info import ModelInfo, read_config_json
+from tests.fixtures.lfm2_model import LFM2_CONFIGS, lfm2_dir
+from tests.model_driver import forward_all_logits, forward_logits, generate_greedy, generate_speculative
+from tests.worker.util import batch, chunked_prompt_logits, decode_logit_diffs, max_diff, req, runner_at
+
+TOL = 1e-4
+NAMES = tuple(LFM2_CONFIGS)
+WINDOW = "short_conv_window"
+
+
+def _reference(name: str) -> dict[str, torch.Tensor]:
+    return load_file(os.path.join(lfm2_dir(name), "reference.safetensors"))
+
+
+def _runner(name: str, deterministic: bool = False, **kw: object):
+    return runner_at(lfm2_dir(name), kv_slots=200, deterministic=deterministic, **kw)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("name", NAMES)
+def test_full_prompt_logits(name: str, deterministic: bool) -> None:
+    ref = _reference(name)
+    r = _runner(name, deterministic)
+    prompt = ref["prompt"].tolist()
+    n = len(prompt)
+    out = forward_all_logits(r, batch(0, [req("a", prompt, 0, list(range(1, n + 1)), 1)], clears=[1]))
+    assert max_diff(out["a"], ref["prompt_logits"]) <= TOL
+    r.check_integrity()
+    windows = r.pools.states[WINDOW]
+    info = ModelInfo.from_dir(lfm2_dir(name))  # what the scheduler and /get_model_info know of the model
+    assert info.has_recurrent_state and info.state_kinds == {"short_conv": "conv window"}
+    assert windows.shape[0] == info.layer_kinds.count("short_conv") > 0
+    assert windows[:, 1].abs().sum() > 0  # the slot's conv windows hold the prompt's last inputs
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("chunks", [[5, 1, 13], [1, 1, 7, 10], [9, 2, 8]])
+def test_chunked_prefill_logits(name: str, chunks: list[int], deterministic: bool) -> None:
+    ref = _reference(name)
+    prompt = ref["prompt"].tolist()
+    assert sum(chunks) == len(prompt)
+    r = _runner(name, deterministic)
+    assert max_diff(chunked_prompt_logits(r, prompt, chunks), ref["prompt_logits"]) <= TOL
+    r.check_integrity()
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("name", NAMES)
+def test_decode_logits_and_greedy_tokens(name: str, deterministic: bool) -> None:
+    ref = _reference(name)
+    prompt, gen = ref["prompt"].tolist(), ref["gen_tokens"].tolist()
+    r = _runner(name, deterministic)
+    diffs = decode_logit_diffs(r, prompt, gen, ref["gen_logits"])
+    assert len(diffs) == len(gen) and max(diffs) <= TOL, diffs
+    r.check_integrity()
+    assert generate_greedy(r, prompt, len(gen)) == gen
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_prefix_hit_copy_on_write_equals_uninterrupted(name: str) -> None:
+    """A cached prefix's state (slot 1) copied on write into a new request's slot resumes exactly as the
+    uninterrupted prompt; the source slot is left as it was."""
+    prompt = _reference(name)["prompt"].tolist()
+    n, cut = len(prompt), 9
+    r = _runner(name)
+    kv = list(range(1, n + 1))
+    whole = forward_all_logits(r, batch(0, [req("x", prompt, 0, list(range(100, 100 + n)), 4)], clears=[4]))["x"]
+    forward_logits(r, batch(1, [req("p", prompt[:cut], 0, kv[:cut], 1, sample=False)], clears=[1]))
+    source = r.pools.states[WINDOW][:, 1].clone()
+    rest = forward_all_logits(r, batch(2, [req("y", prompt[cut:], cut, kv, 2)],
+                                       copies=[CopyOp(src=1, dst=2, rid="y")]))["y"]  # fmt: skip
+    assert max_diff(rest, whole[cut:]) <= TOL
+    windows = r.pools.states[WINDOW]
+    assert torch.equal(windows[:, 1], source)
+    assert max_diff(windows[:, 2], windows[:, 4]) <= TOL and not torch.equal(windows[:, 2], source)
+    assert set(r.pools.states) >= {WINDOW}  # the window is the whole recurrent state of an LFM2 slot
+    r.check_integrity()
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_drafts_give_the_greedy_output_and_its_conv_window(name: str) -> None:
+    """Drafts right for a varying number of tokens, then wrong: the output is greedy decoding's and the
+    conv windows after every step are those of exactly the accepted tokens (bitwise, deterministic mode)."""
+    prompt = _reference(name)["prompt"].tolist()
+    plain = _runner(name, True)
+    ref = generate_greedy(plain, prompt, 14)
+
+    def propose(tokens: list[int]) -> list[int]:
+        done = len(tokens) - len(prompt)
+        right = ref[done : done + done % 3]
+        return right + [(t + 1) % 250 + 3 for t in ref[done + len(right) : done + 3]]
+
+    drafted = _runner(name, True)
+    out, accepted = generate_speculative(drafted, prompt, 14, propose)
+    assert out == ref
+    assert 0 in accepted and max(accepted) > 0
+    assert torch.equal(plain.pools.states[WINDOW][:, 1], drafted.pools.states[WINDOW][:, 1])
+    drafted.check_integrity()
+
+
+def test_hub_config_fields() -> None:
+    """The hub's spellings (block_ff_dim, tie_embedding, top-level rope_theta, full_attn_idxs) give the
+    sizes transformers builds from the same config.json."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.lfm2.modeling_lfm2 import Lfm2MLP
+
+    raw = dict(read_config_json(lfm2_dir("lfm2_bias")), block_ff_dim=1000, tie_embedding=False, rope_theta=5e5,
+               block_ffn_dim_multiplier=1.5, block_multiple_of=64, full_attn_idxs=[1, 2])
+    raw.pop("layer_types"), raw.pop("rope_parameters"), raw.pop("intermediate_size"), raw.pop("tie_word_embeddings")
+    cfg = parse_config(raw)
+    hf = transformers.Lfm2Config(**{k: v for k, v in raw.items() if k not in ("architectures", "model_type")})
+    assert cfg.blocks()[1].size == Lfm2MLP(hf).w1.out_features == 1024
+    assert cfg.layer_kinds == ("short_conv", "attention", "attention", "short_conv")
+    assert cfg.tie_word_embeddings is hf.tie_word_embeddings is False
+    assert cfg.attn.rope_theta == hf.rope_parameters["rope_theta"] == 5e5
