@@ -8,9 +8,11 @@ chunk has `finish_reason` "stop" or "length" ("tool_calls" for a chat output tha
 ended by itself; one cut by the token limit stays "length": requests/tools.py); with
 `stream_options.include_usage` a final chunk with empty `choices` carries `usage` (each prompt counted
 once) after every choice finished; then `data: [DONE]`. A request naming another model is a 404.
-`usage` includes `prompt_tokens_details.cached_tokens` (prefix-cache hits). A request that fails or is aborted
-by the server is HTTP 503 (non-streaming) or an error event before `[DONE]` (streaming). vLLM's
-extra answer fields (token ids, prompt logprobs, continuous usage) are placed by openai_extras.py.
+`usage` includes `prompt_tokens_details.cached_tokens` (prefix-cache hits). With `use_beam_search` the
+choices are the n best beams of each prompt, best first (requests/beam_search.py; never streamed).
+A request that fails or is aborted by the server is HTTP 503 (non-streaming) or an error event before
+`[DONE]` (streaming). vLLM's extra answer fields (token ids, prompt logprobs, continuous usage) are placed by
+openai_extras.py.
 """
 
 from __future__ import annotations
@@ -30,10 +32,12 @@ from tokenizer_proc.api.openai_extras import choice_fields, chunk_fields, prompt
 from tokenizer_proc.context import AppContext, get_ctx
 from tokenizer_proc.http.errors import ApiError
 from tokenizer_proc.http.plumbing import (
+    ClientGoneResponse,
     json_response,
     read_body,
     sse,
 )
+from tokenizer_proc.requests import beam_search
 from tokenizer_proc.requests.chat_output import ChoiceStream, message
 from tokenizer_proc.requests.flow import Accumulated, ended, finish_error, respond
 from tokenizer_proc.requests.generation import Finish, Piece
@@ -225,6 +229,12 @@ async def serve_openai(request: Request, chat: bool, data: bytes | None = None) 
         images = await load_images(ctx.images, chat_image_refs(body.messages))
         prepare = functools.partial(prepare_chat, images=images)
     reqs = with_adapter(await ctx.prepare(prepare, body, len(data), needs_grammar(body)), lora)
+    if body.use_beam_search:
+        penalty = 1.0 if body.length_penalty is None else body.length_penalty
+        ran = await beam_search.run(ctx, reqs, request, body.n, penalty)
+        if ran is None:
+            return ClientGoneResponse()
+        return json_response(_Format(ctx, ran[0], chat).whole(ran[1]))
     fmt = _Format(ctx, reqs, chat)
     return await respond(ctx, reqs, request, lambda pieces: _events(fmt, pieces), openai_error, fmt.whole)
 
