@@ -2,7 +2,7 @@
 httpx: structured_outputs and SGLang's regex, prompt_logprobs (equal to the model's own, ranks
 included), return_token_ids, truncate_prompt_tokens, continuous usage stats, logprobs=0, stop_regex
 (also on /generate), continue_final_message, custom roles, /tokenize with tools, the model card's
-root, and beam search refused."""
+root, and beam search refusing a best_of other than n."""
 
 from __future__ import annotations
 

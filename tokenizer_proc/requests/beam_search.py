@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
@@ -80,7 +81,9 @@ def score(beam: Beam, p: BeamParams) -> float:
 def _bound(beam: Beam, p: BeamParams) -> float:
     """The highest score any beam grown from the live `beam` can reach: its cumulative logprob only
     falls (it is <= 0), so with length_penalty > 0 at most cum / (the longest L) ** penalty, else at
-    most its own score now."""
+    most its own score now. A cumulative logprob above 0 (rounding) bounds nothing."""
+    if beam.cum > 0:
+        return math.inf
     if p.length_penalty > 0:
         return beam.cum / float(p.prompt_len + p.max_tokens) ** p.length_penalty
     return score(beam, p)
