@@ -3,7 +3,7 @@
 written here (a full forward per step, log_softmax in float32, vLLM's length penalty) for beam widths 1, 2
 and 4; every step after the first resumes from the state its parent's request left in the prefix cache
 and computes one token; a server with two state slots serves a beam of width 4; bad requests are 400s
-naming their field and the server keeps serving."""
+naming their field and the server keeps serving; the openai SDK gets the same beams streamed and not."""
 
 from __future__ import annotations
 
@@ -121,7 +121,7 @@ def test_each_step_resumes_from_its_parent_state(server: Server, hf) -> None:
 
 def test_bad_requests_are_400_and_the_server_keeps_serving(server: Server) -> None:
     base = {"prompt": [5, 6], "max_tokens": 3, "use_beam_search": True}
-    bad = [({"stream": True}, "stream"), ({"n": 11}, "n"), ({"n": 2, "best_of": 4}, "best_of"),
+    bad = [({"echo": True}, "echo"), ({"n": 11}, "n"), ({"n": 2, "best_of": 4}, "best_of"),
            ({"top_p": 0.3}, "top_p")]
     with server.client() as c:
         for extra, param in bad:
@@ -140,3 +140,23 @@ def test_a_beam_wider_than_the_state_pool_waits_for_slots(model_path: str, hf) -
             assert_same(beam_request(small, prompt, 4, 5, 1.0), reference(hf, prompt, 4, 5, 1.0))
         with small.client() as c:
             assert c.post("/generate", json={"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2}}).is_success
+
+
+def test_openai_sdk_beam_search_streamed_and_not(server: Server, hf) -> None:
+    import openai
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+    prompt = PROMPTS[0]
+    want = reference(hf, prompt, 3, 6, 1.3)
+    extra = {"use_beam_search": True, "length_penalty": 1.3, "return_token_ids": True}
+    whole = client.completions.create(model=server_model(client), prompt=prompt, n=3, max_tokens=6, extra_body=extra)
+    assert [c.token_ids for c in whole.choices] == [w["ids"] for w in want]  # type: ignore[attr-defined]
+    stream = client.completions.create(model=server_model(client), prompt=prompt, n=3, max_tokens=6,
+                                       extra_body=extra, stream=True)
+    chunks = {c.choices[0].index: c.choices[0] for c in stream if c.choices}
+    assert [chunks[i].text for i in range(3)] == [c.text for c in whole.choices]
+    assert [chunks[i].finish_reason for i in range(3)] == [w["reason"] for w in want]
+
+
+def server_model(client) -> str:
+    return client.models.list().data[0].id

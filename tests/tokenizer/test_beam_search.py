@@ -1,8 +1,8 @@
 """Beam search (`use_beam_search`) against a fake scheduler whose "model" is a fixed pseudo-random
 distribution of the prompt's last tokens: the answer equals a plain beam search written here (every
 candidate scored, no early stop), on completions and chat; the step requests are one-token greedy
-requests over the beam's tokens; the refusals name their field; a client that leaves aborts the
-outstanding step requests."""
+requests over the beam's tokens; streamed, each beam comes whole at the end; the refusals name their
+field; a client that leaves aborts the outstanding step requests."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 
 from shared.messages import GenerateReq, TokenOut
 from tests.tokenizer.conftest import EOS, FakeBackend
-from tests.tokenizer.test_app import serve
+from tests.tokenizer.test_app import serve, sse_events
 from tests.tokenizer.test_disconnect import FakeConnection, _scope
 from tokenizer_proc import create_app
 
@@ -142,8 +142,27 @@ def test_chat_beams_and_stop_strings(args, tok) -> None:
     assert all(s.input_ids[: len(prompt)] == prompt for s in backend.submitted)
 
 
+@pytest.mark.parametrize("chat", [False, True])
+def test_streamed_beams_come_whole_when_the_search_ends(args, tok, chat: bool) -> None:
+    """As vLLM streams a beam search: one chunk per returned beam, with its whole text and finish."""
+    base = ({"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"}) | {
+        "n": 3, "max_tokens": 5, "use_beam_search": True, "return_token_ids": True}
+    path = CHAT if chat else COMP
+    (whole, streamed), _ = _post(args, tok, [(path, base), (path, {**base, "stream": True,
+                                                                   "stream_options": {"include_usage": True}})])
+    assert whole.status_code == 200 and streamed.status_code == 200, streamed.text
+    events = sse_events(streamed.text)
+    chunks = [e for e in events if e["choices"]]
+    assert events[-1]["usage"] == whole.json()["usage"]
+    got = {c["choices"][0]["index"]: c["choices"][0] for c in chunks}
+    for c in whole.json()["choices"]:
+        one = got[c["index"]]
+        text = one["delta"].get("content") if chat else one["text"]
+        assert text == (c["message"]["content"] if chat else c["text"])
+        assert (one["finish_reason"], one["token_ids"]) == (c["finish_reason"], c["token_ids"])
+
+
 @pytest.mark.parametrize(("body", "param"), [
-    ({"stream": True}, "stream"),
     ({"n": 11}, "n"),
     ({"n": 2, "best_of": 3}, "best_of"),
     ({"echo": True}, "echo"),
@@ -168,10 +187,11 @@ def test_length_penalty_without_beam_search_is_400(args, tok) -> None:
     assert rs[1].status_code == 200 and len(rs[1].json()["choices"]) == 2
 
 
-def test_disconnect_aborts_the_outstanding_step_requests(args, tok) -> None:
+@pytest.mark.parametrize("stream", [False, True])
+def test_disconnect_aborts_the_outstanding_step_requests(args, tok, stream: bool) -> None:
     backend = ToyBackend(gate=asyncio.Event())
     app = create_app(args, backend, tok)  # type: ignore[arg-type]
-    conn = FakeConnection({"prompt": "ab", "n": 3, "max_tokens": 4, "use_beam_search": True})
+    conn = FakeConnection({"prompt": "ab", "n": 3, "max_tokens": 4, "use_beam_search": True, "stream": stream})
 
     async def main() -> None:
         call = asyncio.ensure_future(app(_scope(COMP), conn.receive, conn.send))

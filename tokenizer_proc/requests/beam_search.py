@@ -28,15 +28,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from collections.abc import Coroutine, Sequence
+from collections.abc import AsyncGenerator, Coroutine, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
-from starlette.requests import Request
-
 from shared.messages import SamplingParams
 from tokenizer_proc.http.errors import ApiError, bad_request, unavailable
-from tokenizer_proc.http.plumbing import run_unless_disconnected
 from tokenizer_proc.requests.flow import Accumulated, Serving, collect_all, finish_error
 from tokenizer_proc.requests.generation import BackendUnavailable, Finish, Piece, Reservation, generate, precheck
 from tokenizer_proc.requests.prepare import PreparedRequest
@@ -246,39 +243,56 @@ async def _all(coros: Sequence[Coroutine[Any, Any, T]]) -> list[T]:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def run(ctx: Serving, reqs: Sequence[PreparedRequest], request: Request, width: int,
-              length_penalty: float) -> tuple[list[PreparedRequest], list[Accumulated]] | None:  # fmt: skip
-    """Beam-search every prompt of `reqs` (`width` prepared choices per prompt, in order) and return the
-    choices answered with their outputs, best beam first per prompt; None when the client left.
-
-    Admission as flow.respond's: the KV-fit check, the queue limit for `reqs` (the search counts as its
-    `width` choices per prompt, whose rids it reserves until it ends), the backend's health."""
+async def admit(ctx: Serving, reqs: Sequence[PreparedRequest]) -> list[Reservation]:
+    """Admission as flow.respond's, before the response starts: the field checks, the KV-fit check, the queue
+    limit for `reqs` (the search counts as its `width` choices per prompt, whose rids it reserves until it
+    ends: the caller releases the returned holds), the backend's health."""
     check_prepared(reqs[0])
     await ctx.admission.check_fits(ctx.backend, reqs)
     await ctx.in_flight.settle([r.rid for r in reqs])
     ctx.admission.admit(len(ctx.in_flight), len(reqs))
     holds: list[Reservation] = []
     try:
-        try:
-            for r in reqs:
-                holds.append(precheck(ctx.backend, r, ctx.in_flight))
-        except BackendUnavailable as e:
-            raise unavailable(str(e)) from e
-        firsts = list(reqs[::width])
-        work = _all([search(ctx, r, width, length_penalty) for r in firsts])
-        try:
-            completed, results = await run_unless_disconnected(work, request)
-        except BackendUnavailable as e:
-            raise unavailable(str(e)) from e
-    finally:
-        for h in holds:
-            ctx.in_flight.release(h)
-    if not completed or results is None:
-        return None
-    used, accs = [], []
+        for r in reqs:
+            holds.append(precheck(ctx.backend, r, ctx.in_flight))
+    except BackendUnavailable as e:
+        release(ctx, holds)
+        raise unavailable(str(e)) from e
+    except ApiError:
+        release(ctx, holds)
+        raise
+    return holds
+
+
+def release(ctx: Serving, holds: Sequence[Reservation]) -> None:
+    for h in holds:
+        ctx.in_flight.release(h)
+
+
+async def run(ctx: Serving, reqs: Sequence[PreparedRequest], width: int,
+              length_penalty: float) -> list[tuple[int, Accumulated]]:  # fmt: skip
+    """Beam-search every prompt of `reqs` (`width` prepared choices per prompt, in order): (position in `reqs`,
+    output) of each answered choice, best beam first per prompt. A failed step raises its ApiError (503 when
+    the scheduler is gone)."""
+    firsts = list(reqs[::width])
+    try:
+        results = await _all([search(ctx, r, width, length_penalty) for r in firsts])
+    except BackendUnavailable as e:
+        raise unavailable(str(e)) from e
+    out = []
     for pi, (beams, cached) in enumerate(results):
         for rank, beam in enumerate(beams):
-            r = reqs[pi * width + rank]
-            used.append(r)
-            accs.append(as_accumulated(beam, r, cached))
-    return used, accs
+            pos = pi * width + rank
+            out.append((pos, as_accumulated(beam, reqs[pos], cached)))
+    return out
+
+
+async def streamed(ctx: Serving, reqs: Sequence[PreparedRequest], width: int,
+                   length_penalty: float) -> AsyncGenerator[tuple[int, Piece], None]:  # fmt: skip
+    """The search's answer as a stream, as vLLM streams it: nothing until the search ends, then each returned
+    beam whole, as one piece of its choice."""
+    for pos, acc in await run(ctx, reqs, width, length_penalty):
+        last = acc.last
+        assert last is not None
+        yield pos, Piece("".join(acc.text), acc.ids, acc.logprobs or None, last.prompt_tokens,
+                         last.completion_tokens, last.cached_tokens, last.finish, acc.top_logprobs or None)  # fmt: skip

@@ -145,7 +145,7 @@ def sampling_seed(sp: NativeSamplingParams) -> int | None:
 
 def check_beam_search(body: CompletionBody | ChatBody) -> None:
     """vLLM's beam search fields (requests/beam_search.py runs it): `length_penalty` only with
-    `use_beam_search`; a beam search is neither streamed nor echoed, its width is `n` (at most
+    `use_beam_search`; a beam search is not echoed, its width is `n` (at most
     MAX_BEAM_WIDTH), and `best_of`, when given, equals it."""
     penalty = body.length_penalty
     if penalty is not None and not math.isfinite(penalty):
@@ -154,8 +154,6 @@ def check_beam_search(body: CompletionBody | ChatBody) -> None:
         if penalty is not None and penalty != 1.0:
             raise bad_request("length_penalty applies to beam search: set use_beam_search", "length_penalty")
         return
-    if body.stream:
-        raise bad_request("use_beam_search cannot be streamed: the beams are known only at the end", "stream")
     if not 1 <= body.n <= MAX_BEAM_WIDTH:
         raise bad_request(f"n is the beam width with use_beam_search: it must be in [1, {MAX_BEAM_WIDTH}], got "
                           f"{body.n}", "n")  # fmt: skip
