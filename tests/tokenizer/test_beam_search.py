@@ -34,7 +34,10 @@ def toy_logprobs(ids: list[int]) -> np.ndarray:
 
 
 class ToyBackend(FakeBackend):
-    """Answers each request with one greedy token of `toy_logprobs` and its top_logprobs."""
+    """Answers each request with one greedy token of `toy_logprobs` and its top_logprobs; a request whose
+    rid ends with `abort_suffix` is aborted by the "scheduler" instead."""
+
+    abort_suffix: str = "never"
 
     async def submit(self, req: GenerateReq) -> AsyncIterator[TokenOut]:
         self.submitted.append(req)
@@ -43,6 +46,10 @@ class ToyBackend(FakeBackend):
             if self.gate is not None:
                 await self.gate.wait()
             await asyncio.sleep(0)
+            if req.rid.endswith(self.abort_suffix):
+                self.finished.append(req.rid)
+                yield TokenOut(rid=req.rid, token_ids=[], finished=True, finish_reason="abort", error="aborted")
+                return
             lp = toy_logprobs(req.input_ids)
             order = sorted(range(VOCAB), key=lambda t: (-lp[t], t))
             tops = [[(t, float(lp[t])) for t in order[: req.sampling.top_logprobs]]]
@@ -206,3 +213,12 @@ def test_disconnect_aborts_the_outstanding_step_requests(args, tok, stream: bool
     assert len(ctx.in_flight) == 0
     assert backend.submitted and {rid for rid, _ in backend.aborted} == {s.rid for s in backend.submitted}
     backend.check_integrity()
+
+
+def test_a_step_request_aborted_by_the_server_ends_the_search_with_503(args, tok) -> None:
+    backend = ToyBackend()
+    backend.abort_suffix = "-beam1.0"
+    rs, _ = _post(args, tok, [(COMP, {"prompt": "ab", "n": 2, "max_tokens": 5, "use_beam_search": True}),
+                              (COMP, {"prompt": "ab", "max_tokens": 1})], backend)
+    assert rs[0].status_code == 503 and rs[1].status_code == 200, rs[0].text
+    assert not any("-beam2." in s.rid for s in backend.submitted)  # no step after the failed one
