@@ -138,6 +138,7 @@ def test_a_beam_wider_than_the_state_pool_waits_for_slots(model_path: str, hf) -
     with running_server(args) as small:
         for prompt in PROMPTS:
             assert_same(beam_request(small, prompt, 4, 5, 1.0), reference(hf, prompt, 4, 5, 1.0))
+        assert small.metric("hyssm_admission_refusals_total", reason="mamba_state") > 0  # step requests waited
         with small.client() as c:
             assert c.post("/generate", json={"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2}}).is_success
 
