@@ -2,7 +2,7 @@
 httpx: structured_outputs and SGLang's regex, prompt_logprobs (equal to the model's own, ranks
 included), return_token_ids, truncate_prompt_tokens, continuous usage stats, logprobs=0, stop_regex
 (also on /generate), continue_final_message, custom roles, /tokenize with tools, the model card's
-root, and beam search refused."""
+root, and beam search refusing a best_of other than n."""
 
 from __future__ import annotations
 
@@ -176,4 +176,4 @@ def test_tokenize_tools_models_root_and_beam_search(openai_client: openai.OpenAI
     assert openai_client.models.list().data[0].root == builtin_model_dir()
     with pytest.raises(openai.BadRequestError) as e:
         openai_client.completions.create(**GREEDY, prompt="x", n=1, best_of=3, extra_body={"use_beam_search": True})
-    assert e.value.param == "use_beam_search"
+    assert e.value.param == "best_of"

@@ -179,7 +179,7 @@ SAMPLING_SAMPLES = {
 }
 
 REFUSED_OPENAI = {
-    "audio", "moderation", "web_search_options", "modalities", "use_beam_search", "watermarking", "length_penalty",
+    "audio", "moderation", "web_search_options", "modalities", "watermarking", "length_penalty",
     "include_stop_str_in_output", "logprob_token_ids", "allowed_token_ids", "bad_words",
     "return_tokens_as_token_ids", "routed_experts_prompt_start", "return_token_offsets", "cache_salt",
     "kv_transfer_params", "ec_transfer_params", "vllm_xargs", "repetition_detection", "guided_whitespace_pattern",

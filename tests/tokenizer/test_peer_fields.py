@@ -213,7 +213,7 @@ def test_add_special_tokens(args, custom_tok) -> None:
 
 
 OUT_OF_SCOPE = [
-    ("use_beam_search", True), ("length_penalty", 2.0), ("early_stopping", True),
+    ("length_penalty", 2.0), ("early_stopping", True),
     ("include_stop_str_in_output", True), ("allowed_token_ids", [1, 2]), ("bad_words", ["x"]),
     ("logits_processors", ["m.f"]), ("custom_logit_processor", "x"), ("custom_params", {"a": 1}),
     ("logprob_token_ids", [1]), ("return_tokens_as_token_ids", True), ("cache_salt", "salt"),
@@ -238,7 +238,7 @@ def test_beam_search_with_best_of_and_endpoint_specific_fields(args, tok) -> Non
         (COMP, {"prompt": "a", "prompt_embeds": "AAAA"}),
         (CHAT, {"messages": MSGS, "echo": True}),
     ])
-    assert [r.json()["error"]["param"] for r in rs] == ["use_beam_search", "prompt_embeds", "echo"]
+    assert [r.json()["error"]["param"] for r in rs] == ["best_of", "prompt_embeds", "echo"]
 
 
 def test_neutral_values_and_identifiers_are_accepted(args, tok) -> None:

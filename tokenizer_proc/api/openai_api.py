@@ -8,9 +8,12 @@ chunk has `finish_reason` "stop" or "length" ("tool_calls" for a chat output tha
 ended by itself; one cut by the token limit stays "length": requests/tools.py); with
 `stream_options.include_usage` a final chunk with empty `choices` carries `usage` (each prompt counted
 once) after every choice finished; then `data: [DONE]`. A request naming another model is a 404.
-`usage` includes `prompt_tokens_details.cached_tokens` (prefix-cache hits). A request that fails or is aborted
-by the server is HTTP 503 (non-streaming) or an error event before `[DONE]` (streaming). vLLM's
-extra answer fields (token ids, prompt logprobs, continuous usage) are placed by openai_extras.py.
+`usage` includes `prompt_tokens_details.cached_tokens` (prefix-cache hits). With `use_beam_search` the
+choices are the n best beams of each prompt, best first (requests/beam_search.py; streamed, each beam
+comes whole once the search ends, as vLLM streams it).
+A request that fails or is aborted by the server is HTTP 503 (non-streaming) or an error event before
+`[DONE]` (streaming). vLLM's extra answer fields (token ids, prompt logprobs, continuous usage) are placed by
+openai_extras.py.
 """
 
 from __future__ import annotations
@@ -30,10 +33,14 @@ from tokenizer_proc.api.openai_extras import choice_fields, chunk_fields, prompt
 from tokenizer_proc.context import AppContext, get_ctx
 from tokenizer_proc.http.errors import ApiError
 from tokenizer_proc.http.plumbing import (
+    ClientGoneResponse,
+    SSEResponse,
     json_response,
     read_body,
+    run_unless_disconnected,
     sse,
 )
+from tokenizer_proc.requests import beam_search
 from tokenizer_proc.requests.chat_output import ChoiceStream, message
 from tokenizer_proc.requests.flow import Accumulated, ended, finish_error, respond
 from tokenizer_proc.requests.generation import Finish, Piece
@@ -225,8 +232,29 @@ async def serve_openai(request: Request, chat: bool, data: bytes | None = None) 
         images = await load_images(ctx.images, chat_image_refs(body.messages))
         prepare = functools.partial(prepare_chat, images=images)
     reqs = with_adapter(await ctx.prepare(prepare, body, len(data), needs_grammar(body)), lora)
+    if body.use_beam_search:
+        return await _serve_beams(ctx, reqs, request, chat, body.n, body.length_penalty)
     fmt = _Format(ctx, reqs, chat)
     return await respond(ctx, reqs, request, lambda pieces: _events(fmt, pieces), openai_error, fmt.whole)
+
+
+async def _serve_beams(ctx: AppContext, reqs: list[PreparedRequest], request: Request, chat: bool, width: int,
+                       length_penalty: float | None) -> Response:  # fmt: skip
+    """A beam-search request (requests/beam_search.py): the n best beams of each prompt as its choices, streamed
+    (each beam whole once the search ends, as vLLM streams it) or not."""
+    penalty = 1.0 if length_penalty is None else length_penalty
+    holds = await beam_search.admit(ctx, reqs)
+    if reqs[0].stream:
+        pieces = beam_search.streamed(ctx, reqs, width, penalty)
+        return SSEResponse(_events(_Format(ctx, reqs, chat), pieces),  # type: ignore[return-value]
+                           on_close=functools.partial(beam_search.release, ctx, holds))  # fmt: skip
+    try:
+        completed, out = await run_unless_disconnected(beam_search.run(ctx, reqs, width, penalty), request)
+    finally:
+        beam_search.release(ctx, holds)
+    if not completed or out is None:
+        return ClientGoneResponse()
+    return json_response(_Format(ctx, [reqs[pos] for pos, _ in out], chat).whole([acc for _, acc in out]))
 
 
 async def completions_endpoint(request: Request) -> Response:

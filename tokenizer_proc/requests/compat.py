@@ -15,11 +15,16 @@ Rules:
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from tokenizer_proc.http.errors import bad_request
 from tokenizer_proc.requests.schemas import ChatBody, CompletionBody, GenerateBody, NativeSamplingParams
+from tokenizer_proc.requests.validation import MAX_TOP_LOGPROBS
 
+MAX_BEAM_WIDTH = MAX_TOP_LOGPROBS // 2
+"""The largest beam width (n with use_beam_search): each step asks 2 x width alternatives, at most
+MAX_TOP_LOGPROBS (vLLM's default max_logprobs gives it the same limit)."""
 MAX_METADATA_PAIRS = 16
 MAX_METADATA_KEY_CHARS = 64
 MAX_METADATA_VALUE_CHARS = 512
@@ -35,9 +40,8 @@ _NO_EXPERTS = "no routed-expert or hidden-state capture"
 # OpenAI / vLLM / SGLang fields of /v1/completions and /v1/chat/completions, with what each would need
 OUT_OF_SCOPE = {
     "audio": "only text output is supported", "moderation": "no moderation model",
-    "web_search_options": "no web search", "use_beam_search": "there is no beam search",
-    "length_penalty": "it applies to beam search, which there is not",
-    "early_stopping": "it applies to beam search, which there is not",
+    "web_search_options": "no web search",
+    "early_stopping": "beam search always runs until no live beam can beat the finished ones",
     "include_stop_str_in_output": "a matched stop string is always cut from the output",
     "allowed_token_ids": "no restriction of the vocabulary beyond logit_bias and structured outputs",
     "bad_words": "no banned words beyond logit_bias", "logits_processors": _NO_CUSTOM,
@@ -91,7 +95,7 @@ _SAMPLING_OUT_OF_SCOPE = {
     "no_stop_trim": "a matched stop string is always cut from the output",
     "structural_tag": "use json_schema, regex or ebnf", "custom_params": "no custom logit processors to pass them to",
 }  # fmt: skip
-_NEUTRAL_NUMBERS = {"length_penalty": 1.0, "routed_experts_start_len": 0, "routed_experts_prompt_start": 0,
+_NEUTRAL_NUMBERS = {"routed_experts_start_len": 0, "routed_experts_prompt_start": 0,
                     "top_logprobs": 0}
 
 
@@ -139,8 +143,31 @@ def sampling_seed(sp: NativeSamplingParams) -> int | None:
     return sp.seed if sp.seed is not None else sp.sampling_seed
 
 
+def check_beam_search(body: CompletionBody | ChatBody) -> None:
+    """vLLM's beam search fields (requests/beam_search.py runs it): `length_penalty` only with
+    `use_beam_search`; a beam search is not echoed, its width is `n` (at most
+    MAX_BEAM_WIDTH), and `best_of`, when given, equals it."""
+    penalty = body.length_penalty
+    if penalty is not None and not math.isfinite(penalty):
+        raise bad_request("length_penalty must be a finite number", "length_penalty")
+    if not body.use_beam_search:
+        if penalty is not None and penalty != 1.0:
+            raise bad_request("length_penalty applies to beam search: set use_beam_search", "length_penalty")
+        return
+    if not 1 <= body.n <= MAX_BEAM_WIDTH:
+        raise bad_request(f"n is the beam width with use_beam_search: it must be in [1, {MAX_BEAM_WIDTH}], got "
+                          f"{body.n}", "n")  # fmt: skip
+    best_of = getattr(body, "best_of", None)
+    if best_of is not None and best_of != body.n:
+        raise bad_request(f"best_of ({best_of}) must equal n ({body.n}) with use_beam_search: the beam width is n "
+                          "and the n best beams are returned", "best_of")  # fmt: skip
+    if getattr(body, "echo", False) is True:
+        raise bad_request("use_beam_search does not combine with echo", "echo")
+
+
 def _refuse_openai(body: CompletionBody | ChatBody, more: dict[str, str]) -> None:
     refuse_unless_neutral(body, OUT_OF_SCOPE | more)
+    check_beam_search(body)
     if body.no_stop_trim or body.return_hidden_states:
         name = "no_stop_trim" if body.no_stop_trim else "return_hidden_states"
         raise bad_request(f"{name} is not supported by this server", name)

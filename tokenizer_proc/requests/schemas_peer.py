@@ -98,12 +98,13 @@ class OpenAIPeerFields(SglangRouting):
     guided_decoding_backend: str | None = None
     return_mm_kwargs: bool = True
     stream_interval: Int | None = None
+    # vLLM's beam search (requests/beam_search.py, checked by compat.check_beam_search): n is the beam width
+    use_beam_search: bool | None = None
+    length_penalty: float | None = None  # the beam score's exponent of the length (1 when null)
     # refused unless neutral
     audio: Any = None
     moderation: Any = None
     web_search_options: Any = None
-    use_beam_search: Any = None
-    length_penalty: Any = None
     early_stopping: Any = None
     include_stop_str_in_output: Any = None
     allowed_token_ids: Any = None
