@@ -84,7 +84,7 @@ def test_mixer_against_transformers_prefill_then_decode() -> None:
     torch.manual_seed(5)
     hf = KimiLinearDeltaAttention(hf_cfg, 0).eval()
     with torch.no_grad():
-        for name, p in hf.named_parameters():
+        for p in hf.parameters():
             p.copy_(torch.randn(p.shape) * (0.3 if p.dim() > 1 else 0.5))
         hf.forget_gate.A_log.copy_(torch.log(torch.rand(hf.forget_gate.A_log.shape) * 2 + 0.2))
     ours = KimiDeltaAttention(_cfg(heads, head_dim, d_conv), torch.float32, torch.device("cpu"), TPInfo())
