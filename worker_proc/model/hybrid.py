@@ -46,6 +46,9 @@ from worker_proc.model.attention import Attention, rope_cos_sin
 from worker_proc.model.batch import StepBatch
 from worker_proc.model.encoder_cache import EncoderCache
 from worker_proc.model.gated_deltanet import GatedDeltaNet
+from worker_proc.model.grouped_moe import GroupedSwigluMoE
+from worker_proc.model.kimi_delta import KimiDeltaAttention
+from worker_proc.model.latent_attention import LatentAttention
 from worker_proc.model.layers import GatedMLP, Linear, Relu2MLP, SparseMoE, SplitGatedMLP, empty_param, make_norm
 from worker_proc.model.mamba import MambaMixer
 from worker_proc.model.moe import SigmoidMoE
@@ -96,6 +99,12 @@ def build_block(block: Block, cfg: HybridConfig, dtype: torch.dtype, device: tor
         return GatedDeltaNet(cfg, dtype, device, tp)
     if block.kind == "short_conv":
         return ShortConv(cfg, dtype, device, tp)
+    if block.kind == "kda":
+        return KimiDeltaAttention(cfg, dtype, device, tp)
+    if block.kind == "mla":
+        return LatentAttention(cfg, dtype, device, tp)
+    if block.kind == "grouped_swiglu_moe":
+        return GroupedSwigluMoE(cfg, block.size, dtype, device, tp)
     if block.kind == "fused_gated_mlp":
         return GatedMLP(hidden, width, dtype, device, tp)
     if block.kind == "gated_mlp":
@@ -137,16 +146,17 @@ class DecoderLayer(nn.Module):
             return
         self.attn_index = cfg.attn_layer_ids.index(index) if index in cfg.attn_layer_ids else -1
         # this layer's index among the layers of each recurrent kind that it has
-        kinds = (("mamba", cfg.mamba_layer_ids), ("gdn", cfg.gdn_layer_ids), ("short_conv", cfg.short_conv_layer_ids))
+        kinds = (("mamba", cfg.mamba_layer_ids), ("gdn", cfg.gdn_layer_ids), ("short_conv", cfg.short_conv_layer_ids),
+                 ("kda", cfg.kda_layer_ids))
         self.state_index = {kind: ids.index(index) for kind, ids in kinds if index in ids}
 
     def _run(self, module: nn.Module, x: torch.Tensor, batch: StepBatch,
              rope: tuple[torch.Tensor, torch.Tensor] | None, pools: KVLayers, ops: KernelOps) -> torch.Tensor:
-        if isinstance(module, MambaMixer | GatedDeltaNet | ShortConv):
+        if isinstance(module, MambaMixer | GatedDeltaNet | ShortConv | KimiDeltaAttention):
             assert isinstance(pools, StatePools)
             conv, state = pools.layer_state(module.state_kind, self.state_index[module.state_kind])
             return module(x, batch, conv, state, ops)
-        if isinstance(module, Attention):
+        if isinstance(module, Attention | LatentAttention):
             i = self.attn_index
             return module(x, batch, rope, pools.k[i], pools.v[i], ops)
         if isinstance(module, GatedMLP):
