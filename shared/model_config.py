@@ -159,7 +159,8 @@ class MlaConfig:
     channels and the `rope_dim` key channels shared by every head come from `kv_a_proj_with_mqa`;
     `kv_b_proj` expands the normed latent into each head's `nope_dim` key and `v_dim` value channels.
     Per head the key is [nope | shared], `nope_dim + rope_dim` channels (`qk_dim`). `AttentionConfig`
-    holds the head count and the KV pool's head_dim (the wider of `qk_dim` and `v_dim`)."""
+    holds the head count, one KV head and the KV pool's head_dim, `kv_lora_rank + rope_dim` (the cached
+    latent)."""
 
     q_lora_rank: int = 0
     kv_lora_rank: int = 0

@@ -72,7 +72,8 @@ def _mla_parts(cfg: dict) -> tuple[AttentionConfig, MlaConfig]:
     mla = MlaConfig(q_lora_rank=int(_field(cfg, "q_lora_rank", default=0)),  # type: ignore[arg-type]
                     kv_lora_rank=int(cfg.get("kv_lora_rank", 512)), nope_dim=int(cfg.get("qk_nope_head_dim", 128)),
                     rope_dim=int(cfg.get("qk_rope_head_dim", 64)), v_dim=int(cfg.get("v_head_dim") or 128))
-    attn = AttentionConfig(num_heads=heads, num_kv_heads=heads, head_dim=max(mla.qk_dim, mla.v_dim),
+    # the KV pool caches the latent: one KV head of [normed latent | shared key] (worker_proc.model.latent_attention)
+    attn = AttentionConfig(num_heads=heads, num_kv_heads=1, head_dim=mla.kv_lora_rank + mla.rope_dim,
                            bias=bool(cfg.get("attention_bias", False)), scale=mla.qk_dim**-0.5, rope_theta=None)
     return attn, mla
 

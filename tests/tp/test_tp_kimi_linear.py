@@ -2,11 +2,12 @@
 script: staggered arrivals, chunked prefill, decode, a copy-on-write fork): each rank holds half of
 the heads of every Kimi Delta Attention layer (those rows of q/k/v_proj and their convs, f_b_proj,
 g_b_proj, b_proj, dt_bias and A_log, those conv-window channels and state heads, those input columns
-of o_proj) and of every MLA layer (those rows of q_proj / q_b_proj and kv_b_proj, so those heads'
-decompressed K and V in its KV pool; the latent projection replicated), the dense MLP, every expert
+of o_proj) and of every MLA layer (those rows of q_proj / q_b_proj and kv_b_proj, those input columns
+of o_proj; the latent projection, and so the cached latent, replicated), the dense MLP, every expert
 and the shared expert split on their width (router replicated). Identical greedy tokens, logits
 within 1e-4 (fp32) of TP=1 at every step, the same logits on every rank, the prompt's logits within
-1e-4 of transformers', and a state slot costing each rank half the bytes."""
+1e-4 of transformers', a state slot costing each rank half the bytes and a KV token slot the whole
+latent's."""
 
 from __future__ import annotations
 
@@ -56,8 +57,8 @@ def test_tp2_matches_tp1_and_transformers(name: str, tp1: dict[str, Any], tp2: l
 
 @pytest.mark.parametrize("name", NAMES)
 def test_tp2_pools_are_per_rank(name: str, tp1: dict[str, Any], tp2: list[dict[str, Any]]) -> None:
-    """The ranks plan the same capacities; a state slot (conv windows and delta-rule state) and a KV token slot
-    (K and V of half the heads) cost each rank exactly half."""
+    """The ranks plan the same capacities; a state slot (conv windows and delta-rule state) costs each rank
+    exactly half, a KV token slot (the latent, replicated) as much as on one rank."""
     kv, states, nbytes = tp1[name]["capacity"]
     for r in tp2:
         r_kv, r_states, r_bytes = r[name]["capacity"]
@@ -67,4 +68,4 @@ def test_tp2_pools_are_per_rank(name: str, tp1: dict[str, Any], tp2: list[dict[s
     assert whole.state_slot > 0 and whole.kv_token > 0
     for rank in (0, 1):
         part = slot_bytes(cfg, torch.float32, 2, rank)
-        assert (2 * part.state_slot, 2 * part.kv_token) == (whole.state_slot, whole.kv_token)
+        assert (2 * part.state_slot, part.kv_token) == (whole.state_slot, whole.kv_token)

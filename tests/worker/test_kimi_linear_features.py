@@ -1,9 +1,9 @@
 """The worker's features over Kimi Linear checkpoints built by transformers
 (tests/fixtures/kimi_linear_model.py): a mixed step (fresh, resumed and one-token prefills, decodes, a
-non-final chunk) gives each request's logits, KDA conv windows and delta-rule states and MLA's K/V
-alone (bitwise in the deterministic mode); quantized weights run the products of KDA's projections,
-MLA's and the experts' against their dequantized reference; the state store round-trips a slot's KDA
-state with its KV."""
+non-final chunk) gives each request's logits, KDA conv windows and delta-rule states and MLA's cached
+latents alone (bitwise in the deterministic mode); quantized weights run the products of KDA's
+projections, MLA's (kv_b_proj is absorbed, read as a weight) and the experts' against their dequantized
+reference; the state store round-trips a slot's KDA state with its KV."""
 
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ def test_quantized_products(name: str, fmt: str) -> None:
     kda = next(m for m in r.model.modules() if isinstance(m, KimiDeltaAttention))
     mla = next(m for m in r.model.modules() if isinstance(m, LatentAttention))
     assert kda.q_proj.gemm.quantized is not None and kda.o_proj.gemm.quantized is not None
-    assert mla.kv_b_proj.gemm.quantized is not None and mla.o_proj.gemm.quantized is not None
+    assert mla.kv_a_proj_with_mqa.gemm.quantized is not None and mla.o_proj.gemm.quantized is not None
     got, want = _plan_and_reference(r, prompt, fmt)
     assert bool(torch.isfinite(got).all())
     rows = torch.nn.functional.cosine_similarity(got, want, dim=-1)

@@ -2,18 +2,19 @@
 
 Per token (MlaConfig): q [heads, qk_dim] from q_proj, or from q_b_proj(RMSNorm(q_a_proj(x))) with a q
 LoRA rank; kv_a_proj_with_mqa(x) = [latent (kv_lora_rank) | shared key (rope_dim)]; the latent is
-RMS-normed (`kv_a_layernorm`) and kv_b_proj expands it into each head's [key nope_dim | value v_dim];
-each head's key is [its nope part | the shared part]. Kimi Linear's MLA is NoPE: no channel rotates.
-Softmax scale 1/sqrt(qk_dim).
-The KV pool holds the decompressed per-head K and V (the shared GQA pool with kv_heads = heads, its
-head_dim the wider of qk_dim and v_dim, the narrower one zero-padded: zeros add nothing to q·k and
-the padded value channels are dropped after attention); caching the compressed latent instead is a
-separate pool layout, not this one. K/V of the step's tokens are written before attention reads them,
-as `Attention` does.
-Tensor parallelism: every rank holds a contiguous 1/N of the heads (`mla_spec`): those rows of q_proj
-/ q_b_proj and kv_b_proj, those input columns of o_proj (row-parallel, all-reduced here), and so its
-heads' K and V in its KV pool; kv_a_proj_with_mqa, q_a_proj and both norms are replicated (every rank
-computes the latent).
+RMS-normed (`kv_a_layernorm`); kv_b_proj [heads * (nope_dim + v_dim), kv_lora_rank] would expand it into
+each head's [key nope_dim | value v_dim], each head's key being [its nope part | the shared part].
+Kimi Linear's MLA is NoPE: no channel rotates. Softmax scale 1/sqrt(qk_dim).
+The KV pool caches the compressed latent, not the expanded heads: one KV head per token, K = [normed
+latent | shared key] and V = [normed latent | zeros] (head_dim kv_lora_rank + rope_dim). kv_b_proj is
+absorbed instead: each head's query becomes [q_nope W_uk | q_rope] (W_uk: its key rows of kv_b_proj),
+so q·K is the expanded q·k, and the attention output's latent part times W_uvᵀ (its value rows) is the
+expanded output. kv_b_proj is therefore read as a weight, never a planned product (not quantized, no
+adapter). K/V of the step's tokens are written before attention reads them, as `Attention` does.
+Tensor parallelism: every rank holds a contiguous 1/N of the heads (`mla_spec`): those rows of q_proj /
+q_b_proj and kv_b_proj, those input columns of o_proj (row-parallel, all-reduced here);
+kv_a_proj_with_mqa, q_a_proj and both norms are replicated, and so is the cached latent (the one KV head
+is replicated on every rank, AttnShard's rule for fewer KV heads than ranks).
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ from torch import nn
 
 from shared.model_config import HybridConfig
 from worker_proc.kernels import KernelOps
+from worker_proc.linear.kernels import padded_product
 from worker_proc.model.batch import StepBatch, rows_of
-from worker_proc.model.layers import Linear, make_norm
+from worker_proc.model.layers import Linear, empty_param, make_norm
 from worker_proc.model.shard import ShardSpec, TPInfo
 from worker_proc.model.tp import row_parallel
 
@@ -46,6 +48,12 @@ def mla_spec(cfg: HybridConfig, tp: TPInfo, sub: str) -> ShardSpec | None:
     return None
 
 
+def _per_head(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, a] times each head's weight [heads, b, a] transposed -> [T, heads, b]; each head one
+    product padded to the rows that make it batch invariant (a row's result never depends on T)."""
+    return torch.stack([padded_product(x[:, i], weight[i], None) for i in range(weight.shape[0])], dim=1)
+
+
 class LatentAttention(nn.Module):
     reduced = True  # o_proj is all-reduced here
     attends = True  # reads and writes its layer's KV pool
@@ -64,29 +72,39 @@ class LatentAttention(nn.Module):
             self.q_proj = Linear(hidden, self.heads * m.qk_dim, bias=False, dtype=dtype, device=device)
         self.kv_a_proj_with_mqa = Linear(hidden, m.kv_lora_rank + m.rope_dim, bias=bias, dtype=dtype, device=device)
         self.kv_a_layernorm = make_norm(m.kv_lora_rank, LATENT_NORM_EPS, dtype, device)
-        self.kv_b_proj = Linear(m.kv_lora_rank, self.heads * (m.nope_dim + m.v_dim), bias=False, dtype=dtype,
-                                device=device)  # fmt: skip
+        self.kv_b_proj = nn.Module()  # absorbed into the query and the output: a weight, not a product
+        self.kv_b_proj.weight = empty_param(self.heads * (m.nope_dim + m.v_dim), m.kv_lora_rank, dtype=dtype,
+                                            device=device)  # fmt: skip
         self.o_proj = Linear(self.heads * m.v_dim, hidden, bias=bias, dtype=dtype, device=device)
 
     def shard_spec(self, sub: str) -> ShardSpec | None:
         return None if self.tp.size == 1 else mla_spec(self.cfg, self.tp, sub)
 
-    def _qkv(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q, k [T, heads, qk_dim], v [T, heads, v_dim] of the step's tokens."""
+    def _absorbed(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(W_uk [heads, nope_dim, kv_lora_rank], W_uv [heads, v_dim, kv_lora_rank]): kv_b_proj's key and
+        value rows of each head."""
+        m = self.cfg.mla
+        w = self.kv_b_proj.weight.view(self.heads, m.nope_dim + m.v_dim, m.kv_lora_rank)
+        return w[:, : m.nope_dim], w[:, m.nope_dim :]
+
+    def _qkv(self, h: torch.Tensor, w_uk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The absorbed query [T, heads, kv_lora_rank + rope_dim] and the step's cached K and V [T, 1,
+        kv_lora_rank + rope_dim]."""
         m, t = self.cfg.mla, h.shape[0]
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(h))) if m.q_lora_rank else self.q_proj(h)
+        q_nope, q_rope = q.view(t, self.heads, m.qk_dim).split([m.nope_dim, m.rope_dim], dim=-1)
+        q = torch.cat([_per_head(q_nope, w_uk.transpose(1, 2)), q_rope], dim=-1)
         latent, shared = self.kv_a_proj_with_mqa(h).split([m.kv_lora_rank, m.rope_dim], dim=-1)
-        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(t, self.heads, m.nope_dim + m.v_dim)
-        k_nope, v = kv.split([m.nope_dim, m.v_dim], dim=-1)
-        k = torch.cat([k_nope, shared[:, None, :].expand(t, self.heads, m.rope_dim)], dim=-1)
-        return q.view(t, self.heads, m.qk_dim), k, v
+        latent = self.kv_a_layernorm(latent)
+        k = torch.cat([latent, shared], dim=-1)[:, None, :]
+        return q, k, F.pad(latent, (0, m.rope_dim))[:, None, :]
 
     def forward(self, h: torch.Tensor, batch: StepBatch, rope: tuple[torch.Tensor, torch.Tensor] | None,
                 k_pool: torch.Tensor, v_pool: torch.Tensor, ops: KernelOps) -> torch.Tensor:  # fmt: skip
-        """h: [T, hidden]; k_pool, v_pool: [S, heads, cfg.attn.head_dim] of this layer; `rope` unused (NoPE)."""
-        m, t, d = self.cfg.mla, h.shape[0], self.cfg.attn.head_dim
-        q, k, v = self._qkv(h)
-        q, k, v = (F.pad(x, (0, d - x.shape[-1])) if x.shape[-1] < d else x for x in (q, k, v))
+        """h: [T, hidden]; k_pool, v_pool: [S, 1, kv_lora_rank + rope_dim] of this layer; `rope` unused (NoPE)."""
+        m, t = self.cfg.mla, h.shape[0]
+        w_uk, w_uv = self._absorbed()
+        q, k, v = self._qkv(h, w_uk)
         k_pool.index_copy_(0, batch.new_kv_slots, k.to(k_pool.dtype))
         v_pool.index_copy_(0, batch.new_kv_slots, v.to(v_pool.dtype))
         scale = self.cfg.attn.scale
@@ -95,4 +113,5 @@ class LatentAttention(nn.Module):
                                                 group.kv_len, scale),  # fmt: skip
             lambda rows: ops.attn_prefill_many(rows_of(q, rows), k_pool, v_pool, batch.prefill_attn_spans, scale),
         )
-        return row_parallel(out[..., : m.v_dim].reshape(t, -1), self.o_proj, self.tp)
+        o = _per_head(out[..., : m.kv_lora_rank], w_uv)
+        return row_parallel(o.reshape(t, -1), self.o_proj, self.tp)
