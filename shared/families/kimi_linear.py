@@ -13,7 +13,8 @@ full attention). `block_sparse_moe` is a gated SiLU MLP of `intermediate_size` o
 sigmoid-routed MoE (worker_proc.model.grouped_moe: `num_experts` experts of `moe_intermediate_size`,
 top `num_experts_per_token` within `topk_group` of `num_expert_group` groups, `moe_renormalize`,
 `routed_scaling_factor`, `num_shared_experts` * `moe_intermediate_size` shared width). Config fields
-are read under either name transformers maps between (`attribute_map`). The head is never tied:
+are read under either name transformers maps between (`attribute_map`); the hub's `mla_use_nope` must
+not be false and `moe_router_activation_func` must be "sigmoid" (what transformers runs). The head is never tied:
 transformers' model keeps `lm_head.weight` its own even under `tie_word_embeddings`. The checkpoint's names map
 onto the shared blocks' (`RENAMES`).
 """
@@ -64,6 +65,8 @@ def layer_kinds(cfg: dict) -> tuple[str, ...]:
 
 
 def _mla_parts(cfg: dict) -> tuple[AttentionConfig, MlaConfig]:
+    if cfg.get("mla_use_nope") is False:
+        raise ValueError("mla_use_nope false (RoPE on the MLA layers' shared key channels) is not supported")
     heads = int(cfg["num_attention_heads"])
     kv_heads = int(_field(cfg, "num_key_value_heads", default=heads))  # type: ignore[arg-type]
     if kv_heads != heads:
@@ -119,6 +122,7 @@ def _mlp_blocks(cfg: dict, n: int) -> tuple[tuple[Block, ...], MoeConfig]:
 def parse(cfg: dict, arch: str) -> HybridConfig:
     kinds = layer_kinds(cfg)
     check_act(cfg, "hidden_act", "silu")
+    check_act(cfg, "moe_router_activation_func", "sigmoid")
     mlps, moe = _mlp_blocks(cfg, len(kinds))
     mixers = {"kda": Block("kda", "self_attn"), "attention": Block("mla", "self_attn")}
     specs = tuple((Sublayer("input_layernorm", (mixers[k],)), Sublayer("post_attention_layernorm", (mlp,)))

@@ -15,6 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from shared.errors import ModelLoadError
 from shared.families.registry import parse_config
 from shared.messages import CopyOp
 from shared.model_info import ModelInfo, read_config_json
@@ -141,3 +142,6 @@ def test_hub_config_fields() -> None:
                                                                                hf.num_experts_per_tok, hf.n_group)
     assert cfg.kda.heads == hf.linear_num_heads and cfg.attn.scale == hf.qk_head_dim**-0.5
     assert cfg.tie_word_embeddings is False
+    for field, value in (("mla_use_nope", False), ("moe_router_activation_func", "softmax")):
+        with pytest.raises(ModelLoadError, match=field):
+            parse_config(dict(raw, **{field: value}))
