@@ -71,9 +71,9 @@ class KernelChoice:
         mode = "batch invariant" if self.batch_invariant else "not batch invariant"
         extra = f"; {self.fallback}" if self.fallback else ""
         gdn = f", gated delta rule: {self.gdn}" if self.gdn else ""
-        gdn += f", per-channel delta rule: {self.kda}" if self.kda else ""
+        kda = f", per-channel delta rule: {self.kda}" if self.kda else ""
         verify = "drafts verified token by token" if self.verify_by_token else "drafts verified as a prefill segment"
-        return f"kernels: {self.ops} ({mode}; {self.prefill_rule()}; {verify}){gdn}{extra}"
+        return f"kernels: {self.ops} ({mode}; {self.prefill_rule()}; {verify}){gdn}{kda}{extra}"
 
     def build(self) -> KernelOps:
         ops = self._build_ops()
