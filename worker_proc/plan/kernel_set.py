@@ -11,7 +11,9 @@ a CUDA device (or the Triton interpreter, TRITON_INTERPRET=1, set before the ker
 CUDA without triton under `auto` falls back to the reference with a warning. `reference` is batch
 invariant exactly in the deterministic mode. Importing this module never imports triton. The gated
 delta rule (Gated DeltaNet layers) runs flash-linear-attention's kernels on CUDA when `fla` imports,
-its fused CPU decode step under `native`, else the pure-torch ones (`gdn_ops.gdn_choice`). Prefill
+its fused CPU decode step under `native`, else the pure-torch ones (`gdn_ops.gdn_choice`); Kimi Delta
+Attention's per-channel rule runs flash-linear-attention's KDA kernels on CUDA when they import, else the
+pure-torch one, under every set (`kda_ops.kda_choice`). Prefill
 segments: the reference and Triton sets give every segment its own computation (one varlen call on
 Triton); `fast` pads Mamba's conv and scan segments into one batched call where `segments.batchable`
 says it pays (padded attention and gated-delta prefill were slower on CPU than one call per segment).
@@ -41,7 +43,8 @@ KERNEL_CHOICES = ("auto", "reference", "fast", "native", "triton")
 class KernelChoice:
     """The kernel set (`ops`: reference | fast | native | triton), whether it is batch invariant, and the gated
     delta backend (`gdn`: reference | fast | native | fla; empty for a model without Gated DeltaNet layers, whose
-    ops then hold the pure-torch one unused); `fallback`: why a weaker set runs, if one does."""
+    ops then hold the pure-torch one unused); `fallback`: why a weaker set runs, if one does; `kda`: the KDA
+    backend (reference | fla; empty without Kimi Delta Attention layers)."""
 
     ops: str
     batch_invariant: bool
