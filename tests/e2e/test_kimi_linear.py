@@ -1,8 +1,8 @@
 """Kimi Linear (checkpoints built by transformers, tests/fixtures/kimi_linear_model.py, with the built-in
 tokenizer files) served end to end through a real launch.py with NGRAM speculation on: the reference
 prompt's greedy tokens are transformers' own, prompts sharing a system prompt hit the prefix cache from
-the third on (the KDA conv windows and delta-rule state checkpointed at the branch point, MLA's K and V
-in the radix tree) with the runtime's outputs alone, and concurrent requests batched together give
+the third on (the KDA conv windows and delta-rule state checkpointed at the branch point, MLA's cached
+latents in the radix tree) with the runtime's outputs alone, and concurrent requests batched together give
 theirs too; the server's model info names the state kind. With `--mamba-ssm-dtype bfloat16` the
 server's tokens are those of the runtime under the same state dtype."""
 

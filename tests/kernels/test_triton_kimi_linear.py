@@ -1,5 +1,5 @@
 """Kimi Linear under the Triton kernel set (interpreted on CPU, tests/kernels/conftest.py): the KDA convs on
-the Triton conv kernels, MLA's zero-padded heads on the Triton attention kernels, the delta rule on the
+the Triton conv kernels, MLA's cached latent (one KV head) on the Triton attention kernels, the delta rule on the
 pure-torch backend the set holds where flash-linear-attention is absent; all-position prompt logits and
 per-step decode logits within 1e-4 of transformers' (checkpoints built at test time,
 tests/fixtures/kimi_linear_model.py)."""
