@@ -92,6 +92,20 @@ SHAPES: dict[str, dict] = {
         block_ffn_dim_multiplier=1.0, block_multiple_of=256, conv_L_cache=3, conv_bias=False, norm_eps=1e-5,
         tie_embedding=True, rope_theta=1000000.0, max_position_embeddings=128000, eos_token_id=7,
     ),
+    # Kimi-Linear-48B-A3B: 20 KDA + 7 NoPE MLA layers (1-indexed 4, 8, ..., 24, 27), a dense first layer, then
+    # 256 experts (top 8) with a shared one; layer_types spelled out (the hub lists them in linear_attn_config)
+    "kimi-linear-48b-a3b": dict(
+        architectures=["KimiLinearForCausalLM"], vocab_size=163840, hidden_size=2304, num_hidden_layers=27,
+        layer_types=["full_attention" if i + 1 in (4, 8, 12, 16, 20, 24, 27) else "linear_attention"
+                     for i in range(27)],
+        num_attention_heads=32, num_key_value_heads=32, kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128,
+        qk_rope_head_dim=64, v_head_dim=128, mla_use_nope=True,
+        linear_attn_config={"head_dim": 128, "num_heads": 32, "short_conv_kernel_size": 4},
+        intermediate_size=9216, moe_intermediate_size=1024, num_experts=256, num_experts_per_token=8,
+        num_shared_experts=1, first_k_dense_replace=1, num_expert_group=1, topk_group=1, moe_renormalize=True,
+        routed_scaling_factor=2.446, moe_router_activation_func="sigmoid", rms_norm_eps=1e-5,
+        tie_word_embeddings=False, model_max_length=1048576, eos_token_id=163586,
+    ),
 }
 
 
@@ -134,7 +148,7 @@ def write(out_dir: str, shape: str, num_layers: int = 0, seed: int = 0) -> str:
     tensors = {}
     for name, p in model.named_parameters():
         if name.endswith("A_log"):
-            tensors[name] = torch.log(torch.linspace(1.0, 16.0, p.shape[0]))
+            tensors[name] = torch.log(torch.linspace(1.0, 16.0, p.numel())).view(p.shape)
         elif p.dim() == 1:
             tensors[name] = torch.ones(p.shape) if "norm" in name or name.endswith(".D") else torch.zeros(p.shape)
         else:

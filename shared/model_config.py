@@ -17,15 +17,16 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-MIXER_KINDS = ("mamba", "attention", "gdn", "short_conv")
+MIXER_KINDS = ("mamba", "attention", "gdn", "short_conv", "kda", "mla")
 MLP_KINDS = ("fused_gated_mlp", "gated_mlp", "relu2_mlp", "softmax_moe", "sigmoid_moe", "shared_gate_moe",
-             "sigmoid_swiglu_moe")
+             "sigmoid_swiglu_moe", "grouped_swiglu_moe")
 """Block kinds that mix channels only (no sequence mixing, no state)."""
 BLOCK_KINDS = MIXER_KINDS + MLP_KINDS
-RECURRENT_KINDS = ("mamba", "parallel", "gdn", "short_conv")
+RECURRENT_KINDS = ("mamba", "parallel", "gdn", "short_conv", "kda")
 """Layer kinds that carry a recurrent state (one state slot per request holds all of them)."""
 STATE_CONTENTS = {"mamba": "conv window + SSM state", "parallel": "conv window + SSM state",
-               "gdn": "conv window + delta-rule state", "short_conv": "conv window"}
+               "gdn": "conv window + delta-rule state", "short_conv": "conv window",
+               "kda": "conv window + delta-rule state (per-channel decay)"}
 """What one state slot holds for a layer of each recurrent kind (reported by /get_model_info)."""
 
 
@@ -141,6 +142,38 @@ class ShortConvConfig:
 
 
 @dataclass(frozen=True)
+class KdaConfig:
+    """The Kimi Delta Attention mixers' sizes (Kimi Linear `self_attn` of its linear layers): `heads`
+    heads of `head_dim` for q, k and v alike (the state is [heads, head_dim, head_dim]), the width of
+    the short convolutions on q, k and v."""
+
+    heads: int = 0
+    head_dim: int = 0
+    d_conv: int = 4
+
+
+@dataclass(frozen=True)
+class MlaConfig:
+    """Multi-head Latent Attention (Kimi Linear's full-attention layers): q straight from `q_proj`
+    (`q_lora_rank` 0) or through `q_a_proj` -> RMSNorm -> `q_b_proj`; the KV latent of `kv_lora_rank`
+    channels and the `rope_dim` key channels shared by every head come from `kv_a_proj_with_mqa`;
+    `kv_b_proj` expands the normed latent into each head's `nope_dim` key and `v_dim` value channels.
+    Per head the key is [nope | shared], `nope_dim + rope_dim` channels (`qk_dim`). `AttentionConfig`
+    holds the head count, one KV head and the KV pool's head_dim, `kv_lora_rank + rope_dim` (the cached
+    latent)."""
+
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    nope_dim: int = 0
+    rope_dim: int = 0
+    v_dim: int = 0
+
+    @property
+    def qk_dim(self) -> int:
+        return self.nope_dim + self.rope_dim
+
+
+@dataclass(frozen=True)
 class MoeConfig:
     """The routed experts (every MoE block of the model shares them); `n_group`, `topk_group`,
     `routed_scaling`, `latent_size` are the sigmoid (Nemotron-H) router's; `shared_size` the width of
@@ -227,7 +260,8 @@ class HybridConfig:
     architecture: str
     vocab_size: int
     hidden_size: int
-    # per layer: "mamba" | "attention" | "parallel" (both) | "gdn" | "short_conv" | "mlp" (none)
+    # per layer: "mamba" | "attention" (an "attention" or "mla" block) | "parallel" (both) | "gdn" | "short_conv"
+    # | "kda" | "mlp" (none)
     layer_kinds: tuple[str, ...]
     rms_norm_eps: float
     max_position_embeddings: int
@@ -238,6 +272,8 @@ class HybridConfig:
     mamba: MambaConfig = MambaConfig()
     gdn: GdnConfig = GdnConfig()
     short_conv: ShortConvConfig = ShortConvConfig()
+    kda: KdaConfig = KdaConfig()
+    mla: MlaConfig = MlaConfig()
     moe: MoeConfig = MoeConfig()
     mlp: MlpConfig = MlpConfig()
     vision: VisionConfig = VisionConfig()
@@ -260,7 +296,8 @@ class HybridConfig:
         if len(self.layer_specs) != len(self.layer_kinds):
             raise ValueError(f"{len(self.layer_specs)} layer specs for {len(self.layer_kinds)} layers")
         needs = {"attention": self.attn.num_heads, "mamba": self.mamba.n_heads, "gdn": self.gdn.k_heads,
-                 "short_conv": self.short_conv.d_conv}
+                 "short_conv": self.short_conv.d_conv, "kda": self.kda.heads,
+                 "mla": self.attn.num_heads * self.mla.kv_lora_rank}
         for kind in {b.kind for b in self.blocks()}:
             if not needs.get(kind, 1):
                 raise ValueError(f"the model has {kind} layers but its {kind} sizes are unset")
@@ -299,8 +336,12 @@ class HybridConfig:
         return tuple(i for i, k in enumerate(self.layer_kinds) if k == "short_conv")
 
     @property
+    def kda_layer_ids(self) -> tuple[int, ...]:
+        return tuple(i for i, k in enumerate(self.layer_kinds) if k == "kda")
+
+    @property
     def state_layer_ids(self) -> tuple[int, ...]:
-        """Layers with a recurrent state (Mamba, Gated DeltaNet, short convolutions)."""
+        """Layers with a recurrent state (Mamba, Gated DeltaNet, short convolutions, Kimi Delta Attention)."""
         return tuple(i for i, k in enumerate(self.layer_kinds) if k in RECURRENT_KINDS)
 
     def layers(self) -> tuple[tuple[Sublayer, ...], ...]:
@@ -327,11 +368,13 @@ def tp_layout_error(cfg: HybridConfig, tp_size: int) -> str | None:
         counts.append((cfg.gdn.k_heads, "linear_num_key_heads"))
     if cfg.short_conv_layer_ids:
         counts.append((cfg.hidden_size, "hidden_size"))
+    if cfg.kda_layer_ids:
+        counts.append((cfg.kda.heads, "linear_attn_config.num_heads"))
     for block in cfg.blocks():
         sizes = [(block.size, block.size_field)] if block.size_field else []
         if block.kind == "sigmoid_moe" and cfg.moe.shared_size:
             sizes.append((cfg.moe.shared_size, "moe_shared_expert_intermediate_size"))
-        if block.kind == "shared_gate_moe" and cfg.moe.shared_size:
+        if block.kind in ("shared_gate_moe", "grouped_swiglu_moe") and cfg.moe.shared_size:
             sizes.append((cfg.moe.shared_size, "shared_expert_intermediate_size"))
         counts.extend(s for s in sizes if s not in counts)
     if cfg.mlp.bias and any(b.kind == "gated_mlp" for b in cfg.blocks()):

@@ -73,7 +73,7 @@ class VisionInfo:
 @dataclass(frozen=True)
 class ModelInfo:
     architecture: str
-    layer_kinds: tuple[str, ...]  # "mamba" | "attention" | "parallel" (both) | "gdn" | "short_conv" | "mlp" (none)
+    layer_kinds: tuple[str, ...]  # "mamba" | "attention" | "parallel" (both) | "gdn" | "short_conv" | "kda" | "mlp"
     vocab_size: int
     eos_token_ids: tuple[int, ...]
     max_position_embeddings: int
@@ -81,7 +81,7 @@ class ModelInfo:
 
     @property
     def has_recurrent_state(self) -> bool:
-        """True when a layer carries a recurrent state (Mamba, Gated DeltaNet, short convolutions):
+        """True when a layer carries a recurrent state (Mamba, Gated DeltaNet, short convolutions, KDA):
         requests then need a state slot, which the scheduler tracks, checkpoints and copies on write."""
         return any(k in RECURRENT_KINDS for k in self.layer_kinds)
 

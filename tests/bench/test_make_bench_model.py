@@ -204,6 +204,27 @@ def test_lfm2_shape_is_the_published_one() -> None:
     assert parse_config(truncate(SHAPES["lfm2-1.2b"], 2)).layer_kinds == ("short_conv", "attention")
 
 
+def test_kimi_linear_shape_is_the_published_one() -> None:
+    """Kimi-Linear-48B-A3B parses into its 20 KDA and 7 MLA layers, and its parameters are transformers' own
+    count from the same config (meta device; the routers' score-correction biases are buffers there);
+    a reduction keeps one layer of each kind."""
+    transformers = pytest.importorskip("transformers")
+    from benchmarks.make_family_model import SHAPES, truncate
+    from shared.families.registry import parse_config
+    from worker_proc.model import HybridForCausalLM
+
+    shape = SHAPES["kimi-linear-48b-a3b"]
+    cfg = parse_config(dict(shape))
+    assert (cfg.layer_kinds.count("kda"), cfg.layer_kinds.count("attention")) == (20, 7)
+    with torch.device("meta"):
+        ours = sum(p.numel() for p in HybridForCausalLM(cfg, torch.float32, "meta").parameters())
+        hf = transformers.KimiLinearForCausalLM(transformers.KimiLinearConfig(
+            **{k: v for k, v in shape.items() if k != "architectures"}))
+    biases = sum(b.numel() for name, b in hf.named_buffers() if name.endswith("e_score_correction_bias"))
+    assert ours == sum(p.numel() for p in hf.parameters()) + biases
+    assert parse_config(truncate(shape, 2)).layer_kinds == ("kda", "attention")
+
+
 def test_transformers_init_has_the_generators_layout_and_transformers_values(small_ckpt: Path, tmp_path: Path) -> None:
     """--init transformers: the generator's tensor names and shapes, hyssm loads it, and the values are
     those of transformers' own from_config (same seed) rather than the generator's."""

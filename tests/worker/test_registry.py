@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 from shared.errors import ModelLoadError
 from shared.families.registry import FAMILIES, SUPPORTED_ARCHITECTURES, parse_config, summary
 from shared.model_info import ModelInfo, read_config_json
+from tests.fixtures.kimi_linear_model import KIMI_CONFIGS, kimi_dir
 from tests.fixtures.lfm2_model import LFM2_CONFIGS, lfm2_dir
 from tests.worker.util import ALL_FIXTURES, GDN_FIXTURES, fixture_dir, reference, runner_at
 from worker_proc.loading.checkpoint import load_config, load_model
@@ -23,13 +24,17 @@ SHARED_BLOCK_MODULES = {
     "worker_proc.model.hybrid", "worker_proc.model.layers", "worker_proc.model.mamba",
     "worker_proc.model.attention", "worker_proc.model.moe", "worker_proc.model.tp", "torch.nn.modules.container",
     "worker_proc.model.gated_deltanet", "worker_proc.model.qwen_moe", "worker_proc.model.short_conv",
-    "worker_proc.model.sigmoid_moe",
+    "worker_proc.model.sigmoid_moe", "worker_proc.model.kimi_delta", "worker_proc.model.latent_attention",
+    "worker_proc.model.grouped_moe",
     "torch.nn.modules.module",
 }
 
 
 def _dir(name: str) -> str:
-    """A checked-in fixture's directory, or an LFM2 checkpoint built by transformers (tests/fixtures/lfm2_model.py)."""
+    """A checked-in fixture's directory, or an LFM2 or Kimi Linear checkpoint built by transformers
+    (tests/fixtures/lfm2_model.py, tests/fixtures/kimi_linear_model.py)."""
+    if name in KIMI_CONFIGS:
+        return kimi_dir(name)
     return lfm2_dir(name) if name in LFM2_CONFIGS else fixture_dir(name)
 
 
@@ -48,11 +53,11 @@ def test_unknown_architecture_is_one_line_listing_the_supported() -> None:
         "GraniteMoeHybridForCausalLM", "NemotronHForCausalLM", "FalconH1ForCausalLM", "BambaForCausalLM",
         "Mamba2ForCausalLM", "Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM",
         "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration", "Lfm2ForCausalLM",
-        "Lfm2MoeForCausalLM",
+        "Lfm2MoeForCausalLM", "KimiLinearForCausalLM",
     }
 
 
-@pytest.mark.parametrize("name", ALL_FIXTURES + GDN_FIXTURES + tuple(LFM2_CONFIGS))
+@pytest.mark.parametrize("name", ALL_FIXTURES + GDN_FIXTURES + tuple(LFM2_CONFIGS) + tuple(KIMI_CONFIGS))
 def test_every_family_is_built_from_the_shared_blocks(name: str) -> None:
     cfg = load_config(_dir(name))
     assert cfg.architecture == _config(name)["architectures"][0]
@@ -65,17 +70,18 @@ def test_every_family_is_built_from_the_shared_blocks(name: str) -> None:
     assert parse_config(no_context).max_position_embeddings == summary(no_context)[2]
 
 
-@pytest.mark.parametrize("name", ALL_FIXTURES + GDN_FIXTURES + tuple(LFM2_CONFIGS))
+@pytest.mark.parametrize("name", ALL_FIXTURES + GDN_FIXTURES + tuple(LFM2_CONFIGS) + tuple(KIMI_CONFIGS))
 def test_every_layer_kind_has_its_config_part(name: str) -> None:
     """A family fills the part of every block kind it uses; a config with a kind but without its part's
     sizes is refused at construction, naming the kind."""
     cfg = load_config(_dir(name))
     kinds = {b.kind for b in cfg.blocks()}
     parts = {"attention": cfg.attn.num_heads, "mamba": cfg.mamba.n_heads, "gdn": cfg.gdn.k_heads,
-             "short_conv": cfg.short_conv.d_conv}
+             "short_conv": cfg.short_conv.d_conv, "kda": cfg.kda.heads, "mla": cfg.mla.kv_lora_rank}
     assert all(parts[k] > 0 for k in kinds & parts.keys())
     assert cfg.moe.num_experts > 0 if any(k.endswith("moe") for k in kinds) else cfg.moe.num_experts == 0
-    for kind, part in (("attention", "attn"), ("mamba", "mamba"), ("gdn", "gdn"), ("short_conv", "short_conv")):
+    for kind, part in (("attention", "attn"), ("mamba", "mamba"), ("gdn", "gdn"), ("short_conv", "short_conv"),
+                       ("kda", "kda"), ("mla", "mla")):
         if kind in kinds:
             with pytest.raises(ValueError, match=f"has {kind} layers"):
                 dataclasses.replace(cfg, **{part: type(getattr(cfg, part))()})
@@ -92,7 +98,7 @@ def test_family_modules_are_torch_free() -> None:
     res = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=60,
                          env={**os.environ, "PYTHONPATH": root})
     assert res.returncode == 0, res.stderr
-    assert len({id(f) for f in FAMILIES.values()}) == 7
+    assert len({id(f) for f in FAMILIES.values()}) == 8
 
 
 def test_nemotron_pattern_and_block_type_spellings_agree() -> None:

@@ -12,7 +12,7 @@ these semantics; the model calls nothing else. Rules that hold for every method:
 Shape letters are those of `worker_proc.kernels.reference`: L tokens of one request, Bt requests of
 a decode group, H Mamba heads, P head dim, G groups, N state size, Cd conv channels, K conv width,
 h query heads, kvh KV heads, d attention head dim; for the gated delta rule (Gated DeltaNet layers)
-Hv value heads, Dk key dim, Dv value dim.
+Hv value heads, Dk key dim, Dv value dim; for its per-channel form (Kimi Delta Attention) H heads.
 """
 
 from __future__ import annotations
@@ -178,4 +178,19 @@ class KernelOps(Protocol):
                    state_pool: StatePool, slots: Tensor) -> Tensor:  # fmt: skip
         """One token per request: q, k: [Bt, Hv, Dk]; v: [Bt, Hv, Dv]; g, beta: [Bt, Hv]; slots: [Bt]
         int64 (distinct). Returns o [Bt, Hv, Dv] fp32; rows `slots` of state_pool advanced by one."""
+        ...
+
+    def kda_prefill_many(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
+                         state_pool: StatePool, spans: Spans) -> Tensor:  # fmt: skip
+        """The per-channel gated delta rule (worker_proc.kernels.kimi_delta states it) over several
+        requests' rows concatenated as in `conv_prefill_many`: q, k: [sum of lengths, H, Dk]
+        L2-normalised, q multiplied by `scale` here; v: [.., H, Dv]; g: [.., H, Dk] log decay (<= 0);
+        beta: [.., H]; state_pool: [S, H, Dk, Dv]. Returns o [sum of lengths, H, Dv] fp32; every span's
+        slot advanced, independent of the kernel's chunking beyond rounding."""
+        ...
+
+    def kda_decode(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
+                   state_pool: StatePool, slots: Tensor) -> Tensor:  # fmt: skip
+        """One token per request: q, k, g: [Bt, H, Dk]; v: [Bt, H, Dv]; beta: [Bt, H]; slots: [Bt] int64
+        (distinct). Returns o [Bt, H, Dv] fp32; rows `slots` of state_pool advanced by one."""
         ...

@@ -15,11 +15,12 @@ from worker_proc.kernels import state_codec as codec
 from worker_proc.kernels.composed import ComposedSteps
 from worker_proc.kernels.gdn_ops import GdnMethods, ReferenceGdn
 from worker_proc.kernels.interface import SsdParams
+from worker_proc.kernels.kda_ops import KdaMethods
 from worker_proc.kernels.segments import PerSegment
 from worker_proc.kernels.state_codec import StatePool
 
 
-class ReferenceOps(PerSegment, ComposedSteps, GdnMethods):
+class ReferenceOps(PerSegment, ComposedSteps, GdnMethods, KdaMethods):
     """Pure-torch ops over pool slots; correct on every device, fast on none.
 
     `batch_invariant`: decode attention runs request by request with exactly the computation a

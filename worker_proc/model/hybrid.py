@@ -39,21 +39,16 @@ from torch import nn
 
 from shared.errors import ModelLoadError
 from shared.messages import ImageInput
-from shared.model_config import Block, HybridConfig, Sublayer, tp_layout_error
+from shared.model_config import HybridConfig, Sublayer, tp_layout_error
 from worker_proc.kernels import KernelOps
 from worker_proc.linear.site import GemmOwner, GemmSite
-from worker_proc.model.attention import Attention, rope_cos_sin
+from worker_proc.model.attention import rope_cos_sin
 from worker_proc.model.batch import StepBatch
+from worker_proc.model.blocks import ATTENTION_MIXERS, RECURRENT_MIXERS, build_block
 from worker_proc.model.encoder_cache import EncoderCache
-from worker_proc.model.gated_deltanet import GatedDeltaNet
-from worker_proc.model.layers import GatedMLP, Linear, Relu2MLP, SparseMoE, SplitGatedMLP, empty_param, make_norm
-from worker_proc.model.mamba import MambaMixer
-from worker_proc.model.moe import SigmoidMoE
-from worker_proc.model.qwen_moe import SharedGateMoE
+from worker_proc.model.layers import GatedMLP, Linear, empty_param, make_norm
 from worker_proc.model.residual import Residual
 from worker_proc.model.shard import ShardSpec, TPInfo
-from worker_proc.model.short_conv import ShortConv
-from worker_proc.model.sigmoid_moe import SigmoidSwigluMoE
 from worker_proc.model.vision import VisionTower
 from worker_proc.quant.weight import QuantizedWeight
 from worker_proc.state.pools import StatePools
@@ -85,38 +80,6 @@ class KVLayers(Protocol):
     v: Sequence[torch.Tensor]
 
 
-def build_block(block: Block, cfg: HybridConfig, dtype: torch.dtype, device: torch.device, tp: TPInfo) -> nn.Module:
-    """The shared module of `block.kind`, with this rank's sizes."""
-    hidden, width = cfg.hidden_size, block.size // tp.size
-    if block.kind == "mamba":
-        return MambaMixer(cfg, dtype, device, tp)
-    if block.kind == "attention":
-        return Attention(cfg, dtype, device, tp)
-    if block.kind == "gdn":
-        return GatedDeltaNet(cfg, dtype, device, tp)
-    if block.kind == "short_conv":
-        return ShortConv(cfg, dtype, device, tp)
-    if block.kind == "fused_gated_mlp":
-        return GatedMLP(hidden, width, dtype, device, tp)
-    if block.kind == "gated_mlp":
-        return SplitGatedMLP(hidden, width, cfg.mlp.bias, dtype, device, tp, *cfg_mlp_multipliers(cfg))
-    if block.kind == "relu2_mlp":
-        return Relu2MLP(hidden, width, dtype, device, tp)
-    if block.kind == "softmax_moe":
-        return SparseMoE(hidden, width, cfg.moe.num_experts, cfg.moe.experts_per_tok, dtype, device, tp)
-    if block.kind == "sigmoid_moe":
-        return SigmoidMoE(cfg, block.size, dtype, device, tp)
-    if block.kind == "shared_gate_moe":
-        return SharedGateMoE(cfg, block.size, dtype, device, tp)
-    if block.kind == "sigmoid_swiglu_moe":
-        return SigmoidSwigluMoE(cfg, block.size, dtype, device, tp)
-    raise ValueError(f"unknown block kind {block.kind!r}")
-
-
-def cfg_mlp_multipliers(cfg: HybridConfig) -> tuple[float, float]:
-    return cfg.mlp.multipliers if cfg.mlp.multipliers else (1.0, 1.0)
-
-
 class DecoderLayer(nn.Module):
     """Layer `index` of the model, or (`mtp`) MTP layer `index`: the family's MTP arrangement, its
     attention reading MTP KV layer `index`."""
@@ -137,16 +100,17 @@ class DecoderLayer(nn.Module):
             return
         self.attn_index = cfg.attn_layer_ids.index(index) if index in cfg.attn_layer_ids else -1
         # this layer's index among the layers of each recurrent kind that it has
-        kinds = (("mamba", cfg.mamba_layer_ids), ("gdn", cfg.gdn_layer_ids), ("short_conv", cfg.short_conv_layer_ids))
+        kinds = (("mamba", cfg.mamba_layer_ids), ("gdn", cfg.gdn_layer_ids), ("short_conv", cfg.short_conv_layer_ids),
+                 ("kda", cfg.kda_layer_ids))
         self.state_index = {kind: ids.index(index) for kind, ids in kinds if index in ids}
 
     def _run(self, module: nn.Module, x: torch.Tensor, batch: StepBatch,
              rope: tuple[torch.Tensor, torch.Tensor] | None, pools: KVLayers, ops: KernelOps) -> torch.Tensor:
-        if isinstance(module, MambaMixer | GatedDeltaNet | ShortConv):
+        if isinstance(module, RECURRENT_MIXERS):
             assert isinstance(pools, StatePools)
             conv, state = pools.layer_state(module.state_kind, self.state_index[module.state_kind])
             return module(x, batch, conv, state, ops)
-        if isinstance(module, Attention):
+        if isinstance(module, ATTENTION_MIXERS):
             i = self.attn_index
             return module(x, batch, rope, pools.k[i], pools.v[i], ops)
         if isinstance(module, GatedMLP):

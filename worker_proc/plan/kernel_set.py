@@ -11,7 +11,9 @@ a CUDA device (or the Triton interpreter, TRITON_INTERPRET=1, set before the ker
 CUDA without triton under `auto` falls back to the reference with a warning. `reference` is batch
 invariant exactly in the deterministic mode. Importing this module never imports triton. The gated
 delta rule (Gated DeltaNet layers) runs flash-linear-attention's kernels on CUDA when `fla` imports,
-its fused CPU decode step under `native`, else the pure-torch ones (`gdn_ops.gdn_choice`). Prefill
+its fused CPU decode step under `native`, else the pure-torch ones (`gdn_ops.gdn_choice`); Kimi Delta
+Attention's per-channel rule runs flash-linear-attention's KDA kernels on CUDA when they import, else the
+pure-torch one, under every set (`kda_ops.kda_choice`). Prefill
 segments: the reference and Triton sets give every segment its own computation (one varlen call on
 Triton); `fast` pads Mamba's conv and scan segments into one batched call where `segments.batchable`
 says it pays (padded attention and gated-delta prefill were slower on CPU than one call per segment).
@@ -20,7 +22,7 @@ says it pays (padded attention and gated-delta prefill were slower on CPU than o
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -28,6 +30,7 @@ from worker_proc.kernels import native
 from worker_proc.kernels.fast import FastOps
 from worker_proc.kernels.gdn_ops import gdn_choice, make_gdn
 from worker_proc.kernels.interface import KernelOps
+from worker_proc.kernels.kda_ops import kda_choice, make_kda
 from worker_proc.kernels.reference_ops import ReferenceOps
 from worker_proc.kernels.segments import PAD_SLACK
 
@@ -40,12 +43,14 @@ KERNEL_CHOICES = ("auto", "reference", "fast", "native", "triton")
 class KernelChoice:
     """The kernel set (`ops`: reference | fast | native | triton), whether it is batch invariant, and the gated
     delta backend (`gdn`: reference | fast | native | fla; empty for a model without Gated DeltaNet layers, whose
-    ops then hold the pure-torch one unused); `fallback`: why a weaker set runs, if one does."""
+    ops then hold the pure-torch one unused); `fallback`: why a weaker set runs, if one does; `kda`: the KDA
+    backend (reference | fla; empty without Kimi Delta Attention layers)."""
 
     ops: str
     batch_invariant: bool
     gdn: str
     fallback: str = ""
+    kda: str = ""  # the KDA backend (reference | fla; empty for a model without Kimi Delta Attention layers)
 
     def prefill_rule(self) -> str:
         if self.ops == "native":
@@ -69,10 +74,17 @@ class KernelChoice:
         mode = "batch invariant" if self.batch_invariant else "not batch invariant"
         extra = f"; {self.fallback}" if self.fallback else ""
         gdn = f", gated delta rule: {self.gdn}" if self.gdn else ""
+        kda = f", per-channel delta rule: {self.kda}" if self.kda else ""
         verify = "drafts verified token by token" if self.verify_by_token else "drafts verified as a prefill segment"
-        return f"kernels: {self.ops} ({mode}; {self.prefill_rule()}; {verify}){gdn}{extra}"
+        return f"kernels: {self.ops} ({mode}; {self.prefill_rule()}; {verify}){gdn}{kda}{extra}"
 
     def build(self) -> KernelOps:
+        ops = self._build_ops()
+        if self.kda:
+            ops.kda = make_kda(self.kda)  # type: ignore[attr-defined]
+        return ops
+
+    def _build_ops(self) -> KernelOps:
         if self.ops == "native":
             from worker_proc.kernels.native.ops import NativeGdn, NativeOps
 
@@ -88,9 +100,15 @@ class KernelChoice:
 
 
 def choose_kernels(device: torch.device | str, choice: str = "auto", deterministic: bool = False,
-                   has_gdn: bool = True) -> KernelChoice:
-    """The kernel set for tensors on `device` (`has_gdn`: the model has Gated DeltaNet layers). Raises
-    ValueError naming the problem for an unknown or impossible `choice`."""
+                   has_gdn: bool = True, has_kda: bool = False) -> KernelChoice:
+    """The kernel set for tensors on `device` (`has_gdn`: the model has Gated DeltaNet layers; `has_kda`:
+    Kimi Delta Attention layers, whose backend is `kda_ops.kda_choice`'s). Raises ValueError naming the
+    problem for an unknown or impossible `choice`."""
+    chosen = _choose(device, choice, deterministic, has_gdn)
+    return replace(chosen, kda=kda_choice(device)) if has_kda else chosen
+
+
+def _choose(device: torch.device | str, choice: str, deterministic: bool, has_gdn: bool) -> KernelChoice:
     if choice not in KERNEL_CHOICES:
         raise ValueError(f"unknown kernel implementation {choice!r}: expected one of {', '.join(KERNEL_CHOICES)}")
     dev = torch.device(device)

@@ -74,7 +74,8 @@ class ModelRunner:
         self.device = torch.device(c.device)
         # a bad --kernels fails before the weights load
         has_gdn = "gdn" in self.model_info.layer_kinds
-        kernel_choice = choose_kernels(self.device, c.kernels, c.deterministic, has_gdn=has_gdn)
+        kernel_choice = choose_kernels(self.device, c.kernels, c.deterministic, has_gdn=has_gdn,
+                                       has_kda="kda" in self.model_info.layer_kinds)
         if self.device.type == "cpu" and not denormals_flushed():
             logger.warning("rank %d: subnormal floats are not flushed on every thread (worker_proc.host.numerics): "
                            "products over them run many times slower", c.tp_rank)

@@ -16,6 +16,9 @@ declares (`state_tensors`):
   gdn_state : GDN     [v_heads, k_dim, v_dim]             the state dtype
   gdn_state_scale : GDN [v_heads, k_dim]                 float32, int8 state only
   short_conv_window : short conv [hidden, d_conv - 1]    model dtype (the whole state of the kind)
+  kda_conv  : KDA     [3 * heads * head_dim, d_conv - 1]  model dtype (q | k | v channels)
+  kda_state : KDA     [heads, head_dim, head_dim]         the state dtype
+  kda_state_scale : KDA [heads, head_dim]                float32, int8 state only
 The state dtype (`--mamba-ssm-dtype`: float32, bfloat16 or int8; worker_proc.kernels.state_codec owns
 the encodings) decides how the recurrent states are stored, never how they are computed; an int8
 state keeps one scale per (slot, layer, head, row) in its `*_scale` tensor, and `state_pool` hands the
@@ -123,10 +126,24 @@ def short_conv_state_tensors(cfg: HybridConfig, dtype: torch.dtype, tp_size: int
     return [StateTensor("short_conv_window", n, (cfg.hidden_size // tp_size, cfg.short_conv.d_conv - 1), dtype)]
 
 
-STATE_KINDS = (mamba_state_tensors, gdn_state_tensors, short_conv_state_tensors)
+def kda_state_tensors(cfg: HybridConfig, dtype: torch.dtype, tp_size: int, tp_rank: int,
+                      state_dtype: str = "float32") -> list[StateTensor]:  # fmt: skip
+    """Kimi Delta Attention: the conv windows over this rank's q | k | v channels (model dtype) and the
+    [heads, head_dim, head_dim] recurrent state of its heads (`state_dtype`, with `kda_state_scale` when
+    int8); declared only when the model has such layers."""
+    n = len(cfg.kda_layer_ids)
+    if not n:
+        return []
+    heads, d = cfg.kda.heads // tp_size, cfg.kda.head_dim
+    return [StateTensor("kda_conv", n, (3 * heads * d, cfg.kda.d_conv - 1), dtype),
+            *_recurrent("kda_state", n, (heads, d, d), state_dtype)]
+
+
+STATE_KINDS = (mamba_state_tensors, gdn_state_tensors, short_conv_state_tensors, kda_state_tensors)
 """Every recurrent layer kind's declaration of its state tensors."""
 MIXER_STATES: dict[str, tuple[str, str | None]] = {
-    "mamba": ("conv", "ssm"), "gdn": ("gdn_conv", "gdn_state"), "short_conv": ("short_conv_window", None)}
+    "mamba": ("conv", "ssm"), "gdn": ("gdn_conv", "gdn_state"), "short_conv": ("short_conv_window", None),
+    "kda": ("kda_conv", "kda_state")}
 """Each recurrent mixer kind's (conv window, recurrent state) tensors of `STATE_KINDS` (None: the kind's
 state is its conv window alone)."""
 

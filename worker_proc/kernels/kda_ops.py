@@ -1,0 +1,113 @@
+"""The per-channel gated delta rule behind `KernelOps` (`kda_prefill_many`, `kda_decode`): which
+implementation runs for Kimi Delta Attention layers.
+
+`ReferenceKda` is the pure-torch form (worker_proc.kernels.kimi_delta) and runs on every device;
+`FlaKda` calls flash-linear-attention's KDA Triton kernels (`fla.ops.kda`, the optional `fla-core`
+package). `kda_choice` names FlaKda on CUDA when that module imports, else the reference (logged);
+the kernel set (worker_proc.plan.kernel_set) asks it and hands the backend to its ops. Every backend
+reads and writes the state pool only at the slots it is given, through `state_codec` (float32,
+bfloat16 or int8 storage; the rule runs on the decoded float32 state, encoded once per call); q and k
+arrive L2-normalised, q not yet scaled; g is the per-channel log decay [.., H, Dk].
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import Tensor
+
+from worker_proc.kernels import state_codec as codec
+from worker_proc.kernels.interface import Spans
+from worker_proc.kernels.kimi_delta import CHUNK_SIZE, kda_chunked, kda_step
+from worker_proc.kernels.state_codec import StatePool
+
+logger = logging.getLogger(__name__)
+
+
+class ReferenceKda:
+    """Pure torch; `chunked`: one prefill segment in chunks of `CHUNK_SIZE`; `step`: one token for every
+    decode row, batched. Batch invariant: a row's numbers never depend on the rows beside it."""
+
+    name = "reference"
+
+    def chunked(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
+                state_pool: StatePool, slot: int) -> Tensor:  # fmt: skip
+        o, final = kda_chunked(q, k, v, g, beta, scale, codec.load(state_pool, slot), CHUNK_SIZE)
+        codec.store(final, state_pool, slot)
+        return o
+
+    def step(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
+             state_pool: StatePool, slots: Tensor) -> Tensor:  # fmt: skip
+        o, new_state = kda_step(codec.load(state_pool, slots), q, k, v, g, beta, scale)
+        codec.store(new_state, state_pool, slots)
+        return o
+
+
+class FlaKda:
+    """flash-linear-attention's `chunk_kda` (prefill) and `fused_recurrent_kda` (decode): q, k, v in
+    v's dtype, g and beta in float32, the float32 [N, H, Dk, Dv] state decoded from and encoded into
+    the pool by `state_codec`. Raises ImportError without `fla`."""
+
+    name = "fla"
+
+    def __init__(self) -> None:
+        from fla.ops.kda import chunk_kda, fused_recurrent_kda
+
+        self._chunk = chunk_kda
+        self._recurrent = fused_recurrent_kda
+
+    def chunked(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
+                state_pool: StatePool, slot: int) -> Tensor:  # fmt: skip
+        dt, f = v.dtype, torch.float32
+        initial = codec.load(state_pool, slot)[None]
+        o, final = self._chunk(q[None].to(dt), k[None].to(dt), v[None], g[None].to(f), beta[None].to(f),
+                               scale=scale, initial_state=initial, output_final_state=True)
+        codec.store(final[0].float(), state_pool, slot)
+        return o[0].float()
+
+    def step(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
+             state_pool: StatePool, slots: Tensor) -> Tensor:  # fmt: skip
+        dt, f = v.dtype, torch.float32
+        o, final = self._recurrent(q[:, None].to(dt), k[:, None].to(dt), v[:, None], g[:, None].to(f),
+                                   beta[:, None].to(f), scale=scale, initial_state=codec.load(state_pool, slots),
+                                   output_final_state=True)
+        codec.store(final.float(), state_pool, slots)
+        return o[:, 0].float()
+
+
+def kda_choice(device: torch.device | str) -> str:
+    """`fla` on CUDA when flash-linear-attention's KDA kernels import, else `reference`."""
+    if torch.device(device).type != "cuda":
+        return "reference"
+    try:
+        import fla.ops.kda  # noqa: F401
+    except ImportError as exc:
+        logger.info("fla-core's KDA kernels not importable (%s): Kimi Delta Attention uses the pure-torch kernels",
+                    exc)
+        return "reference"
+    return "fla"
+
+
+def make_kda(name: str) -> ReferenceKda | FlaKda:
+    """The backend `kda_choice` named."""
+    return {"reference": ReferenceKda, "fla": FlaKda}[name]()
+
+
+class KdaMethods:
+    """The `KernelOps` KDA methods, delegated to `self.kda` (a backend above; the kernel set sets it)."""
+
+    kda: ReferenceKda | FlaKda = ReferenceKda()
+
+    def kda_prefill_many(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
+                         state_pool: StatePool, spans: Spans) -> Tensor:  # fmt: skip
+        outs, start = [], 0
+        for length, slot in spans:
+            rows = slice(start, start + length)
+            outs.append(self.kda.chunked(q[rows], k[rows], v[rows], g[rows], beta[rows], scale, state_pool, slot))
+            start += length
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def kda_decode(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
+                   state_pool: StatePool, slots: Tensor) -> Tensor:  # fmt: skip
+        return self.kda.step(q, k, v, g, beta, scale, state_pool, slots)

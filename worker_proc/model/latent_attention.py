@@ -1,0 +1,117 @@
+"""Multi-head Latent Attention as Kimi Linear runs it (`self_attn.*` of its full-attention layers).
+
+Per token (MlaConfig): q [heads, qk_dim] from q_proj, or from q_b_proj(RMSNorm(q_a_proj(x))) with a q
+LoRA rank; kv_a_proj_with_mqa(x) = [latent (kv_lora_rank) | shared key (rope_dim)]; the latent is
+RMS-normed (`kv_a_layernorm`); kv_b_proj [heads * (nope_dim + v_dim), kv_lora_rank] would expand it into
+each head's [key nope_dim | value v_dim], each head's key being [its nope part | the shared part].
+Kimi Linear's MLA is NoPE: no channel rotates. Softmax scale 1/sqrt(qk_dim).
+The KV pool caches the compressed latent, not the expanded heads: one KV head per token, K = [normed
+latent | shared key] and V = [normed latent | zeros] (head_dim kv_lora_rank + rope_dim). kv_b_proj is
+absorbed instead: each head's query becomes [q_nope W_uk | q_rope] (W_uk: its key rows of kv_b_proj),
+so q·K is the expanded q·k, and the attention output's latent part times W_uvᵀ (its value rows) is the
+expanded output. kv_b_proj is therefore read as a weight, never a planned product (not quantized, no
+adapter). K/V of the step's tokens are written before attention reads them, as `Attention` does.
+Tensor parallelism: every rank holds a contiguous 1/N of the heads (`mla_spec`): those rows of q_proj /
+q_b_proj and kv_b_proj, those input columns of o_proj (row-parallel, all-reduced here);
+kv_a_proj_with_mqa, q_a_proj and both norms are replicated, and so is the cached latent (the one KV head
+is replicated on every rank, AttnShard's rule for fewer KV heads than ranks).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shared.model_config import HybridConfig
+from worker_proc.kernels import KernelOps
+from worker_proc.linear.kernels import padded_product
+from worker_proc.model.batch import StepBatch, rows_of
+from worker_proc.model.layers import Linear, empty_param, make_norm
+from worker_proc.model.shard import ShardSpec, TPInfo
+from worker_proc.model.tp import row_parallel
+
+LATENT_NORM_EPS = 1e-6
+"""The eps of `kv_a_layernorm` and `q_a_layernorm` (transformers builds them with its RMSNorm's default)."""
+
+
+def mla_spec(cfg: HybridConfig, tp: TPInfo, sub: str) -> ShardSpec | None:
+    """This rank's slice of an MLA tensor: its heads' rows of the per-head projections, its heads'
+    input columns of o_proj."""
+    m, heads = cfg.mla, cfg.attn.num_heads // tp.size
+    first, last = tp.rank * heads, (tp.rank + 1) * heads
+    rows = {"q_proj.weight": m.qk_dim, "q_b_proj.weight": m.qk_dim, "kv_b_proj.weight": m.nope_dim + m.v_dim}
+    if sub in rows:
+        return ShardSpec(0, ((first * rows[sub], last * rows[sub]),))
+    if sub == "o_proj.weight":
+        return ShardSpec(1, ((first * m.v_dim, last * m.v_dim),))
+    return None
+
+
+def _per_head(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, a] times each head's weight [heads, b, a] transposed -> [T, heads, b]; each head one
+    product padded to the rows that make it batch invariant (a row's result never depends on T)."""
+    return torch.stack([padded_product(x[:, i], weight[i], None) for i in range(weight.shape[0])], dim=1)
+
+
+class LatentAttention(nn.Module):
+    reduced = True  # o_proj is all-reduced here
+    attends = True  # reads and writes its layer's KV pool
+
+    def __init__(self, cfg: HybridConfig, dtype: torch.dtype, device: torch.device, tp: TPInfo) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tp = tp
+        m, hidden, bias = cfg.mla, cfg.hidden_size, cfg.attn.bias
+        self.heads = cfg.attn.num_heads // tp.size
+        if m.q_lora_rank:
+            self.q_a_proj = Linear(hidden, m.q_lora_rank, bias=bias, dtype=dtype, device=device)
+            self.q_a_layernorm = make_norm(m.q_lora_rank, LATENT_NORM_EPS, dtype, device)
+            self.q_b_proj = Linear(m.q_lora_rank, self.heads * m.qk_dim, bias=False, dtype=dtype, device=device)
+        else:
+            self.q_proj = Linear(hidden, self.heads * m.qk_dim, bias=False, dtype=dtype, device=device)
+        self.kv_a_proj_with_mqa = Linear(hidden, m.kv_lora_rank + m.rope_dim, bias=bias, dtype=dtype, device=device)
+        self.kv_a_layernorm = make_norm(m.kv_lora_rank, LATENT_NORM_EPS, dtype, device)
+        self.kv_b_proj = nn.Module()  # absorbed into the query and the output: a weight, not a product
+        self.kv_b_proj.weight = empty_param(self.heads * (m.nope_dim + m.v_dim), m.kv_lora_rank, dtype=dtype,
+                                            device=device)  # fmt: skip
+        self.o_proj = Linear(self.heads * m.v_dim, hidden, bias=bias, dtype=dtype, device=device)
+
+    def shard_spec(self, sub: str) -> ShardSpec | None:
+        return None if self.tp.size == 1 else mla_spec(self.cfg, self.tp, sub)
+
+    def _absorbed(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(W_uk [heads, nope_dim, kv_lora_rank], W_uv [heads, v_dim, kv_lora_rank]): kv_b_proj's key and
+        value rows of each head."""
+        m = self.cfg.mla
+        w = self.kv_b_proj.weight.view(self.heads, m.nope_dim + m.v_dim, m.kv_lora_rank)
+        return w[:, : m.nope_dim], w[:, m.nope_dim :]
+
+    def _qkv(self, h: torch.Tensor, w_uk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The absorbed query [T, heads, kv_lora_rank + rope_dim] and the step's cached K and V [T, 1,
+        kv_lora_rank + rope_dim]."""
+        m, t = self.cfg.mla, h.shape[0]
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(h))) if m.q_lora_rank else self.q_proj(h)
+        q_nope, q_rope = q.view(t, self.heads, m.qk_dim).split([m.nope_dim, m.rope_dim], dim=-1)
+        q = torch.cat([_per_head(q_nope, w_uk.transpose(1, 2)), q_rope], dim=-1)
+        latent, shared = self.kv_a_proj_with_mqa(h).split([m.kv_lora_rank, m.rope_dim], dim=-1)
+        latent = self.kv_a_layernorm(latent)
+        k = torch.cat([latent, shared], dim=-1)[:, None, :]
+        return q, k, F.pad(latent, (0, m.rope_dim))[:, None, :]
+
+    def forward(self, h: torch.Tensor, batch: StepBatch, rope: tuple[torch.Tensor, torch.Tensor] | None,
+                k_pool: torch.Tensor, v_pool: torch.Tensor, ops: KernelOps) -> torch.Tensor:  # fmt: skip
+        """h: [T, hidden]; k_pool, v_pool: [S, 1, kv_lora_rank + rope_dim] of this layer; `rope` unused (NoPE)."""
+        m, t = self.cfg.mla, h.shape[0]
+        w_uk, w_uv = self._absorbed()
+        q, k, v = self._qkv(h, w_uk)
+        k_pool.index_copy_(0, batch.new_kv_slots, k.to(k_pool.dtype))
+        v_pool.index_copy_(0, batch.new_kv_slots, v.to(v_pool.dtype))
+        scale = self.cfg.attn.scale
+        out = batch.by_group(
+            lambda group, rows: ops.attn_decode(rows_of(q, rows).contiguous(), k_pool, v_pool, group.kv_idx,
+                                                group.kv_len, scale),  # fmt: skip
+            lambda rows: ops.attn_prefill_many(rows_of(q, rows), k_pool, v_pool, batch.prefill_attn_spans, scale),
+        )
+        o = _per_head(out[..., : m.kv_lora_rank], w_uv)
+        return row_parallel(o.reshape(t, -1), self.o_proj, self.tp)
