@@ -17,15 +17,16 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-MIXER_KINDS = ("mamba", "attention", "gdn", "short_conv")
+MIXER_KINDS = ("mamba", "attention", "gdn", "short_conv", "mamba1")
 MLP_KINDS = ("fused_gated_mlp", "gated_mlp", "relu2_mlp", "softmax_moe", "sigmoid_moe", "shared_gate_moe",
              "sigmoid_swiglu_moe")
 """Block kinds that mix channels only (no sequence mixing, no state)."""
 BLOCK_KINDS = MIXER_KINDS + MLP_KINDS
-RECURRENT_KINDS = ("mamba", "parallel", "gdn", "short_conv")
+RECURRENT_KINDS = ("mamba", "parallel", "gdn", "short_conv", "mamba1")
 """Layer kinds that carry a recurrent state (one state slot per request holds all of them)."""
 STATE_CONTENTS = {"mamba": "conv window + SSM state", "parallel": "conv window + SSM state",
-               "gdn": "conv window + delta-rule state", "short_conv": "conv window"}
+               "gdn": "conv window + delta-rule state", "short_conv": "conv window",
+               "mamba1": "conv window + per-channel SSM state"}
 """What one state slot holds for a layer of each recurrent kind (reported by /get_model_info)."""
 
 
@@ -141,6 +142,28 @@ class ShortConvConfig:
 
 
 @dataclass(frozen=True)
+class Mamba1Config:
+    """The Mamba1 (selective scan) mixers' sizes: `d_inner` channels, each with its own [d_state] SSM
+    state and conv window of width `d_conv`; dt from a rank-`dt_rank` projection (`x_proj` -> `dt_proj`).
+    `bcdt_norm`: the RMS norm on dt, B and C after `x_proj` ("" none: Mamba; "weightless": FalconMamba;
+    "weighted": Jamba's `dt_layernorm` / `b_layernorm` / `c_layernorm`), with epsilon `norm_eps`."""
+
+    d_inner: int = 0
+    d_state: int = 0
+    d_conv: int = 4
+    dt_rank: int = 0
+    conv_bias: bool = True
+    proj_bias: bool = False
+    bcdt_norm: str = ""
+    norm_eps: float = 1e-6
+    inner_field: str = "intermediate_size"  # the config field `d_inner` comes from (the TP check names it)
+
+    def __post_init__(self) -> None:
+        if self.bcdt_norm not in ("", "weightless", "weighted"):
+            raise ValueError(f"unknown Mamba1 dt/B/C norm {self.bcdt_norm!r}")
+
+
+@dataclass(frozen=True)
 class MoeConfig:
     """The routed experts (every MoE block of the model shares them); `n_group`, `topk_group`,
     `routed_scaling`, `latent_size` are the sigmoid (Nemotron-H) router's; `shared_size` the width of
@@ -227,7 +250,7 @@ class HybridConfig:
     architecture: str
     vocab_size: int
     hidden_size: int
-    # per layer: "mamba" | "attention" | "parallel" (both) | "gdn" | "short_conv" | "mlp" (none)
+    # per layer: "mamba" | "attention" | "parallel" (both) | "gdn" | "short_conv" | "mamba1" | "mlp" (none)
     layer_kinds: tuple[str, ...]
     rms_norm_eps: float
     max_position_embeddings: int
@@ -238,6 +261,7 @@ class HybridConfig:
     mamba: MambaConfig = MambaConfig()
     gdn: GdnConfig = GdnConfig()
     short_conv: ShortConvConfig = ShortConvConfig()
+    mamba1: Mamba1Config = Mamba1Config()
     moe: MoeConfig = MoeConfig()
     mlp: MlpConfig = MlpConfig()
     vision: VisionConfig = VisionConfig()
@@ -260,7 +284,7 @@ class HybridConfig:
         if len(self.layer_specs) != len(self.layer_kinds):
             raise ValueError(f"{len(self.layer_specs)} layer specs for {len(self.layer_kinds)} layers")
         needs = {"attention": self.attn.num_heads, "mamba": self.mamba.n_heads, "gdn": self.gdn.k_heads,
-                 "short_conv": self.short_conv.d_conv}
+                 "short_conv": self.short_conv.d_conv, "mamba1": self.mamba1.d_inner}
         for kind in {b.kind for b in self.blocks()}:
             if not needs.get(kind, 1):
                 raise ValueError(f"the model has {kind} layers but its {kind} sizes are unset")
@@ -299,8 +323,12 @@ class HybridConfig:
         return tuple(i for i, k in enumerate(self.layer_kinds) if k == "short_conv")
 
     @property
+    def mamba1_layer_ids(self) -> tuple[int, ...]:
+        return tuple(i for i, k in enumerate(self.layer_kinds) if k == "mamba1")
+
+    @property
     def state_layer_ids(self) -> tuple[int, ...]:
-        """Layers with a recurrent state (Mamba, Gated DeltaNet, short convolutions)."""
+        """Layers with a recurrent state (Mamba2, Gated DeltaNet, short convolutions, Mamba1)."""
         return tuple(i for i, k in enumerate(self.layer_kinds) if k in RECURRENT_KINDS)
 
     def layers(self) -> tuple[tuple[Sublayer, ...], ...]:
@@ -327,6 +355,8 @@ def tp_layout_error(cfg: HybridConfig, tp_size: int) -> str | None:
         counts.append((cfg.gdn.k_heads, "linear_num_key_heads"))
     if cfg.short_conv_layer_ids:
         counts.append((cfg.hidden_size, "hidden_size"))
+    if cfg.mamba1_layer_ids:
+        counts.append((cfg.mamba1.d_inner, cfg.mamba1.inner_field))
     for block in cfg.blocks():
         sizes = [(block.size, block.size_field)] if block.size_field else []
         if block.kind == "sigmoid_moe" and cfg.moe.shared_size:

@@ -16,10 +16,11 @@ from worker_proc.kernels.composed import ComposedSteps
 from worker_proc.kernels.gdn_ops import GdnMethods, ReferenceGdn
 from worker_proc.kernels.interface import SsdParams
 from worker_proc.kernels.segments import PerSegment
+from worker_proc.kernels.selective_scan import SelectiveScanMethods
 from worker_proc.kernels.state_codec import StatePool
 
 
-class ReferenceOps(PerSegment, ComposedSteps, GdnMethods):
+class ReferenceOps(PerSegment, ComposedSteps, GdnMethods, SelectiveScanMethods):
     """Pure-torch ops over pool slots; correct on every device, fast on none.
 
     `batch_invariant`: decode attention runs request by request with exactly the computation a

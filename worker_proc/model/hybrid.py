@@ -10,7 +10,7 @@ and divided by `logits_scaling`. Module names are the blocks' names under `model
 checkpoint's tensor names (after the family's renames, applied by the loader) are this module's
 `state_dict` keys: `model.embed_tokens`, `model.layers.N.<norm>`, `model.layers.N.<block>.*`,
 `model.norm`, `lm_head`.
-Recurrent mixers (Mamba2, Gated DeltaNet, LFM2's short convolutions) read and advance their layer's
+Recurrent mixers (Mamba2, Gated DeltaNet, LFM2's short convolutions, Mamba1) read and advance their layer's
 tensors of the worker's state pools (`pools.layer_state(kind, i)`, the same way for every recurrent
 mixer kind: the conv windows and the recurrent state, if the kind has one, in its storage dtype, int8
 values with their scales) at the request's state slot; attention its layer's KV pool.
@@ -48,6 +48,7 @@ from worker_proc.model.encoder_cache import EncoderCache
 from worker_proc.model.gated_deltanet import GatedDeltaNet
 from worker_proc.model.layers import GatedMLP, Linear, Relu2MLP, SparseMoE, SplitGatedMLP, empty_param, make_norm
 from worker_proc.model.mamba import MambaMixer
+from worker_proc.model.mamba1 import Mamba1Mixer
 from worker_proc.model.moe import SigmoidMoE
 from worker_proc.model.qwen_moe import SharedGateMoE
 from worker_proc.model.residual import Residual
@@ -96,6 +97,8 @@ def build_block(block: Block, cfg: HybridConfig, dtype: torch.dtype, device: tor
         return GatedDeltaNet(cfg, dtype, device, tp)
     if block.kind == "short_conv":
         return ShortConv(cfg, dtype, device, tp)
+    if block.kind == "mamba1":
+        return Mamba1Mixer(cfg, dtype, device, tp)
     if block.kind == "fused_gated_mlp":
         return GatedMLP(hidden, width, dtype, device, tp)
     if block.kind == "gated_mlp":
@@ -137,12 +140,13 @@ class DecoderLayer(nn.Module):
             return
         self.attn_index = cfg.attn_layer_ids.index(index) if index in cfg.attn_layer_ids else -1
         # this layer's index among the layers of each recurrent kind that it has
-        kinds = (("mamba", cfg.mamba_layer_ids), ("gdn", cfg.gdn_layer_ids), ("short_conv", cfg.short_conv_layer_ids))
+        kinds = (("mamba", cfg.mamba_layer_ids), ("gdn", cfg.gdn_layer_ids), ("short_conv", cfg.short_conv_layer_ids),
+                 ("mamba1", cfg.mamba1_layer_ids))
         self.state_index = {kind: ids.index(index) for kind, ids in kinds if index in ids}
 
     def _run(self, module: nn.Module, x: torch.Tensor, batch: StepBatch,
              rope: tuple[torch.Tensor, torch.Tensor] | None, pools: KVLayers, ops: KernelOps) -> torch.Tensor:
-        if isinstance(module, MambaMixer | GatedDeltaNet | ShortConv):
+        if isinstance(module, MambaMixer | GatedDeltaNet | ShortConv | Mamba1Mixer):
             assert isinstance(pools, StatePools)
             conv, state = pools.layer_state(module.state_kind, self.state_index[module.state_kind])
             return module(x, batch, conv, state, ops)

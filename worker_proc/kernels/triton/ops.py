@@ -32,6 +32,7 @@ from worker_proc.kernels.composed import ComposedSteps
 from worker_proc.kernels.gdn_ops import GdnMethods, ReferenceGdn
 from worker_proc.kernels.interface import AttnSpans, Spans, SsdParams
 from worker_proc.kernels.segments import PerSegment
+from worker_proc.kernels.selective_scan import SelectiveScanMethods
 from worker_proc.kernels.state_codec import StatePool
 from worker_proc.kernels.triton import attention as triton_attention
 from worker_proc.kernels.triton import conv as triton_conv
@@ -47,7 +48,7 @@ def _index_tensor(values: list[int], device: torch.device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int32).to(device, non_blocking=True)
 
 
-class TritonOps(PerSegment, ComposedSteps, GdnMethods):
+class TritonOps(PerSegment, ComposedSteps, GdnMethods, SelectiveScanMethods):
     """Fused Triton kernels over pool slots (CUDA; CPU only under TRITON_INTERPRET=1). Stateless but
     for `gdn`, the gated-delta backend (flash-linear-attention when installed, see gdn_ops)."""
 
