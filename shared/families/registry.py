@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from shared.errors import ModelLoadError
-from shared.families import bamba, falcon_h1, granite, lfm2, mamba1, mamba2, nemotron_h, qwen3_next
+from shared.families import bamba, falcon_h1, granite, jamba, lfm2, mamba1, mamba2, nemotron_h, qwen3_next
 from shared.families.family import Family
 from shared.model_config import HybridConfig
 
@@ -30,6 +30,7 @@ FAMILIES: dict[str, Family] = {
     "Lfm2MoeForCausalLM": lfm2.FAMILY,
     "MambaForCausalLM": mamba1.FAMILY,
     "FalconMambaForCausalLM": mamba1.FAMILY,
+    "JambaForCausalLM": jamba.FAMILY,
 }
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
 

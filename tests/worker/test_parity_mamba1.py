@@ -1,4 +1,4 @@
-"""Parity with transformers for Mamba1 (Mamba, FalconMamba; checkpoints built by transformers at test time,
+"""Parity with transformers for Mamba1 (Mamba, FalconMamba, Jamba; checkpoints built by transformers at test time,
 tests/fixtures/mamba1_model.py), through ModelRunner with msgpack round-tripped batches, in the default and
 the deterministic mode: all-position prompt logits, chunked prefill resuming from the pooled conv window and
 per-channel SSM state (a one-token chunk taking the decode path mid-prompt, one-token chunks at the very
@@ -46,11 +46,12 @@ def test_full_prompt_logits(name: str, deterministic: bool) -> None:
     assert max_diff(out["a"], ref["prompt_logits"]) <= TOL
     r.check_integrity()
     info = ModelInfo.from_dir(mamba1_dir(name))  # what the scheduler and /get_model_info know of the model
-    assert info.has_recurrent_state and not info.has_attention
+    assert info.has_recurrent_state and info.has_attention == (name == "jamba")
     assert info.state_kinds == {"mamba1": "conv window + per-channel SSM state"}
     cfg = parse_config(read_config_json(mamba1_dir(name)))
     states = r.pools.states[SSM]
-    assert states.shape == (cfg.num_layers, r.pools.state_capacity + 1, cfg.mamba1.d_inner, cfg.mamba1.d_state)
+    layers = len(cfg.mamba1_layer_ids)
+    assert states.shape == (layers, r.pools.state_capacity + 1, cfg.mamba1.d_inner, cfg.mamba1.d_state)
     assert states[:, 1].abs().sum() > 0 and r.pools.states[CONV][:, 1].abs().sum() > 0
 
 
@@ -122,9 +123,9 @@ def test_drafts_give_the_greedy_output_and_its_state(name: str) -> None:
     drafted.check_integrity()
 
 
-STATE_DTYPE_TOL = {"bfloat16": 0.06, "int8": 0.09}
+STATE_DTYPE_TOL = {"bfloat16": 0.06, "int8": 0.13}
 """Max abs logit difference over the decode steps against the float32 reference (logits of magnitude ~6;
-measured: bf16 <= 0.041, int8 <= 0.069 with one scale per channel)."""
+measured: bf16 <= 0.041, int8 <= 0.102 with one scale per channel)."""
 
 
 @pytest.mark.parametrize("state_dtype", tuple(STATE_DTYPE_TOL))
@@ -161,3 +162,18 @@ def test_hub_config_fields() -> None:
     assert falcon.mamba1.bcdt_norm == "weightless" and falcon.mamba1.norm_eps == 1e-6
     rename = dict(cfg.renames)
     assert r"^model\.embeddings?\." in rename
+
+
+@pytest.mark.parametrize("attn, experts", [((8, 4), (2, 1)), ((3, 0), (1, 0)), ((5, 4), (3, 2))])
+def test_jamba_layout_matches_transformers(attn: tuple[int, int], experts: tuple[int, int]) -> None:
+    """Attention and MoE layers where transformers' JambaConfig puts them (`layers_block_type`,
+    `layers_num_experts`) for periods and offsets other than the fixture's."""
+    transformers = pytest.importorskip("transformers")
+    raw = dict(read_config_json(mamba1_dir("jamba")), num_hidden_layers=10, attn_layer_period=attn[0],
+               attn_layer_offset=attn[1], expert_layer_period=experts[0], expert_layer_offset=experts[1])
+    cfg = parse_config(raw)
+    hf = transformers.JambaConfig(**{k: v for k, v in raw.items() if k not in ("architectures", "model_type")})
+    assert cfg.layer_kinds == tuple("mamba1" if k == "mamba" else k for k in hf.layers_block_type)
+    moe = tuple(layer[1].blocks[0].kind == "shared_gate_moe" for layer in cfg.layers())
+    assert moe == tuple(n > 1 for n in hf.layers_num_experts)
+    assert cfg.mamba1.bcdt_norm == "weighted" and not cfg.moe.norm_topk_prob and cfg.attn.rope_theta is None
