@@ -15,7 +15,8 @@ batch invariant (a request's result is bitwise the same alone or batched), and d
 slot is 0 (padding) are computed from the zero padding state but never written back. The Mamba
 kernels read and write a float32 SSM pool; a bfloat16 or int8 pool (`--mamba-ssm-dtype`) is decoded
 into a float32 scratch pool of the call's slots before the kernel and encoded back after it
-(`state_codec.run_on_float32`), so the kernels themselves only ever see float32 states.
+(`state_codec.run_on_float32`), so the kernels themselves only ever see float32 states. Mamba1's
+selective scan runs the pure-torch methods (worker_proc.kernels.selective_scan) on the device.
 Importing this module imports triton: on a CPU-only machine set TRITON_INTERPRET=1 first.
 """
 
