@@ -92,6 +92,12 @@ SHAPES: dict[str, dict] = {
         block_ffn_dim_multiplier=1.0, block_multiple_of=256, conv_L_cache=3, conv_bias=False, norm_eps=1e-5,
         tie_embedding=True, rope_theta=1000000.0, max_position_embeddings=128000, eos_token_id=7,
     ),
+    # Falcon-Mamba-7B: 64 Mamba1 layers (d_inner 8192, a [8192, 16] state each), no attention
+    "falcon-mamba-7b": dict(
+        architectures=["FalconMambaForCausalLM"], vocab_size=65024, hidden_size=4096, num_hidden_layers=64,
+        intermediate_size=8192, state_size=16, conv_kernel=4, time_step_rank=256, use_conv_bias=True, use_bias=False,
+        mixer_rms_eps=1e-6, layer_norm_epsilon=1e-5, tie_word_embeddings=False, eos_token_id=11,
+    ),
 }
 
 
@@ -134,7 +140,7 @@ def write(out_dir: str, shape: str, num_layers: int = 0, seed: int = 0) -> str:
     tensors = {}
     for name, p in model.named_parameters():
         if name.endswith("A_log"):
-            tensors[name] = torch.log(torch.linspace(1.0, 16.0, p.shape[0]))
+            tensors[name] = torch.log(torch.linspace(1.0, 16.0, p.shape[-1])).expand(p.shape).contiguous()
         elif p.dim() == 1:
             tensors[name] = torch.ones(p.shape) if "norm" in name or name.endswith(".D") else torch.zeros(p.shape)
         else:
