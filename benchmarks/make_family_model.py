@@ -106,6 +106,12 @@ SHAPES: dict[str, dict] = {
         routed_scaling_factor=2.446, moe_router_activation_func="sigmoid", rms_norm_eps=1e-5,
         tie_word_embeddings=False, model_max_length=1048576, eos_token_id=163586,
     ),
+    # Falcon-Mamba-7B: 64 Mamba1 layers (d_inner 8192, a [8192, 16] state each), no attention
+    "falcon-mamba-7b": dict(
+        architectures=["FalconMambaForCausalLM"], vocab_size=65024, hidden_size=4096, num_hidden_layers=64,
+        intermediate_size=8192, state_size=16, conv_kernel=4, time_step_rank=256, use_conv_bias=True, use_bias=False,
+        mixer_rms_eps=1e-6, layer_norm_epsilon=1e-5, tie_word_embeddings=False, eos_token_id=11,
+    ),
 }
 
 
@@ -148,7 +154,10 @@ def write(out_dir: str, shape: str, num_layers: int = 0, seed: int = 0) -> str:
     tensors = {}
     for name, p in model.named_parameters():
         if name.endswith("A_log"):
-            tensors[name] = torch.log(torch.linspace(1.0, 16.0, p.numel())).view(p.shape)
+            if p.dim() == 2:  # Mamba1's [d_inner, d_state]: every channel the same row of decays
+                tensors[name] = torch.log(torch.linspace(1.0, 16.0, p.shape[-1])).expand(p.shape).contiguous()
+            else:
+                tensors[name] = torch.log(torch.linspace(1.0, 16.0, p.numel())).view(p.shape)
         elif p.dim() == 1:
             tensors[name] = torch.ones(p.shape) if "norm" in name or name.endswith(".D") else torch.zeros(p.shape)
         else:

@@ -75,6 +75,9 @@ def _block_linears(block: Block, cfg: HybridConfig) -> Iterator[tuple[str, int, 
         yield "out_proj", hidden, value
     elif block.kind == "short_conv":
         yield from (("in_proj", 3 * hidden, hidden), ("out_proj", hidden, hidden))
+    elif block.kind == "mamba1":
+        inner = cfg.mamba1.d_inner
+        yield from (("in_proj", 2 * inner, hidden), ("out_proj", hidden, inner))
     elif block.kind == "fused_gated_mlp":
         yield from (("input_linear", 2 * size, hidden), ("output_linear", hidden, size))
     elif block.kind == "gated_mlp":

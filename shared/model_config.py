@@ -17,16 +17,17 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-MIXER_KINDS = ("mamba", "attention", "gdn", "short_conv", "kda", "mla")
+MIXER_KINDS = ("mamba", "attention", "gdn", "short_conv", "kda", "mla", "mamba1")
 MLP_KINDS = ("fused_gated_mlp", "gated_mlp", "relu2_mlp", "softmax_moe", "sigmoid_moe", "shared_gate_moe",
              "sigmoid_swiglu_moe", "grouped_swiglu_moe")
 """Block kinds that mix channels only (no sequence mixing, no state)."""
 BLOCK_KINDS = MIXER_KINDS + MLP_KINDS
-RECURRENT_KINDS = ("mamba", "parallel", "gdn", "short_conv", "kda")
+RECURRENT_KINDS = ("mamba", "parallel", "gdn", "short_conv", "kda", "mamba1")
 """Layer kinds that carry a recurrent state (one state slot per request holds all of them)."""
 STATE_CONTENTS = {"mamba": "conv window + SSM state", "parallel": "conv window + SSM state",
-               "gdn": "conv window + delta-rule state", "short_conv": "conv window",
-               "kda": "conv window + delta-rule state (per-channel decay)"}
+                  "gdn": "conv window + delta-rule state", "short_conv": "conv window",
+                  "kda": "conv window + delta-rule state (per-channel decay)",
+                  "mamba1": "conv window + per-channel SSM state"}
 """What one state slot holds for a layer of each recurrent kind (reported by /get_model_info)."""
 
 
@@ -174,6 +175,28 @@ class MlaConfig:
 
 
 @dataclass(frozen=True)
+class Mamba1Config:
+    """The Mamba1 (selective scan) mixers' sizes: `d_inner` channels, each with its own [d_state] SSM
+    state and conv window of width `d_conv`; dt from a rank-`dt_rank` projection (`x_proj` -> `dt_proj`).
+    `bcdt_norm`: the RMS norm on dt, B and C after `x_proj` ("" none: Mamba; "weightless": FalconMamba;
+    "weighted": Jamba's `dt_layernorm` / `b_layernorm` / `c_layernorm`), with epsilon `norm_eps`."""
+
+    d_inner: int = 0
+    d_state: int = 0
+    d_conv: int = 4
+    dt_rank: int = 0
+    conv_bias: bool = True
+    proj_bias: bool = False
+    bcdt_norm: str = ""
+    norm_eps: float = 1e-6
+    inner_field: str = "intermediate_size"  # the config field `d_inner` comes from (the TP check names it)
+
+    def __post_init__(self) -> None:
+        if self.bcdt_norm not in ("", "weightless", "weighted"):
+            raise ValueError(f"unknown Mamba1 dt/B/C norm {self.bcdt_norm!r}")
+
+
+@dataclass(frozen=True)
 class MoeConfig:
     """The routed experts (every MoE block of the model shares them); `n_group`, `topk_group`,
     `routed_scaling`, `latent_size` are the sigmoid (Nemotron-H) router's; `shared_size` the width of
@@ -261,7 +284,7 @@ class HybridConfig:
     vocab_size: int
     hidden_size: int
     # per layer: "mamba" | "attention" (an "attention" or "mla" block) | "parallel" (both) | "gdn" | "short_conv"
-    # | "kda" | "mlp" (none)
+    # | "kda" | "mamba1" | "mlp" (none)
     layer_kinds: tuple[str, ...]
     rms_norm_eps: float
     max_position_embeddings: int
@@ -274,6 +297,7 @@ class HybridConfig:
     short_conv: ShortConvConfig = ShortConvConfig()
     kda: KdaConfig = KdaConfig()
     mla: MlaConfig = MlaConfig()
+    mamba1: Mamba1Config = Mamba1Config()
     moe: MoeConfig = MoeConfig()
     mlp: MlpConfig = MlpConfig()
     vision: VisionConfig = VisionConfig()
@@ -297,7 +321,7 @@ class HybridConfig:
             raise ValueError(f"{len(self.layer_specs)} layer specs for {len(self.layer_kinds)} layers")
         needs = {"attention": self.attn.num_heads, "mamba": self.mamba.n_heads, "gdn": self.gdn.k_heads,
                  "short_conv": self.short_conv.d_conv, "kda": self.kda.heads,
-                 "mla": self.attn.num_heads * self.mla.kv_lora_rank}
+                 "mla": self.attn.num_heads * self.mla.kv_lora_rank, "mamba1": self.mamba1.d_inner}
         for kind in {b.kind for b in self.blocks()}:
             if not needs.get(kind, 1):
                 raise ValueError(f"the model has {kind} layers but its {kind} sizes are unset")
@@ -340,8 +364,13 @@ class HybridConfig:
         return tuple(i for i, k in enumerate(self.layer_kinds) if k == "kda")
 
     @property
+    def mamba1_layer_ids(self) -> tuple[int, ...]:
+        return tuple(i for i, k in enumerate(self.layer_kinds) if k == "mamba1")
+
+    @property
     def state_layer_ids(self) -> tuple[int, ...]:
-        """Layers with a recurrent state (Mamba, Gated DeltaNet, short convolutions, Kimi Delta Attention)."""
+        """Layers with a recurrent state (Mamba2, Gated DeltaNet, short convolutions, Kimi Delta Attention,
+        Mamba1)."""
         return tuple(i for i, k in enumerate(self.layer_kinds) if k in RECURRENT_KINDS)
 
     def layers(self) -> tuple[tuple[Sublayer, ...], ...]:
@@ -370,6 +399,8 @@ def tp_layout_error(cfg: HybridConfig, tp_size: int) -> str | None:
         counts.append((cfg.hidden_size, "hidden_size"))
     if cfg.kda_layer_ids:
         counts.append((cfg.kda.heads, "linear_attn_config.num_heads"))
+    if cfg.mamba1_layer_ids:
+        counts.append((cfg.mamba1.d_inner, cfg.mamba1.inner_field))
     for block in cfg.blocks():
         sizes = [(block.size, block.size_field)] if block.size_field else []
         if block.kind == "sigmoid_moe" and cfg.moe.shared_size:

@@ -73,7 +73,8 @@ class VisionInfo:
 @dataclass(frozen=True)
 class ModelInfo:
     architecture: str
-    layer_kinds: tuple[str, ...]  # "mamba" | "attention" | "parallel" (both) | "gdn" | "short_conv" | "kda" | "mlp"
+    # "mamba" | "attention" | "parallel" (both) | "gdn" | "short_conv" | "kda" | "mamba1" | "mlp" (none)
+    layer_kinds: tuple[str, ...]
     vocab_size: int
     eos_token_ids: tuple[int, ...]
     max_position_embeddings: int

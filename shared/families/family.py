@@ -20,7 +20,7 @@ class Family:
     """A family's rules over a parsed `config.json`:
     - `parse(cfg, arch)`: the validated `HybridConfig` (sizes, the arrangement of the shared blocks
       in each layer, checkpoint renames); raises ModelLoadError, KeyError, TypeError or ValueError;
-    - `layer_kinds(cfg)`: per layer "mamba" | "attention" | "parallel" | "gdn" | "short_conv" | "kda" | "mlp"
+    - `layer_kinds(cfg)`: per layer "mamba" | "attention" | "parallel" | "gdn" | "short_conv" | "kda" | "mamba1" | "mlp"
       (all that the scheduler and the tokenizer need of the layout);
     - `context(cfg)`: the context length the config gives;
     - `text_config(cfg)`: the language model's fields (a multimodal wrapper's `text_config`)."""

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from shared.errors import ModelLoadError
-from shared.families import bamba, falcon_h1, granite, kimi_linear, lfm2, mamba2, nemotron_h, qwen3_next
+from shared.families import bamba, falcon_h1, granite, jamba, kimi_linear, lfm2, mamba1, mamba2, nemotron_h, qwen3_next
 from shared.families.family import Family
 from shared.model_config import HybridConfig
 
@@ -29,6 +29,9 @@ FAMILIES: dict[str, Family] = {
     "Lfm2ForCausalLM": lfm2.FAMILY,
     "Lfm2MoeForCausalLM": lfm2.FAMILY,
     "KimiLinearForCausalLM": kimi_linear.FAMILY,
+    "MambaForCausalLM": mamba1.FAMILY,
+    "FalconMambaForCausalLM": mamba1.FAMILY,
+    "JambaForCausalLM": jamba.FAMILY,
 }
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
 

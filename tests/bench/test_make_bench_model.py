@@ -225,6 +225,23 @@ def test_kimi_linear_shape_is_the_published_one() -> None:
     assert parse_config(truncate(shape, 2)).layer_kinds == ("kda", "attention")
 
 
+def test_falcon_mamba_shape_is_the_published_one() -> None:
+    """Falcon-Mamba-7B parses into 64 Mamba1 layers and 7.27B parameters (meta device), its state slot the
+    64 layers' [8192, 3] conv windows and [8192, 16] states."""
+    from benchmarks.make_family_model import SHAPES, truncate
+    from shared.families.registry import parse_config
+    from worker_proc.model import HybridForCausalLM
+    from worker_proc.state.pools import slot_bytes
+
+    cfg = parse_config(dict(SHAPES["falcon-mamba-7b"]))
+    assert cfg.layer_kinds == ("mamba1",) * 64 and cfg.mamba1.bcdt_norm == "weightless"
+    with torch.device("meta"):
+        model = HybridForCausalLM(cfg, torch.float32, "meta")
+    assert abs(sum(p.numel() for p in model.parameters()) - 7.27e9) / 7.27e9 < 5e-3
+    assert slot_bytes(cfg, torch.float32).state_slot == 64 * 8192 * (3 + 16) * 4
+    assert parse_config(truncate(SHAPES["falcon-mamba-7b"], 2)).layer_kinds == ("mamba1",) * 2
+
+
 def test_transformers_init_has_the_generators_layout_and_transformers_values(small_ckpt: Path, tmp_path: Path) -> None:
     """--init transformers: the generator's tensor names and shapes, hyssm loads it, and the values are
     those of transformers' own from_config (same seed) rather than the generator's."""

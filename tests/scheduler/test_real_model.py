@@ -1,9 +1,10 @@
 """Scheduler + real in-process model runtime (CPU tensors, no stubs), over the built-in tiny
 checkpoint (GraniteMoeHybrid: Mamba2 state), a tiny Gated DeltaNet checkpoint (the Qwen3.5 dense
 parity fixture: conv + [heads, k_dim, v_dim] recurrent state), a tiny LFM2 checkpoint built by
-transformers (short convolutions: the conv window is the whole state) and a tiny Kimi Linear one
-(Kimi Delta Attention's per-channel-decay state beside MLA's KV): the scheduler, admission and radix
-cache are about states, whatever the recurrent layer kind.
+transformers (short convolutions: the conv window is the whole state), a tiny Kimi Linear one (Kimi Delta
+Attention's per-channel-decay state beside MLA's KV) and a tiny Mamba one (Mamba1: a conv window and a
+[d_inner, d_state] state per layer, no attention): the scheduler, admission and radix cache are about states,
+whatever the recurrent layer kind.
 
 Greedy outputs must not depend on caching, chunking, batching, copy-on-write or retraction."""
 
@@ -32,7 +33,7 @@ class AlwaysDraft(DraftingGain):
         return True
 
 
-@pytest.fixture(scope="module", params=["builtin", "qwen3_5_dense", "lfm2_bias", "kimi_moe"])
+@pytest.fixture(scope="module", params=["builtin", "qwen3_5_dense", "lfm2_bias", "kimi_moe", "mamba_bias"])
 def model_dir(request: pytest.FixtureRequest) -> str:
     if request.param == "builtin":
         return builtin_model_dir()
@@ -44,6 +45,10 @@ def model_dir(request: pytest.FixtureRequest) -> str:
         from tests.fixtures.kimi_linear_model import kimi_dir  # builds it with transformers (torch)
 
         return kimi_dir(request.param)
+    if request.param.startswith("mamba"):
+        from tests.fixtures.mamba1_model import mamba1_dir  # builds it with transformers (torch)
+
+        return mamba1_dir(request.param)
     return fixture_dir(request.param)
 
 

@@ -12,7 +12,8 @@ these semantics; the model calls nothing else. Rules that hold for every method:
 Shape letters are those of `worker_proc.kernels.reference`: L tokens of one request, Bt requests of
 a decode group, H Mamba heads, P head dim, G groups, N state size, Cd conv channels, K conv width,
 h query heads, kvh KV heads, d attention head dim; for the gated delta rule (Gated DeltaNet layers)
-Hv value heads, Dk key dim, Dv value dim; for its per-channel form (Kimi Delta Attention) H heads.
+Hv value heads, Dk key dim, Dv value dim; for its per-channel form (Kimi Delta Attention) H heads; for Mamba1's
+selective scan D channels (d_inner) and N.
 """
 
 from __future__ import annotations
@@ -41,6 +42,16 @@ class SsdParams:
     dt_bias: torch.Tensor
     dt_limit: tuple[float, float]
     chunk_size: int
+
+
+@dataclass(frozen=True)
+class SelectiveScanParams:
+    """One Mamba1 layer's scan constants (this rank's channels): a = -exp(A_log) [D, N] float32 (negative),
+    the D skip [D], dt_proj's bias [D] (added to dt before the softplus)."""
+
+    a: torch.Tensor
+    d: torch.Tensor
+    dt_bias: torch.Tensor
 
 
 class GateNorm(Protocol):
@@ -193,4 +204,23 @@ class KernelOps(Protocol):
                    state_pool: StatePool, slots: Tensor) -> Tensor:  # fmt: skip
         """One token per request: q, k, g: [Bt, H, Dk]; v: [Bt, H, Dv]; beta: [Bt, H]; slots: [Bt] int64
         (distinct). Returns o [Bt, H, Dv] fp32; rows `slots` of state_pool advanced by one."""
+        ...
+
+    def selective_scan_prefill(self, x: Tensor, dt: Tensor, b: Tensor, c: Tensor, p: SelectiveScanParams,
+                               state_pool: StatePool, slot: int) -> Tensor:  # fmt: skip
+        """Mamba1's selective scan over one request (worker_proc.kernels.selective_scan states it): x [L, D]
+        (the conv output); dt [L, D] raw (p.dt_bias and softplus applied here); b, c [L, N]; state_pool
+        [S, D, N], row `slot` advanced. Returns y [L, D] fp32 with the D skip (not gated)."""
+        ...
+
+    def selective_scan_prefill_many(self, x: Tensor, dt: Tensor, b: Tensor, c: Tensor, p: SelectiveScanParams,
+                                    state_pool: StatePool, spans: Spans) -> Tensor:  # fmt: skip
+        """`selective_scan_prefill` of several requests at once, the rows of `spans` concatenated as in
+        `conv_prefill_many`. Returns y [sum of lengths, D] fp32; every span's slot advanced."""
+        ...
+
+    def selective_scan_decode(self, x: Tensor, dt: Tensor, b: Tensor, c: Tensor, p: SelectiveScanParams,
+                              state_pool: StatePool, slots: Tensor) -> Tensor:  # fmt: skip
+        """One token per request: x, dt [Bt, D]; b, c [Bt, N]; slots [Bt] int64 (distinct). Returns y [Bt, D]
+        fp32; rows `slots` of state_pool advanced by one."""
         ...

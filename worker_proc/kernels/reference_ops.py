@@ -17,10 +17,11 @@ from worker_proc.kernels.gdn_ops import GdnMethods, ReferenceGdn
 from worker_proc.kernels.interface import SsdParams
 from worker_proc.kernels.kda_ops import KdaMethods
 from worker_proc.kernels.segments import PerSegment
+from worker_proc.kernels.selective_scan import SelectiveScanMethods
 from worker_proc.kernels.state_codec import StatePool
 
 
-class ReferenceOps(PerSegment, ComposedSteps, GdnMethods, KdaMethods):
+class ReferenceOps(PerSegment, ComposedSteps, GdnMethods, KdaMethods, SelectiveScanMethods):
     """Pure-torch ops over pool slots; correct on every device, fast on none.
 
     `batch_invariant`: decode attention runs request by request with exactly the computation a

@@ -2,7 +2,8 @@
 
 A step's prefill rows, concatenated in slice order, are described by `Spans` ((length, state slot)
 of each segment) or, for attention, `AttnSpans` ((length, start_pos, kv_idx)). `PerSegment` gives
-every `KernelOps` the `*_prefill_many` methods (conv, SSD scan, attention, gated delta rule) by calling
+every `KernelOps` the `*_prefill_many` methods (conv, SSD scan, attention, gated delta rule, selective
+scan) by calling
 its single-segment method once per span, so results are exactly the single calls' (what the
 batch-invariant kernels keep); an implementation overrides them where one call over every segment
 is cheaper (`FastOps`' Mamba conv and scan on CPU, `TritonOps`' varlen kernels). Whether padding
@@ -14,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from worker_proc.kernels.interface import AttnSpans, Spans, SsdParams
+from worker_proc.kernels.interface import AttnSpans, SelectiveScanParams, Spans, SsdParams
 from worker_proc.kernels.state_codec import StatePool
 
 PAD_SLACK = 1.5
@@ -75,5 +76,14 @@ class PerSegment:
         for length, slot in spans:
             rows = slice(start, start + length)
             outs.append(self.gdn_prefill(q[rows], k[rows], v[rows], g[rows], beta[rows], scale, state_pool, slot))
+            start += length
+        return _joined(outs)
+
+    def selective_scan_prefill_many(self, x: Tensor, dt: Tensor, b: Tensor, c: Tensor, p: SelectiveScanParams,
+                                    state_pool: StatePool, spans: Spans) -> Tensor:  # fmt: skip
+        outs, start = [], 0
+        for length, slot in spans:
+            rows = slice(start, start + length)
+            outs.append(self.selective_scan_prefill(x[rows], dt[rows], b[rows], c[rows], p, state_pool, slot))
             start += length
         return _joined(outs)

@@ -13,7 +13,8 @@ rows with `load` and writes them with `store`, and computes in float32 between t
   values * scale. A row, not a whole head: the states are heavy-tailed across a head's rows, and one
   scale per head leaves the small rows few levels.
 
-Rules that hold: the per-head state is the last two dims (Mamba [P, N], GDN [Dk, Dv]); a `store`
+Rules that hold: the per-head state is the last two dims (Mamba [P, N], GDN [Dk, Dv]; Mamba1's pool is
+[S, d_inner, N], one row per channel, its scales [S, d_inner]); a `store`
 given a tensor of slots never leaves padding slot 0 non-zero in a non-float32 pool (rows for slot 0,
 such as the Triton kernels' padding rows, are dropped); `load` of a stored state is `decode(encode(x))`
 exactly, so copying a slot's values and scales (`StatePools.copy_state`) moves a state losslessly.

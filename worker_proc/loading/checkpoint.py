@@ -91,7 +91,8 @@ def load_model(
         model = HybridForCausalLM(cfg, torch_dtype, dev, tp, mtp=mtp)
         load_weights(model, files)
     model.eval()
-    letters = {"mamba": "M", "attention": "A", "parallel": "P", "gdn": "G", "short_conv": "C", "kda": "K", "mlp": "-"}
+    letters = {"mamba": "M", "attention": "A", "parallel": "P", "gdn": "G", "short_conv": "C", "kda": "K",
+               "mamba1": "S", "mlp": "-"}
     logger.info("loaded %s from %s: %d layers (%s)%s, %s on %s", cfg.architecture, model_dir, cfg.num_layers,
                 "".join(letters[k] for k in cfg.layer_kinds), f" + {cfg.mtp_layers} MTP" if mtp else "",
                 torch_dtype, dev)

@@ -16,13 +16,14 @@ from worker_proc.model.kimi_delta import KimiDeltaAttention
 from worker_proc.model.latent_attention import LatentAttention
 from worker_proc.model.layers import GatedMLP, Relu2MLP, SparseMoE, SplitGatedMLP
 from worker_proc.model.mamba import MambaMixer
+from worker_proc.model.mamba1 import Mamba1Mixer
 from worker_proc.model.moe import SigmoidMoE
 from worker_proc.model.qwen_moe import SharedGateMoE
 from worker_proc.model.shard import TPInfo
 from worker_proc.model.short_conv import ShortConv
 from worker_proc.model.sigmoid_moe import SigmoidSwigluMoE
 
-RECURRENT_MIXERS = (MambaMixer, GatedDeltaNet, ShortConv, KimiDeltaAttention)
+RECURRENT_MIXERS = (MambaMixer, GatedDeltaNet, ShortConv, KimiDeltaAttention, Mamba1Mixer)
 """The mixer modules that read and advance a recurrent state in the pools (`state_kind`)."""
 ATTENTION_MIXERS = (Attention, LatentAttention)
 """The mixer modules that read and write their layer's KV pool."""
@@ -39,6 +40,8 @@ def build_block(block: Block, cfg: HybridConfig, dtype: torch.dtype, device: tor
         return GatedDeltaNet(cfg, dtype, device, tp)
     if block.kind == "short_conv":
         return ShortConv(cfg, dtype, device, tp)
+    if block.kind == "mamba1":
+        return Mamba1Mixer(cfg, dtype, device, tp)
     if block.kind == "kda":
         return KimiDeltaAttention(cfg, dtype, device, tp)
     if block.kind == "mla":

@@ -10,7 +10,7 @@ and divided by `logits_scaling`. Module names are the blocks' names under `model
 checkpoint's tensor names (after the family's renames, applied by the loader) are this module's
 `state_dict` keys: `model.embed_tokens`, `model.layers.N.<norm>`, `model.layers.N.<block>.*`,
 `model.norm`, `lm_head`.
-Recurrent mixers (Mamba2, Gated DeltaNet, LFM2's short convolutions) read and advance their layer's
+Recurrent mixers (Mamba2, Gated DeltaNet, LFM2's short convolutions, Mamba1) read and advance their layer's
 tensors of the worker's state pools (`pools.layer_state(kind, i)`, the same way for every recurrent
 mixer kind: the conv windows and the recurrent state, if the kind has one, in its storage dtype, int8
 values with their scales) at the request's state slot; attention its layer's KV pool.
@@ -101,7 +101,7 @@ class DecoderLayer(nn.Module):
         self.attn_index = cfg.attn_layer_ids.index(index) if index in cfg.attn_layer_ids else -1
         # this layer's index among the layers of each recurrent kind that it has
         kinds = (("mamba", cfg.mamba_layer_ids), ("gdn", cfg.gdn_layer_ids), ("short_conv", cfg.short_conv_layer_ids),
-                 ("kda", cfg.kda_layer_ids))
+                 ("kda", cfg.kda_layer_ids), ("mamba1", cfg.mamba1_layer_ids))
         self.state_index = {kind: ids.index(index) for kind, ids in kinds if index in ids}
 
     def _run(self, module: nn.Module, x: torch.Tensor, batch: StepBatch,

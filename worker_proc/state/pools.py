@@ -19,10 +19,13 @@ declares (`state_tensors`):
   kda_conv  : KDA     [3 * heads * head_dim, d_conv - 1]  model dtype (q | k | v channels)
   kda_state : KDA     [heads, head_dim, head_dim]         the state dtype
   kda_state_scale : KDA [heads, head_dim]                float32, int8 state only
+  mamba1_conv : Mamba1 [d_inner, d_conv - 1]              model dtype
+  mamba1_ssm  : Mamba1 [d_inner, d_state]                 the state dtype (one state per channel)
+  mamba1_ssm_scale : Mamba1 [d_inner]                     float32, int8 state only
 The state dtype (`--mamba-ssm-dtype`: float32, bfloat16 or int8; worker_proc.kernels.state_codec owns
 the encodings) decides how the recurrent states are stored, never how they are computed; an int8
-state keeps one scale per (slot, layer, head, row) in its `*_scale` tensor, and `state_pool` hands the
-kernels the values and scales of a layer together. One state slot (a request's, a checkpoint's, a
+state keeps one scale per (slot, layer, head, row) in its `*_scale` tensor (Mamba1: per channel), and
+`state_pool` hands the kernels the values and scales of a layer together. One state slot (a request's, a checkpoint's, a
 cached prefix's) is the same slot number in every one of them: `copy_state` / `clear_state` move
 every tensor of the slot (values and scales alike) of every layer of every kind at once, and a slot
 costs the sum of all of them (`slot_bytes`, scales included), so a narrower state dtype gives more
@@ -86,11 +89,12 @@ SCALE_SUFFIX = "_scale"
 
 
 def _recurrent(name: str, layers: int, shape: tuple[int, ...], state_dtype: str) -> list[StateTensor]:
-    """A recurrent state [heads, a, b] stored as `state_dtype`, and its per-row scales [heads, a] when int8."""
+    """A recurrent state [..., b] ([heads, a, b], or Mamba1's [channels, b]) stored as `state_dtype`, and
+    its per-row scales [...] (one per row of b values) when int8."""
     storage = storage_dtype(state_dtype)
     out = [StateTensor(name, layers, shape, storage)]
     if storage == torch.int8:
-        out.append(StateTensor(name + SCALE_SUFFIX, layers, shape[:2], torch.float32))
+        out.append(StateTensor(name + SCALE_SUFFIX, layers, shape[:-1], torch.float32))
     return out
 
 
@@ -139,11 +143,25 @@ def kda_state_tensors(cfg: HybridConfig, dtype: torch.dtype, tp_size: int, tp_ra
             *_recurrent("kda_state", n, (heads, d, d), state_dtype)]
 
 
-STATE_KINDS = (mamba_state_tensors, gdn_state_tensors, short_conv_state_tensors, kda_state_tensors)
+def mamba1_state_tensors(cfg: HybridConfig, dtype: torch.dtype, tp_size: int, tp_rank: int,
+                         state_dtype: str = "float32") -> list[StateTensor]:  # fmt: skip
+    """Mamba1 (selective scan): the conv window over this rank's d_inner channels (model dtype) and each
+    channel's [d_state] SSM state (`state_dtype`, with `mamba1_ssm_scale` when int8); declared only when
+    the model has such layers."""
+    n = len(cfg.mamba1_layer_ids)
+    if not n:
+        return []
+    width = cfg.mamba1.d_inner // tp_size
+    return [StateTensor("mamba1_conv", n, (width, cfg.mamba1.d_conv - 1), dtype),
+            *_recurrent("mamba1_ssm", n, (width, cfg.mamba1.d_state), state_dtype)]
+
+
+STATE_KINDS = (mamba_state_tensors, gdn_state_tensors, short_conv_state_tensors, kda_state_tensors,
+               mamba1_state_tensors)
 """Every recurrent layer kind's declaration of its state tensors."""
 MIXER_STATES: dict[str, tuple[str, str | None]] = {
     "mamba": ("conv", "ssm"), "gdn": ("gdn_conv", "gdn_state"), "short_conv": ("short_conv_window", None),
-    "kda": ("kda_conv", "kda_state")}
+    "kda": ("kda_conv", "kda_state"), "mamba1": ("mamba1_conv", "mamba1_ssm")}
 """Each recurrent mixer kind's (conv window, recurrent state) tensors of `STATE_KINDS` (None: the kind's
 state is its conv window alone)."""
 
@@ -318,7 +336,7 @@ class StatePools:
         return self.states[conv][layer], None if state is None else self.state_pool(state, layer)
 
     def state_pool(self, name: str, layer: int) -> StatePool:
-        """The kernels' view of recurrent state `name` ("ssm", "gdn_state") of one layer (its index
+        """The kernels' view of recurrent state `name` ("ssm", "gdn_state", "mamba1_ssm") of one layer (its index
         among the layers of its kind): the [S, ...] tensor, or with an int8 state its values and
         scales together."""
         values = self.states[name][layer]

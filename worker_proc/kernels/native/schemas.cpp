@@ -50,5 +50,8 @@ TORCH_LIBRARY(hyssm_cpu, m) {
   m.def("tiled_w8a8(Tensor x, Tensor tiled, Tensor row_sums, Tensor scale) -> Tensor");
   m.def("tiled_w4a8(Tensor x, Tensor tiles, Tensor scales, int n) -> Tensor");
   m.def("lora_add(Tensor(a!) out, Tensor x, Tensor a, Tensor bt, Tensor cols, Tensor row_slot) -> Tensor(a!)");
+  m.def(
+      "selective_scan(Tensor x, Tensor dt, Tensor b, Tensor c, Tensor a, Tensor d, Tensor dt_bias, Tensor(a!) pool, "
+      "Tensor(b!)? pool_scale, Tensor slots, int[] lengths) -> Tensor");
   m.def("layout() -> int[]", &hyssm_cpu::layout);
 }

@@ -15,7 +15,8 @@ batch invariant (a request's result is bitwise the same alone or batched), and d
 slot is 0 (padding) are computed from the zero padding state but never written back. The Mamba
 kernels read and write a float32 SSM pool; a bfloat16 or int8 pool (`--mamba-ssm-dtype`) is decoded
 into a float32 scratch pool of the call's slots before the kernel and encoded back after it
-(`state_codec.run_on_float32`), so the kernels themselves only ever see float32 states.
+(`state_codec.run_on_float32`), so the kernels themselves only ever see float32 states. Mamba1's
+selective scan (prefill segments and decode rows) is `triton/selective_scan.py`'s one kernel.
 Importing this module imports triton: on a CPU-only machine set TRITON_INTERPRET=1 first.
 """
 
@@ -30,12 +31,13 @@ from torch import Tensor
 from worker_proc.kernels import state_codec as codec
 from worker_proc.kernels.composed import ComposedSteps
 from worker_proc.kernels.gdn_ops import GdnMethods, ReferenceGdn
-from worker_proc.kernels.interface import AttnSpans, Spans, SsdParams
+from worker_proc.kernels.interface import AttnSpans, SelectiveScanParams, Spans, SsdParams
 from worker_proc.kernels.kda_ops import KdaMethods
 from worker_proc.kernels.segments import PerSegment
 from worker_proc.kernels.state_codec import StatePool
 from worker_proc.kernels.triton import attention as triton_attention
 from worker_proc.kernels.triton import conv as triton_conv
+from worker_proc.kernels.triton import selective_scan as triton_selective_scan
 from worker_proc.kernels.triton import ssd as triton_ssd
 from worker_proc.kernels.triton import ssd_step as triton_ssd_step
 from worker_proc.kernels.triton.chunk_plan import plan_chunks
@@ -104,6 +106,34 @@ class TritonOps(PerSegment, ComposedSteps, GdnMethods, KdaMethods):
         if not codec.is_float32(ssm_pool):
             return codec.run_on_float32(ssm_pool, slots, partial(self.ssd_decode, x, dt, b, c, p))
         return triton_ssd_step.ssd_step(x, dt, p.a, b, c, p.d, p.dt_bias, p.dt_limit, ssm_pool, slots)
+
+    def selective_scan_prefill(self, x: Tensor, dt: Tensor, b: Tensor, c: Tensor, p: SelectiveScanParams,
+                               state_pool: StatePool, slot: int) -> Tensor:  # fmt: skip
+        return self.selective_scan_prefill_many(x, dt, b, c, p, state_pool, ((x.shape[0], slot),))
+
+    def selective_scan_prefill_many(self, x: Tensor, dt: Tensor, b: Tensor, c: Tensor, p: SelectiveScanParams,
+                                    state_pool: StatePool, spans: Spans) -> Tensor:  # fmt: skip
+        lengths = [length for length, _ in spans]
+        starts = _index_tensor(list(accumulate([0, *lengths[:-1]])), x.device)
+        slots = torch.tensor([slot for _, slot in spans], dtype=torch.int64).to(x.device, non_blocking=True)
+        return self._selective_scan(x, dt, b, c, p, state_pool, starts, _index_tensor(lengths, x.device), slots)
+
+    def selective_scan_decode(self, x: Tensor, dt: Tensor, b: Tensor, c: Tensor, p: SelectiveScanParams,
+                              state_pool: StatePool, slots: Tensor) -> Tensor:  # fmt: skip
+        rows = torch.arange(x.shape[0], dtype=torch.int32, device=x.device)
+        return self._selective_scan(x, dt, b, c, p, state_pool, rows, torch.ones_like(rows), slots)
+
+    @staticmethod
+    def _selective_scan(x: Tensor, dt: Tensor, b: Tensor, c: Tensor, p: SelectiveScanParams, state_pool: StatePool,
+                        starts: Tensor, lengths: Tensor, slots: Tensor) -> Tensor:  # fmt: skip
+        """The kernel over segments (starts, lengths, slots); a bfloat16 or int8 pool through a float32 copy."""
+
+        def scan(pool: Tensor, rows: Tensor) -> Tensor:
+            return triton_selective_scan.selective_scan(x, dt, p.a, b, c, p.d, p.dt_bias, pool, starts, lengths, rows)
+
+        if codec.is_float32(state_pool):
+            return scan(state_pool, slots)
+        return codec.run_on_float32(state_pool, slots, scan)
 
     def attn_prefill(self, q: Tensor, k_pool: Tensor, v_pool: Tensor, kv_idx: Tensor, start_pos: int,
                      scale: float) -> Tensor:  # fmt: skip
