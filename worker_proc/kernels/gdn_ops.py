@@ -14,6 +14,7 @@ not yet scaled.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from functools import partial
 
 import torch
@@ -69,20 +70,18 @@ class FastGdn(ReferenceGdn):
         return o
 
 
-class FlaGdn:
-    """flash-linear-attention's `chunk_gated_delta_rule` (prefill) and
-    `fused_recurrent_gated_delta_rule` (decode). q, k and v go in the model dtype (v's: bf16 on a
-    bf16 model, fp32 on an fp32 one), g and beta in float32; the kernels accumulate in float32 and
-    read and return the float32 [N, Hv, Dk, Dv] state (decoded from and encoded into the pool by
-    `state_codec`). Raises ImportError without `fla`."""
+class FlaDeltaRule:
+    """A delta rule on flash-linear-attention's kernels (`chunk`: a prefill, `recurrent`: decode steps): q, k and
+    v go in the model dtype (v's: bf16 on a bf16 model, fp32 on an fp32 one), g and beta in float32; the kernels
+    accumulate in float32 and read and return the float32 [N, H, Dk, Dv] state (decoded from and encoded into the
+    pool by `state_codec`)."""
 
     name = "fla"
 
-    def __init__(self) -> None:
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
-
-        self._chunk = chunk_gated_delta_rule
-        self._recurrent = fused_recurrent_gated_delta_rule
+    def __init__(self, chunk: Callable[..., tuple[Tensor, Tensor]],
+                 recurrent: Callable[..., tuple[Tensor, Tensor]]) -> None:  # fmt: skip
+        self._chunk = chunk
+        self._recurrent = recurrent
 
     def chunked(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
                 state_pool: StatePool, slot: int) -> Tensor:  # fmt: skip
@@ -94,13 +93,23 @@ class FlaGdn:
         return o[0].float()
 
     def step(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
-               state_pool: StatePool, slots: Tensor) -> Tensor:  # fmt: skip
+             state_pool: StatePool, slots: Tensor) -> Tensor:  # fmt: skip
         dt, f = v.dtype, torch.float32
         o, final = self._recurrent(q[:, None].to(dt), k[:, None].to(dt), v[:, None], g[:, None].to(f),
                                    beta[:, None].to(f), scale=scale, initial_state=codec.load(state_pool, slots),
                                    output_final_state=True)
         codec.store(final.float(), state_pool, slots)
         return o[:, 0].float()
+
+
+class FlaGdn(FlaDeltaRule):
+    """Gated DeltaNet on `chunk_gated_delta_rule` / `fused_recurrent_gated_delta_rule` (a scalar decay per head).
+    Raises ImportError without `fla`."""
+
+    def __init__(self) -> None:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+
+        super().__init__(chunk_gated_delta_rule, fused_recurrent_gated_delta_rule)
 
 
 def gdn_choice(device: torch.device | str, fast: bool = False) -> str:

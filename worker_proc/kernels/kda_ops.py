@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from worker_proc.kernels import state_codec as codec
+from worker_proc.kernels.gdn_ops import FlaDeltaRule
 from worker_proc.kernels.interface import Spans
 from worker_proc.kernels.kimi_delta import CHUNK_SIZE, kda_chunked, kda_step
 from worker_proc.kernels.state_codec import StatePool
@@ -44,36 +45,14 @@ class ReferenceKda:
         return o
 
 
-class FlaKda:
-    """flash-linear-attention's `chunk_kda` (prefill) and `fused_recurrent_kda` (decode): q, k, v in
-    v's dtype, g and beta in float32, the float32 [N, H, Dk, Dv] state decoded from and encoded into
-    the pool by `state_codec`. Raises ImportError without `fla`."""
-
-    name = "fla"
+class FlaKda(FlaDeltaRule):
+    """Kimi Delta Attention on flash-linear-attention's `chunk_kda` / `fused_recurrent_kda` (g per channel,
+    [.., H, Dk]); the dtypes and the state as `FlaDeltaRule` says. Raises ImportError without `fla`."""
 
     def __init__(self) -> None:
         from fla.ops.kda import chunk_kda, fused_recurrent_kda
 
-        self._chunk = chunk_kda
-        self._recurrent = fused_recurrent_kda
-
-    def chunked(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
-                state_pool: StatePool, slot: int) -> Tensor:  # fmt: skip
-        dt, f = v.dtype, torch.float32
-        initial = codec.load(state_pool, slot)[None]
-        o, final = self._chunk(q[None].to(dt), k[None].to(dt), v[None], g[None].to(f), beta[None].to(f),
-                               scale=scale, initial_state=initial, output_final_state=True)
-        codec.store(final[0].float(), state_pool, slot)
-        return o[0].float()
-
-    def step(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
-             state_pool: StatePool, slots: Tensor) -> Tensor:  # fmt: skip
-        dt, f = v.dtype, torch.float32
-        o, final = self._recurrent(q[:, None].to(dt), k[:, None].to(dt), v[:, None], g[:, None].to(f),
-                                   beta[:, None].to(f), scale=scale, initial_state=codec.load(state_pool, slots),
-                                   output_final_state=True)
-        codec.store(final.float(), state_pool, slots)
-        return o[:, 0].float()
+        super().__init__(chunk_kda, fused_recurrent_kda)
 
 
 def kda_choice(device: torch.device | str) -> str:
