@@ -1,10 +1,12 @@
 """Kimi Linear (checkpoints built by transformers, tests/fixtures/kimi_linear_model.py, with the built-in
-tokenizer files) served end to end through a real launch.py with NGRAM speculation on: the reference
-prompt's greedy tokens are transformers' own, prompts sharing a system prompt hit the prefix cache from
-the third on (the KDA conv windows and delta-rule state checkpointed at the branch point, MLA's cached
-latents in the radix tree) with the runtime's outputs alone, and concurrent requests batched together give
-theirs too; the server's model info names the state kind. With `--mamba-ssm-dtype bfloat16` the
-server's tokens are those of the runtime under the same state dtype."""
+tokenizer files) served end to end through a real launch.py with NGRAM speculation on, at TP=1 and at
+TP=2 (gloo; MLA and KDA heads and MLP widths split over two workers, the MLA latent replicated): the
+reference prompt's greedy tokens are transformers' own, prompts sharing a system prompt hit the prefix
+cache from the third on (the KDA conv windows and delta-rule state checkpointed at the branch point,
+MLA's cached latents in the radix tree) with the outputs of the single-process runtime without a cache,
+and concurrent requests batched together give theirs too; the server's model info names the state kind
+and its server info the TP size. With `--mamba-ssm-dtype bfloat16` the server's tokens are those of the
+runtime under the same state dtype."""
 
 from __future__ import annotations
 
@@ -37,8 +39,8 @@ def _model_dir(tmp_path, name: str) -> str:
     return str(out)
 
 
-@pytest.mark.parametrize("name", ["kimi_moe", "kimi_qlora"])
-def test_kimi_linear_serves_transformers_tokens_with_prefix_hits_and_drafts(tmp_path, name: str) -> None:
+@pytest.mark.parametrize("name, tp", [("kimi_moe", 1), ("kimi_qlora", 1), ("kimi_moe", 2), ("kimi_qlora", 2)])
+def test_kimi_linear_serves_transformers_tokens_with_prefix_hits_and_drafts(tmp_path, name: str, tp: int) -> None:
     from safetensors.torch import load_file
 
     from tests.model_driver import generate_greedy
@@ -54,13 +56,15 @@ def test_kimi_linear_serves_transformers_tokens_with_prefix_hits_and_drafts(tmp_
     others = [[rng.randrange(3, 256) for _ in range(rng.randrange(5, 30))] for _ in range(5)]
     args = ["--model-path", path, "--chunked-prefill-size", str(CHUNK), "--max-prefill-tokens", "64",
             "--dtype", "float32", "--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "3",
-            *DETERMINISTIC]
+            "--tp-size", str(tp), *DETERMINISTIC]
     with running_server(args) as server, server.client() as client:
         first = greedy(client, hf["prompt"].tolist(), len(hf["gen_tokens"]))
         results = [greedy(client, p, 6) for p in prompts]
         with ThreadPoolExecutor(len(others)) as pool:
             concurrent = list(pool.map(lambda p: greedy(server.client(), p, 5), others))
         info = client.get("/get_model_info").json()
+        tp_size = client.get("/get_server_info").json()["tp_size"]
+    assert tp_size == tp
     assert first["output_ids"] == hf["gen_tokens"].tolist()
     for i, (prompt, res) in enumerate(zip(prompts, results, strict=True)):
         assert res["output_ids"] == generate_greedy(ref, prompt, 6), i
