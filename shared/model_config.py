@@ -322,7 +322,10 @@ class HybridConfig:
         needs = {"attention": self.attn.num_heads, "mamba": self.mamba.n_heads, "gdn": self.gdn.k_heads,
                  "short_conv": self.short_conv.d_conv, "kda": self.kda.heads,
                  "mla": self.attn.num_heads * self.mla.kv_lora_rank, "mamba1": self.mamba1.d_inner}
-        for kind in {b.kind for b in self.blocks()}:
+        kinds = {b.kind for b in self.blocks()}
+        if {"mla", "attention"} <= kinds:
+            raise ValueError("MLA and plain attention layers in one model (they share one KV pool layout)")
+        for kind in kinds:
             if not needs.get(kind, 1):
                 raise ValueError(f"the model has {kind} layers but its {kind} sizes are unset")
             if kind.endswith("moe") and not self.moe.num_experts:
@@ -342,6 +345,12 @@ class HybridConfig:
     @property
     def num_layers(self) -> int:
         return len(self.layer_kinds)
+
+    @property
+    def kv_value_dim(self) -> int:
+        """Channels of V per KV head in the KV pool: `attn.head_dim`, or 0 when the attention layers are
+        MLA (each reads its cached latent row, K, as its V too: worker_proc.model.latent_attention)."""
+        return 0 if self.mla.kv_lora_rank else self.attn.head_dim
 
     @property
     def attn_layer_ids(self) -> tuple[int, ...]:

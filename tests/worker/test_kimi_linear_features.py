@@ -3,10 +3,13 @@
 non-final chunk) gives each request's logits, KDA conv windows and delta-rule states and MLA's cached
 latents alone (bitwise in the deterministic mode); quantized weights run the products of KDA's
 projections, MLA's (kv_b_proj is absorbed, read as a weight) and the experts' against their dequantized
-reference; the state store round-trips a slot's KDA state with its KV."""
+reference; MLA's KV token slot holds its latent row once (K alone, [latent | shared key] per layer), so
+a memory budget gives it twice the token slots of a K and V pool, and a model mixing MLA and plain
+attention layers is refused; the state store round-trips a slot's KDA state with its KV (K alone)."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -23,7 +26,7 @@ from tests.worker.util import runner_at
 from worker_proc.loading.checkpoint import load_config
 from worker_proc.model.kimi_delta import KimiDeltaAttention
 from worker_proc.model.latent_attention import LatentAttention
-from worker_proc.state.pools import StatePools
+from worker_proc.state.pools import StatePools, plan_capacities, slot_bytes
 from worker_proc.state.store_tier import StoreTier
 
 NAMES = tuple(KIMI_CONFIGS)
@@ -65,6 +68,35 @@ def test_quantized_products(name: str, fmt: str) -> None:
     assert cosine >= bound, f"logit rows {cosine:.3f} apart"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", NAMES)
+def test_mla_kv_token_holds_the_latent_once(name: str, dtype: torch.dtype) -> None:
+    spec, cfg = KIMI_CONFIGS[name], load_config(kimi_dir(name))
+    layers, row = len(cfg.attn_layer_ids), spec["kv_lora_rank"] + spec["qk_rope_head_dim"]
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    assert layers > 0 and cfg.kv_value_dim == 0
+    for tp_size in (1, 2):  # the latent is replicated: every rank holds the whole row
+        assert slot_bytes(cfg, dtype, tp_size, tp_size - 1).kv_token == layers * row * itemsize
+    budget, ratio = 1 << 20, 0.5
+    kv, states = plan_capacities(cfg, budget, ratio, dtype)
+    assert kv + 1 == int(budget * (1 - ratio)) // (layers * row * itemsize)
+    assert kv + 1 >= 2 * (int(budget * (1 - ratio)) // (2 * layers * row * itemsize))  # a V of K's width
+    p = StatePools(cfg, kv, states, dtype, "cpu")
+    assert p.k.shape == (layers, kv + 1, 1, row) and p.v.shape == (layers, kv + 1, 1, 0)
+    assert p.k.nbytes + p.v.nbytes == (kv + 1) * layers * row * itemsize <= budget * (1 - ratio)
+    p.check_integrity()
+
+
+def test_mla_and_plain_attention_layers_cannot_share_the_kv_pool() -> None:
+    cfg = load_config(kimi_dir("kimi_moe"))
+    plain = tuple(tuple(dataclasses.replace(sub, blocks=tuple(dataclasses.replace(b, kind="attention")
+                                                              if b.kind == "mla" else b for b in sub.blocks))
+                        for sub in layer) if i == cfg.attn_layer_ids[0] else layer
+                  for i, layer in enumerate(cfg.layer_specs))  # fmt: skip
+    with pytest.raises(ValueError, match="MLA and plain attention"):
+        dataclasses.replace(cfg, layer_specs=plain)
+
+
 def test_state_store_round_trips_the_kda_state(tmp_path: Path) -> None:
     """The state store writes a slot's KDA conv windows and state with its KV and a load puts them back,
     bit for bit, into other slots."""
@@ -74,6 +106,7 @@ def test_state_store_round_trips_the_kda_state(tmp_path: Path) -> None:
         t.copy_(torch.randn(t.shape, generator=gen))
         t[:, 0].zero_()  # padding slot
     tier = StoreTier(DirectoryStore(tmp_path, 1 << 30, NAMESPACE), p, BLOCK, 1 << 30)
+    assert tier.layout.kv_bytes == BLOCK * p.k[:, :1].numel() * p.k.element_size()  # K alone: V is K
     src = list(range(1, 13))
     tier.serve(ForwardBatch(step=1, reqs=[], store_writes=[StoreWrite(kv_keys=KEYS[:3], kv_slots=src,
                                                                        state_key=STATE_KEY, state_slot=2)]))

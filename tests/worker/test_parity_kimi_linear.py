@@ -52,9 +52,10 @@ def test_full_prompt_logits(name: str, deterministic: bool) -> None:
     assert info.state_kinds == {"kda": "conv window + delta-rule state (per-channel decay)"}
     assert states.shape[0] == info.layer_kinds.count("kda") > 0
     assert states[:, 1].abs().sum() > 0 and r.pools.states[WINDOW][:, 1].abs().sum() > 0
-    spec = KIMI_CONFIGS[name]  # MLA caches one latent row per token: [normed latent | shared key], V its latent
-    assert r.pools.k.shape[-2:] == (1, spec["kv_lora_rank"] + spec["qk_rope_head_dim"]) == r.pools.v.shape[-2:]
-    assert not r.pools.v[:, 1:n + 1, :, spec["kv_lora_rank"]:].any() and r.pools.v[:, 1:n + 1].any()
+    spec = KIMI_CONFIGS[name]  # MLA caches one latent row per token, [normed latent | shared key], read as V too
+    assert r.pools.k.shape[-2:] == (1, spec["kv_lora_rank"] + spec["qk_rope_head_dim"]) and r.pools.v.shape[-1] == 0
+    latent, shared = r.pools.k[:, 1:n + 1].split([spec["kv_lora_rank"], spec["qk_rope_head_dim"]], dim=-1)
+    assert latent.any() and shared.any()
 
 
 @pytest.mark.parametrize("deterministic", [False, True])

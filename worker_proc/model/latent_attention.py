@@ -6,11 +6,14 @@ RMS-normed (`kv_a_layernorm`); kv_b_proj [heads * (nope_dim + v_dim), kv_lora_ra
 each head's [key nope_dim | value v_dim], each head's key being [its nope part | the shared part].
 Kimi Linear's MLA is NoPE: no channel rotates. Softmax scale 1/sqrt(qk_dim).
 The KV pool caches the compressed latent, not the expanded heads: one KV head per token, K = [normed
-latent | shared key] and V = [normed latent | zeros] (head_dim kv_lora_rank + rope_dim). kv_b_proj is
-absorbed instead: each head's query becomes [q_nope W_uk | q_rope] (W_uk: its key rows of kv_b_proj),
-so q·K is the expanded q·k, and the attention output's latent part times W_uvᵀ (its value rows) is the
-expanded output. kv_b_proj is therefore read as a weight, never a planned product (not quantized, no
-adapter). K/V of the step's tokens are written before attention reads them, as `Attention` does.
+latent | shared key] (head_dim kv_lora_rank + rope_dim), and nothing else: the V pool of an MLA model
+has no channels (HybridConfig.kv_value_dim), so a token costs (kv_lora_rank + rope_dim) * itemsize per
+layer. The kernels read the K pool as V as well; the attention output's first kv_lora_rank channels are
+then the weighted latent, and its rope_dim trailing channels (the weighted shared key) are dropped.
+kv_b_proj is absorbed instead: each head's query becomes [q_nope W_uk | q_rope] (W_uk: its key rows of
+kv_b_proj), so q·K is the expanded q·k, and the attention output's latent part times W_uvᵀ (its value
+rows) is the expanded output. kv_b_proj is therefore read as a weight, never a planned product (not quantized, no
+adapter). The step's tokens' K rows are written before attention reads them, as `Attention` does.
 Tensor parallelism: every rank holds a contiguous 1/N of the heads (`mla_spec`): those rows of q_proj /
 q_b_proj and kv_b_proj, those input columns of o_proj (row-parallel, all-reduced here);
 kv_a_proj_with_mqa, q_a_proj and both norms are replicated, and so is the cached latent (the one KV head
@@ -20,7 +23,6 @@ is replicated on every rank, AttnShard's rule for fewer KV heads than ranks).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from shared.model_config import HybridConfig
@@ -87,31 +89,30 @@ class LatentAttention(nn.Module):
         w = self.kv_b_proj.weight.view(self.heads, m.nope_dim + m.v_dim, m.kv_lora_rank)
         return w[:, : m.nope_dim], w[:, m.nope_dim :]
 
-    def _qkv(self, h: torch.Tensor, w_uk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The absorbed query [T, heads, kv_lora_rank + rope_dim] and the step's cached K and V [T, 1,
-        kv_lora_rank + rope_dim]."""
+    def _qk(self, h: torch.Tensor, w_uk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The absorbed query [T, heads, kv_lora_rank + rope_dim] and the step's cached rows [T, 1,
+        kv_lora_rank + rope_dim] (K, read as V too)."""
         m, t = self.cfg.mla, h.shape[0]
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(h))) if m.q_lora_rank else self.q_proj(h)
         q_nope, q_rope = q.view(t, self.heads, m.qk_dim).split([m.nope_dim, m.rope_dim], dim=-1)
         q = torch.cat([_per_head(q_nope, w_uk.transpose(1, 2)), q_rope], dim=-1)
         latent, shared = self.kv_a_proj_with_mqa(h).split([m.kv_lora_rank, m.rope_dim], dim=-1)
         latent = self.kv_a_layernorm(latent)
-        k = torch.cat([latent, shared], dim=-1)[:, None, :]
-        return q, k, F.pad(latent, (0, m.rope_dim))[:, None, :]
+        return q, torch.cat([latent, shared], dim=-1)[:, None, :]
 
     def forward(self, h: torch.Tensor, batch: StepBatch, rope: tuple[torch.Tensor, torch.Tensor] | None,
                 k_pool: torch.Tensor, v_pool: torch.Tensor, ops: KernelOps) -> torch.Tensor:  # fmt: skip
-        """h: [T, hidden]; k_pool, v_pool: [S, 1, kv_lora_rank + rope_dim] of this layer; `rope` unused (NoPE)."""
+        """h: [T, hidden]; k_pool: [S, 1, kv_lora_rank + rope_dim] of this layer, read as K and V; v_pool:
+        [S, 1, 0], never read; `rope` unused (NoPE)."""
         m, t = self.cfg.mla, h.shape[0]
         w_uk, w_uv = self._absorbed()
-        q, k, v = self._qkv(h, w_uk)
+        q, k = self._qk(h, w_uk)
         k_pool.index_copy_(0, batch.new_kv_slots, k.to(k_pool.dtype))
-        v_pool.index_copy_(0, batch.new_kv_slots, v.to(v_pool.dtype))
         scale = self.cfg.attn.scale
         out = batch.by_group(
-            lambda group, rows: ops.attn_decode(rows_of(q, rows).contiguous(), k_pool, v_pool, group.kv_idx,
+            lambda group, rows: ops.attn_decode(rows_of(q, rows).contiguous(), k_pool, k_pool, group.kv_idx,
                                                 group.kv_len, scale),  # fmt: skip
-            lambda rows: ops.attn_prefill_many(rows_of(q, rows), k_pool, v_pool, batch.prefill_attn_spans, scale),
+            lambda rows: ops.attn_prefill_many(rows_of(q, rows), k_pool, k_pool, batch.prefill_attn_spans, scale),
         )
         o = _per_head(out[..., : m.kv_lora_rank], w_uv)
         return row_parallel(o.reshape(t, -1), self.o_proj, self.tp)

@@ -6,7 +6,10 @@ every pool is padding: never handed out, never written, always zero (checked by 
 
 Layout (S = capacity + 1; head and channel counts are this rank's, see worker_proc.model.tp:
 kv_heads / tp or 1 replicated KV head, heads / tp, conv channels of the rank's heads and groups):
-  k, v : [attn_layers,  S_kv,    kv_heads, head_dim]            model dtype
+  k    : [attn_layers,  S_kv,    kv_heads, head_dim]            model dtype
+  v    : [attn_layers,  S_kv,    kv_heads, kv_value_dim]        model dtype
+(`kv_value_dim` is head_dim, or 0 for an MLA model: its layers read the cached latent row, K, as V too,
+so V costs nothing and one KV token slot is K alone; `kv_pools` are the pools that hold channels)
 and one tensor [layers of the kind, S_state, *shape] per `StateTensor` a recurrent layer kind
 declares (`state_tensors`):
   conv      : Mamba   [conv_dim, d_conv - 1]              model dtype
@@ -176,7 +179,7 @@ def state_tensors(cfg: HybridConfig, dtype: torch.dtype, tp_size: int = 1, tp_ra
 class SlotBytes:
     """Bytes one slot costs across all layers."""
 
-    kv_token: int  # one KV token slot (K and V, every attention layer)
+    kv_token: int  # one KV token slot (K and V of every attention layer; K alone for MLA, whose V is K)
     state_slot: int  # one state slot: every recurrent layer's state tensors (every recurrent kind)
 
 
@@ -184,10 +187,12 @@ def slot_bytes(cfg: HybridConfig, dtype: torch.dtype, tp_size: int = 1, tp_rank:
                state_dtype: str = "float32", extra_kv_layers: int = 0) -> SlotBytes:  # fmt: skip
     """What `StatePools` allocates per slot on this rank: KV in the model dtype, every state tensor
     (recurrent states in `state_dtype`, their scales) of one state slot; `extra_kv_layers` more
-    attention layers' KV per token slot (the MTP layers', worker_proc.spec.mtp_drafting)."""
+    attention layers' KV per token slot (the MTP layers', worker_proc.spec.mtp_drafting, K and V both)."""
     elt = torch.empty((), dtype=dtype).element_size()
     attn = AttnShard.of(cfg, tp_rank, tp_size)
-    kv = (len(cfg.attn_layer_ids) + extra_kv_layers) * 2 * attn.kv_heads * cfg.attn.head_dim * elt
+    row = attn.kv_heads * elt  # bytes per channel of one layer's token slot
+    kv = len(cfg.attn_layer_ids) * (cfg.attn.head_dim + cfg.kv_value_dim) * row
+    kv += extra_kv_layers * 2 * cfg.attn.head_dim * row
     state = sum(t.slot_bytes for t in state_tensors(cfg, dtype, tp_size, tp_rank, state_dtype))
     return SlotBytes(kv_token=kv, state_slot=state)
 
@@ -300,9 +305,9 @@ class StatePools:
         self.state_storage = storage_dtype(state_dtype)
         n_attn = len(cfg.attn_layer_ids)
         attn = AttnShard.of(cfg, tp_rank, tp_size)
-        kv_shape = (n_attn, kv_slots + 1, attn.kv_heads, cfg.attn.head_dim)
-        self.k = zeros(kv_shape, dtype, device)
-        self.v = zeros(kv_shape, dtype, device)
+        kv_shape = (n_attn, kv_slots + 1, attn.kv_heads)
+        self.k = zeros((*kv_shape, cfg.attn.head_dim), dtype, device)
+        self.v = zeros((*kv_shape, cfg.kv_value_dim), dtype, device)
         self.layout = tuple(state_tensors(cfg, dtype, tp_size, tp_rank, state_dtype))
         self.states: dict[str, torch.Tensor] = {
             t.name: zeros((t.layers, state_slots + 1, *t.shape), t.dtype, device)
@@ -344,6 +349,12 @@ class StatePools:
             return values
         return QuantizedPool(values, self.states[name + SCALE_SUFFIX][layer])
 
+    @property
+    def kv_pools(self) -> tuple[torch.Tensor, ...]:
+        """The KV pools that hold channels, in the order a stored KV block lists them: (k, v), or (k,)
+        when V has none (MLA)."""
+        return (self.k, self.v) if self.v.shape[-1] else (self.k,)
+
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.k, self.v, *self.states.values()))
 
@@ -368,7 +379,8 @@ class StatePools:
 
     def check_integrity(self) -> None:
         """Raise AssertionError if shapes/dtypes are off or padding slot 0 was ever written."""
-        assert self.k.shape == self.v.shape and self.k.shape[1] == self.kv_capacity + 1
+        assert self.k.shape[:-1] == self.v.shape[:-1] and self.k.shape[1] == self.kv_capacity + 1
+        assert self.v.shape[-1] in (0, self.k.shape[-1]) and self.v.dtype == self.dtype
         assert self.k.dtype == self.dtype
         for t in self.layout:
             pool = self.states[t.name]

@@ -51,8 +51,8 @@ class LoadLayout:
 
 @dataclass
 class _Read:
-    """A load's entries as read: the KV of the positions it writes [2, layers, n, heads, dim] (None
-    without KV) and the state's bytes (None without a state)."""
+    """A load's entries as read: the KV of the positions it writes [pools, layers, n, heads, dim] (each
+    of `StatePools.kv_pools`; None without KV) and the state's bytes (None without a state)."""
 
     kv: torch.Tensor | None
     state: torch.Tensor | None
@@ -134,7 +134,7 @@ class StoreLoader:
                 blocks.append(data)
             k = self.pools.k
             # joined by numpy on this thread alone (a torch op here would start an OpenMP team of its own)
-            shape = (2, k.shape[0], lay.block, *k.shape[2:-1], k.shape[-1] * k.element_size())
+            shape = (len(self.pools.kv_pools), k.shape[0], lay.block, *k.shape[2:-1], k.shape[-1] * k.element_size())
             joined = np.concatenate([blk.numpy().reshape(shape) for blk in blocks], axis=2)
             kv = torch.from_numpy(joined).view(k.dtype)[:, :, load.skip:]
             if kv.shape[2] != len(load.kv_slots):
@@ -152,10 +152,9 @@ class StoreLoader:
         t0 = time.perf_counter()
         pools = self.pools
         if read.kv is not None:
-            k = pools.k
-            slots = torch.tensor(load.kv_slots, dtype=torch.long, device=k.device)
-            k.index_copy_(1, slots, read.kv[0].to(k.device))
-            pools.v.index_copy_(1, slots, read.kv[1].to(k.device))
+            slots = torch.tensor(load.kv_slots, dtype=torch.long, device=pools.k.device)
+            for pool, part in zip(pools.kv_pools, read.kv, strict=True):
+                pool.index_copy_(1, slots, part.to(pool.device))
         if read.state is not None:
             offset = 0
             for t in pools.states.values():

@@ -80,8 +80,9 @@ def store_namespace(args: ServerArgs, dtype: torch.dtype, numerics: str, rank: i
 
 @dataclass(frozen=True)
 class EntryLayout:
-    """The meta of this rank's entries: a KV block (K and V of every attention layer, `block` tokens)
-    and a state (every state tensor of one slot). An entry is loaded only when its meta is exactly
+    """The meta of this rank's entries: a KV block ([pools, layers, block, heads, dim]: each of
+    `StatePools.kv_pools`, K and V or K alone for MLA, of every attention layer, `block` tokens) and a
+    state (every state tensor of one slot). An entry is loaded only when its meta is exactly
     this rank's."""
 
     kv_meta: bytes
@@ -91,9 +92,9 @@ class EntryLayout:
 
     @staticmethod
     def of(pools: StatePools, block: int) -> EntryLayout:
-        k = pools.k
-        kv_shape = [2, k.shape[0], block, *k.shape[2:]]
-        kv_bytes = 2 * block * k[:, :1].numel() * k.element_size()  # 0 without attention layers
+        k, n = pools.k, len(pools.kv_pools)
+        kv_shape = [n, k.shape[0], block, *k.shape[2:]]
+        kv_bytes = n * block * k[:, :1].numel() * k.element_size()  # 0 without attention layers
         tensors = [[name, list(t.shape[:1]) + list(t.shape[2:]), str(t.dtype).removeprefix("torch.")]
                    for name, t in pools.states.items()]
         state_bytes = sum(t[:, 0].numel() * t.element_size() for t in pools.states.values())
@@ -149,11 +150,12 @@ class StoreTier:
         if len(w.kv_slots) != b * len(w.kv_keys):
             raise ValueError(f"a store write of {len(w.kv_keys)} blocks names {len(w.kv_slots)} KV slots")
         if w.kv_keys and self.has_kv:
-            k = self.pools.k
+            k, pools = self.pools.k, self.pools.kv_pools
             slots = torch.tensor(w.kv_slots, dtype=torch.long, device=k.device)
-            kv = torch.empty((2, k.shape[0], len(w.kv_slots), *k.shape[2:]), dtype=k.dtype, device=k.device)
-            torch.index_select(k, 1, slots, out=kv[0])
-            torch.index_select(self.pools.v, 1, slots, out=kv[1])
+            kv = torch.empty((len(pools), k.shape[0], len(w.kv_slots), *k.shape[2:]), dtype=k.dtype,
+                             device=k.device)  # fmt: skip
+            for i, pool in enumerate(pools):
+                torch.index_select(pool, 1, slots, out=kv[i])
             kv = kv.cpu()  # one copy out of the pools; each block made contiguous on the writer's thread
             for i, key in enumerate(w.kv_keys):
                 entries.append((key, lay.kv_meta, kv[:, :, i * b:(i + 1) * b]))
