@@ -2,17 +2,22 @@
 (row-parallel slices take each row's max over the ranks), every rank computes the very same logits,
 in the deterministic mode (whose products a measured plan cannot change from run to run),
 and they stay with TP=1's quantized model (and, on the trained built-in model, with the unquantized
-one); models: the built-in one, a Granite hybrid fixture with MoE experts, a Gated DeltaNet fixture."""
+one); models: the built-in one, a Granite hybrid fixture with MoE experts, a Gated DeltaNet fixture, a
+Kimi Linear checkpoint (KDA and MLA, whose absorbed per-head kv_b_proj products each rank quantizes for
+its own heads)."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import numpy as np
 import pytest
+from safetensors.torch import load_file
 
 from shared.config import builtin_model_dir
 from shared.messages import ForwardBatch, ReqSlice, SamplingParams
+from tests.fixtures.kimi_linear_model import kimi_dir
 from tests.model_driver import forward_all_logits
 from tests.tp.harness import run_ranks
 from tests.worker.util import fixture_dir, reference
@@ -29,7 +34,8 @@ row-parallel partial sums round their activations (bfloat16, per-row int8) where
 row, and these fixtures amplify every rounding difference."""
 BUILTIN_PROMPT = list(range(40, 120))
 MODELS = {"builtin": (builtin_model_dir(), BUILTIN_PROMPT), "rope_moe": (fixture_dir("rope_moe"), None),
-          "qwen3_5_dense": (fixture_dir("qwen3_5_dense"), None)}
+          "qwen3_5_dense": (fixture_dir("qwen3_5_dense"), None), "kimi_qlora": (kimi_dir("kimi_qlora"), None)}
+"""Each model's directory and prompt (None: its reference's)."""
 
 
 def _prompt_logits(rank: int, size: int, group: Any, model_dir: str, prompt: list[int], fmt: str) -> np.ndarray:
@@ -52,6 +58,12 @@ def _prompt_logits(rank: int, size: int, group: Any, model_dir: str, prompt: lis
     return forward_all_logits(r, ForwardBatch(step=0, reqs=[sl], clears=[1]))["p"].numpy()
 
 
+def _reference_prompt(name: str, path: str) -> list[int]:
+    if name.startswith("kimi"):
+        return load_file(os.path.join(path, "reference.safetensors"))["prompt"].tolist()
+    return reference(name)["prompt"].tolist()
+
+
 def _all(rank: int, size: int, group: Any, jobs: list[tuple[str, str, list[int], str]]) -> dict[tuple[str, str], Any]:
     return {(name, fmt): _prompt_logits(rank, size, group, path, prompt, fmt) for name, path, prompt, fmt in jobs}
 
@@ -60,7 +72,7 @@ def _all(rank: int, size: int, group: Any, jobs: list[tuple[str, str, list[int],
 def jobs() -> list[tuple[str, str, list[int], str]]:
     out = []
     for name, (path, prompt) in MODELS.items():
-        ids = prompt if prompt is not None else reference(name)["prompt"].tolist()
+        ids = prompt if prompt is not None else _reference_prompt(name, path)
         out += [(name, path, ids, fmt) for fmt in ("", *FORMATS)]
     return out
 

@@ -1,11 +1,12 @@
 """The worker's features over Kimi Linear checkpoints built by transformers
 (tests/fixtures/kimi_linear_model.py): a mixed step (fresh, resumed and one-token prefills, decodes, a
 non-final chunk) gives each request's logits, KDA conv windows and delta-rule states and MLA's cached
-latents alone (bitwise in the deterministic mode); quantized weights run the products of KDA's
-projections, MLA's (kv_b_proj is absorbed, read as a weight) and the experts' against their dequantized
-reference; MLA's KV token slot holds its latent row once (K alone, [latent | shared key] per layer), so
-a memory budget gives it twice the token slots of a K and V pool, and a model mixing MLA and plain
-attention layers is refused; the state store round-trips a slot's KDA state with its KV (K alone)."""
+latents alone (bitwise in the deterministic mode, int8 weights too); quantized weights run the products
+of KDA's projections, MLA's (kv_b_proj's absorbed per-head products included, whose memory shrinks with
+int8) and the experts' against their dequantized reference; MLA's KV token slot holds its latent row
+once (K alone, [latent | shared key] per layer), so a memory budget gives it twice the token slots of a
+K and V pool, and a model mixing MLA and plain attention layers is refused; the state store round-trips
+a slot's KDA state with its KV (K alone)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from shared.messages import ForwardBatch, StoreLoad, StoreWrite
 from shared.state_store import DirectoryStore
@@ -58,6 +60,8 @@ def test_quantized_products(name: str, fmt: str) -> None:
     mla = next(m for m in r.model.modules() if isinstance(m, LatentAttention))
     assert kda.q_proj.gemm.quantized is not None and kda.o_proj.gemm.quantized is not None
     assert mla.kv_a_proj_with_mqa.gemm.quantized is not None and mla.o_proj.gemm.quantized is not None
+    assert mla.absorb_k is not None and mla.absorb_v is not None
+    assert all(p.gemm.quantized is not None for p in (*mla.absorb_k, *mla.absorb_v))
     got, want = _plan_and_reference(r, prompt, fmt)
     assert bool(torch.isfinite(got).all())
     rows = torch.nn.functional.cosine_similarity(got, want, dim=-1)
@@ -66,6 +70,40 @@ def test_quantized_products(name: str, fmt: str) -> None:
     cosine = float(rows.mean() if KIMI_CONFIGS[name].get("num_local_experts") else rows.min())
     bound = MOE_MEAN_COSINE if KIMI_CONFIGS[name].get("num_local_experts") else FIXTURE_MIN_COSINE
     assert cosine >= bound, f"logit rows {cosine:.3f} apart"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_int8_shrinks_kv_b_proj(name: str) -> None:
+    spec = KIMI_CONFIGS[name]
+    stored = load_file(Path(kimi_dir(name)) / "model.safetensors")
+    weights = [stored[k] for k in sorted((k for k in stored if k.endswith("kv_b_proj.weight")),
+                                         key=lambda k: int(k.split(".")[2]))]  # fmt: skip
+    r = runner_at(kimi_dir(name), kv_slots=16, quantization="int8")
+    layers = [m for m in r.model.modules() if isinstance(m, LatentAttention)]
+    assert len(layers) == len(weights) > 0
+    nope, v, rank = spec["qk_nope_head_dim"], spec["v_head_dim"], spec["kv_lora_rank"]
+    for mla, w in zip(layers, weights, strict=True):
+        assert mla.kv_b_proj.weight.numel() == 0 and mla.absorb_k is not None and mla.absorb_v is not None
+        products = (*mla.absorb_k, *mla.absorb_v)
+        assert all(p.weight.numel() == 0 for p in products)  # no dense copy is kept
+        held = [p.gemm.quantized for p in products]  # the int8 values and their scales (the plan may add copies)
+        assert all(q.fmt == "int8" and q.data.element_size() == 1 for q in held)
+        nbytes = sum(q.data.nbytes + q.scale.nbytes for q in held)
+        assert nbytes < w.numel() * w.element_size() / 2, (nbytes, w.numel() * w.element_size())
+        heads = w.view(spec["num_attention_heads"], nope + v, rank)
+        for got, want in zip(products, (*heads[:, :nope].mT, *heads[:, nope:]), strict=True):
+            assert got.gemm.quantized.shape == tuple(want.shape)  # each its own head's weight, W_uk transposed
+            deq = got.gemm.quantized.dequantize(torch.float32)
+            assert torch.allclose(deq, want.float(), atol=float(want.abs().max()) / 100)
+
+
+def test_deterministic_int8_stays_batch_invariant() -> None:
+    alone = runner_at(kimi_dir("kimi_moe"), deterministic=True, quantization="int8")
+    together = runner_at(kimi_dir("kimi_moe"), deterministic=True, quantization="int8")
+    got, expected = mixed_and_alone(alone, together)
+    assert set(got) == set(expected) == {"a", "b", "c", "d", "e", "f"}
+    for rid in expected:
+        assert torch.equal(got[rid], expected[rid]), rid
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

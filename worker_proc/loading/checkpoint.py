@@ -90,6 +90,7 @@ def load_model(
     else:
         model = HybridForCausalLM(cfg, torch_dtype, dev, tp, mtp=mtp)
         load_weights(model, files)
+    model.after_loading()
     model.eval()
     letters = {"mamba": "M", "attention": "A", "parallel": "P", "gdn": "G", "short_conv": "C", "kda": "K",
                "mamba1": "S", "mlp": "-"}

@@ -46,6 +46,7 @@ from worker_proc.model.attention import rope_cos_sin
 from worker_proc.model.batch import StepBatch
 from worker_proc.model.blocks import ATTENTION_MIXERS, RECURRENT_MIXERS, build_block
 from worker_proc.model.encoder_cache import EncoderCache
+from worker_proc.model.latent_attention import LatentAttention
 from worker_proc.model.layers import GatedMLP, Linear, empty_param, make_norm
 from worker_proc.model.residual import Residual
 from worker_proc.model.shard import ShardSpec, TPInfo
@@ -253,6 +254,13 @@ class HybridForCausalLM(nn.Module, GemmOwner):
         module = getattr(layers[index], m.group(3), None) if index < len(layers) else None
         spec = getattr(module, "shard_spec", None)
         return spec(m.group(4)) if callable(spec) else None
+
+    def after_loading(self) -> None:
+        """Once the checkpoint's tensors are in (worker_proc.loading.checkpoint), before quantization and
+        the execution plan: each module's own `absorb` (an MLA layer's kv_b_proj into its per-head products)."""
+        for module in self.modules():
+            if isinstance(module, LatentAttention):
+                module.absorb()
 
     @property
     def ignored_prefixes(self) -> tuple[str, ...]:

@@ -12,8 +12,14 @@ layer. The kernels read the K pool as V as well; the attention output's first kv
 then the weighted latent, and its rope_dim trailing channels (the weighted shared key) are dropped.
 kv_b_proj is absorbed instead: each head's query becomes [q_nope W_uk | q_rope] (W_uk: its key rows of
 kv_b_proj), so q·K is the expanded q·k, and the attention output's latent part times W_uvᵀ (its value
-rows) is the expanded output. kv_b_proj is therefore read as a weight, never a planned product (not quantized, no
-adapter). The step's tokens' K rows are written before attention reads them, as `Attention` does.
+rows) is the expanded output. The checkpoint's kv_b_proj.weight is only the loading target: `absorb`
+(run once the weights are in, worker_proc.loading.checkpoint) moves it into two `Linear`s per head,
+`absorb_k[h]` (weight W_uk[h]ᵀ [kv_lora_rank, nope_dim]) and `absorb_v[h]` (weight W_uv[h] [v_dim,
+kv_lora_rank]), and empties it. They are planned products like any other, so --quantization quantizes
+them, each row of its own weight: W_uv's rows are kv_b_proj's value rows, W_ukᵀ's rows are latent
+channels (each a column of the head's key rows); either way an int8 / int4 / fp8 weight times the
+exact activation, the same approximation as any quantized product. They take no adapter (nor does
+kv_b_proj). The step's tokens' K rows are written before attention reads them, as `Attention` does.
 Tensor parallelism: every rank holds a contiguous 1/N of the heads (`mla_spec`): those rows of q_proj /
 q_b_proj and kv_b_proj, those input columns of o_proj (row-parallel, all-reduced here);
 kv_a_proj_with_mqa, q_a_proj and both norms are replicated, and so is the cached latent (the one KV head
@@ -27,7 +33,6 @@ from torch import nn
 
 from shared.model_config import HybridConfig
 from worker_proc.kernels import KernelOps
-from worker_proc.linear.kernels import padded_product
 from worker_proc.model.batch import StepBatch, rows_of
 from worker_proc.model.layers import Linear, empty_param, make_norm
 from worker_proc.model.shard import ShardSpec, TPInfo
@@ -50,10 +55,9 @@ def mla_spec(cfg: HybridConfig, tp: TPInfo, sub: str) -> ShardSpec | None:
     return None
 
 
-def _per_head(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, a] times each head's weight [heads, b, a] transposed -> [T, heads, b]; each head one
-    product padded to the rows that make it batch invariant (a row's result never depends on T)."""
-    return torch.stack([padded_product(x[:, i], weight[i], None) for i in range(weight.shape[0])], dim=1)
+def _per_head(x: torch.Tensor, products: nn.ModuleList) -> torch.Tensor:
+    """x [T, heads, a] through each head's product (a -> b) -> [T, heads, b]."""
+    return torch.stack([product(x[:, i].contiguous()) for i, product in enumerate(products)], dim=1)
 
 
 class LatentAttention(nn.Module):
@@ -74,28 +78,42 @@ class LatentAttention(nn.Module):
             self.q_proj = Linear(hidden, self.heads * m.qk_dim, bias=False, dtype=dtype, device=device)
         self.kv_a_proj_with_mqa = Linear(hidden, m.kv_lora_rank + m.rope_dim, bias=bias, dtype=dtype, device=device)
         self.kv_a_layernorm = make_norm(m.kv_lora_rank, LATENT_NORM_EPS, dtype, device)
-        self.kv_b_proj = nn.Module()  # absorbed into the query and the output: a weight, not a product
+        self.kv_b_proj = nn.Module()  # the loading target of `absorb_k` and `absorb_v` (see `absorb`)
         self.kv_b_proj.weight = empty_param(self.heads * (m.nope_dim + m.v_dim), m.kv_lora_rank, dtype=dtype,
                                             device=device)  # fmt: skip
+        self.absorb_k: nn.ModuleList | None = None
+        self.absorb_v: nn.ModuleList | None = None
         self.o_proj = Linear(self.heads * m.v_dim, hidden, bias=bias, dtype=dtype, device=device)
 
     def shard_spec(self, sub: str) -> ShardSpec | None:
         return None if self.tp.size == 1 else mla_spec(self.cfg, self.tp, sub)
 
-    def _absorbed(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(W_uk [heads, nope_dim, kv_lora_rank], W_uv [heads, v_dim, kv_lora_rank]): kv_b_proj's key and
-        value rows of each head."""
-        m = self.cfg.mla
-        w = self.kv_b_proj.weight.view(self.heads, m.nope_dim + m.v_dim, m.kv_lora_rank)
-        return w[:, : m.nope_dim], w[:, m.nope_dim :]
+    @torch.no_grad()
+    def absorb(self) -> None:
+        """Move the loaded kv_b_proj.weight into each head's products: `absorb_k[h]` (nope_dim ->
+        kv_lora_rank, weight W_uk[h]ᵀ) and `absorb_v[h]` (kv_lora_rank -> v_dim, weight W_uv[h]); kv_b_proj's
+        weight is then empty. Once, before quantization and the execution plan see the model's products."""
+        if self.absorb_k is not None:
+            raise RuntimeError("kv_b_proj was absorbed already")
+        m, w = self.cfg.mla, self.kv_b_proj.weight
+        dtype, device = w.dtype, w.device
+        heads = w.view(self.heads, m.nope_dim + m.v_dim, m.kv_lora_rank)
+        self.absorb_k = nn.ModuleList(Linear(m.nope_dim, m.kv_lora_rank, bias=False, dtype=dtype, device=device)
+                                      for _ in range(self.heads))  # fmt: skip
+        self.absorb_v = nn.ModuleList(Linear(m.kv_lora_rank, m.v_dim, bias=False, dtype=dtype, device=device)
+                                      for _ in range(self.heads))  # fmt: skip
+        for head, k, v in zip(heads, self.absorb_k, self.absorb_v, strict=True):
+            k.weight.copy_(head[: m.nope_dim].T)
+            v.weight.copy_(head[m.nope_dim :])
+        self.kv_b_proj.weight = nn.Parameter(w.new_empty(0), requires_grad=False)
 
-    def _qk(self, h: torch.Tensor, w_uk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _qk(self, h: torch.Tensor, absorb_k: nn.ModuleList) -> tuple[torch.Tensor, torch.Tensor]:
         """The absorbed query [T, heads, kv_lora_rank + rope_dim] and the step's cached rows [T, 1,
         kv_lora_rank + rope_dim] (K, read as V too)."""
         m, t = self.cfg.mla, h.shape[0]
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(h))) if m.q_lora_rank else self.q_proj(h)
         q_nope, q_rope = q.view(t, self.heads, m.qk_dim).split([m.nope_dim, m.rope_dim], dim=-1)
-        q = torch.cat([_per_head(q_nope, w_uk.transpose(1, 2)), q_rope], dim=-1)
+        q = torch.cat([_per_head(q_nope, absorb_k), q_rope], dim=-1)
         latent, shared = self.kv_a_proj_with_mqa(h).split([m.kv_lora_rank, m.rope_dim], dim=-1)
         latent = self.kv_a_layernorm(latent)
         return q, torch.cat([latent, shared], dim=-1)[:, None, :]
@@ -105,8 +123,8 @@ class LatentAttention(nn.Module):
         """h: [T, hidden]; k_pool: [S, 1, kv_lora_rank + rope_dim] of this layer, read as K and V; v_pool:
         [S, 1, 0], never read; `rope` unused (NoPE)."""
         m, t = self.cfg.mla, h.shape[0]
-        w_uk, w_uv = self._absorbed()
-        q, k = self._qk(h, w_uk)
+        assert self.absorb_k is not None and self.absorb_v is not None, "kv_b_proj was never absorbed"
+        q, k = self._qk(h, self.absorb_k)
         k_pool.index_copy_(0, batch.new_kv_slots, k.to(k_pool.dtype))
         scale = self.cfg.attn.scale
         out = batch.by_group(
@@ -114,5 +132,5 @@ class LatentAttention(nn.Module):
                                                 group.kv_len, scale),  # fmt: skip
             lambda rows: ops.attn_prefill_many(rows_of(q, rows), k_pool, k_pool, batch.prefill_attn_spans, scale),
         )
-        o = _per_head(out[..., : m.kv_lora_rank], w_uv)
+        o = _per_head(out[..., : m.kv_lora_rank], self.absorb_v)
         return row_parallel(o.reshape(t, -1), self.o_proj, self.tp)
