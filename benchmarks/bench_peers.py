@@ -7,6 +7,7 @@ transformers:
 
     python benchmarks/make_bench_model.py --shape granite-4.0-h-350m /work/bench-models/granite-350m
     python benchmarks/bench_peers.py --model /work/bench-models/granite-350m --runs 3 --output-json peers.json
+    python benchmarks/bench_peers.py --model lfm2-1.2b --dtype bfloat16   # a family shape (peers_model.py)
 
 All three run the weights in --dtype (float32, the default, or bfloat16; see peers_commands.py):
 - hyssm: ``launch.py --model-path MODEL --dtype DTYPE [--hyssm-args ...]`` on a free loopback port,
@@ -82,6 +83,7 @@ from benchmarks.peers_commands import (  # noqa: E402
     transformers_job,
 )
 from benchmarks.peers_gguf import gguf_for  # noqa: E402
+from benchmarks.peers_model import is_shape, peers_checkpoint  # noqa: E402
 from benchmarks.peers_procs import ManagedProcess, PeerError, free_port, stop_on_sigterm  # noqa: E402
 from benchmarks.peers_prompts import RunPrompts, make_prompts, model_ids  # noqa: E402
 from benchmarks.peers_report import format_table, median_runs, to_json  # noqa: E402
@@ -321,7 +323,8 @@ def benchmark(cfg: PeersConfig, log_dir: Path,
 def parse_args(argv: Sequence[str] | None = None) -> PeersConfig:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     a = p.add_argument
-    a("--model", required=True, help="checkpoint directory (e.g. from make_bench_model.py)")
+    a("--model", required=True, help="checkpoint directory (e.g. from make_bench_model.py), or a make_family_model "
+      "shape (e.g. lfm2-1.2b), written once in transformers' layout (peers_model.py)")
     a("--runs", type=int, default=3, help="measured runs per system; the table shows medians")
     a("--dtype", choices=DTYPES, default="float32", help="weights of every system (llama.cpp: an f32 or bf16 GGUF)")
     a("--quantization", choices=("int8", "int4"), default="",
@@ -365,9 +368,9 @@ def parse_args(argv: Sequence[str] | None = None) -> PeersConfig:
     for name in ("runs", "input_len", "output_len", "prefix_len", "suffix_len", "threads"):
         if getattr(ns, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
-    if not os.path.isfile(os.path.join(ns.model, "config.json")):
-        p.error(f"--model {ns.model!r} has no config.json")
-    ns.model = os.path.abspath(ns.model)
+    if not is_shape(ns.model) and not os.path.isfile(os.path.join(ns.model, "config.json")):
+        p.error(f"--model {ns.model!r} has no config.json (and is no make_family_model shape)")
+    ns.model = ns.model if is_shape(ns.model) else os.path.abspath(ns.model)
     ns.hyssm_args = tuple(shlex.split(ns.hyssm_args))
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     del ns.log_level
@@ -384,6 +387,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         log_dir = Path(cfg.log_dir or tempfile.mkdtemp(prefix="bench_peers_"))
         log_dir.mkdir(parents=True, exist_ok=True)
         logger.info("logs in %s", log_dir)
+        cfg = dataclasses.replace(cfg, model=peers_checkpoint(cfg.model, cfg.dtype))  # a shape: its checkpoint
         configs: dict[str, str] = {}
         medians, per_run, notes = benchmark(cfg, log_dir, configs)
     print(format_table(medians, notes, dtype=cfg.weights, configs=configs))

@@ -27,6 +27,9 @@ D = 1, dt_bias = 1), renamed to the checkpoint names (the tied lm_head dropped) 
 The whole model is held in float32 while it is written (4 bytes per parameter: 1.4 GB for the 350M
 shape). Under these values the Mamba scan can produce subnormal floats, which slow a CPU down; use it
 to see what a model built by transformers does, the generator init for weights like a trained model's.
+
+Another family's shape (benchmarks/make_family_model.SHAPES) is written by make_family_model: with the
+generator init its hyssm layout (float32, no tokenizer), with ``--init transformers`` its transformers layout.
 """
 
 from __future__ import annotations
@@ -224,14 +227,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     family_shapes = sorted(set(make_family_model.SHAPES) - set(SHAPES))
     p.add_argument("--shape", required=True, choices=sorted(SHAPES) + family_shapes,
-                   help="a Granite-4.0-H shape (full checkpoint with tokenizer), or another family's shape "
-                        "(weights and config only, as benchmarks/make_family_model.py writes them)")  # fmt: skip
+                   help="a Granite-4.0-H shape (full checkpoint with tokenizer), or another family's shape, "
+                        "written by benchmarks/make_family_model.py (--init generator: its hyssm layout, float32 "
+                        "weights and config only; --init transformers: its transformers layout)")  # fmt: skip
     p.add_argument("out", help="output directory (created)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--init", choices=INITS, default="generator",
                    help="generator: Mamba2 reference init (like a trained model); transformers: the values "
-                        "transformers' from_config gives (needs transformers; Granite-4.0-H shapes only)")  # fmt: skip
+                        "transformers' from_config gives (needs transformers)")  # fmt: skip
     p.add_argument("--num-layers", type=int, default=None, help="keep only the first N layers (reduced model)")
     p.add_argument("--max-shard-gb", type=float, default=DEFAULT_MAX_SHARD_GB)
     p.add_argument("--log-level", default="INFO")
@@ -240,9 +244,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if ns.max_shard_gb <= 0:
         p.error("--max-shard-gb must be > 0")
     if ns.shape in family_shapes:
-        if ns.init != "generator":
-            p.error(f"--init {ns.init} writes the Granite-4.0-H shapes only, not {ns.shape}")
-        make_family_model.write(ns.out, ns.shape, ns.num_layers or 0, ns.seed)
+        try:
+            if ns.init == "transformers":  # make_family_model's transformers layout
+                make_family_model.write_transformers(ns.out, ns.shape, ns.num_layers or 0, ns.seed, ns.dtype)
+            else:
+                make_family_model.write(ns.out, ns.shape, ns.num_layers or 0, ns.seed)
+        except (ValueError, FileExistsError, ImportError) as e:
+            p.error(str(e))
         return 0
     try:
         make_bench_model(ns.out, ns.shape, dtype=ns.dtype, seed=ns.seed, init=ns.init, num_layers=ns.num_layers,

@@ -2,13 +2,21 @@
 measurement on them.
 
     python -m benchmarks.make_family_model OUT_DIR --shape nemotron-nano-9b-v2 [--num-layers N] [--bench]
+    python -m benchmarks.make_family_model OUT_DIR --shape lfm2-1.2b --layout transformers --dtype bfloat16
 
 `SHAPES` holds the sizes of each model's published config.json (hidden size, heads, widths, state
 size, groups, layer pattern, vocabulary); `--num-layers N` keeps the first N layers of the pattern
-(at least one of each mixer kind the model has) so that a CPU can hold and run them. Weights are
-random (only speed is measured); tensor names are the loader's parameter names, which every
-family's renames accept. `--bench` then serves a batch through `ModelRunner` (prefill, then decode
-steps) and logs decode tokens/s.
+(at least one of each mixer kind the model has) so that a CPU can hold and run them.
+Layouts (`--layout`):
+- hyssm (the default, `write`): weights random (only speed is measured), float32, tensor names the
+  loader's parameter names, which every family's renames accept but llama.cpp's GGUF converter and
+  transformers do not; config.json only, no tokenizer;
+- transformers (`write_transformers`): the model built by transformers' own class and config for the
+  shape, with transformers' init (`torch.manual_seed(--seed)`), cast to --dtype and written by
+  `save_pretrained` with the bench tokenizer (benchmarks.bench_tokenizer, whose bos / eos / pad ids the
+  config takes): the checkpoint's own names and files, which hyssm, transformers and llama.cpp's
+  converter read. The whole model is held in float32 while it is built.
+`--bench` then serves a batch through `ModelRunner` (prefill, then decode steps) and logs decode tokens/s.
 """
 
 from __future__ import annotations
@@ -18,10 +26,14 @@ import json
 import logging
 import math
 import os
+import shutil
+import tempfile
 import time
 
 import torch
 from safetensors.torch import save_file
+
+from benchmarks.bench_tokenizer import write_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -168,6 +180,57 @@ def write(out_dir: str, shape: str, num_layers: int = 0, seed: int = 0) -> str:
     return out_dir
 
 
+LAYOUTS = ("hyssm", "transformers")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def write_transformers(out_dir: str, shape: str, num_layers: int = 0, seed: int = 0, dtype: str = "float32",
+                       fields: dict | None = None) -> str:  # fmt: skip
+    """The transformers layout of `shape` (module docstring) into `out_dir`, which must not exist or be empty;
+    `fields` replace the shape's config fields (a reduced model). Built in a sibling folder and renamed
+    into place, so an interrupted write leaves no checkpoint. Raises ImportError without transformers,
+    ValueError when its version has no class for the architecture, FileExistsError for a non-empty
+    `out_dir`."""
+    import transformers
+
+    cfg = dict(SHAPES[shape], **(fields or {}))
+    if num_layers:
+        cfg = truncate(cfg, num_layers)
+    arch = cfg.pop("architectures")[0]
+    cls = getattr(transformers, arch, None)
+    if cls is None:
+        raise ValueError(f"transformers {transformers.__version__} has no {arch} (the {shape} shape)")
+    if os.path.isdir(out_dir) and os.listdir(out_dir):
+        raise FileExistsError(f"{out_dir} is not empty; choose a new or empty directory")
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(out_dir)}.")
+    try:
+        os.chmod(tmp, 0o755)  # a checkpoint folder's usual mode, not mkdtemp's private one
+        params = _save_transformers(tmp, cls, cfg, seed, DTYPES[dtype])
+        if os.path.isdir(out_dir):
+            os.rmdir(out_dir)
+        os.rename(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    logger.info("%s (%s, transformers' %s, %s): %.1fM parameters -> %s", shape, dtype, arch,
+                f"{num_layers} layers" if num_layers else "all layers", params / 1e6, out_dir)  # fmt: skip
+    return out_dir
+
+
+def _save_transformers(out_dir: str, cls: type, cfg: dict, seed: int, dtype: torch.dtype) -> int:
+    """The bench tokenizer and transformers' `cls` built from `cfg` (its ids set to the tokenizer's) into
+    `out_dir`; the parameter count."""
+    ids = write_tokenizer(out_dir, int(cfg["vocab_size"]))
+    cfg = dict(cfg, bos_token_id=ids["eos"], eos_token_id=ids["eos"], pad_token_id=ids["pad"])
+    with torch.random.fork_rng(devices=[]):  # the caller's global RNG state is left as it was
+        torch.manual_seed(seed)
+        model = cls(cls.config_class(**cfg))  # type: ignore[attr-defined]
+    model.to(dtype).save_pretrained(out_dir)
+    return sum(p.numel() for p in model.parameters())
+
+
 def bench_decode(model_dir: str, batch: int = 8, prompt: int = 64, steps: int = 16) -> float:
     """Decode tokens/s of `batch` requests after a `prompt`-token prefill each (greedy, fp32)."""
     from shared.messages import ForwardBatch, ReqSlice, SamplingParams
@@ -198,10 +261,23 @@ def main() -> None:
     p.add_argument("out_dir")
     p.add_argument("--shape", choices=sorted(SHAPES), required=True)
     p.add_argument("--num-layers", type=int, default=0, help="keep the first N layers (0 = all)")
+    p.add_argument("--layout", choices=LAYOUTS, default="hyssm",
+                   help="hyssm: its parameter names, float32, no tokenizer; transformers: transformers' class, init "
+                        "and save_pretrained with a tokenizer (what llama.cpp's converter reads)")  # fmt: skip
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="weights (--layout transformers)")
+    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--bench", action="store_true", help="measure decode tokens/s on the written checkpoint")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    path = write(args.out_dir, args.shape, args.num_layers)
+    if args.layout == "hyssm" and args.dtype != "float32":
+        p.error("--layout hyssm writes float32 weights; --dtype is for --layout transformers")
+    if args.layout == "transformers":
+        try:
+            path = write_transformers(args.out_dir, args.shape, args.num_layers, args.seed, args.dtype)
+        except (ImportError, ValueError, FileExistsError) as e:
+            p.error(str(e))
+    else:
+        path = write(args.out_dir, args.shape, args.num_layers, args.seed)
     if args.bench:
         logger.info("%s: %.1f decode tokens/s (batch 8, 64-token prompts, fp32)", args.shape, bench_decode(path))
 

@@ -307,6 +307,9 @@ class HybridConfig:
     lm_head_multiplier: float = 1.0  # on the logits
     norm_fp32_weight: bool = False  # RMSNorm weights applied in float32 (Nemotron-H), else in the model dtype
     norm_unit_offset: bool = False  # zero-centred RMSNorm: x̂ * (1 + weight) (every norm but gated ones)
+    # the residual stream carried in float32 in a 16-bit model (Mamba / FalconMamba `residual_in_fp32`): each
+    # sublayer's norm reads it rounded to the model dtype, the final norm reads it whole (worker_proc.model.residual)
+    residual_fp32: bool = False
     # checkpoint names -> parameter names: (regex, replacement) applied in order; tensors whose
     # (renamed) name starts with one of `ignored_prefixes` are not loaded (e.g. MTP layers)
     renames: tuple[tuple[str, str], ...] = ()

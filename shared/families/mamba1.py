@@ -6,7 +6,8 @@ d_inner = `intermediate_size` (else `expand` * hidden), `state_size`, `conv_kern
 dt, B and C after x_proj without weights (`mixer_rms_eps`). Their configs name no context limit: 65536
 tokens unless `max_position_embeddings` or --context-length says otherwise. Checkpoint names
 `backbone.embeddings` (or `backbone.embedding`), `backbone.norm_f` map onto the shared names.
-`residual_in_fp32` is exact in float32; in 16-bit the residual stays in the model dtype.
+`residual_in_fp32` (transformers' default: true) carries the residual stream in float32 in a 16-bit model, as
+transformers' blocks do (`HybridConfig.residual_fp32`); the mixers run in the model dtype.
 """
 
 from __future__ import annotations
@@ -73,6 +74,7 @@ def parse(cfg: dict, arch: str) -> HybridConfig:
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
         torch_dtype=dtype_name(cfg),
         layer_specs=((Sublayer("norm", (Block("mamba1", "mixer"),)),),) * layers,
+        residual_fp32=bool(cfg.get("residual_in_fp32", True)),
         renames=RENAMES,
     )
 

@@ -272,7 +272,14 @@ def test_transformers_init_has_the_generators_layout_and_transformers_values(sma
     assert set(params) == set(ours) and torch.equal(params["model.layers.0.mamba.D"], ours["model.layers.0.mamba.D"])
 
 
-def test_transformers_init_is_refused_for_other_families(tmp_path: Path, capsys) -> None:
-    with pytest.raises(SystemExit) as exc:
-        main(["--shape", "falcon-h1-0.5b", str(tmp_path / "x"), "--init", "transformers"])
-    assert exc.value.code == 2 and "Granite-4.0-H shapes only" in capsys.readouterr().err
+def test_transformers_init_of_another_family_writes_its_transformers_layout(tmp_path: Path) -> None:
+    """--init transformers for another family's shape: make_family_model's transformers layout (transformers'
+    class and save_pretrained, the bench tokenizer, --dtype weights)."""
+    pytest.importorskip("transformers")
+    out = tmp_path / "x"
+    assert main(["--shape", "falcon-h1-0.5b", str(out), "--init", "transformers", "--num-layers", "1",
+                 "--dtype", "bfloat16", "--log-level", "WARNING"]) == 0  # fmt: skip
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["FalconH1ForCausalLM"] and cfg["model_type"] == "falcon_h1"
+    assert cfg["dtype"] == "bfloat16" and cfg["num_hidden_layers"] == 1
+    assert (out / "tokenizer.json").is_file() and (out / "model.safetensors").is_file()

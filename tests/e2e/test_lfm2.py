@@ -2,7 +2,8 @@
 tokenizer files) served end to end through a real launch.py with NGRAM speculation on: the reference
 prompt's greedy tokens are transformers' own, prompts sharing a system prompt hit the prefix cache from
 the third on (the conv windows checkpointed at the branch point) with the runtime's outputs alone, and
-concurrent requests batched together give theirs too; the server's model info names the state kind."""
+concurrent requests batched together give theirs too; the server's model info names the state kind. Both are
+served at TP=1 and TP=2 (conv channels, attention heads, SwiGLU and expert widths split over the ranks)."""
 
 from __future__ import annotations
 
@@ -35,8 +36,8 @@ def _model_dir(tmp_path, name: str) -> str:
     return str(out)
 
 
-@pytest.mark.parametrize("name", ["lfm2_bias", "lfm2_moe"])
-def test_lfm2_serves_transformers_tokens_with_prefix_hits_and_drafts(tmp_path, name: str) -> None:
+@pytest.mark.parametrize("name, tp", [("lfm2_bias", 1), ("lfm2_bias", 2), ("lfm2_moe", 1), ("lfm2_moe", 2)])
+def test_lfm2_serves_transformers_tokens_with_prefix_hits_and_drafts(tmp_path, name: str, tp: int) -> None:
     from safetensors.torch import load_file
 
     from tests.model_driver import generate_greedy
@@ -52,7 +53,7 @@ def test_lfm2_serves_transformers_tokens_with_prefix_hits_and_drafts(tmp_path, n
     others = [[rng.randrange(3, 256) for _ in range(rng.randrange(5, 30))] for _ in range(5)]
     args = ["--model-path", path, "--chunked-prefill-size", str(CHUNK), "--max-prefill-tokens", "64",
             "--dtype", "float32", "--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "3",
-            *DETERMINISTIC]
+            "--tp-size", str(tp), *DETERMINISTIC]
     with running_server(args) as server, server.client() as client:
         first = greedy(client, hf["prompt"].tolist(), len(hf["gen_tokens"]))
         results = [greedy(client, p, 6) for p in prompts]

@@ -3,7 +3,7 @@ tokenizer files) served end to end through a real launch.py with NGRAM speculati
 greedy tokens are transformers' own, prompts sharing a system prompt hit the prefix cache from the third on
 (the conv windows and per-channel SSM states checkpointed at the branch point) with the runtime's outputs
 alone, and concurrent requests batched together give theirs too; the server's model info names the state
-kinds. FalconMamba is served at TP=2, Jamba at TP=1 and TP=2."""
+kinds. Mamba and Jamba are served at TP=1 and TP=2, FalconMamba at TP=2."""
 
 from __future__ import annotations
 
@@ -37,7 +37,10 @@ def _model_dir(tmp_path, name: str) -> str:
     return str(out)
 
 
-@pytest.mark.parametrize("name, tp", [("mamba_bias", 1), ("falcon_mamba", 2), ("jamba", 1), ("jamba", 2)])
+CASES = [("mamba_bias", 1), ("mamba_bias", 2), ("falcon_mamba", 2), ("jamba", 1), ("jamba", 2)]
+
+
+@pytest.mark.parametrize("name, tp", CASES)
 def test_mamba1_serves_transformers_tokens_with_prefix_hits_and_drafts(tmp_path, name: str, tp: int) -> None:
     from safetensors.torch import load_file
 

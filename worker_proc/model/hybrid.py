@@ -17,8 +17,8 @@ values with their scales) at the request's state slot; attention its layer's KV 
 Tensor parallelism: the constructor takes `tp`; every block is built with this rank's sizes and
 names the slice of each of its tensors (`shard_spec`, rules in worker_proc.model.tp). Mixers
 all-reduce their own output; MLP and MoE blocks return partial sums, all-reduced once per
-sublayer. The residual stream `h` is whole and identical on every rank; embedding, norms and LM
-head are replicated (every rank computes the logits).
+sublayer. The residual stream `h` (float32 with `residual_fp32`, worker_proc.model.residual) is whole
+and identical on every rank; embedding, norms and LM head are replicated (every rank computes the logits).
 Images (a checkpoint with a vision tower, `HybridConfig.vision`): `visual` is the tower
 (worker_proc.model.vision, replicated under tensor parallelism, its tensors `visual.*`) and
 `encoder_cache` its outputs by image digest (worker_proc.model.encoder_cache); a step's image rows
@@ -288,18 +288,18 @@ class HybridForCausalLM(nn.Module, GemmOwner):
         stream = self.run_stream(batch, pools, ops)
         if not want_logits:
             return stream.h.new_empty(0, self.cfg.vocab_size, dtype=torch.float32)
-        return self.logits(stream.normed(self.model.norm, ops, rows=batch.logit_rows))
+        return self.logits(stream.final_normed(self.model.norm, ops, rows=batch.logit_rows))
 
     def run_layers(self, batch: StepBatch, pools: StatePools, ops: KernelOps) -> torch.Tensor:
-        """The residual stream after the last layer (before the final norm), every row."""
-        return self.run_stream(batch, pools, ops).value(ops)
+        """The residual stream after the last layer (before the final norm), every row, in the model dtype."""
+        return self.run_stream(batch, pools, ops).value(ops).to(self.dtype)
 
     def run_stream(self, batch: StepBatch, pools: StatePools, ops: KernelOps) -> Residual:
         """Every layer over the step's rows; the last layer's output is left pending in the stream."""
         h = self.embed_scaled(batch.input_ids)
         if batch.image_spans:
             self.place_images(h, batch)
-        stream = Residual(h)
+        stream = Residual(h, self.cfg.residual_fp32)
         rope = self.rope(batch.rope_input)
         lora = self.lora if batch.lora_rows else None
         if lora is not None:  # the linear layers add each slot's term to its rows (worker_proc.lora.layer)
