@@ -145,18 +145,64 @@ def test_a_narrow_state_pool_through_a_long_prefill_segment(gen: torch.Generator
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 5])
-def test_fused_gated_activation_equals_the_composed_one(gen: torch.Generator, dtype, rows: int) -> None:
-    """silu(gate) * up over a projection's [gate | up] halves, read from a view with a row stride (as the
-    projection's output rows may be), with torch's roundings: float32 to its rounding, bfloat16 within
-    one rounding of the SiLU (another exponential can round it the other way)."""
-    gate_up = strided(rand(gen, rows, 2 * 1100, dtype=dtype, scale=4.0))
-    want = FastOps().silu_mul(gate_up)
-    got = _native().silu_mul(gate_up)
+@pytest.mark.parametrize("fused", [True, False])
+def test_fused_gated_activation_equals_the_composed_one(gen: torch.Generator, dtype, rows: int, fused: bool) -> None:
+    """silu(gate) * up with torch's roundings: float32 to its rounding, bfloat16 within one rounding of the
+    SiLU (another exponential can round it the other way). `fused`: gate and up are the halves of one
+    projection's output, read from a view with a row stride (as the projection's rows may be); else two
+    tensors of their own, each with its own row stride (a split gated MLP's two products)."""
+    if fused:
+        gate, up = strided(rand(gen, rows, 2 * 1100, dtype=dtype, scale=4.0)).chunk(2, dim=-1)
+    else:
+        gate = strided(rand(gen, rows, 1100, dtype=dtype, scale=4.0))
+        up = rand(gen, rows, 1100 + 7, dtype=dtype, scale=4.0)[:, 7:]
+        assert gate.stride(0) != up.stride(0)
+    want = FastOps().silu_mul(gate, up)
+    got = _native().silu_mul(gate, up)
     assert got.dtype == dtype and got.shape == (rows, 1100) and got.is_contiguous()
     scale = float(want.abs().max())
     assert max_diff(got, want) <= (TOL if dtype == torch.float32 else 2**-7) * scale
     if dtype == torch.bfloat16:  # one rounding apart at most, and mostly none
         assert (got != want).float().mean() < 0.05
+
+
+def test_fused_gated_activation_refuses_mismatched_halves() -> None:
+    """gate and up of different shapes are refused by the op with the problem named."""
+    gate, up = torch.ones(2, 8, dtype=torch.bfloat16), torch.ones(2, 9, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="gate and up must share a shape"):
+        torch.ops.hyssm_cpu.silu_mul(gate, up)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("width", "k", "bias"), [(40, 3, True), (300, 4, False), (7, 2, True)])
+def test_fused_short_conv_step_equals_the_composed_one(gen: torch.Generator, dtype, width: int, k: int,
+                                                       bias: bool) -> None:  # fmt: skip
+    """LFM2's step (C * conv(B * x), the windows advanced) against the reference's composition, from a
+    projection's rows with a row stride: float32 to its rounding, bfloat16 within one rounding of the conv
+    (the reference rounds each product before the sum). The windows keep B * x exactly as the reference
+    does; slots outside the step untouched."""
+    bcx = strided(rand(gen, 3, 3 * width, dtype=dtype))
+    weight = rand(gen, width, k, dtype=dtype, scale=0.5)
+    b = rand(gen, width, dtype=dtype) if bias else None
+    conv_pool = pool(gen, 6, width, k - 1, zero=(2,), dtype=dtype)
+    slots = torch.tensor([5, 2, 3])
+    want_pool, got_pool = conv_pool.clone(), conv_pool.clone()
+    want = ReferenceOps().short_conv_decode(bcx, want_pool, slots, weight, b)
+    got = _native().short_conv_decode(bcx, got_pool, slots, weight, b)
+    assert got.dtype == dtype and got.shape == (3, width) and got.is_contiguous()
+    scale = max(1.0, float(want.abs().max()))
+    assert max_diff(got, want) <= (TOL if dtype == torch.float32 else 2**-6) * scale
+    assert torch.equal(got_pool, want_pool)
+    assert untouched(conv_pool, got_pool, [5, 2, 3])
+
+
+def test_fused_short_conv_step_refuses_a_mismatched_pool() -> None:
+    """A pool whose window does not match the weight's width is refused with the problem named."""
+    bcx = torch.ones(2, 12, dtype=torch.bfloat16)
+    weight = torch.ones(4, 3, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="conv pool must be a contiguous"):
+        torch.ops.hyssm_cpu.short_conv_decode(bcx, torch.zeros(3, 4, 3, dtype=torch.bfloat16), torch.tensor([1, 2]),
+                                              weight, None)  # fmt: skip
 
 
 @pytest.mark.parametrize("before_gate", [False, True])

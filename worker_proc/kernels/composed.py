@@ -14,7 +14,8 @@ from worker_proc.kernels.state_codec import StatePool
 
 
 class ComposedSteps:
-    """`mamba_decode` from the class's own `conv_decode` and `ssd_decode`; the norms as their modules run them;
+    """`mamba_decode` from the class's own `conv_decode` and `ssd_decode`, `short_conv_decode` from its
+    `conv_decode`; the norms as their modules run them;
     the gated MLP activation as torch computes it."""
 
     def mamba_decode(self, xbc: Tensor, dt: Tensor, conv_pool: Tensor, slots: Tensor, weight: Tensor,
@@ -33,6 +34,12 @@ class ComposedSteps:
         return self.ssd_decode(  # type: ignore[attr-defined]
             x.reshape(-1, heads, d_head), dt, grouped(b), grouped(c), p, ssm_pool, slots)
 
+    def short_conv_decode(self, bcx: Tensor, conv_pool: Tensor, slots: Tensor, weight: Tensor,
+                          bias: Tensor | None) -> Tensor:  # fmt: skip
+        b, c, x = bcx.chunk(3, dim=-1)
+        return c * self.conv_decode(  # type: ignore[attr-defined]
+            b * x, conv_pool, slots, weight, bias, silu=False)
+
     def rms_norm(self, norm: ResidualNorm, x: Tensor) -> Tensor:
         return norm(x)
 
@@ -44,6 +51,5 @@ class ComposedSteps:
         out = y * F.silu(z.float()) if norm is None else norm(y, z)
         return out if out_dtype is None else out.to(out_dtype)
 
-    def silu_mul(self, gate_up: Tensor) -> Tensor:
-        gate, up = gate_up.chunk(2, dim=-1)
+    def silu_mul(self, gate: Tensor, up: Tensor) -> Tensor:
         return F.silu(gate) * up

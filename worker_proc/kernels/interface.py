@@ -100,6 +100,12 @@ class KernelOps(Protocol):
         `slots` advanced by one."""
         ...
 
+    def short_conv_decode(self, bcx: Tensor, conv_pool: Tensor, slots: Tensor, weight: Tensor,
+                          bias: Tensor | None) -> Tensor:  # fmt: skip
+        """LFM2's gated short convolution for one token per slot: bcx [Bt, 3 * Cd] = [B | C | x] (in_proj's
+        output) -> C * conv(B * x) [Bt, Cd], `conv_decode` without SiLU on B * x; rows `slots` advanced by one."""
+        ...
+
     def ssd_prefill(self, x: Tensor, dt: Tensor, b: Tensor, c: Tensor, p: SsdParams, ssm_pool: StatePool,
                     slot: int) -> Tensor:  # fmt: skip
         """x: [L, H, P]; dt: [L, H] raw (p.dt_bias, softplus and p.dt_limit applied here); b, c: [L, G, N];
@@ -132,8 +138,9 @@ class KernelOps(Protocol):
         model dtype first); h, y [T, width] in the model dtype."""
         ...
 
-    def silu_mul(self, gate_up: Tensor) -> Tensor:
-        """A gated MLP's activation: silu(gate) * up of gate_up [T, 2 * I] = [gate | up] (model dtype) -> [T, I]."""
+    def silu_mul(self, gate: Tensor, up: Tensor) -> Tensor:
+        """A gated MLP's activation: silu(gate) * up of gate, up [T, I] (model dtype; the halves of one fused
+        product or two products) -> [T, I]."""
         ...
 
     def gate_norm(self, y: Tensor, z: Tensor, norm: GateNorm | None, out_dtype: torch.dtype | None = None) -> Tensor:

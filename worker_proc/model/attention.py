@@ -105,8 +105,10 @@ class Attention(nn.Module):
         else:
             q = self.q_proj(h).view(t, self.heads, cfg.attn.head_dim)
         k = self.k_proj(h).view(t, self.kv_heads, cfg.attn.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+        if self.q_norm is not None and self.k_norm is not None:  # per head: each head's row of q and of k
+            hd = cfg.attn.head_dim
+            q = ops.rms_norm(self.q_norm, q.reshape(-1, hd)).view(t, self.heads, hd)
+            k = ops.rms_norm(self.k_norm, k.reshape(-1, hd)).view(t, self.kv_heads, hd)
         if cfg.attn.key_multiplier != 1.0:
             k = k * cfg.attn.key_multiplier
         v = self.v_proj(h).view(t, self.kv_heads, cfg.attn.head_dim)

@@ -47,7 +47,7 @@ from worker_proc.model.batch import StepBatch
 from worker_proc.model.blocks import ATTENTION_MIXERS, RECURRENT_MIXERS, build_block
 from worker_proc.model.encoder_cache import EncoderCache
 from worker_proc.model.latent_attention import LatentAttention
-from worker_proc.model.layers import GatedMLP, Linear, empty_param, make_norm
+from worker_proc.model.layers import GatedMLP, Linear, SplitGatedMLP, empty_param, make_norm
 from worker_proc.model.residual import Residual
 from worker_proc.model.shard import ShardSpec, TPInfo
 from worker_proc.model.vision import VisionTower
@@ -114,7 +114,7 @@ class DecoderLayer(nn.Module):
         if isinstance(module, ATTENTION_MIXERS):
             i = self.attn_index
             return module(x, batch, rope, pools.k[i], pools.v[i], ops)
-        if isinstance(module, GatedMLP):
+        if isinstance(module, (GatedMLP, SplitGatedMLP)):
             return module(x, ops)
         return module(x)
 

@@ -171,7 +171,7 @@ class GatedMLP(nn.Module):
         self.output_linear = Linear(inner, hidden, bias=False, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor, ops: KernelOps) -> torch.Tensor:
-        return self.output_linear(ops.silu_mul(self.input_linear(x)))
+        return self.output_linear(ops.silu_mul(*self.input_linear(x).chunk(2, dim=-1)))
 
     def shard_spec(self, sub: str) -> ShardSpec | None:
         return fused_mlp_spec(self.output_linear.in_features * self.tp.size, self.tp, sub, 0)
@@ -206,12 +206,15 @@ class SplitGatedMLP(nn.Module):
         self.down_proj = Linear(inner, hidden, bias=bias, dtype=dtype, device=device)
         self.gate_mult, self.down_mult = gate_mult, down_mult
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ops: KernelOps | None = None) -> torch.Tensor:
+        """`ops` (the decoder's sublayers) computes the activation; without it (an MoE's shared expert) torch
+        does. Batch-invariant products need a batch-invariant activation between them: torch's, exact."""
         gate = self.gate_proj(x)
         if self.gate_mult != 1.0:
             gate = gate * self.gate_mult
-        # batch-invariant products need a batch-invariant activation between them
-        out = self.down_proj(silu(gate, self.gate_proj.gemm.batch_invariant) * self.up_proj(x))
+        exact = self.gate_proj.gemm.batch_invariant
+        act = silu(gate, exact) * self.up_proj(x) if ops is None or exact else ops.silu_mul(gate, self.up_proj(x))
+        out = self.down_proj(act)
         return out if self.down_mult == 1.0 else out * self.down_mult
 
     def shard_spec(self, sub: str) -> ShardSpec | None:

@@ -59,18 +59,20 @@ class ShortConv(nn.Module):
                 ops: KernelOps) -> torch.Tensor:  # fmt: skip
         """h: [T, hidden]; conv_pool: [S, hidden / N, d_conv - 1] of this layer; `state_pool`: None (the
         conv window is the whole state)."""
-        b, c, x = self.in_proj(h).split(self.width, dim=-1)
-        bx = b * x
+        bcx = self.in_proj(h)
+        weight = self.conv.weight[:, 0, :]
 
         def decode(group: DecodeGroup, rows: torch.Tensor | None) -> torch.Tensor:
-            return self.recur_decode((bx,), rows, group.state_slots, conv_pool, state_pool, ops)
+            return ops.short_conv_decode(rows_of(bcx, rows), conv_pool, group.state_slots, weight, self.conv.bias)
 
         def prefill(rows: torch.Tensor | None) -> torch.Tensor:
-            return ops.conv_prefill_many(rows_of(bx, rows), conv_pool, batch.prefill_spans, self.conv.weight[:, 0, :],
-                                         self.conv.bias, silu=False)  # fmt: skip
+            b, c, x = rows_of(bcx, rows).split(self.width, dim=-1)
+            return c * ops.conv_prefill_many(b * x, conv_pool, batch.prefill_spans, weight, self.conv.bias, silu=False)
 
-        batch.keep_recurrent_inputs(self, (bx,), conv_pool, state_pool)
-        return row_parallel(c * batch.by_group(decode, prefill), self.out_proj, self.tp)
+        if batch.kept_inputs is not None:  # a step that verifies drafts keeps B * x of every row
+            b, _, x = bcx.split(self.width, dim=-1)
+            batch.keep_recurrent_inputs(self, (b * x,), conv_pool, state_pool)
+        return row_parallel(batch.by_group(decode, prefill), self.out_proj, self.tp)
 
     def recur_decode(self, inputs: tuple[torch.Tensor, ...], rows: torch.Tensor | None, slots: torch.Tensor,
                      conv_pool: torch.Tensor, state_pool: None, ops: KernelOps) -> torch.Tensor:  # fmt: skip

@@ -172,39 +172,42 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& h, const at::T
   return out;
 }
 
-// A gated MLP's activation: silu(gate) * up over the halves [gate | up] of each row of gu [rows, 2 * I]
-// (the model dtype, unit-stride rows of any stride). Returns [rows, I] in the dtype: the SiLU rounded
-// to it, then the product rounded (F.silu(gate) * up's roundings; the exponential is exp_approx).
+// A gated MLP's activation: silu(gate) * up of gate, up [rows, I] (the model dtype, unit-stride rows of any
+// stride each: the two halves of one fused product, or two products). Returns [rows, I] in the dtype: the
+// SiLU rounded to it, then the product rounded (F.silu(gate) * up's roundings; the exponential is exp_approx).
 template <typename T>
-at::Tensor silu_mul_impl(const at::Tensor& gu) {
-  const int64_t rows = gu.size(0), width = gu.size(1) / 2, rs = gu.stride(0);
+at::Tensor silu_mul_impl(const at::Tensor& gate, const at::Tensor& up) {
+  const int64_t rows = gate.size(0), width = gate.size(1), gs = gate.stride(0), us = up.stride(0);
   constexpr int64_t kSpan = 512;    // columns per task
   constexpr int64_t kInline = 16;   // fewer tasks than this run on the calling thread (waking the others
                                     // costs more than a decode row's few thousand elements)
   const int64_t spans = (width + kSpan - 1) / kSpan;
-  at::Tensor out = at::empty({rows, width}, gu.options().memory_format(at::MemoryFormat::Contiguous));
-  const T* g_p = gu.data_ptr<T>();
+  at::Tensor out = at::empty({rows, width}, gate.options().memory_format(at::MemoryFormat::Contiguous));
+  const T* g_p = gate.data_ptr<T>();
+  const T* u_p = up.data_ptr<T>();
   T* o_p = out.data_ptr<T>();
   at::parallel_for(0, rows * spans, kInline, [&](int64_t begin, int64_t end) {
-    for (int64_t u = begin; u < end; ++u) {
-      const int64_t r = u / spans, lo = (u % spans) * kSpan, hi = std::min(width, lo + kSpan);
-      const T* gate = g_p + r * rs;
-      const T* up = gate + width;
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t r = t / spans, lo = (t % spans) * kSpan, hi = std::min(width, lo + kSpan);
+      const T* grow = g_p + r * gs;
+      const T* urow = u_p + r * us;
       T* orow = o_p + r * width;
 #pragma omp simd
-      for (int64_t j = lo; j < hi; ++j) orow[j] = from_f<T>(round_to<T>(silu(to_f(gate[j]))) * to_f(up[j]));
+      for (int64_t j = lo; j < hi; ++j) orow[j] = from_f<T>(round_to<T>(silu(to_f(grow[j]))) * to_f(urow[j]));
     }
   });
   return out;
 }
 
-at::Tensor silu_mul(const at::Tensor& gu) {
-  check_rows(gu, "gate|up");
-  TORCH_CHECK(gu.size(1) % 2 == 0, "silu_mul: [rows, 2 * width] expected");
+at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up) {
+  check_rows(gate, "gate");
+  check_rows(up, "up");
+  TORCH_CHECK(gate.sizes() == up.sizes() && gate.scalar_type() == up.scalar_type(),
+              "silu_mul: gate and up must share a shape and dtype");
   at::Tensor out;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gu.scalar_type(), "silu_mul", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate.scalar_type(), "silu_mul", [&] {
     if constexpr (!std::is_same_v<scalar_t, double>) {
-      out = silu_mul_impl<scalar_t>(gu);
+      out = silu_mul_impl<scalar_t>(gate, up);
     } else {
       TORCH_CHECK(false, "float64 is not a model dtype");
     }

@@ -77,6 +77,15 @@ class NativeOps(FastOps):
         lengths, slots = [length for length, _ in spans], [slot for _, slot in spans]
         return torch.ops.hyssm_cpu.conv_prefill(x, conv_pool, lengths, slots, weight, bias, silu)
 
+    def short_conv_decode(self, bcx: Tensor, conv_pool: Tensor, slots: Tensor, weight: Tensor,
+                          bias: Tensor | None) -> Tensor:  # fmt: skip
+        """B * x, the window, the conv and the product with C in one pass (`short_conv_ops.cpp`)."""
+        if not (bcx.dim() == 2 and bcx.dtype in _MODEL_DTYPES and bcx.dtype == conv_pool.dtype == weight.dtype
+                and bcx.stride(-1) == 1 and conv_pool.is_contiguous()
+                and (bias is None or bias.dtype == bcx.dtype)):  # fmt: skip
+            return super().short_conv_decode(bcx, conv_pool, slots, weight, bias)
+        return torch.ops.hyssm_cpu.short_conv_decode(bcx, conv_pool, slots, weight.contiguous(), bias)
+
     def ssd_prefill(self, x: Tensor, dt: Tensor, b: Tensor, c: Tensor, p: SsdParams, ssm_pool: StatePool,
                     slot: int) -> Tensor:  # fmt: skip
         return self.ssd_prefill_many(x, dt, b, c, p, ssm_pool, ((x.shape[0], slot),))
@@ -121,10 +130,11 @@ class NativeOps(FastOps):
         return torch.ops.hyssm_cpu.gated_rms_norm(y, z, self._f32(norm.weight), norm.groups, norm.eps,
                                                   norm.before_gate, rounded)  # fmt: skip
 
-    def silu_mul(self, gate_up: Tensor) -> Tensor:
-        if gate_up.dim() != 2 or gate_up.stride(-1) != 1 or gate_up.dtype not in _MODEL_DTYPES:
-            return super().silu_mul(gate_up)
-        return torch.ops.hyssm_cpu.silu_mul(gate_up)
+    def silu_mul(self, gate: Tensor, up: Tensor) -> Tensor:
+        if not (gate.dim() == up.dim() == 2 and gate.stride(-1) == up.stride(-1) == 1
+                and gate.dtype in _MODEL_DTYPES and gate.dtype == up.dtype and gate.shape == up.shape):  # fmt: skip
+            return super().silu_mul(gate, up)
+        return torch.ops.hyssm_cpu.silu_mul(gate, up)
 
     def attn_decode(self, q: Tensor, k_pool: Tensor, v_pool: Tensor, kv_idx: Tensor, lengths: Tensor,
                     scale: float) -> Tensor:  # fmt: skip

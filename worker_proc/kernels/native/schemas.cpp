@@ -25,6 +25,7 @@ TORCH_LIBRARY(hyssm_cpu, m) {
   m.def(
       "conv_prefill(Tensor x, Tensor(a!) conv_pool, int[] lengths, int[] slots, Tensor weight, Tensor? bias, "
       "bool silu=True) -> Tensor");
+  m.def("short_conv_decode(Tensor bcx, Tensor(a!) conv_pool, Tensor slots, Tensor weight, Tensor? bias) -> Tensor");
   m.def(
       "ssd_prefill(Tensor x, Tensor dt, Tensor b, Tensor c, Tensor(a!) ssm_pool, Tensor(b!)? ssm_scale, "
       "int[] lengths, int[] slots, "
@@ -33,7 +34,7 @@ TORCH_LIBRARY(hyssm_cpu, m) {
         "bool round_out) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps, int weighting) -> Tensor");
   m.def("add_rms_norm(Tensor h, Tensor y, float alpha, Tensor weight, float eps, int weighting) -> (Tensor, Tensor)");
-  m.def("silu_mul(Tensor gu) -> Tensor");
+  m.def("silu_mul(Tensor gate, Tensor up) -> Tensor");
   m.def("gemv(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("gemv_seq(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("tile_weight(Tensor weight, Tensor? out=None) -> Tensor");
