@@ -10,6 +10,7 @@ import os
 import random
 import shutil
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import pytest
@@ -24,11 +25,14 @@ CHUNK = 16
 SYSTEM = 48
 
 
-def model_dir(tmp_path, name: str) -> str:
+def model_dir(tmp_path: Path, name: str, source: str | None = None,
+              files: tuple[str, ...] = ("config.json", "model.safetensors")) -> str:
+    """A servable copy in tmp_path/name (which must not exist yet) of `files` of the checkpoint in `source`
+    (the parity fixture `name` when None), with the built-in tokenizer files."""
     out = tmp_path / name
     out.mkdir()
-    for f in ("config.json", "model.safetensors"):
-        shutil.copy(os.path.join(fixture_dir(name), f), out / f)
+    for f in files:
+        shutil.copy(os.path.join(source or fixture_dir(name), f), out / f)
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(os.path.join(builtin_model_dir(), f), out / f)
     return str(out)

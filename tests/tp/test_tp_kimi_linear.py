@@ -11,16 +11,16 @@ latent's."""
 
 from __future__ import annotations
 
-from typing import Any
-
-import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from tests.fixtures.kimi_linear_model import KIMI_CONFIGS, kimi_dir
-from tests.tp.harness import models_traces, run_ranks
-from tests.tp.test_tp_parity import N_NEW, TOL, _compare
+from tests.tp.family_tp import (
+    Traces,
+    check_tp2_matches_tp1_and_transformers,
+    check_tp2_pools_per_rank,
+    family_traces,
+)
 from worker_proc.loading.checkpoint import load_config
 from worker_proc.state.pools import slot_bytes
 
@@ -28,44 +28,21 @@ pytestmark = pytest.mark.timeout(180)
 NAMES = tuple(KIMI_CONFIGS)
 
 
-def _reference(name: str) -> dict:
-    return load_file(f"{kimi_dir(name)}/reference.safetensors")
-
-
 @pytest.fixture(scope="module")
-def jobs() -> list[tuple[str, str, int, list[int] | None]]:
-    return [(name, kimi_dir(name), N_NEW, _reference(name)["prompt"].tolist()) for name in NAMES]
-
-
-@pytest.fixture(scope="module")
-def tp1(jobs: list) -> dict[str, Any]:
-    return models_traces(0, 1, None, jobs)
-
-
-@pytest.fixture(scope="module")
-def tp2(jobs: list) -> list[dict[str, Any]]:
-    return run_ranks(models_traces, 2, (jobs,), timeout=120)
+def traces() -> Traces:
+    return family_traces(NAMES, kimi_dir, timeout=120)
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_tp2_matches_tp1_and_transformers(name: str, tp1: dict[str, Any], tp2: list[dict[str, Any]]) -> None:
-    _compare(tp1[name], [r[name] for r in tp2])
-    hf = _reference(name)["prompt_logits"].numpy()
-    for r in (tp1, *tp2):
-        assert float(np.abs(r[name]["prompt_logits"] - hf).max()) <= TOL
+def test_tp2_matches_tp1_and_transformers(name: str, traces: Traces) -> None:
+    check_tp2_matches_tp1_and_transformers(traces, name, kimi_dir(name))
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_tp2_pools_are_per_rank(name: str, tp1: dict[str, Any], tp2: list[dict[str, Any]]) -> None:
+def test_tp2_pools_are_per_rank(name: str, traces: Traces) -> None:
     """The ranks plan the same capacities; a state slot (conv windows and delta-rule state) costs each rank
     exactly half, a KV token slot (the latent, replicated) as much as on one rank."""
-    kv, states, nbytes = tp1[name]["capacity"]
-    for r in tp2:
-        r_kv, r_states, r_bytes = r[name]["capacity"]
-        assert (r_kv, r_states) == (kv, states) and r_bytes < nbytes
+    check_tp2_pools_per_rank(traces, name, kimi_dir(name))
     cfg = load_config(kimi_dir(name))
-    whole = slot_bytes(cfg, torch.float32)
-    assert whole.state_slot > 0 and whole.kv_token > 0
-    for rank in (0, 1):
-        part = slot_bytes(cfg, torch.float32, 2, rank)
-        assert (2 * part.state_slot, part.kv_token) == (whole.state_slot, whole.kv_token)
+    whole = slot_bytes(cfg, torch.float32).kv_token
+    assert whole > 0 and all(slot_bytes(cfg, torch.float32, 2, rank).kv_token == whole for rank in (0, 1))

@@ -17,19 +17,22 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from shared.messages import ForwardBatch, StoreLoad, StoreWrite
-from shared.state_store import DirectoryStore
 from tests.fixtures.kimi_linear_model import KIMI_CONFIGS, kimi_dir
-from tests.worker.test_batch_invariance import close, mixed_and_alone
+from tests.worker.family_features import (
+    check_mixed_batch_equals_each_alone,
+    check_quantized_logits,
+    check_state_store_round_trip,
+    quantized_runner,
+)
+from tests.worker.test_batch_invariance import mixed_and_alone
 from tests.worker.test_parity_kimi_linear import STATE, WINDOW
-from tests.worker.test_quantized_models import FIXTURE_MIN_COSINE, _plan_and_reference
-from tests.worker.test_state_tier import BLOCK, KEYS, NAMESPACE, STATE_KEY, settle_all
+from tests.worker.test_quantized_models import FIXTURE_MIN_COSINE
+from tests.worker.test_state_tier import BLOCK
 from tests.worker.util import runner_at
 from worker_proc.loading.checkpoint import load_config
 from worker_proc.model.kimi_delta import KimiDeltaAttention
 from worker_proc.model.latent_attention import LatentAttention
 from worker_proc.state.pools import StatePools, plan_capacities, slot_bytes
-from worker_proc.state.store_tier import StoreTier
 
 NAMES = tuple(KIMI_CONFIGS)
 MOE_MEAN_COSINE = 0.9
@@ -39,37 +42,23 @@ MOE_MEAN_COSINE = 0.9
 @pytest.mark.parametrize("deterministic", [True, False])
 @pytest.mark.parametrize("name", NAMES)
 def test_mixed_batch_equals_each_alone(name: str, deterministic: bool) -> None:
-    alone = runner_at(kimi_dir(name), deterministic=deterministic)
-    together = runner_at(kimi_dir(name), deterministic=deterministic)
-    got, expected = mixed_and_alone(alone, together)
-    assert set(got) == set(expected) == {"a", "b", "c", "d", "e", "f"}
-    for rid in expected:
-        assert close(got[rid], expected[rid], deterministic), rid
-    for pool in (STATE, WINDOW):
-        assert close(together.pools.states[pool], alone.pools.states[pool], deterministic), pool
-    assert close(together.pools.k, alone.pools.k, deterministic)
-    together.check_integrity()
+    check_mixed_batch_equals_each_alone(kimi_dir(name), deterministic, (STATE, WINDOW), kv=True)
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 @pytest.mark.parametrize("name", NAMES)
 def test_quantized_products(name: str, fmt: str) -> None:
-    prompt = list(range(5, 40))
-    r = runner_at(kimi_dir(name), kv_slots=len(prompt) + 8, quantization=fmt)
+    r = quantized_runner(kimi_dir(name), fmt)
     kda = next(m for m in r.model.modules() if isinstance(m, KimiDeltaAttention))
     mla = next(m for m in r.model.modules() if isinstance(m, LatentAttention))
     assert kda.q_proj.gemm.quantized is not None and kda.o_proj.gemm.quantized is not None
     assert mla.kv_a_proj_with_mqa.gemm.quantized is not None and mla.o_proj.gemm.quantized is not None
     assert mla.absorb_k is not None and mla.absorb_v is not None
     assert all(p.gemm.quantized is not None for p in (*mla.absorb_k, *mla.absorb_v))
-    got, want = _plan_and_reference(r, prompt, fmt)
-    assert bool(torch.isfinite(got).all())
-    rows = torch.nn.functional.cosine_similarity(got, want, dim=-1)
     # a flipped expert choice moves a row of the random MoE checkpoint far (measured min 0.41 .. 0.80 over
     # runs, mean >= 0.97): it is held to the mean of its rows, the dense one to every row
-    cosine = float(rows.mean() if KIMI_CONFIGS[name].get("num_local_experts") else rows.min())
-    bound = MOE_MEAN_COSINE if KIMI_CONFIGS[name].get("num_local_experts") else FIXTURE_MIN_COSINE
-    assert cosine >= bound, f"logit rows {cosine:.3f} apart"
+    moe = bool(KIMI_CONFIGS[name].get("num_local_experts"))
+    check_quantized_logits(r, fmt, MOE_MEAN_COSINE if moe else FIXTURE_MIN_COSINE, mean=moe)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -139,21 +128,5 @@ def test_state_store_round_trips_the_kda_state(tmp_path: Path) -> None:
     """The state store writes a slot's KDA conv windows and state with its KV and a load puts them back,
     bit for bit, into other slots."""
     p = StatePools(load_config(kimi_dir("kimi_moe")), kv_slots=40, state_slots=4, dtype=torch.float32, device="cpu")
-    gen = torch.Generator().manual_seed(0)
-    for t in (p.k, p.v, *p.states.values()):
-        t.copy_(torch.randn(t.shape, generator=gen))
-        t[:, 0].zero_()  # padding slot
-    tier = StoreTier(DirectoryStore(tmp_path, 1 << 30, NAMESPACE), p, BLOCK, 1 << 30)
-    assert tier.layout.kv_bytes == BLOCK * p.k[:, :1].numel() * p.k.element_size()  # K alone: V is K
-    src = list(range(1, 13))
-    tier.serve(ForwardBatch(step=1, reqs=[], store_writes=[StoreWrite(kv_keys=KEYS[:3], kv_slots=src,
-                                                                       state_key=STATE_KEY, state_slot=2)]))
-    assert tier.writer.flush(30)
-    dst = list(range(20, 32))
-    tier.serve(ForwardBatch(step=2, reqs=[], store_loads=[StoreLoad(load_id=1, kv_keys=KEYS[:3], skip=0,
-                                                                    kv_slots=dst, state_key=STATE_KEY, state_slot=3)]))
-    assert settle_all(tier) == ([1], [])
-    assert torch.equal(p.k[:, dst], p.k[:, src]) and torch.equal(p.v[:, dst], p.v[:, src])
-    for pool in (STATE, WINDOW):
-        assert torch.equal(p.states[pool][:, 3], p.states[pool][:, 2]) and p.states[pool][:, 3].any()
-    tier.close(5)
+    layout = check_state_store_round_trip(tmp_path, p, (STATE, WINDOW))
+    assert layout.kv_bytes == BLOCK * p.k[:, :1].numel() * p.k.element_size()  # K alone: V is K

@@ -12,18 +12,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from shared.messages import ForwardBatch, StoreLoad, StoreWrite
-from shared.state_store import DirectoryStore
 from tests.fixtures.mamba1_model import MAMBA1_CONFIGS, mamba1_dir
-from tests.worker.test_batch_invariance import close, mixed_and_alone
+from tests.worker.family_features import (
+    check_mixed_batch_equals_each_alone,
+    check_quantized_logits,
+    check_state_store_round_trip,
+    quantized_runner,
+)
 from tests.worker.test_parity_mamba1 import CONV, SSM
-from tests.worker.test_quantized_models import FIXTURE_MIN_COSINE, _plan_and_reference
-from tests.worker.test_state_tier import BLOCK, KEYS, NAMESPACE, STATE_KEY, settle_all
 from tests.worker.util import runner_at
 from worker_proc.loading.checkpoint import load_config
 from worker_proc.model.mamba1 import Mamba1Mixer
 from worker_proc.state.pools import StatePools
-from worker_proc.state.store_tier import StoreTier
 
 NAMES = tuple(MAMBA1_CONFIGS)
 
@@ -31,28 +31,16 @@ NAMES = tuple(MAMBA1_CONFIGS)
 @pytest.mark.parametrize("deterministic", [True, False])
 @pytest.mark.parametrize("name", NAMES)
 def test_mixed_batch_equals_each_alone(name: str, deterministic: bool) -> None:
-    alone = runner_at(mamba1_dir(name), deterministic=deterministic)
-    together = runner_at(mamba1_dir(name), deterministic=deterministic)
-    got, expected = mixed_and_alone(alone, together)
-    assert set(got) == set(expected) == {"a", "b", "c", "d", "e", "f"}
-    for rid in expected:
-        assert close(got[rid], expected[rid], deterministic), rid
-    for k in (CONV, SSM):
-        assert close(together.pools.states[k], alone.pools.states[k], deterministic), k
-    together.check_integrity()
+    check_mixed_batch_equals_each_alone(mamba1_dir(name), deterministic, (CONV, SSM), kv=False)
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 @pytest.mark.parametrize("name", ["mamba_bias", "jamba"])
 def test_quantized_products(name: str, fmt: str) -> None:
-    prompt = list(range(5, 40))
-    r = runner_at(mamba1_dir(name), kv_slots=len(prompt) + 8, quantization=fmt)
+    r = quantized_runner(mamba1_dir(name), fmt)
     mixer = next(m for m in r.model.modules() if isinstance(m, Mamba1Mixer))
     assert all(getattr(mixer, n).gemm.quantized is not None for n in ("in_proj", "x_proj", "dt_proj", "out_proj"))
-    got, want = _plan_and_reference(r, prompt, fmt)
-    assert bool(torch.isfinite(got).all())
-    cosine = float(torch.nn.functional.cosine_similarity(got, want, dim=-1).min())
-    assert cosine >= FIXTURE_MIN_COSINE, f"logit rows {cosine:.3f} apart"
+    check_quantized_logits(r, fmt)
 
 
 @pytest.mark.parametrize("state_dtype", ["float32", "int8"])
@@ -61,26 +49,9 @@ def test_state_store_round_trips_the_state(tmp_path: Path, state_dtype: str) -> 
     load puts them back, bit for bit, into other slots."""
     p = StatePools(load_config(mamba1_dir("jamba")), kv_slots=40, state_slots=4, dtype=torch.float32, device="cpu",
                    state_dtype=state_dtype)
-    gen = torch.Generator().manual_seed(0)
-    for t in (p.k, p.v, *p.states.values()):
-        t.copy_(torch.randn(t.shape, generator=gen).to(t.dtype) if t.dtype != torch.int8
-                else torch.randint(-127, 128, t.shape, generator=gen, dtype=torch.int8))  # fmt: skip
-        t[:, 0].zero_()  # padding slot
-    tier = StoreTier(DirectoryStore(tmp_path, 1 << 30, NAMESPACE), p, BLOCK, 1 << 30)
-    src = list(range(1, 13))
-    tier.serve(ForwardBatch(step=1, reqs=[], store_writes=[StoreWrite(kv_keys=KEYS[:3], kv_slots=src,
-                                                                       state_key=STATE_KEY, state_slot=2)]))
-    assert tier.writer.flush(30)
-    dst = list(range(20, 32))
-    tier.serve(ForwardBatch(step=2, reqs=[], store_loads=[StoreLoad(load_id=1, kv_keys=KEYS[:3], skip=0,
-                                                                    kv_slots=dst, state_key=STATE_KEY, state_slot=3)]))
-    assert settle_all(tier) == ([1], [])
-    assert torch.equal(p.k[:, dst], p.k[:, src]) and torch.equal(p.v[:, dst], p.v[:, src])
     names = {CONV, SSM} | ({SSM + "_scale"} if state_dtype == "int8" else set())
     assert {n for n, t in p.states.items() if t.numel()} == names
-    for n in names:
-        assert torch.equal(p.states[n][:, 3], p.states[n][:, 2]) and p.states[n][:, 3].any(), n
-    tier.close(5)
+    check_state_store_round_trip(tmp_path, p, tuple(sorted(names)))
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -9,42 +9,28 @@ the conv window rolled back to the accepted tokens. Tolerance: 1e-4 max abs logi
 
 from __future__ import annotations
 
-import os
-
 import pytest
-import torch
-from safetensors.torch import load_file
 
 from shared.families.registry import parse_config
-from shared.messages import CopyOp
 from shared.model_info import ModelInfo, read_config_json
 from tests.fixtures.lfm2_model import LFM2_CONFIGS, lfm2_dir
-from tests.model_driver import forward_all_logits, forward_logits, generate_greedy, generate_speculative
-from tests.worker.util import batch, chunked_prompt_logits, decode_logit_diffs, max_diff, req, runner_at
+from tests.worker.family_parity import (
+    check_chunked_prefill_logits,
+    check_decode_logits_and_greedy_tokens,
+    check_drafts_roll_back_the_state,
+    check_full_prompt_logits,
+    check_prefix_hit_copy_on_write,
+)
 
 TOL = 1e-4
 NAMES = tuple(LFM2_CONFIGS)
 WINDOW = "short_conv_window"
 
 
-def _reference(name: str) -> dict[str, torch.Tensor]:
-    return load_file(os.path.join(lfm2_dir(name), "reference.safetensors"))
-
-
-def _runner(name: str, deterministic: bool = False, **kw: object):
-    return runner_at(lfm2_dir(name), kv_slots=200, deterministic=deterministic, **kw)
-
-
 @pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("name", NAMES)
 def test_full_prompt_logits(name: str, deterministic: bool) -> None:
-    ref = _reference(name)
-    r = _runner(name, deterministic)
-    prompt = ref["prompt"].tolist()
-    n = len(prompt)
-    out = forward_all_logits(r, batch(0, [req("a", prompt, 0, list(range(1, n + 1)), 1)], clears=[1]))
-    assert max_diff(out["a"], ref["prompt_logits"]) <= TOL
-    r.check_integrity()
+    r = check_full_prompt_logits(lfm2_dir(name), deterministic, TOL)
     windows = r.pools.states[WINDOW]
     info = ModelInfo.from_dir(lfm2_dir(name))  # what the scheduler and /get_model_info know of the model
     assert info.has_recurrent_state and info.state_kinds == {"short_conv": "conv window"}
@@ -56,66 +42,28 @@ def test_full_prompt_logits(name: str, deterministic: bool) -> None:
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("chunks", [[5, 1, 13], [1, 1, 7, 10], [9, 2, 8]])
 def test_chunked_prefill_logits(name: str, chunks: list[int], deterministic: bool) -> None:
-    ref = _reference(name)
-    prompt = ref["prompt"].tolist()
-    assert sum(chunks) == len(prompt)
-    r = _runner(name, deterministic)
-    assert max_diff(chunked_prompt_logits(r, prompt, chunks), ref["prompt_logits"]) <= TOL
-    r.check_integrity()
+    check_chunked_prefill_logits(lfm2_dir(name), chunks, deterministic, TOL)
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("name", NAMES)
 def test_decode_logits_and_greedy_tokens(name: str, deterministic: bool) -> None:
-    ref = _reference(name)
-    prompt, gen = ref["prompt"].tolist(), ref["gen_tokens"].tolist()
-    r = _runner(name, deterministic)
-    diffs = decode_logit_diffs(r, prompt, gen, ref["gen_logits"])
-    assert len(diffs) == len(gen) and max(diffs) <= TOL, diffs
-    r.check_integrity()
-    assert generate_greedy(r, prompt, len(gen)) == gen
+    check_decode_logits_and_greedy_tokens(lfm2_dir(name), deterministic, TOL)
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_prefix_hit_copy_on_write_equals_uninterrupted(name: str) -> None:
     """A cached prefix's state (slot 1) copied on write into a new request's slot resumes exactly as the
     uninterrupted prompt; the source slot is left as it was."""
-    prompt = _reference(name)["prompt"].tolist()
-    n, cut = len(prompt), 9
-    r = _runner(name)
-    kv = list(range(1, n + 1))
-    whole = forward_all_logits(r, batch(0, [req("x", prompt, 0, list(range(100, 100 + n)), 4)], clears=[4]))["x"]
-    forward_logits(r, batch(1, [req("p", prompt[:cut], 0, kv[:cut], 1, sample=False)], clears=[1]))
-    source = r.pools.states[WINDOW][:, 1].clone()
-    rest = forward_all_logits(r, batch(2, [req("y", prompt[cut:], cut, kv, 2)],
-                                       copies=[CopyOp(src=1, dst=2, rid="y")]))["y"]  # fmt: skip
-    assert max_diff(rest, whole[cut:]) <= TOL
-    windows = r.pools.states[WINDOW]
-    assert torch.equal(windows[:, 1], source)
-    assert max_diff(windows[:, 2], windows[:, 4]) <= TOL and not torch.equal(windows[:, 2], source)
+    r = check_prefix_hit_copy_on_write(lfm2_dir(name), (WINDOW,), TOL)
     assert set(r.pools.states) >= {WINDOW}  # the window is the whole recurrent state of an LFM2 slot
-    r.check_integrity()
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_drafts_give_the_greedy_output_and_its_conv_window(name: str) -> None:
     """Drafts right for a varying number of tokens, then wrong: the output is greedy decoding's and the
     conv windows after every step are those of exactly the accepted tokens (bitwise, deterministic mode)."""
-    prompt = _reference(name)["prompt"].tolist()
-    plain = _runner(name, True)
-    ref = generate_greedy(plain, prompt, 14)
-
-    def propose(tokens: list[int]) -> list[int]:
-        done = len(tokens) - len(prompt)
-        right = ref[done : done + done % 3]
-        return right + [(t + 1) % 250 + 3 for t in ref[done + len(right) : done + 3]]
-
-    drafted = _runner(name, True)
-    out, accepted = generate_speculative(drafted, prompt, 14, propose)
-    assert out == ref
-    assert 0 in accepted and max(accepted) > 0
-    assert torch.equal(plain.pools.states[WINDOW][:, 1], drafted.pools.states[WINDOW][:, 1])
-    drafted.check_integrity()
+    check_drafts_roll_back_the_state(lfm2_dir(name), (WINDOW,))
 
 
 def test_hub_config_fields() -> None:

@@ -9,42 +9,33 @@ stored as bfloat16 / int8 (`--mamba-ssm-dtype`). Tolerance: 1e-4 max abs logit d
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from shared.families.registry import parse_config
-from shared.messages import CopyOp
 from shared.model_info import ModelInfo, read_config_json
 from tests.fixtures.mamba1_model import MAMBA1_CONFIGS, mamba1_dir
-from tests.model_driver import forward_all_logits, forward_logits, generate_greedy, generate_speculative
-from tests.worker.util import batch, chunked_prompt_logits, decode_logit_diffs, max_diff, req, runner_at
+from tests.model_driver import generate_greedy
+from tests.worker.family_parity import (
+    check_chunked_prefill_logits,
+    check_decode_logits_and_greedy_tokens,
+    check_drafts_roll_back_the_state,
+    check_full_prompt_logits,
+    check_prefix_hit_copy_on_write,
+    family_reference,
+    family_runner,
+)
+from tests.worker.util import decode_logit_diffs
 
 TOL = 1e-4
 NAMES = tuple(MAMBA1_CONFIGS)
 CONV, SSM = "mamba1_conv", "mamba1_ssm"
 
 
-def _reference(name: str) -> dict[str, torch.Tensor]:
-    return load_file(os.path.join(mamba1_dir(name), "reference.safetensors"))
-
-
-def _runner(name: str, deterministic: bool = False, **kw: object):
-    return runner_at(mamba1_dir(name), kv_slots=200, deterministic=deterministic, **kw)
-
-
 @pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("name", NAMES)
 def test_full_prompt_logits(name: str, deterministic: bool) -> None:
-    ref = _reference(name)
-    r = _runner(name, deterministic)
-    prompt = ref["prompt"].tolist()
-    n = len(prompt)
-    out = forward_all_logits(r, batch(0, [req("a", prompt, 0, list(range(1, n + 1)), 1)], clears=[1]))
-    assert max_diff(out["a"], ref["prompt_logits"]) <= TOL
-    r.check_integrity()
+    r = check_full_prompt_logits(mamba1_dir(name), deterministic, TOL)
     info = ModelInfo.from_dir(mamba1_dir(name))  # what the scheduler and /get_model_info know of the model
     assert info.has_recurrent_state and info.has_attention == (name == "jamba")
     assert info.state_kinds == {"mamba1": "conv window + per-channel SSM state"}
@@ -59,45 +50,20 @@ def test_full_prompt_logits(name: str, deterministic: bool) -> None:
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("chunks", [[5, 1, 13], [1, 1, 7, 10], [9, 2, 8]])
 def test_chunked_prefill_logits(name: str, chunks: list[int], deterministic: bool) -> None:
-    ref = _reference(name)
-    prompt = ref["prompt"].tolist()
-    assert sum(chunks) == len(prompt)
-    r = _runner(name, deterministic)
-    assert max_diff(chunked_prompt_logits(r, prompt, chunks), ref["prompt_logits"]) <= TOL
-    r.check_integrity()
+    check_chunked_prefill_logits(mamba1_dir(name), chunks, deterministic, TOL)
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("name", NAMES)
 def test_decode_logits_and_greedy_tokens(name: str, deterministic: bool) -> None:
-    ref = _reference(name)
-    prompt, gen = ref["prompt"].tolist(), ref["gen_tokens"].tolist()
-    r = _runner(name, deterministic)
-    diffs = decode_logit_diffs(r, prompt, gen, ref["gen_logits"])
-    assert len(diffs) == len(gen) and max(diffs) <= TOL, diffs
-    r.check_integrity()
-    assert generate_greedy(r, prompt, len(gen)) == gen
+    check_decode_logits_and_greedy_tokens(mamba1_dir(name), deterministic, TOL)
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_prefix_hit_copy_on_write_equals_uninterrupted(name: str) -> None:
     """A cached prefix's state (slot 1) copied on write into a new request's slot resumes exactly as the
     uninterrupted prompt; the source slot is left as it was."""
-    prompt = _reference(name)["prompt"].tolist()
-    n, cut = len(prompt), 9
-    r = _runner(name)
-    kv = list(range(1, n + 1))
-    whole = forward_all_logits(r, batch(0, [req("x", prompt, 0, list(range(100, 100 + n)), 4)], clears=[4]))["x"]
-    forward_logits(r, batch(1, [req("p", prompt[:cut], 0, kv[:cut], 1, sample=False)], clears=[1]))
-    source = {k: r.pools.states[k][:, 1].clone() for k in (CONV, SSM)}
-    rest = forward_all_logits(r, batch(2, [req("y", prompt[cut:], cut, kv, 2)],
-                                       copies=[CopyOp(src=1, dst=2, rid="y")]))["y"]  # fmt: skip
-    assert max_diff(rest, whole[cut:]) <= TOL
-    for k in (CONV, SSM):
-        pool = r.pools.states[k]
-        assert torch.equal(pool[:, 1], source[k])
-        assert max_diff(pool[:, 2], pool[:, 4]) <= TOL and not torch.equal(pool[:, 2], source[k])
-    r.check_integrity()
+    check_prefix_hit_copy_on_write(mamba1_dir(name), (CONV, SSM), TOL)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -105,22 +71,7 @@ def test_drafts_give_the_greedy_output_and_its_state(name: str) -> None:
     """Drafts right for a varying number of tokens, then wrong: the output is greedy decoding's and the conv
     windows and SSM states after every step are those of exactly the accepted tokens (bitwise,
     deterministic mode)."""
-    prompt = _reference(name)["prompt"].tolist()
-    plain = _runner(name, True)
-    ref = generate_greedy(plain, prompt, 14)
-
-    def propose(tokens: list[int]) -> list[int]:
-        done = len(tokens) - len(prompt)
-        right = ref[done : done + done % 3]
-        return right + [(t + 1) % 250 + 3 for t in ref[done + len(right) : done + 3]]
-
-    drafted = _runner(name, True)
-    out, accepted = generate_speculative(drafted, prompt, 14, propose)
-    assert out == ref
-    assert 0 in accepted and max(accepted) > 0
-    for k in (CONV, SSM):
-        assert torch.equal(plain.pools.states[k][:, 1], drafted.pools.states[k][:, 1]), k
-    drafted.check_integrity()
+    check_drafts_roll_back_the_state(mamba1_dir(name), (CONV, SSM))
 
 
 STATE_DTYPE_TOL = {"bfloat16": 0.06, "int8": 0.13}
@@ -134,9 +85,9 @@ def test_state_dtype(name: str, state_dtype: str) -> None:
     """The per-channel SSM state stored as bfloat16 or int8 (one scale per channel): the pool holds that
     type (and the int8 scales), the conv window stays in the model dtype, and decode stays close to the
     float32 reference with the same greedy tokens."""
-    ref = _reference(name)
+    ref = family_reference(mamba1_dir(name))
     prompt, gen = ref["prompt"].tolist(), ref["gen_tokens"].tolist()
-    r = _runner(name, state_dtype=state_dtype)
+    r = family_runner(mamba1_dir(name), state_dtype=state_dtype)
     diffs = decode_logit_diffs(r, prompt, gen, ref["gen_logits"])
     assert 0 < max(diffs) <= STATE_DTYPE_TOL[state_dtype], diffs
     pools = r.pools.states
@@ -144,7 +95,7 @@ def test_state_dtype(name: str, state_dtype: str) -> None:
     assert pools[CONV].dtype == torch.float32
     assert (SSM + "_scale" in pools) == (state_dtype == "int8")
     r.check_integrity()
-    assert generate_greedy(_runner(name, state_dtype=state_dtype), prompt, len(gen)) == gen
+    assert generate_greedy(family_runner(mamba1_dir(name), state_dtype=state_dtype), prompt, len(gen)) == gen
 
 
 def test_hub_config_fields() -> None:
