@@ -17,7 +17,8 @@ from worker_proc.kernels import native
 
 REPO = Path(__file__).resolve().parents[2]
 KERNEL_TESTS = ("tests/kernels/test_native.py", "tests/kernels/test_native_gemv.py",
-                "tests/kernels/test_native_w4a8.py", "tests/kernels/test_native_lora.py")
+                "tests/kernels/test_native_w4a8.py", "tests/kernels/test_native_lora.py",
+                "tests/kernels/test_native_kda.py")
 LEVELS = {  # -march level: the CPU flags its code may execute
     "x86-64-v3": {"avx2", "fma", "bmi2", "f16c", "movbe"},  # AVX2: Haswell, Zen 1-3
     "x86-64-v4": {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"},  # no BF16: Skylake-SP to Ice Lake

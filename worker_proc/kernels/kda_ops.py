@@ -3,8 +3,10 @@ implementation runs for Kimi Delta Attention layers.
 
 `ReferenceKda` is the pure-torch form (worker_proc.kernels.kimi_delta) and runs on every device;
 `FlaKda` calls flash-linear-attention's KDA Triton kernels (`fla.ops.kda`, the optional `fla-core`
-package). `kda_choice` names FlaKda on CUDA when that module imports, else the reference (logged);
-the kernel set (worker_proc.plan.kernel_set) asks it and hands the backend to its ops. Every backend
+package); `NativeKda` (worker_proc.kernels.native.ops) the fused CPU kernel of `delta_ops.cpp`.
+`kda_choice` names FlaKda on CUDA when that module imports, the native one on the CPU under the
+native kernel set, else the reference (logged); the kernel set (worker_proc.plan.kernel_set) asks it
+and hands the backend to its ops. Every backend
 reads and writes the state pool only at the slots it is given, through `state_codec` (float32,
 bfloat16 or int8 storage; the rule runs on the decoded float32 state, encoded once per call); q and k
 arrive L2-normalised, q not yet scaled; g is the per-channel log decay [.., H, Dk].
@@ -13,6 +15,7 @@ arrive L2-normalised, q not yet scaled; g is the per-channel log decay [.., H, D
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -26,11 +29,31 @@ from worker_proc.kernels.state_codec import StatePool
 logger = logging.getLogger(__name__)
 
 
+Chunked = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, float, StatePool, int], Tensor]
+"""A backend's one-segment prefill: (q, k, v, g, beta, scale, state_pool, slot) -> o."""
+
+
+def each_segment(chunked: Chunked, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
+                 state_pool: StatePool, spans: Spans) -> Tensor:  # fmt: skip
+    """`chunked` once per span of the concatenated rows, the outputs concatenated in order."""
+    outs, start = [], 0
+    for length, slot in spans:
+        rows = slice(start, start + length)
+        outs.append(chunked(q[rows], k[rows], v[rows], g[rows], beta[rows], scale, state_pool, slot))
+        start += length
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
 class ReferenceKda:
-    """Pure torch; `chunked`: one prefill segment in chunks of `CHUNK_SIZE`; `step`: one token for every
-    decode row, batched. Batch invariant: a row's numbers never depend on the rows beside it."""
+    """Pure torch; `chunked`: one prefill segment in chunks of `CHUNK_SIZE`; `prefill_many`: each span's
+    segment by `chunked`; `step`: one token for every decode row, batched. Batch invariant: a row's numbers
+    never depend on the rows beside it."""
 
     name = "reference"
+
+    def prefill_many(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
+                     state_pool: StatePool, spans: Spans) -> Tensor:  # fmt: skip
+        return each_segment(self.chunked, q, k, v, g, beta, scale, state_pool, spans)
 
     def chunked(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
                 state_pool: StatePool, slot: int) -> Tensor:  # fmt: skip
@@ -54,11 +77,17 @@ class FlaKda(FlaDeltaRule):
 
         super().__init__(chunk_kda, fused_recurrent_kda)
 
+    def prefill_many(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
+                     state_pool: StatePool, spans: Spans) -> Tensor:  # fmt: skip
+        return each_segment(self.chunked, q, k, v, g, beta, scale, state_pool, spans)
 
-def kda_choice(device: torch.device | str) -> str:
-    """`fla` on CUDA when flash-linear-attention's KDA kernels import, else `reference`."""
+
+def kda_choice(device: torch.device | str, native: bool = False) -> str:
+    """`fla` on CUDA when flash-linear-attention's KDA kernels import; on the CPU `native` with `native` (the
+    native kernel set runs, its library loaded), else `reference`. The native kernel was measured faster than
+    the reference at every shape tried, decode and prefill (worker_proc.kernels.native.ops.NativeKda)."""
     if torch.device(device).type != "cuda":
-        return "reference"
+        return "native" if native else "reference"
     try:
         import fla.ops.kda  # noqa: F401
     except ImportError as exc:
@@ -69,7 +98,11 @@ def kda_choice(device: torch.device | str) -> str:
 
 
 def make_kda(name: str) -> ReferenceKda | FlaKda:
-    """The backend `kda_choice` named."""
+    """The backend `kda_choice` named (`native` only once worker_proc.kernels.native.load() returned True)."""
+    if name == "native":
+        from worker_proc.kernels.native.ops import NativeKda
+
+        return NativeKda()
     return {"reference": ReferenceKda, "fla": FlaKda}[name]()
 
 
@@ -80,12 +113,7 @@ class KdaMethods:
 
     def kda_prefill_many(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
                          state_pool: StatePool, spans: Spans) -> Tensor:  # fmt: skip
-        outs, start = [], 0
-        for length, slot in spans:
-            rows = slice(start, start + length)
-            outs.append(self.kda.chunked(q[rows], k[rows], v[rows], g[rows], beta[rows], scale, state_pool, slot))
-            start += length
-        return outs[0] if len(outs) == 1 else torch.cat(outs)
+        return self.kda.prefill_many(q, k, v, g, beta, scale, state_pool, spans)
 
     def kda_decode(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
                    state_pool: StatePool, slots: Tensor) -> Tensor:  # fmt: skip

@@ -12,8 +12,8 @@ CUDA without triton under `auto` falls back to the reference with a warning. `re
 invariant exactly in the deterministic mode. Importing this module never imports triton. The gated
 delta rule (Gated DeltaNet layers) runs flash-linear-attention's kernels on CUDA when `fla` imports,
 its fused CPU decode step under `native`, else the pure-torch ones (`gdn_ops.gdn_choice`); Kimi Delta
-Attention's per-channel rule runs flash-linear-attention's KDA kernels on CUDA when they import, else the
-pure-torch one, under every set (`kda_ops.kda_choice`). Prefill
+Attention's per-channel rule runs flash-linear-attention's KDA kernels on CUDA when they import, its fused
+CPU decode step and prefill under `native`, else the pure-torch one (`kda_ops.kda_choice`). Prefill
 segments: the reference and Triton sets give every segment its own computation (one varlen call on
 Triton); `fast` pads Mamba's conv and scan segments into one batched call where `segments.batchable`
 says it pays (padded attention and gated-delta prefill were slower on CPU than one call per segment).
@@ -44,18 +44,18 @@ class KernelChoice:
     """The kernel set (`ops`: reference | fast | native | triton), whether it is batch invariant, and the gated
     delta backend (`gdn`: reference | fast | native | fla; empty for a model without Gated DeltaNet layers, whose
     ops then hold the pure-torch one unused); `fallback`: why a weaker set runs, if one does; `kda`: the KDA
-    backend (reference | fla; empty without Kimi Delta Attention layers)."""
+    backend (reference | native | fla; empty without Kimi Delta Attention layers)."""
 
     ops: str
     batch_invariant: bool
     gdn: str
     fallback: str = ""
-    kda: str = ""  # the KDA backend (reference | fla; empty for a model without Kimi Delta Attention layers)
+    kda: str = ""  # the KDA backend (reference | native | fla; empty for a model without Kimi Delta Attention layers)
 
     def prefill_rule(self) -> str:
         if self.ops == "native":
-            return ("Mamba conv and scan: every segment in one call from its own state, unpadded; attention and "
-                    "gated-delta segments one call each")
+            return ("Mamba conv and scan, and Kimi Delta Attention: every segment in one call from its own state, "
+                    "unpadded; attention and gated-delta segments one call each")
         if self.ops == "fast":
             return (f"Mamba prefill segments batched when padding costs <= {PAD_SLACK}x rows, else one call each; "
                     "attention and gated-delta segments one call each")
@@ -105,7 +105,7 @@ def choose_kernels(device: torch.device | str, choice: str = "auto", determinist
     Kimi Delta Attention layers, whose backend is `kda_ops.kda_choice`'s). Raises ValueError naming the
     problem for an unknown or impossible `choice`."""
     chosen = _choose(device, choice, deterministic, has_gdn)
-    return replace(chosen, kda=kda_choice(device)) if has_kda else chosen
+    return replace(chosen, kda=kda_choice(device, native=chosen.ops == "native")) if has_kda else chosen
 
 
 def _choose(device: torch.device | str, choice: str, deterministic: bool, has_gdn: bool) -> KernelChoice:

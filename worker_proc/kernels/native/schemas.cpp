@@ -45,6 +45,9 @@ TORCH_LIBRARY(hyssm_cpu, m) {
   m.def(
       "gdn_decode(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, float scale, Tensor(a!) pool, "
       "Tensor(b!)? pool_scale, Tensor slots) -> Tensor");
+  m.def(
+      "kda_rule(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, float scale, Tensor(a!) pool, "
+      "Tensor(b!)? pool_scale, Tensor slots, int[] lengths) -> Tensor");
   m.def("expert_product(Tensor x, Tensor stack, Tensor? scale, Tensor idx, bool per_choice, bool sequential) -> Tensor");
   m.def("gemv_int8(Tensor x, Tensor data, Tensor scale, Tensor? bias) -> Tensor");
   m.def("gemv_w8a8(Tensor x, Tensor data, Tensor scale) -> Tensor");
