@@ -43,6 +43,7 @@ def test_a_builder_lock_left_by_a_killed_process_does_not_block_a_finished_build
     assert _load_in_a_process(env) == "True"
 
 
+@pytest.mark.timeout(FULL_BUILD_S + 120)  # a whole build, past the suite's per-test bound
 def test_a_process_killed_while_holding_the_build_lock_does_not_block_the_next(tmp_path: Path) -> None:
     env, target = _cache_copy(tmp_path)
     (target / native.BUILT_MARKER).unlink()

@@ -35,6 +35,7 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
+@pytest.mark.timeout(1260)  # a whole build and the kernel tests, each bounded by its subprocess's 600 s
 @pytest.mark.parametrize("level", sorted(LEVELS))
 def test_the_kernels_built_for_an_older_x86_64_level_agree_with_the_reference(tmp_path: Path, level: str) -> None:
     if not LEVELS[level] <= _cpu_flags():
