@@ -84,8 +84,9 @@ class FlaKda(FlaDeltaRule):
 
 def kda_choice(device: torch.device | str, native: bool = False) -> str:
     """`fla` on CUDA when flash-linear-attention's KDA kernels import; on the CPU `native` with `native` (the
-    native kernel set runs, its library loaded), else `reference`. The native kernel was measured faster than
-    the reference at every shape tried, decode and prefill (worker_proc.kernels.native.ops.NativeKda)."""
+    native kernel set runs, its library loaded), else `reference`; the kernel set builds the one named. The native
+    kernel was measured faster than the reference at every shape tried, decode and prefill
+    (worker_proc.kernels.native.ops.NativeKda)."""
     if torch.device(device).type != "cuda":
         return "native" if native else "reference"
     try:
@@ -95,15 +96,6 @@ def kda_choice(device: torch.device | str, native: bool = False) -> str:
                     exc)
         return "reference"
     return "fla"
-
-
-def make_kda(name: str) -> ReferenceKda | FlaKda:
-    """The backend `kda_choice` named (`native` only once worker_proc.kernels.native.load() returned True)."""
-    if name == "native":
-        from worker_proc.kernels.native.ops import NativeKda
-
-        return NativeKda()
-    return {"reference": ReferenceKda, "fla": FlaKda}[name]()
 
 
 class KdaMethods:

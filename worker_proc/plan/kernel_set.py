@@ -30,7 +30,7 @@ from worker_proc.kernels import native
 from worker_proc.kernels.fast import FastOps
 from worker_proc.kernels.gdn_ops import gdn_choice, make_gdn
 from worker_proc.kernels.interface import KernelOps
-from worker_proc.kernels.kda_ops import kda_choice, make_kda
+from worker_proc.kernels.kda_ops import FlaKda, ReferenceKda, kda_choice
 from worker_proc.kernels.reference_ops import ReferenceOps
 from worker_proc.kernels.segments import PAD_SLACK
 
@@ -81,7 +81,7 @@ class KernelChoice:
     def build(self) -> KernelOps:
         ops = self._build_ops()
         if self.kda:
-            ops.kda = make_kda(self.kda)  # type: ignore[attr-defined]
+            ops.kda = _kda_backend(self.kda)  # type: ignore[attr-defined]
         return ops
 
     def _build_ops(self) -> KernelOps:
@@ -147,3 +147,13 @@ def _choose(device: torch.device | str, choice: str, deterministic: bool, has_gd
 def select_ops(device: torch.device | str, choice: str = "auto", deterministic: bool = False) -> KernelOps:
     """The ops object of `choose_kernels`."""
     return choose_kernels(device, choice, deterministic).build()
+
+
+def _kda_backend(name: str) -> object:
+    """The Kimi Delta Attention backend `kda_choice` named (`native` only where the native kernel set runs,
+    its library loaded)."""
+    if name == "native":
+        from worker_proc.kernels.native.ops import NativeKda
+
+        return NativeKda()
+    return {"reference": ReferenceKda, "fla": FlaKda}[name]()
