@@ -3,7 +3,8 @@ decode steps of 1 / 8 / 32 sequences and prefills of 64 / 256 / 1024 tokens, at 
 and a realistic one (32 heads, Dk = Dv = 128). The two run alternately in one process, each call on the same pool
 (its state advanced in place, as in serving); medians in milliseconds. The evidence for `kda_choice`'s native pick:
 
-    python -m benchmarks.bench_kda [--state float32|bfloat16|int8] [--reps N]
+    python -m benchmarks.bench_kda [--state float32|bfloat16|int8] [--reps N] [--shapes 4x16,32x128]
+        [--decode-rows 1,8,32] [--prefill-tokens 64,256,1024]
 """
 
 from __future__ import annotations
@@ -21,9 +22,13 @@ from worker_proc.kernels import state_codec as codec
 from worker_proc.kernels.gated_delta import l2_normalize
 from worker_proc.kernels.kda_ops import ReferenceKda
 
-SHAPES = ((4, 16), (32, 128))  # (heads, head dim)
-DECODE_ROWS = (1, 8, 32)
-PREFILL_TOKENS = (64, 256, 1024)
+SHAPES = "4x16,32x128"  # heads x head dim
+DECODE_ROWS = "1,8,32"
+PREFILL_TOKENS = "64,256,1024"
+
+
+def _ints(text: str) -> list[int]:
+    return [int(part) for part in text.split(",")]
 
 
 def _inputs(gen: torch.Generator, rows: int, heads: int, d: int) -> tuple[torch.Tensor, ...]:
@@ -54,21 +59,25 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--state", default="float32", choices=codec.STATE_DTYPES)
     parser.add_argument("--reps", type=int, default=9)
+    parser.add_argument("--shapes", default=SHAPES, help="heads x head dim (Dk = Dv), comma-separated")
+    parser.add_argument("--decode-rows", default=DECODE_ROWS, help="sequences of a decode step, comma-separated")
+    parser.add_argument("--prefill-tokens", default=PREFILL_TOKENS, help="tokens of a prefill, comma-separated")
     args = parser.parse_args()
+    shapes = [(int(h), int(d)) for h, d in (shape.split("x") for shape in args.shapes.split(","))]
     if not native.load():
         raise SystemExit(f"the fused CPU kernels cannot be built here: {native.load_error()}")
     from worker_proc.kernels.native.ops import NativeKda
 
     ref, fused, gen = ReferenceKda(), NativeKda(), torch.Generator().manual_seed(0)
     print(f"threads {torch.get_num_threads()}, state {args.state}")
-    for heads, d in SHAPES:
-        for rows in DECODE_ROWS:
+    for heads, d in shapes:
+        for rows in _ints(args.decode_rows):
             pool, slots = _pool(gen, rows, heads, d, args.state), torch.arange(1, rows + 1)
             q, k, v, g, beta = _inputs(gen, rows, heads, d)
             call = (q, k, v, g, beta, d**-0.5, pool, slots)
             r, n = medians([partial(ref.step, *call), partial(fused.step, *call)], args.reps)
             print(f"decode  heads {heads:2d} d {d:3d} rows {rows:4d}: reference {r:9.3f} native {n:8.3f} ms")
-        for tokens in PREFILL_TOKENS:
+        for tokens in _ints(args.prefill_tokens):
             pool, spans = _pool(gen, 1, heads, d, args.state), ((tokens, 1),)
             q, k, v, g, beta = _inputs(gen, tokens, heads, d)
             call = (q, k, v, g, beta, d**-0.5, pool, spans)

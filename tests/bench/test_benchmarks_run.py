@@ -60,6 +60,8 @@ def _sweep_json(tmp: Path, url: str) -> list[str]:
 TINY: dict[str, Tiny] = {
     "bench_cpu_attention": Tiny(lambda t, u: ["--dtype", "float32", "--contexts", "0,100", "--chunk", "40", "--runs",
                                               "1"], r"^\| decode over 40 \|"),  # fmt: skip
+    "bench_kda": Tiny(lambda t, u: ["--shapes", "2x8", "--decode-rows", "2", "--prefill-tokens", "16", "--reps", "1"],
+                      r"^prefill heads  2 d   8 rows   16: reference +[\d.]+ native +[\d.]+ ms$"),
     "bench_images": Tiny(lambda t, u: ["--shape", "tiny", "--model-dir", str(t / "vision"), "--image-side", "64",
                                        "--runs", "1", "--concurrency", "1", "--images", "1", "--max-tokens", "2",
                                        "--log-dir", str(t / "logs"), "--out", str(t / "images.json")],
