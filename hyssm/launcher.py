@@ -29,7 +29,7 @@ from shared.channels import SCHEDULER_TO_TOKENIZER, TO_LAUNCHER, ChannelTimeout,
 from shared.child_process import ChildProcess
 from shared.config import ServerArgs
 from shared.errors import HyssmError
-from shared.messages import ProcFailed, ProcReady, SchedulerDead
+from shared.messages import ProcFailed, ProcReady, ProcStarting, SchedulerDead
 from shared.proc import FORWARD_SIGNAL, STOP_SIGNAL
 from shared.replicas import ReplicaSet, node_processes
 
@@ -73,8 +73,10 @@ class Launcher:
         pending = set(self.procs)
         info: dict[str, Any] = {}
         # Children enforce the start-up timeout themselves and report what they miss (the scheduler
-        # names absent ranks and nodes); the launcher's own deadline comes a little later.
-        deadline = time.monotonic() + self.args.startup_timeout + _STARTUP_MARGIN_S
+        # names absent ranks and nodes); the launcher's own deadline comes a little later, counted from
+        # the last word of a child still starting (ProcStarting).
+        patience = self.args.startup_timeout + _STARTUP_MARGIN_S
+        deadline = time.monotonic() + patience
         while pending:
             if self.stop_requested:
                 raise HyssmError("interrupted during start-up")
@@ -93,6 +95,8 @@ class Launcher:
             if isinstance(msg, ProcReady):
                 pending.discard(msg.name)
                 info.update(msg.info)
+            elif isinstance(msg, ProcStarting) and msg.name in pending:
+                deadline = max(deadline, time.monotonic() + patience)
         return info
 
     def supervise(self) -> int:

@@ -52,6 +52,7 @@ from shared.messages import (
     TokenOutBatch,
     UnloadLoraReq,
     WorkerReady,
+    WorkerStarting,
 )
 from shared.model_info import ModelInfo
 from shared.proc import STOP_SIGNAL
@@ -137,21 +138,27 @@ class SchedulerLoop:
 
     def wait_for_workers(self) -> tuple[dict[str, int], str]:
         """Collect WorkerReady from every rank; capacities are the minimum across ranks. Also rank 0's
-        state store namespace ("" without a store)."""
+        state store namespace ("" without a store). A rank fails the start when --startup-timeout passes
+        without a word from it: since the start, or since its last WorkerStarting."""
         ready: dict[int, WorkerReady] = {}
-        deadline = time.monotonic() + self.args.startup_timeout
+        started = time.monotonic()
+        heard: dict[int, float] = {}  # a starting rank's last word (WorkerStarting)
         while len(ready) < self.args.tp_size:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                missing = sorted(set(range(self.args.tp_size)) - set(ready))
-                nodes = sorted({r // self.args.ranks_per_node for r in missing})
-                raise StartupError(f"worker ranks {missing} (nodes {nodes}) did not report ready in time")
+            now = time.monotonic()
+            waiting = [r for r in range(self.args.tp_size) if r not in ready]
+            silent = [r for r in waiting if now - heard.get(r, started) > self.args.startup_timeout]
+            if silent:
+                nodes = sorted({r // self.args.ranks_per_node for r in silent})
+                raise StartupError(f"worker ranks {silent} (nodes {nodes}) did not report ready in time "
+                                   f"(no word for {self.args.startup_timeout:.0f}s)")
             try:
-                msg = self.from_workers.recv(int(min(left, 1.0) * 1000))
+                msg = self.from_workers.recv(1000)
             except ChannelTimeout:
                 continue
             if isinstance(msg, WorkerReady):
                 ready[msg.rank] = msg
+            elif isinstance(msg, WorkerStarting) and msg.rank not in ready:
+                heard[msg.rank] = time.monotonic()
         kv = min(r.kv_slots for r in ready.values())
         mamba = min(r.state_slots for r in ready.values())
         return {"kv_capacity": kv, "state_capacity": mamba}, ready[0].store_namespace

@@ -41,6 +41,7 @@ class FaultConfig:
     refuse_cow_fraction: float = 0.0  # workers refuse this fraction of copy-on-write ops
     raise_at_step: int = -1  # worker raises inside this step number
     delay_step_s: float = 0.0  # worker sleeps this long in every step (simulated slow device)
+    delay_start_s: float = 0.0  # worker ranks sleep this long while loading (a simulated slow first start)
     crash_process: str = ""  # a ServerArgs.proc_name: "tokenizer" | "scheduler" | "worker-tp<N>" | ...
     crash_at_step: int = -1  # step at which crash_process exits abruptly
     seed: int = 0
@@ -48,8 +49,8 @@ class FaultConfig:
     def __post_init__(self) -> None:
         if not 0.0 <= self.refuse_cow_fraction <= 1.0:
             raise ConfigError("--fault-refuse-cow-fraction must be in [0, 1]")
-        if self.delay_step_s < 0:
-            raise ConfigError("--fault-delay-step-s must be >= 0")
+        if self.delay_step_s < 0 or self.delay_start_s < 0:
+            raise ConfigError("--fault-delay-step-s and --fault-delay-start-s must be >= 0")
 
 
 @dataclass(frozen=True)

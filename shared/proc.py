@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 _ENTRIES = {
     "tokenizer": "tokenizer_proc",
     "scheduler": "scheduler_proc.process",
-    "worker": "worker_proc.process",
+    "worker": "worker_proc.entry",
 }
 _PR_SET_PDEATHSIG = 1
 

@@ -29,6 +29,7 @@ from worker_proc.host.setup import apply_host_settings
 from worker_proc.plan.source import default_cache_dir
 from worker_proc.runtime.config import WorkerConfig
 from worker_proc.runtime.runner import ModelRunner
+from worker_proc.startup_beacon import StartupBeacon
 from worker_proc.state.store_loader import FAILED, READ, READING
 from worker_proc.state.store_tier import StoreTier, namespace_json, store_namespace
 
@@ -164,16 +165,24 @@ def _raise_stop(signum: int, _frame: object) -> None:
     raise WorkerStop(signal.Signals(signum).name)
 
 
-def run(args: ServerArgs, rank: int) -> None:
-    """Process entry for one rank: load, report ready, serve batches until Shutdown or killed."""
-    device = resolve_device(args, rank)
-    host = apply_host_settings(args, rank, device)
-    group = init_distributed(args, rank, device)
-    config = WorkerConfig.from_server_args(args, device=device, rank=rank, thread_options=host.thread_options,
-                                          plan_cache_dir=plan_cache_dir(args))
-    runner = ModelRunner(args.resolved_model_path, config, tp_group=group)
-    tier, namespace = open_store(args, runner, rank)
-    ctx = zmq.Context()
+def run(args: ServerArgs, rank: int, ctx: zmq.Context, beacon: StartupBeacon) -> None:
+    """One rank (worker_proc/entry.py started `beacon` on `ctx`): load, stop the beacon, report ready,
+    serve batches until Shutdown or killed."""
+    try:
+        device = resolve_device(args, rank)
+        host = apply_host_settings(args, rank, device)
+        beacon.phase = "joining the process group"
+        group = init_distributed(args, rank, device)
+        config = WorkerConfig.from_server_args(args, device=device, rank=rank, thread_options=host.thread_options,
+                                              plan_cache_dir=plan_cache_dir(args))
+        beacon.phase = "loading the model (kernels, weights, execution plan)"
+        if args.faults.delay_start_s > 0:
+            time.sleep(args.faults.delay_start_s)  # a simulated slow start, not synchronisation
+        runner = ModelRunner(args.resolved_model_path, config, tp_group=group)
+        beacon.phase = "opening the state store"
+        tier, namespace = open_store(args, runner, rank)
+    finally:
+        beacon.stop()
     rx: Receiver = Receiver(ctx, SCHEDULER_TO_WORKER, args, rank)
     tx: Sender = Sender(ctx, WORKER_TO_SCHEDULER, args)
     ready = WorkerReady(

@@ -15,9 +15,9 @@ from shared.messages.lora import LoraAdapter
 from shared.messages.sampling import GrammarSpec, SamplingParams, ThinkingBudget
 from shared.messages.scheduler_worker import (CopyOp, ForwardBatch, Heartbeat, LoraLoad, ReqSlice, Shutdown,
                                               StepResult, StoreLoad, StoreWrite, ToSchedulerFromWorker, ToWorker,
-                                              WorkerReady)
+                                              WorkerReady, WorkerStarting)
 from shared.messages.server_info import LoopInfo, MetricName, MetricRecord, SchedulerInfo, ServerState, StoreStats
-from shared.messages.to_launcher import ProcFailed, ProcReady, ToLauncher
+from shared.messages.to_launcher import ProcFailed, ProcReady, ProcStarting, ToLauncher
 from shared.messages.tokenizer_scheduler import (AbortReq, FinishReason, FlushCacheReq, FlushCacheResp, GenerateReq,
                                                  GetInfoReq, InfoResp, LoadLoraReq, LoraResp, SchedulerDead, TokenOut,
                                                  TokenOutBatch, ToScheduler, ToTokenizer, UnloadLoraReq)
@@ -26,8 +26,8 @@ from shared.messages.tokenizer_scheduler import (AbortReq, FinishReason, FlushCa
 __all__ = [
     "AbortReq", "CopyOp", "FinishReason", "FlushCacheReq", "FlushCacheResp", "ForwardBatch", "GenerateReq",
     "GetInfoReq", "GrammarSpec", "Heartbeat", "ImageInput", "InfoResp", "LoadLoraReq", "LoraAdapter", "LoraLoad",
-    "LoraResp", "LoopInfo", "MetricName", "MetricRecord", "ProcFailed", "ProcReady", "ReqSlice", "SamplingParams",
-    "SchedulerDead", "SchedulerInfo", "ServerState", "Shutdown", "StepResult", "StoreLoad", "StoreStats",
-    "StoreWrite", "ThinkingBudget", "ToLauncher", "ToScheduler", "ToSchedulerFromWorker", "ToTokenizer", "ToWorker",
-    "TokenOut", "TokenOutBatch", "UnloadLoraReq", "WorkerReady",
+    "LoraResp", "LoopInfo", "MetricName", "MetricRecord", "ProcFailed", "ProcReady", "ProcStarting", "ReqSlice",
+    "SamplingParams", "SchedulerDead", "SchedulerInfo", "ServerState", "Shutdown", "StepResult", "StoreLoad",
+    "StoreStats", "StoreWrite", "ThinkingBudget", "ToLauncher", "ToScheduler", "ToSchedulerFromWorker",
+    "ToTokenizer", "ToWorker", "TokenOut", "TokenOutBatch", "UnloadLoraReq", "WorkerReady", "WorkerStarting",
 ]  # fmt: skip

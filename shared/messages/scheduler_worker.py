@@ -158,6 +158,16 @@ class WorkerReady(msgspec.Struct, tag=True, kw_only=True):
     store_namespace: str = ""
 
 
+class WorkerStarting(msgspec.Struct, tag=True, kw_only=True):
+    """A rank still starting says so about once a second (worker_proc/startup_beacon.py): the scheduler
+    counts --startup-timeout from a rank's last word, so a long first start (kernels compiled, weights
+    loaded, an execution plan measured) is not taken for a missing rank. Ignored once the rank is ready."""
+
+    rank: int
+    phase: str
+    elapsed_s: float
+
+
 class StepResult(msgspec.Struct, tag=True, kw_only=True):
     """Reply of rank 0 to a ForwardBatch. `next_tokens[rid]` for every request that sampled
     and was not refused. `refused` lists requests whose copy-on-write was refused (agreed by
@@ -196,4 +206,4 @@ class StepResult(msgspec.Struct, tag=True, kw_only=True):
     images_cached: int = 0
 
 
-ToSchedulerFromWorker = WorkerReady | StepResult
+ToSchedulerFromWorker = WorkerReady | WorkerStarting | StepResult

@@ -190,11 +190,16 @@ class ModelRunner:
             self.kv_mirror.clear()
             raise
         self.kv_mirror.commit(batch.step, [r.rid for r in reqs], sb.kv_full)
+        elapsed = time.perf_counter() - t0
+        if logger.isEnabledFor(logging.DEBUG):
+            rows = sum(len(r.input_ids) for r in reqs)
+            logger.debug("step %d: %d slices, %d rows (%d decoding), %.1f ms", batch.step, len(reqs), rows,
+                         sum(len(r.input_ids) == 1 for r in reqs), 1000.0 * elapsed)
         return StepResult(
             step=batch.step,
             refused=sorted(refused),
             **sampled,
-            elapsed_s=time.perf_counter() - t0,
+            elapsed_s=elapsed,
             images_encoded=images.encoded - encoded,
             images_cached=images.hits - hits,
         )
