@@ -26,7 +26,7 @@ from worker_proc.linear.kernels import (
 )
 from worker_proc.linear.site import GemmSite
 from worker_proc.quant.layouts import tile_int8
-from worker_proc.quant.weight import quantize_int4, quantize_int8
+from worker_proc.quant.weight import quantize_int4, quantize_int8, w8a8
 
 pytestmark = pytest.mark.skipif(not native.load(), reason="the fused CPU kernels cannot be built here")
 
@@ -221,3 +221,39 @@ def test_the_plan_offers_the_tiled_int8_products_to_single_int8_and_int4_matrice
     four.bind((), (TILED_OVER_INT4,))
     assert four.quantized is not None and four.quantized.tiled is not None
     four.check_integrity(torch.empty(0))
+
+
+@pytest.mark.parametrize("rows", [1, 7, 65, 300])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("out_features", "in_features"), [(70, 256), (129, 100)])
+def test_the_many_row_w8a8_runs_fused_to_the_bit(rows: int, dtype: torch.dtype, out_features: int,
+                                                  in_features: int) -> None:  # fmt: skip
+    """On the CPU `w8a8` quantizes its rows and scales the integer product in the fused kernels: the torch
+    composition's values to the bit (a zero row, row widths and output counts off the vector length, a bias), on
+    every thread count, and each row's result its own."""
+    gen = torch.Generator().manual_seed(rows + in_features)
+    q = quantize_int8(rand(gen, out_features, in_features, scale=0.1))
+    x = strided(rand(gen, rows, in_features, dtype=dtype, scale=3.0))
+    x[0] = 0
+    b = rand(gen, out_features, dtype=dtype)
+    want = w8a8(x, q, b)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            got = W8A8.apply(x, torch.empty(0), q, b)
+            assert got.dtype == dtype and torch.equal(got, want), n
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(W8A8.apply(x[-1:], torch.empty(0), q, None), w8a8(x[-1:], q, None))
+
+
+def test_the_fused_w8a8_steps_name_what_is_wrong() -> None:
+    with pytest.raises(RuntimeError, match="unit-stride rows"):
+        torch.ops.hyssm_cpu.quantize_rows(torch.randn(4, 8).t())
+    with pytest.raises(RuntimeError, match="one float32 scale per row"):
+        torch.ops.hyssm_cpu.scale_int32(torch.zeros(4, 8, dtype=torch.int32), torch.ones(3, 1), torch.ones(8),
+                                        torch.bfloat16)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16 out"):
+        torch.ops.hyssm_cpu.scale_int32(torch.zeros(4, 8, dtype=torch.int32), torch.ones(4, 1), torch.ones(8),
+                                        torch.float16)

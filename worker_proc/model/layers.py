@@ -208,11 +208,13 @@ class SplitGatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor, ops: KernelOps | None = None) -> torch.Tensor:
         """`ops` (the decoder's sublayers) computes the activation; without it (an MoE's shared expert) torch
-        does. Batch-invariant products need a batch-invariant activation between them: torch's, exact."""
+        does. Batch-invariant products under batch-invariant kernels (the deterministic mode) need a
+        batch-invariant activation between them: torch's, exact. Throughput kernels promise no batch
+        invariance, so products that happen to be batch invariant (int8's per-row w8a8) take `ops`' fused one."""
         gate = self.gate_proj(x)
         if self.gate_mult != 1.0:
             gate = gate * self.gate_mult
-        exact = self.gate_proj.gemm.batch_invariant
+        exact = self.gate_proj.gemm.batch_invariant and (ops is None or ops.batch_invariant)
         act = silu(gate, exact) * self.up_proj(x) if ops is None or exact else ops.silu_mul(gate, self.up_proj(x))
         out = self.down_proj(act)
         return out if self.down_mult == 1.0 else out * self.down_mult

@@ -52,6 +52,8 @@ TORCH_LIBRARY(hyssm_cpu, m) {
   m.def("gemv_int8(Tensor x, Tensor data, Tensor scale, Tensor? bias) -> Tensor");
   m.def("gemv_w8a8(Tensor x, Tensor data, Tensor scale) -> Tensor");
   m.def("tiled_w8a8(Tensor x, Tensor tiled, Tensor row_sums, Tensor scale) -> Tensor");
+  m.def("quantize_rows(Tensor x) -> (Tensor, Tensor)");
+  m.def("scale_int32(Tensor acc, Tensor xs, Tensor scale, ScalarType dtype) -> Tensor");
   m.def("tiled_w4a8(Tensor x, Tensor tiles, Tensor scales, int n) -> Tensor");
   m.def("lora_add(Tensor(a!) out, Tensor x, Tensor a, Tensor bt, Tensor cols, Tensor row_slot) -> Tensor(a!)");
   m.def(

@@ -199,10 +199,71 @@ at::Tensor tiled_w8a8(const at::Tensor& x, const at::Tensor& tiled, const at::Te
   return out;
 }
 
+// x [M, K] float32 or bfloat16 (unit-stride rows) -> (xq int8 [M, K], xs float32 [M, 1]): `quantize_rows`'s values
+// to the bit, the rows split across the threads (the activations of a many-row w8a8 product).
+std::tuple<at::Tensor, at::Tensor> quantize_rows_op(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "quantize_rows: x [M, K] with unit-stride rows expected");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "quantize_rows: x must be float32 or bfloat16");
+  const int64_t m = x.size(0), k = x.size(1), stride = x.stride(0);
+  at::Tensor xq = at::empty({m, k}, x.options().dtype(at::kChar));
+  at::Tensor xs = at::empty({m, 1}, x.options().dtype(at::kFloat));
+  int8_t* q = xq.data_ptr<int8_t>();
+  float* s = xs.data_ptr<float>();
+  const auto run = [&](const auto* rows) {
+    at::parallel_for(0, m, 8, [&](int64_t begin, int64_t end) {
+      quantize_rows(rows + begin * stride, end - begin, k, stride, q + begin * k, s + begin);
+    });
+  };
+  if (x.scalar_type() == at::kFloat) {
+    run(x.data_ptr<float>());
+  } else {
+    run(x.data_ptr<c10::BFloat16>());
+  }
+  return {xq, xs};
+}
+
+// acc int32 [M, N] (an exact integer product), xs float32 [M, 1], scale float32 [N] -> [M, N] in `dtype`:
+// float(acc[m, n]) * (xs[m] * scale[n]), rounded once to dtype; `w8a8`'s (acc.float() * (xs * scale)).to(dtype)
+// to the bit in one pass instead of four.
+template <typename T>
+void scaled_rows(const int32_t* acc, const float* xs, const float* scale, T* out, int64_t m, int64_t n) {
+  at::parallel_for(0, m, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const int32_t* a = acc + r * n;
+      const float s = xs[r];
+      T* o = out + r * n;
+#pragma omp simd
+      for (int64_t j = 0; j < n; ++j) o[j] = from_f<T>(static_cast<float>(a[j]) * (s * scale[j]));
+    }
+  });
+}
+
+at::Tensor scale_int32(const at::Tensor& acc, const at::Tensor& xs, const at::Tensor& scale, at::ScalarType dtype) {
+  TORCH_CHECK(acc.dim() == 2 && acc.scalar_type() == at::kInt && acc.is_contiguous(),
+              "scale_int32: a contiguous int32 acc [M, N] expected");
+  const int64_t m = acc.size(0), n = acc.size(1);
+  TORCH_CHECK(xs.scalar_type() == at::kFloat && xs.is_contiguous() && xs.numel() == m,
+              "scale_int32: one float32 scale per row of acc expected");
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == n,
+              "scale_int32: one float32 scale per column of acc expected");
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "scale_int32: float32 or bfloat16 out");
+  at::Tensor out = at::empty({m, n}, acc.options().dtype(dtype));
+  if (dtype == at::kFloat) {
+    scaled_rows(acc.data_ptr<int32_t>(), xs.data_ptr<float>(), scale.data_ptr<float>(), out.data_ptr<float>(), m, n);
+  } else {
+    scaled_rows(acc.data_ptr<int32_t>(), xs.data_ptr<float>(), scale.data_ptr<float>(),
+                out.data_ptr<c10::BFloat16>(), m, n);
+  }
+  return out;
+}
+
 }  // namespace
 }  // namespace hyssm_cpu
 
 TORCH_LIBRARY_IMPL(hyssm_cpu, CPU, m) {
   m.impl("gemv_w8a8", hyssm_cpu::gemv_w8a8);
   m.impl("tiled_w8a8", hyssm_cpu::tiled_w8a8);
+  m.impl("quantize_rows", hyssm_cpu::quantize_rows_op);
+  m.impl("scale_int32", hyssm_cpu::scale_int32);
 }
